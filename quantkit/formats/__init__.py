@@ -1,0 +1,92 @@
+"""Public entry points for converting rows to and from ggml block formats.
+
+    quantize(x, qtype, imatrix=None, flavor="ik")  -> uint8 (n_rows, row_size)
+    dequantize(blocks, qtype, n_per_row)           -> float32 (n_rows, n_per_row)
+
+Types quantkit does not implement itself are decoded with gguf-py where it knows the layout, so a
+file of any common type can be requantized.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..types import QuantType, traits, type_name
+from ._base import ALL_PATHS, FLAVORS, BlockFormat, registered
+from . import floats, legacy  # noqa: F401  (import registers the formats)
+
+__all__ = ["quantize", "dequantize", "can_quantize", "can_dequantize", "FLAVORS", "BlockFormat"]
+
+# gguf-py decodes these mainline layouts; ids where the fork differs are left out.
+_GGUF_PY_DECODABLE = {
+    QuantType.Q2_K, QuantType.Q3_K, QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K,
+    QuantType.IQ2_XXS, QuantType.IQ2_XS, QuantType.IQ2_S, QuantType.IQ3_XXS, QuantType.IQ3_S,
+    QuantType.IQ1_S, QuantType.IQ1_M, QuantType.IQ4_NL, QuantType.IQ4_XS, QuantType.MXFP4,
+    QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0,
+    QuantType.BF16, QuantType.F16, QuantType.F32,
+}
+
+
+def _format(qtype) -> type[BlockFormat] | None:
+    return registered().get(QuantType(qtype))
+
+
+def can_quantize(qtype, flavor: str = "ik", with_imatrix: bool = False) -> bool:
+    fmt = _format(qtype)
+    return fmt is not None and (flavor, with_imatrix) in fmt.quant_paths
+
+
+def can_dequantize(qtype) -> bool:
+    qtype = QuantType(qtype)
+    if qtype in _GGUF_PY_DECODABLE:
+        return True
+    fmt = _format(qtype)
+    return fmt is not None and _implements(fmt, "dequantize_ref")
+
+
+def _implements(fmt: type[BlockFormat], method: str) -> bool:
+    return getattr(fmt, method).__func__ is not getattr(BlockFormat, method).__func__
+
+
+def _check_rows(x: np.ndarray, n_per_row: int, qtype) -> None:
+    t = traits(qtype)
+    if n_per_row % t.block_size:
+        raise ValueError(f"row size ({n_per_row}) is not a multiple of {t.name} block size ({t.block_size})")
+
+
+def quantize(x: np.ndarray, qtype, imatrix: np.ndarray | None = None, flavor: str = "ik",
+             reference: bool = False) -> np.ndarray:
+    """Quantize float32 rows ``x`` (n_rows, n_per_row) to ``qtype`` blocks."""
+    if flavor not in FLAVORS:
+        raise ValueError(f"unknown flavor '{flavor}' (expected one of {', '.join(FLAVORS)})")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"quantize expects a 2-D array of rows, got shape {x.shape}")
+    _check_rows(x, x.shape[1], qtype)
+    fmt = _format(qtype)
+    if fmt is None or (flavor, imatrix is not None) not in fmt.quant_paths:
+        how = "with" if imatrix is not None else "without"
+        raise NotImplementedError(f"quantizing to {type_name(qtype)} {how} imatrix ({flavor} flavor) "
+                                  "is not implemented")
+    if imatrix is not None:
+        imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
+        if imatrix.shape != (x.shape[1],):
+            raise ValueError(f"imatrix has {imatrix.size} values, rows have {x.shape[1]}")
+    fn = fmt.quantize_ref if reference else fmt.quantize_fast
+    return fn(x, imatrix, flavor)
+
+
+def dequantize(blocks: np.ndarray, qtype, n_per_row: int, reference: bool = False) -> np.ndarray:
+    """Decode ``blocks`` (n_rows, row_size) uint8 of ``qtype`` to float32 (n_rows, n_per_row)."""
+    qtype = QuantType(qtype)
+    _check_rows(blocks, n_per_row, qtype)
+    row_size = traits(qtype).row_size(n_per_row)
+    blocks = np.ascontiguousarray(blocks).view(np.uint8).reshape(-1, row_size)
+    fmt = _format(qtype)
+    if fmt is not None and _implements(fmt, "dequantize_ref"):
+        fn = fmt.dequantize_ref if reference else fmt.dequantize_fast
+        return fn(blocks, n_per_row)
+    if qtype in _GGUF_PY_DECODABLE:
+        import gguf
+        out = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(int(qtype)))
+        return np.ascontiguousarray(out, dtype=np.float32).reshape(blocks.shape[0], n_per_row)
+    raise NotImplementedError(f"decoding {type_name(qtype)} is not implemented")

@@ -1,0 +1,72 @@
+"""Block formats: the contract every quant type implements, and the registry.
+
+A format converts whole rows.  Shapes and dtypes are fixed:
+
+    x        float32 (n_rows, n_per_row)        C-contiguous
+    imatrix  float32 (n_per_row,) or None       per-column importance (mean of squared activations)
+    blocks   uint8   (n_rows, row_size)         row_size = traits.row_size(n_per_row)
+
+Each format has two implementations with the same contract:
+
+* ``*_ref``   plain numpy, written for clarity (vectorised across blocks, sequential where the C
+              code accumulates sequentially).  Tests compare it against the C references.
+* ``*_fast``  a numba kernel from :mod:`quantkit.kernels`; defaults to the reference.
+
+Quantizers come in flavors: ``"ik"`` reproduces ik_llama.cpp's ggml, ``"mainline"`` llama.cpp's.
+Most paths are the same in both; a format lists the (flavor, with_imatrix) pairs it implements in
+``quant_paths``.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+
+from ..types import QuantType, TypeTraits, traits
+
+FLAVORS = ("ik", "mainline")
+ALL_PATHS = frozenset((f, imat) for f in FLAVORS for imat in (False, True))
+
+_registry: dict[QuantType, type["BlockFormat"]] = {}
+
+
+class BlockFormat:
+    qtype: ClassVar[QuantType]
+    traits: ClassVar[TypeTraits]
+    #: (flavor, uses_imatrix) pairs the quantizer reproduces byte for byte; empty = decode only
+    quant_paths: ClassVar[frozenset] = frozenset()
+
+    def __init_subclass__(cls, qtype: QuantType | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if qtype is None:       # an intermediate base class
+            return
+        assert qtype not in _registry, f"{qtype!r} registered twice"
+        cls.qtype = qtype
+        cls.traits = traits(qtype)
+        _registry[qtype] = cls
+
+    # ---- to implement ----
+    @classmethod
+    def quantize_ref(cls, x: np.ndarray, imatrix: np.ndarray | None, flavor: str) -> np.ndarray:
+        raise NotImplementedError
+
+    @classmethod
+    def dequantize_ref(cls, blocks: np.ndarray, n_per_row: int) -> np.ndarray:
+        raise NotImplementedError
+
+    @classmethod
+    def quantize_fast(cls, x: np.ndarray, imatrix: np.ndarray | None, flavor: str) -> np.ndarray:
+        return cls.quantize_ref(x, imatrix, flavor)
+
+    @classmethod
+    def dequantize_fast(cls, blocks: np.ndarray, n_per_row: int) -> np.ndarray:
+        return cls.dequantize_ref(blocks, n_per_row)
+
+    # ---- helpers for implementations ----
+    @classmethod
+    def empty_blocks(cls, n_rows: int, n_per_row: int) -> np.ndarray:
+        return np.zeros((n_rows, cls.traits.row_size(n_per_row)), dtype=np.uint8)
+
+
+def registered() -> dict[QuantType, type[BlockFormat]]:
+    return dict(_registry)
