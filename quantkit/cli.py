@@ -1,0 +1,315 @@
+"""Command line.  The only module that prints.
+
+Every user error ends as one line on stderr and a non-zero exit code; set QUANTKIT_DEBUG=1 to see
+the traceback of an unexpected error.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+from rich.table import Table
+
+from . import __version__
+from .errors import QuantkitError
+from .types import QuantType, traits, type_from_name, type_name
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+GIB = 1024 ** 3
+
+
+class _WarningsToStderr(logging.Handler):
+    def emit(self, record):
+        err.print(f"[yellow]warning:[/] {record.getMessage()}", markup=True)
+
+
+def _parse_type(value: str | None, what: str) -> QuantType | None:
+    if value is None:
+        return None
+    try:
+        return type_from_name(value)
+    except ValueError:
+        raise QuantkitError(f"{what}: unknown type '{value}'") from None
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
+
+
+def parse_size(text: str) -> int:
+    """'500M', '2G' (powers of 1000, as gguf-split) or '1GiB' (powers of 1024) to bytes."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise QuantkitError(f"--split-max-size: cannot read size '{text}' (examples: 500M, 4G, 2GiB)")
+    num, unit, binary = float(m[1]), m[2].lower(), m[3].lower().startswith("i")
+    base = 1024 if binary else 1000
+    n = int(num * base ** "_kmgt".index(unit)) if unit else int(num)
+    if n <= 0:
+        raise QuantkitError("--split-max-size must be positive")
+    return n
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _shape(shape) -> str:
+    return "×".join(str(d) for d in shape)
+
+
+# --------------------------------------------------------------------------- rendering
+def render_plan(plan, show_tensors: bool = True) -> None:
+    if show_tensors:
+        t = Table(title="plan", show_lines=False, header_style="bold")
+        for col in ("tensor", "shape", "source", "target", "size", "rule / note"):
+            t.add_column(col, no_wrap=col != "rule / note", justify="right" if col == "size" else "left")
+        for p in plan.tensors:
+            arrow = "[dim]=[/]" if p.action == "copy" else "→"
+            target = type_name(p.dst_type)
+            if p.fallback:
+                target = f"[yellow]{target}[/] [dim](was {type_name(p.requested)})[/]"
+            note = p.rule + ("; " + "; ".join(p.notes) if p.notes else "")
+            if p.imatrix:
+                note += " [dim]+imatrix[/]"
+            t.add_row(p.name, _shape(p.shape), f"{type_name(p.src_type)} {arrow}", target,
+                      _fmt_bytes(p.nbytes_out), note)
+        out.print(t)
+    for title, rows in (("by type", plan.by_type()), ("by rule", plan.by_rule())):
+        t = Table(title=title, header_style="bold")
+        for col in (title.split()[1], "tensors", "weights", "size", "bpw"):
+            t.add_column(col, justify="left" if col in ("type", "rule") else "right")
+        for r in rows:
+            t.add_row(str(r["group"]), str(r["tensors"]), f"{r['elements']:,}", _fmt_bytes(r["bytes"]),
+                      f"{r['bpw']:.3f}")
+        out.print(t)
+    bpw = 8 * plan.bytes_out / plan.n_elements if plan.n_elements else 0
+    out.print(f"[bold]total[/]: {len(plan.tensors)} tensors, {plan.n_elements:,} weights, "
+              f"{plan.bytes_in / GIB:.3f} GiB → {plan.bytes_out / GIB:.3f} GiB, {bpw:.3f} bpw, "
+              f"file type {plan.file_type}, flavor {plan.flavor}")
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}", style="cyan"), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=False)
+
+
+# --------------------------------------------------------------------------- commands
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="quantkit")
+def cli():
+    """quantkit: GGUF quantization with per-tensor recipes, byte-exact with llama.cpp/ik_llama.cpp."""
+
+
+@cli.command()
+@click.argument("model_in", metavar="IN", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model_out", metavar="OUT", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("default_type", metavar="[TYPE]", required=False)
+@click.option("--custom-q", "custom_q", multiple=True, metavar="RECIPE",
+              help="Recipe file (regex=type per line) or inline 're1=t1,re2=t2'; repeatable; first match wins.")
+@click.option("--imatrix", "imatrix_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Importance matrix (GGUF or legacy .dat).")
+@click.option("--include-weights", multiple=True, help="Use only imatrix entries containing this text.")
+@click.option("--exclude-weights", multiple=True, help="Ignore imatrix entries containing this text.")
+@click.option("--token-embedding-type", help="Type for token_embd.weight (wins over the recipe).")
+@click.option("--output-tensor-type", help="Type for output.weight (wins over the recipe).")
+@click.option("--leave-output-tensor", is_flag=True, help="Keep output.weight as it is.")
+@click.option("--pure", is_flag=True, help="No preset mixture heuristics: TYPE for every tensor no rule matches.")
+@click.option("--allow-requantize", is_flag=True, help="Allow quantized inputs (dequantized, then quantized).")
+@click.option("--strict", is_flag=True, help="Any fallback type is an error.")
+@click.option("--flavor", type=click.Choice(["ik", "mainline"]), default="ik", show_default=True,
+              help="Whose quantizer bytes to reproduce.")
+@click.option("--split-max-size", help="Split the output into shards of at most SIZE (e.g. 4G).")
+@click.option("--keep-split", is_flag=True, help="One output shard per input shard.")
+@click.option("--threads", "-t", type=click.IntRange(1, 1024), help="Threads for quantization.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and stop.")
+@click.option("--json", "as_json", is_flag=True, help="Print plan and result as JSON on stdout.")
+def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_weights, exclude_weights,
+             token_embedding_type, output_tensor_type, leave_output_tensor, pure, allow_requantize,
+             strict, flavor, split_max_size, keep_split, threads, dry_run, as_json):
+    """Quantize IN to OUT with a per-tensor recipe.
+
+    TYPE is the type of every quantizable tensor no recipe rule matches (omit it to keep those as
+    they are).
+    """
+    from . import formats
+    from .gguf_io.reader import open_model
+    from .plan import PlanOptions, check_implemented, make_plan
+    from .quantize import WriteOptions, run_plan
+    from .recipes import load_recipe
+
+    if split_max_size and keep_split:
+        raise QuantkitError("--split-max-size and --keep-split cannot be used together")
+    max_size = parse_size(split_max_size) if split_max_size else None
+    if include_weights and exclude_weights:
+        raise QuantkitError("--include-weights and --exclude-weights cannot be used together")
+    _refuse_overwrite_input(model_in, model_out)
+    opts = PlanOptions(
+        default_type=_parse_type(default_type, "TYPE"),
+        recipe=load_recipe(list(custom_q)) if custom_q else None,
+        token_embedding_type=_parse_type(token_embedding_type, "--token-embedding-type"),
+        output_tensor_type=_parse_type(output_tensor_type, "--output-tensor-type"),
+        pure=pure, leave_output_tensor=leave_output_tensor, allow_requantize=allow_requantize,
+        strict=strict, flavor=flavor)
+    imat = None
+    if imatrix_path is not None:
+        from .imatrix import load_imatrix
+        imat = load_imatrix(imatrix_path, include=list(include_weights), exclude=list(exclude_weights))
+
+    with open_model(model_in) as model:
+        plan = make_plan(model.tensors, opts)
+        imatrix_of = {}
+        missing = []
+        if imat is not None:
+            for tp in plan.tensors:
+                if tp.action != "quantize":
+                    continue
+                n_mat = tp.shape[2] if len(tp.shape) > 2 else 1
+                w = imat.weights_for(tp.name, tp.shape[0], n_mat)
+                if w is None:
+                    missing.append(tp.name)
+                else:
+                    imatrix_of[tp.name] = w
+                    tp.imatrix = True
+            if missing:
+                plan.warnings.append(f"no imatrix data for {len(missing)} tensor(s), quantized without: "
+                                     + ", ".join(missing))
+        problems = []
+        try:
+            check_implemented(plan, formats.can_quantize, formats.can_dequantize,
+                              lambda tp: tp.name in imatrix_of)
+        except QuantkitError as e:
+            if not dry_run:
+                raise
+            problems.append(str(e))
+        if as_json:
+            doc = {"plan": plan.to_json(), "dry_run": dry_run}
+            if problems:
+                doc["not_implemented"] = problems
+        else:
+            render_plan(plan)
+            for w in plan.warnings:
+                err.print(f"[yellow]warning:[/] {w}")
+            for p in problems:
+                err.print(f"[yellow]note:[/] a real run would stop here: {p}")
+        if dry_run:
+            if as_json:
+                print(json.dumps(doc, indent=1))
+            return
+
+        wopts = WriteOptions(split_max_size=max_size, keep_split=keep_split, threads=threads,
+                             recipe_text=opts.recipe.text if opts.recipe else None)
+        if imat is not None:
+            wopts.imatrix_info = {"file": str(imatrix_path), "dataset": (imat.datasets or [None])[0],
+                                  "entries_count": len(imatrix_of), "chunks_count": imat.chunk_count}
+        if as_json:
+            result = run_plan(model, plan, model_out, wopts, lambda tp: imatrix_of.get(tp.name))
+        else:
+            with _progress() as bar:
+                task = bar.add_task("quantizing", total=plan.bytes_in)
+
+                def progress(name, done, total):
+                    bar.update(task, completed=done, description=name)
+                result = run_plan(model, plan, model_out, wopts, lambda tp: imatrix_of.get(tp.name), progress)
+        result.missing_imatrix = missing
+    if as_json:
+        doc["result"] = result.to_json()
+        print(json.dumps(doc, indent=1))
+    else:
+        rate = result.n_weights / result.seconds / 1e6 if result.seconds else 0
+        files = ", ".join(str(p) for p in result.paths)
+        out.print(f"[green]wrote[/] {files}: {_fmt_bytes(result.bytes_written)} in {result.seconds:.1f} s "
+                  f"({rate:.1f} M weights/s)")
+
+
+def _refuse_overwrite_input(model_in: Path, model_out: Path) -> None:
+    if model_out.exists() and model_in.exists():
+        if os.path.samefile(model_in, model_out):
+            raise QuantkitError(f"OUT '{model_out}' is the input file; choose another output path")
+    elif model_in.resolve() == model_out.resolve():
+        raise QuantkitError(f"OUT '{model_out}' is the input file; choose another output path")
+    if model_out.exists() and model_out.is_dir():
+        raise QuantkitError(f"OUT '{model_out}' is a directory")
+    if not model_out.parent.resolve().is_dir():
+        raise QuantkitError(f"OUT '{model_out}': directory '{model_out.parent}' does not exist")
+
+
+@cli.command()
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@click.option("--no-tensors", is_flag=True, help="Only metadata and totals.")
+def inspect(path, as_json, no_tensors):
+    """Show a GGUF file's metadata, tensors and totals per type."""
+    from .describe import describe
+    from .gguf_io.reader import open_model
+    with open_model(path) as model:
+        doc = describe(model)
+    if as_json:
+        print(json.dumps(doc, indent=1))
+        return
+    t = Table(title=f"{path} — metadata", header_style="bold")
+    t.add_column("key")
+    t.add_column("type")
+    t.add_column("value", overflow="fold")
+    for kv in doc["metadata"]:
+        t.add_row(kv["key"], kv["type"], kv["value"])
+    out.print(t)
+    if not no_tensors:
+        t = Table(title="tensors", header_style="bold")
+        for col in ("tensor", "shape", "type", "size"):
+            t.add_column(col, justify="right" if col == "size" else "left")
+        for x in doc["tensors"]:
+            t.add_row(x["name"], _shape(x["shape"]), x["type"], _fmt_bytes(x["bytes"]))
+        out.print(t)
+    t = Table(title="totals per type", header_style="bold")
+    for col in ("type", "tensors", "weights", "size", "bpw"):
+        t.add_column(col, justify="left" if col == "type" else "right")
+    for r in doc["by_type"]:
+        t.add_row(r["type"], str(r["tensors"]), f"{r['elements']:,}", _fmt_bytes(r["bytes"]), f"{r['bpw']:.3f}")
+    out.print(t)
+    tot = doc["totals"]
+    out.print(f"[bold]total[/]: {tot['tensors']} tensors, {tot['elements']:,} weights, "
+              f"{_fmt_bytes(tot['bytes'])}, {tot['bpw']:.3f} bpw, {doc['shards']} file(s)")
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING, handlers=[_WarningsToStderr()])
+    try:
+        cli.main(args=argv, prog_name="quantkit", standalone_mode=False)
+        return 0
+    except click.exceptions.Abort:
+        err.print("quantkit: interrupted")
+        return 130
+    except KeyboardInterrupt:
+        err.print("quantkit: interrupted; no output file was written")
+        return 130
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except QuantkitError as e:
+        err.print(f"quantkit: error: {e}", markup=False)
+        return 1
+    except BrokenPipeError:
+        return 1
+    except Exception as e:      # a bug: still one line unless asked for the traceback
+        if os.environ.get("QUANTKIT_DEBUG"):
+            raise
+        err.print(f"quantkit: internal error: {type(e).__name__}: {e} (set QUANTKIT_DEBUG=1 for a traceback)",
+                  markup=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""Memory-mapped GGUF reader with zero-copy tensor views.
+
+Validates what the C loader validates and reports the first problem as a GGUFFormatError naming
+the file and the byte offset.  Split models (``*-00001-of-0000N.gguf``) are read as one model by
+:func:`open_model`.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import GGUFFormatError, QuantkitError
+from ..types import QuantType, is_known_type_id, traits
+from .constants import (DEFAULT_ALIGNMENT, GGUF_MAGIC, KEY_ALIGNMENT, KEY_SPLIT_COUNT, KEY_SPLIT_NO,
+                        KEY_SPLIT_TENSORS, MAX_DIMS, MAX_NAME_BYTES, SCALAR_DTYPE, SCALAR_FORMAT,
+                        SCALAR_SIZE, SPLIT_KEYS, SPLIT_NAME_RE, MetaValue, ValueType, pad_to,
+                        split_shard_name)
+
+_INT64_MAX = 2**63 - 1
+
+
+@dataclass
+class TensorInfo:
+    """One tensor of a GGUF file.  ``shape`` is in ggml order: shape[0] is the row length."""
+    name: str
+    shape: tuple[int, ...]
+    qtype: QuantType
+    offset: int                 # absolute byte offset of the data in ``source``
+    nbytes: int
+    source: "GGUFFile" = field(repr=False)
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def n_per_row(self) -> int:
+        return self.shape[0]
+
+    @property
+    def n_rows(self) -> int:
+        return self.n_elements // self.shape[0]
+
+    @property
+    def n_dims(self) -> int:
+        return len(self.shape)
+
+    def raw(self) -> np.ndarray:
+        """Zero-copy uint8 view (n_rows, row_size) of the stored bytes."""
+        row_size = traits(self.qtype).row_size(self.shape[0])
+        return self.source.view(self.offset, self.nbytes).reshape(self.n_rows, row_size)
+
+
+class _Cursor:
+    """Sequential little-endian reader over a buffer that raises GGUFFormatError past its end."""
+
+    def __init__(self, buf, path):
+        self.buf, self.path, self.pos = buf, path, 0
+
+    def fail(self, msg: str, at: int | None = None):
+        raise GGUFFormatError(self.path, self.pos if at is None else at, msg)
+
+    def take(self, n: int, what: str) -> int:
+        start = self.pos
+        if n < 0 or start + n > len(self.buf):
+            self.fail(f"truncated file: {what} needs {n} bytes, file ends at {len(self.buf)}")
+        self.pos += n
+        return start
+
+    def scalar(self, vtype: ValueType, what: str):
+        start = self.take(SCALAR_SIZE[vtype], what)
+        return struct.unpack_from(SCALAR_FORMAT[vtype], self.buf, start)[0]
+
+    def u32(self, what): return self.scalar(ValueType.UINT32, what)
+    def i32(self, what): return self.scalar(ValueType.INT32, what)
+    def u64(self, what): return self.scalar(ValueType.UINT64, what)
+    def i64(self, what): return self.scalar(ValueType.INT64, what)
+
+    def string(self, what: str) -> str:
+        at = self.pos
+        n = self.u64(f"{what} length")
+        start = self.take(n, what)
+        try:
+            return bytes(self.buf[start:start + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"{what} is not valid UTF-8", at)
+
+    def value(self, vtype: int, what: str) -> MetaValue:
+        at = self.pos
+        try:
+            vtype = ValueType(vtype)
+        except ValueError:
+            self.fail(f"{what}: unknown value type {vtype}", at)
+        if vtype == ValueType.STRING:
+            return MetaValue(vtype, self.string(what))
+        if vtype != ValueType.ARRAY:
+            return MetaValue(vtype, self.scalar(vtype, what))
+        elem = self.i32(f"{what} array type")
+        n = self.u64(f"{what} array length")
+        try:
+            elem = ValueType(elem)
+        except ValueError:
+            self.fail(f"{what}: unknown array element type {elem}", at)
+        if elem == ValueType.ARRAY:
+            self.fail(f"{what}: nested arrays are not supported", at)
+        if elem == ValueType.STRING:
+            return MetaValue(vtype, [self.string(f"{what}[{i}]") for i in range(n)], elem)
+        size = SCALAR_SIZE[elem]
+        if n > len(self.buf):
+            self.fail(f"truncated file: {what} claims {n} elements")
+        start = self.take(n * size, what)
+        arr = np.frombuffer(self.buf, dtype=SCALAR_DTYPE[elem], count=n, offset=start).copy()
+        return MetaValue(vtype, arr, elem)
+
+
+class GGUFFile:
+    """One GGUF file, memory-mapped read-only."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            self._fh = open(self.path, "rb")
+        except OSError as e:
+            raise QuantkitError(f"{path}: cannot open: {e.strerror}") from None
+        size = os.fstat(self._fh.fileno()).st_size
+        if size == 0:
+            self._fh.close()
+            raise GGUFFormatError(self.path, 0, "empty file, not a GGUF model")
+        self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self.file_size = size
+        self.metadata: dict[str, MetaValue] = {}
+        self.tensors: list[TensorInfo] = []
+        try:
+            self._parse()
+        except Exception:
+            self.close()
+            raise
+
+    # ---- parsing ----
+    def _parse(self) -> None:
+        c = _Cursor(self._mm, self.path)
+        start = c.take(4, "magic")
+        if bytes(self._mm[start:start + 4]) != GGUF_MAGIC:
+            c.fail(f"bad magic {bytes(self._mm[start:start + 4])!r}, not a GGUF file", 0)
+        self.version = c.u32("version")
+        if self.version & 0xFFFF == 0:
+            c.fail(f"version {self.version:#x}: big-endian files are not supported", 4)
+        if self.version not in (2, 3):
+            c.fail(f"unsupported GGUF version {self.version} (supported: 2, 3)", 4)
+        n_tensors = c.i64("tensor count")
+        n_kv = c.i64("metadata count")
+        if n_tensors < 0 or n_kv < 0 or n_tensors > self.file_size or n_kv > self.file_size:
+            c.fail(f"implausible counts: {n_tensors} tensors, {n_kv} metadata entries", 8)
+
+        for i in range(n_kv):
+            at = c.pos
+            key = c.string(f"metadata key #{i}")
+            if not key:
+                c.fail("empty metadata key", at)
+            if key in self.metadata:
+                c.fail(f"duplicate metadata key '{key}'", at)
+            vtype = c.i32(f"type of '{key}'")
+            self.metadata[key] = c.value(vtype, f"value of '{key}'")
+
+        self.alignment = DEFAULT_ALIGNMENT
+        if KEY_ALIGNMENT in self.metadata:
+            al = self.metadata[KEY_ALIGNMENT]
+            if al.vtype != ValueType.UINT32 or al.value == 0 or al.value & (al.value - 1):
+                c.fail(f"{KEY_ALIGNMENT} must be a u32 power of two, got {al.value!r}")
+            self.alignment = al.value
+
+        infos = []
+        names = set()
+        for i in range(n_tensors):
+            at = c.pos
+            name = c.string(f"tensor #{i} name")
+            if name in names:
+                c.fail(f"duplicate tensor name '{name}'", at)
+            names.add(name)
+            if len(name.encode()) > MAX_NAME_BYTES:
+                c.fail(f"tensor name '{name}' is longer than {MAX_NAME_BYTES} bytes", at)
+            n_dims = c.u32(f"'{name}' n_dims")
+            if n_dims > MAX_DIMS:
+                c.fail(f"tensor '{name}' has {n_dims} dimensions (at most {MAX_DIMS})", at)
+            shape = tuple(c.i64(f"'{name}' shape") for _ in range(n_dims))
+            type_at = c.pos
+            type_id = c.i32(f"'{name}' type")
+            offset = c.u64(f"'{name}' offset")
+            if any(n < 0 for n in shape):
+                c.fail(f"tensor '{name}' has a negative dimension {shape}", at)
+            n_elem = 1
+            for n in shape:
+                n_elem *= n
+            if n_elem > _INT64_MAX:
+                c.fail(f"tensor '{name}' shape {list(shape)} overflows", at)
+            if not is_known_type_id(type_id):
+                c.fail(f"tensor '{name}' has unknown type id {type_id}", type_at)
+            t = traits(type_id)
+            if shape and shape[0] % t.block_size:
+                c.fail(f"tensor '{name}': row size {shape[0]} is not a multiple of {t.name} "
+                       f"block size {t.block_size}", at)
+            nbytes = n_elem // max(shape[0], 1) * t.row_size(shape[0]) if shape and shape[0] else 0
+            if nbytes > _INT64_MAX:
+                c.fail(f"tensor '{name}' shape {list(shape)} overflows", at)
+            infos.append((at, name, shape, QuantType(type_id), offset, nbytes))
+
+        self.data_offset = pad_to(c.pos, self.alignment)
+        for at, name, shape, qtype, offset, nbytes in infos:
+            if offset % self.alignment:
+                c.fail(f"tensor '{name}' offset {offset} is not a multiple of the alignment "
+                       f"{self.alignment}", at)
+            abs_off = self.data_offset + offset
+            if abs_off + nbytes > self.file_size:
+                c.fail(f"tensor '{name}' data ({nbytes} bytes at {abs_off}) extends past the end of "
+                       f"the file ({self.file_size} bytes)", at)
+            self.tensors.append(TensorInfo(name, shape, qtype, abs_off, nbytes, self))
+        # overlapping tensors mean a corrupt tensor table
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors if t.nbytes)
+        for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+            if b0 < a1:
+                c.fail(f"tensors '{an}' and '{bn}' overlap", b0)
+
+    # ---- access ----
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        return np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=offset)
+
+    def get(self, key: str, default=None):
+        mv = self.metadata.get(key)
+        return default if mv is None else mv.to_python()
+
+    def close(self) -> None:
+        mm, self._mm = getattr(self, "_mm", None), None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:     # a caller still holds a view; the map closes when it is freed
+                pass
+        if getattr(self, "_fh", None) is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class GGUFModel:
+    """A model stored in one GGUF file or in split shards, read as one.
+
+    ``metadata`` is the first shard's metadata without the ``split.*`` keys; ``tensors`` lists the
+    tensors of all shards in shard order.
+    """
+
+    def __init__(self, files: list[GGUFFile]):
+        self.files = files
+        self.path = files[0].path
+        self.metadata = {k: v for k, v in files[0].metadata.items() if k not in SPLIT_KEYS}
+        self.tensors: list[TensorInfo] = [t for f in files for t in f.tensors]
+        seen = set()
+        for t in self.tensors:
+            if t.name in seen:
+                raise GGUFFormatError(t.source.path, t.offset, f"tensor '{t.name}' appears in two shards")
+            seen.add(t.name)
+        self.by_name = {t.name: t for t in self.tensors}
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.files)
+
+    @property
+    def architecture(self) -> str | None:
+        return self.get("general.architecture")
+
+    def get(self, key: str, default=None):
+        mv = self.metadata.get(key)
+        return default if mv is None else mv.to_python()
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_model(path: str | os.PathLike) -> GGUFModel:
+    """Open a GGUF model; a path named like ``x-00001-of-00003.gguf`` opens all its shards."""
+    path = Path(path)
+    if not path.exists():
+        raise QuantkitError(f"{path}: no such file")
+    m = SPLIT_NAME_RE.match(path.name)
+    if not m:
+        f = GGUFFile(path)
+        if f.get(KEY_SPLIT_COUNT, 1) > 1:
+            f.close()
+            raise QuantkitError(f"{path}: is shard of a split model but not named "
+                                "<prefix>-0000N-of-0000M.gguf")
+        return GGUFModel([f])
+    prefix, count = m["prefix"], int(m["count"])
+    if int(m["no"]) != 1:
+        raise QuantkitError(f"{path}: open the first shard (-00001-of-{count:05d}.gguf) of a split model")
+    files: list[GGUFFile] = []
+    try:
+        for i in range(count):
+            shard = path.with_name(split_shard_name(prefix, i, count))
+            if not shard.exists():
+                raise QuantkitError(f"{shard}: missing shard {i + 1} of {count}")
+            f = GGUFFile(shard)
+            files.append(f)
+            if f.get(KEY_SPLIT_NO, i) != i:
+                raise GGUFFormatError(shard, None, f"split.no is {f.get(KEY_SPLIT_NO)}, expected {i}")
+        total = files[0].get(KEY_SPLIT_TENSORS)
+        n = sum(len(f.tensors) for f in files)
+        if total is not None and total != n:
+            raise GGUFFormatError(path, None, f"split.tensors.count is {total} but the shards hold {n}")
+        return GGUFModel(files)
+    except Exception:
+        for f in files:
+            f.close()
+        raise

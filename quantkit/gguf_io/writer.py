@@ -1,0 +1,233 @@
+"""Streaming GGUF writer.
+
+The whole tensor table is known before any data is written (shapes and target types come from the
+plan), so the header is written first and tensors are streamed after it one at a time, in table
+order; nothing but the tensor in flight is held in memory.
+
+Output goes to a temporary file in the target directory, renamed over the target only when every
+shard is complete: an error or Ctrl-C leaves no output file behind.
+
+Layout written (gguf.cpp):
+
+    "GGUF" u32 version=3  i64 n_tensors  i64 n_kv
+    n_kv × (string key, i32 type, value)
+    n_tensors × (string name, u32 n_dims, i64 ne[n_dims], i32 type, u64 offset)
+    zero padding to the alignment
+    tensor data, each tensor zero-padded to the alignment (the last one too)
+"""
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import QuantkitError
+from ..types import QuantType, tensor_nbytes
+from .constants import (DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION, KEY_SPLIT_COUNT, KEY_SPLIT_NO,
+                        KEY_SPLIT_TENSORS, SCALAR_DTYPE, SCALAR_FORMAT, SPLIT_KEYS, MetaValue,
+                        ValueType, pad_to, split_shard_name)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]      # ggml order
+    qtype: QuantType
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.qtype, self.shape)
+
+
+def _pack_string(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def _pack_value(mv: MetaValue) -> bytes:
+    if mv.vtype == ValueType.STRING:
+        return _pack_string(mv.value)
+    if mv.vtype != ValueType.ARRAY:
+        return struct.pack(SCALAR_FORMAT[mv.vtype], mv.value)
+    head = struct.pack("<iQ", int(mv.elem_type), len(mv.value))
+    if mv.elem_type == ValueType.STRING:
+        return head + b"".join(_pack_string(s) for s in mv.value)
+    return head + np.asarray(mv.value, dtype=SCALAR_DTYPE[mv.elem_type]).tobytes()
+
+
+def encode_header(metadata: dict[str, MetaValue], tensors: list[TensorSpec],
+                  alignment: int = DEFAULT_ALIGNMENT) -> tuple[bytes, list[int]]:
+    """Header bytes (padded to the alignment) and each tensor's offset in the data section."""
+    parts = [GGUF_MAGIC, struct.pack("<Iqq", GGUF_VERSION, len(tensors), len(metadata))]
+    for key, mv in metadata.items():
+        parts += [_pack_string(key), struct.pack("<i", int(mv.vtype)), _pack_value(mv)]
+    offsets, pos = [], 0
+    for t in tensors:
+        offsets.append(pos)
+        parts += [_pack_string(t.name), struct.pack("<I", len(t.shape)),
+                  struct.pack(f"<{len(t.shape)}q", *t.shape), struct.pack("<iQ", int(t.qtype), pos)]
+        pos += pad_to(t.nbytes, alignment)
+    header = b"".join(parts)
+    return header + bytes(pad_to(len(header), alignment) - len(header)), offsets
+
+
+class AtomicOutput:
+    """Temporary files renamed to their final paths on commit, deleted otherwise."""
+
+    def __init__(self):
+        self._pending: list[tuple[Path, Path]] = []
+
+    def open(self, final: Path):
+        final = Path(final)
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent or ".")
+        self._pending.append((Path(tmp), final))
+        return os.fdopen(fd, "wb")
+
+    def commit(self) -> None:
+        for tmp, final in self._pending:
+            os.replace(tmp, final)
+        self._pending.clear()
+
+    def discard(self) -> None:
+        for tmp, _ in self._pending:
+            try:
+                tmp.unlink()
+            except FileNotFoundError:
+                pass
+        self._pending.clear()
+
+
+class GGUFWriter:
+    """Writes one or more shards; feed tensors in table order with :meth:`write_tensor`.
+
+    ``shards`` is a list of (metadata, tensor specs) per output file; use :func:`plan_shards` to cut
+    a model into shards.  Use as a context manager: leaving the block without an exception commits
+    the output, any exception removes it.
+    """
+
+    def __init__(self, paths: list[Path], shards: list[tuple[dict[str, MetaValue], list[TensorSpec]]],
+                 alignment: int = DEFAULT_ALIGNMENT):
+        if len(paths) != len(shards):
+            raise ValueError("one path per shard")
+        self.paths, self.shards, self.alignment = [Path(p) for p in paths], shards, alignment
+        self._order = [(i, t) for i, (_, specs) in enumerate(shards) for t in specs]
+        self._next = 0
+        self._out = AtomicOutput()
+        self._fh = None
+        self._shard = -1
+        self.bytes_written = 0
+
+    def __enter__(self):
+        try:
+            self._open_shard(0)
+        except BaseException:
+            self._out.discard()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if exc_type is None:
+                if self._next != len(self._order):
+                    missing = self._order[self._next][1].name
+                    raise QuantkitError(f"internal error: tensor '{missing}' was never written")
+                self._close_shard()
+                self._out.commit()
+                return False
+        except BaseException:
+            self._close_fh()
+            self._out.discard()
+            raise
+        self._close_fh()
+        self._out.discard()
+        return False
+
+    def _close_fh(self):
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def _open_shard(self, i: int) -> None:
+        self._shard = i
+        meta, specs = self.shards[i]
+        header, _ = encode_header(meta, specs, self.alignment)
+        self._fh = self._out.open(self.paths[i])
+        self._fh.write(header)
+        self.bytes_written += len(header)
+
+    def _close_shard(self) -> None:
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._close_fh()
+
+    def write_tensor(self, name: str, chunks) -> None:
+        """Write the next tensor; ``chunks`` is one array/bytes or an iterable of them, in order."""
+        if self._next >= len(self._order):
+            raise ValueError(f"tensor '{name}' is not in the table")
+        shard, spec = self._order[self._next]
+        if spec.name != name:
+            raise ValueError(f"expected tensor '{spec.name}', got '{name}'")
+        while shard != self._shard:
+            self._close_shard()
+            self._open_shard(self._shard + 1)
+        if isinstance(chunks, (bytes, bytearray, memoryview, np.ndarray)):
+            chunks = (chunks,)
+        n = 0
+        for chunk in chunks:
+            buf = memoryview(np.ascontiguousarray(chunk)).cast("B") if isinstance(chunk, np.ndarray) \
+                else memoryview(chunk).cast("B")
+            self._fh.write(buf)
+            n += buf.nbytes
+        if n != spec.nbytes:
+            raise QuantkitError(f"internal error: tensor '{name}' produced {n} bytes, "
+                                f"expected {spec.nbytes}")
+        pad = pad_to(n, self.alignment) - n
+        if pad:
+            self._fh.write(bytes(pad))
+        self.bytes_written += n + pad
+        self._next += 1
+
+
+def plan_shards(metadata: dict[str, MetaValue], tensors: list[TensorSpec], max_bytes: int | None = None,
+                groups: list[int] | None = None) -> list[tuple[dict[str, MetaValue], list[TensorSpec]]]:
+    """Cut a tensor list into shards, gguf-split style.
+
+    ``max_bytes``: start a new shard when the next tensor would push the shard's data past it (a
+    tensor is never split; a tensor larger than the limit gets a shard of its own).
+    ``groups``: explicit shard index per tensor (``--keep-split``).
+    The first shard holds all metadata plus ``split.*``; the others hold only ``split.*``.
+    """
+    base = {k: v for k, v in metadata.items() if k not in SPLIT_KEYS}
+    if groups is None:
+        groups, shard, used = [], 0, 0
+        for t in tensors:
+            size = pad_to(t.nbytes, DEFAULT_ALIGNMENT)
+            if max_bytes is not None and used and used + size > max_bytes:
+                shard, used = shard + 1, 0
+            groups.append(shard)
+            used += size
+    n_shards = (max(groups) + 1) if groups else 1
+    if n_shards == 1:
+        return [(base, list(tensors))]
+    per_shard: list[list[TensorSpec]] = [[] for _ in range(n_shards)]
+    for g, t in zip(groups, tensors):
+        per_shard[g].append(t)
+    out = []
+    for i, specs in enumerate(per_shard):
+        split = {KEY_SPLIT_NO: MetaValue(ValueType.UINT16, i),
+                 KEY_SPLIT_COUNT: MetaValue(ValueType.UINT16, n_shards),
+                 KEY_SPLIT_TENSORS: MetaValue(ValueType.INT32, len(tensors))}
+        out.append(({**base, **split} if i == 0 else split, specs))
+    return out
+
+
+def shard_paths(out: Path, n_shards: int) -> list[Path]:
+    out = Path(out)
+    if n_shards == 1:
+        return [out]
+    prefix = out.name[:-5] if out.name.endswith(".gguf") else out.name
+    return [out.with_name(split_shard_name(prefix, i, n_shards)) for i in range(n_shards)]

@@ -1,0 +1,305 @@
+"""The quantization plan: which type every tensor gets, and why, before anything is written.
+
+Type selection follows ik_llama.cpp's llama-quantize (specs/ik-quants.md §11):
+
+1. tensors the C tools never quantize (1-D, norms, the MoE router, …) keep their type;
+2. the first recipe rule whose regex is found in the name, else the default TYPE;
+3. ``--token-embedding-type`` / ``--output-tensor-type`` win for their tensors;
+4. a row length the type's block does not divide falls back (ROW_FALLBACK), flagged;
+5. token embeddings are never row-interleaved, and an interleaved type whose row count is not a
+   multiple of its row group falls back to its base layout, flagged.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .errors import QuantkitError
+from .recipes import Recipe
+from .types import QuantType, TYPE_TRAITS, tensor_nbytes, traits, type_name
+
+T = QuantType
+
+# Row-length fallbacks (change_type_if_necessary in ik, tensor_type_fallback in mainline): the type
+# to use when ne[0] is not a multiple of the requested type's block size.
+_IK_TO_IQ4_NL = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.Q2_K, T.Q3_K,
+                 T.IQ2_K, T.IQ2_KS, T.IQ2_KL, T.IQ3_K, T.IQ3_KS, T.IQ4_KSS, T.IQ4_KS, T.IQ4_XS,
+                 T.IQ1_KT, T.IQ2_KT, T.IQ3_KT, T.IQ4_KT, T.IQ2_XXS_R4, T.IQ2_XS_R4, T.IQ2_S_R4,
+                 T.IQ3_XXS_R4, T.IQ3_S_R4, T.IQ1_S_R4, T.IQ1_M_R4, T.Q2_K_R4, T.Q3_K_R4, T.IQ2_K_R4,
+                 T.IQ3_K_R4, T.IQ4_KS_R4, T.IQ4_XS_R8]
+ROW_FALLBACK: dict[str, dict[QuantType, QuantType]] = {
+    "ik": {
+        **{t: T.IQ4_NL for t in _IK_TO_IQ4_NL},
+        **{t: T.Q5_0 for t in (T.IQ4_K, T.IQ4_K_R4, T.Q4_K, T.Q4_K_R4, T.IQ5_KS, T.IQ5_KS_R4)},
+        **{t: T.Q6_0 for t in (T.IQ5_K, T.IQ5_K_R4, T.Q5_K, T.Q5_K_R4)},
+        **{t: T.Q8_0 for t in (T.IQ6_K, T.Q6_K, T.Q6_K_R4, T.Q8_K_R8)},
+    },
+    "mainline": {
+        **{t: T.IQ4_NL for t in (T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
+                                 T.IQ4_XS)},
+        **{t: T.Q4_0 for t in (T.Q2_K, T.Q3_K, T.TQ1_0, T.TQ2_0)},
+        T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0,
+    },
+}
+LAST_RESORT = T.F16     # when even the fallback's block does not divide the row
+
+TOKEN_EMBD_NAMES = ("token_embd.weight", "per_layer_token_embd.weight")
+OUTPUT_NAME = "output.weight"
+
+# Substrings of tensor names llama-quantize never quantizes (tensor_allows_quantization).
+_NEVER_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_tid2eid.weight", "altup", "laurel",
+                    "per_layer_model_proj", "ssm_conv1d", "shortconv.conv.weight", "attn_rel_b.weight",
+                    "position_embd", "pos_embd", "token_types.weight", "time_mix_", "channel_mix_",
+                    "ssm_x.weight", "ssm_dt.weight", "indexer.k_proj.weight", "indexer.q_proj.weight",
+                    ".rel_pos", ".patch_embd", ".patch_merger")
+_FLOAT_TYPES = {T.F32, T.F16, T.BF16}
+_INT_TYPES = {T.I8, T.I16, T.I32, T.I64}
+
+
+def why_not_quantizable(name: str, shape: tuple[int, ...], src: QuantType) -> str | None:
+    """Reason a tensor is never quantized by the C tools, or None if it may be."""
+    if src in _INT_TYPES:
+        return "integer tensor"
+    if len([d for d in shape]) < 2 or all(d == 1 for d in shape[1:]):
+        return "1-D tensor"
+    if not name.endswith("weight"):
+        return "not a weight"
+    for s in _NEVER_QUANTIZED:
+        if s in name:
+            return f"'{s}' tensors are never quantized"
+    return None
+
+
+@dataclass
+class TensorPlan:
+    name: str
+    shape: tuple[int, ...]
+    src_type: QuantType
+    dst_type: QuantType
+    rule: str                   # what chose dst_type: a rule "pattern=type", "default", …
+    rule_index: int | None = None
+    requested: QuantType | None = None  # the type asked for, when a fallback replaced it
+    notes: list[str] = field(default_factory=list)
+    imatrix: bool = False       # quantized with importance weights
+
+    @property
+    def action(self) -> str:
+        if self.dst_type == self.src_type:
+            return "copy"
+        return "quantize" if traits(self.dst_type).quantized else "convert"
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes_in(self) -> int:
+        return tensor_nbytes(self.src_type, self.shape)
+
+    @property
+    def nbytes_out(self) -> int:
+        return tensor_nbytes(self.dst_type, self.shape)
+
+    @property
+    def fallback(self) -> bool:
+        return self.requested is not None
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "source": type_name(self.src_type),
+                "target": type_name(self.dst_type), "action": self.action, "rule": self.rule,
+                "bytes_in": self.nbytes_in, "bytes_out": self.nbytes_out,
+                "requested": type_name(self.requested) if self.requested is not None else None,
+                "imatrix": self.imatrix, "notes": self.notes}
+
+
+@dataclass
+class Plan:
+    tensors: list[TensorPlan]
+    default_type: QuantType | None
+    file_type: int
+    flavor: str
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(t.nbytes_in for t in self.tensors)
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(t.nbytes_out for t in self.tensors)
+
+    @property
+    def n_elements(self) -> int:
+        return sum(t.n_elements for t in self.tensors)
+
+    @property
+    def fallbacks(self) -> list[TensorPlan]:
+        return [t for t in self.tensors if t.fallback]
+
+    def group(self, key) -> list[dict]:
+        """Totals per group (count, elements, bytes, bits per weight), largest first."""
+        acc: dict = defaultdict(lambda: [0, 0, 0])
+        for t in self.tensors:
+            a = acc[key(t)]
+            a[0] += 1
+            a[1] += t.n_elements
+            a[2] += t.nbytes_out
+        rows = [{"group": k, "tensors": n, "elements": e, "bytes": b, "bpw": 8 * b / e if e else 0.0}
+                for k, (n, e, b) in acc.items()]
+        return sorted(rows, key=lambda r: -r["bytes"])
+
+    def by_type(self) -> list[dict]:
+        return self.group(lambda t: type_name(t.dst_type))
+
+    def by_rule(self) -> list[dict]:
+        return self.group(lambda t: t.rule)
+
+    def to_json(self) -> dict:
+        gib = 1024 ** 3
+        return {
+            "default_type": type_name(self.default_type) if self.default_type is not None else None,
+            "file_type": self.file_type, "flavor": self.flavor,
+            "tensors": [t.to_json() for t in self.tensors],
+            "totals": {"tensors": len(self.tensors), "elements": self.n_elements,
+                       "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+                       "gib_out": self.bytes_out / gib,
+                       "bpw": 8 * self.bytes_out / self.n_elements if self.n_elements else 0.0},
+            "by_type": self.by_type(), "by_rule": self.by_rule(),
+            "fallbacks": len(self.fallbacks), "warnings": self.warnings,
+        }
+
+
+@dataclass
+class PlanOptions:
+    default_type: QuantType | None = None
+    recipe: Recipe | None = None
+    token_embedding_type: QuantType | None = None
+    output_tensor_type: QuantType | None = None
+    pure: bool = False
+    leave_output_tensor: bool = False
+    allow_requantize: bool = False
+    strict: bool = False
+    flavor: str = "ik"
+
+
+def _row_fallback(qtype: QuantType, n_per_row: int, flavor: str) -> QuantType:
+    if n_per_row % traits(qtype).block_size == 0:
+        return qtype
+    fb = ROW_FALLBACK[flavor].get(qtype)
+    if fb is not None and n_per_row % traits(fb).block_size == 0:
+        return fb
+    return LAST_RESORT
+
+
+def _file_type(default_type: QuantType | None, tensors: list[TensorPlan]) -> int:
+    if default_type is not None and traits(default_type).ftype is not None:
+        return traits(default_type).ftype
+    # as the loader guesses it: the type holding the most weights among the converted tensors
+    weight = defaultdict(int)
+    for t in tensors:
+        if len(t.shape) >= 2:
+            weight[t.dst_type] += t.n_elements
+    for qtype, _ in sorted(weight.items(), key=lambda kv: -kv[1]):
+        if traits(qtype).ftype is not None:
+            return traits(qtype).ftype
+    return 0
+
+
+def make_plan(tensors, opts: PlanOptions) -> Plan:
+    """Choose the target type of every tensor.  ``tensors`` are objects with name/shape/qtype."""
+    recipe = opts.recipe
+    plans: list[TensorPlan] = []
+    rule_hits = defaultdict(int)
+    rule_names = defaultdict(int)     # rules whose pattern matched some name, quantizable or not
+    for t in tensors:
+        name, shape, src = t.name, tuple(t.shape), QuantType(t.qtype)
+        if recipe:
+            for i, r in enumerate(recipe.rules):
+                if r.matches(name):
+                    rule_names[i] += 1
+        reason = why_not_quantizable(name, shape, src)
+        if reason is None and opts.leave_output_tensor and name == OUTPUT_NAME:
+            reason = "--leave-output-tensor"
+        if reason is not None:
+            plans.append(TensorPlan(name, shape, src, src, f"kept: {reason}"))
+            continue
+
+        dst, label, index = opts.default_type, "default", None
+        rule = recipe.match(name) if recipe else None
+        if rule is not None:
+            index = recipe.rules.index(rule)
+            dst, label = rule.qtype, str(rule)
+            rule_hits[index] += 1
+        if name in TOKEN_EMBD_NAMES and opts.token_embedding_type is not None:
+            dst, label, index = opts.token_embedding_type, "--token-embedding-type", None
+        elif name == OUTPUT_NAME and opts.output_tensor_type is not None:
+            dst, label, index = opts.output_tensor_type, "--output-tensor-type", None
+        if dst is None:
+            plans.append(TensorPlan(name, shape, src, src, "kept: no rule and no default type"))
+            continue
+
+        tp = TensorPlan(name, shape, src, dst, label, index)
+        # (4) row length not divisible by the block size
+        fixed = _row_fallback(dst, shape[0], opts.flavor)
+        if fixed != dst:
+            tp.requested, tp.dst_type = dst, fixed
+            tp.notes.append(f"row length {shape[0]} is not a multiple of {type_name(dst)}'s block "
+                            f"{traits(dst).block_size}: using {type_name(fixed)}")
+        # (5) interleaved layouts
+        tt = traits(tp.dst_type)
+        if tt.interleave_rows > 1 and tt.base is not None:
+            n_rows_per_matrix = shape[1] if len(shape) > 1 else 1
+            why = None
+            if name in TOKEN_EMBD_NAMES:
+                why = "token embeddings are never stored interleaved"
+            elif n_rows_per_matrix % tt.interleave_rows:
+                why = f"{n_rows_per_matrix} rows are not a multiple of {tt.interleave_rows}"
+            if why:
+                tp.requested = tp.requested or tp.dst_type
+                tp.notes.append(f"{why}: using {type_name(tt.base)}")
+                tp.dst_type = tt.base
+        if tp.dst_type != src and src not in _FLOAT_TYPES and not opts.allow_requantize:
+            raise QuantkitError(f"tensor '{name}' is already {type_name(src)}: requantizing it to "
+                                f"{type_name(tp.dst_type)} needs --allow-requantize")
+        plans.append(tp)
+
+    warnings = []
+    if recipe:
+        for i, r in enumerate(recipe.rules):
+            if rule_hits[i]:
+                continue
+            if rule_names[i]:
+                warnings.append(f"{r.source}: rule '{r}' matches only tensors that are never "
+                                f"quantized or claimed by earlier rules")
+            else:
+                warnings.append(f"{r.source}: rule '{r}' matches no tensor")
+    fallbacks = [p for p in plans if p.fallback]
+    if fallbacks:
+        if opts.strict:
+            p = fallbacks[0]
+            raise QuantkitError(f"--strict: tensor '{p.name}' cannot be {type_name(p.requested)}: "
+                                f"{p.notes[-1]}" + (f" (and {len(fallbacks) - 1} more)"
+                                                    if len(fallbacks) > 1 else ""))
+        warnings.append(f"{len(fallbacks)} tensor(s) use a fallback type (see the plan)")
+    return Plan(plans, opts.default_type, _file_type(opts.default_type, plans), opts.flavor, warnings)
+
+
+def check_implemented(plan: Plan, can_quantize, can_dequantize, with_imatrix) -> None:
+    """Raise before writing anything if some conversion in the plan is not implemented."""
+    for t in plan.tensors:
+        if t.action == "copy":
+            continue
+        if not can_dequantize(t.src_type):
+            raise QuantkitError(f"tensor '{t.name}': reading {type_name(t.src_type)} is not implemented")
+        imat = with_imatrix(t)
+        if not can_quantize(t.dst_type, plan.flavor, imat):
+            how = " with an imatrix" if imat else ""
+            raise QuantkitError(f"tensor '{t.name}': quantizing to {type_name(t.dst_type)}{how} "
+                                f"({plan.flavor} flavor) is not implemented yet")
+
+
+__all__ = ["Plan", "PlanOptions", "TensorPlan", "make_plan", "check_implemented", "why_not_quantizable",
+           "ROW_FALLBACK", "TYPE_TRAITS"]

@@ -1,0 +1,158 @@
+"""Run a plan: stream every tensor from the input model to the output file.
+
+One tensor is in flight at a time and it is processed in row chunks, so peak memory is bounded by a
+chunk of float32 rows plus its quantized bytes, whatever the model size.  3-D (stacked expert)
+tensors are quantized expert by expert, each with its own imatrix slice, as llama-quantize does.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from . import __version__, formats
+from .errors import QuantkitError
+from .gguf_io.constants import KEY_FILE_TYPE, KEY_QUANT_VERSION, MetaValue, ValueType
+from .gguf_io.reader import GGUFModel, TensorInfo
+from .gguf_io.writer import GGUFWriter, TensorSpec, plan_shards, shard_paths
+from .plan import Plan, TensorPlan
+from .types import QuantType, traits, type_name
+
+CHUNK_BYTES = 64 * 1024 * 1024      # float32 rows converted per step
+QUANT_VERSION = 2                   # GGML_QNT_VERSION
+
+
+@dataclass
+class WriteOptions:
+    split_max_size: int | None = None
+    keep_split: bool = False
+    imatrix_info: dict | None = None    # file, dataset, entries_count, chunks_count
+    recipe_text: str | None = None
+    threads: int | None = None
+
+
+@dataclass
+class Result:
+    paths: list[Path]
+    bytes_written: int
+    seconds: float
+    n_weights: int
+    tensor_seconds: dict[str, float] = field(default_factory=dict)
+    missing_imatrix: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"files": [str(p) for p in self.paths], "bytes_written": self.bytes_written,
+                "seconds": self.seconds,
+                "weights_per_second": self.n_weights / self.seconds if self.seconds else None,
+                "missing_imatrix": self.missing_imatrix}
+
+
+def to_float32(info: TensorInfo, rows: slice) -> np.ndarray:
+    """Rows of a tensor as float32 (n, n_per_row), decoded from any readable type."""
+    raw = info.raw()[rows]
+    n_per_row = info.shape[0]
+    if info.qtype == QuantType.F32:
+        return np.ascontiguousarray(raw).view(np.float32).reshape(-1, n_per_row)
+    return formats.dequantize(raw, info.qtype, n_per_row)
+
+
+def output_metadata(model: GGUFModel, plan: Plan, opts: WriteOptions) -> dict[str, MetaValue]:
+    """Input metadata, then file type, quantization version and how the file was made."""
+    drop = {KEY_FILE_TYPE, KEY_QUANT_VERSION}
+    meta = {k: v for k, v in model.metadata.items()
+            if k not in drop and not k.startswith("quantize.imatrix.") and not k.startswith("quantkit.")}
+    meta[KEY_QUANT_VERSION] = MetaValue(ValueType.UINT32, QUANT_VERSION)
+    meta[KEY_FILE_TYPE] = MetaValue(ValueType.UINT32, plan.file_type)
+    if opts.imatrix_info:
+        info = opts.imatrix_info
+        meta["quantize.imatrix.file"] = MetaValue(ValueType.STRING, str(info["file"])[:127])
+        if info.get("dataset"):
+            meta["quantize.imatrix.dataset"] = MetaValue(ValueType.STRING, str(info["dataset"])[:127])
+        meta["quantize.imatrix.entries_count"] = MetaValue(ValueType.UINT32, int(info["entries_count"]))
+        if info.get("chunks_count"):
+            meta["quantize.imatrix.chunks_count"] = MetaValue(ValueType.UINT32, int(info["chunks_count"]))
+    meta["quantkit.version"] = MetaValue(ValueType.STRING, __version__)
+    meta["quantkit.flavor"] = MetaValue(ValueType.STRING, plan.flavor)
+    if opts.recipe_text:
+        meta["quantkit.recipe"] = MetaValue(ValueType.STRING, opts.recipe_text)
+    if plan.default_type is not None:
+        meta["quantkit.default_type"] = MetaValue(ValueType.STRING, type_name(plan.default_type))
+    return meta
+
+
+def _row_chunks(n_rows_per_matrix: int, n_matrices: int, n_per_row: int, group: int):
+    """(matrix index, row slice) pieces: never crossing a matrix, multiples of the row group."""
+    rows = max(group, CHUNK_BYTES // (4 * n_per_row) // group * group)
+    for m in range(n_matrices):
+        base = m * n_rows_per_matrix
+        for r in range(0, n_rows_per_matrix, rows):
+            yield m, slice(base + r, base + min(r + rows, n_rows_per_matrix))
+
+
+def _check_finite(x: np.ndarray, what: str, name: str) -> None:
+    if not np.isfinite(x).all():
+        bad = int(np.argmax(~np.isfinite(x).reshape(-1)))
+        raise QuantkitError(f"tensor '{name}': {what} holds a non-finite value (NaN or Inf) at "
+                            f"element {bad}")
+
+
+def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None, flavor: str):
+    """Yield the output bytes of one tensor chunk by chunk.  ``imatrix``: (n_matrices, n_per_row)."""
+    shape = info.shape
+    n_per_row = shape[0]
+    n_rows_per_matrix = shape[1] if len(shape) > 1 else 1
+    n_matrices = info.n_rows // n_rows_per_matrix
+    group = traits(tp.dst_type).interleave_rows
+    for m, rows in _row_chunks(n_rows_per_matrix, n_matrices, n_per_row, group):
+        x = to_float32(info, rows)
+        _check_finite(x, "the input", info.name)
+        w = imatrix[m] if imatrix is not None else None
+        q = formats.quantize(x, tp.dst_type, w, flavor)
+        # A scale that overflowed fp16 (or an f16 target with |x| > 65504) decodes to Inf/NaN:
+        # llama-quantize's ggml_validate_row_data refuses such output, and so do we.
+        _check_finite(formats.dequantize(q, tp.dst_type, n_per_row), "the quantized output", info.name)
+        yield q
+
+
+def _copy_tensor(info: TensorInfo, chunk_bytes: int = CHUNK_BYTES):
+    raw = info.source.view(info.offset, info.nbytes)
+    for s in range(0, info.nbytes, chunk_bytes):
+        yield raw[s:s + chunk_bytes]
+
+
+def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
+             imatrix_for: Callable[[TensorPlan], np.ndarray | None] = lambda tp: None,
+             progress: Callable[[str, int, int], None] | None = None) -> Result:
+    """Write the planned model to ``out`` (or its shards).  ``progress(name, done, total)`` in bytes."""
+    if opts.threads:
+        import numba
+        numba.set_num_threads(max(1, min(opts.threads, numba.config.NUMBA_NUM_THREADS)))
+    meta = output_metadata(model, plan, opts)
+    specs = [TensorSpec(t.name, t.shape, t.dst_type) for t in plan.tensors]
+    groups = None
+    if opts.keep_split:
+        shard_of = {id(f): i for i, f in enumerate(model.files)}
+        groups = [shard_of[id(model.by_name[t.name].source)] for t in plan.tensors]
+    shards = plan_shards(meta, specs, opts.split_max_size, groups)
+    paths = shard_paths(out, len(shards))
+    total = plan.bytes_in
+    done = 0
+    t0 = time.perf_counter()
+    per_tensor: dict[str, float] = {}
+    with GGUFWriter(paths, shards) as writer:
+        for tp in plan.tensors:
+            ts = time.perf_counter()
+            info = model.by_name[tp.name]
+            if tp.action == "copy":
+                writer.write_tensor(tp.name, _copy_tensor(info))
+            else:
+                writer.write_tensor(tp.name, convert_tensor(info, tp, imatrix_for(tp), plan.flavor))
+            per_tensor[tp.name] = time.perf_counter() - ts
+            done += tp.nbytes_in
+            if progress:
+                progress(tp.name, done, total)
+        written = writer.bytes_written
+    return Result(paths, written, time.perf_counter() - t0, plan.n_elements, per_tensor)

@@ -1,0 +1,177 @@
+"""Tiny synthetic models written with gguf-py (an independent writer), for tests and benchmarks.
+
+Shapes follow llama.cpp's tensor layouts (ggml order, shape[0] = row length); numpy arrays are
+(rows, row length), i.e. reversed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+
+def _w(rng, *np_shape, scale=0.02, dtype=np.float32):
+    return (rng.standard_normal(np_shape, dtype=np.float32) * scale).astype(dtype)
+
+
+def write_llama(path: Path, n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=512,
+                tied=False, dtype=np.float32, seed=0) -> Path:
+    """A llama-architecture GGUF with random weights (no tokenizer)."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_block_count(n_layer)
+    w.add_context_length(256)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(0 if dtype == np.float32 else 1)
+    kv = n_embd // n_head * n_head_kv
+    w.add_tensor("token_embd.weight", _w(rng, n_vocab, n_embd, dtype=dtype))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    if not tied:
+        w.add_tensor("output.weight", _w(rng, n_vocab, n_embd, dtype=dtype))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(p + "attn_q.weight", _w(rng, n_embd, n_embd, dtype=dtype))
+        w.add_tensor(p + "attn_k.weight", _w(rng, kv, n_embd, dtype=dtype))
+        w.add_tensor(p + "attn_v.weight", _w(rng, kv, n_embd, dtype=dtype))
+        w.add_tensor(p + "attn_output.weight", _w(rng, n_embd, n_embd, dtype=dtype))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(p + "ffn_gate.weight", _w(rng, n_ff, n_embd, dtype=dtype))
+        w.add_tensor(p + "ffn_up.weight", _w(rng, n_ff, n_embd, dtype=dtype))
+        w.add_tensor(p + "ffn_down.weight", _w(rng, n_embd, n_ff, dtype=dtype))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_deepseek2(path: Path, n_layer=4, n_dense=1, n_embd=256, n_ff=512, n_ff_exp=256, n_expert=4,
+                    n_expert_used=2, n_shared=1, n_head=2, q_lora_rank=256, kv_lora_rank=512,
+                    qk_nope=128, qk_rope=64, v_head=128, n_vocab=512, dtype=np.float32, seed=0) -> Path:
+    """A DeepSeek-V3-shaped (MLA + MoE) GGUF with random weights.
+
+    The per-head MLA tensors keep DeepSeek's real head sizes (attn_k_b rows of qk_nope = 128,
+    attn_v_b rows of kv_lora_rank = 512), since those drive the row-length fallbacks.
+    """
+    rng = np.random.default_rng(seed)
+    a = "deepseek2"
+    w = gguf.GGUFWriter(str(path), arch=a)
+    w.add_block_count(n_layer)
+    w.add_context_length(256)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(1)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_used_count(n_expert_used)
+    w.add_vocab_size(n_vocab)
+    w.add_uint32(f"{a}.leading_dense_block_count", n_dense)
+    w.add_uint32(f"{a}.attention.q_lora_rank", q_lora_rank)
+    w.add_uint32(f"{a}.attention.kv_lora_rank", kv_lora_rank)
+    w.add_uint32(f"{a}.attention.key_length", kv_lora_rank + qk_rope)
+    w.add_uint32(f"{a}.attention.value_length", kv_lora_rank)
+    w.add_uint32(f"{a}.attention.key_length_mla", qk_nope + qk_rope)
+    w.add_uint32(f"{a}.attention.value_length_mla", v_head)
+    w.add_uint32(f"{a}.expert_feed_forward_length", n_ff_exp)
+    w.add_uint32(f"{a}.expert_count", n_expert)
+    w.add_uint32(f"{a}.expert_shared_count", n_shared)
+    w.add_float32(f"{a}.expert_weights_scale", 2.5)
+    w.add_bool(f"{a}.expert_weights_norm", True)
+    w.add_uint32(f"{a}.expert_gating_func", 2)
+    w.add_uint32(f"{a}.rope.dimension_count", qk_rope)
+    w.add_file_type(0 if dtype == np.float32 else 1)
+    w.add_tensor("token_embd.weight", _w(rng, n_vocab, n_embd, dtype=dtype))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("output.weight", _w(rng, n_vocab, n_embd, dtype=dtype))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(p + "attn_q_a_norm.weight", np.ones(q_lora_rank, np.float32))
+        w.add_tensor(p + "attn_kv_a_norm.weight", np.ones(kv_lora_rank, np.float32))
+        w.add_tensor(p + "attn_q_a.weight", _w(rng, q_lora_rank, n_embd, dtype=dtype))
+        w.add_tensor(p + "attn_q_b.weight", _w(rng, n_head * (qk_nope + qk_rope), q_lora_rank, dtype=dtype))
+        w.add_tensor(p + "attn_kv_a_mqa.weight", _w(rng, kv_lora_rank + qk_rope, n_embd, dtype=dtype))
+        w.add_tensor(p + "attn_k_b.weight", _w(rng, n_head, kv_lora_rank, qk_nope, dtype=dtype))
+        w.add_tensor(p + "attn_v_b.weight", _w(rng, n_head, v_head, kv_lora_rank, dtype=dtype))
+        w.add_tensor(p + "attn_output.weight", _w(rng, n_embd, n_head * v_head, dtype=dtype))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, np.float32))
+        if i < n_dense:
+            w.add_tensor(p + "ffn_gate.weight", _w(rng, n_ff, n_embd, dtype=dtype))
+            w.add_tensor(p + "ffn_up.weight", _w(rng, n_ff, n_embd, dtype=dtype))
+            w.add_tensor(p + "ffn_down.weight", _w(rng, n_embd, n_ff, dtype=dtype))
+            continue
+        w.add_tensor(p + "ffn_gate_inp.weight", _w(rng, n_expert, n_embd))
+        w.add_tensor(p + "exp_probs_b.bias", np.zeros(n_expert, np.float32))
+        w.add_tensor(p + "ffn_gate_exps.weight", _w(rng, n_expert, n_ff_exp, n_embd, dtype=dtype))
+        w.add_tensor(p + "ffn_up_exps.weight", _w(rng, n_expert, n_ff_exp, n_embd, dtype=dtype))
+        w.add_tensor(p + "ffn_down_exps.weight", _w(rng, n_expert, n_embd, n_ff_exp, dtype=dtype))
+        w.add_tensor(p + "ffn_gate_shexp.weight", _w(rng, n_ff_exp * n_shared, n_embd, dtype=dtype))
+        w.add_tensor(p + "ffn_up_shexp.weight", _w(rng, n_ff_exp * n_shared, n_embd, dtype=dtype))
+        w.add_tensor(p + "ffn_down_shexp.weight", _w(rng, n_embd, n_ff_exp * n_shared, dtype=dtype))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_sparse(path: Path, arch: str, metadata: dict, tensors: list[tuple[str, tuple, int]]) -> Path:
+    """A GGUF whose tensor data is a sparse hole: full-size on paper, no disk or time spent.
+
+    For plan-only tests on big shapes.  ``tensors``: (name, ggml shape, type id).
+    """
+    from quantkit.gguf_io.constants import MetaValue, ValueType, pad_to
+    from quantkit.gguf_io.writer import TensorSpec, encode_header
+    from quantkit.types import QuantType
+
+    meta = {"general.architecture": MetaValue(ValueType.STRING, arch)}
+    for k, v in metadata.items():
+        meta[k] = v if isinstance(v, MetaValue) else MetaValue(ValueType.UINT32, v)
+    specs = [TensorSpec(n, tuple(s), QuantType(t)) for n, s, t in tensors]
+    header, offsets = encode_header(meta, specs)
+    size = len(header) + (offsets[-1] + pad_to(specs[-1].nbytes, 32) if specs else 0)
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(size)
+    return path
+
+
+def deepseek_v3_tensors(n_layer=61, n_dense=3, n_embd=7168, n_ff=18432, n_ff_exp=2048, n_expert=256,
+                        n_head=128, q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128,
+                        n_vocab=129280, type_id=30) -> list[tuple[str, tuple, int]]:
+    """The tensor table of DeepSeek-V3 (671B) as MLA GGUFs store it, BF16 by default."""
+    F32 = 0
+    t = [("token_embd.weight", (n_embd, n_vocab), type_id), ("output_norm.weight", (n_embd,), F32),
+         ("output.weight", (n_embd, n_vocab), type_id)]
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        t += [(p + "attn_norm.weight", (n_embd,), F32), (p + "attn_q_a_norm.weight", (q_lora,), F32),
+              (p + "attn_kv_a_norm.weight", (kv_lora,), F32),
+              (p + "attn_q_a.weight", (n_embd, q_lora), type_id),
+              (p + "attn_q_b.weight", (q_lora, n_head * (qk_nope + qk_rope)), type_id),
+              (p + "attn_kv_a_mqa.weight", (n_embd, kv_lora + qk_rope), type_id),
+              (p + "attn_k_b.weight", (qk_nope, kv_lora, n_head), type_id),
+              (p + "attn_v_b.weight", (kv_lora, v_head, n_head), type_id),
+              (p + "attn_output.weight", (n_head * v_head, n_embd), type_id),
+              (p + "ffn_norm.weight", (n_embd,), F32)]
+        if i < n_dense:
+            t += [(p + "ffn_gate.weight", (n_embd, n_ff), type_id), (p + "ffn_up.weight", (n_embd, n_ff), type_id),
+                  (p + "ffn_down.weight", (n_ff, n_embd), type_id)]
+        else:
+            t += [(p + "ffn_gate_inp.weight", (n_embd, n_expert), F32), (p + "exp_probs_b.bias", (n_expert,), F32),
+                  (p + "ffn_gate_exps.weight", (n_embd, n_ff_exp, n_expert), type_id),
+                  (p + "ffn_up_exps.weight", (n_embd, n_ff_exp, n_expert), type_id),
+                  (p + "ffn_down_exps.weight", (n_ff_exp, n_embd, n_expert), type_id),
+                  (p + "ffn_gate_shexp.weight", (n_embd, n_ff_exp), type_id),
+                  (p + "ffn_up_shexp.weight", (n_embd, n_ff_exp), type_id),
+                  (p + "ffn_down_shexp.weight", (n_ff_exp, n_embd), type_id)]
+    return t
