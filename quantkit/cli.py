@@ -211,7 +211,7 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
                              recipe_text=opts.recipe.text if opts.recipe else None)
         if imat is not None:
             wopts.imatrix_info = {"file": str(imatrix_path), "dataset": (imat.datasets or [None])[0],
-                                  "entries_count": len(imatrix_of), "chunks_count": imat.chunk_count}
+                                  "entries_count": len(imat), "chunks_count": imat.chunk_count}
         if as_json:
             result = run_plan(model, plan, model_out, wopts, lambda tp: imatrix_of.get(tp.name))
         else:
