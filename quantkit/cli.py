@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -23,7 +24,7 @@ from .errors import QuantkitError
 from .types import QuantType, traits, type_from_name, type_name
 
 out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 GIB = 1024 ** 3
 
 
@@ -101,7 +102,8 @@ def render_plan(plan, show_tensors: bool = True) -> None:
 
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}", style="cyan"), BarColumn(), DownloadColumn(),
-                    TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=False)
+                    TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True,
+                    disable=not err.is_terminal)
 
 
 # --------------------------------------------------------------------------- commands
@@ -284,6 +286,8 @@ def inspect(path, as_json, no_tensors):
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, handlers=[_WarningsToStderr()])
+    # numpy's overflow warnings are noise here: overflowed outputs are caught and reported by name
+    warnings.simplefilter("ignore", RuntimeWarning)
     try:
         cli.main(args=argv, prog_name="quantkit", standalone_mode=False)
         return 0

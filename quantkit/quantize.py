@@ -92,11 +92,13 @@ def _row_chunks(n_rows_per_matrix: int, n_matrices: int, n_per_row: int, group: 
             yield m, slice(base + r, base + min(r + rows, n_rows_per_matrix))
 
 
-def _check_finite(x: np.ndarray, what: str, name: str) -> None:
-    if not np.isfinite(x).all():
-        bad = int(np.argmax(~np.isfinite(x).reshape(-1)))
-        raise QuantkitError(f"tensor '{name}': {what} holds a non-finite value (NaN or Inf) at "
-                            f"element {bad}")
+def _check_finite(x: np.ndarray, what: str, name: str, first_row: int) -> None:
+    """x: (n_rows, n_per_row) rows starting at ``first_row`` of the tensor."""
+    ok = np.isfinite(x)
+    if not ok.all():
+        row, col = np.argwhere(~ok)[0]
+        raise QuantkitError(f"tensor '{name}': {what} holds a non-finite value ({x[row, col]}) at row "
+                            f"{first_row + row}, column {col}")
 
 
 def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None, flavor: str):
@@ -109,12 +111,13 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
     src_row_size = traits(info.qtype).row_size(n_per_row)
     for m, rows in _row_chunks(n_rows_per_matrix, n_matrices, n_per_row, group):
         x = to_float32(info, rows)
-        _check_finite(x, "the input", info.name)
+        _check_finite(x, "the input", info.name, rows.start)
         w = imatrix[m] if imatrix is not None else None
         q = formats.quantize(x, tp.dst_type, w, flavor)
         # A scale that overflowed fp16 (or an f16 target with |x| > 65504) decodes to Inf/NaN:
         # llama-quantize's ggml_validate_row_data refuses such output, and so do we.
-        _check_finite(formats.dequantize(q, tp.dst_type, n_per_row), "the quantized output", info.name)
+        _check_finite(formats.dequantize(q, tp.dst_type, n_per_row), "the quantized output", info.name,
+                      rows.start)
         del x
         info.source.release(info.offset + rows.start * src_row_size, (rows.stop - rows.start) * src_row_size)
         yield q

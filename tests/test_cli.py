@@ -47,7 +47,7 @@ def test_quantize_with_recipe_matches_gguf_py(tmp_path, llama):
     assert doc["result"]["files"] == [str(out)]
     src, dst = gguf.GGUFReader(str(llama)), gguf.GGUFReader(str(out))
     expect = {"token_embd": "Q8_0", "attn_v": "F16", "ffn_down": "Q5_1", "attn_k": "BF16", "output.": "Q4_0",
-              "attn_q": "Q4_0", "ffn_up": "Q4_0", "_norm": "F32"}
+              "attn_q": "Q4_0", "ffn_up": "Q4_0", "ffn_gate": "Q4_0", "_norm": "F32"}
     src_by = {t.name: t for t in src.tensors}
     for t in dst.tensors:
         want = next(v for k, v in expect.items() if k in t.name)

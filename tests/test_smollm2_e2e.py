@@ -92,3 +92,13 @@ def test_loads_in_ik_llama_cpp_and_computes_like_llama_quantize(files):
     assert np.corrcoef(ours, theirs)[0, 1] > 0.999
     assert np.corrcoef(ours, ref)[0, 1] > 0.95
     assert int(np.argmax(ours)) == int(np.argmax(theirs))
+
+
+def test_split_output_loads_in_ik_llama_cpp(files, tmp_path):
+    """--split-max-size shards are what the C split loader expects (it opens them from the first)."""
+    out = tmp_path / "split.gguf"
+    quantkit_cli("quantize", files["ours"], out, "--split-max-size", "40M")
+    shards = sorted(tmp_path.glob("split-*-of-*.gguf"))
+    assert len(shards) == 3 and shards[0].name == "split-00001-of-00003.gguf"
+    tokens = peers.ik_tokenize(files["src"], PROMPT)
+    np.testing.assert_array_equal(peers.ik_logits(shards[0], tokens), peers.ik_logits(files["ours"], tokens))

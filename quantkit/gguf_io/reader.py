@@ -217,7 +217,7 @@ class GGUFFile:
             abs_off = self.data_offset + offset
             if abs_off + nbytes > self.file_size:
                 c.fail(f"tensor '{name}' data ({nbytes} bytes at {abs_off}) extends past the end of "
-                       f"the file ({self.file_size} bytes)", at)
+                       f"the file ({self.file_size} bytes): truncated or corrupt file", at)
             self.tensors.append(TensorInfo(name, shape, qtype, abs_off, nbytes, self))
         # overlapping tensors mean a corrupt tensor table
         spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors if t.nbytes)
