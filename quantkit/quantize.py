@@ -116,8 +116,10 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
         q = formats.quantize(x, tp.dst_type, w, flavor)
         # A scale that overflowed fp16 (or an f16 target with |x| > 65504) decodes to Inf/NaN:
         # llama-quantize's ggml_validate_row_data refuses such output, and so do we.
-        _check_finite(formats.dequantize(q, tp.dst_type, n_per_row), "the quantized output", info.name,
-                      rows.start)
+        bad = formats.find_non_finite(q, tp.dst_type, n_per_row)
+        if bad is not None:
+            raise QuantkitError(f"tensor '{info.name}': the quantized output has a non-finite scale or value "
+                                f"at row {rows.start + bad[0]} (|x| too large for {type_name(tp.dst_type)}?)")
         del x
         info.source.release(info.offset + rows.start * src_row_size, (rows.stop - rows.start) * src_row_size)
         yield q

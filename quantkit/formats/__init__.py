@@ -11,10 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..types import QuantType, traits, type_name
-from ._base import ALL_PATHS, FLAVORS, BlockFormat, registered
+from ._base import ALL_PATHS, FLAVORS, BlockFormat, first_non_finite, registered
 from . import floats, legacy  # noqa: F401  (import registers the formats)
 
-__all__ = ["quantize", "dequantize", "can_quantize", "can_dequantize", "FLAVORS", "BlockFormat"]
+__all__ = ["quantize", "dequantize", "can_quantize", "can_dequantize", "find_non_finite", "FLAVORS",
+           "BlockFormat"]
 
 # gguf-py decodes these mainline layouts; ids where the fork differs are left out.
 _GGUF_PY_DECODABLE = {
@@ -90,3 +91,16 @@ def dequantize(blocks: np.ndarray, qtype, n_per_row: int, reference: bool = Fals
         out = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(int(qtype)))
         return np.ascontiguousarray(out, dtype=np.float32).reshape(blocks.shape[0], n_per_row)
     raise NotImplementedError(f"decoding {type_name(qtype)} is not implemented")
+
+
+def find_non_finite(blocks: np.ndarray, qtype, n_per_row: int) -> tuple[int, int] | None:
+    """Where decoding ``blocks`` would give NaN/Inf: (row, element or block), or None if nowhere.
+
+    Looks only at the scale fields when the format lists them (cheap), else decodes.
+    """
+    fmt = _format(qtype)
+    if fmt is None:
+        x = dequantize(blocks, qtype, n_per_row)
+        bad = ~np.isfinite(x)
+        return tuple(int(v) for v in np.argwhere(bad)[0]) if bad.any() else None
+    return first_non_finite(fmt, np.ascontiguousarray(blocks), n_per_row)

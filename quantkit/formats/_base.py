@@ -35,6 +35,9 @@ class BlockFormat:
     traits: ClassVar[TypeTraits]
     #: (flavor, uses_imatrix) pairs the quantizer reproduces byte for byte; empty = decode only
     quant_paths: ClassVar[frozenset] = frozenset()
+    #: (byte offset in the block, numpy dtype) of every float field (scales, mins); lets the output
+    #: check look at those instead of decoding whole tensors.  None: decode and check everything.
+    scale_fields: ClassVar[tuple[tuple[int, str], ...] | None] = None
 
     def __init_subclass__(cls, qtype: QuantType | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -66,6 +69,28 @@ class BlockFormat:
     @classmethod
     def empty_blocks(cls, n_rows: int, n_per_row: int) -> np.ndarray:
         return np.zeros((n_rows, cls.traits.row_size(n_per_row)), dtype=np.uint8)
+
+
+def first_non_finite(fmt: type[BlockFormat], blocks: np.ndarray, n_per_row: int) -> tuple[int, int] | None:
+    """(row, element or block index) of the first non-finite value a decoder would produce, or None."""
+    t = fmt.traits
+    if fmt.scale_fields is not None and t.row_meta_size == 0:
+        per_row = n_per_row // t.block_size
+        b = blocks.reshape(-1, t.type_size)
+        for off, dtype in fmt.scale_fields:
+            size = np.dtype(dtype).itemsize
+            vals = np.ascontiguousarray(b[:, off:off + size]).view(dtype).reshape(-1)
+            bad = ~np.isfinite(vals)
+            if bad.any():
+                i = int(np.argmax(bad))
+                return i // per_row, i % per_row
+        return None
+    x = fmt.dequantize_fast(blocks, n_per_row)
+    bad = ~np.isfinite(x)
+    if bad.any():
+        row, col = np.argwhere(bad)[0]
+        return int(row), int(col)
+    return None
 
 
 def registered() -> dict[QuantType, type[BlockFormat]]:
