@@ -1,0 +1,559 @@
+"""The legacy 32-element block formats: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0.
+
+Each row is cut into blocks of 32 values; a block stores an fp16 scale ``d`` (plus an fp16 offset
+``m`` for the ``_1`` types) and one small integer code per value (specs/ggml-quants.md §1.2–1.3)::
+
+    Q4_0  y = (q - 8)*d     q in 0..15           d[0:2]                  qs[2:18]
+    Q4_1  y = q*d + m       q in 0..15           d[0:2]  m[2:4]          qs[4:20]
+    Q5_0  y = (q - 16)*d    q in 0..31           d[0:2]         qh[2:6]  qs[6:22]
+    Q5_1  y = q*d + m       q in 0..31           d[0:2]  m[2:4] qh[4:8]  qs[8:24]
+    Q8_0  y = q*d           q in -128..127       d[0:2]                  qs[2:34] (int8)
+
+``qs`` byte j holds code j in bits 0-3 and code j+16 in bits 4-7; ``qh`` is a little-endian uint32
+whose bit e is bit 4 of code e.  d and m are little-endian fp16.
+
+Quantizers (§1.6).  Without an imatrix every flavor runs the ``quantize_row_*_ref`` functions: a
+scale from the block's extreme values and codes by truncating casts.  With an imatrix the weight of
+value ``x`` is ``qw*sqrt(sigma2 + x*x)`` (``sigma2`` = mean of x² over the whole row) and the scale
+comes from a weighted search whose details differ between the projects:
+
+* ``"ik"`` (ik_llama.cpp): Q4_0/Q5_0 use the fork's ``make_qx_quants`` (mainline's search, with
+  every step also tried with the opposite sign, then a greedy one-code-at-a-time refinement);
+  Q4_1/Q5_1 use the fork's ``make_qkx3_quants`` (double-precision sums, the error of a trial computed
+  from the sums, then a greedy refinement).
+* ``"mainline"`` (llama.cpp): ``make_qx_quants`` / ``make_qkx3_quants`` as in ggml-quants.c, all in
+  float32 and without the refinements.
+
+Q8_0 ignores the imatrix in both projects.
+
+The reference code below is vectorised across blocks but keeps the C evaluation order of every
+float32 (or double) expression and accumulates sums over the 32 values of a block one value at a time,
+because any other order changes the last bit of a scale and, through it, codes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..kernels import legacy as kernels
+from ..types import QuantType
+from ._base import BlockFormat
+
+QK = 32                     # values per block (QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK8_0)
+F = np.float32
+GROUP_MAX_EPS = F(1e-15)    # a block whose largest |x| is below this is "all zero"
+
+# ---- float helpers ----
+
+
+def _fp16_bytes(v: np.ndarray) -> np.ndarray:
+    """float32 (n,) -> (n, 2) little-endian fp16 bytes, round to nearest even (GGML_FP32_TO_FP16);
+    values beyond the fp16 range become Inf, as in C."""
+    with np.errstate(over="ignore"):
+        return np.ascontiguousarray(v, dtype=np.float32).astype("<f2").view(np.uint8).reshape(-1, 2)
+
+
+def _fp16_values(b: np.ndarray) -> np.ndarray:
+    """(n, 2) uint8 fp16 bytes -> float32 (n, 1)."""
+    return np.ascontiguousarray(b).view("<f2").astype(np.float32).reshape(-1, 1)
+
+
+def _recip_or_zero(d: np.ndarray) -> np.ndarray:
+    """C's ``d ? 1.0f/d : 0.0f``."""
+    with np.errstate(divide="ignore", over="ignore"):
+        return np.where(d != 0, F(1) / d, F(0)).astype(np.float32)
+
+
+def _roundf(v: np.ndarray) -> np.ndarray:
+    """C ``roundf``: nearest integer, halves away from zero.  ``v - trunc(v)`` is exact in float32,
+    so comparing it with 0.5 avoids the ``floor(|v| + 0.5)`` trap at 0.49999997."""
+    t = np.trunc(v)
+    frac = v - t
+    return t + (frac >= F(0.5)).astype(np.float32) - (frac <= F(-0.5)).astype(np.float32)
+
+
+def _c_int_cast(v: np.ndarray) -> np.ndarray:
+    """Low byte (0..255) of C's float -> int8_t / uint8_t cast as x86 code does it: truncate to int32
+    (NaN and out-of-range values give INT32_MIN) and keep 8 bits.  For in-range values this is
+    trunc(v); the rest only happens when 1/d overflows to Inf, and C then writes code 0."""
+    with np.errstate(invalid="ignore"):
+        return v.astype(np.int32).astype(np.int64) & 0xFF
+
+
+def _as_int8(b: np.ndarray) -> np.ndarray:
+    """Sign-extend a low byte (the int8_t reading)."""
+    return (b ^ 0x80) - 0x80
+
+
+def _seq_sum(terms: np.ndarray) -> np.ndarray:
+    """Sum (n_blocks, n) along the last axis left to right, starting from +0 as C's ``s = 0; s += t``
+    does (numpy's pairwise ``sum`` rounds differently)."""
+    acc = np.zeros(terms.shape[:-1], dtype=terms.dtype)
+    for j in range(terms.shape[-1]):
+        acc = acc + terms[..., j]
+    return acc
+
+
+def _first_absmax(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(amax, max): the largest |x| of each block and the signed value where it first occurs
+    (C: ``if (amax < fabsf(v)) { amax = fabsf(v); max = v; }``, both starting at +0)."""
+    amax = np.zeros(xb.shape[0], np.float32)
+    mx = np.zeros(xb.shape[0], np.float32)
+    for j in range(xb.shape[1]):
+        ax = np.abs(xb[:, j])
+        upd = ax > amax
+        amax = np.where(upd, ax, amax)
+        mx = np.where(upd, xb[:, j], mx)
+    return amax, mx
+
+
+def _min_max(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sequential ``if (v < min) min = v; if (v > max) max = v;`` from (FLT_MAX, -FLT_MAX).
+    Written out because np.min may return -0.0 where C keeps an earlier +0.0 (m is stored)."""
+    big = np.finfo(np.float32).max
+    mn = np.full(xb.shape[0], big, np.float32)
+    mx = np.full(xb.shape[0], -big, np.float32)
+    for j in range(xb.shape[1]):
+        v = xb[:, j]
+        mn = np.where(v < mn, v, mn)
+        mx = np.where(v > mx, v, mx)
+    return mn, mx
+
+
+def _row_sigma2(x: np.ndarray) -> np.ndarray:
+    """Σx²/n_per_row per row, accumulated in float32 from column 0 on (the legacy *_impl functions)."""
+    return _seq_sum(x * x) / F(x.shape[1])
+
+
+def _imatrix_weights(x: np.ndarray, imatrix: np.ndarray) -> np.ndarray:
+    """``qw*sqrtf(sigma2 + x*x)`` as (n_rows*n_blocks, 32) float32."""
+    n_rows, n = x.shape
+    sigma2 = _row_sigma2(x)[:, None]
+    w = imatrix[None, :] * np.sqrt(sigma2 + x * x)
+    return w.astype(np.float32).reshape(n_rows * (n // QK), QK)
+
+
+# ---- bit packing ----
+
+
+def _pack_nibbles(q: np.ndarray, mask: bool) -> np.ndarray:
+    """(n_blocks, 32) codes -> qs (n_blocks, 16): byte j = code j (low nibble) | code j+16 (high).
+
+    C's 4-bit packers write ``lo | hi << 4`` as uint8 and the 5-bit ones mask both to 4 bits first;
+    the two differ only for codes above 15, which the 4-bit quantizers never produce.
+    """
+    q = (q & 0xFF).astype(np.uint8)
+    lo, hi = q[:, :16], q[:, 16:]
+    if mask:
+        lo, hi = lo & 0x0F, hi & 0x0F
+    return lo | (hi << 4)
+
+
+def _pack_qh(q: np.ndarray) -> np.ndarray:
+    """(n_blocks, 32) 5-bit codes -> qh (n_blocks, 4).
+
+    qh is one little-endian uint32; bit e holds bit 4 of code e::
+
+        qh[0]: codes 7..0  (bit 0 = code 0)     qh[2]: codes 23..16
+        qh[1]: codes 15..8                      qh[3]: codes 31..24
+    """
+    bits = (((q & 0xFF).astype(np.uint8) >> 4) & 1)
+    return np.packbits(bits, axis=-1, bitorder="little")
+
+
+def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
+    """qs (n_blocks, 16) -> codes (n_blocks, 32) in 0..15."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _unpack_qh(qh: np.ndarray) -> np.ndarray:
+    """qh (n_blocks, 4) -> (n_blocks, 32) values 0 or 16 to add to the low nibbles."""
+    return np.unpackbits(qh, axis=-1, bitorder="little") << 4
+
+
+# ---- scale searches with importance weights (vectorised over blocks) ----
+
+
+def _nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int (the 12582912 trick) = round half to even, for |v| < 2^22."""
+    return np.rint(v).astype(np.float32)
+
+
+def make_qx_quants(xb: np.ndarray, w: np.ndarray, nmax: int, flavor: str) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric weighted scale search (make_qx_quants with rmse_type 1 and weights ``w``).
+
+    Returns (scale (n_blocks,) float32, codes (n_blocks, 32) int in 0..2*nmax-1).  An all-zero block
+    gets scale 0 and codes 0 (not ``nmax``).  ``flavor`` "mainline": 18 trial scales around
+    ``-nmax/max``; "ik" adds ``is = 0``, a second trial ``(nmax-1 + 0.1*is)/max`` per step and a greedy
+    refinement that moves one code at a time.
+    """
+    amax, mx = _first_absmax(xb)
+    zero = amax < GROUP_MAX_EPS
+    mx = np.where(zero, F(1), mx)           # keeps the divisions quiet; those blocks are reset below
+    lo, hi = F(-nmax), F(nmax - 1)
+
+    def trial(iscale):
+        l = np.clip(_nearest_int(iscale[:, None] * xb), lo, hi)
+        sumlx = _seq_sum(w * xb * l)            # C: w*x[i]*l  = (w*x)*l
+        suml2 = _seq_sum(w * l * l)             # C: w*l*l     = (w*l)*l
+        return l, sumlx, suml2
+
+    l, sumlx, suml2 = trial(F(-nmax) / mx)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(suml2 != 0, sumlx / suml2, F(0)).astype(np.float32)
+    best = scale * sumlx
+    L = l
+    steps = [s for s in range(-9, 10) if flavor == "ik" or s != 0]
+    for s in steps:
+        tries = [-(F(nmax) + F(0.1) * F(s)) / mx]
+        if flavor == "ik":
+            tries.append((F(nmax - 1) + F(0.1) * F(s)) / mx)
+        for iscale in tries:
+            lt, sx, s2 = trial(iscale.astype(np.float32))
+            better = (s2 > 0) & (sx * sx > best * s2)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                scale = np.where(better, sx / s2, scale)
+            best = np.where(better, scale * sx, best)
+            sumlx = np.where(better, sx, sumlx)
+            suml2 = np.where(better, s2, suml2)
+            L = np.where(better[:, None], lt, L)
+
+    if flavor == "ik":
+        scale, L = _qx_refine(xb, w, nmax, scale, best, sumlx, suml2, L)
+    L = np.where(zero[:, None], F(-nmax), L)
+    scale = np.where(zero, F(0), scale)
+    return scale.astype(np.float32), (L + F(nmax)).astype(np.int64)
+
+
+def _qx_refine(xb, w, nmax, scale, best, sumlx, suml2, L):
+    """ik's greedy step after the scale search: move the code whose gradient
+    ``scale*w*(x - scale*l)`` is largest by one, while that raises sumlx²/suml2."""
+    L = L.copy()
+    scale, best, sumlx, suml2 = scale.copy(), best.copy(), sumlx.copy(), suml2.copy()
+    act = np.arange(xb.shape[0])
+    for _ in range(QK * (2 * nmax - 1)):
+        if act.size == 0:
+            break
+        x, ww, l, sc = xb[act], w[act], L[act], scale[act]
+        g = (sc[:, None] * ww) * (x - sc[:, None] * l)
+        movable = ((g > 0) & (l < nmax - 1)) | ((g < 0) & (l > -nmax))
+        ag = np.where(movable, np.abs(g), F(0))
+        j = np.argmax(ag, axis=1)               # first of equal maxima, as the strict '>' in C
+        rows = np.arange(act.size)
+        found = ag[rows, j] > 0
+        gj, wj, xj, lj = g[rows, j], ww[rows, j], x[rows, j], l[rows, j]
+        up = gj > 0
+        nsx = np.where(up, sumlx[act] + wj * xj, sumlx[act] - wj * xj)
+        ns2 = np.where(up, suml2[act] + wj * (F(2) * lj + F(1)), suml2[act] - wj * (F(2) * lj - F(1)))
+        ok = found & (ns2 > 0) & (nsx * nsx > best[act] * ns2)
+        a = act[ok]
+        sumlx[a], suml2[a] = nsx[ok], ns2[ok]
+        scale[a] = sumlx[a] / suml2[a]
+        best[a] = scale[a] * sumlx[a]
+        L[a, j[ok]] = np.where(up[ok], lj[ok] + F(1), lj[ok] - F(1))
+        act = a
+    return scale, L
+
+
+def make_qkx3_quants(xb: np.ndarray, w: np.ndarray, nmax: int, flavor: str,
+                     rmin=F(-0.9), rdelta=F(0.05), nstep=36) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Affine weighted search ``x ≈ scale*L + min``, L in 0..nmax (make_qkx3_quants, use_mad false).
+
+    Returns (scale, the_min, L) with ``the_min = -min`` as the C out-parameter.  "ik" keeps the
+    sums in double, computes the squared error of each trial from the sums and finishes with a greedy
+    refinement; "mainline" works in float32 and evaluates the error value by value.
+    """
+    if flavor == "ik":
+        return _qkx3_ik(xb, w, nmax, rmin, rdelta, nstep)
+    return _qkx3_mainline(xb, w, nmax, rmin, rdelta, nstep)
+
+
+def _qkx3_ik(xb, w, nmax, rmin, rdelta, nstep):
+    D64 = np.float64
+    n_blocks, n = xb.shape
+    xd, wd = xb.astype(D64), w.astype(D64)
+    mn, mx = xb[:, 0].copy(), xb[:, 0].copy()
+    sum_w = wd[:, 0].copy()
+    sum_x = sum_w * xd[:, 0]
+    sum_x2 = sum_w * xd[:, 0] * xd[:, 0]
+    for i in range(1, n):
+        mn = np.where(xb[:, i] < mn, xb[:, i], mn)
+        mx = np.where(xb[:, i] > mx, xb[:, i], mx)
+        sum_w = sum_w + wd[:, i]
+        sum_x = sum_x + wd[:, i] * xd[:, i]
+        sum_x2 = sum_x2 + wd[:, i] * xd[:, i] * xd[:, i]
+    mn = np.where(mn > 0, F(0), mn)
+    flat = (mx - mn) < F(1e-10)
+    rng = np.where(flat, F(1), mx - mn)             # the flat blocks return early below
+
+    iscale = F(nmax) / rng
+    scale = F(1) / iscale
+    L = np.clip(_nearest_int(iscale[:, None] * (xb - mn[:, None])), 0, nmax)
+    diff = (scale.astype(D64)[:, None] * L + mn.astype(D64)[:, None]) - xd
+    best_mad = _seq_sum(wd * (diff * diff))
+
+    for s in range(nstep + 1):
+        # min (and so max - min) is the best one so far: C updates it inside this loop
+        iscale = (rmin + rdelta * F(s) + F(nmax)) / np.where(flat, F(1), mx - mn)
+        la = np.clip(_nearest_int(iscale[:, None] * (xb - mn[:, None])), 0, nmax)
+        sum_l = _seq_sum(wd * la)
+        sum_l2 = _seq_sum(wd * la * la)
+        sum_xl = _seq_sum(wd * la * xd)
+        D = sum_w * sum_l2 - sum_l * sum_l
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ts = (sum_w * sum_xl - sum_x * sum_l) / D
+            tm = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            pos = tm > 0
+            tm = np.where(pos, 0.0, tm)
+            ts = np.where(pos, sum_xl / sum_l2, ts)
+            mad = (sum_x2 - 2 * ts * sum_xl - 2 * tm * sum_x + 2 * ts * tm * sum_l
+                   + ts * ts * sum_l2 + tm * tm * sum_w)
+        better = ~flat & (D > 0) & (mad < best_mad)
+        L = np.where(better[:, None], la, L)
+        best_mad = np.where(better, mad, best_mad)
+        scale = np.where(better, ts.astype(np.float32), scale)
+        mn = np.where(better, tm.astype(np.float32), mn)
+
+    # greedy refinement: move the code with the largest residual by one while the fit improves
+    sum_l = _seq_sum(wd * L)
+    sum_l2 = _seq_sum(wd * L * L)
+    sum_xl = _seq_sum(wd * L * xd)
+    sd, md = scale.astype(D64), mn.astype(D64)
+    best = 2 * sd * sum_xl + 2 * md * sum_x - 2 * sd * md * sum_l - sd * sd * sum_l2 - md * md * sum_w
+    last_j = np.full(n_blocks, -1)
+    last_dir = np.zeros(n_blocks)
+    act = np.nonzero(~flat)[0]
+    for _ in range(nmax * n):
+        if act.size == 0:
+            break
+        rows = np.arange(act.size)
+        x, l, sc, m = xb[act], L[act], scale[act], mn[act]
+        g = (x - sc[:, None] * l) - m[:, None]
+        cand = np.where((g > 0) & (l < nmax), g, np.where((g < 0) & (l > 0), -g, F(0)))
+        j = np.argmax(cand, axis=1)
+        direction = np.where(g[rows, j] > 0, 1.0, -1.0)
+        go = (cand[rows, j] > 0) & ~((j == last_j[act]) & (direction == -last_dir[act]))
+        wj = wd[act, j]
+        n_sl = sum_l[act] + wj * direction
+        n_sl2 = sum_l2[act] + wj * (2 * l[rows, j].astype(D64) * direction + 1)
+        n_sxl = sum_xl[act] + wj * xd[act, j] * direction
+        sw, sx = sum_w[act], sum_x[act]
+        D = sw * n_sl2 - n_sl * n_sl
+        go &= ~(D <= 0)                 # C breaks on 'D <= 0' and on 'score <= best': a NaN goes on
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ts = (sw * n_sxl - sx * n_sl) / D
+            tm = (n_sl2 * sx - n_sl * n_sxl) / D
+            pos = tm > 0
+            tm = np.where(pos, 0.0, tm)
+            ts = np.where(pos, n_sxl / n_sl2, ts)
+            score = 2 * ts * n_sxl + 2 * tm * sx - 2 * ts * tm * n_sl - ts * ts * n_sl2 - tm * tm * sw
+        go &= ~(ts < 0)
+        go &= ~(score <= best[act])
+        a, jg = act[go], j[go]
+        sum_l[a], sum_l2[a], sum_xl[a] = n_sl[go], n_sl2[go], n_sxl[go]
+        best[a] = score[go]
+        scale[a] = ts[go].astype(np.float32)
+        mn[a] = tm[go].astype(np.float32)
+        L[a, jg] = L[a, jg] + direction[go].astype(np.float32)
+        last_j[a], last_dir[a] = jg, direction[go]
+        act = a
+
+    L = np.where(flat[:, None], F(0), L)
+    scale = np.where(flat, F(0), scale)
+    return scale.astype(np.float32), (-mn).astype(np.float32), L.astype(np.int64)
+
+
+def _qkx3_mainline(xb, w, nmax, rmin, rdelta, nstep):
+    n_blocks, n = xb.shape
+    mn, mx = xb[:, 0].copy(), xb[:, 0].copy()
+    sum_w, sum_x = w[:, 0].copy(), w[:, 0] * xb[:, 0]
+    for i in range(1, n):
+        mn = np.where(xb[:, i] < mn, xb[:, i], mn)
+        mx = np.where(xb[:, i] > mx, xb[:, i], mx)
+        sum_w = sum_w + w[:, i]
+        sum_x = sum_x + w[:, i] * xb[:, i]
+    mn = np.where(mn > 0, F(0), mn)
+    flat = mx <= mn
+    rng = np.where(flat, F(1), mx - mn)
+    iscale = F(nmax) / rng
+    scale = F(1) / iscale
+    L = np.clip(_nearest_int(iscale[:, None] * (xb - mn[:, None])), 0, nmax)
+    diff = (scale[:, None] * L + mn[:, None]) - xb
+    best = _seq_sum(w * (diff * diff))
+    for s in range(nstep + 1):
+        iscale = (rmin + rdelta * F(s) + F(nmax)) / np.where(flat, F(1), mx - mn)
+        la = np.clip(_nearest_int(iscale[:, None] * (xb - mn[:, None])), 0, nmax)
+        sum_l = _seq_sum(w * la)
+        sum_l2 = _seq_sum(w * la * la)
+        sum_xl = _seq_sum(w * la * xb)
+        D = sum_w * sum_l2 - sum_l * sum_l
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ts = (sum_w * sum_xl - sum_x * sum_l) / D
+            tm = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            pos = tm > 0
+            tm = np.where(pos, F(0), tm)
+            ts = np.where(pos, sum_xl / sum_l2, ts)
+            diff = (ts[:, None] * la + tm[:, None]) - xb
+            cur = _seq_sum(w * (diff * diff))
+        better = ~flat & (D > 0) & (cur < best)
+        L = np.where(better[:, None], la, L)
+        best = np.where(better, cur, best)
+        scale = np.where(better, ts, scale)
+        mn = np.where(better, tm, mn)
+    L = np.where(flat[:, None], F(0), L)
+    scale = np.where(flat, F(0), scale)
+    return scale.astype(np.float32), (-mn).astype(np.float32), L.astype(np.int64)
+
+
+# ---- the formats ----
+
+
+class _LegacyFormat(BlockFormat):
+    """Shared driver: rows -> (n_blocks, 32) blocks -> per-type block code -> rows of bytes."""
+    nmax: int               # Q*_0: codes are l + nmax with l in -nmax..nmax-1; Q*_1: codes 0..nmax
+    affine: bool = False    # stores an fp16 offset m after d
+    high_bits: bool = False  # stores the 5th code bit in qh
+
+    @classmethod
+    def quantize_ref(cls, x, imatrix, flavor):
+        n_rows, n = x.shape
+        xb = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, QK)
+        # Extreme inputs overflow in C too (1/d of a block of tiny values, x² of huge ones, a scale
+        # beyond the fp16 range); the Inf/NaN then flow through exactly as they do there.
+        with np.errstate(invalid="ignore", over="ignore"):
+            if imatrix is None:
+                parts = cls._quantize_blocks_plain(xb)
+            else:
+                parts = cls._quantize_blocks_imatrix(xb, _imatrix_weights(x, imatrix), flavor)
+        return np.concatenate(parts, axis=-1).reshape(n_rows, cls.traits.row_size(n))
+
+    @classmethod
+    def quantize_fast(cls, x, imatrix, flavor):
+        n_rows, n = x.shape
+        out = cls.empty_blocks(n_rows, n)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if imatrix is None or cls.qtype == QuantType.Q8_0:
+            kernels.quantize_rows_plain(int(cls.qtype), x, out)
+        else:
+            kernels.quantize_rows_imatrix(int(cls.qtype), x, np.ascontiguousarray(imatrix, np.float32),
+                                          flavor == "ik", out)
+        return out
+
+    @classmethod
+    def dequantize_fast(cls, blocks, n_per_row):
+        out = np.empty((blocks.shape[0], n_per_row), np.float32)
+        blocks = np.ascontiguousarray(blocks, np.uint8)
+        kernels.dequantize_rows(int(cls.qtype), blocks, kernels.FP16_TABLE, out)
+        return out
+
+    @classmethod
+    def _pack(cls, d, m, q):
+        """Block fields in struct order: d, [m], [qh], qs."""
+        parts = [_fp16_bytes(d)]
+        if cls.affine:
+            parts.append(_fp16_bytes(m))
+        if cls.high_bits:
+            parts.append(_pack_qh(q))
+        parts.append(_pack_nibbles(q, cls.high_bits))
+        return parts
+
+    @classmethod
+    def _quantize_blocks_plain(cls, xb):
+        if cls.affine:     # quantize_row_q4_1_ref / q5_1_ref
+            mn, mx = _min_max(xb)
+            d = (mx - mn) / F(cls.nmax)
+            id_ = _recip_or_zero(d)
+            q = _c_int_cast((xb - mn[:, None]) * id_[:, None] + F(0.5))
+            if not cls.high_bits:       # Q4_1: MIN(15, (int8_t)v); Q5_1: (uint8_t)v
+                q = np.minimum(_as_int8(q), cls.nmax)
+            return cls._pack(d, mn, q)
+        # quantize_row_q4_0_ref / q5_0_ref: d = max/-nmax, so the extreme value maps to code 0
+        _, mx = _first_absmax(xb)
+        d = mx / F(-cls.nmax)
+        id_ = _recip_or_zero(d)
+        q = _c_int_cast(xb * id_[:, None] + (F(cls.nmax) + F(0.5)))
+        return cls._pack(d, None, np.minimum(_as_int8(q), 2 * cls.nmax - 1))
+
+    @classmethod
+    def _quantize_blocks_imatrix(cls, xb, w, flavor):
+        if cls.affine:
+            d, the_min, L = make_qkx3_quants(xb, w, cls.nmax, flavor)
+            return cls._pack(d, -the_min, L)
+        d, L = make_qx_quants(xb, w, cls.nmax, flavor)
+        return cls._pack(d, None, L)
+
+    @classmethod
+    def dequantize_ref(cls, blocks, n_per_row):
+        n_rows = blocks.shape[0]
+        b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, cls.traits.type_size)
+        d = _fp16_values(b[:, 0:2])
+        off = 2
+        if cls.affine:
+            m = _fp16_values(b[:, 2:4])
+            off = 4
+        q = _unpack_nibbles(b[:, -16:]).astype(np.int32)
+        if cls.high_bits:
+            q = q | _unpack_qh(b[:, off:off + 4]).astype(np.int32)
+        if cls.affine:
+            y = q.astype(np.float32) * d + m
+        else:
+            y = (q - cls.nmax).astype(np.float32) * d
+        return y.reshape(n_rows, n_per_row)
+
+
+# Without an imatrix mainline and ik run the same *_ref code; with one they differ (see above).
+_LEGACY_PATHS = frozenset({("ik", False), ("ik", True), ("mainline", False), ("mainline", True)})
+
+
+class Q4_0(_LegacyFormat, qtype=QuantType.Q4_0):
+    nmax = 8
+    scale_fields = ((0, "<f2"),)
+    quant_paths = _LEGACY_PATHS
+
+
+class Q4_1(_LegacyFormat, qtype=QuantType.Q4_1):
+    nmax = 15
+    affine = True
+    scale_fields = ((0, "<f2"), (2, "<f2"))
+    quant_paths = _LEGACY_PATHS
+
+
+class Q5_0(_LegacyFormat, qtype=QuantType.Q5_0):
+    nmax = 16
+    high_bits = True
+    scale_fields = ((0, "<f2"),)
+    quant_paths = _LEGACY_PATHS
+
+
+class Q5_1(_LegacyFormat, qtype=QuantType.Q5_1):
+    nmax = 31
+    affine = True
+    high_bits = True
+    scale_fields = ((0, "<f2"), (2, "<f2"))
+    quant_paths = _LEGACY_PATHS
+
+
+class Q8_0(_LegacyFormat, qtype=QuantType.Q8_0):
+    """``d = amax/127``, ``q = roundf(x/d)``; the imatrix is ignored by both projects."""
+    quant_paths = _LEGACY_PATHS
+    scale_fields = ((0, "<f2"),)
+
+    @classmethod
+    def quantize_ref(cls, x, imatrix, flavor):
+        n_rows, n = x.shape
+        xb = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, QK)
+        amax = np.zeros(xb.shape[0], np.float32)
+        for j in range(QK):                         # C: amax = MAX(amax, fabsf(v))
+            v = np.abs(xb[:, j])
+            amax = np.where(amax > v, amax, v)
+        d = amax / F(127)
+        id_ = _recip_or_zero(d)
+        with np.errstate(invalid="ignore", over="ignore"):       # 1/d may overflow, as in C
+            q = _c_int_cast(_roundf(xb * id_[:, None])).astype(np.uint8)     # (int8_t)roundf(x/d)
+        return np.concatenate([_fp16_bytes(d), q], axis=-1).reshape(n_rows, cls.traits.row_size(n))
+
+    @classmethod
+    def dequantize_ref(cls, blocks, n_per_row):
+        b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, cls.traits.type_size)
+        d = _fp16_values(b[:, 0:2])
+        y = b[:, 2:].view(np.int8).astype(np.float32) * d
+        return y.reshape(blocks.shape[0], n_per_row)

@@ -1,0 +1,33 @@
+"""numba kernels for BF16 rows (F32 and F16 are plain numpy casts).
+
+Both work on bit patterns: ``x`` / ``out`` are uint32 views of float32 rows, ``b`` / ``out`` uint16
+views of the bf16 bytes, all shaped (n_rows, n_per_row).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+
+@njit(cache=True, parallel=True)
+def fp32_to_bf16_rows(x, out):
+    """ggml_compute_fp32_to_bf16 per element: quiet NaNs, otherwise round to nearest even."""
+    n_rows, n = x.shape
+    for r in prange(n_rows):
+        for i in range(n):
+            u = np.uint32(x[r, i])
+            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                out[r, i] = np.uint16((u >> np.uint32(16)) | np.uint32(64))
+            else:
+                # the rounding carry may run into the exponent (up to Inf); no uint32 overflow is
+                # possible since u <= 0xFF7FFFFF here
+                v = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+                out[r, i] = np.uint16(v >> np.uint32(16))
+
+
+@njit(cache=True, parallel=True)
+def bf16_to_fp32_rows(b, out):
+    n_rows, n = b.shape
+    for r in prange(n_rows):
+        for i in range(n):
+            out[r, i] = np.uint32(b[r, i]) << np.uint32(16)

@@ -1,0 +1,654 @@
+"""numba kernels for the legacy 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
+
+Same contract as the numpy reference in :mod:`quantkit.formats.legacy`: float32 rows
+``x`` (n_rows, n_per_row) in, uint8 rows of blocks (n_rows, row_size) out, and the reverse.  Formats
+are selected by their ggml type id.  Rows are independent and run in parallel (``prange``; the
+thread count is ``numba.set_num_threads``); within a block everything is scalar and in C order.
+
+Exactness rules (specs/ggml-quants.md Appendix A): every float intermediate is float32 (numba turns
+``float32 op int`` and Python float literals into float64, so integers and constants are wrapped in
+``F(...)``), except where ik_llama.cpp's make_qkx3_quants accumulates in double; packed bytes are cast
+to int64 before bit operations; no fastmath, so LLVM neither reassociates nor fuses multiply-adds.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+F = np.float32
+D = np.float64
+QK = 32
+
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8          # ggml type ids
+
+GROUP_MAX_EPS = F(1e-15)
+FLT_MAX = F(np.finfo(np.float32).max)
+TWO_POW_24 = F(2.0 ** 24)
+
+#: fp16 bit pattern -> float32 value, for the decoders (exact: every fp16 is a float32)
+FP16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+# ---- scalar helpers ----
+
+@njit(cache=True)
+def fp32_to_fp16_bits(f):
+    """IEEE round-to-nearest-even float32 -> fp16 bits (GGML_FP32_TO_FP16); NaN -> sign|0x7E00."""
+    u = np.int64(np.float32(f).view(np.uint32))
+    sign = (u >> 16) & 0x8000
+    a = u & 0x7FFFFFFF
+    if a > 0x7F800000:              # NaN
+        return sign | 0x7E00
+    if a >= 0x477FF000:             # >= 65520 rounds to Inf (65504 has an odd mantissa)
+        return sign | 0x7C00
+    if a < 0x38800000:              # below 2^-14: fp16 subnormal in units of 2^-24 (exact scaling)
+        return sign | int(np.rint(abs(f) * TWO_POW_24))
+    # rebias the exponent (127 -> 15) and drop 13 mantissa bits, rounding half to even; a carry
+    # out of the mantissa correctly bumps the exponent
+    b = a - 0x38000000
+    return sign | ((b + 0x0FFF + ((b >> 13) & 1)) >> 13)
+
+
+@njit(cache=True)
+def _store_fp16(y, off, f):
+    h = fp32_to_fp16_bits(f)
+    y[off] = h & 0xFF
+    y[off + 1] = h >> 8
+
+
+# Block layouts (ggml-common.h), byte offsets within a block; d and m are little-endian fp16:
+#
+#   Q4_0  d[0:2]                  qs[2:18]
+#   Q4_1  d[0:2]  m[2:4]          qs[4:20]
+#   Q5_0  d[0:2]         qh[2:6]  qs[6:22]
+#   Q5_1  d[0:2]  m[2:4] qh[4:8]  qs[8:24]
+#   Q8_0  d[0:2]                  qs[2:34]   one int8 code per value
+#
+#   qs byte j:  bits 0-3 = code j (low 4 bits), bits 4-7 = code j+16
+#   qh:         little-endian uint32, bit e = bit 4 of code e (e = 0..31)
+
+@njit(cache=True)
+def _block_bytes(qtype):
+    if qtype == Q4_0:
+        return 18
+    if qtype == Q4_1:
+        return 20
+    if qtype == Q5_0:
+        return 22
+    if qtype == Q5_1:
+        return 24
+    return 34
+
+
+@njit(cache=True)
+def _pack_codes(L, y, off, high_bits):
+    """Codes L[0..31] (already offset to be non-negative) -> [qh (4 bytes)] qs (16 bytes) at y[off].
+
+    qs[j] = code j (low nibble) | code j+16 (high nibble); qh is a little-endian uint32 whose bit e
+    is bit 4 of code e.
+    """
+    if high_bits:
+        qh = 0
+        for j in range(QK):
+            qh |= ((np.int64(L[j]) >> 4) & 1) << j
+        for k in range(4):
+            y[off + k] = (qh >> (8 * k)) & 0xFF
+        off += 4
+    for j in range(16):
+        y[off + j] = (np.int64(L[j]) & 0xF) | ((np.int64(L[j + 16]) & 0xF) << 4)
+
+
+# ---- quantize_row_*_ref (no imatrix) ----
+# These loops are kept free of data-dependent branches (selects, float min/max, truncating
+# conversions) so that they run at a few cycles per value; the C reference is auto-vectorised.
+
+@njit(cache=True)
+def _absmax(xb):
+    """max |x| over the block (C: amax = MAX(amax, fabsf(v)), starting from 0)."""
+    amax = F(0)
+    for j in range(QK):
+        v = abs(xb[j])
+        amax = amax if amax > v else v
+    return amax
+
+
+@njit(cache=True)
+def _q8_0_block(xb, y, off):
+    d = _absmax(xb) / F(127)
+    id_ = F(1) / d if d != 0 else F(0)
+    _store_fp16(y, off, d)
+    for j in range(QK):
+        # C roundf (halves away from zero): v - trunc(v) is exact in float32
+        v = xb[j] * id_
+        t = np.trunc(v)
+        frac = v - t
+        q = t + F(frac >= F(0.5)) - F(frac <= F(-0.5))
+        y[off + 2 + j] = np.uint8(np.int32(q) & 0xFF)
+
+
+@njit(cache=True)
+def _store_qh(y, off, qh):
+    """qh is stored as a little-endian uint32: bit e = bit 4 of code e (Q5_0/Q5_1 only)."""
+    for k in range(4):
+        y[off + k] = (qh >> (8 * k)) & 0xFF
+
+
+@njit(cache=True)
+def _int8_cast(v):
+    """C's ``(int8_t)v`` as x86 code computes it: truncate to int32 (NaN and out-of-range values give
+    INT32_MIN) and keep the low byte, sign-extended.  For the usual 0..32 values it is trunc(v); the
+    rest only occurs when 1/d overflows to Inf, and then C writes code 0."""
+    b = np.int64(np.int32(v)) & 0xFF
+    return (b ^ 0x80) - 0x80
+
+
+@njit(cache=True)
+def _pack_byte(lo, hi, five_bit):
+    """qs byte of codes j (lo) and j+16 (hi).  C packs the 4-bit types as ``lo | hi << 4`` and the
+    5-bit ones as ``(lo & 0xF) | (hi & 0xF) << 4``; both are uint8."""
+    if five_bit:
+        return (lo & 0xF) | ((hi & 0xF) << 4)
+    return (lo | (hi << 4)) & 0xFF
+
+
+@njit(cache=True)
+def _centered_block(xb, y, off, nmax):
+    """Q4_0 / Q5_0 reference: d = max/-nmax (max = signed value of the first largest |x|),
+    code = min(2*nmax - 1, (int8_t)(x/d + nmax + 0.5))."""
+    amax = F(0)
+    mx = F(0)                   # C starts from +0.0 and keeps it for an all-zero block
+    for j in range(QK):
+        a = abs(xb[j])
+        bigger = amax < a       # strict: the first of equal |x| wins
+        mx = xb[j] if bigger else mx
+        amax = a if bigger else amax
+    d = mx / F(-nmax)
+    id_ = F(1) / d if d != 0 else F(0)
+    _store_fp16(y, off, d)
+    half = F(nmax + 0.5)
+    top = 2 * nmax - 1
+    five_bit = nmax == 16
+    qs = off + 6 if five_bit else off + 2
+    qh = 0
+    for j in range(16):
+        lo = min(top, _int8_cast(xb[j] * id_ + half)) & 0xFF
+        hi = min(top, _int8_cast(xb[j + 16] * id_ + half)) & 0xFF
+        y[qs + j] = _pack_byte(lo, hi, five_bit)
+        qh |= (((lo >> 4) & 1) << j) | (((hi >> 4) & 1) << (j + 16))
+    if five_bit:
+        _store_qh(y, off + 2, qh)
+
+
+@njit(cache=True)
+def _affine_block(xb, y, off, nmax):
+    """Q4_1 / Q5_1 reference: d = (max - min)/nmax, m = min, code = (x - min)/d + 0.5 cast to
+    int8_t and clamped to 15 (Q4_1) or cast to uint8_t (Q5_1)."""
+    mn = FLT_MAX
+    mx = -FLT_MAX
+    for j in range(QK):
+        v = xb[j]
+        mn = v if v < mn else mn        # C's strict comparisons: the first of equal values stays
+        mx = v if v > mx else mx
+    d = (mx - mn) / F(nmax)
+    id_ = F(1) / d if d != 0 else F(0)
+    _store_fp16(y, off, d)
+    _store_fp16(y, off + 2, mn)
+    five_bit = nmax == 31
+    qs = off + 8 if five_bit else off + 4
+    qh = 0
+    for j in range(16):
+        lo = _int8_cast((xb[j] - mn) * id_ + F(0.5))
+        hi = _int8_cast((xb[j + 16] - mn) * id_ + F(0.5))
+        if not five_bit:
+            lo = min(15, lo)
+            hi = min(15, hi)
+        lo &= 0xFF
+        hi &= 0xFF
+        y[qs + j] = _pack_byte(lo, hi, five_bit)
+        qh |= (((lo >> 4) & 1) << j) | (((hi >> 4) & 1) << (j + 16))
+    if five_bit:
+        _store_qh(y, off + 4, qh)
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows_plain(qtype, x, out):
+    """Reference (no imatrix) quantization of every row; also Q8_0 with or without imatrix."""
+    n_rows, n = x.shape
+    ts = _block_bytes(qtype)
+    for r in prange(n_rows):
+        y = out[r]
+        for ib in range(n // QK):
+            xb = x[r, ib * QK:(ib + 1) * QK]
+            if qtype == Q8_0:
+                _q8_0_block(xb, y, ib * ts)
+            elif qtype == Q4_0:
+                _centered_block(xb, y, ib * ts, 8)
+            elif qtype == Q5_0:
+                _centered_block(xb, y, ib * ts, 16)
+            elif qtype == Q4_1:
+                _affine_block(xb, y, ib * ts, 15)
+            else:
+                _affine_block(xb, y, ib * ts, 31)
+
+
+# ---- imatrix paths ----
+
+# The scale searches below are bound by the latency of their sequential sums (each addition waits
+# for the previous one), not by arithmetic.  So two trial scales are evaluated in one pass over the
+# block: two independent chains run at nearly the cost of one.  The accept/reject decisions are
+# still taken one trial after the other, in C's order, so the result is unchanged.
+
+@njit(cache=True)
+def _qx_codes(xb, nmax, iscale, L):
+    """L[i] = clamp(nearest_int(iscale*x[i]), -nmax, nmax-1)."""
+    for i in range(QK):
+        L[i] = max(-nmax, min(nmax - 1, int(np.rint(iscale * xb[i]))))
+
+
+@njit(cache=True)
+def _qx_sums2(xb, w, nmax, ia, ib):
+    """Σ w*x*l and Σ w*l*l (float32, C order) for the codes of two trial scales ia and ib."""
+    lo = F(-nmax)
+    hi = F(nmax - 1)
+    sxa = F(0)
+    s2a = F(0)
+    sxb = F(0)
+    s2b = F(0)
+    for i in range(QK):
+        # clamping the float code equals clamping nearest_int's result, without branches
+        la = min(hi, max(lo, np.rint(ia * xb[i])))
+        lb = min(hi, max(lo, np.rint(ib * xb[i])))
+        wx = w[i] * xb[i]
+        sxa += wx * la
+        s2a += w[i] * la * la
+        sxb += wx * lb
+        s2b += w[i] * lb * lb
+    return sxa, s2a, sxb, s2b
+
+
+@njit(cache=True)
+def _qx_iscale(k, nmax, mx, ik):
+    """Trial scale number k of make_qx_quants, in C's order: -nmax/max, then for s = -9..9
+    -(nmax + 0.1 s)/max (mainline skips s = 0) followed, in ik only, by (nmax - 1 + 0.1 s)/max."""
+    if k == 0:
+        return F(-nmax) / mx
+    if ik:
+        s = (k - 1) // 2 - 9
+        if (k - 1) % 2 == 1:
+            return (F(nmax - 1) + F(0.1) * F(s)) / mx
+    else:
+        s = k - 10 if k <= 9 else k - 9
+    return -(F(nmax) + F(0.1) * F(s)) / mx
+
+
+@njit(cache=True)
+def make_qx_quants(xb, w, nmax, L, ik):
+    """Weighted symmetric scale search (rmse_type 1); L gets codes l + nmax; returns the scale."""
+    amax = F(0)
+    mx = F(0)
+    for i in range(QK):
+        ax = abs(xb[i])
+        if ax > amax:
+            amax = ax
+            mx = xb[i]
+    if amax < GROUP_MAX_EPS:
+        for i in range(QK):
+            L[i] = 0
+        return F(0)
+    n_trials = 39 if ik else 19
+    best_k = 0
+    scale = F(0)
+    best = F(0)
+    sumlx = F(0)
+    suml2 = F(0)
+    for k in range(0, n_trials, 2):
+        kb = min(k + 1, n_trials - 1)
+        sxa, s2a, sxb, s2b = _qx_sums2(xb, w, nmax, _qx_iscale(k, nmax, mx, ik), _qx_iscale(kb, nmax, mx, ik))
+        for t in range(k, kb + 1):
+            sx = sxa if t == k else sxb
+            s2 = s2a if t == k else s2b
+            if t == 0:          # the first trial is taken unconditionally
+                scale = sx / s2 if s2 != 0 else F(0)
+                best = scale * sx
+                sumlx = sx
+                suml2 = s2
+            elif s2 > 0 and sx * sx > best * s2:
+                scale = sx / s2
+                best = scale * sx
+                sumlx = sx
+                suml2 = s2
+                best_k = t
+    _qx_codes(xb, nmax, _qx_iscale(best_k, nmax, mx, ik), L)
+    if ik:
+        # greedy refinement: step the code with the largest gradient while sumlx²/suml2 grows
+        for _ in range(QK * (2 * nmax - 1)):
+            abs_gmax = F(0)
+            gmax = F(0)
+            best_j = -1
+            for j in range(QK):
+                l = L[j]
+                g = scale * w[j] * (xb[j] - scale * F(l))
+                movable = ((g > 0) & (l < nmax - 1)) | ((g < 0) & (l > -nmax))
+                ag = abs(g) if movable else F(0)
+                if ag > abs_gmax:
+                    abs_gmax = ag
+                    gmax = g
+                    best_j = j
+            if best_j < 0:
+                break
+            wj = w[best_j]
+            l = L[best_j]
+            if gmax > 0:
+                nsx = sumlx + wj * xb[best_j]
+                ns2 = suml2 + wj * F(2 * l + 1)
+                l += 1
+            else:
+                nsx = sumlx - wj * xb[best_j]
+                ns2 = suml2 - wj * F(2 * l - 1)
+                l -= 1
+            if ns2 > 0 and nsx * nsx > best * ns2:
+                sumlx = nsx
+                suml2 = ns2
+                scale = sumlx / suml2
+                best = scale * sumlx
+                L[best_j] = l
+            else:
+                break
+    for i in range(QK):
+        L[i] += nmax
+    return scale
+
+
+@njit(cache=True)
+def _qkx3_codes(xb, nmax, iscale, mn, L):
+    """L[i] = clamp(nearest_int(iscale*(x[i] - min)), 0, nmax)."""
+    for i in range(QK):
+        L[i] = max(0, min(nmax, int(np.rint(iscale * (xb[i] - mn)))))
+
+
+@njit(cache=True)
+def _qkx3_sums2_ik(xb, w, fnmax, ia, ib, mn):
+    """Double sums Σ w*l, Σ w*l*l, Σ w*l*x for the codes of two trial scales ia and ib."""
+    la = 0.0
+    la2 = 0.0
+    lxa = 0.0
+    lb = 0.0
+    lb2 = 0.0
+    lxb = 0.0
+    for i in range(QK):
+        xm = xb[i] - mn
+        fa = D(min(fnmax, max(F(0), np.rint(ia * xm))))
+        fb = D(min(fnmax, max(F(0), np.rint(ib * xm))))
+        wa = D(w[i]) * fa
+        wb = D(w[i]) * fb
+        la += wa
+        la2 += wa * fa
+        lxa += wa * D(xb[i])
+        lb += wb
+        lb2 += wb * fb
+        lxb += wb * D(xb[i])
+    return la, la2, lxa, lb, lb2, lxb
+
+
+@njit(cache=True)
+def _qkx3_fit_ik(sum_w, sum_x, sum_x2, sum_l, sum_l2, sum_xl):
+    """Least-squares (scale, min <= 0) for fixed codes and its weighted squared error, from the
+    sums alone.  Returns (ok, scale, min, error); ok is False when the system is singular."""
+    det = sum_w * sum_l2 - sum_l * sum_l
+    if not det > 0:
+        return False, 0.0, 0.0, 0.0
+    ts = (sum_w * sum_xl - sum_x * sum_l) / det
+    tm = (sum_l2 * sum_x - sum_l * sum_xl) / det
+    if tm > 0:
+        tm = 0.0
+        ts = sum_xl / sum_l2
+    mad = (sum_x2 - 2 * ts * sum_xl - 2 * tm * sum_x + 2 * ts * tm * sum_l
+           + ts * ts * sum_l2 + tm * tm * sum_w)
+    return True, ts, tm, mad
+
+
+@njit(cache=True)
+def make_qkx3_quants_ik(xb, w, nmax, L, rmin, rdelta, nstep):
+    """ik_llama.cpp's affine search (double sums, error from the sums, greedy refinement).
+    Returns (scale, the_min) with the_min = -min."""
+    mn = xb[0]
+    mx = xb[0]
+    sum_w = D(w[0])
+    sum_x = sum_w * D(xb[0])
+    sum_x2 = sum_w * D(xb[0]) * D(xb[0])
+    for i in range(1, QK):
+        if xb[i] < mn:
+            mn = xb[i]
+        if xb[i] > mx:
+            mx = xb[i]
+        wi = D(w[i])
+        sum_w += wi
+        sum_x += wi * D(xb[i])
+        sum_x2 += wi * D(xb[i]) * D(xb[i])
+    if mn > 0:
+        mn = F(0)
+    if mx - mn < F(1e-10):
+        for i in range(QK):
+            L[i] = 0
+        return F(0), -mn
+    fnmax = F(nmax)
+    iscale = fnmax / (mx - mn)
+    scale = F(1) / iscale
+    best_mad = 0.0
+    for i in range(QK):
+        L[i] = max(0, min(nmax, int(np.rint(iscale * (xb[i] - mn)))))
+        diff = D(scale) * D(L[i]) + D(mn) - D(xb[i])
+        best_mad += D(w[i]) * (diff * diff)
+    # Trial s uses iscale = (rmin + rdelta*s + nmax)/(max - min) with the min fitted so far, so
+    # trial s+1 depends on whether trial s was taken.  Both are summed in one pass with the current
+    # min; when trial s is taken (which changes min) the sums of s+1 are dropped and redone.
+    s = 0
+    while s <= nstep:
+        sb = min(s + 1, nstep)
+        ia = (rmin + rdelta * F(s) + fnmax) / (mx - mn)
+        ib = (rmin + rdelta * F(sb) + fnmax) / (mx - mn)
+        sums = _qkx3_sums2_ik(xb, w, fnmax, ia, ib, mn)
+        for t in range(s, sb + 1):
+            k = 3 * (t - s)
+            ok, ts, tm, mad = _qkx3_fit_ik(sum_w, sum_x, sum_x2, sums[k], sums[k + 1], sums[k + 2])
+            if ok and mad < best_mad:
+                _qkx3_codes(xb, nmax, ia if t == s else ib, mn, L)
+                best_mad = mad
+                scale = F(ts)
+                mn = F(tm)
+                break
+        s = t + 1
+
+    sum_l = 0.0
+    sum_l2 = 0.0
+    sum_xl = 0.0
+    for i in range(QK):
+        wl = D(w[i]) * D(L[i])
+        sum_l += wl
+        sum_l2 += wl * D(L[i])
+        sum_xl += wl * D(xb[i])
+    sd = D(scale)
+    md = D(mn)
+    best = 2 * sd * sum_xl + 2 * md * sum_x - 2 * sd * md * sum_l - sd * sd * sum_l2 - md * md * sum_w
+    last_j = -1
+    last_dir = 0
+    for _ in range(nmax * QK):
+        # the value with the largest residual |g| whose code can still move towards it; the first
+        # one wins ties.  Bitwise &, | and the select keep the loop free of unpredictable branches.
+        gmax = F(0)
+        best_j = -1
+        for j in range(QK):
+            g = xb[j] - scale * F(L[j]) - mn
+            movable = ((g > 0) & (L[j] < nmax)) | ((g < 0) & (L[j] > 0))
+            a = abs(g) if movable else F(0)
+            if a > gmax:
+                gmax = a
+                best_j = j
+        if best_j < 0:
+            break
+        direction = 1 if xb[best_j] - scale * F(L[best_j]) - mn > 0 else -1
+        if best_j == last_j and direction == -last_dir:
+            break
+        wj = D(w[best_j])
+        sum_l += wj * direction
+        sum_l2 += wj * D(2 * L[best_j] * direction + 1)
+        sum_xl += wj * D(xb[best_j]) * direction
+        det = sum_w * sum_l2 - sum_l * sum_l
+        if det <= 0:
+            break
+        ts = (sum_w * sum_xl - sum_x * sum_l) / det
+        tm = (sum_l2 * sum_x - sum_l * sum_xl) / det
+        if tm > 0:
+            tm = 0.0
+            ts = sum_xl / sum_l2
+        if ts < 0:
+            break
+        score = 2 * ts * sum_xl + 2 * tm * sum_x - 2 * ts * tm * sum_l - ts * ts * sum_l2 - tm * tm * sum_w
+        if score <= best:
+            break
+        best = score
+        scale = F(ts)
+        mn = F(tm)
+        L[best_j] += direction
+        last_j = best_j
+        last_dir = direction
+    return scale, -mn
+
+
+@njit(cache=True)
+def make_qkx3_quants_mainline(xb, w, nmax, L, Laux, rmin, rdelta, nstep):
+    """llama.cpp's affine search, all float32, error evaluated value by value.
+    Returns (scale, the_min) with the_min = -min."""
+    mn = xb[0]
+    mx = xb[0]
+    sum_w = w[0]
+    sum_x = sum_w * xb[0]
+    for i in range(1, QK):
+        if xb[i] < mn:
+            mn = xb[i]
+        if xb[i] > mx:
+            mx = xb[i]
+        sum_w += w[i]
+        sum_x += w[i] * xb[i]
+    if mn > 0:
+        mn = F(0)
+    if mx <= mn:
+        for i in range(QK):
+            L[i] = 0
+        return F(0), -mn
+    fnmax = F(nmax)
+    iscale = fnmax / (mx - mn)
+    scale = F(1) / iscale
+    best = F(0)
+    for i in range(QK):
+        L[i] = max(0, min(nmax, int(np.rint(iscale * (xb[i] - mn)))))
+        diff = scale * F(L[i]) + mn - xb[i]
+        best += w[i] * (diff * diff)
+    for s in range(nstep + 1):
+        iscale = (rmin + rdelta * F(s) + F(nmax)) / (mx - mn)
+        sum_l = F(0)
+        sum_l2 = F(0)
+        sum_xl = F(0)
+        for i in range(QK):
+            fl = min(fnmax, max(F(0), np.rint(iscale * (xb[i] - mn))))
+            Laux[i] = int(fl)
+            sum_l += w[i] * fl
+            sum_l2 += w[i] * fl * fl
+            sum_xl += w[i] * fl * xb[i]
+        det = sum_w * sum_l2 - sum_l * sum_l
+        if det > 0:
+            ts = (sum_w * sum_xl - sum_x * sum_l) / det
+            tm = (sum_l2 * sum_x - sum_l * sum_xl) / det
+            if tm > 0:
+                tm = F(0)
+                ts = sum_xl / sum_l2
+            cur = F(0)
+            for i in range(QK):
+                diff = ts * F(Laux[i]) + tm - xb[i]
+                cur += w[i] * (diff * diff)
+            if cur < best:
+                for i in range(QK):
+                    L[i] = Laux[i]
+                best = cur
+                scale = ts
+                mn = tm
+    return scale, -mn
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows_imatrix(qtype, x, qw, ik, out):
+    """Q4_0/Q4_1/Q5_0/Q5_1 with importance weights qw (n_per_row,); ik selects the fork's searches."""
+    n_rows, n = x.shape
+    ts = _block_bytes(qtype)
+    for r in prange(n_rows):
+        xr = x[r]
+        y = out[r]
+        sum_x2 = F(0)
+        for j in range(n):
+            sum_x2 += xr[j] * xr[j]
+        sigma2 = sum_x2 / F(n)
+        w = np.empty(QK, np.float32)
+        L = np.empty(QK, np.int64)
+        Laux = np.empty(QK, np.int64)
+        for ib in range(n // QK):
+            xb = xr[ib * QK:(ib + 1) * QK]
+            for j in range(QK):
+                w[j] = qw[ib * QK + j] * np.sqrt(sigma2 + xb[j] * xb[j])
+            off = ib * ts
+            if qtype == Q4_0 or qtype == Q5_0:
+                nmax = 8 if qtype == Q4_0 else 16
+                d = make_qx_quants(xb, w, nmax, L, ik)
+                _store_fp16(y, off, d)
+                _pack_codes(L, y, off + 2, qtype == Q5_0)
+            else:
+                nmax = 15 if qtype == Q4_1 else 31
+                if ik:
+                    d, the_min = make_qkx3_quants_ik(xb, w, nmax, L, F(-0.9), F(0.05), 36)
+                else:
+                    d, the_min = make_qkx3_quants_mainline(xb, w, nmax, L, Laux, F(-0.9), F(0.05), 36)
+                _store_fp16(y, off, d)
+                _store_fp16(y, off + 2, -the_min)
+                _pack_codes(L, y, off + 4, qtype == Q5_1)
+
+
+# ---- decoding ----
+
+@njit(cache=True, parallel=True)
+def dequantize_rows(qtype, blocks, fp16_table, out):
+    """blocks (n_rows, row_size) uint8 -> out (n_rows, n_per_row) float32 (dequantize_row_*)."""
+    n_rows, n = out.shape
+    ts = _block_bytes(qtype)
+    for r in prange(n_rows):
+        b = blocks[r]
+        for ib in range(n // QK):
+            o = ib * ts
+            e = ib * QK
+            d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+            if qtype == Q8_0:
+                for j in range(QK):
+                    q = np.int64(b[o + 2 + j])
+                    out[r, e + j] = F(q - 256 if q >= 128 else q) * d
+                continue
+            m = F(0)
+            qs = o + 2
+            if qtype == Q4_1 or qtype == Q5_1:
+                m = fp16_table[np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)]
+                qs += 2
+            qh = 0
+            if qtype == Q5_0 or qtype == Q5_1:
+                for k in range(4):
+                    qh |= np.int64(b[qs + k]) << (8 * k)
+                qs += 4
+            for j in range(16):
+                byte = np.int64(b[qs + j])
+                q0 = (byte & 0xF) | (((qh >> j) & 1) << 4)
+                q1 = (byte >> 4) | (((qh >> (j + 16)) & 1) << 4)
+                if qtype == Q4_0:
+                    out[r, e + j] = F(q0 - 8) * d
+                    out[r, e + j + 16] = F(q1 - 8) * d
+                elif qtype == Q5_0:
+                    out[r, e + j] = F(q0 - 16) * d
+                    out[r, e + j + 16] = F(q1 - 16) * d
+                else:
+                    out[r, e + j] = F(q0) * d + m
+                    out[r, e + j + 16] = F(q1) * d + m
