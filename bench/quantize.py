@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -21,8 +22,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-from models import write_llama  # noqa: E402
 
 
 def run(cmd: list[str], env=None) -> tuple[float, int, str]:
@@ -50,6 +49,7 @@ def make_model(path: Path, size_mb: int) -> tuple[Path, int, int]:
     n_embd, n_ff, n_vocab = 2048, 5632, 32000
     per_layer = 4 * n_embd * n_embd + 3 * n_embd * n_ff
     n_layer = max(1, int((size_mb * 1e6 / 2 - 2 * n_vocab * n_embd) / per_layer))
+    from models import write_llama
     write_llama(path, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=16, n_head_kv=16, n_vocab=n_vocab,
                 dtype=np.float16, seed=1)
     n_weights = n_layer * per_layer + 2 * n_vocab * n_embd
@@ -66,8 +66,17 @@ def main() -> None:
     qk = [sys.executable, "-m", "quantkit", "quantize"]
     with tempfile.TemporaryDirectory(dir=REPO) as d:
         d = Path(d)
-        src, n_weights, largest = make_model(d / "in-f16.gguf", args.size_mb)
-        tiny = write_llama(d / "tiny.gguf", n_layer=1, n_embd=256, n_ff=512, dtype=np.float16)
+        # models are written by a child process: ru_maxrss survives fork+exec, so a parent that held
+        # the model in memory would inflate the peak RSS measured for both tools
+        gen = (f"import sys; sys.path[:0] = [{str(REPO / 'tests')!r}, {str(REPO / 'bench')!r}]\n"
+               f"from pathlib import Path; import numpy as np\n"
+               f"from quantize import make_model; from models import write_llama\n"
+               f"p, n, big = make_model(Path({str(d / 'in-f16.gguf')!r}), {args.size_mb})\n"
+               f"write_llama(Path({str(d / 'tiny.gguf')!r}), n_layer=1, n_embd=256, n_ff=512, dtype=np.float16)\n"
+               f"print(n, big)")
+        _, _, printed = run([sys.executable, "-c", gen])
+        n_weights, largest = map(int, printed.split())
+        src, tiny = d / "in-f16.gguf", d / "tiny.gguf"
         print(f"input: {src.stat().st_size / 1e6:.0f} MB F16, {n_weights / 1e6:.0f} M weights, "
               f"largest tensor {largest / 1e6:.0f} MB; {args.threads} threads")
         print(f"{'type':6} {'tool':16} {'wall s':>8} {'M weights/s':>12} {'peak RSS MB':>12}")
@@ -76,9 +85,12 @@ def main() -> None:
             env = dict(os.environ, NUMBA_CACHE_DIR=str(d / f"numba-{t}"))
             cold, _, _ = run(qk + [str(tiny), str(d / "tiny-out.gguf"), t, "--threads", str(args.threads)], env)
             warm, _, _ = run(qk + [str(tiny), str(d / "tiny-out.gguf"), t, "--threads", str(args.threads)], env)
-            wall, rss, _ = run(qk + [str(src), str(d / "qk.gguf"), t, "--threads", str(args.threads)], env)
+            wall, rss, out = run(qk + [str(src), str(d / "qk.gguf"), t, "--threads", str(args.threads),
+                                       "--json"], env)
+            inner = json.loads(out[out.index("{"):])["result"]["seconds"]
             print(f"{t:6} {'quantkit':16} {wall:8.2f} {n_weights / wall / 1e6:12.1f} {rss / 1e6:12.0f}"
-                  f"   (numba compile {cold - warm:.1f} s, not included)")
+                  f"   (steady state {n_weights / inner / 1e6:.1f} M weights/s without interpreter start-up;"
+                  f" numba compile {cold - warm:.1f} s, not included)")
             wall, rss, _ = run([lq, "--pure", str(src), str(d / "lq.gguf"), t.upper(), str(args.threads)])
             print(f"{t:6} {'llama-quantize':16} {wall:8.2f} {n_weights / wall / 1e6:12.1f} {rss / 1e6:12.0f}")
             for f in ("qk.gguf", "lq.gguf"):

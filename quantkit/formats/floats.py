@@ -40,9 +40,20 @@ class F32(BlockFormat, qtype=QuantType.F32):
         return np.ascontiguousarray(blocks, np.uint8).view("<f4").reshape(blocks.shape[0], n_per_row).copy()
 
 
+# every float16 bit pattern decoded once; the fast decoder is a parallel table lookup
+_F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+
 class F16(BlockFormat, qtype=QuantType.F16):
     quant_paths = ALL_PATHS
     scale_fields = ((0, "<f2"),)
+
+    @classmethod
+    def dequantize_fast(cls, blocks, n_per_row):
+        out = np.empty((blocks.shape[0], n_per_row), np.float32)
+        h = np.ascontiguousarray(blocks, np.uint8).view(np.uint16).reshape(blocks.shape[0], n_per_row)
+        kernels.f16_to_fp32_rows(h, _F16_TO_F32, out)
+        return out
 
     @classmethod
     def quantize_ref(cls, x, imatrix, flavor):

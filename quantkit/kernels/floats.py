@@ -31,3 +31,12 @@ def bf16_to_fp32_rows(b, out):
     for r in prange(n_rows):
         for i in range(n):
             out[r, i] = np.uint32(b[r, i]) << np.uint32(16)
+
+
+@njit(cache=True, parallel=True)
+def f16_to_fp32_rows(h, lut, out):
+    """F16 bit patterns to float32 through a 65536-entry table (exact, NaN payloads included)."""
+    n_rows, n = h.shape
+    for r in prange(n_rows):
+        for i in range(n):
+            out[r, i] = lut[h[r, i]]
