@@ -50,9 +50,16 @@ class Result:
                 "missing_imatrix": self.missing_imatrix}
 
 
+def read_rows(info: TensorInfo, rows: slice) -> np.ndarray:
+    """The stored bytes of some rows, (n, row_size) uint8, as a private copy."""
+    row_size = traits(info.qtype).row_size(info.shape[0])
+    raw = info.source.read(info.offset + rows.start * row_size, (rows.stop - rows.start) * row_size)
+    return raw.reshape(-1, row_size)
+
+
 def to_float32(info: TensorInfo, rows: slice) -> np.ndarray:
     """Rows of a tensor as float32 (n, n_per_row), decoded from any readable type."""
-    raw = info.raw()[rows]
+    raw = read_rows(info, rows)
     n_per_row = info.shape[0]
     if info.qtype == QuantType.F32:
         return np.ascontiguousarray(raw).view(np.float32).reshape(-1, n_per_row)
@@ -108,7 +115,6 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
     n_rows_per_matrix = shape[1] if len(shape) > 1 else 1
     n_matrices = info.n_rows // n_rows_per_matrix
     group = traits(tp.dst_type).interleave_rows
-    src_row_size = traits(info.qtype).row_size(n_per_row)
     for m, rows in _row_chunks(n_rows_per_matrix, n_matrices, n_per_row, group):
         x = to_float32(info, rows)
         _check_finite(x, "the input", info.name, rows.start)
@@ -120,17 +126,12 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
         if bad is not None:
             raise QuantkitError(f"tensor '{info.name}': the quantized output has a non-finite scale or value "
                                 f"at row {rows.start + bad[0]} (|x| too large for {type_name(tp.dst_type)}?)")
-        del x
-        info.source.release(info.offset + rows.start * src_row_size, (rows.stop - rows.start) * src_row_size)
         yield q
 
 
 def _copy_tensor(info: TensorInfo, chunk_bytes: int = CHUNK_BYTES):
-    raw = info.source.view(info.offset, info.nbytes)
     for s in range(0, info.nbytes, chunk_bytes):
-        n = min(chunk_bytes, info.nbytes - s)
-        yield raw[s:s + n].copy()     # copy, so the mapped pages can be released right away
-        info.source.release(info.offset + s, n)
+        yield info.source.read(info.offset + s, min(chunk_bytes, info.nbytes - s))
 
 
 def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
@@ -160,7 +161,6 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
                 writer.write_tensor(tp.name, _copy_tensor(info))
             else:
                 writer.write_tensor(tp.name, convert_tensor(info, tp, imatrix_for(tp), plan.flavor))
-            info.source.release(info.offset, info.nbytes)
             per_tensor[tp.name] = time.perf_counter() - ts
             done += tp.nbytes_in
             if progress:

@@ -229,19 +229,20 @@ class GGUFFile:
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=offset)
 
-    def release(self, offset: int, nbytes: int) -> None:
-        """Drop the mapped pages of a byte range from this process's resident set.
+    def read(self, offset: int, nbytes: int) -> np.ndarray:
+        """A private copy of a byte range, read with pread.
 
-        Pages of a read-only file mapping that were read once would otherwise stay counted in RSS
-        until the end; streaming a 1.3 TB model must not look like holding it.
+        Streaming code uses this rather than the map: one bulk copy from the page cache is much
+        cheaper than a page fault per 4 KiB page, and nothing stays resident afterwards.
         """
-        if self._mm is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        page = mmap.PAGESIZE
-        start = offset // page * page
-        end = min(self.file_size, offset + nbytes)
-        if end > start:
-            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        buf = np.empty(nbytes, dtype=np.uint8)
+        view, done = memoryview(buf), 0
+        while done < nbytes:
+            n = os.preadv(self._fh.fileno(), [view[done:]], offset + done)
+            if n <= 0:
+                raise GGUFFormatError(self.path, offset + done, "unexpected end of file while reading")
+            done += n
+        return buf
 
     def get(self, key: str, default=None):
         mv = self.metadata.get(key)
