@@ -42,6 +42,22 @@ def _parse_type(value: str | None, what: str) -> QuantType | None:
         raise QuantkitError(f"{what}: unknown type '{value}'") from None
 
 
+def _parse_preset_or_type(value: str | None, flavor: str):
+    """TYPE: a preset of the flavor (Q4_K_M, IQ4_K, 15, …) or a ggml type; presets win, as in
+    llama-quantize.  Returns (preset, default type)."""
+    from .presets import find_preset
+    if value is None:
+        return None, None
+    preset = find_preset(value, flavor)
+    if preset is not None:
+        return preset, preset.default_type
+    try:
+        return None, type_from_name(value)
+    except ValueError:
+        raise QuantkitError(f"TYPE: unknown type '{value}' (neither a ggml type nor a {flavor} preset such as "
+                            f"Q4_K_M)") from None
+
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
 
 
@@ -97,7 +113,8 @@ def render_plan(plan, show_tensors: bool = True) -> None:
     bpw = 8 * plan.bytes_out / plan.n_elements if plan.n_elements else 0
     out.print(f"[bold]total[/]: {len(plan.tensors)} tensors, {plan.n_elements:,} weights, "
               f"{plan.bytes_in / GIB:.3f} GiB → {plan.bytes_out / GIB:.3f} GiB, {bpw:.3f} bpw, "
-              f"file type {plan.file_type}, flavor {plan.flavor}")
+              + (f"preset {plan.preset.name}, " if plan.preset is not None else "")
+              + f"file type {plan.file_type}, flavor {plan.flavor}")
 
 
 def _progress() -> Progress:
@@ -126,7 +143,8 @@ def cli():
 @click.option("--token-embedding-type", help="Type for token_embd.weight (wins over the recipe).")
 @click.option("--output-tensor-type", help="Type for output.weight (wins over the recipe).")
 @click.option("--leave-output-tensor", is_flag=True, help="Keep output.weight as it is.")
-@click.option("--pure", is_flag=True, help="No preset mixture heuristics: TYPE for every tensor no rule matches.")
+@click.option("--pure", is_flag=True,
+              help="No preset mix heuristics: the preset's default type for every tensor no rule matches.")
 @click.option("--allow-requantize", is_flag=True, help="Allow quantized inputs (dequantized, then quantized).")
 @click.option("--strict", is_flag=True, help="Any fallback type is an error.")
 @click.option("--flavor", type=click.Choice(["ik", "mainline"]), default="ik", show_default=True,
@@ -141,12 +159,14 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
              strict, flavor, split_max_size, keep_split, threads, dry_run, as_json):
     """Quantize IN to OUT with a per-tensor recipe.
 
-    TYPE is the type of every quantizable tensor no recipe rule matches (omit it to keep those as
-    they are).
+    TYPE is a llama-quantize preset (Q4_K_M, Q6_K, IQ4_XS, IQ4_K, …: the C tool's per-tensor mix for
+    every tensor no recipe rule matches) or a ggml type name (that type for all of them, as --pure).
+    Omit it to keep unmatched tensors as they are.
     """
     from . import formats
     from .gguf_io.reader import open_model
-    from .plan import PlanOptions, check_implemented, make_plan
+    from .plan import PlanOptions, check_imatrix, check_implemented, make_plan
+    from .presets import ModelInfo
     from .quantize import WriteOptions, run_plan
     from .recipes import load_recipe
 
@@ -156,8 +176,9 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
     if include_weights and exclude_weights:
         raise QuantkitError("--include-weights and --exclude-weights cannot be used together")
     _refuse_overwrite_input(model_in, model_out)
+    preset, default = _parse_preset_or_type(default_type, flavor)
     opts = PlanOptions(
-        default_type=_parse_type(default_type, "TYPE"),
+        default_type=default, preset=preset,
         recipe=load_recipe(list(custom_q)) if custom_q else None,
         token_embedding_type=_parse_type(token_embedding_type, "--token-embedding-type"),
         output_tensor_type=_parse_type(output_tensor_type, "--output-tensor-type"),
@@ -167,8 +188,10 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
     if imatrix_path is not None:
         from .imatrix import load_imatrix
         imat = load_imatrix(imatrix_path, include=list(include_weights), exclude=list(exclude_weights))
+    opts.has_imatrix = imat is not None and len(imat) > 0
 
     with open_model(model_in) as model:
+        opts.model = ModelInfo.from_metadata(model.get)
         plan = make_plan(model.tensors, opts)
         imatrix_of = {}
         missing = []
@@ -187,13 +210,15 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
                 plan.warnings.append(f"no imatrix data for {len(missing)} tensor(s), quantized without: "
                                      + ", ".join(missing))
         problems = []
-        try:
-            check_implemented(plan, formats.can_quantize, formats.can_dequantize,
-                              lambda tp: tp.name in imatrix_of)
-        except QuantkitError as e:
-            if not dry_run:
-                raise
-            problems.append(str(e))
+        for check in (lambda: check_imatrix(plan, opts.has_imatrix, lambda tp: tp.name in imatrix_of),
+                      lambda: check_implemented(plan, formats.can_quantize, formats.can_dequantize,
+                                                lambda tp: tp.name in imatrix_of)):
+            try:
+                check()
+            except QuantkitError as e:
+                if not dry_run:
+                    raise
+                problems.append(str(e))
         if as_json:
             doc = {"plan": plan.to_json(), "dry_run": dry_run}
             if problems:

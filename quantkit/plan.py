@@ -3,7 +3,9 @@
 Type selection follows ik_llama.cpp's llama-quantize (specs/ik-quants.md §11):
 
 1. tensors the C tools never quantize (1-D, norms, the MoE router, …) keep their type;
-2. the first recipe rule whose regex is found in the name, else the default TYPE;
+2. the first recipe rule whose regex is found in the name, else the preset's choice for the tensor
+   (presets.py: the mix heuristics of the flavor's llama_tensor_get_type, skipped with --pure and for
+   float presets), else the default TYPE;
 3. ``--token-embedding-type`` / ``--output-tensor-type`` win for their tensors;
 4. a row length the type's block does not divide falls back (ROW_FALLBACK), flagged;
 5. token embeddings are never row-interleaved, and an interleaved type whose row count is not a
@@ -15,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .errors import QuantkitError
+from .presets import ModelInfo, Preset, imatrix_problem, mix_types
 from .recipes import Recipe
 from .types import QuantType, TYPE_TRAITS, tensor_nbytes, traits, type_name
 
@@ -42,6 +45,9 @@ ROW_FALLBACK: dict[str, dict[QuantType, QuantType]] = {
     },
 }
 LAST_RESORT = T.F16     # when even the fallback's block does not divide the row
+
+# Interleaved types whose fallback layout is not their own base (ik's interleaved_properties).
+_INTERLEAVE_BASE = {T.Q8_K_R8: T.Q8_0}
 
 TOKEN_EMBD_NAMES = ("token_embd.weight", "per_layer_token_embd.weight")
 OUTPUT_NAME = "output.weight"
@@ -122,6 +128,7 @@ class Plan:
     file_type: int
     flavor: str
     warnings: list[str] = field(default_factory=list)
+    preset: Preset | None = None
 
     @property
     def bytes_in(self) -> int:
@@ -161,6 +168,7 @@ class Plan:
         gib = 1024 ** 3
         return {
             "default_type": type_name(self.default_type) if self.default_type is not None else None,
+            "preset": self.preset.name if self.preset is not None else None,
             "file_type": self.file_type, "flavor": self.flavor,
             "tensors": [t.to_json() for t in self.tensors],
             "totals": {"tensors": len(self.tensors), "elements": self.n_elements,
@@ -183,6 +191,9 @@ class PlanOptions:
     allow_requantize: bool = False
     strict: bool = False
     flavor: str = "ik"
+    preset: Preset | None = None        # a mix (Q4_K_M, IQ4_K, …); its default type is the default
+    model: ModelInfo | None = None      # hyper-parameters the mix rules look at (from the metadata)
+    has_imatrix: bool = False           # some mix rules change with an imatrix
 
 
 def _row_fallback(qtype: QuantType, n_per_row: int, flavor: str) -> QuantType:
@@ -194,7 +205,10 @@ def _row_fallback(qtype: QuantType, n_per_row: int, flavor: str) -> QuantType:
     return LAST_RESORT
 
 
-def _file_type(default_type: QuantType | None, tensors: list[TensorPlan]) -> int:
+def _file_type(default_type: QuantType | None, tensors: list[TensorPlan], preset: Preset | None,
+               flavor: str) -> int:
+    if preset is not None:
+        return preset.ftype(flavor)
     if default_type is not None and traits(default_type).ftype is not None:
         return traits(default_type).ftype
     # as the loader guesses it: the type holding the most weights among the converted tensors
@@ -208,9 +222,37 @@ def _file_type(default_type: QuantType | None, tensors: list[TensorPlan]) -> int
     return 0
 
 
+def _preset_mix(tensors, opts: PlanOptions, default_type: QuantType | None) -> dict[str, QuantType]:
+    """The preset's per-tensor types, or {} where the C tools skip the heuristics."""
+    preset = opts.preset
+    if preset is None or opts.pure or default_type is None or not traits(default_type).quantized:
+        return {}
+    visit = []
+    for t in tensors:
+        name, shape = t.name, tuple(t.shape)
+        if why_not_quantizable(name, shape, QuantType(t.qtype)) is not None:
+            continue
+        if opts.leave_output_tensor and name == OUTPUT_NAME:
+            continue
+        # mainline does not run the heuristics for a tensor a --tensor-type rule claims (so its
+        # counters skip it); ik runs them for every tensor and lets the custom rule win afterwards
+        if opts.flavor == "mainline" and opts.recipe and opts.recipe.match(name) is not None:
+            continue
+        visit.append((name, shape))
+    return mix_types(visit, [t.name for t in tensors], preset, opts.flavor, opts.model or ModelInfo(),
+                     has_imatrix=opts.has_imatrix, token_embedding_type=opts.token_embedding_type,
+                     output_tensor_type=opts.output_tensor_type)
+
+
 def make_plan(tensors, opts: PlanOptions) -> Plan:
     """Choose the target type of every tensor.  ``tensors`` are objects with name/shape/qtype."""
     recipe = opts.recipe
+    default_type = opts.default_type
+    if default_type is None and opts.preset is not None:
+        default_type = opts.preset.default_type
+    tensors = list(tensors)
+    mix = _preset_mix(tensors, opts, default_type)
+    mix_label = f"{opts.preset.name} mix" if opts.preset is not None else ""
     plans: list[TensorPlan] = []
     rule_hits = defaultdict(int)
     rule_names = defaultdict(int)     # rules whose pattern matched some name, quantizable or not
@@ -227,7 +269,9 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
             plans.append(TensorPlan(name, shape, src, src, f"kept: {reason}"))
             continue
 
-        dst, label, index = opts.default_type, "default", None
+        dst, label, index = default_type, "default", None
+        if mix.get(name, dst) != dst:
+            dst, label = mix[name], mix_label
         rule = recipe.match(name) if recipe else None
         if rule is not None:
             index = recipe.rules.index(rule)
@@ -250,7 +294,8 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
                             f"{traits(dst).block_size}: using {type_name(fixed)}")
         # (5) interleaved layouts
         tt = traits(tp.dst_type)
-        if tt.interleave_rows > 1 and tt.base is not None:
+        base = _INTERLEAVE_BASE.get(tp.dst_type, tt.base)
+        if tt.interleave_rows > 1 and base is not None:
             n_rows_per_matrix = shape[1] if len(shape) > 1 else 1
             why = None
             if name in TOKEN_EMBD_NAMES:
@@ -259,8 +304,8 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
                 why = f"{n_rows_per_matrix} rows are not a multiple of {tt.interleave_rows}"
             if why:
                 tp.requested = tp.requested or tp.dst_type
-                tp.notes.append(f"{why}: using {type_name(tt.base)}")
-                tp.dst_type = tt.base
+                tp.notes.append(f"{why}: using {type_name(base)}")
+                tp.dst_type = base
         if tp.dst_type != src and src not in _FLOAT_TYPES and not opts.allow_requantize:
             raise QuantkitError(f"tensor '{name}' is already {type_name(src)}: requantizing it to "
                                 f"{type_name(tp.dst_type)} needs --allow-requantize")
@@ -284,7 +329,19 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
                                 f"{p.notes[-1]}" + (f" (and {len(fallbacks) - 1} more)"
                                                     if len(fallbacks) > 1 else ""))
         warnings.append(f"{len(fallbacks)} tensor(s) use a fallback type (see the plan)")
-    return Plan(plans, opts.default_type, _file_type(opts.default_type, plans), opts.flavor, warnings)
+    return Plan(plans, default_type, _file_type(default_type, plans, opts.preset, opts.flavor), opts.flavor,
+                warnings, opts.preset)
+
+
+def check_imatrix(plan: Plan, imatrix_given: bool, has_entry) -> None:
+    """Raise before writing anything where the C tool refuses to quantize without importance weights
+    (very-low-bit targets; Q2_K in Q2_K_S).  ``has_entry(tensor_plan)`` tells whether the imatrix
+    covers a tensor."""
+    by_name = {t.name: t for t in plan.tensors}
+    todo = [(t.name, t.dst_type) for t in plan.tensors if t.action != "copy"]
+    problem = imatrix_problem(plan.preset, plan.flavor, todo, imatrix_given, lambda n: has_entry(by_name[n]))
+    if problem:
+        raise QuantkitError(problem)
 
 
 def check_implemented(plan: Plan, can_quantize, can_dequantize, with_imatrix) -> None:
@@ -301,5 +358,5 @@ def check_implemented(plan: Plan, can_quantize, can_dequantize, with_imatrix) ->
                                 f"({plan.flavor} flavor) is not implemented yet")
 
 
-__all__ = ["Plan", "PlanOptions", "TensorPlan", "make_plan", "check_implemented", "why_not_quantizable",
-           "ROW_FALLBACK", "TYPE_TRAITS"]
+__all__ = ["Plan", "PlanOptions", "TensorPlan", "make_plan", "check_implemented", "check_imatrix",
+           "why_not_quantizable", "ROW_FALLBACK", "TYPE_TRAITS"]

@@ -53,13 +53,55 @@ def write_llama(path: Path, n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv
     return path
 
 
+def write_llama_sized(path: Path, n_layer: int, vocab_size: int, n_head=4, n_head_kv=1, n_embd=256, n_ff=256,
+                      n_vocab=256, seed=0) -> Path:
+    """A tiny f16 llama whose metadata claims a real model's size class (llm_load_hparams: 32 layers and a
+    vocabulary of >= 40000 is MODEL_8B, 80 layers with GQA is MODEL_70B), for the quantize rules that
+    depend on it.  The ``llama.vocab_size`` key says ``vocab_size``; the embedding tables keep only
+    ``n_vocab`` rows, which llama-quantize never checks."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_block_count(n_layer)
+    w.add_context_length(256)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab_size)
+    w.add_file_type(1)
+    kv = n_embd // n_head * n_head_kv
+    w.add_tensor("token_embd.weight", _w(rng, n_vocab, n_embd, dtype=np.float16))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("output.weight", _w(rng, n_vocab, n_embd, dtype=np.float16))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, np.float32))
+        for name, shape in (("attn_q", (n_embd, n_embd)), ("attn_k", (kv, n_embd)), ("attn_v", (kv, n_embd)),
+                            ("attn_output", (n_embd, n_embd)), ("ffn_gate", (n_ff, n_embd)),
+                            ("ffn_up", (n_ff, n_embd)), ("ffn_down", (n_embd, n_ff))):
+            w.add_tensor(p + name + ".weight", _w(rng, *shape, dtype=np.float16))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def write_deepseek2(path: Path, n_layer=4, n_dense=1, n_embd=256, n_ff=512, n_ff_exp=256, n_expert=4,
-                    n_expert_used=2, n_shared=1, n_head=2, q_lora_rank=256, kv_lora_rank=512,
+                    n_expert_used=2, n_shared=1, n_head=4, q_lora_rank=256, kv_lora_rank=512,
                     qk_nope=128, qk_rope=64, v_head=128, n_vocab=512, dtype=np.float32, seed=0) -> Path:
     """A DeepSeek-V3-shaped (MLA + MoE) GGUF with random weights.
 
     The per-head MLA tensors keep DeepSeek's real head sizes (attn_k_b rows of qk_nope = 128,
     attn_v_b rows of kv_lora_rank = 512), since those drive the row-length fallbacks.
+
+    The file is a mainline-style MLA GGUF (one KV head, key_length = kv_lora_rank + rope dims).
+    ik_llama.cpp's loader converts such files only when the head sizes are DeepSeek's (576/512,
+    64 rope dims) and ``n_head`` is a multiple of 4; otherwise it aborts with "Sorry, uknown model"
+    (llm_load_hparams), which is why ``n_head`` defaults to 4.
     """
     rng = np.random.default_rng(seed)
     a = "deepseek2"

@@ -41,7 +41,7 @@ def test_quantize_with_recipe_matches_gguf_py(tmp_path, llama):
     recipe = tmp_path / "r.txt"
     recipe.write_text("token_embd\\.weight=q8_0\nattn_v=f16\nffn_down=q5_1\nattn_k=bf16\n")
     out = tmp_path / "out.gguf"
-    rc, stdout, err = run_cli("quantize", llama, out, "q4_0", "--custom-q", recipe, "--json", "--threads", "2")
+    rc, stdout, err = run_cli("quantize", llama, out, "q4_0", "--pure", "--custom-q", recipe, "--json", "--threads", "2")
     assert rc == 0, err
     doc = json.loads(stdout)
     assert doc["result"]["files"] == [str(out)]

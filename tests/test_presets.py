@@ -1,0 +1,495 @@
+"""Preset mixes (Q4_K_M, IQ4_K, …): the per-tensor types llama-quantize chooses, and its imatrix rules.
+
+ik flavor: checked against the real tool, the wheel's ``llama-quantize`` (ik_llama.cpp @ 55d3c05),
+on SmolLM2 and on tiny synthetic models shaped to reach the architecture-specific rules.
+Mainline flavor: the worked examples of specs/ggml-quants.md §2.3 on in-memory tensor tables.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import sys
+from types import SimpleNamespace as NS
+
+import pytest
+
+import peers
+from models import deepseek_v3_tensors, write_deepseek2, write_llama, write_llama_sized
+from quantkit.errors import QuantkitError
+from quantkit.gguf_io.reader import open_model
+from quantkit.plan import PlanOptions, check_imatrix, make_plan
+from quantkit.presets import ALIASES, PRESETS, ModelInfo, find_preset
+from quantkit.recipes import load_recipe
+from quantkit.types import QuantType as T, traits, type_from_name
+
+needs_wheel = pytest.mark.skipif(peers.llama_quantize_bin() is None, reason="ik-llama-cpp-python not installed")
+
+WHEEL_PRESETS = ["Q4_K_M", "Q3_K_M", "Q5_K_S", "Q6_K", "IQ4_XS", "IQ4_K"]
+
+
+def quantkit(*args):
+    p = subprocess.run([sys.executable, "-m", "quantkit", *map(str, args)], capture_output=True, text=True,
+                       timeout=600)
+    return p.returncode, p.stdout, p.stderr
+
+
+def quantkit_plan(src, preset, *extra) -> dict:
+    rc, out, err = quantkit("quantize", src, src.parent / "never-written.gguf", preset, "--dry-run", "--json", *extra)
+    assert rc == 0, err
+    return json.loads(out)["plan"]
+
+
+def wheel_quantize(src, preset, out, *extra):
+    return subprocess.run([str(peers.llama_quantize_bin()), *extra, str(src), str(out), preset, "2"],
+                          capture_output=True, text=True, timeout=600)
+
+
+def wheel_types(src, preset, out) -> tuple[dict, int]:
+    p = wheel_quantize(src, preset, out)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # quantkit's reader, not gguf-py's: gguf.GGUFReader rejects the IQK type ids (139 = iq4_k, …)
+    with open_model(out) as m:
+        return {t.name: T(t.qtype) for t in m.tensors}, m.get("general.file_type")
+
+
+def assert_same_types_as_wheel(src, preset, tmp_path):
+    theirs, file_type = wheel_types(src, preset, tmp_path / f"{preset}.gguf")
+    plan = quantkit_plan(src, preset)
+    ours = {t["name"]: type_from_name(t["target"]) for t in plan["tensors"]}
+    assert ours.keys() == theirs.keys()
+    wrong = {n: (ours[n].name, theirs[n].name) for n in ours if ours[n] != theirs[n]}
+    assert not wrong, f"{preset}: quantkit vs llama-quantize: {wrong}"
+    assert plan["file_type"] == file_type
+    return plan
+
+
+# ---------------------------------------------------------------------------------- models
+@pytest.fixture(scope="module")
+def smollm2_f32(tmp_path_factory, smollm2_path):
+    f32 = tmp_path_factory.mktemp("smol") / "smollm2-f32.gguf"
+    rc, _, err = quantkit("quantize", smollm2_path, f32, "f32", "--allow-requantize")
+    assert rc == 0, err
+    return f32
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    # 6 layers (3 dense), 4 experts: the n_expert >= 4 rules, layers parsed from names, and a dense
+    # ffn_down with 384-wide rows that no 256-block type fits (row fallbacks)
+    return write_deepseek2(tmp_path_factory.mktemp("ds") / "ds.gguf", n_layer=6, n_dense=3, n_ff=384)
+
+
+@pytest.fixture(scope="module")
+def llama_tied_gqa4(tmp_path_factory):
+    # no output.weight (token_embd is the output), n_gqa = 4, 384-wide ffn_down rows
+    return write_llama(tmp_path_factory.mktemp("lt") / "lt.gguf", n_layer=8, n_head=8, n_head_kv=2, tied=True,
+                       n_ff=384)
+
+
+@pytest.fixture(scope="module")
+def llama_8b(tmp_path_factory):
+    return write_llama_sized(tmp_path_factory.mktemp("l8") / "l8.gguf", n_layer=32, vocab_size=128256)
+
+
+@pytest.fixture(scope="module")
+def llama_70b(tmp_path_factory):
+    return write_llama_sized(tmp_path_factory.mktemp("l70") / "l70.gguf", n_layer=80, vocab_size=32000)
+
+
+# ---------------------------------------------------------------------------------- (1) the real tool
+@needs_wheel
+@pytest.mark.parametrize("preset", WHEEL_PRESETS)
+def test_smollm2_types_match_llama_quantize(smollm2_f32, preset, tmp_path):
+    """SmolLM2: tied embeddings, 576-wide rows (K-quants fall back), n_gqa = 3, 30 layers."""
+    plan = assert_same_types_as_wheel(smollm2_f32, preset, tmp_path)
+    if preset == "Q4_K_M":
+        by = {t["name"]: t for t in plan["tensors"]}
+        assert by["token_embd.weight"]["target"] == "q8_0"     # tied and 576 % 256 != 0
+        assert by["blk.0.attn_q.weight"]["target"] == "q5_0"   # q4_K does not fit 576
+        assert by["blk.0.ffn_down.weight"]["target"] == "q6_K"  # rows of 1536: use_more_bits(0, 30)
+        assert by["blk.4.ffn_down.weight"]["target"] == "q4_K"
+
+
+@needs_wheel
+@pytest.mark.parametrize("preset", WHEEL_PRESETS + ["Q2_K", "Q3_K_S", "Q3_K_L", "Q4_K_S", "Q5_K_M", "Q4_0", "Q8_0",
+                                                    "IQ4_NL", "IQ2_K", "IQ3_K", "IQ3_KL", "IQ4_KS", "IQ4_KSS",
+                                                    "IQ5_K", "IQ6_K", "Q4_K_R4", "IQ4_K_R4", "Q6_0", "BF16"])
+def test_deepseek_types_match_llama_quantize(deepseek, preset, tmp_path):
+    plan = assert_same_types_as_wheel(deepseek, preset, tmp_path)
+    if preset == "Q4_K_M":
+        by = {t["name"]: t["target"] for t in plan["tensors"]}
+        # ik's substring test "attn_k" also catches attn_k_b and attn_kv_a_mqa: Q8_0 with >= 4 experts
+        assert by["blk.3.attn_k_b.weight"] == by["blk.3.attn_kv_a_mqa.weight"] == "q8_0"
+        assert by["blk.3.attn_output.weight"] == "q5_K"
+        assert by["blk.2.ffn_down.weight"] == "q8_0"              # q6_K on 384-wide rows falls back
+        assert by["blk.1.ffn_down.weight"] == "q5_0"              # q4_K on 384-wide rows falls back
+        assert by["blk.5.ffn_down_exps.weight"] == "q6_K"         # layer parsed from the name
+        assert by["blk.4.ffn_down_exps.weight"] == "q4_K"
+
+
+@needs_wheel
+@pytest.mark.parametrize("preset", WHEEL_PRESETS + ["Q2_K", "Q3_K_L", "Q4_K_S", "Q5_K_M", "Q4_0", "IQ3_K", "IQ3_KL",
+                                                    "IQ3_S", "IQ3_M", "IQ3_XS", "IQ2_KL", "IQ3_KS", "IQ4_KS",
+                                                    "IQ4_KSS", "Q3_K_R4", "IQ4_NL_R4", "IQ4_XS_R8", "Q8_K_R8"])
+def test_tied_gqa4_llama_types_match_llama_quantize(llama_tied_gqa4, preset, tmp_path):
+    assert_same_types_as_wheel(llama_tied_gqa4, preset, tmp_path)
+
+
+@needs_wheel
+@pytest.mark.parametrize("preset,tensor,target", [("Q5_K_S", "blk.5.attn_v.weight", "q6_K"),
+                                                  ("Q5_K_S", "blk.5.attn_q.weight", "q4_K"),
+                                                  ("IQ5_K", "blk.5.attn_v.weight", "iq6_k")])
+def test_8b_class_rules_match_llama_quantize(llama_8b, preset, tensor, target, tmp_path):
+    """32 layers and a >= 128K vocabulary make MODEL_8B: Q5_K_S/IQ5_K bump attn_v, lower attn_q."""
+    plan = assert_same_types_as_wheel(llama_8b, preset, tmp_path)
+    assert {t["name"]: t["target"] for t in plan["tensors"]}[tensor] == target
+
+
+@needs_wheel
+@pytest.mark.parametrize("preset,target", [("Q4_K_M", "q5_K"), ("IQ3_K", "iq5_k")])
+def test_70b_class_rules_match_llama_quantize(llama_70b, preset, target, tmp_path):
+    """80 layers with GQA make MODEL_70B: attn_v gets more bits whatever the mix."""
+    plan = assert_same_types_as_wheel(llama_70b, preset, tmp_path)
+    assert {t["name"]: t["target"] for t in plan["tensors"]}["blk.5.attn_v.weight"] == target
+
+
+@needs_wheel
+def test_preset_table_is_the_wheels_list():
+    p = subprocess.run([str(peers.llama_quantize_bin()), "--help"], capture_output=True, text=True, timeout=60)
+    listed = {name: int(n) for n, name in re.findall(r"^\s*(\d+)\s+or\s+(\S+)\s*:", p.stdout + p.stderr, re.M)}
+    ours = {name: pr.ftype("ik") for name, pr in PRESETS.items() if "ik" in pr.ftypes}
+    ours.update({alias: PRESETS[target].ftype("ik") for alias, target in ALIASES.items()})
+    assert ours == listed
+
+
+@needs_wheel
+def test_iq3_xxs_without_imatrix_fails_like_llama_quantize(llama_tied_gqa4, tmp_path):
+    """IQ3_XXS itself needs no imatrix, but the mix puts attn_q on IQ2_S, which does."""
+    msg = "Missing importance matrix for tensor blk.0.attn_q.weight in a very low-bit quantization"
+    p = wheel_quantize(llama_tied_gqa4, "IQ3_XXS", tmp_path / "w.gguf")
+    assert p.returncode != 0 and msg in p.stdout + p.stderr
+    out = tmp_path / "q.gguf"
+    rc, o, e = quantkit("quantize", llama_tied_gqa4, out, "IQ3_XXS")
+    assert rc == 1 and not out.exists() and msg in e
+    assert "this quantization requires an imatrix!" in e
+
+
+# ---------------------------------------------------------------------------------- in-memory models
+def _t(name, shape, qtype=T.F32):
+    return NS(name=name, shape=tuple(shape), qtype=qtype)
+
+
+def llama_tensors(n_layer=32, n_embd=256, n_ff=512, kv=64, n_vocab=512, tied=False, n_expert=0):
+    t = [_t("token_embd.weight", (n_embd, n_vocab)), _t("output_norm.weight", (n_embd,))]
+    if not tied:
+        t.append(_t("output.weight", (n_embd, n_vocab)))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        t += [_t(p + "attn_norm.weight", (n_embd,)), _t(p + "attn_q.weight", (n_embd, n_embd)),
+              _t(p + "attn_k.weight", (n_embd, kv)), _t(p + "attn_v.weight", (n_embd, kv)),
+              _t(p + "attn_output.weight", (n_embd, n_embd)), _t(p + "ffn_norm.weight", (n_embd,))]
+        if n_expert:
+            t += [_t(p + "ffn_gate_inp.weight", (n_embd, n_expert)),
+                  *[_t(p + f"ffn_{w}_exps.weight", (n_embd, n_ff, n_expert)) for w in ("gate", "up")],
+                  _t(p + "ffn_down_exps.weight", (n_ff, n_embd, n_expert))]
+        else:
+            t += [_t(p + "ffn_gate.weight", (n_embd, n_ff)), _t(p + "ffn_up.weight", (n_embd, n_ff)),
+                  _t(p + "ffn_down.weight", (n_ff, n_embd))]
+    return t
+
+
+def plan_for(tensors, preset, flavor="mainline", model=None, **kw):
+    p = find_preset(preset, flavor)
+    assert p is not None
+    model = model or ModelInfo(arch="llama", n_layer=32, n_head=32, n_head_kv=8, n_vocab=512)
+    plan = make_plan(tensors, PlanOptions(preset=p, flavor=flavor, model=model, **kw))
+    return plan, {t.name: t.dst_type for t in plan.tensors}, {t.name: t for t in plan.tensors}
+
+
+def use_more_bits(i, n):
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+# ---------------------------------------------------------------------------------- (2) mainline rules
+Q6K_LAYERS_32 = {0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31}     # spec §2.3's example
+
+
+@pytest.mark.parametrize("flavor", ["mainline", "ik"])
+def test_q4_k_m_llama_32_layers(flavor):
+    plan, types, _ = plan_for(llama_tensors(), "Q4_K_M", flavor)     # n_gqa = 32 / 8 = 4
+    assert plan.file_type == 15
+    for i in range(32):
+        want = T.Q6_K if i in Q6K_LAYERS_32 else T.Q4_K
+        assert types[f"blk.{i}.ffn_down.weight"] == want, i
+        # ik ends its attn_v rules with a GQA bump mainline does not have: Q4_K -> Q5_K at n_gqa >= 4
+        if flavor == "ik" and want == T.Q4_K:
+            want = T.Q5_K
+        assert types[f"blk.{i}.attn_v.weight"] == want, i
+        for w in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+            assert types[f"blk.{i}.{w}.weight"] == T.Q4_K
+        assert types[f"blk.{i}.attn_norm.weight"] == T.F32
+    assert types["output.weight"] == T.Q6_K and types["token_embd.weight"] == T.Q4_K
+    assert {p.rule for p in plan.tensors if p.dst_type == T.Q6_K} == {"Q4_K_M mix"}
+
+
+@pytest.mark.parametrize("flavor", ["mainline", "ik"])
+def test_tied_embeddings_get_the_output_type(flavor):
+    _, types, _ = plan_for(llama_tensors(tied=True), "Q4_K_M", flavor)
+    assert types["token_embd.weight"] == T.Q6_K
+    # --output-tensor-type reaches the tied embeddings through the output rule …
+    _, types, _ = plan_for(llama_tensors(tied=True), "Q4_K_M", flavor, output_tensor_type=T.Q8_0)
+    assert types["token_embd.weight"] == T.Q8_0
+    # … and --token-embedding-type wins over it
+    _, types, _ = plan_for(llama_tensors(tied=True), "Q4_K_M", flavor, output_tensor_type=T.Q8_0,
+                           token_embedding_type=T.Q5_0)
+    assert types["token_embd.weight"] == T.Q5_0
+
+
+def test_mixtral_8_experts_mainline():
+    model = ModelInfo(arch="llama", n_layer=32, n_expert=8, n_head=32, n_head_kv=8)
+    _, types, _ = plan_for(llama_tensors(n_expert=8), "Q4_K_M", model=model)
+    for i in (0, 5, 31):
+        assert types[f"blk.{i}.attn_v.weight"] == types[f"blk.{i}.attn_k.weight"] == T.Q8_0
+        assert types[f"blk.{i}.attn_output.weight"] == T.Q5_K
+        # with experts the layer comes from the name: blk.N.ffn_down_exps follows use_more_bits(N, 32)
+        assert types[f"blk.{i}.ffn_down_exps.weight"] == (T.Q6_K if i in Q6K_LAYERS_32 else T.Q4_K)
+    assert types["blk.0.ffn_gate_inp.weight"] == T.F32
+
+
+def test_70b_attn_v_mainline():
+    model = ModelInfo(arch="llama", n_layer=80, n_head=64, n_head_kv=8)
+    _, types, _ = plan_for(llama_tensors(n_layer=80), "Q4_K_M", model=model)
+    # mainline bumps what the mix chose (Q4_K -> Q5_K) and keeps the use_more_bits layers at Q6_K;
+    # ik's 70B branch replaces the mix and gives Q5_K everywhere (checked against the wheel above)
+    assert types["blk.11.attn_v.weight"] == T.Q5_K
+    assert types["blk.5.attn_v.weight"] == T.Q6_K
+    _, ik, _ = plan_for(llama_tensors(n_layer=80), "Q4_K_M", "ik", model=model)
+    assert ik["blk.5.attn_v.weight"] == ik["blk.11.attn_v.weight"] == T.Q5_K
+    model = ModelInfo(arch="llama", n_layer=80, n_head=64, n_head_kv=64)     # 65B: no GQA, no bump
+    _, types, _ = plan_for(llama_tensors(n_layer=80), "Q4_K_M", model=model)
+    assert types["blk.11.attn_v.weight"] == T.Q4_K
+
+
+def dsv3_model(n_layer=61):
+    return ModelInfo(arch="deepseek2", n_layer=n_layer, n_expert=256, n_head=128, n_head_kv=1, n_vocab=129280)
+
+
+def test_deepseek2_q4_k_m_mainline():
+    tensors = [_t(n, s, T(q)) for n, s, q in deepseek_v3_tensors(with_kv_b=False)]
+    _, types, by = plan_for(tensors, "Q4_K_M", model=dsv3_model())
+    # attn_k_b is "other" in mainline; q4_K does not fit its 128-wide rows: fallback q5_0
+    assert types["blk.10.attn_k_b.weight"] == T.Q5_0 and by["blk.10.attn_k_b.weight"].requested == T.Q4_K
+    assert types["blk.10.attn_v_b.weight"] == T.Q4_K
+    for w in ("attn_q_a", "attn_q_b", "attn_kv_a_mqa", "attn_output", "ffn_gate_exps", "ffn_up_exps",
+              "ffn_gate_shexp", "ffn_up_shexp"):
+        assert types[f"blk.10.{w}.weight"] == T.Q4_K, w
+    for i in range(61):
+        want = T.Q6_K if use_more_bits(i, 61) else T.Q4_K
+        names = ["ffn_down"] if i < 3 else ["ffn_down_exps", "ffn_down_shexp"]
+        for w in names:
+            assert types[f"blk.{i}.{w}.weight"] == want, (i, w)
+    assert types["output.weight"] == T.Q6_K and types["token_embd.weight"] == T.Q4_K
+    assert types["blk.10.ffn_gate_inp.weight"] == T.F32 and types["blk.10.exp_probs_b.bias"] == T.F32
+
+
+def test_deepseek2_q4_k_m_ik_differs():
+    """ik tests substrings: "attn_k" catches attn_k_b/attn_kv_a_mqa (Q8_0 with >= 4 experts), and
+    attn_output gets Q5_K; the attn_kv_b of ik-converted files is not attn_v-like."""
+    tensors = [_t(n, s, T(q)) for n, s, q in deepseek_v3_tensors()]
+    _, types, _ = plan_for(tensors, "Q4_K_M", flavor="ik", model=dsv3_model())
+    assert types["blk.10.attn_k_b.weight"] == types["blk.10.attn_kv_a_mqa.weight"] == T.Q8_0
+    assert types["blk.10.attn_kv_b.weight"] == T.Q8_0
+    assert types["blk.10.attn_output.weight"] == T.Q5_K
+    assert types["blk.10.attn_q_b.weight"] == T.Q4_K
+
+
+def test_deepseek2_legacy_kv_b_is_attn_v_like_mainline():
+    tensors = [_t(n, s, T(q)) for n, s, q in deepseek_v3_tensors(with_kv_b=True)]
+    _, types, _ = plan_for(tensors, "Q4_K_M", model=dsv3_model())
+    # 61 attn_kv_b tensors, counted in visiting order: use_more_bits(i_attention_wv, 61)
+    for i in range(61):
+        assert types[f"blk.{i}.attn_kv_b.weight"] == (T.Q6_K if use_more_bits(i, 61) else T.Q4_K), i
+
+
+def test_deepseek_v2_lite_widths_fall_back_mainline():
+    tensors = [_t(n, s, T(q)) for n, s, q in deepseek_v3_tensors(
+        n_layer=27, n_dense=1, n_embd=2048, n_ff=10944, n_ff_exp=1408, n_expert=64, n_head=16, with_kv_b=False)]
+    model = ModelInfo(arch="deepseek2", n_layer=27, n_expert=64, n_head=16, n_head_kv=1)
+    _, types, by = plan_for(tensors, "Q4_K_M", model=model)
+    assert types["blk.0.ffn_down.weight"] == T.Q8_0            # Q6_K (layer 0) → Q8_0
+    assert types["blk.5.ffn_down_exps.weight"] == T.Q8_0       # use_more_bits(5, 27): Q6_K → Q8_0
+    assert types["blk.4.ffn_down_exps.weight"] == T.Q5_0       # Q4_K → Q5_0
+    assert by["blk.4.ffn_down_exps.weight"].requested == T.Q4_K
+    assert types["blk.4.ffn_gate_exps.weight"] == T.Q4_K       # rows of n_embd = 2048 fit
+
+
+def test_recipe_claimed_tensors_skip_the_counters_in_mainline_only():
+    recipe = load_recipe(["blk\\.0\\.attn_v=q8_0"])
+    _, ml, _ = plan_for(llama_tensors(), "Q4_K_M", "mainline", recipe=recipe)
+    _, ik, _ = plan_for(llama_tensors(), "Q4_K_M", "ik", recipe=recipe)
+    assert ml["blk.0.attn_v.weight"] == ik["blk.0.attn_v.weight"] == T.Q8_0
+    # mainline never ran the heuristics for blk.0.attn_v, so blk.4 is its 4th attn_v: use_more_bits(3, 32)
+    assert ml["blk.4.attn_v.weight"] == T.Q6_K
+    # ik ran them (the custom type wins afterwards): blk.4 is its 5th, not a use_more_bits one
+    # (Q4_K, then ik's n_gqa >= 4 bump to Q5_K)
+    assert ik["blk.4.attn_v.weight"] == T.Q5_K
+
+
+def test_visiting_order_mainline_sorted_ik_file_order():
+    """Without experts the ffn_down rule counts tensors: mainline visits them sorted by layer number,
+    ik in file order."""
+    tensors = llama_tensors(n_layer=16)
+    head, rest = tensors[:3], tensors[3:]
+    layers = [rest[i * 9:(i + 1) * 9] for i in range(16)]
+    random.Random(1).shuffle(layers)
+    shuffled = head + [t for layer in layers for t in layer]
+    model = ModelInfo(arch="llama", n_layer=16, n_head=32, n_head_kv=8)
+    _, ml, _ = plan_for(shuffled, "Q4_K_M", "mainline", model=model)
+    _, ik, _ = plan_for(shuffled, "Q4_K_M", "ik", model=model)
+    for i in range(16):
+        assert ml[f"blk.{i}.ffn_down.weight"] == (T.Q6_K if use_more_bits(i, 16) else T.Q4_K)
+    file_pos = [int(layer[0].name.split(".")[1]) for layer in layers]
+    for k, i in enumerate(file_pos):
+        assert ik[f"blk.{i}.ffn_down.weight"] == (T.Q6_K if use_more_bits(k, 16) else T.Q4_K)
+
+
+def test_falcon_output_and_ffn_down_mainline():
+    model = ModelInfo(arch="falcon", n_layer=32, n_head=32, n_head_kv=8)
+    _, types, _ = plan_for(llama_tensors(), "Q4_K_M", model=model)
+    assert types["output.weight"] == T.Q8_0
+    assert types["blk.0.ffn_down.weight"] == T.Q6_K             # i < n/16
+    assert types["blk.6.ffn_down.weight"] == T.Q5_K             # use_more_bits
+    assert types["blk.7.ffn_down.weight"] == T.Q4_K
+
+
+def test_q3_k_m_and_q2_k_mainline():
+    _, types, _ = plan_for(llama_tensors(), "Q3_K_M")
+    assert [types[f"blk.{i}.attn_v.weight"] for i in range(3)] == [T.Q5_K, T.Q5_K, T.Q4_K]
+    assert types["blk.1.ffn_down.weight"] == T.Q5_K and types["blk.2.ffn_down.weight"] == T.Q4_K
+    assert types["blk.3.attn_output.weight"] == T.Q4_K and types["blk.3.attn_q.weight"] == T.Q3_K
+    _, types, _ = plan_for(llama_tensors(), "Q2_K")            # n_gqa = 4
+    assert types["blk.3.attn_v.weight"] == T.Q4_K and types["blk.3.ffn_down.weight"] == T.Q3_K
+    assert types["blk.3.attn_output.weight"] == T.Q3_K and types["blk.3.attn_q.weight"] == T.Q2_K
+
+
+def test_mxfp4_moe_mainline():
+    model = ModelInfo(arch="gpt-oss", n_layer=4, n_expert=8, n_head=32, n_head_kv=8)
+    plan, types, _ = plan_for(llama_tensors(n_layer=4, n_expert=8), "MXFP4_MOE", model=model)
+    assert plan.file_type == 38
+    assert types["blk.1.ffn_down_exps.weight"] == types["blk.1.ffn_up_exps.weight"] == T.MXFP4
+    assert types["blk.1.attn_q.weight"] == types["output.weight"] == types["token_embd.weight"] == T.Q8_0
+
+
+# ---------------------------------------------------------------------------------- presets, TYPE, --pure
+def test_find_preset_names_aliases_numbers_and_flavors():
+    assert find_preset("q4_k_m").name == "Q4_K_M"
+    assert find_preset("Q4_K").name == find_preset("q4_k").name == "Q4_K_M"
+    assert find_preset("q3_K").name == "Q3_K_M" and find_preset("Q5_K").name == "Q5_K_M"
+    assert find_preset("15").name == "Q4_K_M" and find_preset("140").name == "IQ4_K"
+    assert find_preset("iq4_k", "mainline") is None and find_preset("140", "mainline") is None
+    assert find_preset("tq1_0") is None and find_preset("tq1_0", "mainline").ftype("mainline") == 36
+    assert find_preset("mxfp4_moe", "mainline").default_type == T.MXFP4
+    assert find_preset("q1_0", "mainline").ftype("mainline") == 40
+    assert find_preset("IQ3_KL").default_type == T.IQ3_K and find_preset("IQ3_KL").ftype("ik") == 146
+    assert find_preset("q4_0_x") is None
+
+
+def test_single_type_presets_write_the_types_ftype():
+    for p in PRESETS.values():
+        try:
+            same = type_from_name(p.name) == p.default_type
+        except ValueError:
+            continue
+        if same and traits(p.default_type).ftype is not None:
+            for flavor, n in p.ftypes.items():
+                assert n == traits(p.default_type).ftype, (p.name, flavor)
+
+
+def test_pure_and_float_presets_skip_the_mix():
+    plan, types, _ = plan_for(llama_tensors(), "Q4_K_M", "ik", pure=True)
+    assert {types[n] for n in types if "norm" not in n} == {T.Q4_K}
+    assert plan.file_type == 15                 # still the preset's ftype
+    _, types, _ = plan_for(llama_tensors(), "F16", "ik")
+    assert {types[n] for n in types if "norm" not in n} == {T.F16}
+
+
+def test_recipe_overrides_the_preset_and_leave_output():
+    recipe = load_recipe(["ffn_down=q5_0"])
+    plan, types, by = plan_for(llama_tensors(), "Q4_K_M", "ik", recipe=recipe, leave_output_tensor=True)
+    assert {types[f"blk.{i}.ffn_down.weight"] for i in range(32)} == {T.Q5_0}
+    assert by["blk.0.ffn_down.weight"].rule == "ffn_down=q5_0"
+    assert types["blk.0.attn_v.weight"] == T.Q6_K and by["blk.0.attn_v.weight"].rule == "Q4_K_M mix"
+    assert types["output.weight"] == T.F32
+
+
+def test_cli_presets_win_over_type_names(tmp_path):
+    src = write_llama(tmp_path / "m.gguf", n_layer=2)
+    plan = quantkit_plan(src, "q4_0")            # the Q4_0 preset: output.weight gets q6_K, as in llama-quantize
+    by = {t["name"]: t["target"] for t in plan["tensors"]}
+    assert plan["preset"] == "Q4_0" and by["output.weight"] == "q6_K" and by["blk.0.attn_q.weight"] == "q4_0"
+    plan = quantkit_plan(src, "q4_0", "--pure")
+    assert {t["name"]: t["target"] for t in plan["tensors"]}["output.weight"] == "q4_0"
+    # not a preset in mainline: a plain type, every tensor gets it
+    plan = quantkit_plan(src, "q6_0", "--flavor", "mainline")
+    assert plan["preset"] is None and {t["target"] for t in plan["tensors"] if t["action"] != "copy"} == {"q6_0"}
+    plan = quantkit_plan(src, "Q4_K", "--flavor", "mainline")
+    assert plan["preset"] == "Q4_K_M" and plan["file_type"] == 15
+    rc, o, e = quantkit("quantize", src, tmp_path / "o.gguf", "Q4_K_Z")
+    assert rc == 1 and "unknown type 'Q4_K_Z'" in e and "Traceback" not in e
+
+
+# ---------------------------------------------------------------------------------- (3) imatrix required
+def _imatrix_error(preset, flavor, tensors=None, imatrix_given=False, covered=(), **kw):
+    model = ModelInfo(arch="llama", n_layer=4, n_head=32, n_head_kv=8)
+    plan, _, _ = plan_for(tensors or llama_tensors(n_layer=4), preset, flavor, model=model, **kw)
+    check_imatrix(plan, imatrix_given, lambda tp: tp.name in covered)
+
+
+@pytest.mark.parametrize("preset", ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "Q2_K_S", "IQ2_XXS_R4",
+                                    "IQ1_S_R4", "IQ1_M_R4"])
+def test_ik_presets_that_need_an_imatrix(preset):
+    with pytest.raises(QuantkitError, match=r"this quantization requires an imatrix! Please do not use .* without "
+                                            r"an importance matrix"):
+        _imatrix_error(preset, "ik")
+
+
+@pytest.mark.parametrize("preset,tensor", [("IQ2_XXS", "blk.0.attn_q.weight"), ("Q2_K_S", "blk.0.attn_q.weight"),
+                                           ("IQ3_XXS", "blk.0.attn_q.weight")])
+def test_mainline_needs_an_imatrix(preset, tensor):
+    with pytest.raises(QuantkitError, match=rf"this quantization requires an imatrix! Missing importance matrix for "
+                                            rf"tensor {re.escape(tensor)} in a very low-bit quantization"):
+        _imatrix_error(preset, "mainline")
+
+
+@pytest.mark.parametrize("flavor", ["ik", "mainline"])
+def test_missing_imatrix_entry(flavor):
+    names = [t.name for t in llama_tensors(n_layer=4)]
+    covered = set(names) - {"blk.2.ffn_up.weight"}
+    with pytest.raises(QuantkitError) as e:
+        _imatrix_error("IQ2_XXS", flavor, imatrix_given=True, covered=covered, has_imatrix=True)
+    assert str(e.value).startswith("Missing importance matrix for tensor blk.2.ffn_up.weight in a very low-bit "
+                                   "quantization")
+    _imatrix_error("IQ2_XXS", flavor, imatrix_given=True, covered=set(names), has_imatrix=True)   # all there: fine
+
+
+def test_imatrix_not_needed_for_embeddings_output_or_plain_q2_k():
+    covered = {t.name for t in llama_tensors(n_layer=4)} - {"token_embd.weight", "output.weight"}
+    _imatrix_error("IQ2_XXS", "mainline", imatrix_given=True, covered=covered, has_imatrix=True,
+                   token_embedding_type=T.IQ2_XXS, output_tensor_type=T.IQ2_XXS)
+    _imatrix_error("Q2_K", "ik")
+    _imatrix_error("Q2_K", "mainline")
+    # ik's trellis types IQ1_KT/IQ2_KT need one too; mainline has neither type
+    with pytest.raises(QuantkitError, match="iq1_kt"):
+        _imatrix_error("Q4_K_M", "ik", recipe=load_recipe(["ffn_up=iq1_kt"]))
+
+
+def test_cli_imatrix_required_dry_run_notes_real_run_fails(tmp_path):
+    src = write_llama(tmp_path / "m.gguf", n_layer=2)
+    out = tmp_path / "o.gguf"
+    rc, o, e = quantkit("quantize", src, out, "iq2_xxs", "--dry-run")
+    assert rc == 0 and "a real run would stop here: this quantization requires an imatrix!" in e
+    rc, o, e = quantkit("quantize", src, out, "iq2_xxs", "--flavor", "mainline")
+    assert rc == 1 and not out.exists() and "Traceback" not in e
+    assert "this quantization requires an imatrix! Missing importance matrix for tensor blk.0.attn_q.weight" in e
