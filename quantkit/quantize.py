@@ -21,7 +21,7 @@ from .gguf_io.writer import GGUFWriter, TensorSpec, plan_shards, shard_paths
 from .plan import Plan, TensorPlan
 from .types import QuantType, traits, type_name
 
-CHUNK_BYTES = 64 * 1024 * 1024      # float32 rows converted per step
+CHUNK_BYTES = 4 * 1024 * 1024         # float32 rows converted per step (cache-friendly)
 QUANT_VERSION = 2                   # GGML_QNT_VERSION
 
 

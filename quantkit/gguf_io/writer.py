@@ -160,8 +160,8 @@ class GGUFWriter:
         self.bytes_written += len(header)
 
     def _close_shard(self) -> None:
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        # no fsync: like llama-quantize we leave durability to the OS; the rename at the end still
+        # guarantees that no partial file ever carries the output's name
         self._close_fh()
 
     def write_tensor(self, name: str, chunks) -> None:
