@@ -102,3 +102,23 @@ def test_split_output_loads_in_ik_llama_cpp(files, tmp_path):
     assert len(shards) == 3 and shards[0].name == "split-00001-of-00003.gguf"
     tokens = peers.ik_tokenize(files["src"], PROMPT)
     np.testing.assert_array_equal(peers.ik_logits(shards[0], tokens), peers.ik_logits(files["ours"], tokens))
+
+
+@pytest.mark.parametrize("preset", ["Q4_K_M", "Q6_K"])  # IQ4_XS needs q6_0 fallbacks (issue 4)
+def test_kquant_preset_loads_in_ik_and_matches_llama_quantize(files, tmp_path, preset):
+    """A k-quant preset written by quantkit: same tensor types as the wheel's file, finite logits close
+    to both the wheel's file and the F32 model."""
+    ours, theirs = tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    quantkit_cli("quantize", files["f32"], ours, preset, "--threads", "2")
+    p = subprocess.run([str(peers.llama_quantize_bin()), str(files["f32"]), str(theirs), preset, "2"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    a = {t.name: t.tensor_type for t in gguf.GGUFReader(str(ours)).tensors}
+    b = {t.name: t.tensor_type for t in gguf.GGUFReader(str(theirs)).tensors}
+    assert a == b
+    assert any(t.name in ("Q4_K", "Q6_K") for t in a.values())
+    tokens = peers.ik_tokenize(files["src"], PROMPT)
+    lo, lt, ref = (peers.ik_logits(f, tokens) for f in (ours, theirs, files["f32"]))
+    assert np.isfinite(lo).all()
+    assert np.corrcoef(lo, lt)[0, 1] > 0.995
+    assert np.corrcoef(lo, ref)[0, 1] > 0.95
