@@ -23,9 +23,12 @@ with the legacy types, and ik_llama.cpp changed several of them:
   ends with a greedy refinement;
 * ``make_q3_quants`` / ``make_qp_quants`` (ik): no guard against ``0/0`` in the returned scale, and
   ``make_qp_quants`` treats a maximum below 1e-16 (not 1e-15) as zero;
-* ik's Q2_K: without imatrix a "TriNet" test on the whole chunk of rows may store a ternary encoding;
-  with an imatrix ``sigma2`` is ``0.75*Σx²/256`` (mainline ``Σx²/256``) and the codes are re-derived
-  from the unrounded float scales.
+* ik's Q2_K: without imatrix a "TriNet" test on the whole chunk of rows handed to
+  ``ggml_quantize_chunk`` may store a ternary encoding.  quantkit applies it to llama-quantize's
+  chunks, ``chunk_rows(n_per_row)`` rows counted from the first row of the array given to
+  ``quantize`` (so callers that quantize a tensor in slabs should cut them at multiples of that, and
+  3-D tensors one expert at a time, as llama-quantize does).  With an imatrix ``sigma2`` is
+  ``0.75*Σx²/256`` (mainline ``Σx²/256``) and the codes are re-derived from the unrounded float scales.
 
 The code below is vectorised across (sub-)blocks but keeps the C evaluation order of every float32
 (or double) expression and adds sums one value at a time, because any other order changes the last
@@ -39,6 +42,7 @@ import numpy as np
 from ..kernels import kquants as kernels
 from ..types import QK_K, QuantType
 from ._base import ALL_PATHS, BlockFormat
+from ._numeric import first_absmax, fp16_bytes, recip_or_zero, seq_sum  # noqa: F401 (re-exported)
 
 F = np.float32
 D64 = np.float64
@@ -73,16 +77,8 @@ def nint_clip(v, lo: int, hi: int) -> np.ndarray:
     return np.clip(nearest_int(v), lo, hi).astype(np.float32)
 
 
-def seq_sum(terms: np.ndarray) -> np.ndarray:
-    """Sum along the last axis left to right starting from +0, as C's ``s = 0; s += t`` loop does
-    (numpy's pairwise ``sum`` rounds differently; the leading +0 column fixes the sign of -0 sums)."""
-    z = np.zeros(terms.shape[:-1] + (1,), terms.dtype)
-    return np.cumsum(np.concatenate([z, terms], axis=-1), axis=-1)[..., -1]
 
 
-def fp16_bytes(v: np.ndarray) -> np.ndarray:
-    """float32 (n,) -> (n, 2) little-endian fp16 bytes (GGML_FP32_TO_FP16: RNE, NaN -> sign|0x7E00)."""
-    return np.ascontiguousarray(v, dtype=np.float32).astype("<f2").view(np.uint8).reshape(-1, 2)
 
 
 def fp16_round(v: np.ndarray) -> np.ndarray:
@@ -95,23 +91,8 @@ def fp16_values(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view("<f2").astype(np.float32).reshape(-1)
 
 
-def recip_or_zero(d: np.ndarray) -> np.ndarray:
-    """C's ``d ? 1/d : 0``."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(d != 0, F(1) / d, F(0)).astype(np.float32)
 
 
-def first_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(amax, max) per lane: the largest |x| and the signed value where it first occurs
-    (``if (ax > amax) { amax = ax; max = x; }`` from +0)."""
-    amax = np.zeros(x.shape[0], np.float32)
-    mx = np.zeros(x.shape[0], np.float32)
-    for i in range(x.shape[1]):
-        ax = np.abs(x[:, i])
-        upd = ax > amax
-        amax = np.where(upd, ax, amax)
-        mx = np.where(upd, x[:, i], mx)
-    return amax, mx
 
 
 def sub_blocks(x: np.ndarray, size: int) -> np.ndarray:
@@ -592,28 +573,32 @@ def _requantize_affine(xl, d_sub, dm_sub, nmax, L, skip_zero=True, multiply=Fals
     return q
 
 
-def _trinet(x: np.ndarray, qs_out, flavor):
-    """ik's Q2_K TriNet test on each llama-quantize chunk of rows; returns a bool per row."""
+def trinet_chunks(x: np.ndarray):
+    """ik's quantize_row_q2_K_ref first looks at the whole chunk it is given (llama-quantize cuts
+    ``chunk_rows`` rows): if rounding every value to {-max, 0, +max} leaves less than a tenth of Σx²,
+    the chunk is stored ternary.  Yields (first row, end row, max) of those chunks."""
     n_rows, n = x.shape
-    hits = np.zeros(n_rows, bool)
-    if flavor != "ik":
-        return hits, None
     cr = chunk_rows(n)
-    mxs = []
     for r0 in range(0, n_rows, cr):
-        xc = x[r0:r0 + cr].reshape(-1)
-        mx = np.float32(0)
-        ax = np.abs(xc)
-        mx = ax.max() if ax.size else F(0)                  # MAX(max, ax) from 0: order-free
+        xc = x[r0:r0 + cr].reshape(1, -1)
+        mx = np.abs(xc).max()                   # MAX(max, |x|) from 0: the order does not matter
         half = F(0.5) * mx
         l = np.where(xc < -half, F(-1), np.where(xc < half, F(0), F(1)))
-        mse0 = seq_sum((xc * xc)[None, :])[0]
+        mse0 = seq_sum(xc * xc)[0]
         diff = xc - mx * l
-        mse = seq_sum((diff * diff)[None, :])[0]
-        if mse < F(0.1) * mse0:
-            hits[r0:r0 + cr] = True
-        mxs.append((r0, mx))
-    return hits, mxs
+        if seq_sum(diff * diff)[0] < F(0.1) * mse0:
+            yield r0, min(n_rows, r0 + cr), mx
+
+
+def _trinet_blocks(xc: np.ndarray, mx) -> np.ndarray:
+    """Ternary Q2_K blocks: d = dmin = fp16(max), every scale byte 1 | 1<<4, codes 0/1/2."""
+    half = F(0.5) * mx
+    L = np.where(xc < -half, 0, np.where(xc < half, 1, 2)).reshape(-1, 256)
+    out = np.empty((L.shape[0], 84), np.uint8)
+    out[:, 0:16] = 0x11
+    out[:, 16:80] = pack_2bit(L)
+    out[:, 80:84] = np.tile(fp16_bytes(np.array([mx], np.float32)), 2)
+    return out
 
 
 def quantize_q2_k(x, qw, flavor):
@@ -661,23 +646,9 @@ def quantize_q2_k(x, qw, flavor):
             L = _requantize_affine(xl, d_sub, dm_sub, 3, L)
     out = np.concatenate([sc, pack_2bit(L.reshape(n_sb, 256)), fp16_bytes(d), fp16_bytes(dmin)], axis=1)
     if qw is None and flavor == "ik":
-        hits, mxs = _trinet(x, out, flavor)
-        if hits.any():
-            out = out.reshape(n_rows, -1, 84)
-            cr = chunk_rows(n)
-            for r0, mx in mxs:
-                if not hits[r0]:
-                    continue
-                xc = x[r0:r0 + cr]
-                half = F(0.5) * mx
-                Lt = np.where(xc < -half, 0, np.where(xc < half, 1, 2)).reshape(-1, 256)
-                blk = out[r0:r0 + cr].reshape(-1, 84)
-                blk[:, 0:16] = 0x11
-                blk[:, 16:80] = pack_2bit(Lt)
-                blk[:, 80:82] = fp16_bytes(np.array([mx], np.float32))
-                blk[:, 82:84] = fp16_bytes(np.array([mx], np.float32))
-                out[r0:r0 + cr] = blk.reshape(out[r0:r0 + cr].shape)
-            out = out.reshape(-1, 84)
+        per_row = n // QK_K
+        for r0, r1, mx in trinet_chunks(x):
+            out[r0 * per_row:r1 * per_row] = _trinet_blocks(x[r0:r1], mx)
     return out
 
 

@@ -36,6 +36,8 @@ import numpy as np
 
 from ..kernels import legacy as kernels
 from ..types import QuantType
+from ._numeric import first_absmax as _first_absmax, fp16_bytes as _fp16_bytes
+from ._numeric import recip_or_zero as _recip_or_zero, seq_sum as _seq_sum
 from ._base import BlockFormat
 
 QK = 32                     # values per block (QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK8_0)
@@ -45,11 +47,6 @@ GROUP_MAX_EPS = F(1e-15)    # a block whose largest |x| is below this is "all ze
 # ---- float helpers ----
 
 
-def _fp16_bytes(v: np.ndarray) -> np.ndarray:
-    """float32 (n,) -> (n, 2) little-endian fp16 bytes, round to nearest even (GGML_FP32_TO_FP16);
-    values beyond the fp16 range become Inf, as in C."""
-    with np.errstate(over="ignore"):
-        return np.ascontiguousarray(v, dtype=np.float32).astype("<f2").view(np.uint8).reshape(-1, 2)
 
 
 def _fp16_values(b: np.ndarray) -> np.ndarray:
@@ -57,10 +54,6 @@ def _fp16_values(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view("<f2").astype(np.float32).reshape(-1, 1)
 
 
-def _recip_or_zero(d: np.ndarray) -> np.ndarray:
-    """C's ``d ? 1.0f/d : 0.0f``."""
-    with np.errstate(divide="ignore", over="ignore"):
-        return np.where(d != 0, F(1) / d, F(0)).astype(np.float32)
 
 
 def _roundf(v: np.ndarray) -> np.ndarray:
@@ -84,26 +77,8 @@ def _as_int8(b: np.ndarray) -> np.ndarray:
     return (b ^ 0x80) - 0x80
 
 
-def _seq_sum(terms: np.ndarray) -> np.ndarray:
-    """Sum (n_blocks, n) along the last axis left to right, starting from +0 as C's ``s = 0; s += t``
-    does (numpy's pairwise ``sum`` rounds differently)."""
-    acc = np.zeros(terms.shape[:-1], dtype=terms.dtype)
-    for j in range(terms.shape[-1]):
-        acc = acc + terms[..., j]
-    return acc
 
 
-def _first_absmax(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(amax, max): the largest |x| of each block and the signed value where it first occurs
-    (C: ``if (amax < fabsf(v)) { amax = fabsf(v); max = v; }``, both starting at +0)."""
-    amax = np.zeros(xb.shape[0], np.float32)
-    mx = np.zeros(xb.shape[0], np.float32)
-    for j in range(xb.shape[1]):
-        ax = np.abs(xb[:, j])
-        upd = ax > amax
-        amax = np.where(upd, ax, amax)
-        mx = np.where(upd, xb[:, j], mx)
-    return amax, mx
 
 
 def _min_max(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
