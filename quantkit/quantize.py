@@ -6,6 +6,7 @@ tensors are quantized expert by expert, each with its own imatrix slice, as llam
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from .types import QuantType, traits, type_name
 
 CHUNK_BYTES = 4 * 1024 * 1024         # float32 rows converted per step (cache-friendly)
 QUANT_VERSION = 2                   # GGML_QNT_VERSION
+LLAMA_CHUNK_ELEMENTS = 32 * 512     # llama-quantize quantizes rows in chunks of at least this many
 
 
 @dataclass
@@ -91,7 +93,10 @@ def output_metadata(model: GGUFModel, plan: Plan, opts: WriteOptions) -> dict[st
 
 
 def _row_chunks(n_rows_per_matrix: int, n_matrices: int, n_per_row: int, group: int):
-    """(matrix index, row slice) pieces: never crossing a matrix, multiples of the row group."""
+    """(matrix index, row slice) pieces: never crossing a matrix, multiples of the row group and of
+    llama-quantize's own chunk (ik's q2_K decides per chunk whether rows are ternary)."""
+    llama_chunk = max(1, -(-LLAMA_CHUNK_ELEMENTS // n_per_row))
+    group = math.lcm(group, llama_chunk)
     rows = max(group, CHUNK_BYTES // (4 * n_per_row) // group * group)
     for m in range(n_matrices):
         base = m * n_rows_per_matrix

@@ -4,12 +4,13 @@ Same contract as the numpy reference in :mod:`quantkit.formats.kquants`: float32
 (n_rows, n_per_row) in, uint8 rows of blocks (n_rows, row_size) out, and the reverse.  Types are
 selected by their ggml type id; ``ik`` selects ik_llama.cpp's algorithms, else mainline's.
 
-Layout: rows run in parallel (``prange``).  Within a row the sub-blocks (16 or 32 values) are laid
-out as "lanes": ``xt[i, k]`` is value i of sub-block k.  Every scale search is then a loop over the
-values of a sub-block (sequential, exactly the C order of the float sums) around an inner loop over
-all sub-blocks of the row, which LLVM vectorises: each SIMD lane carries one sub-block's sequential
-sum, so the bytes stay exact while 8 sub-blocks are searched at once.  Searches whose trip count
-depends on the data (the greedy refinements) run per sub-block.
+Layout: rows run in parallel (one ``prange`` driver, ``quantize_rows_with``, that calls a per-type
+row kernel).  Within a row the sub-blocks (16 or 32 values) are laid out as "lanes": ``xt[i, k]`` is
+value i of sub-block k.  Every scale search is then a loop over the values of a sub-block
+(sequential, exactly the C order of the float sums) around an inner loop over all sub-blocks of the
+row, which LLVM vectorises: each SIMD lane carries one sub-block's sequential sum, so the bytes stay
+exact while 8 sub-blocks are searched at once.  The greedy refinements, whose trip count depends on
+the data, run all sub-blocks in lockstep too, each one stopping where C stops.
 
 Exactness rules (specs/ggml-quants.md Appendix A): float32 intermediates everywhere C uses float,
 float64 where ik's make_qkx3_quants uses double; ``nearest_int`` is ggml's bit trick in int32 (int64
@@ -122,13 +123,14 @@ def imatrix_lanes(xt, qw, sumsq, factor, wt, sw):
     """wt = qw*sqrtf(sigma2 + x*x) with sigma2 = (factor*Σx²)/256 per super-block; sw = Σ wt per lane."""
     size, nl = xt.shape
     per_sb = QK_K // size
+    sigma2 = np.empty(nl, np.float32)
     for k in range(nl):
         sw[k] = F(0)
+        sigma2[k] = (factor * sumsq[k // per_sb]) / F(QK_K)
     for i in range(size):
         for k in range(nl):
-            sigma2 = (factor * sumsq[k // per_sb]) / F(QK_K)
             v = xt[i, k]
-            wt[i, k] = qw[k * size + i] * np.sqrt(sigma2 + v * v)
+            wt[i, k] = qw[k * size + i] * np.sqrt(sigma2[k] + v * v)
             sw[k] += wt[i, k]
 
 
@@ -198,11 +200,9 @@ def qkx2_lanes(xt, wt, nmax, rmin, rdelta, nstep, use_mad, flat_rule, sc_out, mi
             det[k] = sw[k] * sl2[k] - sl[k] * sl[k]
             t_s = (sw[k] * sxl[k] - sx[k] * sl[k]) / det[k]
             t_m = (sl2[k] * sx[k] - sl[k] * sxl[k]) / det[k]
-            if t_m > 0:
-                t_m = F(0)
-                t_s = sxl[k] / sl2[k]
-            ts[k] = t_s
-            tm[k] = t_m
+            pos = t_m > 0               # selects instead of C's branch: the loop vectorises
+            ts[k] = sxl[k] / sl2[k] if pos else t_s
+            tm[k] = F(0) if pos else t_m
         if use_mad:
             for i in range(n):
                 for k in range(nl):
@@ -214,12 +214,12 @@ def qkx2_lanes(xt, wt, nmax, rmin, rdelta, nstep, use_mad, flat_rule, sc_out, mi
                     diff = ts[k] * laux[i, k] + tm[k] - xt[i, k]
                     cur[k] += wt[i, k] * (diff * diff)
         for k in range(nl):
-            if (not flat[k]) and det[k] > 0 and cur[k] < best[k]:
-                best[k] = cur[k]
-                sc[k] = ts[k]
-                bis[k] = isc[k]
-                bmn[k] = mn[k]
-                mn[k] = tm[k]
+            ok = (not flat[k]) and det[k] > 0 and cur[k] < best[k]
+            best[k] = cur[k] if ok else best[k]
+            sc[k] = ts[k] if ok else sc[k]
+            bis[k] = isc[k] if ok else bis[k]
+            bmn[k] = mn[k] if ok else bmn[k]
+            mn[k] = tm[k] if ok else mn[k]
     for i in range(n):
         for k in range(nl):
             l = min(I32(nmax), max(I32(0), nint(bis[k] * (xt[i, k] - bmn[k]))))
@@ -248,31 +248,36 @@ def qkx3_ik_lanes(xt, wt, nmax, sc_out, min_out, Lt):
     n, nl = xt.shape
     rmin, rdelta, nstep = F(-0.9), F(0.05), 36
     fnmax = F(nmax)
-    st = np.empty((6, nl), np.float32)
-    mn, mx, sc, bis, bmn, isc = st[0], st[1], st[2], st[3], st[4], st[5]
-    sd = np.empty((7, nl), np.float64)
-    sum_w, sum_x, sum_x2, best_mad, sl, sl2, sxl = sd[0], sd[1], sd[2], sd[3], sd[4], sd[5], sd[6]
-    flat = np.empty(nl, np.bool_)
+    st = np.empty((8, nl), np.float32)
+    mn, mx, sc, bis, bmn, isc, gmax, fl = st[0], st[1], st[2], st[3], st[4], st[5], st[6], st[7]
+    sd = np.empty((8, nl), np.float64)
+    sum_w, sum_x, sum_x2, best_mad, sl, sl2, sxl, best = sd[0], sd[1], sd[2], sd[3], sd[4], sd[5], sd[6], sd[7]
+    xd = np.empty((n, nl), np.float64)          # every product below is exact in double: convert once
+    wd = np.empty((n, nl), np.float64)
+    for i in range(n):
+        for k in range(nl):
+            xd[i, k] = D(xt[i, k])
+            wd[i, k] = D(wt[i, k])
     for k in range(nl):
         v = xt[0, k]
         mn[k] = v
         mx[k] = v
-        sum_w[k] = D(wt[0, k])
-        sum_x[k] = sum_w[k] * D(v)
-        sum_x2[k] = sum_w[k] * D(v) * D(v)
+        sum_w[k] = wd[0, k]
+        sum_x[k] = sum_w[k] * xd[0, k]
+        sum_x2[k] = sum_w[k] * xd[0, k] * xd[0, k]
     for i in range(1, n):
         for k in range(nl):
             v = xt[i, k]
-            w = D(wt[i, k])
+            w = wd[i, k]
             mn[k] = v if v < mn[k] else mn[k]
             mx[k] = v if v > mx[k] else mx[k]
             sum_w[k] += w
-            sum_x[k] += w * D(v)
-            sum_x2[k] += w * D(v) * D(v)
+            sum_x[k] += w * xd[i, k]
+            sum_x2[k] += w * xd[i, k] * xd[i, k]
     for k in range(nl):
         if mn[k] > 0:
             mn[k] = F(0)
-        flat[k] = (mx[k] - mn[k]) < F(1e-10)
+        fl[k] = F(1) if (mx[k] - mn[k]) < F(1e-10) else F(0)          # flat sub-block
         isc[k] = fnmax / (mx[k] - mn[k])
         sc[k] = F(1) / isc[k]
         bis[k] = isc[k]
@@ -281,8 +286,8 @@ def qkx3_ik_lanes(xt, wt, nmax, sc_out, min_out, Lt):
     for i in range(n):
         for k in range(nl):
             l = clampf(nint(isc[k] * (xt[i, k] - mn[k])), 0, nmax)
-            diff = D(sc[k]) * D(l) + D(mn[k]) - D(xt[i, k])
-            best_mad[k] += D(wt[i, k]) * (diff * diff)
+            diff = D(sc[k]) * D(l) + D(mn[k]) - xd[i, k]
+            best_mad[k] += wd[i, k] * (diff * diff)
     for s in range(nstep + 1):
         num = rmin + rdelta * F(s) + fnmax
         for k in range(nl):
@@ -293,86 +298,108 @@ def qkx3_ik_lanes(xt, wt, nmax, sc_out, min_out, Lt):
         for i in range(n):
             for k in range(nl):
                 l = D(clampf(nint(isc[k] * (xt[i, k] - mn[k])), 0, nmax))
-                wl = D(wt[i, k]) * l
+                wl = wd[i, k] * l
                 sl[k] += wl
                 sl2[k] += wl * l
-                sxl[k] += wl * D(xt[i, k])
+                sxl[k] += wl * xd[i, k]
         for k in range(nl):
-            det, ts, tm = _fit_ik(sum_w[k], sum_x[k], sl[k], sl2[k], sxl[k])
+            # _fit_ik with selects (C divides only on the branch it takes; the values kept are the
+            # same), so that the loop over lanes vectorises
+            det = sum_w[k] * sl2[k] - sl[k] * sl[k]
+            ts = (sum_w[k] * sxl[k] - sum_x[k] * sl[k]) / det
+            tm = (sl2[k] * sum_x[k] - sl[k] * sxl[k]) / det
+            pos = tm > 0
+            ts = sxl[k] / sl2[k] if pos else ts
+            tm = 0.0 if pos else tm
             mad = (sum_x2[k] - 2 * ts * sxl[k] - 2 * tm * sum_x[k] + 2 * ts * tm * sl[k]
                    + ts * ts * sl2[k] + tm * tm * sum_w[k])
-            if (not flat[k]) and det > 0 and mad < best_mad[k]:
-                best_mad[k] = mad
-                sc[k] = F(ts)
-                bis[k] = isc[k]
-                bmn[k] = mn[k]
-                mn[k] = F(tm)
+            ok = fl[k] == 0 and det > 0 and mad < best_mad[k]
+            best_mad[k] = mad if ok else best_mad[k]
+            sc[k] = F(ts) if ok else sc[k]
+            bis[k] = isc[k] if ok else bis[k]
+            bmn[k] = mn[k] if ok else bmn[k]
+            mn[k] = F(tm) if ok else mn[k]
     for i in range(n):
         for k in range(nl):
             Lt[i, k] = min(I32(nmax), max(I32(0), nint(bis[k] * (xt[i, k] - bmn[k]))))
-    # greedy refinement, one sub-block at a time: step the code with the largest residual towards
-    # its value while the least-squares fit of the sums improves (and never straight back)
+            Lt[i, k] = I32(0) if fl[k] != 0 else Lt[i, k]
+
+    # Greedy refinement: step the code with the largest residual towards its value while the
+    # least-squares fit of the sums improves (and never straight back).  All sub-blocks run in
+    # lockstep, each stopping exactly where C stops: the scan for the code to move is a loop over
+    # values with an inner loop over lanes (vectorised); the update is per lane.
     for k in range(nl):
-        if flat[k]:
-            for i in range(n):
-                Lt[i, k] = 0
-            sc_out[k] = F(0)
-            min_out[k] = -mn[k]
-            continue
-        s_l = 0.0
-        s_l2 = 0.0
-        s_xl = 0.0
-        for i in range(n):
-            w = D(wt[i, k])
+        sl[k] = 0.0
+        sl2[k] = 0.0
+        sxl[k] = 0.0
+    for i in range(n):
+        for k in range(nl):
+            w = wd[i, k]
             l = D(Lt[i, k])
-            s_l += w * l
-            s_l2 += w * l * l
-            s_xl += w * l * D(xt[i, k])
-        scale = sc[k]
-        mnk = mn[k]
-        sdd = D(scale)
-        mdd = D(mnk)
-        best = (2 * sdd * s_xl + 2 * mdd * sum_x[k] - 2 * sdd * mdd * s_l
-                - sdd * sdd * s_l2 - mdd * mdd * sum_w[k])
-        last_j = -1
-        last_dir = 0
-        for _ in range(nmax * n):
-            gmax = F(0)
-            best_j = -1
-            direction = 0
-            for j in range(n):
-                g = xt[j, k] - scale * F(Lt[j, k]) - mnk
-                if g > 0 and Lt[j, k] < nmax and g > gmax:
-                    gmax = g
-                    best_j = j
-                    direction = 1
-                elif g < 0 and Lt[j, k] > 0 and -g > gmax:
-                    gmax = -g
-                    best_j = j
-                    direction = -1
-            if best_j < 0 or (best_j == last_j and direction == -last_dir):
-                break
-            w = D(wt[best_j, k])
-            s_l += w * D(direction)
-            s_l2 += w * D(2 * Lt[best_j, k] * direction + 1)
-            s_xl += w * D(xt[best_j, k]) * D(direction)
-            det, ts, tm = _fit_ik(sum_w[k], sum_x[k], s_l, s_l2, s_xl)
-            if det <= 0:
-                break
-            if ts < 0:
-                break
-            score = (2 * ts * s_xl + 2 * tm * sum_x[k] - 2 * ts * tm * s_l
-                     - ts * ts * s_l2 - tm * tm * sum_w[k])
-            if score <= best:
-                break
-            best = score
-            scale = F(ts)
-            mnk = F(tm)
-            Lt[best_j, k] += direction
-            last_j = best_j
-            last_dir = direction
-        sc_out[k] = scale
-        min_out[k] = -mnk
+            sl[k] += w * l
+            sl2[k] += w * l * l
+            sxl[k] += w * l * xd[i, k]
+    active = np.empty(nl, np.bool_)
+    bj = np.empty(nl, np.int32)
+    bdir = np.empty(nl, np.int32)
+    last_j = np.full(nl, -1, np.int32)
+    last_dir = np.zeros(nl, np.int32)
+    n_active = 0
+    for k in range(nl):
+        sdd = D(sc[k])
+        mdd = D(mn[k])
+        best[k] = (2 * sdd * sxl[k] + 2 * mdd * sum_x[k] - 2 * sdd * mdd * sl[k]
+                   - sdd * sdd * sl2[k] - mdd * mdd * sum_w[k])
+        active[k] = fl[k] == 0
+        n_active += active[k]
+    for _ in range(nmax * n):
+        if n_active == 0:
+            break
+        for k in range(nl):
+            gmax[k] = F(0)
+            bj[k] = -1
+            bdir[k] = 0
+        for j in range(n):
+            for k in range(nl):
+                lj = Lt[j, k]
+                g = xt[j, k] - sc[k] * F(lj) - mn[k]
+                up = g > 0 and lj < nmax and g > gmax[k]
+                down = g < 0 and lj > 0 and -g > gmax[k]
+                gmax[k] = g if up else (-g if down else gmax[k])
+                bj[k] = j if (up or down) else bj[k]
+                bdir[k] = 1 if up else (-1 if down else bdir[k])
+        n_active = 0
+        for k in range(nl):
+            if not active[k]:
+                continue
+            j = bj[k]
+            direction = bdir[k]
+            if j < 0 or (j == last_j[k] and direction == -last_dir[k]):
+                active[k] = False
+                continue
+            w = wd[j, k]
+            sl[k] += w * D(direction)
+            sl2[k] += w * D(2 * Lt[j, k] * direction + 1)
+            sxl[k] += w * xd[j, k] * D(direction)
+            det, ts, tm = _fit_ik(sum_w[k], sum_x[k], sl[k], sl2[k], sxl[k])
+            if det <= 0 or ts < 0:
+                active[k] = False
+                continue
+            score = (2 * ts * sxl[k] + 2 * tm * sum_x[k] - 2 * ts * tm * sl[k]
+                     - ts * ts * sl2[k] - tm * tm * sum_w[k])
+            if score <= best[k]:
+                active[k] = False
+                continue
+            best[k] = score
+            sc[k] = F(ts)
+            mn[k] = F(tm)
+            Lt[j, k] += direction
+            last_j[k] = j
+            last_dir[k] = direction
+            n_active += 1
+    for k in range(nl):
+        sc_out[k] = F(0) if fl[k] != 0 else sc[k]
+        min_out[k] = -mn[k]
 
 
 @njit(**_OPTS)
@@ -413,16 +440,27 @@ def qx_lanes(xt, wt, nmax, ik, sc_out, Lt):
     lo = I32(-nmax)
     hi = I32(nmax - 1)
     n_trials = 39 if ik else 19
-    for t in range(n_trials):
+    isb = np.empty((3, nl), np.float32)
+    isc2, sx2, s22 = isb[0], isb[1], isb[2]
+    # The trial scales depend only on max, so two trials share one pass over the values (two
+    # independent chains per lane); they are then accepted or rejected one after the other, in C order.
+    for t in range(0, n_trials, 2):
+        t2 = t + 1 if t + 1 < n_trials else t
         for k in range(nl):
             isc[k] = _qx_iscale(t, nmax, mx[k], ik)
+            isc2[k] = _qx_iscale(t2, nmax, mx[k], ik)
             sx[k] = F(0)
             s2[k] = F(0)
+            sx2[k] = F(0)
+            s22[k] = F(0)
         for i in range(n):
             for k in range(nl):
-                l = F(min(hi, max(lo, nint(isc[k] * xt[i, k]))))
-                sx[k] += wx[i, k] * l
-                s2[k] += wt[i, k] * l * l
+                la = F(min(hi, max(lo, nint(isc[k] * xt[i, k]))))
+                lb = F(min(hi, max(lo, nint(isc2[k] * xt[i, k]))))
+                sx[k] += wx[i, k] * la
+                s2[k] += wt[i, k] * la * la
+                sx2[k] += wx[i, k] * lb
+                s22[k] += wt[i, k] * lb * lb
         if t == 0:
             for k in range(nl):
                 sc[k] = sx[k] / s2[k] if s2[k] != 0 else F(0)
@@ -432,12 +470,20 @@ def qx_lanes(xt, wt, nmax, ik, sc_out, Lt):
                 bis[k] = isc[k]
         else:
             for k in range(nl):
-                if s2[k] > 0 and sx[k] * sx[k] > best[k] * s2[k]:
-                    sc[k] = sx[k] / s2[k]
-                    best[k] = sc[k] * sx[k]
-                    bsx[k] = sx[k]
-                    bs2[k] = s2[k]
-                    bis[k] = isc[k]
+                ok = s2[k] > 0 and sx[k] * sx[k] > best[k] * s2[k]
+                sc[k] = sx[k] / s2[k] if ok else sc[k]
+                best[k] = sc[k] * sx[k] if ok else best[k]
+                bsx[k] = sx[k] if ok else bsx[k]
+                bs2[k] = s2[k] if ok else bs2[k]
+                bis[k] = isc[k] if ok else bis[k]
+        if t2 != t:
+            for k in range(nl):
+                ok = s22[k] > 0 and sx2[k] * sx2[k] > best[k] * s22[k]
+                sc[k] = sx2[k] / s22[k] if ok else sc[k]
+                best[k] = sc[k] * sx2[k] if ok else best[k]
+                bsx[k] = sx2[k] if ok else bsx[k]
+                bs2[k] = s22[k] if ok else bs2[k]
+                bis[k] = isc2[k] if ok else bis[k]
     for i in range(n):
         for k in range(nl):
             Lt[i, k] = min(hi, max(lo, nint(bis[k] * xt[i, k])))
