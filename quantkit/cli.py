@@ -165,7 +165,7 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
     """
     from . import formats
     from .gguf_io.reader import open_model
-    from .plan import PlanOptions, check_imatrix, check_implemented, make_plan
+    from .plan import PlanOptions, attach_imatrix, check_imatrix, check_implemented, make_plan
     from .presets import ModelInfo
     from .quantize import WriteOptions, run_plan
     from .recipes import load_recipe
@@ -193,22 +193,7 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
     with open_model(model_in) as model:
         opts.model = ModelInfo.from_metadata(model.get)
         plan = make_plan(model.tensors, opts)
-        imatrix_of = {}
-        missing = []
-        if imat is not None:
-            for tp in plan.tensors:
-                if tp.action != "quantize":
-                    continue
-                n_mat = tp.shape[2] if len(tp.shape) > 2 else 1
-                w = imat.weights_for(tp.name, tp.shape[0], n_mat)
-                if w is None:
-                    missing.append(tp.name)
-                else:
-                    imatrix_of[tp.name] = w
-                    tp.imatrix = True
-            if missing:
-                plan.warnings.append(f"no imatrix data for {len(missing)} tensor(s), quantized without: "
-                                     + ", ".join(missing))
+        imatrix_of, missing = attach_imatrix(plan, imat) if imat is not None else ({}, [])
         problems = []
         for check in (lambda: check_imatrix(plan, opts.has_imatrix, lambda tp: tp.name in imatrix_of),
                       lambda: check_implemented(plan, formats.can_quantize, formats.can_dequantize,

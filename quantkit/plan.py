@@ -344,6 +344,29 @@ def check_imatrix(plan: Plan, imatrix_given: bool, has_entry) -> None:
         raise QuantkitError(problem)
 
 
+def attach_imatrix(plan: Plan, imat) -> tuple[dict, list[str]]:
+    """Look up every quantized tensor's importance weights (``imat.weights_for``).
+
+    Marks the tensors that get weights, warns about the ones that do not (they are quantized
+    without, as llama-quantize does), and returns ({name: (n_matrices, n_per_row) weights}, missing).
+    """
+    found, missing = {}, []
+    for tp in plan.tensors:
+        if tp.action != "quantize":
+            continue
+        n_matrices = tp.shape[2] if len(tp.shape) > 2 else 1
+        w = imat.weights_for(tp.name, tp.shape[0], n_matrices)
+        if w is None:
+            missing.append(tp.name)
+        else:
+            found[tp.name] = w
+            tp.imatrix = True
+    if missing:
+        plan.warnings.append(f"no imatrix data for {len(missing)} tensor(s), quantized without: "
+                             + ", ".join(missing))
+    return found, missing
+
+
 def check_implemented(plan: Plan, can_quantize, can_dequantize, with_imatrix) -> None:
     """Raise before writing anything if some conversion in the plan is not implemented."""
     for t in plan.tensors:
@@ -358,5 +381,5 @@ def check_implemented(plan: Plan, can_quantize, can_dequantize, with_imatrix) ->
                                 f"({plan.flavor} flavor) is not implemented yet")
 
 
-__all__ = ["Plan", "PlanOptions", "TensorPlan", "make_plan", "check_implemented", "check_imatrix",
+__all__ = ["Plan", "PlanOptions", "TensorPlan", "make_plan", "attach_imatrix", "check_implemented", "check_imatrix",
            "why_not_quantizable", "ROW_FALLBACK", "TYPE_TRAITS"]
