@@ -16,16 +16,15 @@ them) because compiling them would take longer than this whole file.
 """
 from __future__ import annotations
 
-import importlib.util
-import json
 import sys
 
 import gguf
-import numba
 import numpy as np
 import pytest
 
 import peers
+from quant_checks import (assert_same_bytes, expert_imatrix, fresh_input, golden_input, load_reference,
+                          quantize)
 from quantkit import formats
 from quantkit.formats import registered
 from quantkit.formats._base import ALL_PATHS, FLAVORS
@@ -45,44 +44,6 @@ needs_wheel = pytest.mark.skipif(ggml is None, reason="ik-llama-cpp-python is no
 
 
 # ---- helpers ----
-
-def assert_same_bytes(got: np.ndarray, want: np.ndarray, qtype, n_per_row: int, what: str) -> None:
-    """Exact equality; on failure say how many rows and blocks differ, and where first."""
-    t = traits(qtype)
-    got = np.asarray(got).view(np.uint8).reshape(-1, t.row_size(n_per_row))
-    want = np.asarray(want).view(np.uint8).reshape(got.shape)
-    if np.array_equal(got, want):
-        return
-    blocks_got = got.reshape(got.shape[0], -1, t.type_size)
-    bad = (blocks_got != want.reshape(blocks_got.shape)).any(axis=-1)
-    rows = np.nonzero(bad.any(axis=1))[0]
-    r, b = np.argwhere(bad)[0]
-    np.testing.assert_array_equal(
-        got, want, err_msg=f"{what}: {len(rows)}/{got.shape[0]} rows and {int(bad.sum())}/{bad.size} "
-                           f"blocks differ (rows {rows[:10].tolist()}; first: row {r} block {b})")
-
-
-def quantize(x, qtype, imatrix, flavor, reference):
-    with np.errstate(all="ignore"):         # C divides by zero in lanes whose result it discards
-        return formats.quantize(x, qtype, imatrix, flavor=flavor, reference=reference)
-
-
-def load_reference(shared_dir, module: str, jit: bool = True):
-    """Import ../shared/reference/<module>.py; ``jit=False`` turns its @njit functions into plain
-    Python (numba reads DISABLE_JIT when a function is decorated)."""
-    ref_dir = str(shared_dir / "reference")
-    spec = importlib.util.spec_from_file_location(f"_ref_{module}_{jit}", shared_dir / "reference" / f"{module}.py")
-    mod = importlib.util.module_from_spec(spec)
-    saved = numba.config.DISABLE_JIT
-    numba.config.DISABLE_JIT = not jit
-    sys.path.insert(0, ref_dir)
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(ref_dir)
-        numba.config.DISABLE_JIT = saved
-    return mod
-
 
 def _nearest_int_as_numba(f):
     """The ports' nearest_int under numba returns an int64, whose ``& 0xFF`` then wraps through
@@ -115,39 +76,6 @@ def ik_port(shared_dir):
     return load_reference(shared_dir, "ik_quantize")
 
 
-def golden(shared_dir, flavor: str, name: str):
-    folder = shared_dir / "golden" / flavor
-    shape = json.loads((folder / "manifest.json").read_text())["inputs"][name]
-    x = np.fromfile(folder / f"{name}.f32", np.float32).reshape(shape["rows"], shape["cols"])
-    imatrix = np.fromfile(folder / f"{name}.imatrix.f32", np.float32)
-    return folder, x, imatrix
-
-
-def fresh_input(seed: int, n_rows: int = 3, n: int = 512) -> np.ndarray:
-    """Small random rows with the awkward cases: an all-zero row, a zero super-block, a zero
-    16-block, a block of 1e-30, heavy tails, ties."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n_rows, n)).astype(np.float32)
-    x[1] = 0                                                          # all-zero row
-    x[0, 32:48] = 0                                                   # zero 16-block
-    x[0, 96:128] = np.float32(1e-30)                                  # tiny 32-block
-    x[2, :256] = 0                                                    # zero super-block
-    x[2, 256:] = (rng.standard_t(2, n - 256) * 3).astype(np.float32)  # heavy tails
-    x[2, 300:316] = np.float32(0.5)                                   # equal values
-    return x
-
-
-def expert_imatrix(seed: int, n_expert: int, n: int) -> np.ndarray:
-    """Per-expert slices of a 3-D imatrix: one expert never routed (llama-quantize uses 1.0), one with
-    a zero column block, the others positive with outliers."""
-    rng = np.random.default_rng(seed)
-    im = (rng.random((n_expert, n)) ** 3 * 10).astype(np.float32)
-    im[0, 64:80] = 0
-    im[0, 7] = 5000
-    im[1] = 1.0
-    return im
-
-
 # ---- registry ----
 
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)
@@ -178,7 +106,7 @@ def test_registered_paths_and_scale_fields(qtype):
 @pytest.mark.parametrize("flavor", FLAVORS)
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)
 def test_golden(shared_dir, qtype, flavor, name, use_imatrix, reference):
-    folder, x, imatrix = golden(shared_dir, flavor, name)
+    folder, x, imatrix = golden_input(shared_dir, flavor, name)
     want = np.fromfile(folder / f"{name}.{type_name(qtype)}.{'imat' if use_imatrix else 'noimat'}.bin", np.uint8)
     got = quantize(x, qtype, imatrix if use_imatrix else None, flavor, reference)
     assert_same_bytes(got, want, qtype, x.shape[1], f"{flavor} {type_name(qtype)} {name}")
@@ -279,7 +207,7 @@ def _random_blocks(qtype, rows: int, n: int, seed: int) -> np.ndarray:
 def test_dequantize_vs_gguf_py(shared_dir, qtype, reference):
     cases = [(_random_blocks(qtype, 5, 1024, int(qtype)), 1024)]
     for flavor in FLAVORS:
-        folder, x, _ = golden(shared_dir, flavor, "heavy")
+        folder, x, _ = golden_input(shared_dir, flavor, "heavy")
         for kind in ("noimat", "imat"):
             cases.append((np.fromfile(folder / f"heavy.{type_name(qtype)}.{kind}.bin", np.uint8)
                           .reshape(x.shape[0], -1), x.shape[1]))

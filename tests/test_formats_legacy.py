@@ -14,9 +14,7 @@ Every case runs twice: the numpy reference twin (``reference=True``) and the num
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import gguf
 import numba
@@ -24,6 +22,7 @@ import numpy as np
 import pytest
 
 import peers
+from quant_checks import assert_same_bytes, load_reference
 from quantkit import formats
 from quantkit.formats import registered
 from quantkit.formats._base import ALL_PATHS
@@ -42,22 +41,6 @@ needs_wheel = pytest.mark.skipif(ggml is None, reason="ik-llama-cpp-python is no
 
 # ---- helpers ----
 
-def assert_same_bytes(got: np.ndarray, want: np.ndarray, qtype, n_per_row: int, what: str) -> None:
-    """Exact equality; on failure say how many rows and blocks differ, and where first."""
-    t = traits(qtype)
-    got = np.asarray(got).view(np.uint8).reshape(-1, t.row_size(n_per_row))
-    want = np.asarray(want).view(np.uint8).reshape(got.shape)
-    if np.array_equal(got, want):
-        return
-    blocks_got = got.reshape(got.shape[0], -1, t.type_size)
-    bad = (blocks_got != want.reshape(blocks_got.shape)).any(axis=-1)          # (rows, blocks)
-    rows = np.nonzero(bad.any(axis=1))[0]
-    r, b = np.argwhere(bad)[0]
-    np.testing.assert_array_equal(
-        got, want, err_msg=f"{what}: {len(rows)}/{got.shape[0]} rows and {int(bad.sum())}/{bad.size} "
-                           f"blocks differ (rows {rows[:10].tolist()}; first: row {r} block {b})")
-
-
 def gguf_py_quantize(x: np.ndarray, qtype) -> np.ndarray:
     q = gguf.quants.quantize(x, gguf.GGMLQuantizationType(int(qtype)))
     return q.view(np.uint8).reshape(x.shape[0], -1)
@@ -66,19 +49,6 @@ def gguf_py_quantize(x: np.ndarray, qtype) -> np.ndarray:
 def gguf_py_dequantize(blocks: np.ndarray, qtype, n_per_row: int) -> np.ndarray:
     y = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(int(qtype)))
     return np.asarray(y, np.float32).reshape(blocks.shape[0], n_per_row)
-
-
-def load_reference(shared_dir, module: str):
-    """Import ../shared/reference/<module>.py (its sibling imports need the folder on sys.path)."""
-    ref_dir = str(shared_dir / "reference")
-    spec = importlib.util.spec_from_file_location(f"_ref_{module}", shared_dir / "reference" / f"{module}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, ref_dir)
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(ref_dir)
-    return mod
 
 
 @pytest.fixture(scope="module")

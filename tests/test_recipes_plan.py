@@ -7,8 +7,8 @@ import pytest
 
 from quantkit.errors import QuantkitError
 from quantkit.plan import PlanOptions, make_plan
-from quantkit.recipes import load_recipe, parse_recipe_text
-from quantkit.types import QuantType as T, type_from_name
+from quantkit.recipes import load_recipe
+from quantkit.types import QuantType as T
 
 from models import deepseek_v3_tensors
 

@@ -1,0 +1,98 @@
+"""Helpers shared by the format tests: byte comparison with a useful message, the reference ports of
+../shared/reference, the golden vectors, and inputs with the awkward cases."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import numba
+import numpy as np
+import pytest
+
+from quantkit import formats
+from quantkit.types import traits, type_name
+
+
+def assert_same_bytes(got: np.ndarray, want: np.ndarray, qtype, n_per_row: int, what: str) -> None:
+    """Exact equality; on failure say how many rows and blocks differ, and where first."""
+    t = traits(qtype)
+    got = np.asarray(got).view(np.uint8).reshape(-1, t.row_size(n_per_row))
+    want = np.asarray(want).view(np.uint8).reshape(got.shape)
+    if np.array_equal(got, want):
+        return
+    body = got[:, t.row_meta_size:]
+    blocks_got = body.reshape(got.shape[0], -1, t.type_size)
+    blocks_want = want[:, t.row_meta_size:].reshape(blocks_got.shape)
+    bad = (blocks_got != blocks_want).any(axis=-1)                              # (rows, blocks)
+    meta_bad = (got[:, :t.row_meta_size] != want[:, :t.row_meta_size]).any(axis=-1)
+    rows = np.nonzero(bad.any(axis=1) | meta_bad)[0]
+    first = f"row {rows[0]}" + (f" block {int(np.argmax(bad[rows[0]]))}" if bad[rows[0]].any() else " (row scale)")
+    np.testing.assert_array_equal(
+        got, want, err_msg=f"{what}: {len(rows)}/{got.shape[0]} rows and {int(bad.sum())}/{bad.size} "
+                           f"blocks differ (rows {rows[:10].tolist()}; first: {first})")
+
+
+def quantize(x, qtype, imatrix, flavor, reference):
+    with np.errstate(all="ignore"):         # C divides by zero in lanes whose result it discards
+        return formats.quantize(x, qtype, imatrix, flavor=flavor, reference=reference)
+
+
+def load_reference(shared_dir, module: str, jit: bool = True):
+    """Import ../shared/reference/<module>.py (its sibling imports need the folder on sys.path);
+    ``jit=False`` turns its @njit functions into plain Python (numba reads DISABLE_JIT when a
+    function is decorated)."""
+    ref_dir = str(shared_dir / "reference")
+    spec = importlib.util.spec_from_file_location(f"_ref_{module}_{jit}", shared_dir / "reference" / f"{module}.py")
+    mod = importlib.util.module_from_spec(spec)
+    saved = numba.config.DISABLE_JIT
+    numba.config.DISABLE_JIT = not jit
+    sys.path.insert(0, ref_dir)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(ref_dir)
+        numba.config.DISABLE_JIT = saved
+    return mod
+
+
+def golden_input(shared_dir, flavor: str, name: str):
+    """(folder, x (rows, cols) float32, imatrix (cols,) float32) of a golden input."""
+    folder = shared_dir / "golden" / flavor
+    shape = json.loads((folder / "manifest.json").read_text())["inputs"][name]
+    x = np.fromfile(folder / f"{name}.f32", np.float32).reshape(shape["rows"], shape["cols"])
+    imatrix = np.fromfile(folder / f"{name}.imatrix.f32", np.float32)
+    return folder, x, imatrix
+
+
+def golden_bytes(shared_dir, flavor: str, name: str, qtype, with_imatrix: bool) -> np.ndarray:
+    suffix = "imat" if with_imatrix else "noimat"
+    path = shared_dir / "golden" / flavor / f"{name}.{type_name(qtype)}.{suffix}.bin"
+    if not path.is_file():
+        pytest.skip(f"no reference vector {path.name} for {flavor}")
+    return np.fromfile(path, np.uint8)
+
+
+def fresh_input(seed: int, n_rows: int = 3, n: int = 512) -> np.ndarray:
+    """Small random rows with the awkward cases: an all-zero row, a zero super-block, a zero
+    16-block, a block of 1e-30, heavy tails, ties."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n_rows, n)).astype(np.float32)
+    x[1] = 0                                                          # all-zero row
+    x[0, 32:48] = 0                                                   # zero 16-block
+    x[0, 96:128] = np.float32(1e-30)                                  # tiny 32-block
+    x[2, :256] = 0                                                    # zero super-block
+    x[2, 256:] = (rng.standard_t(2, n - 256) * 3).astype(np.float32)  # heavy tails
+    x[2, 300:316] = np.float32(0.5)                                   # equal values
+    return x
+
+
+def expert_imatrix(seed: int, n_expert: int, n: int) -> np.ndarray:
+    """Per-expert slices of a 3-D imatrix: one expert never routed (llama-quantize uses 1.0), one with
+    a zero column block, the others positive with outliers."""
+    rng = np.random.default_rng(seed)
+    im = (rng.random((n_expert, n)) ** 3 * 10).astype(np.float32)
+    im[0, 64:80] = 0
+    im[0, 7] = 5000
+    im[1] = 1.0
+    return im
