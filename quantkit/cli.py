@@ -183,7 +183,7 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
         token_embedding_type=_parse_type(token_embedding_type, "--token-embedding-type"),
         output_tensor_type=_parse_type(output_tensor_type, "--output-tensor-type"),
         pure=pure, leave_output_tensor=leave_output_tensor, allow_requantize=allow_requantize,
-        strict=strict, flavor=flavor)
+        strict=strict, flavor=flavor, keep_input_order=keep_split)
     imat = None
     if imatrix_path is not None:
         from .imatrix import load_imatrix

@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .errors import QuantkitError
-from .presets import ModelInfo, Preset, imatrix_problem, mix_types
+from .presets import ModelInfo, Preset, imatrix_problem, mainline_order, mix_types
 from .recipes import Recipe
 from .types import QuantType, TYPE_TRAITS, tensor_nbytes, traits, type_name
 
@@ -194,6 +194,7 @@ class PlanOptions:
     preset: Preset | None = None        # a mix (Q4_K_M, IQ4_K, …); its default type is the default
     model: ModelInfo | None = None      # hyper-parameters the mix rules look at (from the metadata)
     has_imatrix: bool = False           # some mix rules change with an imatrix
+    keep_input_order: bool = False      # mainline sorts tensors unless it keeps the input shards
 
 
 def _row_fallback(qtype: QuantType, n_per_row: int, flavor: str) -> QuantType:
@@ -251,6 +252,8 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
     if default_type is None and opts.preset is not None:
         default_type = opts.preset.default_type
     tensors = list(tensors)
+    if opts.flavor == "mainline" and not opts.keep_input_order:
+        tensors.sort(key=lambda t: mainline_order(t.name))
     mix = _preset_mix(tensors, opts, default_type)
     mix_label = f"{opts.preset.name} mix" if opts.preset is not None else ""
     plans: list[TensorPlan] = []

@@ -711,8 +711,9 @@ def _ml_tensor_type(s: _State, name: str, shape, new: QuantType) -> QuantType:
     return new
 
 
-def _mainline_order(name: str) -> tuple[int, str]:
-    # llama_model_loader's weights_map: by layer number (non-block tensors first), then by name
+def mainline_order(name: str) -> tuple[int, str]:
+    """Where mainline's llama_model_loader puts a tensor (its weights_map, which llama-quantize visits
+    and writes in): by layer number, non-block tensors first, then by name (strcmp)."""
     i = layer_of(name)
     return (i if i is not None else -1, name)
 
@@ -735,7 +736,7 @@ def mix_types(visit, all_names, preset: Preset, flavor: str, model: ModelInfo, *
         rule, order = _ik_tensor_type, list(visit)
     else:
         n_wv = sum(_ml_category(n) in _ML_ATTN_V for n in all_names)
-        rule, order = _ml_tensor_type, sorted(visit, key=lambda t: _mainline_order(t[0]))
+        rule, order = _ml_tensor_type, sorted(visit, key=lambda t: mainline_order(t[0]))
     if model.n_layer <= 0:      # no block_count: count the blocks
         layers = [i for i in map(layer_of, all_names) if i is not None]
         model = ModelInfo(**{**model.__dict__, "n_layer": max(layers) + 1 if layers else 0})

@@ -187,3 +187,25 @@ def test_parse_size():
     assert parse_size("4g") == 4_000_000_000
     with pytest.raises(QuantkitError):
         parse_size("lots")
+
+
+def test_tensor_order_follows_the_flavor(tmp_path):
+    """ik writes tensors in input order; mainline in its loader's order (non-block tensors first, then
+    by layer number, then by name), except with --keep-split."""
+    src = write_llama(tmp_path / "l11.gguf", n_layer=11, n_embd=256, n_ff=256, n_vocab=256)
+    names_in = [t.name for t in gguf.GGUFReader(str(src)).tensors]
+
+    def layer(name):
+        return int(name.split(".")[1]) if name.startswith("blk.") else -1
+
+    want_mainline = sorted(names_in, key=lambda n: (layer(n), n.encode()))
+    assert want_mainline != names_in        # blk.10 after blk.9, output tensors first
+    for flavor, extra, want in (("ik", (), names_in), ("mainline", (), want_mainline),
+                                ("mainline", ("--keep-split",), names_in)):
+        out = tmp_path / f"{flavor}{len(extra)}.gguf"
+        rc, o, e = run_cli("quantize", src, out, "q8_0", "--flavor", flavor, *extra)
+        assert rc == 0, e
+        got = [t.name for t in gguf.GGUFReader(str(out)).tensors]
+        assert got == want, flavor
+        rc, o, e = run_cli("quantize", src, out, "q8_0", "--flavor", flavor, *extra, "--dry-run", "--json")
+        assert [t["name"] for t in json.loads(o)["plan"]["tensors"]] == want

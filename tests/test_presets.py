@@ -455,8 +455,9 @@ def test_ik_presets_that_need_an_imatrix(preset):
         _imatrix_error(preset, "ik")
 
 
-@pytest.mark.parametrize("preset,tensor", [("IQ2_XXS", "blk.0.attn_q.weight"), ("Q2_K_S", "blk.0.attn_q.weight"),
-                                           ("IQ3_XXS", "blk.0.attn_q.weight")])
+# mainline visits tensors in its loader's order (by layer, then by name): attn_k comes first
+@pytest.mark.parametrize("preset,tensor", [("IQ2_XXS", "blk.0.attn_k.weight"), ("Q2_K_S", "blk.0.attn_k.weight"),
+                                           ("IQ3_XXS", "blk.0.attn_k.weight")])
 def test_mainline_needs_an_imatrix(preset, tensor):
     with pytest.raises(QuantkitError, match=rf"this quantization requires an imatrix! Missing importance matrix for "
                                             rf"tensor {re.escape(tensor)} in a very low-bit quantization"):
@@ -492,4 +493,4 @@ def test_cli_imatrix_required_dry_run_notes_real_run_fails(tmp_path):
     assert rc == 0 and "a real run would stop here: this quantization requires an imatrix!" in e
     rc, o, e = quantkit("quantize", src, out, "iq2_xxs", "--flavor", "mainline")
     assert rc == 1 and not out.exists() and "Traceback" not in e
-    assert "this quantization requires an imatrix! Missing importance matrix for tensor blk.0.attn_q.weight" in e
+    assert "this quantization requires an imatrix! Missing importance matrix for tensor blk.0.attn_k.weight" in e
