@@ -5,7 +5,10 @@ type on the same number of threads; each runs as a child process so wall time an
 measured the same way (os.wait4).  numba's compile time is reported apart: a run on a tiny model
 with an empty numba cache, minus the same run with the cache warm.
 
-    python bench/quantize.py [--types q8_0,q4_0] [--threads 2] [--size-mb 400]
+    python bench/quantize.py [--types q8_0,q4_0] [--threads 2] [--size-mb 400] [--imatrix no|yes|both]
+
+``--imatrix yes`` gives both tools the same synthetic importance matrix (a legacy .dat file, which
+ik's llama-quantize reads), with a random positive weight per column of every matrix.
 """
 from __future__ import annotations
 
@@ -56,11 +59,23 @@ def make_model(path: Path, size_mb: int) -> tuple[Path, int, int]:
     return path, n_weights, n_vocab * n_embd * 2
 
 
+def make_imatrix(model: Path, path: Path) -> Path:
+    """A legacy .dat imatrix with a random positive weight per input column of every matrix."""
+    from quantkit.gguf_io.reader import open_model
+    from quantkit.imatrix import save_dat
+    rng = np.random.default_rng(2)
+    m = open_model(model)
+    weights = {t.name: (rng.random(t.shape[0]) ** 2 * 10 + 0.01).astype(np.float32)
+               for t in m.tensors if len(t.shape) >= 2 and t.name != "token_embd.weight"}
+    return save_dat(path, weights, ncall=10, chunk_count=10, dataset="synthetic")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="q8_0,q4_0")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--size-mb", type=int, default=400)
+    ap.add_argument("--imatrix", choices=("no", "yes", "both"), default="no")
     args = ap.parse_args()
     lq = llama_quantize()
     qk = [sys.executable, "-m", "quantkit", "quantize"]
@@ -73,14 +88,18 @@ def main() -> None:
                f"from quantize import make_model; from models import write_llama\n"
                f"p, n, big = make_model(Path({str(d / 'in-f16.gguf')!r}), {args.size_mb})\n"
                f"write_llama(Path({str(d / 'tiny.gguf')!r}), n_layer=1, n_embd=256, n_ff=512, dtype=np.float16)\n"
+               f"from quantize import make_imatrix; make_imatrix(p, Path({str(d / 'imatrix.dat')!r}))\n"
                f"print(n, big)")
         _, _, printed = run([sys.executable, "-c", gen])
         n_weights, largest = map(int, printed.split())
         src, tiny = d / "in-f16.gguf", d / "tiny.gguf"
         print(f"input: {src.stat().st_size / 1e6:.0f} MB F16, {n_weights / 1e6:.0f} M weights, "
               f"largest tensor {largest / 1e6:.0f} MB; {args.threads} threads")
-        print(f"{'type':6} {'tool':16} {'wall s':>8} {'M weights/s':>12} {'peak RSS MB':>12}")
-        for t in args.types.split(","):
+        print(f"{'type':10} {'tool':16} {'wall s':>8} {'M weights/s':>12} {'peak RSS MB':>12}")
+        variants = {"no": [False], "yes": [True], "both": [False, True]}[args.imatrix]
+        for t, with_imatrix in ((t, w) for t in args.types.split(",") for w in variants):
+            imat = ["--imatrix", str(d / "imatrix.dat")] if with_imatrix else []
+            label = f"{t}{'+imat' if with_imatrix else ''}"
             # numba compile time: empty cache vs warm cache, on a tiny model
             env = dict(os.environ, NUMBA_CACHE_DIR=str(d / f"numba-{t}"))
             cold, _, _ = run(qk + [str(tiny), str(d / "tiny-out.gguf"), t, "--pure", "--threads", str(args.threads)], env)
@@ -88,16 +107,16 @@ def main() -> None:
                                           str(args.threads), "--json"], env)
             tiny_inner = json.loads(tiny_out[tiny_out.index("{"):])["result"]["seconds"]
             wall, rss, out = run(qk + [str(src), str(d / "qk.gguf"), t, "--pure", "--threads", str(args.threads),
-                                       "--json"], env)
+                                       "--json"] + imat, env)
             inner = json.loads(out[out.index("{"):])["result"]["seconds"]
             # steady state: the big run's own time minus what a tiny run spends on loading the cached
             # kernels (interpreter start-up is outside both)
             steady = n_weights / max(inner - tiny_inner, 1e-9) / 1e6
-            print(f"{t:6} {'quantkit':16} {wall:8.2f} {n_weights / wall / 1e6:12.1f} {rss / 1e6:12.0f}"
+            print(f"{label:10} {'quantkit':16} {wall:8.2f} {n_weights / wall / 1e6:12.1f} {rss / 1e6:12.0f}"
                   f"   (steady state {steady:.1f} M weights/s; start-up {wall - inner:.2f} s, kernel cache load"
                   f" {tiny_inner:.2f} s; numba compile {cold - warm:.1f} s)")
-            wall, rss, _ = run([lq, "--pure", str(src), str(d / "lq.gguf"), t.upper(), str(args.threads)])
-            print(f"{t:6} {'llama-quantize':16} {wall:8.2f} {n_weights / wall / 1e6:12.1f} {rss / 1e6:12.0f}")
+            wall, rss, _ = run([lq, "--pure"] + imat + [str(src), str(d / "lq.gguf"), t.upper(), str(args.threads)])
+            print(f"{label:10} {'llama-quantize':16} {wall:8.2f} {n_weights / wall / 1e6:12.1f} {rss / 1e6:12.0f}")
             for f in ("qk.gguf", "lq.gguf"):
                 (d / f).unlink(missing_ok=True)
         print(f"RSS target for quantkit: < 2 x largest tensor + 300 MB = {(2 * largest + 300e6) / 1e6:.0f} MB")

@@ -388,3 +388,28 @@ def _load_dat(path: Path) -> ImatrixData:
             fail(f"{len(buf) - pos} unexpected bytes after the trailer", pos)
     return ImatrixData(weights=weights, n_matrices={n: 1 for n in weights}, counts=counts_of, path=path,
                        format="dat", datasets=datasets, chunk_count=chunk_count, chunk_size=0)
+
+
+def save_dat(path: str | os.PathLike, weights: dict[str, np.ndarray], ncall: int = 1, *,
+             chunk_count: int = 0, dataset: str = "") -> Path:
+    """Write importance weights (entry name -> mean x² per column) as a legacy ``.dat`` file, the
+    format ik_llama.cpp's llama-quantize reads.  Values are stored times ``ncall``, as llama-imatrix
+    stores them; the trailer carries the chunk count and the dataset name.  Written to a temporary
+    file that is renamed at the end."""
+    if ncall < 1:
+        raise ValueError(f"ncall must be positive, got {ncall}")
+    path = Path(path)
+    parts = [struct.pack("<i", len(weights))]
+    for name, vals in weights.items():
+        raw = name.encode()
+        vals = np.asarray(vals, np.float32).reshape(-1) * np.float32(ncall)
+        parts += [struct.pack("<i", len(raw)), raw, struct.pack("<ii", ncall, vals.size), vals.astype("<f4").tobytes()]
+    ds = dataset.encode()
+    parts += [struct.pack("<ii", chunk_count, len(ds)), ds]
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_bytes(b"".join(parts))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

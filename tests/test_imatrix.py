@@ -17,7 +17,7 @@ import pytest
 import peers
 from quantkit.errors import QuantkitError
 from quantkit.gguf_io.reader import open_model
-from quantkit.imatrix import ImatrixData, fallback_names, load_imatrix
+from quantkit.imatrix import ImatrixData, fallback_names, load_imatrix, save_dat
 
 GOLDEN_GGUF = "golden/imatrix/smollm2-q4_1-gpl3.gguf"
 GOLDEN_DAT = "golden/imatrix/smollm2-q4_1-gpl3.dat"
@@ -476,3 +476,19 @@ def test_size_errors_agree_with_ik_llama_quantize(tmp_path):
     r = _run_quantize("--pure", "--imatrix", imf, src, tmp_path / "out2.gguf", "Q4_0", 2)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert load_imatrix(imf).weights_for("token_embd.weight", N_EMBD) is None
+
+
+def test_save_dat_writes_the_legacy_layout(tmp_path):
+    rng = np.random.default_rng(5)
+    w = {"blk.0.attn_q.weight": rng.random(64).astype(np.float32),
+         "blk.0.ffn_down_exps.weight": rng.random(3 * 32).astype(np.float32)}
+    path = save_dat(tmp_path / "m.dat", w, ncall=7, chunk_count=9, dataset="wiki.txt")
+    want = dat_bytes({k: (7, v * np.float32(7)) for k, v in w.items()}, trailer=(9, "wiki.txt"))
+    assert path.read_bytes() == want
+    back = load_imatrix(path)
+    assert back.chunk_count == 9 and back.datasets == ["wiki.txt"]
+    for k, v in w.items():
+        np.testing.assert_allclose(back.weights[k], v, rtol=1e-6)
+    with pytest.raises(ValueError):
+        save_dat(tmp_path / "bad.dat", w, ncall=0)
+    assert not (tmp_path / "bad.dat").exists()

@@ -74,3 +74,21 @@ def test_imatrix_metadata_and_missing_entries(quantized):
     assert "calib" in f["quantize.imatrix.dataset"].contents()
     # token_embd is never in an imatrix: the run says so
     assert "token_embd.weight" in stderr
+
+
+def test_k_quant_with_imatrix_from_the_cli(quantized, shared_dir, tmp_path):
+    """The numba k-quant kernels get the imatrix as the loader hands it over (read-only views)."""
+    f32, _, imat, _ = quantized
+    out = tmp_path / "q6_k-imat.gguf"
+    p = subprocess.run([sys.executable, "-m", "quantkit", "quantize", str(f32), str(out), "q6_K", "--pure",
+                        "--imatrix", str(imat)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    ref = _reference(shared_dir)
+    src = {t.name: t for t in gguf.GGUFReader(str(f32)).tensors}
+    dst = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
+    name = "blk.17.ffn_down.weight"             # rows of 1536: q6_K without a fallback
+    assert dst[name].tensor_type == gguf.GGMLQuantizationType.Q6_K
+    x = np.asarray(src[name].data, dtype=np.float32).reshape(-1, 1536)[:2]
+    expect = np.frombuffer(ref.quantize_q6_K(x, _gguf_imatrix_weights(imat, name)), np.uint8)
+    got = np.asarray(dst[name].data).view(np.uint8).reshape(-1)[:expect.size]
+    np.testing.assert_array_equal(got, expect)

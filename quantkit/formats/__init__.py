@@ -72,6 +72,10 @@ def quantize(x: np.ndarray, qtype, imatrix: np.ndarray | None = None, flavor: st
         imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
         if imatrix.shape != (x.shape[1],):
             raise ValueError(f"imatrix has {imatrix.size} values, rows have {x.shape[1]}")
+        if not imatrix.flags.writeable:     # numba's compiled signatures take writable arrays
+            imatrix = imatrix.copy()
+    if not x.flags.writeable:
+        x = x.copy()
     fn = fmt.quantize_ref if reference else fmt.quantize_fast
     return fn(x, imatrix, flavor)
 

@@ -1,0 +1,31 @@
+"""The formats API for every registered quantizer: what callers may pass (read-only arrays, e.g.
+memory-mapped tensors and imatrix views) and what they get back."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from quantkit import formats
+from quantkit.formats import registered
+from quantkit.types import traits, type_name
+
+QUANTIZERS = sorted(q for q, f in registered().items() if f.quant_paths)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZERS, ids=type_name)
+def test_read_only_inputs(qtype):
+    t = traits(qtype)
+    n = 256 * max(1, t.block_size // 256)
+    rows = max(2, t.interleave_rows)
+    rng = np.random.default_rng(int(qtype))
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    im = rng.random(n).astype(np.float32)
+    want = formats.quantize(x, qtype, im)
+    x.flags.writeable = False
+    im.flags.writeable = False
+    got = formats.quantize(x, qtype, im)
+    assert got.dtype == np.uint8 and got.shape == (rows, t.row_size(n))
+    np.testing.assert_array_equal(got, want)
+    got.flags.writeable = False
+    y = formats.dequantize(got, qtype, n)
+    assert y.shape == x.shape and y.dtype == np.float32
