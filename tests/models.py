@@ -90,6 +90,21 @@ def write_llama_sized(path: Path, n_layer: int, vocab_size: int, n_head=4, n_hea
     return path
 
 
+def add_spm_vocab(w: gguf.GGUFWriter, n_vocab: int) -> None:
+    """A minimal SentencePiece-style vocabulary (control tokens, the 256 byte tokens, fillers), enough
+    for ik_llama.cpp's loader, which refuses a model without one."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\u2581t{i}" for i in range(n_vocab - len(tokens))]
+    types = [2, 3, 3] + [6] * 256 + [1] * (n_vocab - 259)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens[:n_vocab])
+    w.add_token_scores([0.0] * n_vocab)
+    w.add_token_types(types[:n_vocab])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+
 def write_deepseek2(path: Path, n_layer=4, n_dense=1, n_embd=256, n_ff=512, n_ff_exp=256, n_expert=4,
                     n_expert_used=2, n_shared=1, n_head=4, q_lora_rank=256, kv_lora_rank=512,
                     qk_nope=128, qk_rope=64, v_head=128, n_vocab=512, dtype=np.float32, seed=0) -> Path:
@@ -131,6 +146,7 @@ def write_deepseek2(path: Path, n_layer=4, n_dense=1, n_embd=256, n_ff=512, n_ff
     w.add_uint32(f"{a}.expert_gating_func", 2)
     w.add_uint32(f"{a}.rope.dimension_count", qk_rope)
     w.add_file_type(0 if dtype == np.float32 else 1)
+    add_spm_vocab(w, n_vocab)
     w.add_tensor("token_embd.weight", _w(rng, n_vocab, n_embd, dtype=dtype))
     w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
     w.add_tensor("output.weight", _w(rng, n_vocab, n_embd, dtype=dtype))
