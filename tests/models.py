@@ -16,8 +16,9 @@ def _w(rng, *np_shape, scale=0.02, dtype=np.float32):
 
 
 def write_llama(path: Path, n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=512,
-                tied=False, dtype=np.float32, seed=0) -> Path:
-    """A llama-architecture GGUF with random weights (no tokenizer)."""
+                tied=False, dtype=np.float32, seed=0, vocab=False) -> Path:
+    """A llama-architecture GGUF with random weights (with ``vocab``, a minimal tokenizer so that
+    ik_llama.cpp loads it)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch="llama")
     w.add_block_count(n_layer)
@@ -30,6 +31,8 @@ def write_llama(path: Path, n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
     w.add_file_type(0 if dtype == np.float32 else 1)
+    if vocab:
+        add_spm_vocab(w, n_vocab)
     kv = n_embd // n_head * n_head_kv
     w.add_tensor("token_embd.weight", _w(rng, n_vocab, n_embd, dtype=dtype))
     w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))

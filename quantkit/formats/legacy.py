@@ -296,3 +296,55 @@ class Q8_0(_LegacyFormat, qtype=QuantType.Q8_0):
         d = _fp16_values(b[:, 0:2])
         y = b[:, 2:].view(np.int8).astype(np.float32) * d
         return y.reshape(blocks.shape[0], n_per_row)
+
+
+class Q6_0(_LegacyFormat, qtype=QuantType.Q6_0):
+    """ik_llama.cpp's 6-bit block (llama-quantize's fallback for IQ5_K/Q5_K rows that are not a
+    multiple of 256).  Its quantizer is always the fork's ``make_qx_quants`` with nmax 32, weighted by
+    ``x²`` or, with an imatrix, ``qw*sqrtf(sigma2 + x²)``; it exists only in ik, so both flavors run it.
+
+        d[0:2]  qh[2:10]  qs[10:26]
+        qs[j]: low nibble = low 4 bits of code j, high nibble = those of code j+16 (j < 16)
+        qh[k]: 2-bit pairs (code k, code k+16, code k+8, code k+24) >> 4, from bit 0 up
+    """
+    nmax = 32
+    scale_fields = ((0, "<f2"),)
+    quant_paths = _LEGACY_PATHS
+
+    @classmethod
+    def quantize_ref(cls, x, imatrix, flavor):
+        n_rows, n = x.shape
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        xb = x.reshape(-1, QK)
+        with np.errstate(invalid="ignore", over="ignore"):
+            w = xb * xb if imatrix is None else _imatrix_weights(x, imatrix)
+            d, L = make_qx_quants(xb, w.astype(np.float32), cls.nmax, "ik")
+        L = (L & 0x3F).astype(np.uint8)
+        qs = (L[:, :16] & 0xF) | ((L[:, 16:] & 0xF) << 4)
+        h = (L[:, :16] >> 4) | ((L[:, 16:] >> 4) << 2)           # (n_blocks, 16) 4-bit pairs
+        qh = h[:, :8] | (h[:, 8:] << 4)
+        return np.concatenate([_fp16_bytes(d), qh, qs], axis=-1).reshape(n_rows, cls.traits.row_size(n))
+
+    @classmethod
+    def quantize_fast(cls, x, imatrix, flavor):
+        n_rows, n = x.shape
+        out = cls.empty_blocks(n_rows, n)
+        has_qw = imatrix is not None
+        qw = np.ascontiguousarray(imatrix, np.float32) if has_qw else np.zeros(n, np.float32)
+        kernels.quantize_rows_q6_0(np.ascontiguousarray(x, np.float32), qw, has_qw, out)
+        return out
+
+    @classmethod
+    def dequantize_ref(cls, blocks, n_per_row):
+        b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, cls.traits.type_size)
+        d = _fp16_values(b[:, 0:2])
+        qh, qs = b[:, 2:10].astype(np.int32), b[:, 10:26].astype(np.int32)
+        h = np.concatenate([qh & 0xF, qh >> 4], axis=-1)            # 4-bit pair of qs byte j
+        q = np.concatenate([(qs & 0xF) | ((h << 4) & 0x30), (qs >> 4) | ((h << 2) & 0x30)], axis=-1)
+        return ((q - 32).astype(np.float32) * d).reshape(blocks.shape[0], n_per_row)
+
+    @classmethod
+    def dequantize_fast(cls, blocks, n_per_row):
+        out = np.empty((blocks.shape[0], n_per_row), np.float32)
+        kernels.dequantize_rows_q6_0(np.ascontiguousarray(blocks, np.uint8), kernels.FP16_TABLE, out)
+        return out

@@ -652,3 +652,66 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
                 else:
                     out[r, e + j] = F(q0) * d + m
                     out[r, e + j + 16] = F(q1) * d + m
+
+
+# ---- Q6_0 (ik_llama.cpp only) ----
+#
+#   Q6_0  d[0:2]  qh[2:10]  qs[10:26]      codes l + 32, l in -32..31
+#
+#   qs byte j (j < 16): low 4 bits of code j | low 4 bits of code j+16 << 4
+#   qh byte k (k < 8):  bits 0-1 = code k >> 4,   bits 2-3 = code k+16 >> 4,
+#                       bits 4-5 = code k+8 >> 4, bits 6-7 = code k+24 >> 4
+
+Q6_0 = 133
+Q6_0_BYTES = 26
+
+
+@njit(cache=True)
+def _pack_q6_0(L, y, off):
+    for k in range(8):
+        y[off + 2 + k] = 0
+    for j in range(16):
+        lo, hi = np.int64(L[j]), np.int64(L[j + 16])
+        y[off + 10 + j] = (lo & 0xF) | ((hi & 0xF) << 4)
+        y[off + 2 + j % 8] |= ((lo >> 4) | ((hi >> 4) << 2)) << (4 * (j // 8))
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows_q6_0(x, qw, has_qw, out):
+    """Q6_0 always runs the fork's make_qx_quants (nmax 32): weights ``qw*sqrtf(sigma2 + x²)`` with
+    sigma2 = Σx²/n_per_row of the row, or ``x²`` without an imatrix."""
+    n_rows, n = x.shape
+    for r in prange(n_rows):
+        xr = x[r]
+        y = out[r]
+        sigma2 = F(0)
+        if has_qw:
+            sum_x2 = F(0)
+            for j in range(n):
+                sum_x2 += xr[j] * xr[j]
+            sigma2 = sum_x2 / F(n)
+        w = np.empty(QK, np.float32)
+        L = np.empty(QK, np.int64)
+        for ib in range(n // QK):
+            xb = xr[ib * QK:(ib + 1) * QK]
+            for j in range(QK):
+                w[j] = qw[ib * QK + j] * np.sqrt(sigma2 + xb[j] * xb[j]) if has_qw else xb[j] * xb[j]
+            d = make_qx_quants(xb, w, 32, L, True)
+            off = ib * Q6_0_BYTES
+            _store_fp16(y, off, d)
+            _pack_q6_0(L, y, off)
+
+
+@njit(cache=True, parallel=True)
+def dequantize_rows_q6_0(blocks, fp16_table, out):
+    n_rows, n = out.shape
+    for r in prange(n_rows):
+        b = blocks[r]
+        for ib in range(n // QK):
+            o = ib * Q6_0_BYTES
+            d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+            for j in range(16):
+                h = np.int64(b[o + 2 + j % 8]) >> (4 * (j // 8))
+                q = np.int64(b[o + 10 + j])
+                out[r, ib * QK + j] = F(((q & 0xF) | ((h << 4) & 0x30)) - 32) * d
+                out[r, ib * QK + j + 16] = F(((q >> 4) | ((h << 2) & 0x30)) - 32) * d
