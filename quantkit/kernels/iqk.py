@@ -1,0 +1,524 @@
+"""numba kernels for IQ3_K, IQ4_K, IQ5_K, IQ6_K and IQ4_KS (see :mod:`quantkit.formats.iqk`).
+
+Same contract and arithmetic as the numpy twin; rows run in parallel.  The table lookup
+``nearest`` is what makes these quantizers cost: every trial scale looks up each value twice.  It
+works like ik's own helper, without a search: ``LUT[floor(x - T[0])]`` is the last table index at
+or below x (table values are integers at least 1 apart), and one comparison with the float32
+threshold between that value and the next (``_iqk.thresholds``) decides the nearest, ties going to
+the upper one.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ..formats._iqk import IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
+from ._iqk import imatrix_cleanup_row, thresholds
+from .kquants import FP16_TABLE, nint, run_rows, store_fp16
+
+F = np.float32
+I32 = np.int32
+QK_K = 256
+IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS = 138, 139, 140, 141, 144       # ggml type ids
+ZERO_EPS = F(1e-16)
+OVERFLOW = F(2.0 ** 31)
+OVERFLOW_IQ6 = F(2.0 ** 31) - F(128)        # IQ6_K's lookup is (int)(x - T[0])
+
+__all__ = ["quantize_rows", "dequantize_rows", "FP16_TABLE"]
+
+
+def _table(values):
+    """(values, floor-lookup, thresholds) for one half-table."""
+    v = np.asarray(values, np.float32)
+    span = int(v[-1] - v[0]) + 1
+    lut = np.array([np.searchsorted(v, v[0] + t, side="right") - 1 for t in range(span)], np.int32)
+    return v, lut, thresholds(v)
+
+
+# tables: [base, shifted] halves
+IQ3_V, IQ3_LUT, IQ3_THR = _table(IQ3NL_VALUES[:8])
+IQ3_SV, IQ3_SLUT, IQ3_STHR = _table(IQ3NL_VALUES[8:])
+IQ4_V, IQ4_LUT, IQ4_THR = _table(IQ4K_VALUES[:16])
+IQ4_SV, IQ4_SLUT, IQ4_STHR = _table(IQ4K_VALUES[16:])
+IQ5_V, IQ5_LUT, IQ5_THR = _table(IQ5NL_VALUES[:32])
+IQ5_SV, IQ5_SLUT, IQ5_STHR = _table(IQ5NL_VALUES[32:])
+IQ6_V, IQ6_LUT, IQ6_THR = _table(IQ6NL_VALUES[:64])
+IQ6_SV, IQ6_SLUT, IQ6_STHR = _table(IQ6NL_VALUES[:64].astype(np.float32) + 1)
+
+_OPTS = dict(cache=True, error_model="numpy")
+
+
+@njit(**_OPTS)
+def nearest(a, v, lut, thr, ovf):
+    """Index of the entry of table v nearest to float32 a (ties to the upper one); NaN and
+    a >= ovf give 0, as ik's lookup does."""
+    n = v.shape[0]
+    if not (a < ovf):
+        return 0
+    if a <= v[0]:
+        return 0
+    if a >= v[n - 1]:
+        return n - 1
+    c = lut[min(np.int64(a - v[0]), lut.shape[0] - 1)]
+    if c > 0 and a < thr[c - 1]:
+        return c - 1
+    if c < n - 1 and a >= thr[c]:
+        return c + 1
+    return c
+
+
+@njit(**_OPTS)
+def _trial(xb, wb, isc, v, lut, thr, ovf):
+    sp = F(0)
+    s2p = F(0)
+    sm = F(0)
+    s2m = F(0)
+    for j in range(xb.shape[0]):
+        al = isc * xb[j]
+        q = v[nearest(al, v, lut, thr, ovf)]
+        wq = wb[j] * q
+        sp += wq * xb[j]
+        s2p += wq * q
+        q = v[nearest(-al, v, lut, thr, ovf)]
+        wq = wb[j] * q
+        sm += wq * xb[j]
+        s2m += wq * q
+    return sp, s2p, sm, s2m
+
+
+@njit(**_OPTS)
+def search(xb, wb, v, lut, thr, sv, slut, sthr, ntry, step, guarded, refit, ovf):
+    """(scale, shifted) of one sub-block (formats.iqk.search_scales)."""
+    amax = F(0)
+    mx = F(0)
+    for j in range(xb.shape[0]):
+        ax = abs(xb[j])
+        if ax > amax:
+            amax = ax
+            mx = xb[j]
+    if amax < ZERO_EPS:
+        return F(0), False
+    d = -mx / v[0]
+    sp, s2p, sm, s2m = _trial(xb, wb, F(1) / d, v, lut, thr, ovf)
+    if guarded:
+        best = F(0)
+        if s2p > 0:
+            d = sp / s2p
+            best = d * sp
+    else:
+        d = sp / s2p
+        best = d * sp
+    if s2m > 0 and sm * sm > best * s2m:
+        d = sm / s2m
+        best = d * sm
+    shifted = False
+    for itry in range(-ntry, ntry + 1):
+        for half in range(2):
+            if half == 0:
+                sp, s2p, sm, s2m = _trial(xb, wb, F(itry * step + v[0]) / mx, v, lut, thr, ovf)
+            else:
+                sp, s2p, sm, s2m = _trial(xb, wb, F(itry * step + sv[0]) / mx, sv, slut, sthr, ovf)
+            if s2p > 0 and sp * sp > best * s2p:
+                d = sp / s2p
+                best = d * sp
+                shifted = half == 1
+            if s2m > 0 and sm * sm > best * s2m:
+                d = sm / s2m
+                best = d * sm
+                shifted = half == 1
+    if refit and d != 0:
+        idv = F(1) / d
+        sx = F(0)
+        s2 = F(0)
+        for j in range(xb.shape[0]):
+            if shifted:
+                q = sv[nearest(idv * xb[j], sv, slut, sthr, ovf)]
+            else:
+                q = v[nearest(idv * xb[j], v, lut, thr, ovf)]
+            wq = wb[j] * q
+            sx += wq * xb[j]
+            s2 += wq * q
+        if s2 > 0:
+            d = sx / s2
+    return d, shifted
+
+
+@njit(**_OPTS)
+def _weights(xs, qw, has_qw, factor, plain_sigma, w):
+    """Weights of one super-block: qw*sqrtf(sigma2 + x²), else x² or sigma2/4 + x²."""
+    s = F(0)
+    for j in range(QK_K):
+        s += xs[j] * xs[j]
+    sigma2 = (F(factor) * s) / F(QK_K)
+    for j in range(QK_K):
+        if has_qw:
+            w[j] = qw[j] * np.sqrt(sigma2 + xs[j] * xs[j])
+        elif plain_sigma:
+            w[j] = F(0.25) * sigma2 + xs[j] * xs[j]
+        else:
+            w[j] = xs[j] * xs[j]
+
+
+@njit(**_OPTS)
+def _code(a, shifted, v, lut, thr, sv, slut, sthr, ovf):
+    if shifted:
+        return nearest(a, sv, slut, sthr, ovf)
+    return nearest(a, v, lut, thr, ovf)
+
+
+@njit(**_OPTS)
+def _row_weights(xr, qw, has_qw, block, wrow):
+    if has_qw:
+        imatrix_cleanup_row(xr, qw, block, wrow)
+
+
+@njit(**_OPTS)
+def iq4_k_row(xr, qw, has_qw, ik, y):
+    n = xr.shape[0]
+    wrow = np.empty(n, np.float32)
+    _row_weights(xr, qw, has_qw, 16, wrow)
+    w = np.empty(QK_K, np.float32)
+    scales = np.empty(16, np.float32)
+    shifted = np.zeros(16, np.bool_)
+    L = np.empty(QK_K, np.int32)
+    for sb in range(n // QK_K):
+        xs = xr[sb * QK_K:(sb + 1) * QK_K]
+        _weights(xs, wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, False, w)
+        amax_scale = F(0)
+        max_scale = F(0)
+        for ib in range(16):
+            d, sh = search(xs[16 * ib:16 * ib + 16], w[16 * ib:16 * ib + 16], IQ4_V, IQ4_LUT, IQ4_THR,
+                           IQ4_SV, IQ4_SLUT, IQ4_STHR, 7, 1, False, False, OVERFLOW)
+            scales[ib] = d
+            shifted[ib] = sh
+            if abs(d) > amax_scale:
+                amax_scale = abs(d)
+                max_scale = d
+        d = -max_scale / F(32)
+        idv = F(1) / d if d != 0 else F(0)
+        o = sb * 144
+        sumqx = F(0)
+        sumq2 = F(0)
+        extra = 0
+        for k in range(12):
+            y[o + 4 + k] = 0
+        for ib in range(16):
+            l = max(-32, min(31, nint(idv * scales[ib])))
+            dl = d * F(l)
+            idl = F(1) / dl if dl != 0 else F(0)
+            for j in range(16):
+                p = 16 * ib + j
+                c = _code(idl * xs[p], shifted[ib], IQ4_V, IQ4_LUT, IQ4_THR, IQ4_SV, IQ4_SLUT, IQ4_STHR, OVERFLOW)
+                L[p] = c
+                q = (IQ4_SV[c] if shifted[ib] else IQ4_V[c]) * F(l)
+                wq = w[p] * q
+                sumqx += wq * xs[p]
+                sumq2 += wq * q
+            if shifted[ib]:
+                extra |= 1 << ib
+            ls = l + 32
+            y[o + 8 + ib // 2] |= (ls & 0xF) << (4 * (ib % 2))
+            y[o + 4 + ib // 4] |= (ls >> 4) << (2 * (ib % 4))
+        store_fp16(y, o, sumqx / sumq2 if sumq2 > 0 else d)
+        y[o + 2] = extra & 0xFF
+        y[o + 3] = extra >> 8
+        for g in range(8):
+            for j in range(16):
+                y[o + 16 + 16 * g + j] = L[32 * g + j] | (L[32 * g + 16 + j] << 4)
+
+
+@njit(**_OPTS)
+def _iq56_row(xr, qw, has_qw, y, six):
+    n = xr.shape[0]
+    wrow = np.empty(n, np.float32)
+    _row_weights(xr, qw, has_qw, 16, wrow)
+    w = np.empty(QK_K, np.float32)
+    scales = np.empty(16, np.float32)
+    shifted = np.zeros(16, np.bool_)
+    L = np.empty(QK_K, np.int32)
+    bs = 212 if six else 176
+    smax = 127 if six else 32
+    for sb in range(n // QK_K):
+        xs = xr[sb * QK_K:(sb + 1) * QK_K]
+        _weights(xs, wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, True, w)
+        amax_scale = F(0)
+        max_scale = F(0)
+        for ib in range(16):
+            if six:
+                d, sh = search(xs[16 * ib:16 * ib + 16], w[16 * ib:16 * ib + 16], IQ6_V, IQ6_LUT, IQ6_THR,
+                               IQ6_SV, IQ6_SLUT, IQ6_STHR, 5, 1, False, True, OVERFLOW_IQ6)
+            else:
+                d, sh = search(xs[16 * ib:16 * ib + 16], w[16 * ib:16 * ib + 16], IQ5_V, IQ5_LUT, IQ5_THR,
+                               IQ5_SV, IQ5_SLUT, IQ5_STHR, 5, 1, False, True, OVERFLOW)
+            scales[ib] = d
+            shifted[ib] = sh
+            if abs(d) > amax_scale:
+                amax_scale = abs(d)
+                max_scale = d
+        o = sb * bs
+        for k in range(bs):
+            y[o + k] = 0
+        if amax_scale == 0:
+            continue
+        d = -max_scale / F(smax)
+        idv = F(1) / d
+        sumqx = F(0)
+        sumq2 = F(0)
+        extra = 0
+        for ib in range(16):
+            if shifted[ib]:
+                extra |= 1 << ib
+            l = max(-smax, min(smax if six else smax - 1, nint(idv * scales[ib])))
+            if six:
+                y[o + 4 + ib] = l & 0xFF
+            else:
+                y[o + 8 + ib // 2] |= ((l + 32) & 0xF) << (4 * (ib % 2))
+                y[o + 4 + ib // 4] |= ((l + 32) >> 4) << (2 * (ib % 4))
+            dl = d * F(l)
+            for j in range(16):
+                L[16 * ib + j] = 0
+            if dl == 0:
+                continue
+            idl = F(1) / dl
+            for j in range(16):
+                p = 16 * ib + j
+                if six:
+                    c = _code(idl * xs[p], shifted[ib], IQ6_V, IQ6_LUT, IQ6_THR, IQ6_SV, IQ6_SLUT, IQ6_STHR,
+                              OVERFLOW_IQ6)
+                    q = (IQ6_SV[c] if shifted[ib] else IQ6_V[c]) * F(l)
+                else:
+                    c = _code(idl * xs[p], shifted[ib], IQ5_V, IQ5_LUT, IQ5_THR, IQ5_SV, IQ5_SLUT, IQ5_STHR,
+                              OVERFLOW)
+                    q = (IQ5_SV[c] if shifted[ib] else IQ5_V[c]) * F(l)
+                L[p] = c
+                wq = w[p] * q
+                sumqx += wq * xs[p]
+                sumq2 += wq * q
+        store_fp16(y, o, sumqx / sumq2 if sumq2 > 0 else d)
+        y[o + 2] = extra & 0xFF
+        y[o + 3] = extra >> 8
+        qs = o + (20 if six else 16)
+        qh = o + (148 if six else 144)
+        for p in range(QK_K):
+            ib32 = p // 32
+            k = p % 32
+            y[qs + 32 * (ib32 // 2) + k] |= (L[p] & 0xF) << (4 * (ib32 % 2))
+            if six:
+                y[qh + 32 * (ib32 // 4) + k] |= (L[p] >> 4) << (2 * (ib32 % 4))
+            else:
+                y[qh + k] |= (L[p] >> 4) << ib32
+
+
+@njit(**_OPTS)
+def iq5_k_row(xr, qw, has_qw, ik, y):
+    _iq56_row(xr, qw, has_qw, y, False)
+
+
+@njit(**_OPTS)
+def iq6_k_row(xr, qw, has_qw, ik, y):
+    _iq56_row(xr, qw, has_qw, y, True)
+
+
+@njit(**_OPTS)
+def iq3_k_row(xr, qw, has_qw, ik, y):
+    n = xr.shape[0]
+    wrow = np.empty(n, np.float32)
+    _row_weights(xr, qw, has_qw, 16, wrow)
+    w = np.empty(QK_K, np.float32)
+    scales = np.empty(16, np.float32)
+    shifted = np.zeros(16, np.bool_)
+    for sb in range(n // QK_K):
+        xs = xr[sb * QK_K:(sb + 1) * QK_K]
+        _weights(xs, wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 1.5, True, w)
+        max_abs = F(0)
+        for ib in range(16):
+            d, sh = search(xs[16 * ib:16 * ib + 16], w[16 * ib:16 * ib + 16], IQ3_V, IQ3_LUT, IQ3_THR,
+                           IQ3_SV, IQ3_SLUT, IQ3_STHR, 3, 2, True, True, OVERFLOW)
+            scales[ib] = d
+            shifted[ib] = sh and d != 0
+            max_abs = max(max_abs, abs(d))
+        o = sb * 110
+        for k in range(110):
+            y[o + k] = 0
+        if max_abs == 0:
+            continue
+        d = max_abs / F(31)
+        idv = F(1) / d
+        sumqx = F(0)
+        sumq2 = F(0)
+        extra = 0
+        signs = 0
+        for ib in range(16):
+            if shifted[ib]:
+                extra |= 1 << ib
+            ls = max(0, min(15, nint(F(0.5) * (idv * abs(scales[ib]) - F(1)))))
+            y[o + 6 + ib // 2] |= ls << (4 * (ib % 2))
+            sls = 2 * ls + 1
+            if scales[ib] < 0:
+                signs |= 1 << ib
+                sls = -sls
+            dl = d * F(sls)
+            if dl == 0:
+                continue
+            idl = F(1) / dl
+            ib32 = ib // 2
+            for j in range(16):
+                p = 16 * ib + j
+                c = _code(idl * xs[p], shifted[ib], IQ3_V, IQ3_LUT, IQ3_THR, IQ3_SV, IQ3_SLUT, IQ3_STHR, OVERFLOW)
+                k = p % 32
+                y[o + 14 + 32 * (ib32 // 4) + k] |= (c & 3) << (2 * (ib32 % 4))
+                y[o + 78 + k] |= (c >> 2) << ib32
+                q = (IQ3_SV[c] if shifted[ib] else IQ3_V[c]) * F(sls)
+                wq = w[p] * q
+                sumqx += wq * xs[p]
+                sumq2 += wq * q
+        store_fp16(y, o, F(1.01) * (sumqx / sumq2 if sumq2 > 0 else d))
+        y[o + 2] = extra & 0xFF
+        y[o + 3] = extra >> 8
+        y[o + 4] = signs & 0xFF
+        y[o + 5] = signs >> 8
+
+
+@njit(**_OPTS)
+def iq4_ks_row(xr, qw, has_qw, ik, y):
+    n = xr.shape[0]
+    n_blk = n // 32
+    wrow = np.empty(n, np.float32)
+    _row_weights(xr, qw, has_qw, 32, wrow)
+    w = np.empty(n, np.float32)
+    scales = np.empty(n_blk, np.float32)
+    for k in range(y.shape[0]):
+        y[k] = 0
+    amax_scale = F(0)
+    for sb in range(n // QK_K):
+        _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, False,
+                 w[sb * QK_K:(sb + 1) * QK_K])
+        for ib in range(8):
+            b = 8 * sb + ib
+            d, sh = search(xr[32 * b:32 * b + 32], w[32 * b:32 * b + 32], IQ4_V, IQ4_LUT, IQ4_THR,
+                           IQ4_SV, IQ4_SLUT, IQ4_STHR, 7, 1, False, False, OVERFLOW)
+            scales[b] = d
+            if sh:
+                y[4 + 136 * sb + ib] = 1
+            if abs(d) > amax_scale:
+                amax_scale = abs(d)
+    d = amax_scale / F(127)
+    if d == 0:
+        return
+    idv = F(1) / d
+    sumqx = F(0)
+    sumq2 = F(0)
+    for b in range(n_blk):
+        so = 4 + 136 * (b // 8) + b % 8
+        sh = y[so] & 1
+        l = max(0, min(127, nint(F(0.5) * (idv * scales[b] + F(127))))) << 1
+        y[so] |= l
+        l -= 127
+        dl = d * F(l)
+        idl = F(1) / dl if dl != 0 else F(0)
+        qo = 4 + 136 * (b // 8) + 8 + 16 * (b % 8)
+        for j in range(16):
+            p1 = 32 * b + j
+            p2 = p1 + 16
+            c1 = _code(idl * xr[p1], sh == 1, IQ4_V, IQ4_LUT, IQ4_THR, IQ4_SV, IQ4_SLUT, IQ4_STHR, OVERFLOW)
+            c2 = _code(idl * xr[p2], sh == 1, IQ4_V, IQ4_LUT, IQ4_THR, IQ4_SV, IQ4_SLUT, IQ4_STHR, OVERFLOW)
+            y[qo + j] = c1 | (c2 << 4)
+            q1 = (IQ4_SV[c1] if sh else IQ4_V[c1]) * F(l)
+            q2 = (IQ4_SV[c2] if sh else IQ4_V[c2]) * F(l)
+            sumqx += (w[p1] * q1) * xr[p1] + (w[p2] * q2) * xr[p2]
+            sumq2 += (w[p1] * q1) * q1 + (w[p2] * q2) * q2
+    if sumq2 > 0:
+        d = sumqx / sumq2
+    bits = np.empty(1, np.float32)
+    bits[0] = d
+    b4 = bits.view(np.uint8)
+    for k in range(4):
+        y[k] = b4[k]
+
+
+ROW_KERNELS = {IQ3_K: iq3_k_row, IQ4_K: iq4_k_row, IQ5_K: iq5_k_row, IQ6_K: iq6_k_row, IQ4_KS: iq4_ks_row}
+
+
+def quantize_rows(qtype, x, qw, has_qw, out):
+    """Quantize rows x (n_rows, n_per_row) to ``qtype`` in out (n_rows, row_size)."""
+    run_rows(ROW_KERNELS[qtype], x, qw, has_qw, True, out)
+
+
+# ---- decoding ----
+A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K = F(-127.0), F(6.2568), F(0.11218), F(0.0011972)
+
+
+@njit(**_OPTS)
+def _fp16(b, o, fp16_table):
+    return fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def dequantize_rows(qtype, blocks, fp16_table, out):
+    """blocks (n_rows, row_size) uint8 -> out (n_rows, n_per_row) float32 (the C to_float)."""
+    n_rows, n = out.shape
+    for r in prange(n_rows):
+        b = blocks[r]
+        y = out[r]
+        if qtype == IQ4_KS:
+            d = b[0:4].copy().view(np.float32)[0]
+            for blk in range(n // 32):
+                o = 4 + 136 * (blk // 8)
+                s = np.int64(b[o + blk % 8])
+                dl = d * F((s & 254) - 127)
+                for j in range(16):
+                    q = np.int64(b[o + 8 + 16 * (blk % 8) + j])
+                    y[32 * blk + j] = dl * F(IQ4K_VALUES[(q & 0xF) + 16 * (s & 1)])
+                    y[32 * blk + j + 16] = dl * F(IQ4K_VALUES[(q >> 4) + 16 * (s & 1)])
+            continue
+        for sb in range(n // QK_K):
+            e = sb * QK_K
+            if qtype == IQ3_K:
+                o = sb * 110
+                d = _fp16(b, o, fp16_table)
+                extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
+                signs = np.int64(b[o + 4]) | (np.int64(b[o + 5]) << 8)
+                for p in range(QK_K):
+                    ib = p // 16
+                    ib32 = p // 32
+                    k = p % 32
+                    mag = (np.int64(b[o + 6 + ib // 2]) >> (4 * (ib % 2))) & 0xF
+                    ls = (2 * mag + 1) * (-1 if (signs >> ib) & 1 else 1)
+                    q = ((np.int64(b[o + 14 + 32 * (ib32 // 4) + k]) >> (2 * (ib32 % 4))) & 3) | \
+                        (((np.int64(b[o + 78 + k]) >> ib32) & 1) << 2)
+                    y[e + p] = (d * F(ls)) * F(IQ3NL_VALUES[q + 8 * ((extra >> ib) & 1)])
+            elif qtype == IQ4_K:
+                o = sb * 144
+                d = _fp16(b, o, fp16_table)
+                extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
+                for p in range(QK_K):
+                    ib = p // 16
+                    g = p // 32
+                    k = p % 32
+                    ls = (((np.int64(b[o + 8 + ib // 2]) >> (4 * (ib % 2))) & 0xF)
+                          | (((np.int64(b[o + 4 + ib // 4]) >> (2 * (ib % 4))) & 3) << 4)) - 32
+                    q = (np.int64(b[o + 16 + 16 * g + k % 16]) >> (4 * (k // 16))) & 0xF
+                    y[e + p] = (d * F(ls)) * F(IQ4K_VALUES[q + 16 * ((extra >> ib) & 1)])
+            else:
+                six = qtype == IQ6_K
+                o = sb * (212 if six else 176)
+                d = _fp16(b, o, fp16_table)
+                extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
+                qs = o + (20 if six else 16)
+                qh = o + (148 if six else 144)
+                for p in range(QK_K):
+                    ib = p // 16
+                    ib32 = p // 32
+                    k = p % 32
+                    lo = (np.int64(b[qs + 32 * (ib32 // 2) + k]) >> (4 * (ib32 % 2))) & 0xF
+                    sh = (extra >> ib) & 1
+                    if six:
+                        ls = np.int64(np.int8(b[o + 4 + ib]))
+                        q = F(lo | (((np.int64(b[qh + 32 * (ib32 // 4) + k]) >> (2 * (ib32 % 4))) & 3) << 4))
+                        v = (A_IQ6K + q * (B_IQ6K + q * (-C_IQ6K + q * D_IQ6K))) + F(sh)
+                        y[e + p] = (d * F(ls)) * v
+                    else:
+                        ls = (((np.int64(b[o + 8 + ib // 2]) >> (4 * (ib % 2))) & 0xF)
+                              | (((np.int64(b[o + 4 + ib // 4]) >> (2 * (ib % 4))) & 3) << 4)) - 32
+                        q = lo | (((np.int64(b[qh + k]) >> ib32) & 1) << 4)
+                        y[e + p] = (d * F(ls)) * F(IQ5NL_VALUES[q + 32 * sh])

@@ -1,0 +1,116 @@
+"""IQ3_K, IQ4_K, IQ5_K, IQ6_K and IQ4_KS against real references, byte for byte.
+
+Oracles: ../shared/golden/ik (the portable no-FMA C build) for every input, with and without imatrix;
+the executable ports of ../shared/reference/ik_quantize.py (checked against that build) on fresh
+inputs (zero rows and blocks, 1e-30 blocks, heavy tails, ties, huge values, expert-by-expert
+imatrix slices); for decoding the ports of ik_decode_repack.py and the wheel's C ``to_float``
+(bit for bit, except IQ6_K's cubic, which the FMA-built wheel rounds differently in the last bit).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import peers
+from quant_checks import (assert_same_bytes, expert_imatrix, fresh_input, golden_bytes, golden_input,
+                          load_reference, quantize)
+from quantkit import formats
+from quantkit.formats import iqk
+from quantkit.types import QuantType, traits, type_name
+
+T = QuantType
+TYPES = [T.IQ3_K, T.IQ4_K, T.IQ5_K, T.IQ6_K, T.IQ4_KS]
+PORTS = {T.IQ3_K: "quantize_iq3_k", T.IQ4_K: "quantize_iq4_k", T.IQ5_K: "quantize_iq5_k",
+         T.IQ6_K: "quantize_iq6_k", T.IQ4_KS: "quantize_iq4_ks"}
+IMPLS = pytest.mark.parametrize("reference", [True, False], ids=["numpy", "numba"])
+ggml = peers.load_ggml()
+
+
+@pytest.fixture(scope="module")
+def ik_port(shared_dir):
+    return load_reference(shared_dir, "ik_quantize")
+
+
+@pytest.fixture(scope="module")
+def ik_decoders(shared_dir):
+    return load_reference(shared_dir, "ik_decode_repack")
+
+
+@IMPLS
+@pytest.mark.parametrize("use_imatrix", [False, True], ids=["noimat", "imat"])
+@pytest.mark.parametrize("name", ["gauss", "heavy", "wide"])
+@pytest.mark.parametrize("qtype", TYPES, ids=type_name)
+def test_golden(shared_dir, qtype, name, use_imatrix, reference):
+    _, x, imatrix = golden_input(shared_dir, "ik", name)
+    want = golden_bytes(shared_dir, "ik", name, qtype, use_imatrix)
+    for flavor in ("ik", "mainline"):           # ik-only types: one algorithm for both flavors
+        got = quantize(x, qtype, imatrix if use_imatrix else None, flavor, reference)
+        assert_same_bytes(got, want, qtype, x.shape[1], f"{type_name(qtype)} {name} {flavor}")
+
+
+def _fresh(seed):
+    x = fresh_input(seed, n_rows=4, n=512)
+    x[3] = (np.random.default_rng(seed).standard_normal(512) * 3e5).astype(np.float32)   # huge values
+    return x
+
+
+@IMPLS
+@pytest.mark.parametrize("use_imatrix", [False, True], ids=["noimat", "imat"])
+@pytest.mark.parametrize("qtype", TYPES, ids=type_name)
+def test_reference_port_on_fresh_experts(ik_port, qtype, use_imatrix, reference):
+    """Two 'experts' of a 3-D tensor, each with its own imatrix slice, as llama-quantize does."""
+    x = _fresh(int(qtype))
+    ims = expert_imatrix(int(qtype) + 1, 2, x.shape[1]) if use_imatrix else [None, None]
+    port = getattr(ik_port, PORTS[qtype])
+    for e, im in enumerate(ims):
+        xe = x[2 * e:2 * e + 2]
+        with np.errstate(all="ignore"):
+            want = np.frombuffer(port(xe, im), np.uint8)
+        assert_same_bytes(quantize(xe, qtype, im, "ik", reference), want, qtype, x.shape[1], f"expert {e}")
+
+
+def _random_blocks(qtype, rows: int, n: int, seed: int) -> np.ndarray:
+    """Random bytes with finite scales (fp16 d per block, or a float32 row scale)."""
+    rng = np.random.default_rng(seed)
+    t = traits(qtype)
+    b = rng.integers(0, 256, (rows, t.row_size(n)), dtype=np.uint8)
+    if t.row_meta_size:
+        b[:, :4] = (rng.standard_normal(rows) * 10.0 ** rng.uniform(-6, 2, rows)).astype("<f4") \
+            .view(np.uint8).reshape(rows, 4)
+    else:
+        blk = b.reshape(-1, t.type_size)
+        blk[:, :2] = (rng.standard_normal(blk.shape[0]) * 10.0 ** rng.uniform(-6, 2, blk.shape[0])) \
+            .astype("<f2").view(np.uint8).reshape(-1, 2)
+    return b
+
+
+_PORT_DECODERS = {T.IQ3_K: "deq_iq3_k", T.IQ4_K: "deq_iq4_k", T.IQ5_K: "deq_iq5_k", T.IQ6_K: "deq_iq6_k",
+                  T.IQ4_KS: "deq_iq4_ks"}
+
+
+@IMPLS
+@pytest.mark.parametrize("qtype", TYPES, ids=type_name)
+def test_decoder(shared_dir, ik_decoders, qtype, reference):
+    _, x, _ = golden_input(shared_dir, "ik", "heavy")
+    cases = [(_random_blocks(qtype, 3, 512, int(qtype)), 512),
+             (golden_bytes(shared_dir, "ik", "heavy", qtype, True).reshape(x.shape[0], -1), x.shape[1])]
+    port = getattr(ik_decoders, _PORT_DECODERS[qtype])
+    for blocks, n in cases:
+        got = formats.dequantize(blocks, qtype, n, reference=reference)
+        want = np.stack([np.asarray(port(bytes(r), n), np.float32) for r in blocks])
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        if ggml is not None:
+            c = np.asarray(ggml.to_float(int(qtype), blocks.tobytes(), blocks.shape[0] * n, n), np.float32)
+            c = c.reshape(got.shape)
+            if qtype == T.IQ6_K:        # the wheel evaluates the cubic with fused multiply-adds
+                np.testing.assert_allclose(got, c, rtol=1e-5, atol=1e-6 * np.abs(c).max())
+            else:
+                np.testing.assert_array_equal(got.view(np.uint32), c.view(np.uint32))
+
+
+def test_iq6_k_table_decoder(shared_dir, ik_decoders):
+    """The decoder the matrix kernels use (int8 table) differs from to_float's cubic; both exist."""
+    b = golden_bytes(shared_dir, "ik", "gauss", T.IQ6_K, False).reshape(-1, 212)
+    want = np.concatenate([ik_decoders.deq_iq6_k(bytes(r), 256, poly=False) for r in b])
+    np.testing.assert_array_equal(iqk.dequantize_iq6_k_table(b).reshape(-1), want)
+    assert not np.array_equal(iqk.dequantize_iq6_k(b).reshape(-1), want)
