@@ -1,4 +1,4 @@
-"""IQ3_K, IQ4_K, IQ5_K, IQ6_K and IQ4_KS against real references, byte for byte.
+"""IQ2_K, IQ2_KS, IQ3_K, IQ4_K, IQ5_K, IQ6_K and IQ4_KS against real references, byte for byte.
 
 Oracles: ../shared/golden/ik (the portable no-FMA C build) for every input, with and without imatrix;
 the executable ports of ../shared/reference/ik_quantize.py (checked against that build) on fresh
@@ -19,8 +19,9 @@ from quantkit.formats import iqk
 from quantkit.types import QuantType, traits, type_name
 
 T = QuantType
-TYPES = [T.IQ3_K, T.IQ4_K, T.IQ5_K, T.IQ6_K, T.IQ4_KS]
-PORTS = {T.IQ3_K: "quantize_iq3_k", T.IQ4_K: "quantize_iq4_k", T.IQ5_K: "quantize_iq5_k",
+TYPES = [T.IQ2_K, T.IQ2_KS, T.IQ3_K, T.IQ4_K, T.IQ5_K, T.IQ6_K, T.IQ4_KS]
+SLOW_NUMPY = {T.IQ2_KS}        # its numpy twin runs ~5000 splits per block: golden "gauss" only
+PORTS = {T.IQ2_K: "quantize_iq2_k", T.IQ2_KS: "quantize_iq2_ks", T.IQ3_K: "quantize_iq3_k", T.IQ4_K: "quantize_iq4_k", T.IQ5_K: "quantize_iq5_k",
          T.IQ6_K: "quantize_iq6_k", T.IQ4_KS: "quantize_iq4_ks"}
 IMPLS = pytest.mark.parametrize("reference", [True, False], ids=["numpy", "numba"])
 ggml = peers.load_ggml()
@@ -41,6 +42,8 @@ def ik_decoders(shared_dir):
 @pytest.mark.parametrize("name", ["gauss", "heavy", "wide"])
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)
 def test_golden(shared_dir, qtype, name, use_imatrix, reference):
+    if reference and qtype in SLOW_NUMPY and name != "gauss":
+        pytest.skip("slow numpy twin: one input is enough")
     _, x, imatrix = golden_input(shared_dir, "ik", name)
     want = golden_bytes(shared_dir, "ik", name, qtype, use_imatrix)
     for flavor in ("ik", "mainline"):           # ik-only types: one algorithm for both flavors
@@ -59,6 +62,8 @@ def _fresh(seed):
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)
 def test_reference_port_on_fresh_experts(ik_port, qtype, use_imatrix, reference):
     """Two 'experts' of a 3-D tensor, each with its own imatrix slice, as llama-quantize does."""
+    if reference and qtype in SLOW_NUMPY:
+        pytest.skip("slow numpy twin: covered by the golden test")
     x = _fresh(int(qtype))
     ims = expert_imatrix(int(qtype) + 1, 2, x.shape[1]) if use_imatrix else [None, None]
     port = getattr(ik_port, PORTS[qtype])
@@ -84,7 +89,7 @@ def _random_blocks(qtype, rows: int, n: int, seed: int) -> np.ndarray:
     return b
 
 
-_PORT_DECODERS = {T.IQ3_K: "deq_iq3_k", T.IQ4_K: "deq_iq4_k", T.IQ5_K: "deq_iq5_k", T.IQ6_K: "deq_iq6_k",
+_PORT_DECODERS = {T.IQ2_K: "deq_iq2_k", T.IQ2_KS: "deq_iq2_ks", T.IQ3_K: "deq_iq3_k", T.IQ4_K: "deq_iq4_k", T.IQ5_K: "deq_iq5_k", T.IQ6_K: "deq_iq6_k",
                   T.IQ4_KS: "deq_iq4_ks"}
 
 

@@ -1,0 +1,309 @@
+"""numba kernels for IQ2_K and IQ2_KS (see :mod:`quantkit.formats.iq2k`).
+
+The four-level split search dominates: for every sub-block, every (i1, i2, i3) split of its sorted
+values is scored four times.  The splits are the outer loops and the sub-blocks of a row the
+innermost one ("lanes": ``sumx[i, k]`` is prefix sum i of sub-block k), so each score is one SIMD
+operation over 8 sub-blocks; every lane keeps its own best in the order C visits the splits.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ..formats._iqk import IQ2NL_VALUES
+from ._iqk import imatrix_cleanup_row, thresholds
+from .kquants import FP16_TABLE, nint, run_rows, store_fp16
+
+F = np.float32
+QK_K = 256
+IQ2_K, IQ2_KS = 137, 145
+ZERO_EPS = F(1e-16)
+BASE = IQ2NL_VALUES[:4].astype(np.float32)
+SHIFTED = IQ2NL_VALUES[4:].astype(np.float32)
+BASE_THR = thresholds(BASE)
+SHIFTED_THR = thresholds(SHIFTED)
+VALUES = IQ2NL_VALUES.astype(np.float32)
+
+__all__ = ["quantize_rows", "dequantize_rows", "FP16_TABLE"]
+_OPTS = dict(cache=True, error_model="numpy")
+
+
+@njit(**_OPTS)
+def _nearest4(a, thr):
+    """Index among 4 ascending values (ties up); NaN gives 0."""
+    i = 0
+    for t in range(3):
+        i += 1 if a >= thr[t] else 0
+    return i
+
+
+@njit(**_OPTS)
+def _prefix_sums(xb, wb, K, lanes, sumx, sumw):
+    """sumx/sumw[i, k]: prefix sums over sub-block k sorted by value (stable)."""
+    for k in range(lanes):
+        order = np.argsort(xb[k * K:(k + 1) * K], kind="mergesort")
+        sumx[0, k] = F(0)
+        sumw[0, k] = F(0)
+        for i in range(K):
+            j = k * K + order[i]
+            sumw[i + 1, k] = sumw[i, k] + wb[j]
+            sumx[i + 1, k] = sumx[i, k] + wb[j] * xb[j]
+
+
+@njit(**_OPTS)
+def _score(g0, g1, g2, g3, w0, w1, w2, w3, a0, a1, a2, a3):
+    sqx = ((g0 * a0 + g1 * a1) + g2 * a2) + g3 * a3
+    sq2 = (((w0 * a0) * a0 + (w1 * a1) * a1) + (w2 * a2) * a2) + (w3 * a3) * a3
+    return sqx, sq2
+
+
+@njit(**_OPTS)
+def exhaustive_search(sumx, sumw, K, lanes, i1_max, i3_min, d, shifted):
+    best = np.zeros(lanes, np.float32)
+    for k in range(lanes):
+        d[k] = F(0)
+        shifted[k] = False
+    v0, v1, v2, v3 = BASE[0], BASE[1], BASE[2], BASE[3]
+    s0, s1, s2, s3 = SHIFTED[0], SHIFTED[1], SHIFTED[2], SHIFTED[3]
+    for i1 in range(i1_max):
+        for i2 in range(i1, K):
+            for i3 in range(max(i2, i3_min), K):
+                for k in range(lanes):
+                    g0 = sumx[i1, k] - sumx[0, k]
+                    g1 = sumx[i2, k] - sumx[i1, k]
+                    g2 = sumx[i3, k] - sumx[i2, k]
+                    g3 = sumx[K, k] - sumx[i3, k]
+                    w0 = sumw[i1, k] - sumw[0, k]
+                    w1 = sumw[i2, k] - sumw[i1, k]
+                    w2 = sumw[i3, k] - sumw[i2, k]
+                    w3 = sumw[K, k] - sumw[i3, k]
+                    b = best[k]
+                    dk = d[k]
+                    sk = shifted[k]
+                    for t in range(4):
+                        if t == 0:
+                            sqx, sq2 = _score(g0, g1, g2, g3, w0, w1, w2, w3, v0, v1, v2, v3)
+                        elif t == 1:
+                            sqx, sq2 = _score(g0, g1, g2, g3, w0, w1, w2, w3, s0, s1, s2, s3)
+                        elif t == 2:
+                            sqx, sq2 = _score(g0, g1, g2, g3, w0, w1, w2, w3, v3, v2, v1, v0)
+                        else:
+                            sqx, sq2 = _score(g0, g1, g2, g3, w0, w1, w2, w3, s3, s2, s1, s0)
+                        if sq2 > 0 and sqx * sqx > b * sq2:
+                            dk = sqx / sq2
+                            b = dk * sqx
+                            sk = t % 2 == 1
+                    best[k] = b
+                    d[k] = dk
+                    shifted[k] = sk
+
+
+@njit(**_OPTS)
+def make_qx_quants_iqk(x, qw, nmax, L):
+    """ik's make_qx_quants (iqk_quantize.cpp): scale, and codes l + nmax in L."""
+    n = x.shape[0]
+    amax = F(0)
+    mx = F(0)
+    for i in range(n):
+        ax = abs(x[i])
+        if ax > amax:
+            amax = ax
+            mx = x[i]
+    if amax == 0:
+        for i in range(n):
+            L[i] = 0
+        return F(0)
+    Lt = np.empty(n, np.int32)
+    scale = F(0)
+    best = F(0)
+    for is_ in range(-10, 10):
+        if is_ == 0:
+            continue
+        iscale = F(-nmax) / mx if is_ == -10 else -(F(nmax) + F(0.1) * F(is_)) / mx
+        sumlx = F(0)
+        suml2 = F(0)
+        for i in range(n):
+            l = max(-nmax, min(nmax - 1, nint(iscale * x[i])))
+            Lt[i] = l
+            sumlx += (qw[i] * x[i]) * F(l)
+            suml2 += (qw[i] * F(l)) * F(l)
+        if is_ == -10:
+            scale = sumlx / suml2 if suml2 != 0 else F(0)
+            best = scale * sumlx
+            for i in range(n):
+                L[i] = Lt[i] + nmax
+        elif suml2 > 0 and sumlx * sumlx > best * suml2:
+            scale = sumlx / suml2
+            best = scale * sumlx
+            for i in range(n):
+                L[i] = Lt[i] + nmax
+    return scale
+
+
+@njit(**_OPTS)
+def _weights(xr, wrow, has_qw, w):
+    for sb in range(xr.shape[0] // QK_K):
+        s = F(0)
+        for j in range(QK_K):
+            s += xr[sb * QK_K + j] * xr[sb * QK_K + j]
+        sigma2 = (F(1.5) * s) / F(QK_K)
+        for j in range(QK_K):
+            p = sb * QK_K + j
+            w[p] = wrow[p] * np.sqrt(sigma2 + xr[p] * xr[p]) if has_qw else F(0.25) * sigma2 + xr[p] * xr[p]
+
+
+@njit(**_OPTS)
+def _sub_block_scales(xr, qw, has_qw, K, i1_max, i3_min, w, sw, scales, shifted):
+    n = xr.shape[0]
+    lanes = n // K
+    wrow = np.empty(n, np.float32)
+    if has_qw:
+        imatrix_cleanup_row(xr, qw, K, wrow)
+    _weights(xr, wrow, has_qw, w)
+    for k in range(lanes):
+        s = F(0)
+        for j in range(K):
+            s += w[k * K + j]
+        sw[k] = s
+    sumx = np.empty((K + 1, lanes), np.float32)
+    sumw = np.empty((K + 1, lanes), np.float32)
+    _prefix_sums(xr, w, K, lanes, sumx, sumw)
+    exhaustive_search(sumx, sumw, K, lanes, i1_max, i3_min, scales, shifted)
+    for k in range(lanes):
+        amax = F(0)
+        for j in range(K):
+            amax = max(amax, abs(xr[k * K + j]))
+        if amax < ZERO_EPS:
+            scales[k] = F(0)
+            shifted[k] = False
+
+
+@njit(**_OPTS)
+def iq2_k_row(xr, qw, has_qw, ik, y):
+    n = xr.shape[0]
+    lanes = n // 16
+    w = np.empty(n, np.float32)
+    sw = np.empty(lanes, np.float32)
+    scales = np.empty(lanes, np.float32)
+    shifted = np.empty(lanes, np.bool_)
+    _sub_block_scales(xr, qw, has_qw, 16, 16, 0, w, sw, scales, shifted)
+    L = np.empty(16, np.int32)
+    for sb in range(n // QK_K):
+        o = 76 * sb
+        for k in range(76):
+            y[o + k] = 0
+        s16 = scales[16 * sb:16 * sb + 16]
+        max_abs = F(0)
+        for ib in range(16):
+            max_abs = max(max_abs, abs(s16[ib]))
+        if max_abs == 0:
+            continue
+        d = make_qx_quants_iqk(s16, sw[16 * sb:16 * sb + 16], 8, L)
+        if d == 0:
+            continue
+        idv = F(1) / d
+        sumqx = F(0)
+        sumq2 = F(0)
+        extra = 0
+        for ib in range(16):
+            sh = shifted[16 * sb + ib]
+            if sh:
+                extra |= 1 << ib
+            ls = max(-8, min(7, nint(idv * s16[ib])))
+            y[o + 4 + ib // 2] |= (ls + 8) << (4 * (ib % 2))
+            dl = d * F(ls)
+            if dl == 0:
+                continue
+            idl = F(1) / dl
+            for j in range(16):
+                p = QK_K * sb + 16 * ib + j
+                c = _nearest4(idl * xr[p], SHIFTED_THR) if sh else _nearest4(idl * xr[p], BASE_THR)
+                pp = 16 * ib + j
+                ib32 = pp // 32
+                y[o + 12 + 32 * (ib32 // 4) + pp % 32] |= c << (2 * (ib32 % 4))
+                q = (SHIFTED[c] if sh else BASE[c]) * F(ls)
+                wq = w[p] * q
+                sumqx += wq * xr[p]
+                sumq2 += wq * q
+        dd = sumqx / sumq2 if sumq2 > 0 else d
+        store_fp16(y, o, F(1.030) * dd)
+        y[o + 2] = extra & 0xFF
+        y[o + 3] = extra >> 8
+
+
+@njit(**_OPTS)
+def iq2_ks_row(xr, qw, has_qw, ik, y):
+    n = xr.shape[0]
+    lanes = n // 32
+    w = np.empty(n, np.float32)
+    sw = np.empty(lanes, np.float32)
+    scales = np.empty(lanes, np.float32)
+    shifted = np.empty(lanes, np.bool_)
+    _sub_block_scales(xr, qw, has_qw, 32, 24, 8, w, sw, scales, shifted)
+    for k in range(y.shape[0]):
+        y[k] = 0
+    for b in range(lanes):
+        if shifted[b]:
+            y[2 + 70 * (b // 8)] |= 1 << (b % 8)
+    L = np.empty(lanes, np.int32)
+    d = make_qx_quants_iqk(scales, sw, 16, L)
+    if d == 0:
+        return
+    sumqx = F(0)
+    sumq2 = F(0)
+    for b in range(lanes):
+        o = 2 + 70 * (b // 8)
+        ib = b % 8
+        y[o + 2 + ib // 2] |= (L[b] & 0xF) << (4 * (ib % 2))
+        y[o + 1] |= (L[b] >> 4) << ib
+        ls = L[b] - 16
+        dl = d * F(ls)
+        if dl == 0:
+            continue
+        idl = F(1) / dl
+        sh = shifted[b]
+        for j in range(32):
+            p = 32 * b + j
+            c = _nearest4(idl * xr[p], SHIFTED_THR) if sh else _nearest4(idl * xr[p], BASE_THR)
+            y[o + 6 + 32 * (ib // 4) + j] |= c << (2 * (ib % 4))
+            q = (SHIFTED[c] if sh else BASE[c]) * F(ls)
+            wq = w[p] * q
+            sumqx += wq * xr[p]
+            sumq2 += wq * q
+    store_fp16(y, 0, F(1.030) * (sumqx / sumq2 if sumq2 > 0 else d))
+
+
+ROW_KERNELS = {IQ2_K: iq2_k_row, IQ2_KS: iq2_ks_row}
+
+
+def quantize_rows(qtype, x, qw, has_qw, out):
+    run_rows(ROW_KERNELS[qtype], x, qw, has_qw, True, out)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def dequantize_rows(qtype, blocks, fp16_table, out):
+    n_rows, n = out.shape
+    for r in prange(n_rows):
+        b = blocks[r]
+        y = out[r]
+        if qtype == IQ2_K:
+            for sb in range(n // QK_K):
+                o = 76 * sb
+                d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+                extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
+                for p in range(QK_K):
+                    ib = p // 16
+                    ib32 = p // 32
+                    ls = ((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) - 8
+                    q = (np.int64(b[o + 12 + 32 * (ib32 // 4) + p % 32]) >> (2 * (ib32 % 4))) & 3
+                    y[QK_K * sb + p] = (d * F(ls)) * VALUES[q + 4 * ((extra >> ib) & 1)]
+        else:
+            d = fp16_table[np.int64(b[0]) | (np.int64(b[1]) << 8)]
+            for sb in range(n // QK_K):
+                o = 2 + 70 * sb
+                extra = np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
+                for p in range(QK_K):
+                    ib = p // 32
+                    ls = (((np.int64(b[o + 2 + ib // 2]) >> (4 * (ib % 2))) & 0xF) | (((extra >> (8 + ib)) & 1) << 4)) - 16
+                    q = (np.int64(b[o + 6 + 32 * (ib // 4) + p % 32]) >> (2 * (ib % 4))) & 3
+                    y[QK_K * sb + p] = (d * F(ls)) * VALUES[q + 4 * ((extra >> ib) & 1)]
