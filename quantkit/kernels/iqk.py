@@ -28,11 +28,13 @@ __all__ = ["quantize_rows", "dequantize_rows", "FP16_TABLE"]
 
 
 def _table(values):
-    """(values, floor-lookup, thresholds) for one half-table."""
+    """(values, floor lookup, thresholds) of one half-table.  ``lut[t]`` is the last index whose value
+    is <= T[0] + t; ``thr[i + 1]`` is the threshold between values i and i + 1, with -inf/+inf
+    sentinels at both ends so that neither end index ever moves."""
     v = np.asarray(values, np.float32)
     span = int(v[-1] - v[0]) + 1
     lut = np.array([np.searchsorted(v, v[0] + t, side="right") - 1 for t in range(span)], np.int32)
-    return v, lut, thresholds(v)
+    return v, lut, np.concatenate([[-np.inf], thresholds(v), [np.inf]]).astype(np.float32)
 
 
 # tables: [base, shifted] halves
@@ -48,26 +50,20 @@ IQ6_SV, IQ6_SLUT, IQ6_STHR = _table(IQ6NL_VALUES[:64].astype(np.float32) + 1)
 _OPTS = dict(cache=True, error_model="numpy")
 
 
-@njit(**_OPTS)
+@njit(cache=True, error_model="numpy", inline="always")
 def nearest(a, v, lut, thr, ovf):
     """Index of the entry of table v nearest to float32 a (ties to the upper one); NaN and
     a >= ovf give 0, as ik's lookup does."""
-    n = v.shape[0]
     if not (a < ovf):
         return 0
-    if a <= v[0]:
-        return 0
-    if a >= v[n - 1]:
-        return n - 1
-    c = lut[min(np.int64(a - v[0]), lut.shape[0] - 1)]
-    if c > 0 and a < thr[c - 1]:
-        return c - 1
-    if c < n - 1 and a >= thr[c]:
-        return c + 1
-    return c
+    t = min(max(a - v[0], F(0)), F(lut.shape[0] - 1))
+    c = lut[np.int64(t)]
+    if a < thr[c]:                      # a - T[0] rounded up to the next integer: rare
+        c -= 1
+    return c + (1 if a >= thr[c + 1] else 0)
 
 
-@njit(**_OPTS)
+@njit(cache=True, error_model="numpy", inline="always")
 def _trial(xb, wb, isc, v, lut, thr, ovf):
     sp = F(0)
     s2p = F(0)
@@ -159,7 +155,7 @@ def _weights(xs, qw, has_qw, factor, plain_sigma, w):
             w[j] = xs[j] * xs[j]
 
 
-@njit(**_OPTS)
+@njit(cache=True, error_model="numpy", inline="always")
 def _code(a, shifted, v, lut, thr, sv, slut, sthr, ovf):
     if shifted:
         return nearest(a, sv, slut, sthr, ovf)
