@@ -42,6 +42,8 @@ blk\\.4\\.ffn_gate_exps=iq4_k
 blk\\.4\\.ffn_up_exps=iq5_k
 blk\\.4\\.ffn_down_exps=iq6_k
 blk\\.0\\.ffn_gate=iq4_ks
+blk\\.0\\.ffn_up=iq5_ks
+blk\\.1\\.ffn_gate=iq3_ks
 blk\\..*\\.attn_k_b=q6_0
 blk\\..*\\.attn_output=iq4_k
 """

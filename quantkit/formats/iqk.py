@@ -65,6 +65,8 @@ IQ3_SEARCH = Search(_f(IQ3NL_VALUES[:8]), _f(IQ3NL_VALUES[8:]), 3, 2, True, True
 IQ4_SEARCH = Search(_f(IQ4K_VALUES[:16]), _f(IQ4K_VALUES[16:]), 7, 1, False, False)
 IQ5_SEARCH = Search(_f(IQ5NL_VALUES[:32]), _f(IQ5NL_VALUES[32:]), 5, 1, False, True)
 # IQ6_K's lookup is (int)(x - T[0]): it overflows once x + 127 rounds to 2^31
+IQ5_KS_SEARCH = Search(_f(IQ5NL_VALUES[:32]), _f(IQ5NL_VALUES[32:]), 5, 1, False, False)
+IQ3_KS_SEARCH = Search(_f(IQ3NL_VALUES[:8]), _f(IQ3NL_VALUES[8:]), 5, 1, True, False)
 IQ6_SEARCH = Search(_f(IQ6NL_VALUES[:64]), _f(IQ6NL_VALUES[:64]) + F(1), 5, 1, False, True,
                     overflow=float(F(2.0 ** 31) - F(128)))
 
@@ -331,8 +333,7 @@ def quantize_iq4_ks_row(x, qw):
     n_sb = x.size // QK_K
     s = IQ4_SEARCH
     xb, wb, scales, shifted = _sub_blocks(x, qw, s, 2.0, False, block=32)
-    amax_scale = np.max(np.abs(scales)) if scales.size else F(0)
-    d = F(amax_scale) / F(127)
+    d = F(np.fmax.reduce(np.abs(scales), initial=F(0))) / F(127)
     if d == 0:
         blocks = np.zeros((n_sb, 136), np.uint8)
         blocks[:, :8] = shifted.reshape(n_sb, 8)
@@ -351,6 +352,65 @@ def quantize_iq4_ks_row(x, qw):
         d = sumqx / sumq2
     blocks = np.concatenate([scale_bytes.reshape(n_sb, 8), _pack_nibbles_32(L).reshape(n_sb, 128)], axis=1)
     return np.concatenate([np.float32(d).reshape(1).view(np.uint8), blocks.reshape(-1)])
+
+
+def _row_fit(xb, wb, L, shifted, ls, s):
+    """Σ(w*q)*x and Σ(w*q)*q over a whole row, value by value (q = T[code]*ls)."""
+    q = np.where(shifted[:, None], s.shifted[L], s.values[L]) * ls.astype(np.float32)[:, None]
+    wq = (wb * q).reshape(1, -1)
+    return seq_sum(wq * xb.reshape(1, -1))[0], seq_sum(wq * q.reshape(1, -1))[0]
+
+
+def quantize_iq5_ks_row(x, qw):
+    """One row: float32 row scale, then 168-byte blocks (scales[8] as IQ4_KS, qs[128], qh[32])."""
+    n_sb = x.size // QK_K
+    s = IQ5_KS_SEARCH
+    xb, wb, scales, shifted = _sub_blocks(x, qw, s, 2.0, False, block=32)
+    d = F(np.fmax.reduce(np.abs(scales), initial=F(0))) / F(127)
+    blocks = np.zeros((n_sb, 168), np.uint8)
+    blocks[:, :8] = shifted.reshape(n_sb, 8)
+    if d == 0:
+        return np.concatenate([np.float32(0).reshape(1).view(np.uint8), blocks.reshape(-1)])
+    l = np.clip(nearest_int(F(0.5) * (F(1) / d * scales + F(127))), 0, 127) << 1
+    blocks[:, :8] |= l.reshape(n_sb, 8).astype(np.uint8)
+    ls = l - 127
+    L = _quantize_with(xb, d * ls.astype(np.float32), shifted, s)
+    sumqx, sumq2 = _row_fit(xb, wb, L, shifted, ls, s)
+    if sumq2 > 0:
+        d = sumqx / sumq2
+    L = L.reshape(n_sb, QK_K)
+    blocks[:, 8:136] = _pack_nibbles_64(L)          # 32-block ib: qs[32*(ib/2) + j], nibble ib%2
+    blocks[:, 136:] = _pack_bits(L, 4)
+    return np.concatenate([np.float32(d).reshape(1).view(np.uint8), blocks.reshape(-1)])
+
+
+def quantize_iq3_ks_row(x, qw):
+    """One row: fp16 row scale, then 102-byte blocks (extra u16, scales[4], qs[64], qh[32])."""
+    n_sb = x.size // QK_K
+    s = IQ3_KS_SEARCH
+    xb, wb, scales, shifted = _sub_blocks(x, qw, s, 2.0, False, block=32)
+    _, max_scale = _track_max_scale(scales[None, :])
+    d = -max_scale[0] / F(16)
+    shift_bits = (shifted.reshape(n_sb, 8).astype(np.int64) << (8 + np.arange(8))).sum(axis=1)
+    blocks = np.zeros((n_sb, 102), np.uint8)
+    if d == 0:
+        blocks[:, 1] = shift_bits >> 8
+        return np.concatenate([fp16_bytes(np.float32(d).reshape(1))[0], blocks.reshape(-1)])
+    ls = np.clip(nearest_int((F(1) / d) * scales), -16, 15)
+    ul = (ls + 16).reshape(n_sb, 8)
+    extra = shift_bits | ((ul >> 4) << np.arange(8)).sum(axis=1)
+    L = _quantize_with(xb, d * ls.astype(np.float32), shifted, s)
+    sumqx, sumq2 = _row_fit(xb, wb, L, shifted, ls, s)
+    if sumq2 > 0:
+        d = sumqx / sumq2
+    L = L.reshape(n_sb, QK_K)
+    lo = (ul & 0xF).astype(np.uint8)
+    blocks[:, 0] = extra & 0xFF
+    blocks[:, 1] = extra >> 8
+    blocks[:, 2:6] = lo[:, :4] | (lo[:, 4:] << 4)          # block ib: nibble ib/4 of byte ib%4
+    blocks[:, 6:70] = _pack_2bit_q2k(L & 3)
+    blocks[:, 70:] = _pack_bits(L, 2)
+    return np.concatenate([fp16_bytes(np.float32(d).reshape(1))[0], blocks.reshape(-1)])
 
 
 # ---------------------------------------------------------------------------------- decoders
@@ -428,6 +488,29 @@ def dequantize_iq4_ks_row(row, n):
     return (dl[:, :, None] * v).reshape(n)
 
 
+def dequantize_iq5_ks_row(row, n):
+    d = row[:4].copy().view(np.float32)[0]
+    b = row[4:].reshape(-1, 168)
+    s = b[:, :8].astype(np.int32)
+    dl = d * ((s & 254) - 127).astype(np.float32)
+    q = (_unpack_nibbles_64(b[:, 8:136]) | (_unpack_bits(b[:, 136:168]) << 4)).reshape(-1, 8, 32)
+    v = IQ5NL_VALUES.astype(np.float32)[q + 32 * (s & 1)[:, :, None]]
+    return (dl[:, :, None] * v).reshape(n)
+
+
+def dequantize_iq3_ks_row(row, n):
+    d = fp16_values(row[None, 0:2])[0]
+    b = row[2:].reshape(-1, 102)
+    extra = b[:, 0:2].copy().view("<u2").reshape(-1).astype(np.int64)
+    ib = np.arange(8)
+    lo = (b[:, 2 + ib % 4] >> (4 * (ib // 4))) & 0xF
+    ls = (lo.astype(np.int32) | (((extra[:, None] >> ib) & 1) << 4)) - 16
+    q = (_unpack_2bit_q2k(b[:, 6:70]) | (_unpack_bits(b[:, 70:102]) << 2)).reshape(-1, 8, 32)
+    sh = ((extra[:, None] >> (8 + ib)) & 1)
+    v = IQ3NL_VALUES.astype(np.float32)[q + 8 * sh[:, :, None]]
+    return ((d * ls.astype(np.float32))[:, :, None] * v).reshape(n)
+
+
 # ---------------------------------------------------------------------------------- formats
 class _SuperBlockIQK(BlockFormat):
     kernel_id: int = 0
@@ -494,14 +577,10 @@ class IQ6_K(_SuperBlockIQK, qtype=QuantType.IQ6_K):
     _dequantize = staticmethod(dequantize_iq6_k)
 
 
-class IQ4_KS(_SuperBlockIQK, qtype=QuantType.IQ4_KS):
-    kernel_id = kernels.IQ4_KS
-    scale_fields = None         # the scale is a float32 at the start of each row
+class _RowScaled(_SuperBlockIQK):
+    """Types whose rows start with a scale: quantized and decoded row by row."""
+    scale_fields = None
     qhelper_block = 32
-
-    @classmethod
-    def _quantize(cls, x, qw):
-        return quantize_iq4_ks_row(x, qw)
 
     @classmethod
     def quantize_ref(cls, x, imatrix, flavor):
@@ -511,10 +590,28 @@ class IQ4_KS(_SuperBlockIQK, qtype=QuantType.IQ4_KS):
         out = np.empty((n_rows, cls.traits.row_size(n)), np.uint8)
         with np.errstate(all="ignore"):
             for r in range(n_rows):
-                out[r] = quantize_iq4_ks_row(x[r], None if w_rows is None else w_rows[r])
+                out[r] = cls._quantize_row(x[r], None if w_rows is None else w_rows[r])
         return out
 
     @classmethod
     def dequantize_ref(cls, blocks, n_per_row):
         b = np.ascontiguousarray(blocks, np.uint8)
-        return np.stack([dequantize_iq4_ks_row(r, n_per_row) for r in b]).astype(np.float32)
+        return np.stack([cls._dequantize_row(r, n_per_row) for r in b]).astype(np.float32)
+
+
+class IQ5_KS(_RowScaled, qtype=QuantType.IQ5_KS):
+    kernel_id = kernels.IQ5_KS
+    _quantize_row = staticmethod(quantize_iq5_ks_row)
+    _dequantize_row = staticmethod(dequantize_iq5_ks_row)
+
+
+class IQ3_KS(_RowScaled, qtype=QuantType.IQ3_KS):
+    kernel_id = kernels.IQ3_KS
+    _quantize_row = staticmethod(quantize_iq3_ks_row)
+    _dequantize_row = staticmethod(dequantize_iq3_ks_row)
+
+
+class IQ4_KS(_RowScaled, qtype=QuantType.IQ4_KS):
+    kernel_id = kernels.IQ4_KS
+    _quantize_row = staticmethod(quantize_iq4_ks_row)
+    _dequantize_row = staticmethod(dequantize_iq4_ks_row)

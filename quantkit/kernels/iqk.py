@@ -19,7 +19,7 @@ from .kquants import FP16_TABLE, nint, run_rows, store_fp16
 F = np.float32
 I32 = np.int32
 QK_K = 256
-IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS = 138, 139, 140, 141, 144       # ggml type ids
+IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ5_KS, IQ3_KS = 138, 139, 140, 141, 144, 152, 156    # ggml type ids
 ZERO_EPS = F(1e-16)
 OVERFLOW = F(2.0 ** 31)
 OVERFLOW_IQ6 = F(2.0 ** 31) - F(128)        # IQ6_K's lookup is (int)(x - T[0])
@@ -425,14 +425,132 @@ def iq4_ks_row(xr, qw, has_qw, ik, y):
             sumq2 += (w[p1] * q1) * q1 + (w[p2] * q2) * q2
     if sumq2 > 0:
         d = sumqx / sumq2
+    _store_f32(y, 0, d)
+
+
+@njit(**_OPTS)
+def _row_scaled_pass1(xr, wrow, has_qw, five, w, scales, shifted):
+    """IQ5_KS / IQ3_KS: weights (x² or qw*sqrtf(sigma2 + x²)) and the scale search of each 32-block."""
+    n = xr.shape[0]
+    for sb in range(n // QK_K):
+        _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, False,
+                 w[sb * QK_K:(sb + 1) * QK_K])
+    for b in range(n // 32):
+        if five:
+            d, sh = search(xr[32 * b:32 * b + 32], w[32 * b:32 * b + 32], IQ5_V, IQ5_LUT, IQ5_THR,
+                           IQ5_SV, IQ5_SLUT, IQ5_STHR, 5, 1, False, False, OVERFLOW)
+        else:
+            d, sh = search(xr[32 * b:32 * b + 32], w[32 * b:32 * b + 32], IQ3_V, IQ3_LUT, IQ3_THR,
+                           IQ3_SV, IQ3_SLUT, IQ3_STHR, 5, 1, True, False, OVERFLOW)
+        scales[b] = d
+        shifted[b] = sh
+
+
+@njit(**_OPTS)
+def iq5_ks_row(xr, qw, has_qw, ik, y):
+    n = xr.shape[0]
+    wrow = np.empty(n, np.float32)
+    _row_weights(xr, qw, has_qw, 32, wrow)
+    w = np.empty(n, np.float32)
+    scales = np.empty(n // 32, np.float32)
+    shifted = np.zeros(n // 32, np.bool_)
+    _row_scaled_pass1(xr, wrow, has_qw, True, w, scales, shifted)
+    for k in range(y.shape[0]):
+        y[k] = 0
+    amax_scale = F(0)
+    for b in range(n // 32):
+        if shifted[b]:
+            y[4 + 168 * (b // 8) + b % 8] = 1
+        amax_scale = max(amax_scale, abs(scales[b]))
+    d = amax_scale / F(127)
+    if d == 0:
+        return
+    idv = F(1) / d
+    sumqx = F(0)
+    sumq2 = F(0)
+    for b in range(n // 32):
+        o = 4 + 168 * (b // 8)
+        ib = b % 8
+        l = max(0, min(127, nint(F(0.5) * (idv * scales[b] + F(127))))) << 1
+        y[o + ib] |= l
+        l -= 127
+        dl = d * F(l)
+        idl = F(1) / dl if dl != 0 else F(0)
+        sh = shifted[b]
+        for j in range(32):
+            p = 32 * b + j
+            c = _code(idl * xr[p], sh, IQ5_V, IQ5_LUT, IQ5_THR, IQ5_SV, IQ5_SLUT, IQ5_STHR, OVERFLOW)
+            y[o + 8 + 32 * (ib // 2) + j] |= (c & 0xF) << (4 * (ib % 2))
+            y[o + 136 + j] |= (c >> 4) << ib
+            q = (IQ5_SV[c] if sh else IQ5_V[c]) * F(l)
+            wq = w[p] * q
+            sumqx += wq * xr[p]
+            sumq2 += wq * q
+    if sumq2 > 0:
+        d = sumqx / sumq2
+    _store_f32(y, 0, d)
+
+
+@njit(**_OPTS)
+def iq3_ks_row(xr, qw, has_qw, ik, y):
+    n = xr.shape[0]
+    wrow = np.empty(n, np.float32)
+    _row_weights(xr, qw, has_qw, 32, wrow)
+    w = np.empty(n, np.float32)
+    scales = np.empty(n // 32, np.float32)
+    shifted = np.zeros(n // 32, np.bool_)
+    _row_scaled_pass1(xr, wrow, has_qw, False, w, scales, shifted)
+    for k in range(y.shape[0]):
+        y[k] = 0
+    amax_scale = F(0)
+    max_scale = F(0)
+    for b in range(n // 32):
+        if shifted[b]:
+            y[2 + 102 * (b // 8) + 1] |= 1 << (b % 8)
+        if abs(scales[b]) > amax_scale:
+            amax_scale = abs(scales[b])
+            max_scale = scales[b]
+    d = -max_scale / F(16)
+    store_fp16(y, 0, d)
+    if d == 0:
+        return
+    idv = F(1) / d
+    sumqx = F(0)
+    sumq2 = F(0)
+    for b in range(n // 32):
+        o = 2 + 102 * (b // 8)
+        ib = b % 8
+        l = max(-16, min(15, nint(idv * scales[b])))
+        ul = l + 16
+        y[o + 2 + ib % 4] |= (ul & 0xF) << (4 * (ib // 4))
+        y[o] |= (ul >> 4) << ib
+        dl = d * F(l)
+        idl = F(1) / dl if dl != 0 else F(0)
+        sh = shifted[b]
+        for j in range(32):
+            p = 32 * b + j
+            c = _code(idl * xr[p], sh, IQ3_V, IQ3_LUT, IQ3_THR, IQ3_SV, IQ3_SLUT, IQ3_STHR, OVERFLOW)
+            y[o + 6 + 32 * (ib // 4) + j] |= (c & 3) << (2 * (ib % 4))
+            y[o + 70 + j] |= (c >> 2) << ib
+            q = (IQ3_SV[c] if sh else IQ3_V[c]) * F(l)
+            wq = w[p] * q
+            sumqx += wq * xr[p]
+            sumq2 += wq * q
+    if sumq2 > 0:
+        store_fp16(y, 0, sumqx / sumq2)
+
+
+@njit(**_OPTS)
+def _store_f32(y, off, v):
     bits = np.empty(1, np.float32)
-    bits[0] = d
+    bits[0] = v
     b4 = bits.view(np.uint8)
     for k in range(4):
-        y[k] = b4[k]
+        y[off + k] = b4[k]
 
 
-ROW_KERNELS = {IQ3_K: iq3_k_row, IQ4_K: iq4_k_row, IQ5_K: iq5_k_row, IQ6_K: iq6_k_row, IQ4_KS: iq4_ks_row}
+ROW_KERNELS = {IQ3_K: iq3_k_row, IQ4_K: iq4_k_row, IQ5_K: iq5_k_row, IQ6_K: iq6_k_row, IQ4_KS: iq4_ks_row,
+               IQ5_KS: iq5_ks_row, IQ3_KS: iq3_ks_row}
 
 
 def quantize_rows(qtype, x, qw, has_qw, out):
@@ -456,6 +574,31 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
     for r in prange(n_rows):
         b = blocks[r]
         y = out[r]
+        if qtype == IQ5_KS:
+            d = b[0:4].copy().view(np.float32)[0]
+            for blk in range(n // 32):
+                o = 4 + 168 * (blk // 8)
+                ib = blk % 8
+                s = np.int64(b[o + ib])
+                dl = d * F((s & 254) - 127)
+                for j in range(32):
+                    q = ((np.int64(b[o + 8 + 32 * (ib // 2) + j]) >> (4 * (ib % 2))) & 0xF) | \
+                        (((np.int64(b[o + 136 + j]) >> ib) & 1) << 4)
+                    y[32 * blk + j] = dl * F(IQ5NL_VALUES[q + 32 * (s & 1)])
+            continue
+        if qtype == IQ3_KS:
+            d = fp16_table[np.int64(b[0]) | (np.int64(b[1]) << 8)]
+            for blk in range(n // 32):
+                o = 2 + 102 * (blk // 8)
+                ib = blk % 8
+                extra = np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
+                ls = (((np.int64(b[o + 2 + ib % 4]) >> (4 * (ib // 4))) & 0xF) | (((extra >> ib) & 1) << 4)) - 16
+                dl = d * F(ls)
+                for j in range(32):
+                    q = ((np.int64(b[o + 6 + 32 * (ib // 4) + j]) >> (2 * (ib % 4))) & 3) | \
+                        (((np.int64(b[o + 70 + j]) >> ib) & 1) << 2)
+                    y[32 * blk + j] = dl * F(IQ3NL_VALUES[q + 8 * ((extra >> (8 + ib)) & 1)])
+            continue
         if qtype == IQ4_KS:
             d = b[0:4].copy().view(np.float32)[0]
             for blk in range(n // 32):
