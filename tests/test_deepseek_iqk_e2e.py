@@ -44,6 +44,7 @@ blk\\.4\\.ffn_down_exps=iq6_k
 blk\\.0\\.ffn_gate=iq4_ks
 blk\\.0\\.ffn_up=iq5_ks
 blk\\.1\\.ffn_gate=iq3_ks
+blk\\.1\\.ffn_up=iq4_kss
 blk\\..*\\.attn_k_b=q6_0
 blk\\..*\\.attn_output=iq4_k
 """

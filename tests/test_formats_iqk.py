@@ -1,4 +1,4 @@
-"""IQ2_K, IQ2_KS, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ5_KS and IQ3_KS against real references.
+"""IQ2_K, IQ2_KS, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ4_KSS, IQ5_KS, IQ3_KS against real references.
 
 Oracles: ../shared/golden/ik (the portable no-FMA C build) for every input, with and without imatrix;
 the executable ports of ../shared/reference/ik_quantize.py (checked against that build) on fresh
@@ -20,10 +20,10 @@ from quantkit.formats import iqk
 from quantkit.types import QuantType, traits, type_name
 
 T = QuantType
-TYPES = [T.IQ2_K, T.IQ2_KS, T.IQ3_K, T.IQ4_K, T.IQ5_K, T.IQ6_K, T.IQ4_KS, T.IQ5_KS, T.IQ3_KS]
+TYPES = [T.IQ2_K, T.IQ2_KS, T.IQ3_K, T.IQ4_K, T.IQ5_K, T.IQ6_K, T.IQ4_KS, T.IQ4_KSS, T.IQ5_KS, T.IQ3_KS]
 SLOW_NUMPY = {T.IQ2_KS}        # its numpy twin runs ~5000 splits per block: golden "gauss" only
 PORTS = {T.IQ2_K: "quantize_iq2_k", T.IQ2_KS: "quantize_iq2_ks", T.IQ3_K: "quantize_iq3_k", T.IQ4_K: "quantize_iq4_k", T.IQ5_K: "quantize_iq5_k",
-         T.IQ6_K: "quantize_iq6_k", T.IQ4_KS: "quantize_iq4_ks"}
+         T.IQ6_K: "quantize_iq6_k", T.IQ4_KS: "quantize_iq4_ks", T.IQ4_KSS: "quantize_iq4_kss"}
 IMPLS = pytest.mark.parametrize("reference", [True, False], ids=["numpy", "numba"])
 ggml = peers.load_ggml()
 
@@ -94,7 +94,7 @@ def _random_blocks(qtype, rows: int, n: int, seed: int) -> np.ndarray:
 
 
 _PORT_DECODERS = {T.IQ2_K: "deq_iq2_k", T.IQ2_KS: "deq_iq2_ks", T.IQ3_K: "deq_iq3_k", T.IQ4_K: "deq_iq4_k", T.IQ5_K: "deq_iq5_k", T.IQ6_K: "deq_iq6_k",
-                  T.IQ4_KS: "deq_iq4_ks"}
+                  T.IQ4_KS: "deq_iq4_ks", T.IQ4_KSS: "deq_iq4_kss"}
 
 
 @IMPLS

@@ -1,0 +1,212 @@
+"""numba kernel for IQ4_KSS (see :mod:`quantkit.formats.iq4kss`): rows in parallel, scalar inside."""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .iqk import IQ4_LUT, IQ4_SLUT, IQ4_STHR, IQ4_SV, IQ4_THR, IQ4_V, OVERFLOW, _row_weights, _store_f32, nearest
+from .kquants import nint, run_rows
+
+F = np.float32
+QK_K = 256
+ZERO_EPS = F(1e-16)
+FLT_MAX = F(np.finfo(np.float32).max)
+_OPTS = dict(cache=True, error_model="numpy")
+
+#: set bits of every 16-bit value
+POPCOUNT = np.array([bin(i).count("1") for i in range(1 << 16)], np.int32)
+
+
+def _squeeze_table() -> np.ndarray:
+    """SQUEEZE[v & 0x7fff] = the 15-bit j with j ^ (j << 1) == v, for even-parity 16-bit v."""
+    j = np.arange(1 << 15, dtype=np.int64)
+    inverse = np.full(1 << 16, -1, np.int64)
+    inverse[(j ^ (j << 1)) & 0xFFFF] = j
+    i = np.arange(1 << 15, dtype=np.int64)
+    return inverse[i | ((POPCOUNT[i] & 1) << 15)].astype(np.uint16)
+
+
+SQUEEZE = _squeeze_table()
+
+
+@njit(**_OPTS)
+def _group_pos(k, j):
+    """Position in the sub-block of code j (0..3) of word k: 2k, 2k+16, 2k+1, 2k+17."""
+    return 2 * k + (j >> 1) + 16 * (j & 1)
+
+
+@njit(**_OPTS)
+def _codes(xb, k, a_scale, shifted, q4):
+    for j in range(4):
+        a = a_scale * xb[_group_pos(k, j)]
+        q4[j] = nearest(a, IQ4_SV, IQ4_SLUT, IQ4_STHR, OVERFLOW) if shifted else \
+            nearest(a, IQ4_V, IQ4_LUT, IQ4_THR, OVERFLOW)
+
+
+@njit(**_OPTS)
+def _prune(q4, xb, wb, k, shifted, dl):
+    """Even parity for the four codes of word k (in place)."""
+    par = 0
+    for j in range(4):
+        par += POPCOUNT[q4[j]]
+    if par % 2 == 0:
+        return
+    best = FLT_MAX
+    jbest = -1
+    qbest = 0
+    for j in range(4):
+        q = q4[j]
+        p = _group_pos(k, j)
+        diff0 = dl * IQ4_V[q] - xb[p]
+        for iq in range(max(q - 2, 0), min(q + 2, 15) + 1):
+            if iq == q or (POPCOUNT[iq] - POPCOUNT[q]) % 2 == 0:
+                continue
+            diff1 = dl * (IQ4_SV[iq] if shifted else IQ4_V[iq]) - xb[p]
+            score = wb[p] * (diff1 * diff1 - diff0 * diff0)
+            if score < best:
+                best = score
+                jbest = j
+                qbest = iq
+    q4[jbest] = qbest
+
+
+@njit(**_OPTS)
+def _trial(xb, wb, isc, shifted, sign, q4):
+    sx = F(0)
+    s2 = F(0)
+    dl = F(1) / isc
+    for k in range(8):
+        _codes(xb, k, sign * isc, shifted, q4)
+        _prune(q4, xb, wb, k, shifted, dl)
+        for j in range(4):
+            p = _group_pos(k, j)
+            q = IQ4_SV[q4[j]] if shifted else IQ4_V[q4[j]]
+            wq = wb[p] * q
+            sx += wq * xb[p]
+            s2 += wq * q
+    return sx, s2
+
+
+@njit(**_OPTS)
+def iq4_kss_row(xr, qw, has_qw, ik, y):
+    n = xr.shape[0]
+    nb = n // 32
+    wrow = np.empty(n, np.float32)
+    _row_weights(xr, qw, has_qw, 32, wrow)
+    w = np.empty(n, np.float32)
+    for sb in range(n // QK_K):
+        s = F(0)
+        for j in range(QK_K):
+            s += xr[sb * QK_K + j] * xr[sb * QK_K + j]
+        sigma2 = s * (F(2) / F(QK_K))
+        for j in range(QK_K):
+            p = sb * QK_K + j
+            w[p] = wrow[p] * np.sqrt(sigma2 + xr[p] * xr[p]) if has_qw else xr[p] * xr[p]
+    scales = np.empty(nb, np.float32)
+    q4 = np.empty(4, np.int64)
+    amax_scale = F(0)
+    for b in range(nb):
+        xb = xr[32 * b:32 * b + 32]
+        wb = w[32 * b:32 * b + 32]
+        amax = F(0)
+        mx = F(0)
+        for j in range(32):
+            if abs(xb[j]) > amax:
+                amax = abs(xb[j])
+                mx = xb[j]
+        if amax < ZERO_EPS:
+            scales[b] = F(0)
+            continue
+        best = F(0)
+        d = -mx / IQ4_V[0]
+        for itry in range(-7, 8):
+            for half in range(2):
+                v0 = IQ4_SV[0] if half == 1 else IQ4_V[0]
+                isc = F(itry + v0) / mx
+                sp, s2p = _trial(xb, wb, isc, half == 1, F(1), q4)
+                sm, s2m = _trial(xb, wb, isc, half == 1, F(-1), q4)
+                if s2p > 0 and sp * sp > best * s2p:
+                    d = sp / s2p
+                    best = d * sp
+                if s2m > 0 and sm * sm > best * s2m:
+                    d = sm / s2m
+                    best = d * sm
+        scales[b] = d
+        amax_scale = max(amax_scale, abs(d))
+    for k in range(y.shape[0]):
+        y[k] = 0
+    d = amax_scale / F(127)
+    if d == 0:
+        return
+    idv = F(1) / d
+    sumqx = F(0)
+    sumq2 = F(0)
+    vp = np.empty((8, 4), np.int64)
+    vm = np.empty((8, 4), np.int64)
+    for b in range(nb):
+        xb = xr[32 * b:32 * b + 32]
+        wb = w[32 * b:32 * b + 32]
+        l = (max(0, min(127, nint(F(0.5) * (idv * scales[b] + F(127))))) << 1) - 127
+        wo = 4 + 2 * 8 * b
+        if l == 0:
+            for k in range(8):
+                y[wo + 2 * k] = (127 >> k) & 1
+            continue
+        dl = d * F(l)
+        idl = F(1) / dl
+        mse_p = F(0)
+        mse_m = F(0)
+        for k in range(8):
+            _codes(xb, k, idl, False, vp[k])
+            _codes(xb, k, idl, True, vm[k])
+            _prune(vp[k], xb, wb, k, False, dl)
+            _prune(vm[k], xb, wb, k, True, dl)
+            for j in range(4):
+                p = _group_pos(k, j)
+                e = xb[p] - dl * IQ4_V[vp[k, j]]
+                mse_p += (wb[p] * e) * e
+                e = xb[p] - dl * IQ4_SV[vm[k, j]]
+                mse_m += (wb[p] * e) * e
+        use_m = mse_m < mse_p
+        for k in range(8):
+            for j in range(4):
+                p = _group_pos(k, j)
+                q = (IQ4_SV[vm[k, j]] if use_m else IQ4_V[vp[k, j]]) * F(l)
+                wq = wb[p] * q
+                sumqx += wq * xb[p]
+                sumq2 += wq * q
+        sb = (l + 127) | (1 if use_m else 0)
+        for k in range(8):
+            c = vm[k] if use_m else vp[k]
+            packed = c[0] | (c[1] << 4) | (c[2] << 8) | (c[3] << 12)
+            word = (np.int64(SQUEEZE[packed & 0x7FFF]) << 1) | ((sb >> k) & 1)
+            y[wo + 2 * k] = word & 0xFF
+            y[wo + 2 * k + 1] = (word >> 8) & 0xFF
+    if sumq2 > 0:
+        d = (sumqx / sumq2) * F(1.01)
+    _store_f32(y, 0, d)
+
+
+def quantize_rows(x, qw, has_qw, out):
+    run_rows(iq4_kss_row, x, qw, has_qw, True, out)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def dequantize_rows(blocks, out):
+    n_rows, n = out.shape
+    for r in prange(n_rows):
+        b = blocks[r]
+        d = b[0:4].copy().view(np.float32)[0]
+        for blk in range(n // 32):
+            o = 4 + 16 * blk
+            ls = 0
+            for k in range(8):
+                ls |= (np.int64(b[o + 2 * k]) & 1) << k
+            dl = d * F((ls & 254) - 127)
+            for k in range(8):
+                a = (np.int64(b[o + 2 * k]) | (np.int64(b[o + 2 * k + 1]) << 8)) & 0xFFFE
+                a ^= a >> 1
+                for j in range(4):
+                    q = (a >> (4 * j)) & 0xF
+                    p = 32 * blk + _group_pos(k, j)
+                    out[r, p] = dl * (IQ4_SV[q] if ls & 1 else IQ4_V[q])
