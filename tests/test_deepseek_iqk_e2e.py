@@ -45,6 +45,7 @@ blk\\.0\\.ffn_gate=iq4_ks
 blk\\.0\\.ffn_up=iq5_ks
 blk\\.1\\.ffn_gate=iq3_ks
 blk\\.1\\.ffn_up=iq4_kss
+blk\\.2\\.ffn_gate=iq2_kl
 blk\\..*\\.attn_k_b=q6_0
 blk\\..*\\.attn_output=iq4_k
 """

@@ -1,9 +1,10 @@
-"""IQ2_K, IQ2_KS, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ4_KSS, IQ5_KS, IQ3_KS against real references.
+"""IQ2_K, IQ2_KS, IQ2_KL, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ4_KSS, IQ5_KS, IQ3_KS against real
+references.
 
 Oracles: ../shared/golden/ik (the portable no-FMA C build) for every input, with and without imatrix;
 the executable ports of ../shared/reference/ik_quantize.py (checked against that build) on fresh
 inputs (zero rows and blocks, 1e-30 blocks, heavy tails, ties, huge values, expert-by-expert
-imatrix slices; IQ5_KS/IQ3_KS have no port: there the numba kernel must equal the numpy twin); for
+imatrix slices; IQ5_KS/IQ3_KS/IQ2_KL have no port: there the numba kernel must equal the numpy twin); for
 decoding the ports of ik_decode_repack.py and the wheel's C ``to_float``
 (bit for bit, except IQ6_K's cubic, which the FMA-built wheel rounds differently in the last bit).
 """
@@ -20,7 +21,7 @@ from quantkit.formats import iqk
 from quantkit.types import QuantType, traits, type_name
 
 T = QuantType
-TYPES = [T.IQ2_K, T.IQ2_KS, T.IQ3_K, T.IQ4_K, T.IQ5_K, T.IQ6_K, T.IQ4_KS, T.IQ4_KSS, T.IQ5_KS, T.IQ3_KS]
+TYPES = [T.IQ2_K, T.IQ2_KS, T.IQ2_KL, T.IQ3_K, T.IQ4_K, T.IQ5_K, T.IQ6_K, T.IQ4_KS, T.IQ4_KSS, T.IQ5_KS, T.IQ3_KS]
 SLOW_NUMPY = {T.IQ2_KS}        # its numpy twin runs ~5000 splits per block: golden "gauss" only
 PORTS = {T.IQ2_K: "quantize_iq2_k", T.IQ2_KS: "quantize_iq2_ks", T.IQ3_K: "quantize_iq3_k", T.IQ4_K: "quantize_iq4_k", T.IQ5_K: "quantize_iq5_k",
          T.IQ6_K: "quantize_iq6_k", T.IQ4_KS: "quantize_iq4_ks", T.IQ4_KSS: "quantize_iq4_kss"}
