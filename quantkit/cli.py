@@ -21,7 +21,7 @@ from rich.table import Table
 
 from . import __version__
 from .errors import QuantkitError
-from .types import QuantType, traits, type_from_name, type_name
+from .types import QuantType, type_from_name, type_name
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -242,6 +242,65 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
         files = ", ".join(str(p) for p in result.paths)
         out.print(f"[green]wrote[/] {files}: {_fmt_bytes(result.bytes_written)} in {result.seconds:.1f} s "
                   f"({rate:.1f} M weights/s)")
+
+
+@cli.command()
+@click.argument("model_in", metavar="IN", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model_out", metavar="OUT", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--pattern", "patterns", multiple=True, metavar="REGEX[,REGEX...]",
+              help="Only tensors one of these regexes finds (ik's --repack-pattern); repeatable.")
+@click.option("--undo", is_flag=True, help="Interleaved tensors back to their plain layout.")
+@click.option("--bf16", is_flag=True, help="Also BF16/F16 -> bf16_r16 (ik does it only in AVX512-BF16 builds).")
+@click.option("--split-max-size", help="Split the output into shards of at most SIZE (e.g. 4G).")
+@click.option("--keep-split", is_flag=True, help="One output shard per input shard.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and stop.")
+@click.option("--json", "as_json", is_flag=True, help="Print plan and result as JSON on stdout.")
+def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split, dry_run, as_json):
+    """Regroup IN's tensors into ik_llama.cpp's row-interleaved CPU layouts (q4_K -> q4_k_r4,
+    iq2_k -> iq2_k_r4, ...) without requantizing, or back with --undo.  The bytes equal
+    `llama-quantize --repack` and the runtime repack (-rtr)."""
+    from .formats import interleave
+    from .gguf_io.constants import KEY_FILE_TYPE
+    from .gguf_io.reader import open_model
+    from .quantize import WriteOptions, run_plan
+    from .repack import RepackOptions, make_repack_plan
+
+    if split_max_size and keep_split:
+        raise QuantkitError("--split-max-size and --keep-split cannot be used together")
+    max_size = parse_size(split_max_size) if split_max_size else None
+    _refuse_overwrite_input(model_in, model_out)
+    split = tuple(p for arg in patterns for p in arg.split(",") if p)
+    opts = RepackOptions(patterns=split, undo=undo, bf16=bf16)
+    with open_model(model_in) as model:
+        ftype = model.get(KEY_FILE_TYPE)
+        plan = make_repack_plan(model.tensors, ftype, opts, interleave.supports)
+        n_moved = sum(t.action == "repack" for t in plan.tensors)
+        doc = {"plan": plan.to_json(), "dry_run": dry_run}
+        if not as_json:
+            render_plan(plan)
+        if n_moved == 0:
+            raise QuantkitError(f"{model_in}: nothing to {'undo' if undo else 'repack'} "
+                                f"(no tensor {'is interleaved' if undo else 'qualifies'}; see the plan)")
+        if dry_run:
+            if as_json:
+                print(json.dumps(doc, indent=1))
+            return
+        wopts = WriteOptions(split_max_size=max_size, keep_split=keep_split, keep_provenance=True)
+        if as_json:
+            result = run_plan(model, plan, model_out, wopts)
+        else:
+            with _progress() as bar:
+                task = bar.add_task("repacking", total=plan.bytes_in)
+                result = run_plan(model, plan, model_out, wopts,
+                                  progress=lambda name, done, total: bar.update(task, completed=done, description=name))
+    if as_json:
+        doc["result"] = result.to_json()
+        print(json.dumps(doc, indent=1))
+    else:
+        rate = result.bytes_written / result.seconds / 1e9 if result.seconds else 0
+        out.print(f"[green]wrote[/] {', '.join(str(p) for p in result.paths)}: {n_moved} tensors "
+                  f"{'restored' if undo else 'repacked'}, {_fmt_bytes(result.bytes_written)} in "
+                  f"{result.seconds:.1f} s ({rate:.2f} GB/s)")
 
 
 def _refuse_overwrite_input(model_in: Path, model_out: Path) -> None:

@@ -87,11 +87,14 @@ class TensorPlan:
     requested: QuantType | None = None  # the type asked for, when a fallback replaced it
     notes: list[str] = field(default_factory=list)
     imatrix: bool = False       # quantized with importance weights
+    repack: bool = False        # a byte shuffle between plain and row-interleaved layouts
 
     @property
     def action(self) -> str:
         if self.dst_type == self.src_type:
             return "copy"
+        if self.repack:
+            return "repack"
         return "quantize" if traits(self.dst_type).quantized else "convert"
 
     @property

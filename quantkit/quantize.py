@@ -34,6 +34,7 @@ class WriteOptions:
     imatrix_info: dict | None = None    # file, dataset, entries_count, chunks_count
     recipe_text: str | None = None
     threads: int | None = None
+    keep_provenance: bool = False       # repack: keep the input's quantize.imatrix.* and quantkit.* keys
 
 
 @dataclass
@@ -71,10 +72,12 @@ def to_float32(info: TensorInfo, rows: slice) -> np.ndarray:
 def output_metadata(model: GGUFModel, plan: Plan, opts: WriteOptions) -> dict[str, MetaValue]:
     """Input metadata, then file type, quantization version and how the file was made."""
     drop = {KEY_FILE_TYPE, KEY_QUANT_VERSION}
-    meta = {k: v for k, v in model.metadata.items()
-            if k not in drop and not k.startswith("quantize.imatrix.") and not k.startswith("quantkit.")}
+    meta = {k: v for k, v in model.metadata.items() if k not in drop and (
+            opts.keep_provenance or not (k.startswith("quantize.imatrix.") or k.startswith("quantkit.")))}
     meta[KEY_QUANT_VERSION] = MetaValue(ValueType.UINT32, QUANT_VERSION)
     meta[KEY_FILE_TYPE] = MetaValue(ValueType.UINT32, plan.file_type)
+    if opts.keep_provenance:
+        return meta
     if opts.imatrix_info:
         info = opts.imatrix_info
         meta["quantize.imatrix.file"] = MetaValue(ValueType.STRING, str(info["file"])[:127])
@@ -134,6 +137,25 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
         yield q
 
 
+def repack_tensor(info: TensorInfo, tp: TensorPlan):
+    """Yield the bytes of one tensor regrouped between its plain and row-interleaved layouts.
+
+    Chunks are whole row groups; a group never crosses a matrix because the planner only repacks
+    tensors whose rows per matrix are a multiple of the group."""
+    from .formats import interleave
+    n_per_row = info.shape[0]
+    to_packed = traits(tp.dst_type).interleave_rows > 1
+    packed = tp.dst_type if to_packed else tp.src_type
+    group = traits(packed).interleave_rows
+    rows = max(group, CHUNK_BYTES // traits(info.qtype).row_size(n_per_row) // group * group)
+    for start in range(0, info.n_rows, rows):
+        raw = read_rows(info, slice(start, min(info.n_rows, start + rows)))
+        if to_packed:
+            yield interleave.interleave(raw, packed, n_per_row)
+        else:
+            yield interleave.deinterleave(raw, packed, n_per_row)
+
+
 def _copy_tensor(info: TensorInfo, chunk_bytes: int = CHUNK_BYTES):
     for s in range(0, info.nbytes, chunk_bytes):
         yield info.source.read(info.offset + s, min(chunk_bytes, info.nbytes - s))
@@ -164,6 +186,8 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
             info = model.by_name[tp.name]
             if tp.action == "copy":
                 writer.write_tensor(tp.name, _copy_tensor(info))
+            elif tp.action == "repack":
+                writer.write_tensor(tp.name, repack_tensor(info, tp))
             else:
                 writer.write_tensor(tp.name, convert_tensor(info, tp, imatrix_for(tp), plan.flavor))
             per_tensor[tp.name] = time.perf_counter() - ts

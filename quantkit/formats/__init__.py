@@ -13,6 +13,9 @@ import numpy as np
 from ..types import QuantType, traits, type_name
 from ._base import ALL_PATHS, FLAVORS, BlockFormat, first_non_finite, registered
 from . import floats, iq2k, iq2kl, iq4, iq4kss, iqk, kquants, legacy  # noqa: F401  (import registers the formats)
+from . import repacked
+
+repacked.register_available()       # the interleaved types of every plain type above
 
 __all__ = ["quantize", "dequantize", "can_quantize", "can_dequantize", "find_non_finite", "FLAVORS",
            "BlockFormat"]

@@ -1,0 +1,499 @@
+"""Row-interleaved ("_r4", "_r8", "_r16") layouts of ik_llama.cpp as pure bit shuffles, both ways.
+
+ik's CPU kernels read N rows at once, so the repacked types store N consecutive rows of the plain
+type together: the N row scales first (types with row meta), then, for every column block (a
+super-block of 256 values, or 32 for the legacy types), the N rows' blocks merged into one
+interleaved block (specs/ik-quants.md §10).  Nothing is re-quantized: every bit of the plain rows
+lands somewhere in the interleaved group, so the transform is a fixed bit permutation per block.
+
+Each layout below is written once, forwards, as numpy bit operations on (groups, N, block bytes).
+The permutation is then measured by running that function on log2(bits) "bit-plane" probes (probe
+p sets every input bit whose index has bit p set), checked to be a bijection, and compiled into a
+byte gather (when whole bytes move) or into per-output-byte bit runs for a numba kernel; the
+inverse (``deinterleave``) is the inverse permutation.  So both directions are exact by
+construction, and only the forward layouts need to be right, which the tests check against the C
+library's own bytes.
+
+Notation used in the layouts: ``il32(L)`` puts the 4-bit codes of the 32 values of a block of
+4 rows (k = 0..3) into 64 bytes: byte 4k+i holds codes i, i+8; byte 16+4k+i codes i+16, i+24;
+byte 32+4k+i codes i+4, i+12; byte 48+4k+i codes i+20, i+28 (low nibble first).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+import numpy as np
+from numba import njit, prange
+
+from ..types import QuantType, traits
+
+T = QuantType
+U8 = np.uint8
+
+
+# ---------------------------------------------------------------------------------- field helpers
+def _nibbles_lo_hi(qs):
+    """qs (..., 16) -> codes (..., 32): byte j = code j | code j+16 << 4."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+
+
+def il32(L):
+    """(G, 4, 32) 4-bit codes -> (G, 64) bytes, see the module docstring."""
+    L = L & 0xF
+    out = np.empty(L.shape[:-2] + (4, 4, 4), U8)                 # (part, k, i)
+    for part, (a, b) in enumerate(((0, 8), (16, 24), (4, 12), (20, 28))):
+        out[..., part, :, :] = L[..., :, a:a + 4] | (L[..., :, b:b + 4] << 4)
+    return out.reshape(L.shape[:-2] + (64,))
+
+
+def _scales_4bit(sl, n_sub):
+    """scales[n_sub/2] nibble pairs -> (..., n_sub) 4-bit values (sub-block ib in nibble ib%2)."""
+    return np.stack([sl & 0xF, sl >> 4], axis=-1).reshape(sl.shape[:-1] + (n_sub,))
+
+
+def _u16(b):
+    return b[..., 0].astype(np.uint16) | (b[..., 1].astype(np.uint16) << 8)
+
+
+def _bits_to_bytes(bits):
+    """(..., 8) 0/1, least significant bit first -> (...) bytes."""
+    return np.packbits(bits.astype(U8), axis=-1, bitorder="little")[..., 0]
+
+
+def _iqk_extra(extra16):
+    """(G, 4) uint16 shift flags of 16 sub-blocks -> extra[8]: extra[k] bit ib = flag 2ib of row k,
+    extra[k+4] bit ib = flag 2ib+1."""
+    flags = (extra16[..., None] >> np.arange(16, dtype=np.uint16)) & 1         # (G, 4, 16)
+    even = _bits_to_bytes(flags[..., 0::2])
+    odd = _bits_to_bytes(flags[..., 1::2])
+    return np.concatenate([even, odd], axis=-1)
+
+
+def _slots(per_sub):
+    """(G, 4, 16) per-row sub-block values -> (G, 64) by scale slot i = 8*ib + k + 4*h
+    (sub-block 2ib+h of row k)."""
+    g = per_sub.shape[0]
+    v = per_sub.reshape(g, 4, 8, 2)                   # (G, k, ib, h)
+    return v.transpose(0, 2, 3, 1).reshape(g, 64)    # slot = 8*ib + 4*h + k
+
+
+def _q2k_codes(qs):
+    """Q2_K-style 2-bit field qs (..., 64) -> (..., 256) codes."""
+    q = qs.reshape(qs.shape[:-1] + (2, 1, 32))
+    return ((q >> (2 * np.arange(4, dtype=U8)[:, None])) & 3).reshape(qs.shape[:-1] + (256,))
+
+
+def _bit_codes(qh):
+    """qh (..., 32): bit ib of byte k = bit of value 32*ib + k -> (..., 256)."""
+    return ((qh[..., None, :] >> np.arange(8, dtype=U8)[:, None]) & 1).reshape(qh.shape[:-1] + (256,))
+
+
+def _groups32(L):
+    """(G, 4, 256) -> (G, 8, 4, 32): per 32-block ib, the 4 rows' codes."""
+    return L.reshape(L.shape[0], 4, 8, 32).transpose(0, 2, 1, 3)
+
+
+def _pack2(L, order):
+    """(G, 8, 4, 32) 2-bit codes -> (G, 8, 32): byte 4k+i (+16) = codes i+order[0..3] (+16) << 2j."""
+    out = np.zeros(L.shape[:2] + (2, 4, 4), U8)        # (ib, half, k, i)
+    for half in range(2):
+        for j, off in enumerate(order):
+            out[:, :, half] |= (L[:, :, :, 16 * half + off:16 * half + off + 4] & 3) << (2 * j)
+    return out.reshape(L.shape[:2] + (32,))
+
+
+def _pack_bit(L, bit, order):
+    """(G, 8, 4, 32) codes -> (G, 8, 16): byte 4k+i bit b = bit ``bit`` of code i + order[b]."""
+    out = np.zeros(L.shape[:2] + (4, 4), U8)
+    for b, off in enumerate(order):
+        out |= ((L[:, :, :, off:off + 4] >> bit) & 1) << b
+    return out.reshape(L.shape[:2] + (16,))
+
+
+# ---------------------------------------------------------------------------------- layouts
+# Each takes the plain blocks of one column block of a row group, (G, N, block bytes), and returns
+# the interleaved block, (G, N * block bytes).
+
+def _iq4_nl_r4(b):
+    L = _nibbles_lo_hi(b[..., 2:18])
+    return np.concatenate([b[..., :2].reshape(len(b), 8), il32(L)], axis=1)
+
+
+def _q4_0_r8(b):
+    qs = b[..., 2:18].reshape(len(b), 8, 4, 4).transpose(0, 2, 1, 3).reshape(len(b), 128)
+    return np.concatenate([b[..., :2].reshape(len(b), 16), qs], axis=1)
+
+
+def _q8_0_r8(b):
+    parts = [b[..., 2 + 16 * h:18 + 16 * h].reshape(len(b), 8, 4, 4).transpose(0, 2, 1, 3).reshape(len(b), 128)
+             for h in range(2)]
+    return np.concatenate([b[..., :2].reshape(len(b), 16)] + parts, axis=1)
+
+
+def _iq4_ks_r4(b):
+    L = _nibbles_lo_hi(b[..., 8:136].reshape(len(b), 4, 8, 16))                  # (G, 4, 8, 32)
+    qs = il32(L.transpose(0, 2, 1, 3))                                             # (G, 8, 64)
+    scales = b[..., :8].transpose(0, 2, 1).reshape(len(b), 32)                    # 4*ib + k
+    return np.concatenate([scales, qs.reshape(len(b), 512)], axis=1)
+
+
+def _iq2_k_r4(b):
+    g = len(b)
+    s4 = _scales_4bit(b[..., 4:12], 16)                                            # (G, 4, 16)
+    slots = _slots(s4)
+    scales = slots[:, :32] | (slots[:, 32:] << 4)
+    L = _groups32(_q2k_codes(b[..., 12:76]))
+    qs = _pack2(L, (0, 4, 8, 12)).reshape(g, 256)
+    return np.concatenate([b[..., :2].reshape(g, 8), _iqk_extra(_u16(b[..., 2:4])), scales, qs], axis=1)
+
+
+def _iq3_k_r4(b):
+    g = len(b)
+    mag = _slots(_scales_4bit(b[..., 6:14], 16))
+    signs = _slots((_u16(b[..., 4:6])[..., None] >> np.arange(16, dtype=np.uint16)) & 1).astype(U8)
+    scales_l = mag[:, :32] | (mag[:, 32:] << 4)
+    scales_h = _bits_to_bytes(signs.reshape(g, 8, 8).transpose(0, 2, 1))        # byte i%8, bit i/8
+    L = _groups32(_q2k_codes(b[..., 14:78]) | (_bit_codes(b[..., 78:110]) << 2))
+    qs = _pack2(L, (0, 4, 8, 12)).reshape(g, 256)
+    qh = _pack_bit(L, 2, (0, 4, 8, 12, 16, 20, 24, 28)).reshape(g, 128)
+    return np.concatenate([b[..., :2].reshape(g, 8), _iqk_extra(_u16(b[..., 2:4])), scales_h, scales_l, qs, qh],
+                          axis=1)
+
+
+def _iqk_6bit_scales(sh, sl):
+    """IQ4_K/IQ5_K scales_h[4], scales_l[8] of 4 rows -> (scales_h[16], scales_l[32]) by slot."""
+    lo = _slots(_scales_4bit(sl, 16))
+    hi = _slots(((sh[..., None] >> (2 * np.arange(4, dtype=U8))) & 3).reshape(sh.shape[:-1] + (16,)))
+    scales_l = lo[:, :32] | (lo[:, 32:] << 4)
+    scales_h = hi[:, :16] | (hi[:, 16:32] << 2) | (hi[:, 32:48] << 4) | (hi[:, 48:] << 6)
+    return scales_h, scales_l
+
+
+def _iq4_k_r4(b):
+    g = len(b)
+    sh, sl = _iqk_6bit_scales(b[..., 4:8], b[..., 8:16])
+    L = _nibbles_lo_hi(b[..., 16:144].reshape(g, 4, 8, 16)).transpose(0, 2, 1, 3)
+    return np.concatenate([b[..., :2].reshape(g, 8), _iqk_extra(_u16(b[..., 2:4])), sh, sl,
+                           il32(L).reshape(g, 512)], axis=1)
+
+
+def _iq5_k_r4(b):
+    g = len(b)
+    sh, sl = _iqk_6bit_scales(b[..., 4:8], b[..., 8:16])
+    q = b[..., 16:144].reshape(g, 4, 4, 1, 32)
+    lo = np.concatenate([q & 0xF, q >> 4], axis=3).reshape(g, 4, 256)
+    L = _groups32(lo | (_bit_codes(b[..., 144:176]) << 4))
+    qh = _pack_bit(L, 4, (0, 8, 16, 24, 4, 12, 20, 28)).reshape(g, 128)
+    return np.concatenate([b[..., :2].reshape(g, 8), _iqk_extra(_u16(b[..., 2:4])), sh, sl,
+                           il32(L).reshape(g, 512), qh], axis=1)
+
+
+def _q4_k_r4(b):
+    g = len(b)
+    sh, sl = _k4_r4_scales(b[..., 4:16])
+    q = b[..., 16:144].reshape(g, 4, 4, 1, 32)
+    L = np.concatenate([q & 0xF, q >> 4], axis=3).reshape(g, 4, 8, 32).transpose(0, 2, 1, 3)
+    d = np.concatenate([b[..., 0:2].reshape(g, 8), b[..., 2:4].reshape(g, 8)], axis=1)
+    return np.concatenate([d, sh, sl, il32(L).reshape(g, 512)], axis=1)
+
+
+def _q6_k_codes(b):
+    """Q6_K blocks (..., 210) -> (..., 256) 6-bit codes."""
+    ql = b[..., :128].reshape(b.shape[:-1] + (2, 2, 32))       # (half, 32-offset, l)
+    qh = b[..., 128:192].reshape(b.shape[:-1] + (2, 1, 32))
+    lo = np.stack([ql[..., 0, :] & 0xF, ql[..., 1, :] & 0xF, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], axis=-2)
+    hi = (qh >> (2 * np.arange(4, dtype=U8)[:, None])) & 3
+    return (lo | (hi << 4)).reshape(b.shape[:-1] + (256,))
+
+
+def _q6_k_r4(b):
+    g = len(b)
+    L = _groups32(_q6_k_codes(b))
+    sc = b[..., 192:208].reshape(g, 4, 8, 2).transpose(0, 2, 3, 1).reshape(g, 64)   # 8ib + 4h + k
+    hi = L >> 4
+    qh = np.zeros((g, 8, 2, 4, 4), U8)
+    for half in range(2):
+        for j, off in enumerate((0, 8, 4, 12)):
+            qh[:, :, half] |= hi[:, :, :, 16 * half + off:16 * half + off + 4] << (2 * j)
+    return np.concatenate([b[..., 208:210].reshape(g, 8), sc, qh.reshape(g, 256), il32(L).reshape(g, 512)],
+                          axis=1)
+
+
+def _bf16_r16(b):
+    return b.reshape(len(b), -1)
+
+
+def _q5_0_codes(b):
+    qh = b[..., 2:6]
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")                     # (..., 32): bit e of code e
+    return _nibbles_lo_hi(b[..., 6:22]) | (bits << 4)
+
+
+def _q6_0_codes(b):
+    qh = b[..., 2:10]
+    h = np.concatenate([qh & 0xF, qh >> 4], axis=-1)                         # 4-bit pair of qs byte j
+    qs = b[..., 10:26]
+    return np.concatenate([(qs & 0xF) | ((h << 4) & 0x30), (qs >> 4) | ((h << 2) & 0x30)], axis=-1)
+
+
+_IL32_PAIRS = ((0, 8), (16, 24), (4, 12), (20, 28))
+
+
+def _q5_0_r4(b):
+    g = len(b)
+    L = _q5_0_codes(b)                                                       # (G, 4, 32)
+    qh = np.zeros((g, 4, 4), U8)                                             # (k, i)
+    for part, (a, c) in enumerate(_IL32_PAIRS):
+        qh |= (((L[..., a:a + 4] >> 4) & 1) << part) | (((L[..., c:c + 4] >> 4) & 1) << (4 + part))
+    return np.concatenate([b[..., :2].reshape(g, 8), qh.reshape(g, 16), il32(L)], axis=1)
+
+
+def _q6_0_r4(b):
+    g = len(b)
+    L = _q6_0_codes(b)
+    qh = np.zeros((g, 2, 4, 4), U8)                                          # (part % 2, k, i)
+    for part, (a, c) in enumerate(_IL32_PAIRS):
+        qh[:, part % 2] |= ((L[..., a:a + 4] >> 4) << (2 * (part // 2))) | ((L[..., c:c + 4] >> 4) << (4 + 2 * (part // 2)))
+    return np.concatenate([b[..., :2].reshape(g, 8), qh.reshape(g, 32), il32(L)], axis=1)
+
+
+def _q2_k_r4(b):
+    g = len(b)
+    L = _groups32(_q2k_codes(b[..., 16:80]))
+    scales = b[..., :16].transpose(0, 2, 1).reshape(g, 64)                   # 4*ib + k
+    d = np.concatenate([b[..., 80:82].reshape(g, 8), b[..., 82:84].reshape(g, 8)], axis=1)
+    return np.concatenate([d, scales, _pack2(L, (0, 4, 8, 12)).reshape(g, 256)], axis=1)
+
+
+def _q3_k_scales(s):
+    """Q3_K's 12 scale bytes (..., 12) -> (..., 16) 6-bit scales."""
+    lo = np.concatenate([s[..., 0:4] & 0xF, s[..., 4:8] & 0xF, s[..., 0:4] >> 4, s[..., 4:8] >> 4], axis=-1)
+    hi = np.concatenate([(s[..., 8:12] >> (2 * j)) & 3 for j in range(4)], axis=-1)
+    return lo | (hi << 4)
+
+
+def _sixbit_by_slot(v16):
+    """(G, 4, 16) 6-bit values of 16-value sub-blocks -> scales_h[16], scales_l[32] by slot
+    is = 8*ib + k + 4*h (Q3_K_R4, IQ4_XS_R8 style)."""
+    lo = _slots(v16 & 0xF)
+    hi = _slots(v16 >> 4)
+    return hi[:, :16] | (hi[:, 16:32] << 2) | (hi[:, 32:48] << 4) | (hi[:, 48:] << 6), lo[:, :32] | (lo[:, 32:] << 4)
+
+
+def _q3_k_r4(b):
+    g = len(b)
+    L = _groups32(_q2k_codes(b[..., 32:96]) | (_bit_codes(b[..., 0:32]) << 2))
+    sh, sl = _sixbit_by_slot(_q3_k_scales(b[..., 96:108]))
+    return np.concatenate([b[..., 108:110].reshape(g, 8), sh, sl, _pack_bit(L, 2, (0, 4, 8, 12, 16, 20, 24, 28))
+                           .reshape(g, 128), _pack2(L, (0, 4, 8, 12)).reshape(g, 256)], axis=1)
+
+
+def _k4_scales(sc):
+    """Q4_K/Q5_K 12 scale bytes (G, 4, 12) -> (scale, min) (G, 4, 8) 6-bit each (get_scale_min_k4)."""
+    scale = np.concatenate([sc[..., 0:4] & 63, (sc[..., 8:12] & 0xF) | ((sc[..., 0:4] >> 6) << 4)], axis=-1)
+    mins = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], axis=-1)
+    return scale, mins
+
+
+def _k4_r4_scales(sc):
+    g = len(sc)
+    scale, mins = _k4_scales(sc)
+    scale, mins = scale.transpose(0, 2, 1).reshape(g, 32), mins.transpose(0, 2, 1).reshape(g, 32)   # 4*ib + k
+    h = (scale >> 4) | ((mins >> 4) << 2)
+    return h[:, :16] | (h[:, 16:] << 4), (scale & 0xF) | ((mins & 0xF) << 4)
+
+
+def _q5_k_r4(b):
+    g = len(b)
+    q = b[..., 48:176].reshape(g, 4, 4, 1, 32)
+    lo = np.concatenate([q & 0xF, q >> 4], axis=3).reshape(g, 4, 256)
+    L = _groups32(lo | (_bit_codes(b[..., 16:48]) << 4))
+    sh, sl = _k4_r4_scales(b[..., 4:16])
+    d = np.concatenate([b[..., 0:2].reshape(g, 8), b[..., 2:4].reshape(g, 8)], axis=1)
+    return np.concatenate([d, sh, sl, _pack_bit(L, 4, (0, 8, 4, 12, 16, 24, 20, 28)).reshape(g, 128),
+                           il32(L).reshape(g, 512)], axis=1)
+
+
+def _iq4_xs_r8(b):
+    g = len(b)
+    sl4 = _scales_4bit(b[..., 4:8], 8)                                       # (G, 8, 8) low 4 bits
+    sh2 = (_u16(b[..., 2:4])[..., None] >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    i_sl = sl4.transpose(0, 2, 1).reshape(g, 64)                             # i = 8*ib + k
+    i_sh = sh2.astype(U8).transpose(0, 2, 1).reshape(g, 64)
+    scales_l = i_sl[:, :32] | (i_sl[:, 32:] << 4)
+    scales_h = i_sh[:, :16] | (i_sh[:, 16:32] << 2) | (i_sh[:, 32:48] << 4) | (i_sh[:, 48:] << 6)
+    L = _nibbles_lo_hi(b[..., 8:136].reshape(g, 8, 8, 16)).transpose(0, 2, 1, 3)   # (G, ib, k, 32)
+    qs = np.empty((g, 8, 4, 8, 4), U8)                                       # (ib, part, k, i)
+    for part, (a, c) in enumerate(((0, 4), (8, 12), (16, 20), (24, 28))):
+        qs[:, :, part] = L[..., a:a + 4] | (L[..., c:c + 4] << 4)
+    return np.concatenate([b[..., :2].reshape(g, 16), scales_h, scales_l, qs.reshape(g, 1024)], axis=1)
+
+
+def _iq5_ks_r4(b):
+    g = len(b)
+    q = b[..., 8:136].reshape(g, 4, 4, 1, 32)
+    lo = np.concatenate([q & 0xF, q >> 4], axis=3).reshape(g, 4, 256)
+    L = _groups32(lo | (_bit_codes(b[..., 136:168]) << 4))
+    scales = b[..., :8].transpose(0, 2, 1).reshape(g, 32)
+    return np.concatenate([scales, il32(L).reshape(g, 512), _pack_bit(L, 4, (0, 8, 16, 24, 4, 12, 20, 28))
+                           .reshape(g, 128)], axis=1)
+
+
+@dataclass(frozen=True)
+class Layout:
+    rows: int                       # N rows per group
+    block_values: int               # values per column block
+    forward: Callable[[np.ndarray], np.ndarray]
+
+
+LAYOUTS: dict[QuantType, Layout] = {
+    T.IQ4_NL_R4: Layout(4, 32, _iq4_nl_r4),
+    T.Q4_0_R8: Layout(8, 32, _q4_0_r8),
+    T.Q8_0_R8: Layout(8, 32, _q8_0_r8),
+    T.IQ4_KS_R4: Layout(4, 256, _iq4_ks_r4),
+    T.IQ2_K_R4: Layout(4, 256, _iq2_k_r4),
+    T.IQ3_K_R4: Layout(4, 256, _iq3_k_r4),
+    T.IQ4_K_R4: Layout(4, 256, _iq4_k_r4),
+    T.IQ5_K_R4: Layout(4, 256, _iq5_k_r4),
+    T.Q4_K_R4: Layout(4, 256, _q4_k_r4),
+    T.Q6_K_R4: Layout(4, 256, _q6_k_r4),
+    T.BF16_R16: Layout(16, 2, _bf16_r16),
+    T.Q5_0_R4: Layout(4, 32, _q5_0_r4),
+    T.Q6_0_R4: Layout(4, 32, _q6_0_r4),
+    T.Q2_K_R4: Layout(4, 256, _q2_k_r4),
+    T.Q3_K_R4: Layout(4, 256, _q3_k_r4),
+    T.Q5_K_R4: Layout(4, 256, _q5_k_r4),
+    T.IQ4_XS_R8: Layout(8, 256, _iq4_xs_r8),
+    T.IQ5_KS_R4: Layout(4, 256, _iq5_ks_r4),
+}
+
+
+def supports(qtype) -> bool:
+    return QuantType(qtype) in LAYOUTS
+
+
+# ---------------------------------------------------------------------------------- permutations
+@dataclass(frozen=True)
+class Shuffle:
+    """How to build one interleaved block (n_out bytes) from N plain blocks laid end to end."""
+    byte_map: np.ndarray | None     # out[j] = in[byte_map[j]] when whole bytes move
+    runs: tuple | None              # else: (start, src, shift, mask, dst_shift) bit runs per out byte
+
+
+@lru_cache(maxsize=None)
+def _bit_permutation(qtype: QuantType) -> np.ndarray:
+    """perm[k] = the input bit that output bit k of one block comes from (LSB-first bit order)."""
+    lay = LAYOUTS[qtype]
+    base = traits(qtype).base
+    block_bytes = traits(base).type_size * lay.block_values // traits(base).block_size
+    n_bytes = lay.rows * block_bytes
+    n_bits = 8 * n_bytes
+    idx = np.arange(n_bits)
+    perm = np.zeros(n_bits, np.int64)
+    for p in range(max(1, int(n_bits - 1).bit_length())):
+        bits = ((idx >> p) & 1).astype(U8)
+        probe = np.packbits(bits.reshape(-1, 8), axis=1, bitorder="little").reshape(1, lay.rows, block_bytes)
+        out = np.asarray(lay.forward(probe), U8).reshape(-1)
+        if out.size != n_bytes:
+            raise AssertionError(f"{qtype!r}: layout writes {out.size} bytes, expected {n_bytes}")
+        perm |= np.unpackbits(out, bitorder="little").astype(np.int64) << p
+    if not np.array_equal(np.sort(perm), idx):
+        raise AssertionError(f"{qtype!r}: the layout is not a bit permutation")
+    return perm
+
+
+def _compile(perm: np.ndarray) -> Shuffle:
+    n_bytes = perm.size // 8
+    src_byte = perm.reshape(n_bytes, 8) // 8
+    src_bit = perm.reshape(n_bytes, 8) % 8
+    if (src_byte == src_byte[:, :1]).all() and (src_bit == np.arange(8)).all():
+        return Shuffle(src_byte[:, 0].copy(), None)
+    start, src, shift, mask, dst = [0], [], [], [], []
+    for j in range(n_bytes):
+        k = 0
+        while k < 8:                # maximal runs of consecutive bits from one source byte
+            e = k + 1
+            while e < 8 and src_byte[j, e] == src_byte[j, k] and src_bit[j, e] == src_bit[j, e - 1] + 1:
+                e += 1
+            src.append(src_byte[j, k])
+            shift.append(src_bit[j, k])
+            mask.append((1 << (e - k)) - 1)
+            dst.append(k)
+            k = e
+        start.append(len(src))
+    return Shuffle(None, tuple(np.asarray(a, np.int64) for a in (start, src, shift, mask, dst)))
+
+
+@lru_cache(maxsize=None)
+def _shuffles(qtype: QuantType) -> tuple[Shuffle, Shuffle]:
+    perm = _bit_permutation(qtype)
+    return _compile(perm), _compile(np.argsort(perm))
+
+
+@njit(cache=True, parallel=True)
+def _apply_runs(blocks, start, src, shift, mask, dst, out):
+    for g in prange(blocks.shape[0]):
+        b = blocks[g]
+        o = out[g]
+        for j in range(out.shape[1]):
+            v = 0
+            for r in range(start[j], start[j + 1]):
+                v |= ((np.int64(b[src[r]]) >> shift[r]) & mask[r]) << dst[r]
+            o[j] = v
+
+
+def _apply(shuffle: Shuffle, blocks: np.ndarray) -> np.ndarray:
+    """blocks (n, block bytes in) -> (n, block bytes out)."""
+    if shuffle.byte_map is not None:
+        return blocks[:, shuffle.byte_map]
+    out = np.empty_like(blocks)
+    _apply_runs(np.ascontiguousarray(blocks), *shuffle.runs, out)
+    return out
+
+
+def _check(blocks, qtype, n_per_row):
+    lay = LAYOUTS.get(QuantType(qtype))
+    if lay is None:
+        raise NotImplementedError(f"the {traits(qtype).name} layout is not implemented")
+    if n_per_row % lay.block_values:
+        raise ValueError(f"rows of {n_per_row} are not a multiple of {lay.block_values}")
+    if blocks.shape[0] % lay.rows:
+        raise ValueError(f"{traits(qtype).name} needs a multiple of {lay.rows} rows, got {blocks.shape[0]}")
+    return lay
+
+
+def _regroup(rows: np.ndarray, qtype, n_per_row: int, inverse: bool) -> np.ndarray:
+    """Plain group of N rows = N x (row meta, n_cb blocks); interleaved group = the N row metas,
+    then n_cb interleaved blocks.  Both are N*row_size bytes, cut into N rows."""
+    lay = _check(rows, qtype, n_per_row)
+    meta = traits(qtype).row_meta_size
+    n_rows, row_size = rows.shape
+    n, n_cb = lay.rows, n_per_row // lay.block_values
+    blk = (row_size - meta) // n_cb
+    g = n_rows // n
+    fwd, inv = _shuffles(QuantType(qtype))
+    rows = np.ascontiguousarray(rows, U8)
+    if not inverse:
+        grouped = rows.reshape(g, n, row_size)
+        plain = grouped[:, :, meta:].reshape(g, n, n_cb, blk).transpose(0, 2, 1, 3).reshape(g * n_cb, n * blk)
+        body = _apply(fwd, plain).reshape(g, n_cb * n * blk)
+        out = np.concatenate([grouped[:, :, :meta].reshape(g, n * meta), body], axis=1)
+    else:
+        grouped = rows.reshape(g, n * row_size)
+        plain = _apply(inv, grouped[:, n * meta:].reshape(g * n_cb, n * blk))
+        body = plain.reshape(g, n_cb, n, blk).transpose(0, 2, 1, 3).reshape(g, n, n_cb * blk)
+        out = np.concatenate([grouped[:, :n * meta].reshape(g, n, meta), body], axis=2)
+    return out.reshape(n_rows, row_size)
+
+
+def interleave(rows: np.ndarray, qtype, n_per_row: int) -> np.ndarray:
+    """Plain rows (n_rows, row_size) of ``qtype``'s base type -> rows of ``qtype`` (same shape).
+    Groups of N consecutive rows; the caller keeps groups inside one matrix (expert)."""
+    return _regroup(rows, qtype, n_per_row, inverse=False)
+
+
+def deinterleave(rows: np.ndarray, qtype, n_per_row: int) -> np.ndarray:
+    """Rows of the interleaved ``qtype`` -> the plain rows they came from, bit for bit."""
+    return _regroup(rows, qtype, n_per_row, inverse=True)

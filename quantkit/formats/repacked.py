@@ -1,0 +1,138 @@
+"""Quantizing to the row-interleaved types (q4_k_r4, iq2_k_r4, q8_0_r8, bf16_r16, ...).
+
+ik_llama.cpp quantizes N rows with the plain type's quantizer and regroups their bytes
+(:mod:`quantkit.formats.interleave`).  The result equals "quantize to the plain type, then repack"
+except where the C wrapper changes the quantizer's input:
+
+* Several wrappers run the imatrix through the QHelper clean-up first (blocks of 16 or 32 weights
+  whose Σw², Σx² or Σw|x| is ~0 get the weight 1e-9), while the plain quantizer sees the raw
+  imatrix.  For the IQK types the plain quantizer does the clean-up itself, so nothing differs.
+* q2_k_r4 calls the q2_K quantizer one row at a time, so ik's "is this chunk ternary" test looks at
+  one row, not at llama-quantize's chunk of rows.
+* q8_0_r8 ignores the imatrix (q8_0 has no use for it).
+* bf16_r16 truncates float32 to bf16 (plain bf16 rounds to nearest even).
+
+These types exist only in ik_llama.cpp, so the flavor is ignored: ik's quantizers are used.
+Decoding regroups the bytes back and decodes the plain type.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..types import QuantType, traits
+from . import interleave
+from ._base import ALL_PATHS, BlockFormat, registered
+from ._iqk import imatrix_cleanup
+
+T = QuantType
+
+
+@dataclass(frozen=True)
+class WrapperRule:
+    """What the C ``quantize_<type>_r<N>`` wrapper does around the plain quantizer."""
+    cleanup_block: int | None = None    # QHelper block size applied to the imatrix, or None (raw)
+    uses_imatrix: bool = True
+    rows_one_at_a_time: bool = False    # the plain quantizer is called per row (matters for q2_K)
+    truncate_bf16: bool = False
+
+
+WRAPPERS: dict[QuantType, WrapperRule] = {
+    T.Q4_0_R8: WrapperRule(cleanup_block=32),
+    T.Q8_0_R8: WrapperRule(uses_imatrix=False),
+    T.Q5_0_R4: WrapperRule(),
+    T.Q6_0_R4: WrapperRule(cleanup_block=32),
+    T.IQ4_NL_R4: WrapperRule(cleanup_block=32),
+    T.IQ4_XS_R8: WrapperRule(cleanup_block=32),
+    T.Q2_K_R4: WrapperRule(cleanup_block=16, rows_one_at_a_time=True),
+    T.Q3_K_R4: WrapperRule(cleanup_block=16),
+    T.Q4_K_R4: WrapperRule(cleanup_block=32),
+    T.Q5_K_R4: WrapperRule(cleanup_block=32),
+    T.Q6_K_R4: WrapperRule(cleanup_block=16),
+    T.IQ2_K_R4: WrapperRule(), T.IQ3_K_R4: WrapperRule(), T.IQ4_K_R4: WrapperRule(),
+    T.IQ5_K_R4: WrapperRule(), T.IQ4_KS_R4: WrapperRule(), T.IQ5_KS_R4: WrapperRule(),
+    T.BF16_R16: WrapperRule(uses_imatrix=False, truncate_bf16=True),
+}
+
+
+def _groups_by_weights(w_rows: np.ndarray):
+    """Rows that end up with identical weights, as (row indices, weights) pairs: the clean-up only
+    replaces whole blocks, so most rows of a matrix share one weight vector."""
+    _, first, inverse = np.unique(w_rows, axis=0, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    for g, row in enumerate(first):
+        yield np.nonzero(inverse == g)[0], w_rows[row]
+
+
+class _Interleaved(BlockFormat):
+    rule: WrapperRule
+    quant_paths = ALL_PATHS
+
+    @classmethod
+    def _plain_blocks(cls, x, imatrix, reference):
+        from . import quantize
+        base, rule = cls.traits.base, cls.rule
+        if rule.truncate_bf16:
+            return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype("<u2").view(np.uint8)
+        if imatrix is None or not rule.uses_imatrix:
+            if rule.rows_one_at_a_time:
+                return np.concatenate([quantize(x[r:r + 1], base, None, "ik", reference) for r in range(len(x))])
+            return quantize(x, base, None, "ik", reference)
+        if rule.cleanup_block is None:
+            if rule.rows_one_at_a_time:
+                return np.concatenate([quantize(x[r:r + 1], base, imatrix, "ik", reference) for r in range(len(x))])
+            return quantize(x, base, imatrix, "ik", reference)
+        w_rows = imatrix_cleanup(x, imatrix, rule.cleanup_block)
+        out = np.empty((x.shape[0], traits(base).row_size(x.shape[1])), np.uint8)
+        if rule.rows_one_at_a_time:
+            for r in range(x.shape[0]):
+                out[r:r + 1] = quantize(x[r:r + 1], base, w_rows[r], "ik", reference)
+            return out
+        for rows, w in _groups_by_weights(w_rows):
+            out[rows] = quantize(np.ascontiguousarray(x[rows]), base, w, "ik", reference)
+        return out
+
+    @classmethod
+    def _quantize(cls, x, imatrix, reference):
+        n_rows, n = x.shape
+        group = cls.traits.interleave_rows
+        if n_rows % group:
+            raise ValueError(f"{cls.traits.name} needs a multiple of {group} rows, got {n_rows}")
+        plain = cls._plain_blocks(x, imatrix, reference)
+        return interleave.interleave(plain.reshape(n_rows, -1), cls.qtype, n)
+
+    @classmethod
+    def quantize_ref(cls, x, imatrix, flavor):
+        return cls._quantize(x, imatrix, reference=True)
+
+    @classmethod
+    def quantize_fast(cls, x, imatrix, flavor):
+        return cls._quantize(x, imatrix, reference=False)
+
+    @classmethod
+    def _dequantize(cls, blocks, n_per_row, reference):
+        from . import dequantize
+        plain = interleave.deinterleave(blocks, cls.qtype, n_per_row)
+        return dequantize(plain, cls.traits.base, n_per_row, reference=reference)
+
+    @classmethod
+    def dequantize_ref(cls, blocks, n_per_row):
+        return cls._dequantize(blocks, n_per_row, True)
+
+    @classmethod
+    def dequantize_fast(cls, blocks, n_per_row):
+        return cls._dequantize(blocks, n_per_row, False)
+
+
+def register_available() -> list[QuantType]:
+    """Register a format for every interleaved type whose plain quantizer and byte layout exist."""
+    done = []
+    have = registered()
+    for qtype, rule in WRAPPERS.items():
+        base = traits(qtype).base
+        if qtype in have or base not in have or not have[base].quant_paths or not interleave.supports(qtype):
+            continue
+        type(f"Interleaved_{traits(qtype).name}", (_Interleaved,), {"rule": rule}, qtype=qtype)
+        done.append(qtype)
+    return done
