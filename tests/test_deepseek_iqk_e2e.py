@@ -148,3 +148,18 @@ def test_every_iqk_type_end_to_end(model):
     lo = peers.ik_logits(ours, tokens, all_positions=True)
     assert np.isfinite(lo).all()
     assert mean_kld(ref, lo) < 0.1
+
+
+def test_deepseek_v3_recipe_with_interleaved_experts(model, repo_root):
+    """The recipe as published (iq2_k_r4/iq3_k_r4 routed experts): same types as llama-quantize's
+    file, loads and computes in ik_llama.cpp, as close to F32 as llama-quantize's."""
+    d, f32, imatrix, _, tokens, ref = model
+    text = (repo_root / "recipes" / "deepseek-v3-iq2_k_r4.txt").read_text()
+    ours, theirs = both_tools(d, f32, imatrix, text, "v3r4")
+    a, b = read_tensors(ours), read_tensors(theirs)
+    assert {k: v[0] for k, v in a.items()} == {k: v[0] for k, v in b.items()}
+    assert a["blk.4.ffn_gate_exps.weight"][0] == 337 and a["blk.3.ffn_down_exps.weight"][0] == 338
+    lo = peers.ik_logits(ours, tokens, all_positions=True)
+    lt = peers.ik_logits(theirs, tokens, all_positions=True)
+    assert np.isfinite(lo).all()
+    assert mean_kld(ref, lo) <= 1.05 * mean_kld(ref, lt)
