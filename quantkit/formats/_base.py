@@ -95,3 +95,49 @@ def first_non_finite(fmt: type[BlockFormat], blocks: np.ndarray, n_per_row: int)
 
 def registered() -> dict[QuantType, type[BlockFormat]]:
     return dict(_registry)
+
+
+class KernelFormat(BlockFormat):
+    """``quantize_fast``/``dequantize_fast`` through numba row kernels.  Subclasses set
+    ``_kernel_quantize(x, qw, has_qw, out)`` and ``_kernel_dequantize(blocks, out)`` (staticmethods);
+    without an imatrix the kernels get a dummy ``qw`` and ``has_qw=False``."""
+
+    @classmethod
+    def quantize_fast(cls, x, imatrix, flavor):
+        n_rows, n = x.shape
+        out = cls.empty_blocks(n_rows, n)
+        has_qw = imatrix is not None
+        qw = np.ascontiguousarray(imatrix, np.float32) if has_qw else np.zeros(n, np.float32)
+        cls._kernel_quantize(np.ascontiguousarray(x, np.float32), qw, has_qw, out)
+        return out
+
+    @classmethod
+    def dequantize_fast(cls, blocks, n_per_row):
+        out = np.empty((blocks.shape[0], n_per_row), np.float32)
+        cls._kernel_dequantize(np.ascontiguousarray(blocks, np.uint8), out)
+        return out
+
+
+class RowwiseReference(BlockFormat):
+    """Numpy references that work a row at a time (row-scaled types, or types whose imatrix goes
+    through ik's QHelper clean-up, which depends on the row): subclasses set ``qhelper_block`` and
+    the staticmethods ``_quantize_row(x_row, weights_or_None) -> bytes`` and
+    ``_dequantize_row(row_bytes, n_per_row) -> values``."""
+    qhelper_block: ClassVar[int] = 32
+
+    @classmethod
+    def quantize_ref(cls, x, imatrix, flavor):
+        from ._iqk import imatrix_cleanup
+        n_rows, n = x.shape
+        x = np.ascontiguousarray(x, np.float32)
+        w_rows = imatrix_cleanup(x, imatrix, cls.qhelper_block)
+        out = np.empty((n_rows, cls.traits.row_size(n)), np.uint8)
+        with np.errstate(all="ignore"):
+            for r in range(n_rows):
+                out[r] = cls._quantize_row(x[r], None if w_rows is None else w_rows[r])
+        return out
+
+    @classmethod
+    def dequantize_ref(cls, blocks, n_per_row):
+        b = np.ascontiguousarray(blocks, np.uint8)
+        return np.stack([cls._dequantize_row(r, n_per_row) for r in b]).astype(np.float32)

@@ -19,8 +19,8 @@ import numpy as np
 
 from ..kernels import iq2k as kernels
 from ..types import QK_K, QuantType
-from ._base import ALL_PATHS, BlockFormat
-from ._iqk import IQ2NL_VALUES, imatrix_cleanup, nearest_index
+from ._base import ALL_PATHS, KernelFormat, RowwiseReference
+from ._iqk import IQ2NL_VALUES, nearest_index
 from ._numeric import fp16_bytes, recip_or_zero, seq_sum
 from .kquants import fp16_values, nearest_int
 
@@ -219,41 +219,23 @@ def dequantize_iq2_ks_row(row, n):
     return ((d * ls.astype(np.float32)).repeat(32, axis=1) * v).reshape(n)
 
 
-class _IQ2(BlockFormat):
+class _IQ2(RowwiseReference, KernelFormat):
     kernel_id: int = 0
     quant_paths = ALL_PATHS
-    qhelper_block = 16
 
     @classmethod
-    def quantize_ref(cls, x, imatrix, flavor):
-        n_rows, n = x.shape
-        x = np.ascontiguousarray(x, np.float32)
-        w_rows = imatrix_cleanup(x, imatrix, cls.qhelper_block)
-        out = np.empty((n_rows, cls.traits.row_size(n)), np.uint8)
-        with np.errstate(all="ignore"):
-            for r in range(n_rows):
-                out[r] = cls._quantize_row(x[r], None if w_rows is None else w_rows[r])
-        return out
+    def _kernel_quantize(cls, x, qw, has_qw, out):
+        kernels.quantize_rows(cls.kernel_id, x, qw, has_qw, out)
 
     @classmethod
-    def quantize_fast(cls, x, imatrix, flavor):
-        n_rows, n = x.shape
-        out = cls.empty_blocks(n_rows, n)
-        has_qw = imatrix is not None
-        qw = np.ascontiguousarray(imatrix, np.float32) if has_qw else np.zeros(n, np.float32)
-        kernels.quantize_rows(cls.kernel_id, np.ascontiguousarray(x, np.float32), qw, has_qw, out)
-        return out
-
-    @classmethod
-    def dequantize_fast(cls, blocks, n_per_row):
-        out = np.empty((blocks.shape[0], n_per_row), np.float32)
-        kernels.dequantize_rows(cls.kernel_id, np.ascontiguousarray(blocks, np.uint8), kernels.FP16_TABLE, out)
-        return out
+    def _kernel_dequantize(cls, blocks, out):
+        kernels.dequantize_rows(cls.kernel_id, blocks, kernels.FP16_TABLE, out)
 
 
 class IQ2_K(_IQ2, qtype=QuantType.IQ2_K):
     kernel_id = kernels.IQ2_K
     scale_fields = ((0, "<f2"),)
+    qhelper_block = 16
     _quantize_row = staticmethod(quantize_iq2_k_row)
 
     @classmethod
@@ -266,8 +248,4 @@ class IQ2_KS(_IQ2, qtype=QuantType.IQ2_KS):
     kernel_id = kernels.IQ2_KS
     qhelper_block = 32
     _quantize_row = staticmethod(quantize_iq2_ks_row)
-
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        b = np.ascontiguousarray(blocks, np.uint8)
-        return np.stack([dequantize_iq2_ks_row(r, n_per_row) for r in b]).astype(np.float32)
+    _dequantize_row = staticmethod(dequantize_iq2_ks_row)

@@ -22,8 +22,8 @@ import numpy as np
 from ..kernels import iq2kl as kernels
 from ..kernels.iq2kl import NEIGHBOURS, PAIR_INDEX, PAIRS
 from ..types import QK_K, QuantType
-from ._base import ALL_PATHS, BlockFormat
-from ._iqk import IQ3NL_VALUES, imatrix_cleanup, nearest_index
+from ._base import ALL_PATHS, KernelFormat, RowwiseReference
+from ._iqk import IQ3NL_VALUES, nearest_index
 from ._numeric import first_absmax, fp16_bytes, seq_sum
 from .kquants import fp16_values, nearest_int
 
@@ -144,36 +144,12 @@ def dequantize_iq2_kl_row(row, n):
     return (dl[:, :, None, None] * pairs).reshape(n)
 
 
-class IQ2_KL(BlockFormat, qtype=QuantType.IQ2_KL):
+class IQ2_KL(RowwiseReference, KernelFormat, qtype=QuantType.IQ2_KL):
     quant_paths = ALL_PATHS
+    _quantize_row = staticmethod(quantize_iq2_kl_row)
+    _dequantize_row = staticmethod(dequantize_iq2_kl_row)
+    _kernel_quantize = staticmethod(kernels.quantize_rows)
 
-    @classmethod
-    def quantize_ref(cls, x, imatrix, flavor):
-        n_rows, n = x.shape
-        x = np.ascontiguousarray(x, np.float32)
-        w_rows = imatrix_cleanup(x, imatrix, 32)
-        out = np.empty((n_rows, cls.traits.row_size(n)), np.uint8)
-        with np.errstate(all="ignore"):
-            for r in range(n_rows):
-                out[r] = quantize_iq2_kl_row(x[r], None if w_rows is None else w_rows[r])
-        return out
-
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        b = np.ascontiguousarray(blocks, np.uint8)
-        return np.stack([dequantize_iq2_kl_row(r, n_per_row) for r in b]).astype(np.float32)
-
-    @classmethod
-    def quantize_fast(cls, x, imatrix, flavor):
-        n_rows, n = x.shape
-        out = cls.empty_blocks(n_rows, n)
-        has_qw = imatrix is not None
-        qw = np.ascontiguousarray(imatrix, np.float32) if has_qw else np.zeros(n, np.float32)
-        kernels.quantize_rows(np.ascontiguousarray(x, np.float32), qw, has_qw, out)
-        return out
-
-    @classmethod
-    def dequantize_fast(cls, blocks, n_per_row):
-        out = np.empty((blocks.shape[0], n_per_row), np.float32)
-        kernels.dequantize_rows(np.ascontiguousarray(blocks, np.uint8), kernels.FP16_TABLE, out)
-        return out
+    @staticmethod
+    def _kernel_dequantize(blocks, out):
+        kernels.dequantize_rows(blocks, kernels.FP16_TABLE, out)

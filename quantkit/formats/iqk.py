@@ -35,7 +35,7 @@ import numpy as np
 
 from ..kernels import iqk as kernels
 from ..types import QK_K, QuantType
-from ._base import ALL_PATHS, BlockFormat
+from ._base import ALL_PATHS, KernelFormat, RowwiseReference
 from ._iqk import (IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES, TWO_POW_31, imatrix_cleanup,
                    nearest_index)
 from ._numeric import first_absmax, fp16_bytes, recip_or_zero, seq_sum
@@ -512,7 +512,7 @@ def dequantize_iq3_ks_row(row, n):
 
 
 # ---------------------------------------------------------------------------------- formats
-class _SuperBlockIQK(BlockFormat):
+class _SuperBlockIQK(KernelFormat):
     kernel_id: int = 0
     quant_paths = ALL_PATHS
     scale_fields = ((0, "<f2"),)
@@ -525,7 +525,7 @@ class _SuperBlockIQK(BlockFormat):
         w_rows = imatrix_cleanup(x, imatrix, cls.qhelper_block)
         out = np.empty((n_rows, cls.traits.row_size(n)), np.uint8)
         with np.errstate(all="ignore"):
-            if w_rows is None:
+            if w_rows is None:          # without an imatrix every super-block is independent
                 out[:] = cls._quantize(x.reshape(-1), None).reshape(n_rows, -1)
             else:
                 for r in range(n_rows):
@@ -538,19 +538,12 @@ class _SuperBlockIQK(BlockFormat):
         return cls._dequantize(b).astype(np.float32).reshape(blocks.shape[0], n_per_row)
 
     @classmethod
-    def quantize_fast(cls, x, imatrix, flavor):
-        n_rows, n = x.shape
-        out = cls.empty_blocks(n_rows, n)
-        has_qw = imatrix is not None
-        qw = np.ascontiguousarray(imatrix, np.float32) if has_qw else np.zeros(n, np.float32)
-        kernels.quantize_rows(cls.kernel_id, np.ascontiguousarray(x, np.float32), qw, has_qw, out)
-        return out
+    def _kernel_quantize(cls, x, qw, has_qw, out):
+        kernels.quantize_rows(cls.kernel_id, x, qw, has_qw, out)
 
     @classmethod
-    def dequantize_fast(cls, blocks, n_per_row):
-        out = np.empty((blocks.shape[0], n_per_row), np.float32)
-        kernels.dequantize_rows(cls.kernel_id, np.ascontiguousarray(blocks, np.uint8), kernels.FP16_TABLE, out)
-        return out
+    def _kernel_dequantize(cls, blocks, out):
+        kernels.dequantize_rows(cls.kernel_id, blocks, kernels.FP16_TABLE, out)
 
 
 class IQ3_K(_SuperBlockIQK, qtype=QuantType.IQ3_K):
@@ -577,26 +570,10 @@ class IQ6_K(_SuperBlockIQK, qtype=QuantType.IQ6_K):
     _dequantize = staticmethod(dequantize_iq6_k)
 
 
-class _RowScaled(_SuperBlockIQK):
-    """Types whose rows start with a scale: quantized and decoded row by row."""
+class _RowScaled(RowwiseReference, _SuperBlockIQK):
+    """Types whose rows start with a scale: the numpy twin works row by row."""
     scale_fields = None
     qhelper_block = 32
-
-    @classmethod
-    def quantize_ref(cls, x, imatrix, flavor):
-        n_rows, n = x.shape
-        x = np.ascontiguousarray(x, np.float32)
-        w_rows = imatrix_cleanup(x, imatrix, cls.qhelper_block)
-        out = np.empty((n_rows, cls.traits.row_size(n)), np.uint8)
-        with np.errstate(all="ignore"):
-            for r in range(n_rows):
-                out[r] = cls._quantize_row(x[r], None if w_rows is None else w_rows[r])
-        return out
-
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        b = np.ascontiguousarray(blocks, np.uint8)
-        return np.stack([cls._dequantize_row(r, n_per_row) for r in b]).astype(np.float32)
 
 
 class IQ5_KS(_RowScaled, qtype=QuantType.IQ5_KS):

@@ -38,7 +38,7 @@ from ..kernels import legacy as kernels
 from ..types import QuantType
 from ._numeric import first_absmax as _first_absmax, fp16_bytes as _fp16_bytes
 from ._numeric import recip_or_zero as _recip_or_zero, seq_sum as _seq_sum
-from ._base import BlockFormat
+from ._base import BlockFormat, KernelFormat
 # The weighted scale searches (both flavors) are shared with the k-quants, which use them most.
 from .kquants import make_qkx3_quants, make_qx_quants
 
@@ -298,7 +298,7 @@ class Q8_0(_LegacyFormat, qtype=QuantType.Q8_0):
         return y.reshape(blocks.shape[0], n_per_row)
 
 
-class Q6_0(_LegacyFormat, qtype=QuantType.Q6_0):
+class Q6_0(KernelFormat, _LegacyFormat, qtype=QuantType.Q6_0):
     """ik_llama.cpp's 6-bit block (llama-quantize's fallback for IQ5_K/Q5_K rows that are not a
     multiple of 256).  Its quantizer is always the fork's ``make_qx_quants`` with nmax 32, weighted by
     ``x²`` or, with an imatrix, ``qw*sqrtf(sigma2 + x²)``; it exists only in ik, so both flavors run it.
@@ -310,6 +310,11 @@ class Q6_0(_LegacyFormat, qtype=QuantType.Q6_0):
     nmax = 32
     scale_fields = ((0, "<f2"),)
     quant_paths = _LEGACY_PATHS
+    _kernel_quantize = staticmethod(kernels.quantize_rows_q6_0)
+
+    @staticmethod
+    def _kernel_dequantize(blocks, out):
+        kernels.dequantize_rows_q6_0(blocks, kernels.FP16_TABLE, out)
 
     @classmethod
     def quantize_ref(cls, x, imatrix, flavor):
@@ -326,15 +331,6 @@ class Q6_0(_LegacyFormat, qtype=QuantType.Q6_0):
         return np.concatenate([_fp16_bytes(d), qh, qs], axis=-1).reshape(n_rows, cls.traits.row_size(n))
 
     @classmethod
-    def quantize_fast(cls, x, imatrix, flavor):
-        n_rows, n = x.shape
-        out = cls.empty_blocks(n_rows, n)
-        has_qw = imatrix is not None
-        qw = np.ascontiguousarray(imatrix, np.float32) if has_qw else np.zeros(n, np.float32)
-        kernels.quantize_rows_q6_0(np.ascontiguousarray(x, np.float32), qw, has_qw, out)
-        return out
-
-    @classmethod
     def dequantize_ref(cls, blocks, n_per_row):
         b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, cls.traits.type_size)
         d = _fp16_values(b[:, 0:2])
@@ -342,9 +338,3 @@ class Q6_0(_LegacyFormat, qtype=QuantType.Q6_0):
         h = np.concatenate([qh & 0xF, qh >> 4], axis=-1)            # 4-bit pair of qs byte j
         q = np.concatenate([(qs & 0xF) | ((h << 4) & 0x30), (qs >> 4) | ((h << 2) & 0x30)], axis=-1)
         return ((q - 32).astype(np.float32) * d).reshape(blocks.shape[0], n_per_row)
-
-    @classmethod
-    def dequantize_fast(cls, blocks, n_per_row):
-        out = np.empty((blocks.shape[0], n_per_row), np.float32)
-        kernels.dequantize_rows_q6_0(np.ascontiguousarray(blocks, np.uint8), kernels.FP16_TABLE, out)
-        return out

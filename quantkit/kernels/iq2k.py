@@ -11,7 +11,8 @@ import numpy as np
 from numba import njit, prange
 
 from ..formats._iqk import IQ2NL_VALUES
-from ._iqk import imatrix_cleanup_row, thresholds
+from ._iqk import thresholds
+from .iqk import PLAIN_SIGMA, row_weights
 from .kquants import FP16_TABLE, nint, run_rows, store_fp16
 
 F = np.float32
@@ -141,25 +142,10 @@ def make_qx_quants_iqk(x, qw, nmax, L):
 
 
 @njit(**_OPTS)
-def _weights(xr, wrow, has_qw, w):
-    for sb in range(xr.shape[0] // QK_K):
-        s = F(0)
-        for j in range(QK_K):
-            s += xr[sb * QK_K + j] * xr[sb * QK_K + j]
-        sigma2 = (F(1.5) * s) / F(QK_K)
-        for j in range(QK_K):
-            p = sb * QK_K + j
-            w[p] = wrow[p] * np.sqrt(sigma2 + xr[p] * xr[p]) if has_qw else F(0.25) * sigma2 + xr[p] * xr[p]
-
-
-@njit(**_OPTS)
 def _sub_block_scales(xr, qw, has_qw, K, i1_max, i3_min, w, sw, scales, shifted):
     n = xr.shape[0]
     lanes = n // K
-    wrow = np.empty(n, np.float32)
-    if has_qw:
-        imatrix_cleanup_row(xr, qw, K, wrow)
-    _weights(xr, wrow, has_qw, w)
+    row_weights(xr, qw, has_qw, K, 1.5, PLAIN_SIGMA, w)
     for k in range(lanes):
         s = F(0)
         for j in range(K):

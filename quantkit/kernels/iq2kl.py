@@ -5,11 +5,10 @@ import numpy as np
 from numba import njit, prange
 
 from ..formats._iqk import IQ3NL_VALUES
-from .iqk import IQ3_LUT, IQ3_THR, IQ3_V, OVERFLOW, _row_weights, nearest
+from .iqk import IQ3_LUT, IQ3_THR, IQ3_V, OVERFLOW, PLAIN_ABS, nearest, row_weights
 from .kquants import FP16_TABLE, nint, run_rows, store_fp16
 
 F = np.float32
-QK_K = 256
 ZERO_EPS = F(1e-16)
 FLT_MAX = F(np.finfo(np.float32).max)
 _OPTS = dict(cache=True, error_model="numpy")
@@ -85,17 +84,8 @@ def _trial(xb, wb, isc):
 def iq2_kl_row(xr, qw, has_qw, ik, y):
     n = xr.shape[0]
     nb = n // 32
-    wrow = np.empty(n, np.float32)
-    _row_weights(xr, qw, has_qw, 32, wrow)
     w = np.empty(n, np.float32)
-    for sb in range(n // QK_K):
-        s = F(0)
-        for j in range(QK_K):
-            s += xr[sb * QK_K + j] * xr[sb * QK_K + j]
-        sigma2 = s * (F(2.25) / F(QK_K))
-        for j in range(QK_K):
-            p = sb * QK_K + j
-            w[p] = wrow[p] * np.sqrt(sigma2 + xr[p] * xr[p]) if has_qw else abs(xr[p])
+    row_weights(xr, qw, has_qw, 32, 2.25, PLAIN_ABS, w)
     scales = np.empty(nb, np.float32)
     max_abs = F(0)
     max_scale = F(0)

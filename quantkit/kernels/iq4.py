@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ._iqk import thresholds
 from .kquants import F, GROUP_MAX_EPS, I32, QK_K, nint, run_rows, store_fp16, superblock_sumsq, to_lanes
 
 IQ4_NL, IQ4_XS = 20, 23             # ggml type ids
@@ -29,23 +30,7 @@ TWO_POW_31 = F(2.0 ** 31)
 FP16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
-def _thresholds() -> np.ndarray:
-    """THR[t-1] = the smallest float32 x with not(x - KV[t-1] < KV[t] - x) in float32 arithmetic.
-
-    That predicate is monotone in x, so scanning a few ulps around the exact midpoint finds it."""
-    out = np.empty(15, np.float32)
-    for t in range(1, 16):
-        a, b = KV[t - 1], KV[t]
-        x = np.float32((float(a) + float(b)) / 2)
-        for _ in range(8):
-            x = np.nextafter(x, np.float32(-np.inf))
-        while (x - a) < (b - x):
-            x = np.nextafter(x, np.float32(np.inf))
-        out[t - 1] = x
-    return out
-
-
-THR = _thresholds()
+THR = thresholds(KV)           # THR[t-1]: from here on x rounds to KV[t] (ties up)
 
 
 @njit(cache=True, error_model="numpy")

@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .iqk import IQ4_LUT, IQ4_SLUT, IQ4_STHR, IQ4_SV, IQ4_THR, IQ4_V, OVERFLOW, _row_weights, _store_f32, nearest
+from .iqk import (IQ4_LUT, IQ4_SLUT, IQ4_STHR, IQ4_SV, IQ4_THR, IQ4_V, OVERFLOW, PLAIN_X2, _store_f32, nearest,
+                  row_weights)
 from .kquants import nint, run_rows
 
 F = np.float32
-QK_K = 256
 ZERO_EPS = F(1e-16)
 FLT_MAX = F(np.finfo(np.float32).max)
 _OPTS = dict(cache=True, error_model="numpy")
@@ -91,17 +91,8 @@ def _trial(xb, wb, isc, shifted, sign, q4):
 def iq4_kss_row(xr, qw, has_qw, ik, y):
     n = xr.shape[0]
     nb = n // 32
-    wrow = np.empty(n, np.float32)
-    _row_weights(xr, qw, has_qw, 32, wrow)
     w = np.empty(n, np.float32)
-    for sb in range(n // QK_K):
-        s = F(0)
-        for j in range(QK_K):
-            s += xr[sb * QK_K + j] * xr[sb * QK_K + j]
-        sigma2 = s * (F(2) / F(QK_K))
-        for j in range(QK_K):
-            p = sb * QK_K + j
-            w[p] = wrow[p] * np.sqrt(sigma2 + xr[p] * xr[p]) if has_qw else xr[p] * xr[p]
+    row_weights(xr, qw, has_qw, 32, 2.0, PLAIN_X2, w)
     scales = np.empty(nb, np.float32)
     q4 = np.empty(4, np.int64)
     amax_scale = F(0)

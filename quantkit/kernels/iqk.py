@@ -139,9 +139,14 @@ def search(xb, wb, v, lut, thr, sv, slut, sthr, ntry, step, guarded, refit, ovf)
     return d, shifted
 
 
+# what the weights are without an imatrix
+PLAIN_X2, PLAIN_SIGMA, PLAIN_ABS = 0, 1, 2
+
+
 @njit(**_OPTS)
-def _weights(xs, qw, has_qw, factor, plain_sigma, w):
-    """Weights of one super-block: qw*sqrtf(sigma2 + x²), else x² or sigma2/4 + x²."""
+def _weights(xs, qw, has_qw, factor, plain, w):
+    """Weights of one super-block: qw*sqrtf(sigma2 + x²) with sigma2 = factor*Σx²/256, else (plain)
+    x², sigma2/4 + x² or |x|.  (factor*Σx²)/256 equals Σx²*(factor/256): the division is by 2^8."""
     s = F(0)
     for j in range(QK_K):
         s += xs[j] * xs[j]
@@ -149,10 +154,24 @@ def _weights(xs, qw, has_qw, factor, plain_sigma, w):
     for j in range(QK_K):
         if has_qw:
             w[j] = qw[j] * np.sqrt(sigma2 + xs[j] * xs[j])
-        elif plain_sigma:
+        elif plain == PLAIN_SIGMA:
             w[j] = F(0.25) * sigma2 + xs[j] * xs[j]
+        elif plain == PLAIN_ABS:
+            w[j] = abs(xs[j])
         else:
             w[j] = xs[j] * xs[j]
+
+
+@njit(**_OPTS)
+def row_weights(xr, qw, has_qw, block, factor, plain, w):
+    """Weights of a whole row: the imatrix cleaned by QHelper (blocks of ``block``), then
+    ``_weights`` per super-block."""
+    n = xr.shape[0]
+    wrow = np.empty(n, np.float32)
+    _row_weights(xr, qw, has_qw, block, wrow)
+    for sb in range(n // QK_K):
+        _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, factor, plain,
+                 w[sb * QK_K:(sb + 1) * QK_K])
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -179,7 +198,7 @@ def iq4_k_row(xr, qw, has_qw, ik, y):
     L = np.empty(QK_K, np.int32)
     for sb in range(n // QK_K):
         xs = xr[sb * QK_K:(sb + 1) * QK_K]
-        _weights(xs, wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, False, w)
+        _weights(xs, wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, PLAIN_X2, w)
         amax_scale = F(0)
         max_scale = F(0)
         for ib in range(16):
@@ -236,7 +255,7 @@ def _iq56_row(xr, qw, has_qw, y, six):
     smax = 127 if six else 32
     for sb in range(n // QK_K):
         xs = xr[sb * QK_K:(sb + 1) * QK_K]
-        _weights(xs, wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, True, w)
+        _weights(xs, wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, PLAIN_SIGMA, w)
         amax_scale = F(0)
         max_scale = F(0)
         for ib in range(16):
@@ -325,7 +344,7 @@ def iq3_k_row(xr, qw, has_qw, ik, y):
     shifted = np.zeros(16, np.bool_)
     for sb in range(n // QK_K):
         xs = xr[sb * QK_K:(sb + 1) * QK_K]
-        _weights(xs, wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 1.5, True, w)
+        _weights(xs, wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 1.5, PLAIN_SIGMA, w)
         max_abs = F(0)
         for ib in range(16):
             d, sh = search(xs[16 * ib:16 * ib + 16], w[16 * ib:16 * ib + 16], IQ3_V, IQ3_LUT, IQ3_THR,
@@ -387,7 +406,7 @@ def iq4_ks_row(xr, qw, has_qw, ik, y):
         y[k] = 0
     amax_scale = F(0)
     for sb in range(n // QK_K):
-        _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, False,
+        _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, PLAIN_X2,
                  w[sb * QK_K:(sb + 1) * QK_K])
         for ib in range(8):
             b = 8 * sb + ib
@@ -433,7 +452,7 @@ def _row_scaled_pass1(xr, wrow, has_qw, five, w, scales, shifted):
     """IQ5_KS / IQ3_KS: weights (x² or qw*sqrtf(sigma2 + x²)) and the scale search of each 32-block."""
     n = xr.shape[0]
     for sb in range(n // QK_K):
-        _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, False,
+        _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, PLAIN_X2,
                  w[sb * QK_K:(sb + 1) * QK_K])
     for b in range(n // 32):
         if five:
