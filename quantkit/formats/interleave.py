@@ -9,8 +9,9 @@ lands somewhere in the interleaved group, so the transform is a fixed bit permut
 Each layout below is written once, forwards, as numpy bit operations on (groups, N, block bytes).
 The permutation is then measured by running that function on log2(bits) "bit-plane" probes (probe
 p sets every input bit whose index has bit p set), checked to be a bijection, and compiled into a
-byte gather (when whole bytes move) or into per-output-byte bit runs for a numba kernel; the
-inverse (``deinterleave``) is the inverse permutation.  So both directions are exact by
+byte gather (when whole bytes move) or into a numba kernel with one loop per kind of output byte
+(whole bytes, two nibbles, other bit runs); the inverse (``deinterleave``) is the inverse
+permutation.  So both directions are exact by
 construction, and only the forward layouts need to be right, which the tests check against the C
 library's own bytes.
 
@@ -377,9 +378,11 @@ def supports(qtype) -> bool:
 # ---------------------------------------------------------------------------------- permutations
 @dataclass(frozen=True)
 class Shuffle:
-    """How to build one interleaved block (n_out bytes) from N plain blocks laid end to end."""
-    byte_map: np.ndarray | None     # out[j] = in[byte_map[j]] when whole bytes move
-    runs: tuple | None              # else: (start, src, shift, mask, dst_shift) bit runs per out byte
+    """How to build one interleaved block from N plain blocks laid end to end.  Output bytes fall
+    in three classes, each with its own tight loop: whole bytes moved, bytes made of two moved
+    nibbles (most of every layout: the 4-bit code fields), and the rest as runs of bits."""
+    byte_map: np.ndarray | None     # out[j] = in[byte_map[j]] when every byte moves whole
+    classes: tuple | None           # else the arrays of the three classes (see _compile)
 
 
 @lru_cache(maxsize=None)
@@ -404,26 +407,52 @@ def _bit_permutation(qtype: QuantType) -> np.ndarray:
     return perm
 
 
+def _runs(src_byte, src_bit):
+    """Maximal runs of consecutive bits from one source byte in one output byte:
+    (source byte, source shift, mask, destination shift)."""
+    runs, k = [], 0
+    while k < 8:
+        e = k + 1
+        while e < 8 and src_byte[e] == src_byte[k] and src_bit[e] == src_bit[e - 1] + 1:
+            e += 1
+        runs.append((src_byte[k], src_bit[k], (1 << (e - k)) - 1, k))
+        k = e
+    return runs
+
+
 def _compile(perm: np.ndarray) -> Shuffle:
     n_bytes = perm.size // 8
     src_byte = perm.reshape(n_bytes, 8) // 8
     src_bit = perm.reshape(n_bytes, 8) % 8
-    if (src_byte == src_byte[:, :1]).all() and (src_bit == np.arange(8)).all():
+    whole = (src_byte == src_byte[:, :1]).all(axis=1) & (src_bit == np.arange(8)).all(axis=1)
+    if whole.all():
         return Shuffle(src_byte[:, 0].copy(), None)
-    start, src, shift, mask, dst = [0], [], [], [], []
+    byte_j, byte_src, nib_j, nib = [], [], [], []
+    other_j, start, runs = [], [0], []
     for j in range(n_bytes):
-        k = 0
-        while k < 8:                # maximal runs of consecutive bits from one source byte
-            e = k + 1
-            while e < 8 and src_byte[j, e] == src_byte[j, k] and src_bit[j, e] == src_bit[j, e - 1] + 1:
-                e += 1
-            src.append(src_byte[j, k])
-            shift.append(src_bit[j, k])
-            mask.append((1 << (e - k)) - 1)
-            dst.append(k)
-            k = e
-        start.append(len(src))
-    return Shuffle(None, tuple(np.asarray(a, np.int64) for a in (start, src, shift, mask, dst)))
+        r = _runs(src_byte[j], src_bit[j])
+        if whole[j]:
+            byte_j.append(j)
+            byte_src.append(src_byte[j, 0])
+        elif len(r) == 2 and r[0][2] == 15 and r[1][2] == 15:
+            nib_j.append(j)
+            nib.append((r[0][0], r[0][1], r[1][0], r[1][1]))
+        else:
+            other_j.append(j)
+            runs += r
+            start.append(len(runs))
+    nib = np.asarray(nib, np.int64).reshape(-1, 4)
+    runs = np.asarray(runs, np.int64).reshape(-1, 4)
+
+    def i32(a):
+        return np.asarray(a, np.int32).reshape(-1)
+
+    def u8(a):
+        return np.asarray(a, np.uint8).reshape(-1)
+
+    return Shuffle(None, (i32(byte_j), i32(byte_src), i32(nib_j), i32(nib[:, 0]), u8(nib[:, 1]), i32(nib[:, 2]),
+                          u8(nib[:, 3]), i32(other_j), i32(start), i32(runs[:, 0]), u8(runs[:, 1]), u8(runs[:, 2]),
+                          u8(runs[:, 3])))
 
 
 @lru_cache(maxsize=None)
@@ -433,15 +462,20 @@ def _shuffles(qtype: QuantType) -> tuple[Shuffle, Shuffle]:
 
 
 @njit(cache=True, parallel=True)
-def _apply_runs(blocks, start, src, shift, mask, dst, out):
+def _apply_classes(blocks, byte_j, byte_src, nib_j, lo_src, lo_shift, hi_src, hi_shift,
+                   other_j, start, src, shift, mask, dst, out):
     for g in prange(blocks.shape[0]):
         b = blocks[g]
         o = out[g]
-        for j in range(out.shape[1]):
+        for t in range(byte_j.shape[0]):
+            o[byte_j[t]] = b[byte_src[t]]
+        for t in range(nib_j.shape[0]):
+            o[nib_j[t]] = ((b[lo_src[t]] >> lo_shift[t]) & 15) | (((b[hi_src[t]] >> hi_shift[t]) & 15) << 4)
+        for t in range(other_j.shape[0]):
             v = 0
-            for r in range(start[j], start[j + 1]):
-                v |= ((np.int64(b[src[r]]) >> shift[r]) & mask[r]) << dst[r]
-            o[j] = v
+            for r in range(start[t], start[t + 1]):
+                v |= ((b[src[r]] >> shift[r]) & mask[r]) << dst[r]
+            o[other_j[t]] = v
 
 
 def _apply(shuffle: Shuffle, blocks: np.ndarray) -> np.ndarray:
@@ -449,7 +483,7 @@ def _apply(shuffle: Shuffle, blocks: np.ndarray) -> np.ndarray:
     if shuffle.byte_map is not None:
         return blocks[:, shuffle.byte_map]
     out = np.empty_like(blocks)
-    _apply_runs(np.ascontiguousarray(blocks), *shuffle.runs, out)
+    _apply_classes(np.ascontiguousarray(blocks), *shuffle.classes, out)
     return out
 
 
