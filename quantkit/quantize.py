@@ -147,13 +147,16 @@ def repack_tensor(info: TensorInfo, tp: TensorPlan):
     to_packed = traits(tp.dst_type).interleave_rows > 1
     packed = tp.dst_type if to_packed else tp.src_type
     group = traits(packed).interleave_rows
-    rows = max(group, CHUNK_BYTES // traits(info.qtype).row_size(n_per_row) // group * group)
+    row_size = traits(info.qtype).row_size(n_per_row)
+    rows = max(group, CHUNK_BYTES // row_size // group * group)
+    shuffle = interleave.interleave if to_packed else interleave.deinterleave
+    # Two buffers for the whole tensor: the writer is done with a chunk before asking for the next.
+    src = np.empty((min(rows, info.n_rows), row_size), np.uint8)
+    dst = np.empty_like(src)
     for start in range(0, info.n_rows, rows):
-        raw = read_rows(info, slice(start, min(info.n_rows, start + rows)))
-        if to_packed:
-            yield interleave.interleave(raw, packed, n_per_row)
-        else:
-            yield interleave.deinterleave(raw, packed, n_per_row)
+        n = min(rows, info.n_rows - start)
+        info.source.read(info.offset + start * row_size, n * row_size, src)
+        yield shuffle(src[:n], packed, n_per_row, dst[:n])
 
 
 def _copy_tensor(info: TensorInfo, chunk_bytes: int = CHUNK_BYTES):

@@ -376,15 +376,6 @@ def supports(qtype) -> bool:
 
 
 # ---------------------------------------------------------------------------------- permutations
-@dataclass(frozen=True)
-class Shuffle:
-    """How to build one interleaved block from N plain blocks laid end to end.  Output bytes fall
-    in three classes, each with its own tight loop: whole bytes moved, bytes made of two moved
-    nibbles (most of every layout: the 4-bit code fields), and the rest as runs of bits."""
-    byte_map: np.ndarray | None     # out[j] = in[byte_map[j]] when every byte moves whole
-    classes: tuple | None           # else the arrays of the three classes (see _compile)
-
-
 @lru_cache(maxsize=None)
 def _bit_permutation(qtype: QuantType) -> np.ndarray:
     """perm[k] = the input bit that output bit k of one block comes from (LSB-first bit order)."""
@@ -407,6 +398,49 @@ def _bit_permutation(qtype: QuantType) -> np.ndarray:
     return perm
 
 
+@dataclass(frozen=True)
+class Moves:
+    """Each entry covers a sequence of consecutive output bytes whose sources also advance by one
+    byte (the layouts move 4-32 bytes alike):
+
+      runs     int32 (n, 3): dst, src, length        whole bytes copied
+      nibbles  int32 (n, 5): dst, lo_src, hi_src, length, lo_shift | hi_shift << 4
+                             every byte made of two moved nibbles (the 4-bit code fields)
+      bits     int32 (m, 3): dst, length, first entry into bit_runs (entry m+1 ends it)
+      bit_runs int64 (k, 4): src, shift, mask, dst_shift
+    """
+    runs: np.ndarray
+    nibbles: np.ndarray
+    bits: np.ndarray
+    bit_runs: np.ndarray
+
+
+@dataclass(frozen=True)
+class GroupProgram:
+    """How to turn one row group (N rows, N*row_size bytes) into the other layout, with offsets
+    taken from the start of the group.  The per-row metas are byte runs done once per group; the
+    column blocks are done n_cb times, column block cb adding cb*src_step / cb*dst_step to every
+    offset."""
+    n_cb: int
+    src_step: int
+    dst_step: int
+    meta_runs: np.ndarray
+    moves: Moves
+
+
+def _sequences(keys: list, offsets: list[tuple]) -> list[list[int]]:
+    """Split entries (sorted by destination) into maximal sequences: consecutive entries with the
+    same key whose offsets (destination first) all grow by one.  Returns [first, length] pairs."""
+    out = []
+    for t in range(len(keys)):
+        if out and keys[t] == keys[t - 1] and len(offsets[t]) == len(offsets[t - 1]) and \
+                all(o == q + 1 for o, q in zip(offsets[t], offsets[t - 1])):
+            out[-1][1] += 1
+        else:
+            out.append([t, 1])
+    return out
+
+
 def _runs(src_byte, src_bit):
     """Maximal runs of consecutive bits from one source byte in one output byte:
     (source byte, source shift, mask, destination shift)."""
@@ -415,119 +449,214 @@ def _runs(src_byte, src_bit):
         e = k + 1
         while e < 8 and src_byte[e] == src_byte[k] and src_bit[e] == src_bit[e - 1] + 1:
             e += 1
-        runs.append((src_byte[k], src_bit[k], (1 << (e - k)) - 1, k))
+        runs.append((int(src_byte[k]), int(src_bit[k]), (1 << (e - k)) - 1, k))
         k = e
     return runs
 
 
-def _compile(perm: np.ndarray) -> Shuffle:
-    n_bytes = perm.size // 8
-    src_byte = perm.reshape(n_bytes, 8) // 8
-    src_bit = perm.reshape(n_bytes, 8) % 8
-    whole = (src_byte == src_byte[:, :1]).all(axis=1) & (src_bit == np.arange(8)).all(axis=1)
-    if whole.all():
-        return Shuffle(src_byte[:, 0].copy(), None)
-    byte_j, byte_src, nib_j, nib = [], [], [], []
-    other_j, start, runs = [], [0], []
-    for j in range(n_bytes):
-        r = _runs(src_byte[j], src_bit[j])
-        if whole[j]:
-            byte_j.append(j)
-            byte_src.append(src_byte[j, 0])
-        elif len(r) == 2 and r[0][2] == 15 and r[1][2] == 15:
-            nib_j.append(j)
-            nib.append((r[0][0], r[0][1], r[1][0], r[1][1]))
+def _moves(seqs: list[tuple]) -> Moves:
+    """seqs: (dst, [(src, shift, mask, dst_shift)...], length) -> the three classes."""
+    runs, nibs, bits, bit_runs = [], [], [], []
+    for dst, rs, length in seqs:
+        if len(rs) == 1 and rs[0][2] == 255:
+            runs.append((dst, rs[0][0], length))
+        elif len(rs) == 2 and rs[0][2] == rs[1][2] == 15 and rs[0][3] == 0 and rs[1][3] == 4:
+            nibs.append((dst, rs[0][0], rs[1][0], length, rs[0][1] | rs[1][1] << 4))
         else:
-            other_j.append(j)
-            runs += r
-            start.append(len(runs))
-    nib = np.asarray(nib, np.int64).reshape(-1, 4)
-    runs = np.asarray(runs, np.int64).reshape(-1, 4)
-
-    def i32(a):
-        return np.asarray(a, np.int32).reshape(-1)
-
-    def u8(a):
-        return np.asarray(a, np.uint8).reshape(-1)
-
-    return Shuffle(None, (i32(byte_j), i32(byte_src), i32(nib_j), i32(nib[:, 0]), u8(nib[:, 1]), i32(nib[:, 2]),
-                          u8(nib[:, 3]), i32(other_j), i32(start), i32(runs[:, 0]), u8(runs[:, 1]), u8(runs[:, 2]),
-                          u8(runs[:, 3])))
+            bits.append((dst, length, len(bit_runs)))
+            bit_runs += rs
+    bits.append((0, 0, len(bit_runs)))                  # sentinel: where the last entry's runs end
+    return Moves(np.asarray(runs, np.int32).reshape(-1, 3), np.asarray(nibs, np.int32).reshape(-1, 5),
+                 np.asarray(bits, np.int32).reshape(-1, 3), np.asarray(bit_runs, np.int64).reshape(-1, 4))
 
 
 @lru_cache(maxsize=None)
-def _shuffles(qtype: QuantType) -> tuple[Shuffle, Shuffle]:
+def _program(qtype: QuantType, n_per_row: int, inverse: bool) -> GroupProgram:
+    """Compile the block permutation of ``qtype`` into a GroupProgram for rows of ``n_per_row``.
+
+    Plain group:       row r = [meta_r][blk_r0][blk_r1]...          (row_size bytes each)
+    Interleaved group: [meta_0..meta_N-1][ilv_0][ilv_1]...          ilv_cb = N*blk bytes
+    The block permutation works on the N plain blocks of one column laid end to end, so plain byte
+    s of that concatenation lives at (s // blk) * row_size + meta + s % blk + cb * blk."""
+    lay = LAYOUTS[qtype]
+    n, meta = lay.rows, traits(qtype).row_meta_size
+    n_cb = n_per_row // lay.block_values
     perm = _bit_permutation(qtype)
-    return _compile(perm), _compile(np.argsort(perm))
+    blk = perm.size // 8 // n
+    row_size = meta + n_cb * blk
+
+    def plain_off(s):
+        return int((s // blk) * row_size + meta + s % blk)
+
+    def packed_off(s):
+        return int(n * meta + s)
+
+    meta_plain = [r * row_size + i for r in range(n) for i in range(meta)]
+    meta_packed = list(range(n * meta))
+    if inverse:
+        perm = np.argsort(perm)
+        dst_off, src_off, src_step, dst_step = plain_off, packed_off, n * blk, blk
+        meta_moves = sorted(zip(meta_plain, meta_packed))
+    else:
+        dst_off, src_off, src_step, dst_step = packed_off, plain_off, blk, n * blk
+        meta_moves = sorted(zip(meta_packed, meta_plain))
+    meta_runs = np.asarray([(*meta_moves[t], length) for t, length in
+                            _sequences([0] * len(meta_moves), meta_moves)], np.int32).reshape(-1, 3)
+
+    n_bytes = perm.size // 8
+    src_byte = perm.reshape(n_bytes, 8) // 8
+    src_bit = perm.reshape(n_bytes, 8) % 8
+    out = sorted((dst_off(j), [(src_off(sb), sh, mask, ds) for sb, sh, mask, ds in _runs(src_byte[j], src_bit[j])])
+                 for j in range(n_bytes))
+    keys = [tuple(r[1:] for r in rs) for _, rs in out]
+    offsets = [(d, *(r[0] for r in rs)) for d, rs in out]
+    seqs = [(*out[t], length) for t, length in _sequences(keys, offsets)]
+    return GroupProgram(n_cb, src_step, dst_step, meta_runs, _moves(seqs))
+
+
+@njit(inline="always")
+def _load32(a, i):
+    """4 bytes at any offset as one little-endian word; unsigned indices spare numba's
+    negative-index check, so LLVM fuses the four loads into one unaligned load."""
+    j = np.uintp(i)
+    return (np.int64(a[j]) | (np.int64(a[j + np.uintp(1)]) << 8) | (np.int64(a[j + np.uintp(2)]) << 16)
+            | (np.int64(a[j + np.uintp(3)]) << 24))
+
+
+@njit(inline="always")
+def _store32(a, i, v):
+    j = np.uintp(i)
+    a[j] = v & 255
+    a[j + np.uintp(1)] = (v >> 8) & 255
+    a[j + np.uintp(2)] = (v >> 16) & 255
+    a[j + np.uintp(3)] = (v >> 24) & 255
+
+
+@njit(inline="always")
+def _word_starts(length, k):
+    """The k-th 4-byte step of a sequence; the last one overlaps its neighbour when the length
+    is not a multiple of 4 (every byte is a pure function of the source, so writing it twice
+    is harmless).  Sequences shorter than 4 go byte by byte."""
+    return min(4 * k, length - 4)
+
+
+@njit(cache=True)
+def _apply_moves(s, d, n_cb, src_step, dst_step, runs, nibbles, bits, bit_runs):
+    """One row group's column blocks.  The column-block loop is innermost: each entry is decoded
+    once per group; sequences of 4+ bytes move a 32-bit word at a time (a word op treats its 4
+    bytes alike: masks are repeated in every byte)."""
+    for t in range(runs.shape[0]):
+        length = runs[t, 2]
+        if length >= 4:
+            for w in range((length + 3) // 4):
+                k = _word_starts(length, w)
+                for cb in range(n_cb):
+                    _store32(d, runs[t, 0] + k + cb * dst_step, _load32(s, runs[t, 1] + k + cb * src_step))
+        else:
+            for k in range(length):
+                for cb in range(n_cb):
+                    d[np.uintp(runs[t, 0] + k + cb * dst_step)] = s[np.uintp(runs[t, 1] + k + cb * src_step)]
+    for t in range(nibbles.shape[0]):
+        lo_shift, hi_shift, length = nibbles[t, 4] & 15, nibbles[t, 4] >> 4, nibbles[t, 3]
+        if length >= 4:
+            for w in range((length + 3) // 4):
+                k = _word_starts(length, w)
+                lo, hi, do = nibbles[t, 1] + k, nibbles[t, 2] + k, nibbles[t, 0] + k
+                # the shifts are 0 or 4: one loop per pair keeps them constants
+                if lo_shift == 0 and hi_shift == 0:
+                    for cb in range(n_cb):
+                        _store32(d, do, (_load32(s, lo) & 0x0F0F0F0F) | ((_load32(s, hi) & 0x0F0F0F0F) << 4))
+                        lo += src_step
+                        hi += src_step
+                        do += dst_step
+                elif lo_shift == 0:
+                    for cb in range(n_cb):
+                        _store32(d, do, (_load32(s, lo) & 0x0F0F0F0F) | (_load32(s, hi) & 0xF0F0F0F0))
+                        lo += src_step
+                        hi += src_step
+                        do += dst_step
+                elif hi_shift == 0:
+                    for cb in range(n_cb):
+                        _store32(d, do, ((_load32(s, lo) >> 4) & 0x0F0F0F0F) | ((_load32(s, hi) & 0x0F0F0F0F) << 4))
+                        lo += src_step
+                        hi += src_step
+                        do += dst_step
+                else:
+                    for cb in range(n_cb):
+                        _store32(d, do, ((_load32(s, lo) >> 4) & 0x0F0F0F0F) | (_load32(s, hi) & 0xF0F0F0F0))
+                        lo += src_step
+                        hi += src_step
+                        do += dst_step
+        else:
+            for k in range(length):
+                for cb in range(n_cb):
+                    lo = (s[np.uintp(nibbles[t, 1] + k + cb * src_step)] >> lo_shift) & 15
+                    hi = (s[np.uintp(nibbles[t, 2] + k + cb * src_step)] >> hi_shift) & 15
+                    d[np.uintp(nibbles[t, 0] + k + cb * dst_step)] = lo | (hi << 4)
+    for t in range(bits.shape[0] - 1):
+        length, first, last = bits[t, 1], bits[t, 2], bits[t + 1, 2]
+        if length >= 4:
+            for w in range((length + 3) // 4):
+                k = _word_starts(length, w)
+                for cb in range(n_cb):
+                    v = 0
+                    for r in range(first, last):
+                        v |= ((_load32(s, bit_runs[r, 0] + k + cb * src_step) >> bit_runs[r, 1])
+                              & (bit_runs[r, 2] * 0x01010101)) << bit_runs[r, 3]
+                    _store32(d, bits[t, 0] + k + cb * dst_step, v)
+        else:
+            for k in range(length):
+                for cb in range(n_cb):
+                    v = 0
+                    for r in range(first, last):
+                        v |= ((s[np.uintp(bit_runs[r, 0] + k + cb * src_step)] >> bit_runs[r, 1])
+                              & bit_runs[r, 2]) << bit_runs[r, 3]
+                    d[np.uintp(bits[t, 0] + k + cb * dst_step)] = v
 
 
 @njit(cache=True, parallel=True)
-def _apply_classes(blocks, byte_j, byte_src, nib_j, lo_src, lo_shift, hi_src, hi_shift,
-                   other_j, start, src, shift, mask, dst, out):
-    for g in prange(blocks.shape[0]):
-        b = blocks[g]
-        o = out[g]
-        for t in range(byte_j.shape[0]):
-            o[byte_j[t]] = b[byte_src[t]]
-        for t in range(nib_j.shape[0]):
-            o[nib_j[t]] = ((b[lo_src[t]] >> lo_shift[t]) & 15) | (((b[hi_src[t]] >> hi_shift[t]) & 15) << 4)
-        for t in range(other_j.shape[0]):
-            v = 0
-            for r in range(start[t], start[t + 1]):
-                v |= ((b[src[r]] >> shift[r]) & mask[r]) << dst[r]
-            o[other_j[t]] = v
+def _run_program(src, dst, n_groups, group_bytes, n_cb, src_step, dst_step, meta_runs, runs, nibbles,
+                 bits, bit_runs):
+    for g in prange(n_groups):
+        s = src[g * group_bytes:(g + 1) * group_bytes]
+        d = dst[g * group_bytes:(g + 1) * group_bytes]
+        for t in range(meta_runs.shape[0]):
+            for k in range(meta_runs[t, 2]):
+                d[np.uintp(meta_runs[t, 0] + k)] = s[np.uintp(meta_runs[t, 1] + k)]
+        _apply_moves(s, d, n_cb, src_step, dst_step, runs, nibbles, bits, bit_runs)
 
 
-def _apply(shuffle: Shuffle, blocks: np.ndarray) -> np.ndarray:
-    """blocks (n, block bytes in) -> (n, block bytes out)."""
-    if shuffle.byte_map is not None:
-        return blocks[:, shuffle.byte_map]
-    out = np.empty_like(blocks)
-    _apply_classes(np.ascontiguousarray(blocks), *shuffle.classes, out)
-    return out
-
-
-def _check(blocks, qtype, n_per_row):
+def _check(rows: np.ndarray, qtype, n_per_row: int):
     lay = LAYOUTS.get(QuantType(qtype))
     if lay is None:
         raise NotImplementedError(f"the {traits(qtype).name} layout is not implemented")
     if n_per_row % lay.block_values:
         raise ValueError(f"rows of {n_per_row} are not a multiple of {lay.block_values}")
-    if blocks.shape[0] % lay.rows:
-        raise ValueError(f"{traits(qtype).name} needs a multiple of {lay.rows} rows, got {blocks.shape[0]}")
+    if rows.shape[0] % lay.rows:
+        raise ValueError(f"{traits(qtype).name} needs a multiple of {lay.rows} rows, got {rows.shape[0]}")
     return lay
 
 
-def _regroup(rows: np.ndarray, qtype, n_per_row: int, inverse: bool) -> np.ndarray:
-    """Plain group of N rows = N x (row meta, n_cb blocks); interleaved group = the N row metas,
-    then n_cb interleaved blocks.  Both are N*row_size bytes, cut into N rows."""
+def _regroup(rows: np.ndarray, qtype, n_per_row: int, inverse: bool, out: np.ndarray | None) -> np.ndarray:
     lay = _check(rows, qtype, n_per_row)
-    meta = traits(qtype).row_meta_size
-    n_rows, row_size = rows.shape
-    n, n_cb = lay.rows, n_per_row // lay.block_values
-    blk = (row_size - meta) // n_cb
-    g = n_rows // n
-    fwd, inv = _shuffles(QuantType(qtype))
-    rows = np.ascontiguousarray(rows, U8)
-    if not inverse:
-        grouped = rows.reshape(g, n, row_size)
-        plain = grouped[:, :, meta:].reshape(g, n, n_cb, blk).transpose(0, 2, 1, 3).reshape(g * n_cb, n * blk)
-        body = _apply(fwd, plain).reshape(g, n_cb * n * blk)
-        out = np.concatenate([grouped[:, :, :meta].reshape(g, n * meta), body], axis=1)
-    else:
-        grouped = rows.reshape(g, n * row_size)
-        plain = _apply(inv, grouped[:, n * meta:].reshape(g * n_cb, n * blk))
-        body = plain.reshape(g, n_cb, n, blk).transpose(0, 2, 1, 3).reshape(g, n, n_cb * blk)
-        out = np.concatenate([grouped[:, :n * meta].reshape(g, n, meta), body], axis=2)
-    return out.reshape(n_rows, row_size)
+    prog = _program(QuantType(qtype), n_per_row, inverse)
+    src = np.ascontiguousarray(rows, U8)
+    dst = np.empty_like(src) if out is None else out
+    if dst.shape != src.shape or dst.dtype != U8:
+        raise ValueError("out must be a uint8 array shaped like rows")
+    group_bytes = lay.rows * src.shape[1]
+    m = prog.moves
+    _run_program(src.reshape(-1), dst.reshape(-1), src.shape[0] // lay.rows, group_bytes, prog.n_cb,
+                 prog.src_step, prog.dst_step, prog.meta_runs, m.runs, m.nibbles, m.bits, m.bit_runs)
+    return dst
 
 
-def interleave(rows: np.ndarray, qtype, n_per_row: int) -> np.ndarray:
+def interleave(rows: np.ndarray, qtype, n_per_row: int, out: np.ndarray | None = None) -> np.ndarray:
     """Plain rows (n_rows, row_size) of ``qtype``'s base type -> rows of ``qtype`` (same shape).
     Groups of N consecutive rows; the caller keeps groups inside one matrix (expert)."""
-    return _regroup(rows, qtype, n_per_row, inverse=False)
+    return _regroup(rows, qtype, n_per_row, False, out)
 
 
-def deinterleave(rows: np.ndarray, qtype, n_per_row: int) -> np.ndarray:
+def deinterleave(rows: np.ndarray, qtype, n_per_row: int, out: np.ndarray | None = None) -> np.ndarray:
     """Rows of the interleaved ``qtype`` -> the plain rows they came from, bit for bit."""
-    return _regroup(rows, qtype, n_per_row, inverse=True)
+    return _regroup(rows, qtype, n_per_row, True, out)

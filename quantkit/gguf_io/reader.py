@@ -229,13 +229,14 @@ class GGUFFile:
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=offset)
 
-    def read(self, offset: int, nbytes: int) -> np.ndarray:
-        """A private copy of a byte range, read with pread.
+    def read(self, offset: int, nbytes: int, out: np.ndarray | None = None) -> np.ndarray:
+        """A private copy of a byte range, read with pread (into ``out``'s first bytes if given:
+        streaming loops reuse one buffer, whose pages are then already mapped).
 
         Streaming code uses this rather than the map: one bulk copy from the page cache is much
         cheaper than a page fault per 4 KiB page, and nothing stays resident afterwards.
         """
-        buf = np.empty(nbytes, dtype=np.uint8)
+        buf = np.empty(nbytes, dtype=np.uint8) if out is None else out.reshape(-1)[:nbytes]
         view, done = memoryview(buf), 0
         while done < nbytes:
             n = os.preadv(self._fh.fileno(), [view[done:]], offset + done)
