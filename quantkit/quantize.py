@@ -150,13 +150,14 @@ def repack_tensor(info: TensorInfo, tp: TensorPlan):
     row_size = traits(info.qtype).row_size(n_per_row)
     rows = max(group, CHUNK_BYTES // row_size // group * group)
     shuffle = interleave.interleave if to_packed else interleave.deinterleave
-    # Two buffers for the whole tensor: the writer is done with a chunk before asking for the next.
+    # One read buffer, and two output buffers that take turns: the writer may still be writing
+    # one chunk while the next is computed into the other (GGUFWriter.write_tensor).
     src = np.empty((min(rows, info.n_rows), row_size), np.uint8)
-    dst = np.empty_like(src)
-    for start in range(0, info.n_rows, rows):
+    buffers = [np.empty_like(src) for _ in range(2)]
+    for i, start in enumerate(range(0, info.n_rows, rows)):
         n = min(rows, info.n_rows - start)
         info.source.read(info.offset + start * row_size, n * row_size, src)
-        yield shuffle(src[:n], packed, n_per_row, dst[:n])
+        yield shuffle(src[:n], packed, n_per_row, buffers[i % 2][:n])
 
 
 def _copy_tensor(info: TensorInfo, chunk_bytes: int = CHUNK_BYTES):

@@ -614,7 +614,7 @@ def _apply_moves(s, d, n_cb, src_step, dst_step, runs, nibbles, bits, bit_runs):
                     d[np.uintp(bits[t, 0] + k + cb * dst_step)] = v
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def _run_program(src, dst, n_groups, group_bytes, n_cb, src_step, dst_step, meta_runs, runs, nibbles,
                  bits, bit_runs):
     for g in prange(n_groups):

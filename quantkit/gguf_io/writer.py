@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,6 +120,7 @@ class GGUFWriter:
         self._out = AtomicOutput()
         self._fh = None
         self._shard = -1
+        self._pool = None
         self.bytes_written = 0
 
     def __enter__(self):
@@ -147,6 +149,9 @@ class GGUFWriter:
         return False
 
     def _close_fh(self):
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         if self._fh is not None:
             self._fh.close()
             self._fh = None
@@ -177,11 +182,23 @@ class GGUFWriter:
         if isinstance(chunks, (bytes, bytearray, memoryview, np.ndarray)):
             chunks = (chunks,)
         n = 0
-        for chunk in chunks:
-            buf = memoryview(np.ascontiguousarray(chunk)).cast("B") if isinstance(chunk, np.ndarray) \
-                else memoryview(chunk).cast("B")
-            self._fh.write(buf)
-            n += buf.nbytes
+        # Chunk k is written by a helper thread while the producer computes chunk k+1, so a
+        # producer that reuses buffers needs two of them, taking turns: when it is asked for chunk
+        # k+2, the write of chunk k has finished.
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="gguf-writer")
+        pending = None
+        try:
+            for chunk in chunks:
+                buf = memoryview(np.ascontiguousarray(chunk)).cast("B") if isinstance(chunk, np.ndarray) \
+                    else memoryview(chunk).cast("B")
+                if pending is not None:
+                    pending.result()
+                pending = self._pool.submit(self._fh.write, buf)
+                n += buf.nbytes
+        finally:
+            if pending is not None:
+                pending.result()
         if n != spec.nbytes:
             raise QuantkitError(f"internal error: tensor '{name}' produced {n} bytes, "
                                 f"expected {spec.nbytes}")
