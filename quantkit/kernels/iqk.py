@@ -139,6 +139,140 @@ def search(xb, wb, v, lut, thr, sv, slut, sthr, ntry, step, guarded, refit, ovf)
     return d, shifted
 
 
+def _count_table(values):
+    """(first value, steps, thresholds) for branch-free lookups: the entry nearest to a (ties up)
+    is values[0] + the steps of every threshold <= a.  Every table is integer-valued, so the sum is
+    exact in float32."""
+    v = np.asarray(values, np.float32)
+    return v, np.diff(v).astype(np.float32), thresholds(v).astype(np.float32)
+
+
+IQ3_C, IQ3_SC = _count_table(IQ3_V), _count_table(IQ3_SV)
+IQ4_C, IQ4_SC = _count_table(IQ4_V), _count_table(IQ4_SV)
+IQ5_C, IQ5_SC = _count_table(IQ5_V), _count_table(IQ5_SV)
+IQ6_C, IQ6_SC = _count_table(IQ6_V), _count_table(IQ6_SV)
+
+
+@njit(**_OPTS)
+def _trial_lanes(xt, wt, isc, v, dv, ct, ovf, sums, ap, qp, qm):
+    """For every lane k (a sub-block), the sums of ``_trial`` at inverse scale isc[k]: Σwqx and
+    Σwq² for the codes of +isc*x (sums[0], sums[1]) and of -isc*x (sums[2], sums[3]), accumulated
+    in C order.  The lane loops are innermost so that LLVM runs 8 lanes per instruction; the
+    nearest value is counted over the thresholds instead of searched (NaN and a >= ovf give
+    values[0], as ik's (int) cast does)."""
+    sub, nl = xt.shape
+    for r in range(4):
+        for k in range(nl):
+            sums[r, k] = F(0)
+    for i in range(sub):
+        for k in range(nl):
+            ap[k] = isc[k] * xt[i, k]
+            qp[k] = v[0]
+            qm[k] = v[0]
+        for t in range(ct.shape[0]):
+            th = ct[t]
+            step = dv[t]
+            for k in range(nl):
+                qp[k] += step if ap[k] >= th else F(0)
+                qm[k] += step if -ap[k] >= th else F(0)
+        for k in range(nl):
+            a = ap[k]
+            x = xt[i, k]
+            q = qp[k] if a < ovf else v[0]
+            wq = wt[i, k] * q
+            sums[0, k] += wq * x
+            sums[1, k] += wq * q
+            q = qm[k] if -a < ovf else v[0]
+            wq = wt[i, k] * q
+            sums[2, k] += wq * x
+            sums[3, k] += wq * q
+
+
+@njit(**_OPTS)
+def search_lanes(x, w, sub, tab, stab, ntry, step, guarded, refit, ovf, scales, shifted):
+    """(scale, shifted) of every sub-block of ``sub`` values in x (formats.iqk.search_scales),
+    all sub-blocks at once as SIMD lanes.  tab/stab: _count_table of the base/shifted half."""
+    v, dv, ct = tab
+    sv, sdv, sct = stab
+    nl = x.shape[0] // sub
+    xt = np.empty((sub, nl), np.float32)
+    wt = np.empty((sub, nl), np.float32)
+    for k in range(nl):
+        for i in range(sub):
+            xt[i, k] = x[k * sub + i]
+            wt[i, k] = w[k * sub + i]
+    st = np.empty((9, nl), np.float32)
+    amax, mx, d, best, isc, ap, qp, qm = st[0], st[1], st[2], st[3], st[4], st[5], st[6], st[7]
+    sums = np.empty((4, nl), np.float32)
+    for k in range(nl):
+        amax[k] = F(0)
+        mx[k] = F(0)
+    for i in range(sub):
+        for k in range(nl):
+            a = abs(xt[i, k])
+            if a > amax[k]:
+                amax[k] = a
+                mx[k] = xt[i, k]
+    for k in range(nl):
+        isc[k] = F(1) / (-mx[k] / v[0])
+    _trial_lanes(xt, wt, isc, v, dv, ct, ovf, sums, ap, qp, qm)
+    for k in range(nl):
+        sp, s2p, sm, s2m = sums[0, k], sums[1, k], sums[2, k], sums[3, k]
+        b = F(0)
+        dk = -mx[k] / v[0]
+        if not guarded or s2p > 0:
+            dk = sp / s2p
+            b = dk * sp
+        if s2m > 0 and sm * sm > b * s2m:
+            dk = sm / s2m
+            b = dk * sm
+        d[k] = dk
+        best[k] = b
+        shifted[k] = False
+    for itry in range(-ntry, ntry + 1):
+        for half in range(2):
+            num = F(itry * step + (v[0] if half == 0 else sv[0]))
+            for k in range(nl):
+                isc[k] = num / mx[k]
+            if half == 0:
+                _trial_lanes(xt, wt, isc, v, dv, ct, ovf, sums, ap, qp, qm)
+            else:
+                _trial_lanes(xt, wt, isc, sv, sdv, sct, ovf, sums, ap, qp, qm)
+            for k in range(nl):
+                sp, s2p, sm, s2m = sums[0, k], sums[1, k], sums[2, k], sums[3, k]
+                if s2p > 0 and sp * sp > best[k] * s2p:
+                    d[k] = sp / s2p
+                    best[k] = d[k] * sp
+                    shifted[k] = half == 1
+                if s2m > 0 and sm * sm > best[k] * s2m:
+                    d[k] = sm / s2m
+                    best[k] = d[k] * sm
+                    shifted[k] = half == 1
+    for k in range(nl):
+        if amax[k] < ZERO_EPS:
+            scales[k] = F(0)
+            shifted[k] = False
+            continue
+        dk = d[k]
+        if refit and dk != 0:
+            idv = F(1) / dk
+            sx = F(0)
+            s2 = F(0)
+            tv, tdv, tct = (sv, sdv, sct) if shifted[k] else (v, dv, ct)
+            for i in range(sub):
+                a = idv * xt[i, k]
+                q = tv[0]
+                if a < ovf:
+                    for t in range(tct.shape[0]):
+                        q += tdv[t] if a >= tct[t] else F(0)
+                wq = wt[i, k] * q
+                sx += wq * xt[i, k]
+                s2 += wq * q
+            if s2 > 0:
+                dk = sx / s2
+        scales[k] = dk
+
+
 # what the weights are without an imatrix
 PLAIN_X2, PLAIN_SIGMA, PLAIN_ABS = 0, 1, 2
 
@@ -192,20 +326,23 @@ def iq4_k_row(xr, qw, has_qw, ik, y):
     n = xr.shape[0]
     wrow = np.empty(n, np.float32)
     _row_weights(xr, qw, has_qw, 16, wrow)
-    w = np.empty(QK_K, np.float32)
-    scales = np.empty(16, np.float32)
-    shifted = np.zeros(16, np.bool_)
+    w = np.empty(n, np.float32)
+    all_scales = np.empty(n // 16, np.float32)
+    all_shifted = np.zeros(n // 16, np.bool_)
     L = np.empty(QK_K, np.int32)
     for sb in range(n // QK_K):
+        _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, PLAIN_X2,
+                 w[sb * QK_K:(sb + 1) * QK_K])
+    search_lanes(xr, w, 16, IQ4_C, IQ4_SC, 7, 1, False, False, OVERFLOW, all_scales, all_shifted)
+    for sb in range(n // QK_K):
         xs = xr[sb * QK_K:(sb + 1) * QK_K]
-        _weights(xs, wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, PLAIN_X2, w)
+        ws = w[sb * QK_K:(sb + 1) * QK_K]
+        scales = all_scales[16 * sb:16 * sb + 16]
+        shifted = all_shifted[16 * sb:16 * sb + 16]
         amax_scale = F(0)
         max_scale = F(0)
         for ib in range(16):
-            d, sh = search(xs[16 * ib:16 * ib + 16], w[16 * ib:16 * ib + 16], IQ4_V, IQ4_LUT, IQ4_THR,
-                           IQ4_SV, IQ4_SLUT, IQ4_STHR, 7, 1, False, False, OVERFLOW)
-            scales[ib] = d
-            shifted[ib] = sh
+            d = scales[ib]
             if abs(d) > amax_scale:
                 amax_scale = abs(d)
                 max_scale = d
@@ -226,7 +363,7 @@ def iq4_k_row(xr, qw, has_qw, ik, y):
                 c = _code(idl * xs[p], shifted[ib], IQ4_V, IQ4_LUT, IQ4_THR, IQ4_SV, IQ4_SLUT, IQ4_STHR, OVERFLOW)
                 L[p] = c
                 q = (IQ4_SV[c] if shifted[ib] else IQ4_V[c]) * F(l)
-                wq = w[p] * q
+                wq = ws[p] * q
                 sumqx += wq * xs[p]
                 sumq2 += wq * q
             if shifted[ib]:
@@ -247,26 +384,28 @@ def _iq56_row(xr, qw, has_qw, y, six):
     n = xr.shape[0]
     wrow = np.empty(n, np.float32)
     _row_weights(xr, qw, has_qw, 16, wrow)
-    w = np.empty(QK_K, np.float32)
-    scales = np.empty(16, np.float32)
-    shifted = np.zeros(16, np.bool_)
+    w = np.empty(n, np.float32)
+    all_scales = np.empty(n // 16, np.float32)
+    all_shifted = np.zeros(n // 16, np.bool_)
     L = np.empty(QK_K, np.int32)
     bs = 212 if six else 176
     smax = 127 if six else 32
     for sb in range(n // QK_K):
+        _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, PLAIN_SIGMA,
+                 w[sb * QK_K:(sb + 1) * QK_K])
+    if six:
+        search_lanes(xr, w, 16, IQ6_C, IQ6_SC, 5, 1, False, True, OVERFLOW_IQ6, all_scales, all_shifted)
+    else:
+        search_lanes(xr, w, 16, IQ5_C, IQ5_SC, 5, 1, False, True, OVERFLOW, all_scales, all_shifted)
+    for sb in range(n // QK_K):
         xs = xr[sb * QK_K:(sb + 1) * QK_K]
-        _weights(xs, wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, PLAIN_SIGMA, w)
+        ws = w[sb * QK_K:(sb + 1) * QK_K]
+        scales = all_scales[16 * sb:16 * sb + 16]
+        shifted = all_shifted[16 * sb:16 * sb + 16]
         amax_scale = F(0)
         max_scale = F(0)
         for ib in range(16):
-            if six:
-                d, sh = search(xs[16 * ib:16 * ib + 16], w[16 * ib:16 * ib + 16], IQ6_V, IQ6_LUT, IQ6_THR,
-                               IQ6_SV, IQ6_SLUT, IQ6_STHR, 5, 1, False, True, OVERFLOW_IQ6)
-            else:
-                d, sh = search(xs[16 * ib:16 * ib + 16], w[16 * ib:16 * ib + 16], IQ5_V, IQ5_LUT, IQ5_THR,
-                               IQ5_SV, IQ5_SLUT, IQ5_STHR, 5, 1, False, True, OVERFLOW)
-            scales[ib] = d
-            shifted[ib] = sh
+            d = scales[ib]
             if abs(d) > amax_scale:
                 amax_scale = abs(d)
                 max_scale = d
@@ -306,7 +445,7 @@ def _iq56_row(xr, qw, has_qw, y, six):
                               OVERFLOW)
                     q = (IQ5_SV[c] if shifted[ib] else IQ5_V[c]) * F(l)
                 L[p] = c
-                wq = w[p] * q
+                wq = ws[p] * q
                 sumqx += wq * xs[p]
                 sumq2 += wq * q
         store_fp16(y, o, sumqx / sumq2 if sumq2 > 0 else d)
@@ -339,19 +478,22 @@ def iq3_k_row(xr, qw, has_qw, ik, y):
     n = xr.shape[0]
     wrow = np.empty(n, np.float32)
     _row_weights(xr, qw, has_qw, 16, wrow)
-    w = np.empty(QK_K, np.float32)
-    scales = np.empty(16, np.float32)
-    shifted = np.zeros(16, np.bool_)
+    w = np.empty(n, np.float32)
+    all_scales = np.empty(n // 16, np.float32)
+    all_shifted = np.zeros(n // 16, np.bool_)
+    for sb in range(n // QK_K):
+        _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 1.5, PLAIN_SIGMA,
+                 w[sb * QK_K:(sb + 1) * QK_K])
+    search_lanes(xr, w, 16, IQ3_C, IQ3_SC, 3, 2, True, True, OVERFLOW, all_scales, all_shifted)
     for sb in range(n // QK_K):
         xs = xr[sb * QK_K:(sb + 1) * QK_K]
-        _weights(xs, wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 1.5, PLAIN_SIGMA, w)
+        ws = w[sb * QK_K:(sb + 1) * QK_K]
+        scales = all_scales[16 * sb:16 * sb + 16]
+        shifted = all_shifted[16 * sb:16 * sb + 16]
         max_abs = F(0)
         for ib in range(16):
-            d, sh = search(xs[16 * ib:16 * ib + 16], w[16 * ib:16 * ib + 16], IQ3_V, IQ3_LUT, IQ3_THR,
-                           IQ3_SV, IQ3_SLUT, IQ3_STHR, 3, 2, True, True, OVERFLOW)
-            scales[ib] = d
-            shifted[ib] = sh and d != 0
-            max_abs = max(max_abs, abs(d))
+            shifted[ib] = shifted[ib] and scales[ib] != 0
+            max_abs = max(max_abs, abs(scales[ib]))
         o = sb * 110
         for k in range(110):
             y[o + k] = 0
@@ -384,7 +526,7 @@ def iq3_k_row(xr, qw, has_qw, ik, y):
                 y[o + 14 + 32 * (ib32 // 4) + k] |= (c & 3) << (2 * (ib32 % 4))
                 y[o + 78 + k] |= (c >> 2) << ib32
                 q = (IQ3_SV[c] if shifted[ib] else IQ3_V[c]) * F(sls)
-                wq = w[p] * q
+                wq = ws[p] * q
                 sumqx += wq * xs[p]
                 sumq2 += wq * q
         store_fp16(y, o, F(1.01) * (sumqx / sumq2 if sumq2 > 0 else d))
@@ -408,15 +550,13 @@ def iq4_ks_row(xr, qw, has_qw, ik, y):
     for sb in range(n // QK_K):
         _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, PLAIN_X2,
                  w[sb * QK_K:(sb + 1) * QK_K])
-        for ib in range(8):
-            b = 8 * sb + ib
-            d, sh = search(xr[32 * b:32 * b + 32], w[32 * b:32 * b + 32], IQ4_V, IQ4_LUT, IQ4_THR,
-                           IQ4_SV, IQ4_SLUT, IQ4_STHR, 7, 1, False, False, OVERFLOW)
-            scales[b] = d
-            if sh:
-                y[4 + 136 * sb + ib] = 1
-            if abs(d) > amax_scale:
-                amax_scale = abs(d)
+    shifted = np.zeros(n_blk, np.bool_)
+    search_lanes(xr, w, 32, IQ4_C, IQ4_SC, 7, 1, False, False, OVERFLOW, scales, shifted)
+    for b in range(n_blk):
+        if shifted[b]:
+            y[4 + 136 * (b // 8) + b % 8] = 1
+        if abs(scales[b]) > amax_scale:
+            amax_scale = abs(scales[b])
     d = amax_scale / F(127)
     if d == 0:
         return
@@ -454,15 +594,10 @@ def _row_scaled_pass1(xr, wrow, has_qw, five, w, scales, shifted):
     for sb in range(n // QK_K):
         _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, PLAIN_X2,
                  w[sb * QK_K:(sb + 1) * QK_K])
-    for b in range(n // 32):
-        if five:
-            d, sh = search(xr[32 * b:32 * b + 32], w[32 * b:32 * b + 32], IQ5_V, IQ5_LUT, IQ5_THR,
-                           IQ5_SV, IQ5_SLUT, IQ5_STHR, 5, 1, False, False, OVERFLOW)
-        else:
-            d, sh = search(xr[32 * b:32 * b + 32], w[32 * b:32 * b + 32], IQ3_V, IQ3_LUT, IQ3_THR,
-                           IQ3_SV, IQ3_SLUT, IQ3_STHR, 5, 1, True, False, OVERFLOW)
-        scales[b] = d
-        shifted[b] = sh
+    if five:
+        search_lanes(xr, w, 32, IQ5_C, IQ5_SC, 5, 1, False, False, OVERFLOW, scales, shifted)
+    else:
+        search_lanes(xr, w, 32, IQ3_C, IQ3_SC, 5, 1, True, False, OVERFLOW, scales, shifted)
 
 
 @njit(**_OPTS)
