@@ -1,11 +1,13 @@
 """numba kernels for IQ3_K, IQ4_K, IQ5_K, IQ6_K and IQ4_KS (see :mod:`quantkit.formats.iqk`).
 
-Same contract and arithmetic as the numpy twin; rows run in parallel.  The table lookup
-``nearest`` is what makes these quantizers cost: every trial scale looks up each value twice.  It
-works like ik's own helper, without a search: ``LUT[floor(x - T[0])]`` is the last table index at
-or below x (table values are integers at least 1 apart), and one comparison with the float32
-threshold between that value and the next (``_iqk.thresholds``) decides the nearest, ties going to
-the upper one.
+Same contract and arithmetic as the numpy twin; rows run in parallel.  The scale search is what
+makes these quantizers cost: every trial scale looks up each value twice.  ``search_lanes`` runs all
+sub-blocks of a row at once as SIMD lanes (each lane keeps its sums in C order) and finds the
+nearest table value by counting the float32 thresholds between neighbours (``_iqk.thresholds``)
+at or below x, which LLVM vectorises.  The encoding passes use the scalar ``nearest``: it works like
+ik's own helper, without a search: ``LUT[floor(x - T[0])]`` is the last table index at or below x
+(table values are integers at least 1 apart), and one comparison with the threshold between that
+value and the next decides the nearest, ties going to the upper one.
 """
 from __future__ import annotations
 
@@ -61,82 +63,6 @@ def nearest(a, v, lut, thr, ovf):
     if a < thr[c]:                      # a - T[0] rounded up to the next integer: rare
         c -= 1
     return c + (1 if a >= thr[c + 1] else 0)
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _trial(xb, wb, isc, v, lut, thr, ovf):
-    sp = F(0)
-    s2p = F(0)
-    sm = F(0)
-    s2m = F(0)
-    for j in range(xb.shape[0]):
-        al = isc * xb[j]
-        q = v[nearest(al, v, lut, thr, ovf)]
-        wq = wb[j] * q
-        sp += wq * xb[j]
-        s2p += wq * q
-        q = v[nearest(-al, v, lut, thr, ovf)]
-        wq = wb[j] * q
-        sm += wq * xb[j]
-        s2m += wq * q
-    return sp, s2p, sm, s2m
-
-
-@njit(**_OPTS)
-def search(xb, wb, v, lut, thr, sv, slut, sthr, ntry, step, guarded, refit, ovf):
-    """(scale, shifted) of one sub-block (formats.iqk.search_scales)."""
-    amax = F(0)
-    mx = F(0)
-    for j in range(xb.shape[0]):
-        ax = abs(xb[j])
-        if ax > amax:
-            amax = ax
-            mx = xb[j]
-    if amax < ZERO_EPS:
-        return F(0), False
-    d = -mx / v[0]
-    sp, s2p, sm, s2m = _trial(xb, wb, F(1) / d, v, lut, thr, ovf)
-    if guarded:
-        best = F(0)
-        if s2p > 0:
-            d = sp / s2p
-            best = d * sp
-    else:
-        d = sp / s2p
-        best = d * sp
-    if s2m > 0 and sm * sm > best * s2m:
-        d = sm / s2m
-        best = d * sm
-    shifted = False
-    for itry in range(-ntry, ntry + 1):
-        for half in range(2):
-            if half == 0:
-                sp, s2p, sm, s2m = _trial(xb, wb, F(itry * step + v[0]) / mx, v, lut, thr, ovf)
-            else:
-                sp, s2p, sm, s2m = _trial(xb, wb, F(itry * step + sv[0]) / mx, sv, slut, sthr, ovf)
-            if s2p > 0 and sp * sp > best * s2p:
-                d = sp / s2p
-                best = d * sp
-                shifted = half == 1
-            if s2m > 0 and sm * sm > best * s2m:
-                d = sm / s2m
-                best = d * sm
-                shifted = half == 1
-    if refit and d != 0:
-        idv = F(1) / d
-        sx = F(0)
-        s2 = F(0)
-        for j in range(xb.shape[0]):
-            if shifted:
-                q = sv[nearest(idv * xb[j], sv, slut, sthr, ovf)]
-            else:
-                q = v[nearest(idv * xb[j], v, lut, thr, ovf)]
-            wq = wb[j] * q
-            sx += wq * xb[j]
-            s2 += wq * q
-        if s2 > 0:
-            d = sx / s2
-    return d, shifted
 
 
 def _count_table(values):
