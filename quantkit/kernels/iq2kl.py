@@ -45,7 +45,7 @@ def _pairs() -> np.ndarray:
 PAIRS = _pairs()
 
 
-@njit(**_OPTS)
+@njit(cache=True, error_model="numpy", inline="always")
 def pair_code(isc, x1, x2, w1, w2):
     """Pair index for values x1, x2 at inverse scale isc: the nearest allowed pair, or the best of
     the disallowed pair's neighbours by weighted squared distance."""
@@ -67,7 +67,7 @@ def pair_code(isc, x1, x2, w1, w2):
     return ibest
 
 
-@njit(**_OPTS)
+@njit(cache=True, error_model="numpy", inline="always")
 def _trial(xb, wb, isc):
     sx = F(0)
     s2 = F(0)

@@ -29,13 +29,13 @@ def _squeeze_table() -> np.ndarray:
 SQUEEZE = _squeeze_table()
 
 
-@njit(**_OPTS)
+@njit(cache=True, error_model="numpy", inline="always")
 def _group_pos(k, j):
     """Position in the sub-block of code j (0..3) of word k: 2k, 2k+16, 2k+1, 2k+17."""
     return 2 * k + (j >> 1) + 16 * (j & 1)
 
 
-@njit(**_OPTS)
+@njit(cache=True, error_model="numpy", inline="always")
 def _codes(xb, k, a_scale, shifted, q4):
     for j in range(4):
         a = a_scale * xb[_group_pos(k, j)]
@@ -43,13 +43,24 @@ def _codes(xb, k, a_scale, shifted, q4):
             nearest(a, IQ4_V, IQ4_LUT, IQ4_THR, OVERFLOW)
 
 
-@njit(**_OPTS)
+def _candidate_table() -> np.ndarray:
+    """CANDIDATES[q] = the codes within 2 of q whose bit count has the other parity, ascending (the
+    order of ik's loop), padded with -1: the codes that can flip a word's parity by changing q."""
+    out = np.full((16, 4), -1, np.int64)
+    for q in range(16):
+        c = [i for i in range(max(q - 2, 0), min(q + 2, 15) + 1) if i != q and (bin(i).count("1") - bin(q).count("1")) % 2]
+        out[q, :len(c)] = c
+    return out
+
+
+CANDIDATES = _candidate_table()
+
+
+@njit(cache=True, error_model="numpy", inline="always")
 def _prune(q4, xb, wb, k, shifted, dl):
-    """Even parity for the four codes of word k (in place)."""
-    par = 0
-    for j in range(4):
-        par += POPCOUNT[q4[j]]
-    if par % 2 == 0:
+    """Even parity for the four codes of word k (in place): the single-code change, among
+    CANDIDATES, that costs the least weighted squared error (the first one on ties)."""
+    if (POPCOUNT[q4[0] | (q4[1] << 4) | (q4[2] << 8) | (q4[3] << 12)] & 1) == 0:
         return
     best = FLT_MAX
     jbest = -1
@@ -57,12 +68,15 @@ def _prune(q4, xb, wb, k, shifted, dl):
     for j in range(4):
         q = q4[j]
         p = _group_pos(k, j)
-        diff0 = dl * IQ4_V[q] - xb[p]
-        for iq in range(max(q - 2, 0), min(q + 2, 15) + 1):
-            if iq == q or (POPCOUNT[iq] - POPCOUNT[q]) % 2 == 0:
-                continue
-            diff1 = dl * (IQ4_SV[iq] if shifted else IQ4_V[iq]) - xb[p]
-            score = wb[p] * (diff1 * diff1 - diff0 * diff0)
+        x = xb[p]
+        diff0 = dl * IQ4_V[q] - x
+        e0 = diff0 * diff0
+        for m in range(4):
+            iq = CANDIDATES[q, m]
+            if iq < 0:
+                break
+            diff1 = dl * (IQ4_SV[iq] if shifted else IQ4_V[iq]) - x
+            score = wb[p] * (diff1 * diff1 - e0)
             if score < best:
                 best = score
                 jbest = j
@@ -70,7 +84,7 @@ def _prune(q4, xb, wb, k, shifted, dl):
     q4[jbest] = qbest
 
 
-@njit(**_OPTS)
+@njit(cache=True, error_model="numpy", inline="always")
 def _trial(xb, wb, isc, shifted, sign, q4):
     sx = F(0)
     s2 = F(0)

@@ -250,15 +250,11 @@ def _row_weights(xr, qw, has_qw, block, wrow):
 @njit(**_OPTS)
 def iq4_k_row(xr, qw, has_qw, ik, y):
     n = xr.shape[0]
-    wrow = np.empty(n, np.float32)
-    _row_weights(xr, qw, has_qw, 16, wrow)
     w = np.empty(n, np.float32)
     all_scales = np.empty(n // 16, np.float32)
     all_shifted = np.zeros(n // 16, np.bool_)
     L = np.empty(QK_K, np.int32)
-    for sb in range(n // QK_K):
-        _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, PLAIN_X2,
-                 w[sb * QK_K:(sb + 1) * QK_K])
+    row_weights(xr, qw, has_qw, 16, 2.0, PLAIN_X2, w)
     search_lanes(xr, w, 16, IQ4_C, IQ4_SC, 7, 1, False, False, OVERFLOW, all_scales, all_shifted)
     for sb in range(n // QK_K):
         xs = xr[sb * QK_K:(sb + 1) * QK_K]
@@ -308,17 +304,13 @@ def iq4_k_row(xr, qw, has_qw, ik, y):
 @njit(**_OPTS)
 def _iq56_row(xr, qw, has_qw, y, six):
     n = xr.shape[0]
-    wrow = np.empty(n, np.float32)
-    _row_weights(xr, qw, has_qw, 16, wrow)
     w = np.empty(n, np.float32)
     all_scales = np.empty(n // 16, np.float32)
     all_shifted = np.zeros(n // 16, np.bool_)
     L = np.empty(QK_K, np.int32)
     bs = 212 if six else 176
     smax = 127 if six else 32
-    for sb in range(n // QK_K):
-        _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, PLAIN_SIGMA,
-                 w[sb * QK_K:(sb + 1) * QK_K])
+    row_weights(xr, qw, has_qw, 16, 2.0, PLAIN_SIGMA, w)
     if six:
         search_lanes(xr, w, 16, IQ6_C, IQ6_SC, 5, 1, False, True, OVERFLOW_IQ6, all_scales, all_shifted)
     else:
@@ -402,14 +394,10 @@ def iq6_k_row(xr, qw, has_qw, ik, y):
 @njit(**_OPTS)
 def iq3_k_row(xr, qw, has_qw, ik, y):
     n = xr.shape[0]
-    wrow = np.empty(n, np.float32)
-    _row_weights(xr, qw, has_qw, 16, wrow)
     w = np.empty(n, np.float32)
     all_scales = np.empty(n // 16, np.float32)
     all_shifted = np.zeros(n // 16, np.bool_)
-    for sb in range(n // QK_K):
-        _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 1.5, PLAIN_SIGMA,
-                 w[sb * QK_K:(sb + 1) * QK_K])
+    row_weights(xr, qw, has_qw, 16, 1.5, PLAIN_SIGMA, w)
     search_lanes(xr, w, 16, IQ3_C, IQ3_SC, 3, 2, True, True, OVERFLOW, all_scales, all_shifted)
     for sb in range(n // QK_K):
         xs = xr[sb * QK_K:(sb + 1) * QK_K]
@@ -466,16 +454,12 @@ def iq3_k_row(xr, qw, has_qw, ik, y):
 def iq4_ks_row(xr, qw, has_qw, ik, y):
     n = xr.shape[0]
     n_blk = n // 32
-    wrow = np.empty(n, np.float32)
-    _row_weights(xr, qw, has_qw, 32, wrow)
     w = np.empty(n, np.float32)
     scales = np.empty(n_blk, np.float32)
     for k in range(y.shape[0]):
         y[k] = 0
     amax_scale = F(0)
-    for sb in range(n // QK_K):
-        _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, PLAIN_X2,
-                 w[sb * QK_K:(sb + 1) * QK_K])
+    row_weights(xr, qw, has_qw, 32, 2.0, PLAIN_X2, w)
     shifted = np.zeros(n_blk, np.bool_)
     search_lanes(xr, w, 32, IQ4_C, IQ4_SC, 7, 1, False, False, OVERFLOW, scales, shifted)
     for b in range(n_blk):
@@ -514,12 +498,9 @@ def iq4_ks_row(xr, qw, has_qw, ik, y):
 
 
 @njit(**_OPTS)
-def _row_scaled_pass1(xr, wrow, has_qw, five, w, scales, shifted):
+def _row_scaled_pass1(xr, qw, has_qw, five, w, scales, shifted):
     """IQ5_KS / IQ3_KS: weights (x² or qw*sqrtf(sigma2 + x²)) and the scale search of each 32-block."""
-    n = xr.shape[0]
-    for sb in range(n // QK_K):
-        _weights(xr[sb * QK_K:(sb + 1) * QK_K], wrow[sb * QK_K:(sb + 1) * QK_K], has_qw, 2.0, PLAIN_X2,
-                 w[sb * QK_K:(sb + 1) * QK_K])
+    row_weights(xr, qw, has_qw, 32, 2.0, PLAIN_X2, w)
     if five:
         search_lanes(xr, w, 32, IQ5_C, IQ5_SC, 5, 1, False, False, OVERFLOW, scales, shifted)
     else:
@@ -529,12 +510,10 @@ def _row_scaled_pass1(xr, wrow, has_qw, five, w, scales, shifted):
 @njit(**_OPTS)
 def iq5_ks_row(xr, qw, has_qw, ik, y):
     n = xr.shape[0]
-    wrow = np.empty(n, np.float32)
-    _row_weights(xr, qw, has_qw, 32, wrow)
     w = np.empty(n, np.float32)
     scales = np.empty(n // 32, np.float32)
     shifted = np.zeros(n // 32, np.bool_)
-    _row_scaled_pass1(xr, wrow, has_qw, True, w, scales, shifted)
+    _row_scaled_pass1(xr, qw, has_qw, True, w, scales, shifted)
     for k in range(y.shape[0]):
         y[k] = 0
     amax_scale = F(0)
@@ -574,12 +553,10 @@ def iq5_ks_row(xr, qw, has_qw, ik, y):
 @njit(**_OPTS)
 def iq3_ks_row(xr, qw, has_qw, ik, y):
     n = xr.shape[0]
-    wrow = np.empty(n, np.float32)
-    _row_weights(xr, qw, has_qw, 32, wrow)
     w = np.empty(n, np.float32)
     scales = np.empty(n // 32, np.float32)
     shifted = np.zeros(n // 32, np.bool_)
-    _row_scaled_pass1(xr, wrow, has_qw, False, w, scales, shifted)
+    _row_scaled_pass1(xr, qw, has_qw, False, w, scales, shifted)
     for k in range(y.shape[0]):
         y[k] = 0
     amax_scale = F(0)
