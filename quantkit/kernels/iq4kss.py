@@ -6,6 +6,7 @@ from numba import njit, prange
 
 from .iqk import (IQ4_LUT, IQ4_SLUT, IQ4_STHR, IQ4_SV, IQ4_THR, IQ4_V, OVERFLOW, PLAIN_X2, _store_f32, nearest,
                   row_weights)
+from ._iqk import thresholds
 from .kquants import nint, run_rows
 
 F = np.float32
@@ -27,6 +28,8 @@ def _squeeze_table() -> np.ndarray:
 
 
 SQUEEZE = _squeeze_table()
+IQ4_CT = thresholds(IQ4_V).astype(np.float32)          # code = number of these <= x
+IQ4_SCT = thresholds(IQ4_SV).astype(np.float32)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -84,13 +87,48 @@ def _prune(q4, xb, wb, k, shifted, dl):
     q4[jbest] = qbest
 
 
+@njit(**_OPTS)
+def _codes_lanes(xt, isc, cp, cm):
+    """Codes of +isc[k]*x and -isc[k]*x for every value i of every lane (block) k, by counting
+    thresholds (lanes innermost: LLVM runs 8 blocks per instruction).  The shifted half of the
+    table has the same thresholds plus one step, so the count serves both halves; isc already
+    includes the half's first value."""
+    n, nl = xt.shape
+    for i in range(n):
+        for k in range(nl):
+            a = isc[k] * xt[i, k]
+            c_plus = 0
+            c_minus = 0
+            for t in range(15):
+                c_plus += 1 if a >= IQ4_CT[t] else 0
+                c_minus += 1 if -a >= IQ4_CT[t] else 0
+            cp[i, k] = c_plus if a < OVERFLOW else 0
+            cm[i, k] = c_minus if -a < OVERFLOW else 0
+
+
+@njit(**_OPTS)
+def _codes_lanes_shifted(xt, isc, cp, cm):
+    n, nl = xt.shape
+    for i in range(n):
+        for k in range(nl):
+            a = isc[k] * xt[i, k]
+            c_plus = 0
+            c_minus = 0
+            for t in range(15):
+                c_plus += 1 if a >= IQ4_SCT[t] else 0
+                c_minus += 1 if -a >= IQ4_SCT[t] else 0
+            cp[i, k] = c_plus if a < OVERFLOW else 0
+            cm[i, k] = c_minus if -a < OVERFLOW else 0
+
+
 @njit(cache=True, error_model="numpy", inline="always")
-def _trial(xb, wb, isc, shifted, sign, q4):
+def _sums(xb, wb, codes, k_lane, shifted, dl, q4):
+    """_trial's sums for one block from precomputed codes (codes[:, k_lane]), parity pruned."""
     sx = F(0)
     s2 = F(0)
-    dl = F(1) / isc
     for k in range(8):
-        _codes(xb, k, sign * isc, shifted, q4)
+        for j in range(4):
+            q4[j] = codes[_group_pos(k, j), k_lane]
         _prune(q4, xb, wb, k, shifted, dl)
         for j in range(4):
             p = _group_pos(k, j)
@@ -109,35 +147,49 @@ def iq4_kss_row(xr, qw, has_qw, ik, y):
     row_weights(xr, qw, has_qw, 32, 2.0, PLAIN_X2, w)
     scales = np.empty(nb, np.float32)
     q4 = np.empty(4, np.int64)
+    # the scale search: every block of the row is a lane of the code computation
+    xt = np.empty((32, nb), np.float32)
+    for b in range(nb):
+        for i in range(32):
+            xt[i, b] = xr[32 * b + i]
+    mx = np.zeros(nb, np.float32)
+    best = np.zeros(nb, np.float32)
+    isc = np.empty(nb, np.float32)
+    cp = np.empty((32, nb), np.int32)
+    cm = np.empty((32, nb), np.int32)
+    for b in range(nb):
+        amax = F(0)
+        for j in range(32):
+            if abs(xr[32 * b + j]) > amax:
+                amax = abs(xr[32 * b + j])
+                mx[b] = xr[32 * b + j]
+        scales[b] = -mx[b] / IQ4_V[0] if amax >= ZERO_EPS else F(0)
+    for itry in range(-7, 8):
+        for half in range(2):
+            v0 = IQ4_SV[0] if half == 1 else IQ4_V[0]
+            for b in range(nb):
+                isc[b] = F(itry + v0) / mx[b]
+            if half == 1:
+                _codes_lanes_shifted(xt, isc, cp, cm)
+            else:
+                _codes_lanes(xt, isc, cp, cm)
+            for b in range(nb):
+                if scales[b] == 0:
+                    continue
+                xb = xr[32 * b:32 * b + 32]
+                wb = w[32 * b:32 * b + 32]
+                dl = F(1) / isc[b]
+                sp, s2p = _sums(xb, wb, cp, b, half == 1, dl, q4)
+                sm, s2m = _sums(xb, wb, cm, b, half == 1, dl, q4)
+                if s2p > 0 and sp * sp > best[b] * s2p:
+                    scales[b] = sp / s2p
+                    best[b] = scales[b] * sp
+                if s2m > 0 and sm * sm > best[b] * s2m:
+                    scales[b] = sm / s2m
+                    best[b] = scales[b] * sm
     amax_scale = F(0)
     for b in range(nb):
-        xb = xr[32 * b:32 * b + 32]
-        wb = w[32 * b:32 * b + 32]
-        amax = F(0)
-        mx = F(0)
-        for j in range(32):
-            if abs(xb[j]) > amax:
-                amax = abs(xb[j])
-                mx = xb[j]
-        if amax < ZERO_EPS:
-            scales[b] = F(0)
-            continue
-        best = F(0)
-        d = -mx / IQ4_V[0]
-        for itry in range(-7, 8):
-            for half in range(2):
-                v0 = IQ4_SV[0] if half == 1 else IQ4_V[0]
-                isc = F(itry + v0) / mx
-                sp, s2p = _trial(xb, wb, isc, half == 1, F(1), q4)
-                sm, s2m = _trial(xb, wb, isc, half == 1, F(-1), q4)
-                if s2p > 0 and sp * sp > best * s2p:
-                    d = sp / s2p
-                    best = d * sp
-                if s2m > 0 and sm * sm > best * s2m:
-                    d = sm / s2m
-                    best = d * sm
-        scales[b] = d
-        amax_scale = max(amax_scale, abs(d))
+        amax_scale = max(amax_scale, abs(scales[b]))
     for k in range(y.shape[0]):
         y[k] = 0
     d = amax_scale / F(127)
