@@ -1,10 +1,19 @@
-"""numba kernel for IQ2_KL (see :mod:`quantkit.formats.iq2kl`): rows in parallel, scalar inside."""
+"""numba kernel for IQ2_KL (see :mod:`quantkit.formats.iq2kl`): rows in parallel.
+
+The scale search (24 trial scales per block of 32, 16 pair codes per trial) runs all blocks of a row
+at once as SIMD lanes, each lane keeping its sums in C order.  A pair code is found without branches:
+the nearest base-table index of each value is counted over the thresholds, and every one of the 64
+(l1, l2) cells lists 8 candidate pairs (``CAND_*``): the pair itself 8 times when it is allowed, its
+8 neighbours in ik's order when it is not.  The first candidate with the smallest weighted error
+wins, which is what ik's search over the neighbours picks.  The encoding pass uses ``pair_code``.
+"""
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
 from ..formats._iqk import IQ3NL_VALUES
+from ._iqk import thresholds
 from .iqk import IQ3_LUT, IQ3_THR, IQ3_V, OVERFLOW, PLAIN_ABS, nearest, row_weights
 from .kquants import FP16_TABLE, nint, run_rows, store_fp16
 
@@ -45,6 +54,95 @@ def _pairs() -> np.ndarray:
 PAIRS = _pairs()
 
 
+def _candidates() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat (64*8,) tables: candidate pair index, first and second value, for cell 8*l1 + l2."""
+    code = np.empty((64, 8), np.int64)
+    for cell in range(64):
+        i = PAIR_INDEX[cell]
+        code[cell] = i if i >= 0 else NEIGHBOURS[-i - 1]
+    code = code.reshape(-1)
+    return code, PAIRS[code, 0].copy(), PAIRS[code, 1].copy()
+
+
+CAND_CODE, CAND_Q1, CAND_Q2 = _candidates()
+IQ3_T = thresholds(IQ3NL_VALUES[:8])          # 7 thresholds: the nearest index is how many are <= a
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _index(a, t):
+    """Nearest IQ3 base index of a (ties up) by counting thresholds; NaN and a >= 2^31 give 0."""
+    c = ((a >= t[0]) + (a >= t[1]) + (a >= t[2]) + (a >= t[3]) + (a >= t[4]) + (a >= t[5])
+         + (a >= t[6]))
+    return np.uintp(c) if a < OVERFLOW else np.uintp(0)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _pair_lane(s1, s2, w1, w2, t):
+    """(q1, q2) of pair_code for scaled values s1, s2: the first of the cell's 8 candidates with the
+    smallest (w1*d1)*d1 + (w2*d2)*d2, without branches."""
+    base = np.uintp(8) * (np.uintp(8) * _index(s1, t) + _index(s2, t))
+    q1 = CAND_Q1[base]
+    q2 = CAND_Q2[base]
+    d1 = q1 - s1
+    d2 = q2 - s2
+    best = (w1 * d1) * d1 + (w2 * d2) * d2
+    for c in range(1, 8):
+        i = base + np.uintp(c)
+        c1 = CAND_Q1[i]
+        c2 = CAND_Q2[i]
+        d1 = c1 - s1
+        d2 = c2 - s2
+        score = (w1 * d1) * d1 + (w2 * d2) * d2
+        take = score < best
+        best = score if take else best
+        q1 = c1 if take else q1
+        q2 = c2 if take else q2
+    return q1, q2
+
+
+@njit(**_OPTS)
+def _trial_lanes(xt, wt, isc, t, sums):
+    """For every lane k (a block of 32), _trial's sums at inverse scale isc[k] (sums[0], sums[1])
+    and at -isc[k] (sums[2], sums[3])."""
+    nl = xt.shape[1]
+    for r in range(4):
+        for k in range(nl):
+            sums[r, k] = F(0)
+    for j in range(0, 32, 2):
+        for k in range(nl):
+            x1 = xt[j, k]
+            x2 = xt[j + 1, k]
+            w1 = wt[j, k]
+            w2 = wt[j + 1, k]
+            s1 = isc[k] * x1
+            s2 = isc[k] * x2
+            q1, q2 = _pair_lane(s1, s2, w1, w2, t)
+            sums[0, k] += (w1 * q1) * x1 + (w2 * q2) * x2
+            sums[1, k] += (w1 * q1) * q1 + (w2 * q2) * q2
+            q1, q2 = _pair_lane(-s1, -s2, w1, w2, t)
+            sums[2, k] += (w1 * q1) * x1 + (w2 * q2) * x2
+            sums[3, k] += (w1 * q1) * q1 + (w2 * q2) * q2
+
+
+@njit(**_OPTS)
+def _score_lanes(xt, wt, dl, t, score):
+    """For every lane k, the weighted squared error of the block's pair codes at scale dl[k]."""
+    nl = xt.shape[1]
+    for k in range(nl):
+        score[k] = F(0)
+    for j in range(0, 32, 2):
+        for k in range(nl):
+            x1 = xt[j, k]
+            x2 = xt[j + 1, k]
+            w1 = wt[j, k]
+            w2 = wt[j + 1, k]
+            idl = F(1) / dl[k] if dl[k] != 0 else F(0)
+            q1, q2 = _pair_lane(idl * x1, idl * x2, w1, w2, t)
+            d1 = dl[k] * q1 - x1
+            d2 = dl[k] * q2 - x2
+            score[k] += (w1 * d1) * d1 + (w2 * d2) * d2
+
+
 @njit(cache=True, error_model="numpy", inline="always")
 def pair_code(isc, x1, x2, w1, w2):
     """Pair index for values x1, x2 at inverse scale isc: the nearest allowed pair, or the best of
@@ -67,70 +165,83 @@ def pair_code(isc, x1, x2, w1, w2):
     return ibest
 
 
-@njit(cache=True, error_model="numpy", inline="always")
-def _trial(xb, wb, isc):
-    sx = F(0)
-    s2 = F(0)
-    for j in range(0, 32, 2):
-        c = pair_code(isc, xb[j], xb[j + 1], wb[j], wb[j + 1])
-        q1 = PAIRS[c, 0]
-        q2 = PAIRS[c, 1]
-        sx += (wb[j] * q1) * xb[j] + (wb[j + 1] * q2) * xb[j + 1]
-        s2 += (wb[j] * q1) * q1 + (wb[j + 1] * q2) * q2
-    return sx, s2
-
-
 @njit(**_OPTS)
 def iq2_kl_row(xr, qw, has_qw, ik, y):
     n = xr.shape[0]
     nb = n // 32
     w = np.empty(n, np.float32)
     row_weights(xr, qw, has_qw, 32, 2.25, PLAIN_ABS, w)
-    scales = np.empty(nb, np.float32)
-    max_abs = F(0)
-    max_scale = F(0)
+    xt = np.empty((32, nb), np.float32)
+    wt = np.empty((32, nb), np.float32)
+    for b in range(nb):
+        for j in range(32):
+            xt[j, b] = xr[32 * b + j]
+            wt[j, b] = w[32 * b + j]
+    st = np.empty((7, nb), np.float32)
+    amax, mx, isc, d, best, scales, score = st[0], st[1], st[2], st[3], st[4], st[5], st[6]
+    sums = np.empty((4, nb), np.float32)
+    t = IQ3_T
     v0 = IQ3_V[0]
     for b in range(nb):
-        xb = xr[32 * b:32 * b + 32]
-        wb = w[32 * b:32 * b + 32]
-        amax = F(0)
-        mx = F(0)
-        for j in range(32):
-            if abs(xb[j]) > amax:
-                amax = abs(xb[j])
-                mx = xb[j]
-        if amax < ZERO_EPS:
-            scales[b] = F(0)
-            continue
-        d = -mx / v0
-        isc = F(1) / d
-        sp, s2p = _trial(xb, wb, isc)
-        sm, s2m = _trial(xb, wb, -isc)
-        d = sp / s2p
-        best = d * sp
-        if s2m > 0 and sm * sm > best * s2m:
-            d = sm / s2m
-            best = d * sm
-        for itry in range(-5, 6):
-            isc = F(itry + v0) / mx
-            sp, s2p = _trial(xb, wb, isc)
-            sm, s2m = _trial(xb, wb, -isc)
-            if s2p > 0 and sp * sp > best * s2p:
-                d = sp / s2p
-                best = d * sp
-            if s2m > 0 and sm * sm > best * s2m:
-                d = sm / s2m
-                best = d * sm
-        scales[b] = d
-        if abs(d) > max_abs:
-            max_abs = abs(d)
-            max_scale = d
+        amax[b] = F(0)
+        mx[b] = F(0)
+    for j in range(32):
+        for b in range(nb):
+            a = abs(xt[j, b])
+            if a > amax[b]:
+                amax[b] = a
+                mx[b] = xt[j, b]
+    for b in range(nb):
+        isc[b] = F(1) / (-mx[b] / v0)
+    _trial_lanes(xt, wt, isc, t, sums)
+    for b in range(nb):
+        sp, s2p, sm, s2m = sums[0, b], sums[1, b], sums[2, b], sums[3, b]
+        d[b] = sp / s2p
+        best[b] = d[b] * sp
+        if s2m > 0 and sm * sm > best[b] * s2m:
+            d[b] = sm / s2m
+            best[b] = d[b] * sm
+    for itry in range(-5, 6):
+        for b in range(nb):
+            isc[b] = F(itry + v0) / mx[b]
+        _trial_lanes(xt, wt, isc, t, sums)
+        for b in range(nb):
+            sp, s2p, sm, s2m = sums[0, b], sums[1, b], sums[2, b], sums[3, b]
+            if s2p > 0 and sp * sp > best[b] * s2p:
+                d[b] = sp / s2p
+                best[b] = d[b] * sp
+            if s2m > 0 and sm * sm > best[b] * s2m:
+                d[b] = sm / s2m
+                best[b] = d[b] * sm
+    max_abs = F(0)
+    max_scale = F(0)
+    for b in range(nb):
+        scales[b] = d[b] if amax[b] >= ZERO_EPS else F(0)
+        if abs(scales[b]) > max_abs:
+            max_abs = abs(scales[b])
+            max_scale = scales[b]
     for k in range(y.shape[0]):
         y[k] = 0
     if max_abs == 0:
         return
-    d = -max_scale / F(32)
-    idv = F(1) / d
+    d0 = -max_scale / F(32)
+    idv = F(1) / d0
+    # the block scale: the best of ls - 1, ls, ls + 1 (clamped to [-32, 31]), first on ties
+    ls = np.empty(nb, np.int64)
+    best_ls = np.empty(nb, np.int64)
+    for b in range(nb):
+        ls[b] = max(-32, min(31, nint(idv * scales[b])))
+        best_ls[b] = ls[b]
+        best[b] = FLT_MAX
+    for off in range(-1, 2):
+        for b in range(nb):
+            d[b] = d0 * F(ls[b] + off)
+        _score_lanes(xt, wt, d, t, score)
+        for b in range(nb):
+            ils = ls[b] + off
+            if -32 <= ils <= 31 and score[b] < best[b]:
+                best[b] = score[b]
+                best_ls[b] = ils
     sumqx = F(0)
     sumq2 = F(0)
     for b in range(nb):
@@ -138,40 +249,25 @@ def iq2_kl_row(xr, qw, has_qw, ik, y):
         wb = w[32 * b:32 * b + 32]
         o = 2 + 86 * (b // 8)
         ib = b % 8
-        ls = max(-32, min(31, nint(idv * scales[b])))
-        best_score = FLT_MAX
-        best_ls = ls
-        for ils in range(max(-32, ls - 1), min(31, ls + 1) + 1):
-            dl = d * F(ils)
-            idl = F(1) / dl if dl != 0 else F(0)
-            score = F(0)
-            for j in range(0, 32, 2):
-                c = pair_code(idl, xb[j], xb[j + 1], wb[j], wb[j + 1])
-                d1 = dl * PAIRS[c, 0] - xb[j]
-                d2 = dl * PAIRS[c, 1] - xb[j + 1]
-                score += (wb[j] * d1) * d1 + (wb[j + 1] * d2) * d2
-            if score < best_score:
-                best_score = score
-                best_ls = ils
-        ls = best_ls
-        uls = ls + 32
+        lsb = best_ls[b]
+        uls = lsb + 32
         y[o + 2 + ib % 4] |= (uls & 0xF) << (4 * (ib // 4))
         y[o + ib // 4] |= (uls >> 4) << (2 * (ib % 4))
-        if ls == 0:
+        if lsb == 0:
             continue
-        dl = d * F(ls)
+        dl = d0 * F(lsb)
         idl = F(1) / dl
         for j in range(16):
             c = pair_code(idl, xb[2 * j], xb[2 * j + 1], wb[2 * j], wb[2 * j + 1])
             y[o + 6 + 16 * (ib // 2) + j] |= (c & 0xF) << (4 * (ib % 2))
             y[o + 70 + j] |= (c >> 4) << ib
-            q1 = F(ls) * PAIRS[c, 0]
-            q2 = F(ls) * PAIRS[c, 1]
+            q1 = F(lsb) * PAIRS[c, 0]
+            q2 = F(lsb) * PAIRS[c, 1]
             sumqx += (wb[2 * j] * q1) * xb[2 * j] + (wb[2 * j + 1] * q2) * xb[2 * j + 1]
             sumq2 += (wb[2 * j] * q1) * q1 + (wb[2 * j + 1] * q2) * q2
     if sumq2 > 0:
-        d = sumqx / sumq2
-    store_fp16(y, 0, F(1.025) * d)
+        d0 = sumqx / sumq2
+    store_fp16(y, 0, F(1.025) * d0)
 
 
 def quantize_rows(x, qw, has_qw, out):
