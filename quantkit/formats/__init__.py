@@ -12,7 +12,7 @@ import numpy as np
 
 from ..types import QuantType, traits, type_name
 from ._base import ALL_PATHS, FLAVORS, BlockFormat, first_non_finite, registered
-from . import floats, iq2k, iq2kl, iq4, iq4kss, iqk, kquants, legacy  # noqa: F401  (import registers the formats)
+from . import floats, iq2k, iq2kl, iq4, iq4kss, iqk, kquants, kt, legacy  # noqa: F401  (import registers the formats)
 from . import repacked
 
 repacked.register_available()       # the interleaved types of every plain type above

@@ -1,0 +1,566 @@
+"""numba kernels for IQ1_KT..IQ4_KT (see :mod:`quantkit.formats.kt`): rows in parallel.
+
+The codebook (:mod:`quantkit.formats._kt_codebook`) comes in as arrays, flattened so that a
+cluster's members are one contiguous run:
+
+    offsets  int64 (n_clusters+1,)   cluster c owns positions offsets[c] .. offsets[c+1]-1
+    members  int32 (total,)          the code at each position
+    vt       float32 (group, total)  value k of the code at each position (row k contiguous, so
+                                     the score loop reads each value dimension as one stream)
+    vt_all   float32 (group, 2^bits) every code's values (searched when a cluster is empty)
+    values   float32 (2^bits, group)
+
+The search keeps, like ik's AVX2 loop, the best score of each of 8 position classes (p % 8) and
+then takes the classes in SIMD-lane order, so ties resolve exactly as in C.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange
+from numba.core import types as nbt
+from numba.extending import intrinsic
+
+from ..formats._iqk import IQ4K_VALUES
+from .iqk import nearest
+from .kquants import nint
+from .iqk import IQ4_LUT, IQ4_THR, IQ4_V, OVERFLOW
+
+F = np.float32
+I64 = np.int64
+_OPTS = dict(cache=True, error_model="numpy", nogil=True)
+KV = IQ4K_VALUES[:16].astype(np.float32)
+ORDER8 = np.arange(8)
+ORDER4 = np.array([0, 2, 4, 6, 1, 3, 5, 7])     # the position class in each AVX2 lane, lane order
+KA = np.uint64(0xCBAC1FED)
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """float32 fused multiply-add (llvm.fma: one instruction with FMA hardware, libm otherwise)."""
+    sig = nbt.float32(nbt.float32, nbt.float32, nbt.float32)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32]))
+        return builder.call(fn, args)
+    return sig, codegen
+
+
+@njit(**_OPTS)
+def iq4k_index(a):
+    """IQ4_K table index nearest to a (ik's best_index_iq4nl)."""
+    return nearest(a, IQ4_V, IQ4_LUT, IQ4_THR, OVERFLOW)
+
+
+@njit(**_OPTS)
+def match(d, x, w, base, mid, offsets, members, vt, vt_all, codes, cbase):
+    """find_best_match: codes[cbase + l] for each group l of the 32 values x[base:base+32] at scale d."""
+    g = vt.shape[0]
+    if d == 0:
+        for l in range(32 // g):
+            codes[cbase + l] = 0
+        return
+    inv = F(1) / d
+    vx = np.empty(8, np.float32)
+    wg = np.empty(8, np.float32)
+    lb = np.empty(8, np.float32)
+    li = np.empty(8, np.int64)
+    order = ORDER8 if g == 8 else ORDER4
+    for l in range(32 // g):
+        for k in range(g):
+            vx[k] = inv * x[base + g * l + k]
+            wg[k] = w[base + g * l + k]
+        c = 0
+        if g == 8:
+            for k in range(8):
+                if vx[k] > mid[k]:
+                    c |= 1 << k
+        else:
+            s5 = 1
+            for k in range(4):
+                v = vx[k]
+                c += s5 * ((v >= -48) + (v >= -16) + (v >= 16) + (v >= 48))
+                s5 *= 5
+        start = offsets[c]
+        n = offsets[c + 1] - start
+        tab = vt
+        everything = n == 0              # an empty cluster: every code (groups of 8 only)
+        if everything:
+            tab = vt_all
+            start = 0
+            n = vt_all.shape[1]
+        for i in range(8):
+            lb[i] = np.inf
+            li[i] = -1
+        if g == 8:
+            for j in range(0, n, 8):
+                for i in range(8):
+                    p = start + j + i
+                    d0 = tab[0, p] - vx[0]
+                    d1 = tab[1, p] - vx[1]
+                    d2 = tab[2, p] - vx[2]
+                    d3 = tab[3, p] - vx[3]
+                    d4 = tab[4, p] - vx[4]
+                    d5 = tab[5, p] - vx[5]
+                    d6 = tab[6, p] - vx[6]
+                    d7 = tab[7, p] - vx[7]
+                    s = (((wg[0] * (d0 * d0) + wg[4] * (d4 * d4)) + (wg[2] * (d2 * d2) + wg[6] * (d6 * d6)))
+                         + ((wg[1] * (d1 * d1) + wg[5] * (d5 * d5)) + (wg[3] * (d3 * d3) + wg[7] * (d7 * d7))))
+                    t = s < lb[i]
+                    lb[i] = s if t else lb[i]
+                    li[i] = j + i if t else li[i]
+        else:
+            for j in range(0, n, 8):
+                for i in range(8):
+                    p = start + j + i
+                    d0 = tab[0, p] - vx[0]
+                    d1 = tab[1, p] - vx[1]
+                    d2 = tab[2, p] - vx[2]
+                    d3 = tab[3, p] - vx[3]
+                    s = (wg[0] * (d0 * d0) + wg[2] * (d2 * d2)) + (wg[1] * (d1 * d1) + wg[3] * (d3 * d3))
+                    t = s < lb[i]
+                    lb[i] = s if t else lb[i]
+                    li[i] = j + i if t else li[i]
+        best = F(np.inf)
+        jbest = 0
+        for o in range(8):
+            i = order[o]
+            if lb[i] < best:
+                best = lb[i]
+                jbest = li[i]
+        codes[cbase + l] = jbest if everything else members[start + jbest]
+
+
+@njit(**_OPTS)
+def fit(x, w, base, codes, cbase, values):
+    """find_best_scale: (d, score) of the least-squares scale for the codes of x[base:base+32],
+    accumulated as ik's AVX2 code does (8 lanes, fused multiply-adds, then its horizontal sum)."""
+    g = values.shape[1]
+    sx = np.zeros(8, np.float32)
+    s2 = np.zeros(8, np.float32)
+    for e in range(32):
+        q = values[codes[cbase + e // g], e % g]
+        qw = q * w[base + e]
+        sx[e % 8] = fma32(qw, x[base + e], sx[e % 8])
+        s2[e % 8] = fma32(qw, q, s2[e % 8])
+    sumqx = ((sx[0] + sx[4]) + (sx[2] + sx[6])) + ((sx[1] + sx[5]) + (sx[3] + sx[7]))
+    sumq2 = ((s2[0] + s2[4]) + (s2[2] + s2[6])) + ((s2[1] + s2[5]) + (s2[3] + s2[7]))
+    if sumq2 > 0:
+        return sumqx / sumq2, sumqx * sumqx / sumq2
+    return F(0), F(0)
+
+
+@njit(**_OPTS)
+def kt_weights(x, qw, has_qw, w):
+    """set_weights (sigma2 scale 2), see formats.kt.kt_weights."""
+    for b in range(x.shape[0] // 256):
+        o = 256 * b
+        sumx2 = F(0)
+        for j in range(256):
+            sumx2 += x[o + j] * x[o + j]
+        if sumx2 < F(1e-14) * F(256):
+            for j in range(256):
+                w[o + j] = F(1e-4)
+            continue
+        sigma2 = F(2) * sumx2 / F(256)
+        if has_qw:
+            for ib in range(8):
+                ob = o + 32 * ib
+                swx = F(0)
+                sw2 = F(0)
+                sx2 = F(0)
+                for j in range(32):
+                    xv = x[ob + j]
+                    wv = qw[ob + j] * np.sqrt(sigma2 + xv * xv)
+                    w[ob + j] = wv
+                    swx += wv * abs(xv)
+                    sw2 += wv * wv
+                    sx2 += xv * xv
+                if sx2 < F(1e-14) or sw2 < F(1e-14) or swx < F(1e-14):
+                    for j in range(32):
+                        w[ob + j] = F(1e-4)
+        else:
+            for j in range(256):
+                w[o + j] = F(0.25) * sigma2 + x[o + j] * x[o + j]
+
+
+@njit(**_OPTS)
+def _final_sums(x, w, base, codes, cbase, values, ls, sums):
+    g = values.shape[1]
+    for e in range(32):
+        q = values[codes[cbase + e // g], e % g] * ls
+        sums[0] += (w[base + e] * x[base + e]) * q
+        sums[1] += (w[base + e] * q) * q
+
+
+@njit(**_OPTS)
+def small_row(x, qw, has_qw, y, one, mid, offsets, members, vt, vt_all, values):
+    """IQ1_KT (one=True) or IQ2_KT: one row into y (float32 scale + blocks)."""
+    n = x.shape[0]
+    nsub = n // 32
+    w = np.empty(n, np.float32)
+    kt_weights(x, qw, has_qw, w)
+    for k in range(y.shape[0]):
+        y[k] = 0
+    amax_row = F(0)
+    for j in range(n):
+        amax_row = max(amax_row, abs(x[j]))
+    scales = np.zeros(nsub, np.float32)
+    idx = np.zeros(4 * nsub, np.int64)
+    tmp = np.empty(8, np.int64)
+    max_scale = F(0)
+    for ib in range(nsub):
+        base = 32 * ib
+        amax = F(0)
+        for j in range(32):
+            amax = max(amax, abs(x[base + j]))
+        if amax < F(1e-16):
+            continue
+        scale_0 = max(F(90), F(124) * amax / amax_row)
+        match(amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
+        dp, sp = fit(x, w, base, tmp, 0, values)
+        match(-amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 4)
+        dm, sm = fit(x, w, base, tmp, 4, values)
+        pick = 0
+        if sp > sm:
+            scales[ib] = dp
+        else:
+            scales[ib] = dm
+            pick = 4
+            sp = sm
+        for j in range(4):
+            idx[4 * ib + j] = tmp[pick + j]
+        if one:
+            scale_0 -= F(8)
+            match(amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
+            dp1, sp1 = fit(x, w, base, tmp, 0, values)
+            match(-amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 4)
+            dm1, sm1 = fit(x, w, base, tmp, 4, values)
+            if sp1 > sp or sm1 > sp:
+                pick = 0
+                if sp1 > sm1:
+                    scales[ib] = dp1
+                else:
+                    scales[ib] = dm1
+                    pick = 4
+                for j in range(4):
+                    idx[4 * ib + j] = tmp[pick + j]
+        if abs(scales[ib]) > abs(max_scale):
+            max_scale = scales[ib]
+    if max_scale == 0:
+        return
+    d = max_scale / KV[0]
+    best = F(0)
+    for itry in range(-9, 10):
+        inv = F(itry - 127) / max_scale
+        sumqx = F(0)
+        sumq2 = F(0)
+        for ib in range(nsub):
+            dl = KV[iq4k_index(inv * scales[ib])]
+            for e in range(32):
+                q = dl * values[idx[4 * ib + e // 8], e % 8]
+                sumqx += (w[32 * ib + e] * x[32 * ib + e]) * q
+                sumq2 += (w[32 * ib + e] * q) * q
+        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+            d = sumqx / sumq2
+            best = d * sumqx
+    inv = F(1) / d if d != 0 else F(0)
+    blk = 56 if one else 68
+    ls = np.empty(nsub, np.int64)
+    for ib in range(nsub):
+        ls[ib] = iq4k_index(inv * scales[ib])
+        o = 4 + blk * (ib // 8)
+        if one:
+            y[o + ib % 8] = ls[ib]
+        else:
+            y[o + ib % 4] |= ls[ib] << (4 * ((ib % 8) // 4))
+    _store_f32(y, d)
+    if d == 0:
+        return
+    sums = np.zeros(2, np.float32)
+    for ib in range(nsub):
+        base = 32 * ib
+        lv = KV[ls[ib]]
+        dl = d * lv
+        match(dl, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
+        mse1 = F(0)
+        mse2 = F(0)
+        for e in range(32):
+            e1 = x[base + e] - dl * values[idx[4 * ib + e // 8], e % 8]
+            e2 = x[base + e] - dl * values[tmp[e // 8], e % 8]
+            mse1 += (w[base + e] * e1) * e1
+            mse2 += (w[base + e] * e2) * e2
+        if not (mse1 < mse2):
+            for j in range(4):
+                idx[4 * ib + j] = tmp[j]
+        _final_sums(x, w, base, idx, 4 * ib, values, lv, sums)
+        o = 4 + blk * (ib // 8)
+        sb = ib % 8
+        for j in range(4):
+            c = idx[4 * ib + j]
+            if one:
+                y[o + 8 + 4 * sb + j] = c & 0xFF
+                y[o + 40 + 4 * (sb % 4) + j] |= ((c >> 8) & 0xF) << (4 * (sb // 4))
+                y[o + sb] |= (c >> 12) << (4 + j)
+            else:
+                y[o + 4 + 8 * sb + 2 * j] = c & 0xFF
+                y[o + 4 + 8 * sb + 2 * j + 1] = c >> 8
+    if sums[1] > 0:
+        d = sums[0] / sums[1]
+        _store_f32(y, d * F(1.07) if one else d)
+
+
+@njit(**_OPTS)
+def iq3_row(x, qw, has_qw, y, mid, offsets, members, vt, vt_all, values):
+    n = x.shape[0]
+    nsub = n // 32
+    for k in range(y.shape[0]):
+        y[k] = 0
+    ax = np.empty(n, np.float32)
+    amax_row = F(0)
+    for j in range(n):
+        ax[j] = abs(x[j])
+        amax_row = max(amax_row, ax[j])
+    if amax_row == 0:
+        return
+    w = np.empty(n, np.float32)
+    kt_weights(x, qw, has_qw, w)
+    scales = np.zeros(nsub, np.float32)
+    idx = np.zeros(4 * nsub, np.int64)
+    tmp = np.empty(4, np.int64)
+    max_scale = F(0)
+    for ib in range(nsub):
+        base = 32 * ib
+        amax = F(0)
+        for j in range(32):
+            amax = max(amax, ax[base + j])
+        if amax < F(1e-16):
+            continue
+        scale_0 = max(F(84), F(123) * amax / amax_row)
+        best = F(0)
+        found = False
+        for itry in range(-3, 4):
+            match(amax / (scale_0 + F(8 * itry)), ax, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
+            dd, score = fit(ax, w, base, tmp, 0, values)
+            if score > best:
+                best = score
+                found = True
+                scales[ib] = dd
+                for j in range(4):
+                    idx[4 * ib + j] = tmp[j]
+        if not found:
+            raise ValueError("IQ3_KT: no scale found for a block (ik aborts here)")
+        if abs(scales[ib]) > abs(max_scale):
+            max_scale = scales[ib]
+    d = max_scale / F(15)
+    best = F(0)
+    for itry in range(-9, 10):
+        inv = (F(itry) * F(0.2) + F(15)) / max_scale
+        sumqx = F(0)
+        sumq2 = F(0)
+        for ib in range(nsub):
+            dl = F(max(0, min(15, nint(inv * scales[ib]))))
+            for e in range(32):
+                q = dl * values[idx[4 * ib + e // 8], e % 8]
+                sumqx += (w[32 * ib + e] * ax[32 * ib + e]) * q
+                sumq2 += (w[32 * ib + e] * q) * q
+        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+            d = sumqx / sumq2
+            best = d * sumqx
+    inv = F(1) / d if d != 0 else F(0)
+    _store_f32(y, d)
+    sums = np.zeros(2, np.float32)
+    for ib in range(nsub):
+        base = 32 * ib
+        o = 4 + 100 * (ib // 8)
+        sb = ib % 8
+        ls = max(0, min(15, nint(inv * scales[ib])))
+        y[o + sb % 4] |= ls << (4 * (sb // 4))
+        for j in range(32):
+            if x[base + j] < 0:
+                y[o + 68 + j] |= 1 << sb
+        match(d * F(ls), ax, w, base, mid, offsets, members, vt, vt_all, idx, 4 * ib)
+        _final_sums(ax, w, base, idx, 4 * ib, values, F(ls), sums)
+        for j in range(4):
+            c = idx[4 * ib + j]
+            y[o + 4 + 8 * sb + 2 * j] = c & 0xFF
+            y[o + 4 + 8 * sb + 2 * j + 1] = c >> 8
+    if sums[1] > 0:
+        _store_f32(y, sums[0] / sums[1])
+
+
+@njit(**_OPTS)
+def iq4_row(x, qw, has_qw, y, cb1, cb2):
+    n = x.shape[0]
+    nsub = n // 32
+    for k in range(y.shape[0]):
+        y[k] = 0
+    w = np.empty(n, np.float32)
+    kt_weights(x, qw, has_qw, w)
+    amax_row = F(0)
+    for j in range(n):
+        amax_row = max(amax_row, abs(x[j]))
+    if amax_row == 0:
+        return
+    mid1, off1, mem1, vt1, vta1, val1 = cb1
+    mid2, off2, mem2, vt2, vta2, val2 = cb2
+    scales = np.zeros(nsub, np.float32)
+    second = np.zeros(nsub, np.bool_)
+    tmp = np.empty(8, np.int64)
+    max_scale = F(0)
+    for ib in range(nsub):
+        base = 32 * ib
+        amax = F(0)
+        for j in range(32):
+            amax = max(amax, abs(x[base + j]))
+        if amax < F(1e-16):
+            continue
+        best = F(0)
+        scale_0 = max(F(90), F(124) * amax / amax_row)
+        for itry in range(-2, 3):
+            den = F(8 * itry) + scale_0
+            for sgn in range(2):
+                a = amax / den if sgn == 0 else -amax / den
+                match(a, x, w, base, mid1, off1, mem1, vt1, vta1, tmp, 0)
+                dd, score = fit(x, w, base, tmp, 0, val1)
+                if score > best:
+                    best = score
+                    scales[ib] = dd
+        match(scales[ib], x, w, base, mid2, off2, mem2, vt2, vta2, tmp, 0)
+        dd, score = fit(x, w, base, tmp, 0, val2)
+        if score > best:
+            scales[ib] = dd
+            second[ib] = True
+        for itry in range(-2, 3):
+            den = F(8 * itry) + scale_0
+            for sgn in range(2):
+                a = amax / den if sgn == 0 else -amax / den
+                match(a, x, w, base, mid2, off2, mem2, vt2, vta2, tmp, 0)
+                dd, score = fit(x, w, base, tmp, 0, val2)
+                if score > best:
+                    best = score
+                    scales[ib] = dd
+                    second[ib] = True
+        if abs(scales[ib]) > abs(max_scale):
+            max_scale = scales[ib]
+    d = -max_scale / F(64)
+    if d == 0:
+        return
+    inv = F(1) / d
+    sums = np.zeros(2, np.float32)
+    for ib in range(nsub):
+        base = 32 * ib
+        o = 4 + 128 * (ib // 8)
+        sb = ib % 8
+        ls = min(nint(inv * scales[ib]), 63)
+        if second[ib]:
+            match(d * F(ls), x, w, base, mid2, off2, mem2, vt2, vta2, tmp, 0)
+            _final_sums(x, w, base, tmp, 0, val2, F(ls), sums)
+        else:
+            match(d * F(ls), x, w, base, mid1, off1, mem1, vt1, vta1, tmp, 0)
+            _final_sums(x, w, base, tmp, 0, val1, F(ls), sums)
+        head = (((ls + 64) << 1) & 0xFF) | (1 if second[ib] else 0)
+        for j in range(8):
+            c = tmp[j]
+            head |= (c >> 12) << (8 + 3 * j)
+            gi = 8 * sb + j
+            y[o + 32 + gi] = c & 0xFF
+            y[o + 96 + gi % 32] |= ((c >> 8) & 0xF) << (4 * (gi // 32))
+        for k in range(4):
+            y[o + 4 * sb + k] = (head >> (8 * k)) & 0xFF
+    _store_f32(y, d)
+    if sums[1] > 0:
+        _store_f32(y, sums[0] / sums[1])
+
+
+@njit(**_OPTS)
+def _store_f32(y, v):
+    bits = np.array([v], np.float32).view(np.uint32)[0]
+    for k in range(4):
+        y[k] = (bits >> (8 * k)) & 0xFF
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def quantize_small_rows(x, qw, has_qw, out, one, mid, offsets, members, vt, vt_all, values):
+    for r in prange(x.shape[0]):
+        small_row(x[r], qw, has_qw, out[r], one, mid, offsets, members, vt, vt_all, values)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def quantize_iq3_rows(x, qw, has_qw, out, mid, offsets, members, vt, vt_all, values):
+    for r in prange(x.shape[0]):
+        iq3_row(x[r], qw, has_qw, out[r], mid, offsets, members, vt, vt_all, values)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def quantize_iq4_rows(x, qw, has_qw, out, cb1, cb2):
+    for r in prange(x.shape[0]):
+        iq4_row(x[r], qw, has_qw, out[r], cb1, cb2)
+
+
+# ------------------------------------------------------------------ decoding
+@njit(cache=True, error_model="numpy", inline="always")
+def trellis(code, k0, offset, is_abs):
+    """Value k0 of the group with this code (see formats._kt_codebook)."""
+    xx = (np.uint64(code) + np.uint64(offset)) & np.uint64(0xFFFFFFFF)
+    for _ in range(k0 + 1):
+        xx = (xx * KA) & np.uint64(0xFFFFFFFF)
+    s = xx & np.uint64(0x3F3F3F3F)
+    v = I64((s & np.uint64(0xFF)) + ((s >> np.uint64(8)) & np.uint64(0xFF))
+            + ((s >> np.uint64(16)) & np.uint64(0xFF)) + (s >> np.uint64(24))) - 126
+    return F(abs(v)) if is_abs else F(v)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _group(code, offset, is_abs, g, sl, out, o):
+    xx = (np.uint64(code) + np.uint64(offset)) & np.uint64(0xFFFFFFFF)
+    for k in range(g):
+        xx = (xx * KA) & np.uint64(0xFFFFFFFF)
+        s = xx & np.uint64(0x3F3F3F3F)
+        v = I64((s & np.uint64(0xFF)) + ((s >> np.uint64(8)) & np.uint64(0xFF))
+                + ((s >> np.uint64(16)) & np.uint64(0xFF)) + (s >> np.uint64(24))) - 126
+        out[o + k] = sl * (F(abs(v)) if is_abs else F(v))
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def dequantize_rows(blocks, kind, out):
+    """kind: 1..4 for IQ1_KT..IQ4_KT."""
+    n_rows, n = out.shape
+    nbl = n // 256
+    for r in prange(n_rows):
+        b = blocks[r]
+        d = np.array([b[0], b[1], b[2], b[3]], np.uint8).view(np.float32)[0]
+        for bl in range(nbl):
+            for ib in range(8):
+                o = 256 * bl + 32 * ib
+                if kind == 1:
+                    p = 4 + 56 * bl
+                    sh = I64(b[p + ib])
+                    sl = d * KV[sh & 0xF]
+                    for ig in range(4):
+                        c = I64(b[p + 8 + 4 * ib + ig]) | ((I64(b[p + 40 + 4 * (ib % 4) + ig]) << (8 - 4 * (ib // 4))) & 0xF00) \
+                            | ((sh << (8 - ig)) & 0x1000)
+                        _group(c, 4096, False, 8, sl, out[r], o + 8 * ig)
+                elif kind == 2 or kind == 3:
+                    p = 4 + (68 if kind == 2 else 100) * bl
+                    nib = (I64(b[p + ib % 4]) >> (4 * (ib // 4))) & 0xF
+                    sl = d * (KV[nib] if kind == 2 else F(nib))
+                    for ig in range(4):
+                        c = I64(b[p + 4 + 8 * ib + 2 * ig]) | (I64(b[p + 5 + 8 * ib + 2 * ig]) << 8)
+                        _group(c, 4096, kind == 3, 8, sl, out[r], o + 8 * ig)
+                    if kind == 3:
+                        for j in range(32):
+                            if (b[p + 68 + j] >> ib) & 1:
+                                out[r, o + j] = -out[r, o + j]
+                else:
+                    p = 4 + 128 * bl
+                    head = I64(b[p + 4 * ib]) | (I64(b[p + 4 * ib + 1]) << 8) | (I64(b[p + 4 * ib + 2]) << 16) \
+                        | (I64(b[p + 4 * ib + 3]) << 24)
+                    offset = 4096 + 32768 if head & 1 else 4096
+                    sl = d * F(((head & 0xFF) >> 1) - 64)
+                    for ig in range(8):
+                        gi = 8 * ib + ig
+                        c = I64(b[p + 32 + gi]) | ((I64(b[p + 96 + gi % 32]) << (8 - 4 * (gi // 32))) & 0xF00) \
+                            | (((head >> (8 + 3 * ig)) & 7) << 12)
+                        _group(c, offset, False, 4, sl, out[r], o + 4 * ig)
