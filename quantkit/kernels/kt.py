@@ -48,6 +48,13 @@ def fma32(typingctx, a, b, c):
 
 
 @njit(**_OPTS)
+def fma32_arrays(a, b, c, out):
+    """out = fma32(a, b, c) elementwise (float32 arrays): lets tests call the intrinsic."""
+    for i in range(out.shape[0]):
+        out[i] = fma32(a[i], b[i], c[i])
+
+
+@njit(**_OPTS)
 def iq4k_index(a):
     """IQ4_K table index nearest to a (ik's best_index_iq4nl)."""
     return nearest(a, IQ4_V, IQ4_LUT, IQ4_THR, OVERFLOW)
