@@ -49,7 +49,9 @@ def llama_quantize() -> str:
 
 def make_model(path: Path, size_mb: int) -> tuple[Path, int, int]:
     """An F16 llama-shaped model of about size_mb; returns path, weights, largest tensor bytes."""
-    n_embd, n_ff, n_vocab = 2048, 5632, 32000
+    n_embd, n_ff = 2048, 5632
+    # below 400 MB the vocabulary shrinks with the size (slow types are measured on small models)
+    n_vocab = 32000 if size_mb >= 400 else max(2048, int(size_mb * 1e6 / 2 * 0.3 / (2 * n_embd)) // 256 * 256)
     per_layer = 4 * n_embd * n_embd + 3 * n_embd * n_ff
     n_layer = max(1, int((size_mb * 1e6 / 2 - 2 * n_vocab * n_embd) / per_layer))
     from models import write_llama
@@ -102,9 +104,10 @@ def main() -> None:
             label = f"{t}{'+imat' if with_imatrix else ''}"
             # numba compile time: empty cache vs warm cache, on a tiny model
             env = dict(os.environ, NUMBA_CACHE_DIR=str(d / f"numba-{t}"))
-            cold, _, _ = run(qk + [str(tiny), str(d / "tiny-out.gguf"), t, "--pure", "--threads", str(args.threads)], env)
-            warm, _, tiny_out = run(qk + [str(tiny), str(d / "tiny-out.gguf"), t, "--pure", "--threads",
-                                          str(args.threads), "--json"], env)
+            tiny_run = qk + [str(tiny), str(d / "tiny-out.gguf"), t, "--pure", "--ignore-imatrix-rules", "--threads",
+                             str(args.threads)]
+            cold, _, _ = run(tiny_run, env)
+            warm, _, tiny_out = run(tiny_run + ["--json"], env)
             tiny_inner = json.loads(tiny_out[tiny_out.index("{"):])["result"]["seconds"]
             wall, rss, out = run(qk + [str(src), str(d / "qk.gguf"), t, "--pure", "--threads", str(args.threads),
                                        "--json"] + imat, env)

@@ -147,6 +147,8 @@ def cli():
               help="No preset mix heuristics: the preset's default type for every tensor no rule matches.")
 @click.option("--allow-requantize", is_flag=True, help="Allow quantized inputs (dequantized, then quantized).")
 @click.option("--strict", is_flag=True, help="Any fallback type is an error.")
+@click.option("--ignore-imatrix-rules", is_flag=True,
+              help="Quantize very-low-bit types (IQ1_*, IQ2_XXS/XS/S, IQ1_KT, IQ2_KT…) without an imatrix.")
 @click.option("--flavor", type=click.Choice(["ik", "mainline"]), default="ik", show_default=True,
               help="Whose quantizer bytes to reproduce.")
 @click.option("--split-max-size", help="Split the output into shards of at most SIZE (e.g. 4G).")
@@ -156,7 +158,7 @@ def cli():
 @click.option("--json", "as_json", is_flag=True, help="Print plan and result as JSON on stdout.")
 def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_weights, exclude_weights,
              token_embedding_type, output_tensor_type, leave_output_tensor, pure, allow_requantize,
-             strict, flavor, split_max_size, keep_split, threads, dry_run, as_json):
+             strict, ignore_imatrix_rules, flavor, split_max_size, keep_split, threads, dry_run, as_json):
     """Quantize IN to OUT with a per-tensor recipe.
 
     TYPE is a llama-quantize preset (Q4_K_M, Q6_K, IQ4_XS, IQ4_K, …: the C tool's per-tensor mix for
@@ -195,7 +197,8 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
         plan = make_plan(model.tensors, opts)
         imatrix_of, missing = attach_imatrix(plan, imat) if imat is not None else ({}, [])
         problems = []
-        for check in (lambda: check_imatrix(plan, opts.has_imatrix, lambda tp: tp.name in imatrix_of),
+        for check in (lambda: None if ignore_imatrix_rules else
+                      check_imatrix(plan, opts.has_imatrix, lambda tp: tp.name in imatrix_of),
                       lambda: check_implemented(plan, formats.can_quantize, formats.can_dequantize,
                                                 lambda tp: tp.name in imatrix_of)):
             try:

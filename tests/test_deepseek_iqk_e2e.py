@@ -9,7 +9,7 @@ recipe:
   hundred tokens quantkit's logits are as close to the F32 model's (mean KL divergence) as the C
   tool's, within 5%.  The wheel is an FMA build, so a few rows round differently; quality must not
   differ;
-* a recipe that puts every IQK type quantkit writes on some tensor: the files hold the same types, every tensor
+* a recipe that puts every IQK type quantkit writes (the trellis IQ*_KT too) on some tensor: the files hold the same types, every tensor
   equals formats.quantize of its rows with the matching imatrix slice (expert by expert), and the
   file loads and computes in ik_llama.cpp.
 """
@@ -46,6 +46,10 @@ blk\\.0\\.ffn_up=iq5_ks
 blk\\.1\\.ffn_gate=iq3_ks
 blk\\.1\\.ffn_up=iq4_kss
 blk\\.2\\.ffn_gate=iq2_kl
+blk\\.2\\.ffn_up=iq1_kt
+blk\\.2\\.ffn_down=iq2_kt
+blk\\.1\\.ffn_down=iq3_kt
+blk\\.0\\.ffn_down=iq4_kt
 blk\\..*\\.attn_k_b=q6_0
 blk\\..*\\.attn_output=iq4_k
 """

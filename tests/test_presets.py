@@ -494,3 +494,15 @@ def test_cli_imatrix_required_dry_run_notes_real_run_fails(tmp_path):
     rc, o, e = quantkit("quantize", src, out, "iq2_xxs", "--flavor", "mainline")
     assert rc == 1 and not out.exists() and "Traceback" not in e
     assert "this quantization requires an imatrix! Missing importance matrix for tensor blk.0.attn_k.weight" in e
+
+
+def test_cli_ignore_imatrix_rules(tmp_path):
+    """--ignore-imatrix-rules (ik's llama-quantize flag) quantizes very-low-bit types without one."""
+    src = write_llama(tmp_path / "m.gguf", n_layer=1)
+    out = tmp_path / "o.gguf"
+    rc, o, e = quantkit("quantize", src, out, "iq2_kt", "--pure")
+    assert rc == 1 and not out.exists() and "requires an imatrix" in e
+    rc, o, e = quantkit("quantize", src, out, "iq2_kt", "--pure", "--ignore-imatrix-rules")
+    assert rc == 0 and out.exists(), e
+    with open_model(out) as m:
+        assert {t.name: t.qtype for t in m.tensors}["blk.0.ffn_up.weight"] == T.IQ2_KT

@@ -60,82 +60,173 @@ def iq4k_index(a):
     return nearest(a, IQ4_V, IQ4_LUT, IQ4_THR, OVERFLOW)
 
 
+@intrinsic
+def _order_key(typingctx, s):
+    """int32 whose order is the float order of float32 s (+0 for -0, so equal floats get equal
+    keys): the smallest score can then be found with an integer min, which LLVM vectorises.  Done
+    in LLVM's own int32 ops because numba widens int32 arithmetic to int64."""
+    sig = nbt.int32(nbt.float32)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        v = builder.fadd(args[0], ir.Constant(ir.FloatType(), 0.0))
+        b = builder.bitcast(v, i32)
+        sign = builder.ashr(b, ir.Constant(i32, 31))
+        return builder.xor(b, builder.and_(sign, ir.Constant(i32, 0x7FFFFFFF)))
+    return sig, codegen
+
+
+@intrinsic
+def _min32(typingctx, a, b):
+    """min of two int32 without widening."""
+    sig = nbt.int32(nbt.int32, nbt.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.select(builder.icmp_signed("<", args[0], args[1]), args[0], args[1])
+    return sig, codegen
+
+
+@intrinsic
+def _float(typingctx, b):
+    """The float32 with these int32 bits."""
+    sig = nbt.float32(nbt.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return sig, codegen
+
+
+@intrinsic
+def _key_flip(typingctx, b):
+    sig = nbt.int32(nbt.int32)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        sign = builder.ashr(args[0], ir.Constant(i32, 31))
+        return builder.xor(args[0], builder.and_(sign, ir.Constant(i32, 0x7FFFFFFF)))
+    return sig, codegen
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _from_key(k):
+    """The score with order key k (the key map is its own inverse)."""
+    return _float(_key_flip(k))
+
+
+@intrinsic
+def _lane_rank(typingctx, s, m, p, is4):
+    """(lane << 24) | p as int32 where score s equals the minimum m, else INT32_MAX.  The lane of
+    position p in ik's 8-wide search: p % 8, or for groups of 4 (two per register) the lane that
+    holds class p % 8 = 0,2,4,6,1,3,5,7 in that order."""
+    sig = nbt.int32(nbt.float32, nbt.float32, nbt.int64, nbt.boolean)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        s, m, p, is4 = args
+        p32 = builder.trunc(p, i32)
+        o = builder.and_(p32, ir.Constant(i32, 7))
+        r4 = builder.or_(builder.lshr(o, ir.Constant(i32, 1)), builder.shl(builder.and_(o, ir.Constant(i32, 1)),
+                                                                            ir.Constant(i32, 2)))
+        lane = builder.select(builder.trunc(is4, ir.IntType(1)), r4, o)
+        val = builder.or_(builder.shl(lane, ir.Constant(i32, 24)), p32)
+        return builder.select(builder.fcmp_ordered("==", s, m), val, ir.Constant(i32, 0x7FFFFFFF))
+    return sig, codegen
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _first_of(sc, n, m, is4):
+    """The position ik's search returns among the n scores whose minimum is m (see match)."""
+    best = np.int32(0x7FFFFFFF)
+    for p in range(n):
+        best = _min32(best, _lane_rank(sc[np.uintp(p)], m, p, is4))
+    return np.int64(best) & 0xFFFFFF
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _scores8(tab, start, n, inv, x, w, base, sc):
+    """Weighted squared distance of inv*x[base:base+8] to the n codes at tab[:, start:], summed as
+    ik's hsum: ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7)).  Returns the position ik picks (see match)."""
+    v0, v1, v2, v3 = inv * x[base], inv * x[base + 1], inv * x[base + 2], inv * x[base + 3]
+    v4, v5, v6, v7 = inv * x[base + 4], inv * x[base + 5], inv * x[base + 6], inv * x[base + 7]
+    w0, w1, w2, w3, w4, w5, w6, w7 = w[base], w[base + 1], w[base + 2], w[base + 3], w[base + 4], \
+        w[base + 5], w[base + 6], w[base + 7]
+    m = np.int32(0x7FFFFFFF)
+    st = np.uintp(start)
+    for p in range(n):
+        u = np.uintp(p)
+        q = st + u
+        e0 = tab[0, q] - v0
+        e1 = tab[1, q] - v1
+        e2 = tab[2, q] - v2
+        e3 = tab[3, q] - v3
+        e4 = tab[4, q] - v4
+        e5 = tab[5, q] - v5
+        e6 = tab[6, q] - v6
+        e7 = tab[7, q] - v7
+        s = (((w0 * (e0 * e0) + w4 * (e4 * e4)) + (w2 * (e2 * e2) + w6 * (e6 * e6)))
+             + ((w1 * (e1 * e1) + w5 * (e5 * e5)) + (w3 * (e3 * e3) + w7 * (e7 * e7))))
+        sc[u] = s
+        m = _min32(m, _order_key(s))
+    return _first_of(sc, n, _from_key(m), False)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _scores4(tab, start, n, inv, x, w, base, sc):
+    """As _scores8 for groups of 4: (s0+s2) + (s1+s3)."""
+    v0, v1, v2, v3 = inv * x[base], inv * x[base + 1], inv * x[base + 2], inv * x[base + 3]
+    w0, w1, w2, w3 = w[base], w[base + 1], w[base + 2], w[base + 3]
+    m = np.int32(0x7FFFFFFF)
+    st = np.uintp(start)
+    for p in range(n):
+        u = np.uintp(p)
+        q = st + u
+        e0 = tab[0, q] - v0
+        e1 = tab[1, q] - v1
+        e2 = tab[2, q] - v2
+        e3 = tab[3, q] - v3
+        s = (w0 * (e0 * e0) + w2 * (e2 * e2)) + (w1 * (e1 * e1) + w3 * (e3 * e3))
+        sc[u] = s
+        m = _min32(m, _order_key(s))
+    return _first_of(sc, n, _from_key(m), True)
+
+
 @njit(**_OPTS)
-def match(d, x, w, base, mid, offsets, members, vt, vt_all, codes, cbase):
-    """find_best_match: codes[cbase + l] for each group l of the 32 values x[base:base+32] at scale d."""
+def match(d, x, w, base, mid, offsets, members, vt, vt_all, codes, cbase, sc):
+    """find_best_match: codes[cbase + l] for each group l of the 32 values x[base:base+32] at scale
+    d.  sc: scratch of at least the largest cluster (2^bits where a cluster is empty)."""
     g = vt.shape[0]
     if d == 0:
         for l in range(32 // g):
             codes[cbase + l] = 0
         return
     inv = F(1) / d
-    vx = np.empty(8, np.float32)
-    wg = np.empty(8, np.float32)
-    lb = np.empty(8, np.float32)
-    li = np.empty(8, np.int64)
     order = ORDER8 if g == 8 else ORDER4
     for l in range(32 // g):
-        for k in range(g):
-            vx[k] = inv * x[base + g * l + k]
-            wg[k] = w[base + g * l + k]
+        o = base + g * l
         c = 0
         if g == 8:
             for k in range(8):
-                if vx[k] > mid[k]:
+                if inv * x[o + k] > mid[k]:
                     c |= 1 << k
         else:
             s5 = 1
             for k in range(4):
-                v = vx[k]
+                v = inv * x[o + k]
                 c += s5 * ((v >= -48) + (v >= -16) + (v >= 16) + (v >= 48))
                 s5 *= 5
         start = offsets[c]
         n = offsets[c + 1] - start
-        tab = vt
         everything = n == 0              # an empty cluster: every code (groups of 8 only)
         if everything:
-            tab = vt_all
-            start = 0
             n = vt_all.shape[1]
-        for i in range(8):
-            lb[i] = np.inf
-            li[i] = -1
-        if g == 8:
-            for j in range(0, n, 8):
-                for i in range(8):
-                    p = start + j + i
-                    d0 = tab[0, p] - vx[0]
-                    d1 = tab[1, p] - vx[1]
-                    d2 = tab[2, p] - vx[2]
-                    d3 = tab[3, p] - vx[3]
-                    d4 = tab[4, p] - vx[4]
-                    d5 = tab[5, p] - vx[5]
-                    d6 = tab[6, p] - vx[6]
-                    d7 = tab[7, p] - vx[7]
-                    s = (((wg[0] * (d0 * d0) + wg[4] * (d4 * d4)) + (wg[2] * (d2 * d2) + wg[6] * (d6 * d6)))
-                         + ((wg[1] * (d1 * d1) + wg[5] * (d5 * d5)) + (wg[3] * (d3 * d3) + wg[7] * (d7 * d7))))
-                    t = s < lb[i]
-                    lb[i] = s if t else lb[i]
-                    li[i] = j + i if t else li[i]
+            jbest = _scores8(vt_all, 0, n, inv, x, w, o, sc)
+        elif g == 8:
+            jbest = _scores8(vt, start, n, inv, x, w, o, sc)
         else:
-            for j in range(0, n, 8):
-                for i in range(8):
-                    p = start + j + i
-                    d0 = tab[0, p] - vx[0]
-                    d1 = tab[1, p] - vx[1]
-                    d2 = tab[2, p] - vx[2]
-                    d3 = tab[3, p] - vx[3]
-                    s = (wg[0] * (d0 * d0) + wg[2] * (d2 * d2)) + (wg[1] * (d1 * d1) + wg[3] * (d3 * d3))
-                    t = s < lb[i]
-                    lb[i] = s if t else lb[i]
-                    li[i] = j + i if t else li[i]
-        best = F(np.inf)
-        jbest = 0
-        for o in range(8):
-            i = order[o]
-            if lb[i] < best:
-                best = lb[i]
-                jbest = li[i]
+            jbest = _scores4(vt, start, n, inv, x, w, o, sc)
+        # ik keeps the first minimum of each position class p % 8 (one SIMD lane each) and then
+        # takes the lanes in order: the winner is the smallest score, then the earliest lane, then
+        # the earliest position (_first_of)
         codes[cbase + l] = jbest if everything else members[start + jbest]
 
 
@@ -216,6 +307,7 @@ def small_row(x, qw, has_qw, y, one, mid, offsets, members, vt, vt_all, values):
     scales = np.zeros(nsub, np.float32)
     idx = np.zeros(4 * nsub, np.int64)
     tmp = np.empty(8, np.int64)
+    sc = np.empty(vt_all.shape[1], np.float32)
     max_scale = F(0)
     for ib in range(nsub):
         base = 32 * ib
@@ -225,9 +317,9 @@ def small_row(x, qw, has_qw, y, one, mid, offsets, members, vt, vt_all, values):
         if amax < F(1e-16):
             continue
         scale_0 = max(F(90), F(124) * amax / amax_row)
-        match(amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
+        match(amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0, sc)
         dp, sp = fit(x, w, base, tmp, 0, values)
-        match(-amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 4)
+        match(-amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 4, sc)
         dm, sm = fit(x, w, base, tmp, 4, values)
         pick = 0
         if sp > sm:
@@ -240,9 +332,9 @@ def small_row(x, qw, has_qw, y, one, mid, offsets, members, vt, vt_all, values):
             idx[4 * ib + j] = tmp[pick + j]
         if one:
             scale_0 -= F(8)
-            match(amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
+            match(amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0, sc)
             dp1, sp1 = fit(x, w, base, tmp, 0, values)
-            match(-amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 4)
+            match(-amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 4, sc)
             dm1, sm1 = fit(x, w, base, tmp, 4, values)
             if sp1 > sp or sm1 > sp:
                 pick = 0
@@ -290,7 +382,7 @@ def small_row(x, qw, has_qw, y, one, mid, offsets, members, vt, vt_all, values):
         base = 32 * ib
         lv = KV[ls[ib]]
         dl = d * lv
-        match(dl, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
+        match(dl, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0, sc)
         mse1 = F(0)
         mse2 = F(0)
         for e in range(32):
@@ -336,6 +428,7 @@ def iq3_row(x, qw, has_qw, y, mid, offsets, members, vt, vt_all, values):
     scales = np.zeros(nsub, np.float32)
     idx = np.zeros(4 * nsub, np.int64)
     tmp = np.empty(4, np.int64)
+    sc = np.empty(vt_all.shape[1], np.float32)
     max_scale = F(0)
     for ib in range(nsub):
         base = 32 * ib
@@ -348,7 +441,7 @@ def iq3_row(x, qw, has_qw, y, mid, offsets, members, vt, vt_all, values):
         best = F(0)
         found = False
         for itry in range(-3, 4):
-            match(amax / (scale_0 + F(8 * itry)), ax, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
+            match(amax / (scale_0 + F(8 * itry)), ax, w, base, mid, offsets, members, vt, vt_all, tmp, 0, sc)
             dd, score = fit(ax, w, base, tmp, 0, values)
             if score > best:
                 best = score
@@ -387,7 +480,7 @@ def iq3_row(x, qw, has_qw, y, mid, offsets, members, vt, vt_all, values):
         for j in range(32):
             if x[base + j] < 0:
                 y[o + 68 + j] |= 1 << sb
-        match(d * F(ls), ax, w, base, mid, offsets, members, vt, vt_all, idx, 4 * ib)
+        match(d * F(ls), ax, w, base, mid, offsets, members, vt, vt_all, idx, 4 * ib, sc)
         _final_sums(ax, w, base, idx, 4 * ib, values, F(ls), sums)
         for j in range(4):
             c = idx[4 * ib + j]
@@ -415,6 +508,7 @@ def iq4_row(x, qw, has_qw, y, cb1, cb2):
     scales = np.zeros(nsub, np.float32)
     second = np.zeros(nsub, np.bool_)
     tmp = np.empty(8, np.int64)
+    sc = np.empty(max(vta1.shape[1], vta2.shape[1]), np.float32)
     max_scale = F(0)
     for ib in range(nsub):
         base = 32 * ib
@@ -429,12 +523,12 @@ def iq4_row(x, qw, has_qw, y, cb1, cb2):
             den = F(8 * itry) + scale_0
             for sgn in range(2):
                 a = amax / den if sgn == 0 else -amax / den
-                match(a, x, w, base, mid1, off1, mem1, vt1, vta1, tmp, 0)
+                match(a, x, w, base, mid1, off1, mem1, vt1, vta1, tmp, 0, sc)
                 dd, score = fit(x, w, base, tmp, 0, val1)
                 if score > best:
                     best = score
                     scales[ib] = dd
-        match(scales[ib], x, w, base, mid2, off2, mem2, vt2, vta2, tmp, 0)
+        match(scales[ib], x, w, base, mid2, off2, mem2, vt2, vta2, tmp, 0, sc)
         dd, score = fit(x, w, base, tmp, 0, val2)
         if score > best:
             scales[ib] = dd
@@ -443,7 +537,7 @@ def iq4_row(x, qw, has_qw, y, cb1, cb2):
             den = F(8 * itry) + scale_0
             for sgn in range(2):
                 a = amax / den if sgn == 0 else -amax / den
-                match(a, x, w, base, mid2, off2, mem2, vt2, vta2, tmp, 0)
+                match(a, x, w, base, mid2, off2, mem2, vt2, vta2, tmp, 0, sc)
                 dd, score = fit(x, w, base, tmp, 0, val2)
                 if score > best:
                     best = score
@@ -462,10 +556,10 @@ def iq4_row(x, qw, has_qw, y, cb1, cb2):
         sb = ib % 8
         ls = min(nint(inv * scales[ib]), 63)
         if second[ib]:
-            match(d * F(ls), x, w, base, mid2, off2, mem2, vt2, vta2, tmp, 0)
+            match(d * F(ls), x, w, base, mid2, off2, mem2, vt2, vta2, tmp, 0, sc)
             _final_sums(x, w, base, tmp, 0, val2, F(ls), sums)
         else:
-            match(d * F(ls), x, w, base, mid1, off1, mem1, vt1, vta1, tmp, 0)
+            match(d * F(ls), x, w, base, mid1, off1, mem1, vt1, vta1, tmp, 0, sc)
             _final_sums(x, w, base, tmp, 0, val1, F(ls), sums)
         head = (((ls + 64) << 1) & 0xFF) | (1 if second[ib] else 0)
         for j in range(8):
