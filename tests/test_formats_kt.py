@@ -117,3 +117,12 @@ def test_codebook_shape(name):
     counts = np.bincount(cb.flat_members, minlength=1 << spec.num_bits)
     assert counts.min() >= spec.n_neighbours
     assert cb.values.min() >= (0 if spec.is_abs else -126) and cb.values.max() <= 126
+
+
+@pytest.mark.parametrize("name", ["iq1_kt", "iq4_kt"])
+def test_codebook_builders_agree(name):
+    """The numba neighbour search builds the same clusters as the numpy reference (stable sort)."""
+    a, b = codebook(name), codebook(name, reference=True)
+    np.testing.assert_array_equal(a.offsets, b.offsets)
+    np.testing.assert_array_equal(a.flat_members, b.flat_members)
+    np.testing.assert_array_equal(a.mid, b.mid)

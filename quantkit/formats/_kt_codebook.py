@@ -89,8 +89,33 @@ def cluster_of(spec: KTSpec, mid: np.ndarray, v: np.ndarray) -> np.ndarray:
     return (_bin5(v) * 5 ** np.arange(4)).sum(axis=-1)
 
 
+def _nearest_numpy(values, centres, n_nb):
+    """The n_nb nearest centres of every group: stable sort of the float32 distances (C order)."""
+    near = np.empty((values.shape[0], n_nb), np.int64)
+    for a in range(0, values.shape[0], 4096):
+        near[a:a + 4096] = np.argsort(_dist2(values[a:a + 4096], centres), axis=1, kind="stable")[:, :n_nb]
+    return near
+
+
+def _dist2(values, centres):
+    d2 = np.zeros((values.shape[0], centres.shape[0]), np.float32)
+    for k in range(values.shape[1]):
+        d = values[:, k, None] - centres[None, :, k]
+        d2 += d * d
+    return d2
+
+
+def _nearest_numba(values, centres, n_nb):
+    from ..kernels.kt import nearest_clusters
+    near = np.empty((values.shape[0], n_nb), np.int64)
+    nearest_clusters(values, np.ascontiguousarray(centres), near)
+    return near
+
+
 @lru_cache(maxsize=None)
-def codebook(name: str, offset: int = OFFSET) -> Codebook:
+def codebook(name: str, offset: int = OFFSET, reference: bool = False) -> Codebook:
+    """The codebook ik's constructor builds; ``reference`` finds the neighbours with numpy (slow)
+    instead of the numba kernel."""
     spec = SPECS[name]
     n_val, g = 1 << spec.num_bits, spec.group
     values = trellis_values(np.arange(n_val), g, spec.is_abs, offset)
@@ -109,26 +134,22 @@ def codebook(name: str, offset: int = OFFSET) -> Codebook:
     with np.errstate(invalid="ignore", divide="ignore"):
         centres = np.where(counts[:, None] > 0, sums.astype(np.float32) / counts[:, None].astype(np.float32),
                            F(0)).astype(np.float32)
-    # squared distances of every group to every centre, summed in C order, in slabs
-    n_nb = spec.n_neighbours
-    near = np.empty((n_val, n_nb), np.int64)
-    dist = np.empty((n_val, spec.n_clusters), np.float32)
-    for a in range(0, n_val, 4096):
-        d2 = np.zeros((min(4096, n_val - a), spec.n_clusters), np.float32)
-        for k in range(g):
-            d = values[a:a + 4096, k, None] - centres[None, :, k]
-            d2 += d * d
-        dist[a:a + 4096] = d2
-        near[a:a + 4096] = np.argsort(d2, axis=1, kind="stable")[:, :n_nb]
-    is_member = np.zeros((n_val, spec.n_clusters), bool)
-    np.put_along_axis(is_member, near, True, axis=1)
+    near = (_nearest_numpy if reference else _nearest_numba)(values, centres, spec.n_neighbours)
+    # members of each cluster in ascending code order (a stable sort of the ip-major neighbour list)
+    by_cluster = np.argsort(near.reshape(-1), kind="stable") // spec.n_neighbours
+    bounds = np.searchsorted(np.sort(near.reshape(-1)), np.arange(spec.n_clusters + 1))
     members, member_values = [], []
     for c in range(spec.n_clusters):
-        pts = np.flatnonzero(is_member[:, c])
+        pts = by_cluster[bounds[c]:bounds[c + 1]]
         if pts.size % 8:
-            others = np.flatnonzero(~is_member[:, c])
-            order = np.lexsort((others, dist[others, c]))
-            pts = np.concatenate([pts, others[order[:8 - pts.size % 8]]])
+            outside = np.ones(n_val, bool)
+            outside[pts] = False
+            others = np.flatnonzero(outside)
+            d = _dist2(values[others], centres[c:c + 1])[:, 0]
+            nadd = 8 - pts.size % 8
+            near_enough = d <= np.partition(d, nadd - 1)[nadd - 1]      # every tie of the last one
+            others, d = others[near_enough], d[near_enough]
+            pts = np.concatenate([pts, others[np.lexsort((others, d))[:nadd]]])
         members.append(pts)
         member_values.append(values[pts])
     sizes = np.array([m.size for m in members])

@@ -200,7 +200,6 @@ def match(d, x, w, base, mid, offsets, members, vt, vt_all, codes, cbase, sc):
             codes[cbase + l] = 0
         return
     inv = F(1) / d
-    order = ORDER8 if g == 8 else ORDER4
     for l in range(32 // g):
         o = base + g * l
         c = 0
@@ -230,23 +229,60 @@ def match(d, x, w, base, mid, offsets, members, vt, vt_all, codes, cbase, sc):
         codes[cbase + l] = jbest if everything else members[start + jbest]
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _fit_lane(x, w, base, codes, cbase, values, e, ax, a2):
+    g = values.shape[1]
+    q = values[codes[cbase + e // g], e % g]
+    qw = q * w[base + e]
+    return fma32(qw, x[base + e], ax), fma32(qw, q, a2)
+
+
 @njit(**_OPTS)
 def fit(x, w, base, codes, cbase, values):
     """find_best_scale: (d, score) of the least-squares scale for the codes of x[base:base+32],
     accumulated as ik's AVX2 code does (8 lanes, fused multiply-adds, then its horizontal sum)."""
-    g = values.shape[1]
-    sx = np.zeros(8, np.float32)
-    s2 = np.zeros(8, np.float32)
-    for e in range(32):
-        q = values[codes[cbase + e // g], e % g]
-        qw = q * w[base + e]
-        sx[e % 8] = fma32(qw, x[base + e], sx[e % 8])
-        s2[e % 8] = fma32(qw, q, s2[e % 8])
-    sumqx = ((sx[0] + sx[4]) + (sx[2] + sx[6])) + ((sx[1] + sx[5]) + (sx[3] + sx[7]))
-    sumq2 = ((s2[0] + s2[4]) + (s2[2] + s2[6])) + ((s2[1] + s2[5]) + (s2[3] + s2[7]))
+    x0 = x1 = x2 = x3 = x4 = x5 = x6 = x7 = F(0)
+    q0 = q1 = q2 = q3 = q4 = q5 = q6 = q7 = F(0)
+    for e in range(0, 32, 8):
+        x0, q0 = _fit_lane(x, w, base, codes, cbase, values, e, x0, q0)
+        x1, q1 = _fit_lane(x, w, base, codes, cbase, values, e + 1, x1, q1)
+        x2, q2 = _fit_lane(x, w, base, codes, cbase, values, e + 2, x2, q2)
+        x3, q3 = _fit_lane(x, w, base, codes, cbase, values, e + 3, x3, q3)
+        x4, q4 = _fit_lane(x, w, base, codes, cbase, values, e + 4, x4, q4)
+        x5, q5 = _fit_lane(x, w, base, codes, cbase, values, e + 5, x5, q5)
+        x6, q6 = _fit_lane(x, w, base, codes, cbase, values, e + 6, x6, q6)
+        x7, q7 = _fit_lane(x, w, base, codes, cbase, values, e + 7, x7, q7)
+    sumqx = ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7))
+    sumq2 = ((q0 + q4) + (q2 + q6)) + ((q1 + q5) + (q3 + q7))
     if sumq2 > 0:
         return sumqx / sumq2, sumqx * sumqx / sumq2
     return F(0), F(0)
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def nearest_clusters(values, centres, near):
+    """near[ip] = the near.shape[1] clusters nearest to code ip (float32 squared distance summed in
+    order; ties to the lower cluster), as ik's finalize_clusters inserts them."""
+    n_val, g = values.shape
+    nn = near.shape[1]
+    for ip in prange(n_val):
+        best = np.full(nn, np.inf, np.float32)
+        ib = np.full(nn, -1, np.int64)
+        for ic in range(centres.shape[0]):
+            d2 = F(0)
+            for k in range(g):
+                d = values[ip, k] - centres[ic, k]
+                d2 += d * d
+            if d2 < best[nn - 1]:
+                j = nn - 1
+                while j > 0 and d2 < best[j - 1]:
+                    best[j] = best[j - 1]
+                    ib[j] = ib[j - 1]
+                    j -= 1
+                best[j] = d2
+                ib[j] = ic
+        for j in range(nn):
+            near[ip, j] = ib[j]
 
 
 @njit(**_OPTS)
