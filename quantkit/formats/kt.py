@@ -452,7 +452,8 @@ def quantize_kt_row(name, x, qw):
 # ---------------------------------------------------------------- formats
 def _kernel_tables(name, offset=None):
     cb = codebook(name) if offset is None else codebook(name, offset)
-    return (cb.mid, cb.offsets, cb.flat_members, cb.flat_values_t, np.ascontiguousarray(cb.values.T), cb.values)
+    return (cb.mid, cb.offsets, cb.flat_members, cb.flat_values_t.astype(np.int8),
+            np.ascontiguousarray(cb.values.T).astype(np.int8), cb.values)
 
 
 def _fast_small(one):
