@@ -24,6 +24,8 @@ multiply-adds in 8 lanes.  ``fma32`` reproduces a float32 FMA exactly.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from ..kernels import kt as kernels
@@ -319,6 +321,19 @@ def _quantize_iq3_kt(x, qw):
 
 
 # ---------------------------------------------------------------- IQ4_KT
+def _iq4_trials(m, xb, wb, amax, scale_0, best):
+    """IQ4_KT's ten trial scales ±amax/(scale_0 + 8*itry) with one codebook: (best score, the
+    scale that beat ``best`` last, or None)."""
+    scale = None
+    for itry in range(-2, 3):
+        den = F(F(8 * itry) + scale_0)
+        for sgn in (1, -1):
+            dd, score = m.fit(xb, wb, m.match(F(sgn * amax / den), xb, wb))
+            if score > best:
+                best, scale = score, dd
+    return best, scale
+
+
 def _quantize_iq4_kt(x, qw):
     m1, m2 = matcher("iq4_kt"), matcher("iq4_kt", IQ4_KT_SECOND_OFFSET)
     n = x.size
@@ -336,25 +351,18 @@ def _quantize_iq4_kt(x, qw):
         amax = np.abs(xb).max()
         if amax < F(1e-16):
             continue
-        best = F(0)
         scale_0 = max(F(90), F(F(124) * amax) / amax_row)
-        for itry in range(-2, 3):
-            den = F(F(8 * itry) + scale_0)
-            for sgn in (1, -1):
-                dd, score = m1.fit(xb, wb, m1.match(F(sgn * amax / den), xb, wb))
-                if score > best:
-                    best, scales[ib] = score, dd
+        best, scale = _iq4_trials(m1, xb, wb, amax, scale_0, F(0))
+        if scale is not None:
+            scales[ib] = scale
         dd, score = m2.fit(xb, wb, m2.match(scales[ib], xb, wb))
-        if score > best:
+        if score > best:               # ik does not raise best here
             scales[ib] = dd
             second[ib] = True
-        for itry in range(-2, 3):
-            den = F(F(8 * itry) + scale_0)
-            for sgn in (1, -1):
-                dd, score = m2.fit(xb, wb, m2.match(F(sgn * amax / den), xb, wb))
-                if score > best:
-                    best, scales[ib] = score, dd
-                    second[ib] = True
+        best, scale = _iq4_trials(m2, xb, wb, amax, scale_0, best)
+        if scale is not None:
+            scales[ib] = scale
+            second[ib] = True
         if abs(scales[ib]) > abs(max_scale):
             max_scale = scales[ib]
     d = F(-max_scale / F(64))
@@ -450,7 +458,9 @@ def quantize_kt_row(name, x, qw):
 
 
 # ---------------------------------------------------------------- formats
+@lru_cache(maxsize=None)
 def _kernel_tables(name, offset=None):
+    """The codebook as the kernels take it (kernels/kt.py), built once per process."""
     cb = codebook(name) if offset is None else codebook(name, offset)
     return (cb.mid, cb.offsets, cb.flat_members, cb.flat_values_t.astype(np.int8),
             np.ascontiguousarray(cb.values.T).astype(np.int8), cb.values)

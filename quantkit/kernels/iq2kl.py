@@ -14,7 +14,7 @@ from numba import njit, prange
 
 from ..formats._iqk import IQ3NL_VALUES
 from ._iqk import thresholds
-from .iqk import IQ3_LUT, IQ3_THR, IQ3_V, OVERFLOW, PLAIN_ABS, nearest, row_weights
+from .iqk import IQ3_LUT, IQ3_THR, IQ3_V, OVERFLOW, PLAIN_ABS, lanes_first_absmax, nearest, row_weights
 from .kquants import FP16_TABLE, nint, run_rows, store_fp16
 
 F = np.float32
@@ -182,15 +182,7 @@ def iq2_kl_row(xr, qw, has_qw, ik, y):
     sums = np.empty((4, nb), np.float32)
     t = IQ3_T
     v0 = IQ3_V[0]
-    for b in range(nb):
-        amax[b] = F(0)
-        mx[b] = F(0)
-    for j in range(32):
-        for b in range(nb):
-            a = abs(xt[j, b])
-            if a > amax[b]:
-                amax[b] = a
-                mx[b] = xt[j, b]
+    lanes_first_absmax(xt, amax, mx)
     for b in range(nb):
         isc[b] = F(1) / (-mx[b] / v0)
     _trial_lanes(xt, wt, isc, t, sums)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .iqk import (IQ4_LUT, IQ4_SLUT, IQ4_STHR, IQ4_SV, IQ4_THR, IQ4_V, OVERFLOW, PLAIN_X2, _store_f32, nearest,
+from .iqk import (IQ4_LUT, IQ4_SLUT, IQ4_STHR, IQ4_SV, IQ4_THR, IQ4_V, OVERFLOW, PLAIN_X2, nearest, store_f32,
                   row_weights)
 from ._iqk import thresholds
 from .kquants import nint, run_rows
@@ -88,11 +88,10 @@ def _prune(q4, xb, wb, k, shifted, dl):
 
 
 @njit(**_OPTS)
-def _codes_lanes(xt, isc, cp, cm):
+def _codes_lanes(xt, isc, ct, cp, cm):
     """Codes of +isc[k]*x and -isc[k]*x for every value i of every lane (block) k, by counting
-    thresholds (lanes innermost: LLVM runs 8 blocks per instruction).  The shifted half of the
-    table has the same thresholds plus one step, so the count serves both halves; isc already
-    includes the half's first value."""
+    the 15 thresholds ct (lanes innermost: LLVM runs 8 blocks per instruction).  ct is IQ4_CT or
+    IQ4_SCT, the shifted half's thresholds; isc already includes the half's first value."""
     n, nl = xt.shape
     for i in range(n):
         for k in range(nl):
@@ -100,23 +99,8 @@ def _codes_lanes(xt, isc, cp, cm):
             c_plus = 0
             c_minus = 0
             for t in range(15):
-                c_plus += 1 if a >= IQ4_CT[t] else 0
-                c_minus += 1 if -a >= IQ4_CT[t] else 0
-            cp[i, k] = c_plus if a < OVERFLOW else 0
-            cm[i, k] = c_minus if -a < OVERFLOW else 0
-
-
-@njit(**_OPTS)
-def _codes_lanes_shifted(xt, isc, cp, cm):
-    n, nl = xt.shape
-    for i in range(n):
-        for k in range(nl):
-            a = isc[k] * xt[i, k]
-            c_plus = 0
-            c_minus = 0
-            for t in range(15):
-                c_plus += 1 if a >= IQ4_SCT[t] else 0
-                c_minus += 1 if -a >= IQ4_SCT[t] else 0
+                c_plus += 1 if a >= ct[t] else 0
+                c_minus += 1 if -a >= ct[t] else 0
             cp[i, k] = c_plus if a < OVERFLOW else 0
             cm[i, k] = c_minus if -a < OVERFLOW else 0
 
@@ -170,9 +154,9 @@ def iq4_kss_row(xr, qw, has_qw, ik, y):
             for b in range(nb):
                 isc[b] = F(itry + v0) / mx[b]
             if half == 1:
-                _codes_lanes_shifted(xt, isc, cp, cm)
+                _codes_lanes(xt, isc, IQ4_SCT, cp, cm)
             else:
-                _codes_lanes(xt, isc, cp, cm)
+                _codes_lanes(xt, isc, IQ4_CT, cp, cm)
             for b in range(nb):
                 if scales[b] == 0:
                     continue
@@ -241,7 +225,7 @@ def iq4_kss_row(xr, qw, has_qw, ik, y):
             y[wo + 2 * k + 1] = (word >> 8) & 0xFF
     if sumq2 > 0:
         d = (sumqx / sumq2) * F(1.01)
-    _store_f32(y, 0, d)
+    store_f32(y, 0, d)
 
 
 def quantize_rows(x, qw, has_qw, out):

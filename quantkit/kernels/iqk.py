@@ -114,6 +114,21 @@ def _trial_lanes(xt, wt, isc, v, dv, ct, ovf, sums, ap, qp, qm):
             sums[3, k] += wq * q
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def lanes_first_absmax(xt, amax, mx):
+    """For every lane k (column of xt): the largest |x| and the signed value where it first occurs
+    (C: ``if (amax < fabsf(v)) { amax = fabsf(v); max = v; }``, both starting at +0)."""
+    for k in range(xt.shape[1]):
+        amax[k] = F(0)
+        mx[k] = F(0)
+    for i in range(xt.shape[0]):
+        for k in range(xt.shape[1]):
+            a = abs(xt[i, k])
+            if a > amax[k]:
+                amax[k] = a
+                mx[k] = xt[i, k]
+
+
 @njit(**_OPTS)
 def search_lanes(x, w, sub, tab, stab, ntry, step, guarded, refit, ovf, scales, shifted):
     """(scale, shifted) of every sub-block of ``sub`` values in x (formats.iqk.search_scales),
@@ -130,15 +145,7 @@ def search_lanes(x, w, sub, tab, stab, ntry, step, guarded, refit, ovf, scales, 
     st = np.empty((9, nl), np.float32)
     amax, mx, d, best, isc, ap, qp, qm = st[0], st[1], st[2], st[3], st[4], st[5], st[6], st[7]
     sums = np.empty((4, nl), np.float32)
-    for k in range(nl):
-        amax[k] = F(0)
-        mx[k] = F(0)
-    for i in range(sub):
-        for k in range(nl):
-            a = abs(xt[i, k])
-            if a > amax[k]:
-                amax[k] = a
-                mx[k] = xt[i, k]
+    lanes_first_absmax(xt, amax, mx)
     for k in range(nl):
         isc[k] = F(1) / (-mx[k] / v[0])
     _trial_lanes(xt, wt, isc, v, dv, ct, ovf, sums, ap, qp, qm)
@@ -494,7 +501,7 @@ def iq4_ks_row(xr, qw, has_qw, ik, y):
             sumq2 += (w[p1] * q1) * q1 + (w[p2] * q2) * q2
     if sumq2 > 0:
         d = sumqx / sumq2
-    _store_f32(y, 0, d)
+    store_f32(y, 0, d)
 
 
 @njit(**_OPTS)
@@ -547,7 +554,7 @@ def iq5_ks_row(xr, qw, has_qw, ik, y):
             sumq2 += wq * q
     if sumq2 > 0:
         d = sumqx / sumq2
-    _store_f32(y, 0, d)
+    store_f32(y, 0, d)
 
 
 @njit(**_OPTS)
@@ -598,7 +605,8 @@ def iq3_ks_row(xr, qw, has_qw, ik, y):
 
 
 @njit(**_OPTS)
-def _store_f32(y, off, v):
+def store_f32(y, off, v):
+    """y[off:off+4] = the little-endian bytes of float32 v."""
     bits = np.empty(1, np.float32)
     bits[0] = v
     b4 = bits.view(np.uint8)

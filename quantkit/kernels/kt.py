@@ -7,8 +7,7 @@ cluster's members are one contiguous run:
     members  int32 (total,)          the code at each position
     vt       int8 (group, total)     value k of the code at each position (row k contiguous, so
                                      the score loop reads each value dimension as one stream;
-                                     values are integers in [-126, 126]: int8 is exact and moves a
-                                     quarter of the bytes, and the search is memory-bound)
+                                     values are integers in [-126, 126], so int8 is exact)
     vt_all   int8 (group, 2^bits)    every code's values (searched when a cluster is empty)
     values   float32 (2^bits, group)
 
@@ -24,16 +23,13 @@ from numba.core import types as nbt
 from numba.extending import intrinsic
 
 from ..formats._iqk import IQ4K_VALUES
-from .iqk import nearest
+from .iqk import IQ4_LUT, IQ4_THR, IQ4_V, OVERFLOW, nearest, store_f32
 from .kquants import nint
-from .iqk import IQ4_LUT, IQ4_THR, IQ4_V, OVERFLOW
 
 F = np.float32
 I64 = np.int64
 _OPTS = dict(cache=True, error_model="numpy", nogil=True)
 KV = IQ4K_VALUES[:16].astype(np.float32)
-ORDER8 = np.arange(8)
-ORDER4 = np.array([0, 2, 4, 6, 1, 3, 5, 7])     # the position class in each AVX2 lane, lane order
 KA = np.uint64(0xCBAC1FED)
 
 
@@ -62,6 +58,13 @@ def iq4k_index(a):
     return nearest(a, IQ4_V, IQ4_LUT, IQ4_THR, OVERFLOW)
 
 
+def _flip_magnitude(builder, b):
+    """b ^ ((b >> 31) & 0x7fffffff) on an i32: maps float bits to a signed order key and back."""
+    i32 = ir.IntType(32)
+    sign = builder.ashr(b, ir.Constant(i32, 31))
+    return builder.xor(b, builder.and_(sign, ir.Constant(i32, 0x7FFFFFFF)))
+
+
 @intrinsic
 def _order_key(typingctx, s):
     """int32 whose order is the float order of float32 s (+0 for -0, so equal floats get equal
@@ -70,11 +73,8 @@ def _order_key(typingctx, s):
     sig = nbt.int32(nbt.float32)
 
     def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
         v = builder.fadd(args[0], ir.Constant(ir.FloatType(), 0.0))
-        b = builder.bitcast(v, i32)
-        sign = builder.ashr(b, ir.Constant(i32, 31))
-        return builder.xor(b, builder.and_(sign, ir.Constant(i32, 0x7FFFFFFF)))
+        return _flip_magnitude(builder, builder.bitcast(v, ir.IntType(32)))
     return sig, codegen
 
 
@@ -103,9 +103,7 @@ def _key_flip(typingctx, b):
     sig = nbt.int32(nbt.int32)
 
     def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        sign = builder.ashr(args[0], ir.Constant(i32, 31))
-        return builder.xor(args[0], builder.and_(sign, ir.Constant(i32, 0x7FFFFFFF)))
+        return _flip_magnitude(builder, args[0])
     return sig, codegen
 
 
@@ -412,7 +410,7 @@ def small_row(x, qw, has_qw, y, one, mid, offsets, members, vt, vt_all, values):
             y[o + ib % 8] = ls[ib]
         else:
             y[o + ib % 4] |= ls[ib] << (4 * ((ib % 8) // 4))
-    _store_f32(y, d)
+    store_f32(y, 0, d)
     if d == 0:
         return
     sums = np.zeros(2, np.float32)
@@ -445,7 +443,7 @@ def small_row(x, qw, has_qw, y, one, mid, offsets, members, vt, vt_all, values):
                 y[o + 4 + 8 * sb + 2 * j + 1] = c >> 8
     if sums[1] > 0:
         d = sums[0] / sums[1]
-        _store_f32(y, d * F(1.07) if one else d)
+        store_f32(y, 0, d * F(1.07) if one else d)
 
 
 @njit(**_OPTS)
@@ -507,7 +505,7 @@ def iq3_row(x, qw, has_qw, y, mid, offsets, members, vt, vt_all, values):
             d = sumqx / sumq2
             best = d * sumqx
     inv = F(1) / d if d != 0 else F(0)
-    _store_f32(y, d)
+    store_f32(y, 0, d)
     sums = np.zeros(2, np.float32)
     for ib in range(nsub):
         base = 32 * ib
@@ -525,7 +523,27 @@ def iq3_row(x, qw, has_qw, y, mid, offsets, members, vt, vt_all, values):
             y[o + 4 + 8 * sb + 2 * j] = c & 0xFF
             y[o + 4 + 8 * sb + 2 * j + 1] = c >> 8
     if sums[1] > 0:
-        _store_f32(y, sums[0] / sums[1])
+        store_f32(y, 0, sums[0] / sums[1])
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _iq4_trials(x, w, base, amax, scale_0, best, cb, tmp, sc):
+    """IQ4_KT's ten trial scales ±amax/(scale_0 + 8*itry) with one codebook: (best score, the scale
+    that beat ``best`` last, whether one did)."""
+    mid, off, mem, vt, vta, val = cb
+    scale = F(0)
+    better = False
+    for itry in range(-2, 3):
+        den = F(8 * itry) + scale_0
+        for sgn in range(2):
+            a = amax / den if sgn == 0 else -amax / den
+            match(a, x, w, base, mid, off, mem, vt, vta, tmp, 0, sc)
+            dd, score = fit(x, w, base, tmp, 0, val)
+            if score > best:
+                best = score
+                scale = dd
+                better = True
+    return best, scale, better
 
 
 @njit(**_OPTS)
@@ -555,32 +573,19 @@ def iq4_row(x, qw, has_qw, y, cb1, cb2):
             amax = max(amax, abs(x[base + j]))
         if amax < F(1e-16):
             continue
-        best = F(0)
         scale_0 = max(F(90), F(124) * amax / amax_row)
-        for itry in range(-2, 3):
-            den = F(8 * itry) + scale_0
-            for sgn in range(2):
-                a = amax / den if sgn == 0 else -amax / den
-                match(a, x, w, base, mid1, off1, mem1, vt1, vta1, tmp, 0, sc)
-                dd, score = fit(x, w, base, tmp, 0, val1)
-                if score > best:
-                    best = score
-                    scales[ib] = dd
+        best, scale, better = _iq4_trials(x, w, base, amax, scale_0, F(0), cb1, tmp, sc)
+        if better:
+            scales[ib] = scale
         match(scales[ib], x, w, base, mid2, off2, mem2, vt2, vta2, tmp, 0, sc)
         dd, score = fit(x, w, base, tmp, 0, val2)
-        if score > best:
+        if score > best:               # ik does not raise best here
             scales[ib] = dd
             second[ib] = True
-        for itry in range(-2, 3):
-            den = F(8 * itry) + scale_0
-            for sgn in range(2):
-                a = amax / den if sgn == 0 else -amax / den
-                match(a, x, w, base, mid2, off2, mem2, vt2, vta2, tmp, 0, sc)
-                dd, score = fit(x, w, base, tmp, 0, val2)
-                if score > best:
-                    best = score
-                    scales[ib] = dd
-                    second[ib] = True
+        best, scale, better = _iq4_trials(x, w, base, amax, scale_0, best, cb2, tmp, sc)
+        if better:
+            scales[ib] = scale
+            second[ib] = True
         if abs(scales[ib]) > abs(max_scale):
             max_scale = scales[ib]
     d = -max_scale / F(64)
@@ -608,16 +613,9 @@ def iq4_row(x, qw, has_qw, y, cb1, cb2):
             y[o + 96 + gi % 32] |= ((c >> 8) & 0xF) << (4 * (gi // 32))
         for k in range(4):
             y[o + 4 * sb + k] = (head >> (8 * k)) & 0xFF
-    _store_f32(y, d)
+    store_f32(y, 0, d)
     if sums[1] > 0:
-        _store_f32(y, sums[0] / sums[1])
-
-
-@njit(**_OPTS)
-def _store_f32(y, v):
-    bits = np.array([v], np.float32).view(np.uint32)[0]
-    for k in range(4):
-        y[k] = (bits >> (8 * k)) & 0xFF
+        store_f32(y, 0, sums[0] / sums[1])
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
@@ -639,18 +637,6 @@ def quantize_iq4_rows(x, qw, has_qw, out, cb1, cb2):
 
 
 # ------------------------------------------------------------------ decoding
-@njit(cache=True, error_model="numpy", inline="always")
-def trellis(code, k0, offset, is_abs):
-    """Value k0 of the group with this code (see formats._kt_codebook)."""
-    xx = (np.uint64(code) + np.uint64(offset)) & np.uint64(0xFFFFFFFF)
-    for _ in range(k0 + 1):
-        xx = (xx * KA) & np.uint64(0xFFFFFFFF)
-    s = xx & np.uint64(0x3F3F3F3F)
-    v = I64((s & np.uint64(0xFF)) + ((s >> np.uint64(8)) & np.uint64(0xFF))
-            + ((s >> np.uint64(16)) & np.uint64(0xFF)) + (s >> np.uint64(24))) - 126
-    return F(abs(v)) if is_abs else F(v)
-
-
 @njit(cache=True, error_model="numpy", inline="always")
 def _group(code, offset, is_abs, g, sl, out, o):
     xx = (np.uint64(code) + np.uint64(offset)) & np.uint64(0xFFFFFFFF)
