@@ -7,8 +7,11 @@ tensors are quantized expert by expert, each with its own imatrix slice, as llam
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -137,10 +140,12 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
         yield q
 
 
-def repack_tensor(info: TensorInfo, tp: TensorPlan):
-    """Yield the bytes of one tensor regrouped between its plain and row-interleaved layouts.
+def repack_parts(info: TensorInfo, tp: TensorPlan, buffers: "ThreadBuffers"):
+    """(nbytes, make) parts of one tensor regrouped between its plain and row-interleaved layouts,
+    for :meth:`GGUFWriter.write_tensor_parts`: each ``make`` reads its rows and shuffles them into
+    buffers of the thread that runs it, so parts run side by side on the writer's workers.
 
-    Chunks are whole row groups; a group never crosses a matrix because the planner only repacks
+    Parts are whole row groups; a group never crosses a matrix because the planner only repacks
     tensors whose rows per matrix are a multiple of the group."""
     from .formats import interleave
     n_per_row = info.shape[0]
@@ -150,19 +155,40 @@ def repack_tensor(info: TensorInfo, tp: TensorPlan):
     row_size = traits(info.qtype).row_size(n_per_row)
     rows = max(group, CHUNK_BYTES // row_size // group * group)
     shuffle = interleave.interleave if to_packed else interleave.deinterleave
-    # One read buffer, and two output buffers that take turns: the writer may still be writing
-    # one chunk while the next is computed into the other (GGUFWriter.write_tensor).
-    src = np.empty((min(rows, info.n_rows), row_size), np.uint8)
-    buffers = [np.empty_like(src) for _ in range(2)]
-    for i, start in enumerate(range(0, info.n_rows, rows)):
-        n = min(rows, info.n_rows - start)
+
+    def make(start: int, n: int):
+        src, dst = buffers.get(n * row_size)
+        src, dst = src[:n * row_size].reshape(n, row_size), dst[:n * row_size].reshape(n, row_size)
         info.source.read(info.offset + start * row_size, n * row_size, src)
-        yield shuffle(src[:n], packed, n_per_row, buffers[i % 2][:n])
+        return shuffle(src, packed, n_per_row, dst)
+
+    for start in range(0, info.n_rows, rows):
+        n = min(rows, info.n_rows - start)
+        yield n * row_size, partial(make, start, n)
 
 
-def _copy_tensor(info: TensorInfo, chunk_bytes: int = CHUNK_BYTES):
+def copy_parts(info: TensorInfo, buffers: "ThreadBuffers", chunk_bytes: int = CHUNK_BYTES):
+    """(nbytes, make) parts of a tensor copied as it is."""
+    def make(start: int, n: int):
+        return info.source.read(info.offset + start, n, buffers.get(n)[0])
+
     for s in range(0, info.nbytes, chunk_bytes):
-        yield info.source.read(info.offset + s, min(chunk_bytes, info.nbytes - s))
+        n = min(chunk_bytes, info.nbytes - s)
+        yield n, partial(make, s, n)
+
+
+class ThreadBuffers:
+    """Two byte buffers per thread (read and shuffled), reused by every part that thread makes: the
+    writer writes a part before its thread makes the next one, so a buffer is free again by then."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def get(self, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None or bufs[0].nbytes < nbytes:
+            bufs = self._local.bufs = (np.empty(nbytes, np.uint8), np.empty(nbytes, np.uint8))
+        return bufs
 
 
 def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
@@ -184,14 +210,19 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
     done = 0
     t0 = time.perf_counter()
     per_tensor: dict[str, float] = {}
-    with GGUFWriter(paths, shards) as writer:
+    # Copies and byte shuffles are read, shuffled and written a part at a time by every writer
+    # thread side by side (pread, the shuffle kernel and pwrite all run without the GIL);
+    # quantization runs its numba kernels on all threads itself, with one writer thread overlapping.
+    workers = max(1, opts.threads or os.cpu_count() or 1)
+    buffers = ThreadBuffers()
+    with GGUFWriter(paths, shards, workers=workers) as writer:
         for tp in plan.tensors:
             ts = time.perf_counter()
             info = model.by_name[tp.name]
             if tp.action == "copy":
-                writer.write_tensor(tp.name, _copy_tensor(info))
+                writer.write_tensor_parts(tp.name, copy_parts(info, buffers))
             elif tp.action == "repack":
-                writer.write_tensor(tp.name, repack_tensor(info, tp))
+                writer.write_tensor_parts(tp.name, repack_parts(info, tp, buffers))
             else:
                 writer.write_tensor(tp.name, convert_tensor(info, tp, imatrix_for(tp), plan.flavor))
             per_tensor[tp.name] = time.perf_counter() - ts

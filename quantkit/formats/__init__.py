@@ -11,11 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..types import QuantType, traits, type_name
-from ._base import ALL_PATHS, FLAVORS, BlockFormat, first_non_finite, registered
-from . import floats, iq2k, iq2kl, iq4, iq4kss, iqk, kquants, kt, legacy  # noqa: F401  (import registers the formats)
-from . import repacked
-
-repacked.register_available()       # the interleaved types of every plain type above
+from ._base import ALL_PATHS, FLAVORS, BlockFormat, first_non_finite
+from ._base import registered as _registered
 
 __all__ = ["quantize", "dequantize", "can_quantize", "can_dequantize", "find_non_finite", "FLAVORS",
            "BlockFormat"]
@@ -28,6 +25,14 @@ _GGUF_PY_DECODABLE = {
     QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0,
     QuantType.BF16, QuantType.F16, QuantType.F32,
 }
+
+
+def registered() -> dict[QuantType, type[BlockFormat]]:
+    """Every implemented format by type.  The format modules are imported (and so registered) on
+    first use, not with the package: `quantkit repack` needs only the interleave kernels and would
+    otherwise pay ~0.1 s to import and load every quantizer's."""
+    from . import _all  # noqa: F401  (the import lock makes the registration happen once)
+    return _registered()
 
 
 def _format(qtype) -> type[BlockFormat] | None:

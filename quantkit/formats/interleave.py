@@ -26,7 +26,7 @@ from functools import lru_cache
 from typing import Callable
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ..types import QuantType, traits
 
@@ -614,10 +614,13 @@ def _apply_moves(s, d, n_cb, src_step, dst_step, runs, nibbles, bits, bit_runs):
                     d[np.uintp(bits[t, 0] + k + cb * dst_step)] = v
 
 
-@njit(cache=True, parallel=True, nogil=True)
+# One thread, without the GIL: callers run chunks side by side on their own threads (quantkit
+# repack's workers).  A numba parallel loop here made its OpenMP threads spin at every chunk's end,
+# taking the CPU from the threads that read and write.
+@njit(cache=True, nogil=True)
 def _run_program(src, dst, n_groups, group_bytes, n_cb, src_step, dst_step, meta_runs, runs, nibbles,
                  bits, bit_runs):
-    for g in prange(n_groups):
+    for g in range(n_groups):
         s = src[g * group_bytes:(g + 1) * group_bytes]
         d = dst[g * group_bytes:(g + 1) * group_bytes]
         for t in range(meta_runs.shape[0]):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,23 +103,43 @@ class AtomicOutput:
         self._pending.clear()
 
 
+def _pwrite_all(fd: int, buf, pos: int) -> None:
+    view = memoryview(buf).cast("B")
+    while view.nbytes:
+        n = os.pwrite(fd, view, pos)
+        view, pos = view[n:], pos + n
+
+
+def _as_bytes(chunk) -> memoryview:
+    if isinstance(chunk, np.ndarray):
+        chunk = np.ascontiguousarray(chunk)
+    return memoryview(chunk).cast("B")
+
+
 class GGUFWriter:
-    """Writes one or more shards; feed tensors in table order with :meth:`write_tensor`.
+    """Writes one or more shards; feed tensors in table order with :meth:`write_tensor` or
+    :meth:`write_tensor_parts`.
 
     ``shards`` is a list of (metadata, tensor specs) per output file; use :func:`plan_shards` to cut
-    a model into shards.  Use as a context manager: leaving the block without an exception commits
-    the output, any exception removes it.
+    a model into shards.  ``workers``: threads that write (and make, for write_tensor_parts).  Use as
+    a context manager: leaving the block without an exception commits the output, any exception
+    removes it.
+
+    Every write is a pwrite at a position known from the header, so helper threads can write
+    pieces of a tensor in any order.
     """
 
     def __init__(self, paths: list[Path], shards: list[tuple[dict[str, MetaValue], list[TensorSpec]]],
-                 alignment: int = DEFAULT_ALIGNMENT):
+                 alignment: int = DEFAULT_ALIGNMENT, workers: int = 1):
         if len(paths) != len(shards):
             raise ValueError("one path per shard")
         self.paths, self.shards, self.alignment = [Path(p) for p in paths], shards, alignment
+        self.workers = max(1, workers)
         self._order = [(i, t) for i, (_, specs) in enumerate(shards) for t in specs]
         self._next = 0
         self._out = AtomicOutput()
         self._fh = None
+        self._pos = 0               # where the next tensor starts in the current shard
         self._shard = -1
         self._pool = None
         self.bytes_written = 0
@@ -150,7 +171,7 @@ class GGUFWriter:
 
     def _close_fh(self):
         if self._pool is not None:
-            self._pool.shutdown()
+            self._pool.shutdown(cancel_futures=True)
             self._pool = None
         if self._fh is not None:
             self._fh.close()
@@ -161,7 +182,8 @@ class GGUFWriter:
         meta, specs = self.shards[i]
         header, _ = encode_header(meta, specs, self.alignment)
         self._fh = self._out.open(self.paths[i])
-        self._fh.write(header)
+        _pwrite_all(self._fh.fileno(), header, 0)
+        self._pos = len(header)
         self.bytes_written += len(header)
 
     def _close_shard(self) -> None:
@@ -169,8 +191,8 @@ class GGUFWriter:
         # guarantees that no partial file ever carries the output's name
         self._close_fh()
 
-    def write_tensor(self, name: str, chunks) -> None:
-        """Write the next tensor; ``chunks`` is one array/bytes or an iterable of them, in order."""
+    def _begin(self, name: str) -> TensorSpec:
+        """The spec of the next tensor, which must be ``name``; opens its shard."""
         if self._next >= len(self._order):
             raise ValueError(f"tensor '{name}' is not in the table")
         shard, spec = self._order[self._next]
@@ -179,34 +201,72 @@ class GGUFWriter:
         while shard != self._shard:
             self._close_shard()
             self._open_shard(self._shard + 1)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="gguf-writer")
+        return spec
+
+    def _finish(self, spec: TensorSpec, n: int) -> None:
+        if n != spec.nbytes:
+            raise QuantkitError(f"internal error: tensor '{spec.name}' produced {n} bytes, "
+                                f"expected {spec.nbytes}")
+        pad = pad_to(n, self.alignment) - n
+        if pad:
+            _pwrite_all(self._fh.fileno(), bytes(pad), self._pos + n)
+        self._pos += n + pad
+        self.bytes_written += n + pad
+        self._next += 1
+
+    def write_tensor(self, name: str, chunks) -> None:
+        """Write the next tensor; ``chunks`` is one array/bytes or an iterable of them, in order."""
+        spec = self._begin(name)
         if isinstance(chunks, (bytes, bytearray, memoryview, np.ndarray)):
             chunks = (chunks,)
-        n = 0
+        fd, n = self._fh.fileno(), 0
         # Chunk k is written by a helper thread while the producer computes chunk k+1, so a
         # producer that reuses buffers needs two of them, taking turns: when it is asked for chunk
         # k+2, the write of chunk k has finished.
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="gguf-writer")
         pending = None
         try:
             for chunk in chunks:
-                buf = memoryview(np.ascontiguousarray(chunk)).cast("B") if isinstance(chunk, np.ndarray) \
-                    else memoryview(chunk).cast("B")
+                buf = _as_bytes(chunk)
                 if pending is not None:
                     pending.result()
-                pending = self._pool.submit(self._fh.write, buf)
+                pending = self._pool.submit(_pwrite_all, fd, buf, self._pos + n)
                 n += buf.nbytes
         finally:
             if pending is not None:
                 pending.result()
-        if n != spec.nbytes:
-            raise QuantkitError(f"internal error: tensor '{name}' produced {n} bytes, "
-                                f"expected {spec.nbytes}")
-        pad = pad_to(n, self.alignment) - n
-        if pad:
-            self._fh.write(bytes(pad))
-        self.bytes_written += n + pad
-        self._next += 1
+        self._finish(spec, n)
+
+    def write_tensor_parts(self, name: str, parts) -> None:
+        """Write the next tensor from parts that the worker threads make side by side.
+
+        ``parts`` yields (nbytes, make) in order; ``make()`` returns the part's nbytes bytes.  The
+        thread that made a part writes it at its place before it makes another, so ``make`` may
+        return a buffer of its own thread that the next part on that thread reuses.  A few parts
+        per worker are queued, never more: memory stays bounded whatever the tensor's size."""
+        spec = self._begin(name)
+        fd, n = self._fh.fileno(), 0
+        pending = deque()
+        try:
+            for nbytes, make in parts:
+                if len(pending) >= 2 * self.workers:
+                    pending.popleft().result()
+                pending.append(self._pool.submit(self._make_and_write, fd, make, nbytes, self._pos + n))
+                n += nbytes
+            while pending:
+                pending.popleft().result()
+        finally:
+            for f in pending:       # after an error: nothing more is started, running parts end
+                f.cancel()
+        self._finish(spec, n)
+
+    @staticmethod
+    def _make_and_write(fd: int, make, nbytes: int, pos: int) -> None:
+        buf = _as_bytes(make())
+        if buf.nbytes != nbytes:
+            raise QuantkitError(f"internal error: a part made {buf.nbytes} bytes, expected {nbytes}")
+        _pwrite_all(fd, buf, pos)
 
 
 def plan_shards(metadata: dict[str, MetaValue], tensors: list[TensorSpec], max_bytes: int | None = None,
