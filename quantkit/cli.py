@@ -5,6 +5,7 @@ the traceback of an unexpected error.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -354,6 +355,166 @@ def inspect(path, as_json, no_tensors):
     tot = doc["totals"]
     out.print(f"[bold]total[/]: {tot['tensors']} tensors, {tot['elements']:,} weights, "
               f"{_fmt_bytes(tot['bytes'])}, {tot['bpw']:.3f} bpw, {doc['shards']} file(s)")
+
+
+# --------------------------------------------------------------------------- runtime
+def _threads_option(f):
+    return click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
+                        help="Threads (default: all cores).")(f)
+
+
+@cli.command()
+@click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-p", "--prompt", required=True, help="Prompt text.")
+@click.option("-n", "--n-predict", type=click.IntRange(min=0), default=128, show_default=True,
+              help="Tokens to generate (stops early at an end-of-generation token).")
+@click.option("--temp", type=float, default=0.8, show_default=True, help="Temperature; 0 = greedy.")
+@click.option("--top-k", type=int, default=40, show_default=True, help="Keep the K most likely tokens (0 = all).")
+@click.option("--top-p", type=float, default=0.95, show_default=True, help="Nucleus sampling threshold (1 = off).")
+@click.option("--seed", type=int, default=None, help="Random seed (default: random).")
+@click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
+@click.option("-c", "--ctx-size", type=click.IntRange(min=1), default=None,
+              help="Context size (default: prompt + n-predict).")
+@_threads_option
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of streaming.")
+def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size, threads, as_json):
+    """Generate text from PROMPT with quantkit's reference runtime, streaming it, then print prompt
+    and generation speed (tokens/s)."""
+    from .runtime.generate import GenerationStats, Sampler, SamplerOptions, generate
+    from .runtime.session import TextStream, open_session
+
+    with open_session(model_path, threads) as s:
+        tok = s.tokenizer
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        ids = tok.encode(text, add_special=True, parse_special=chat)
+        sampler = Sampler(SamplerOptions(temp=temp, top_k=top_k, top_p=top_p, seed=seed))
+        stats = GenerationStats()
+        stream = TextStream(tok)
+        pieces = []
+        if not as_json:
+            out.print(text, end="", markup=False, highlight=False)
+        for t in generate(s.model, ids, n_predict, sampler, stop_ids=tok.eog_ids, n_ctx=ctx_size, stats=stats):
+            piece = stream.push(t)
+            pieces.append(piece)
+            if not as_json and piece:
+                out.print(piece, end="", markup=False, highlight=False)
+                out.file.flush()
+        pieces.append(stream.flush())
+        if as_json:
+            print(json.dumps({"prompt": text, "prompt_tokens": ids, "text": "".join(pieces),
+                              "tokens": stats.tokens, "threads": s.threads,
+                              "prompt_tokens_per_second": stats.prompt_tps,
+                              "generation_tokens_per_second": stats.gen_tps}, indent=1))
+            return
+        out.print(pieces[-1], markup=False, highlight=False)
+        err.print(f"prompt: {stats.n_prompt} tokens in {stats.prompt_seconds:.2f} s "
+                  f"({stats.prompt_tps:.1f} tokens/s); generation: {stats.n_generated} tokens in "
+                  f"{stats.gen_seconds:.2f} s ({stats.gen_tps:.1f} tokens/s); {s.threads} threads")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise QuantkitError(f"-f {path}: {e.strerror}") from None
+
+
+@cli.command()
+@click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-f", "--file", "text_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Text to evaluate (not needed with --kl-divergence: the base file holds its tokens).")
+@click.option("-c", "--ctx-size", type=click.IntRange(min=4), default=512, show_default=True,
+              help="Tokens per chunk; the second half of each chunk is scored.")
+@click.option("--chunks", type=click.IntRange(min=1), default=None, help="Evaluate at most N chunks.")
+@click.option("--kl-divergence-base", "kld_base", type=click.Path(dir_okay=False, path_type=Path),
+              help="Save this model's logits to FILE (llama-perplexity's format) for a later --kl-divergence.")
+@click.option("--kl-divergence", "kld", is_flag=True,
+              help="Compare with the logits saved in --kl-divergence-base FILE (KLD, top-token, Δp statistics).")
+@_threads_option
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, as_json):
+    """Perplexity of MODEL on a text, llama-perplexity's way (chunks of --ctx-size tokens, the
+    second half of each scored), or KL divergence against a base model's saved logits."""
+    from .runtime import perplexity as ppl
+    from .runtime.session import open_session
+
+    if kld and kld_base is None:
+        raise QuantkitError("--kl-divergence needs --kl-divergence-base FILE (the base model's saved logits)")
+    if not kld and text_path is None:
+        raise QuantkitError("-f FILE is needed (the text to evaluate)")
+    if kld_base is not None and not kld:
+        _refuse_overwrite_input(model_path, kld_base)
+    with open_session(model_path, threads) as s:
+        if kld:
+            base = ppl.LogitsFile.read(kld_base)
+            if chunks:
+                base.chunks = base.chunks[:chunks]
+            total = len(base.chunks)
+        else:
+            tokens = s.tokenizer.encode(_read_text(text_path), add_special=True)
+            add_bos = s.tokenizer.add_bos and s.tokenizer.bos_id is not None
+            chunk_list = ppl.chunk_tokens(tokens, ctx_size, chunks, s.tokenizer.bos_id if add_bos else None)
+            total = len(chunk_list)
+        progress = _progress_bar("chunks", total, show=not as_json)
+        with progress as bar:
+            task = bar.add_task("kl-divergence" if kld else "perplexity", total=total)
+
+            def on_chunk(i, r):
+                now = r.summary()["kld"]["mean"][0] if kld and len(r.kld) > 1 else getattr(r, "ppl", None)
+                bar.update(task, completed=i + 1,
+                           description=f"{'KLD' if kld else 'PPL'} {now:.4f}" if now is not None else "")
+            if kld:
+                stats = ppl.kl_divergence(s.model, base, on_chunk)
+            else:
+                writer = None
+                if kld_base is not None:
+                    writer = ppl.LogitsWriter(kld_base, ctx_size, s.model.config.n_vocab, chunk_list)
+                with writer if writer is not None else contextlib.nullcontext():
+                    res = ppl.perplexity(s.model, chunk_list, on_chunk, writer)
+    if kld:
+        doc = stats.summary()
+        if as_json:
+            print(json.dumps(doc, indent=1))
+        else:
+            _render_kld(doc)
+        return
+    if as_json:
+        print(json.dumps({"ppl": res.ppl, "ppl_error": res.ppl_error, "chunks": len(chunk_list),
+                          "n_ctx": ctx_size, "tokens_scored": len(res.nll), "chunk_ppl": res.chunk_ppl}, indent=1))
+    else:
+        out.print(f"[{', '.join(f'{i + 1}]{p:.4f}' for i, p in enumerate(res.chunk_ppl))}")
+        out.print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_error:.5f}")
+
+
+def _progress_bar(unit: str, total: int, show: bool = True) -> Progress:
+    return Progress(TextColumn("{task.description}", style="cyan"), BarColumn(),
+                    TextColumn(f"{{task.completed}}/{{task.total}} {unit}"), TimeRemainingColumn(),
+                    console=err, transient=True, disable=not (show and err.is_terminal))
+
+
+def _render_kld(doc: dict) -> None:
+    """The statistics llama-perplexity --kl-divergence prints, in its order."""
+    pm = lambda v, scale=1.0, d=6: f"{v[0] * scale:.{d}f} ± {v[1] * scale:.{d}f}"     # noqa: E731
+    out.print("====== Perplexity statistics ======")
+    out.print(f"Mean PPL(Q)                   : {pm(doc['ppl'])}")
+    out.print(f"Mean PPL(base)                : {pm(doc['ppl_base'])}")
+    out.print(f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * doc['cor_ln_ppl']:.2f}%")
+    out.print(f"Mean ln(PPL(Q)/PPL(base))     : {pm(doc['ln_ppl_ratio'])}")
+    out.print(f"Mean PPL(Q)/PPL(base)         : {pm(doc['ppl_ratio'])}")
+    out.print(f"Mean PPL(Q)-PPL(base)         : {pm(doc['ppl_diff'])}")
+    out.print("\n====== KL divergence statistics ======")
+    k = doc["kld"]
+    out.print(f"Mean    KLD: {pm(k['mean'])}")
+    for key in ("max", "99.9%", "99.0%", "95.0%", "90.0%", "median", "10.0%", "5.0%", "1.0%", "0.1%", "min"):
+        out.print(f"{key.replace('.0%', '%'):>7} KLD: {k[key]:10.6f}")
+    out.print("\n====== Token probability statistics ======")
+    d = doc["delta_p"]
+    out.print(f"Mean    Δp: {pm(d['mean'], d=3)} %")
+    for key in ("max", "99.9%", "99.0%", "95.0%", "90.0%", "75.0%", "median", "25.0%", "10.0%", "5.0%", "1.0%",
+                "0.1%", "min"):
+        out.print(f"{key.replace('.0%', '%'):>7} Δp: {d[key]:7.3f}%")
+    out.print(f"RMS Δp    : {pm(d['rms'], d=3)} %")
+    out.print(f"Same top p: {pm(doc['same_top_p'], d=3)} %")
 
 
 def main(argv=None) -> int:

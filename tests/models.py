@@ -110,7 +110,9 @@ def add_spm_vocab(w: gguf.GGUFWriter, n_vocab: int) -> None:
 
 def write_deepseek2(path: Path, n_layer=4, n_dense=1, n_embd=256, n_ff=512, n_ff_exp=256, n_expert=4,
                     n_expert_used=2, n_shared=1, n_head=4, q_lora_rank=256, kv_lora_rank=512,
-                    qk_nope=128, qk_rope=64, v_head=128, n_vocab=512, dtype=np.float32, seed=0) -> Path:
+                    qk_nope=128, qk_rope=64, v_head=128, n_vocab=512, dtype=np.float32, seed=0,
+                    fused_kv_b=False, gating=2, probs_bias=0.0, weights_norm=True, weights_scale=2.5,
+                    n_group=0, n_group_used=0, yarn: dict | None = None) -> Path:
     """A DeepSeek-V3-shaped (MLA + MoE) GGUF with random weights.
 
     The per-head MLA tensors keep DeepSeek's real head sizes (attn_k_b rows of qk_nope = 128,
@@ -120,6 +122,19 @@ def write_deepseek2(path: Path, n_layer=4, n_dense=1, n_embd=256, n_ff=512, n_ff
     ik_llama.cpp's loader converts such files only when the head sizes are DeepSeek's (576/512,
     64 rope dims) and ``n_head`` is a multiple of 4; otherwise it aborts with "Sorry, uknown model"
     (llm_load_hparams), which is why ``n_head`` defaults to 4.
+
+    Variants (the defaults write the file described above):
+
+    * ``fused_kv_b``: the older layout with only attn_kv_b [kv_lora, n_head * (qk_nope + v_head)]
+      and per-head metadata (head_count_kv = n_head, key_length = qk_nope + qk_rope), which
+      ik_llama.cpp loads with any head sizes;
+    * ``q_lora_rank=0``: queries from attn_q, as DeepSeek-V2-Lite (ik_llama.cpp expects that only
+      of 26- or 27-layer models);
+    * ``gating`` 1 (softmax, DeepSeek-V2: no exp_probs_b) or 2 (sigmoid, V3); ``probs_bias``: the
+      scale of a random exp_probs_b (0: zeros); ``weights_norm``, ``weights_scale``; ``n_group``,
+      ``n_group_used``: expert_group_count / expert_group_used_count (written when > 0);
+    * ``yarn``: YaRN rope scaling, ``{"factor", "original_context_length", "log_multiplier"}`` and
+      optionally ``"attn_factor"``.
     """
     rng = np.random.default_rng(seed)
     a = "deepseek2"
@@ -129,25 +144,40 @@ def write_deepseek2(path: Path, n_layer=4, n_dense=1, n_embd=256, n_ff=512, n_ff
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
-    w.add_head_count_kv(1)
+    w.add_head_count_kv(n_head if fused_kv_b else 1)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_expert_used_count(n_expert_used)
     w.add_vocab_size(n_vocab)
     w.add_uint32(f"{a}.leading_dense_block_count", n_dense)
-    w.add_uint32(f"{a}.attention.q_lora_rank", q_lora_rank)
+    if q_lora_rank:
+        w.add_uint32(f"{a}.attention.q_lora_rank", q_lora_rank)
     w.add_uint32(f"{a}.attention.kv_lora_rank", kv_lora_rank)
-    w.add_uint32(f"{a}.attention.key_length", kv_lora_rank + qk_rope)
-    w.add_uint32(f"{a}.attention.value_length", kv_lora_rank)
-    w.add_uint32(f"{a}.attention.key_length_mla", qk_nope + qk_rope)
-    w.add_uint32(f"{a}.attention.value_length_mla", v_head)
+    if fused_kv_b:
+        w.add_uint32(f"{a}.attention.key_length", qk_nope + qk_rope)
+        w.add_uint32(f"{a}.attention.value_length", v_head)
+    else:
+        w.add_uint32(f"{a}.attention.key_length", kv_lora_rank + qk_rope)
+        w.add_uint32(f"{a}.attention.value_length", kv_lora_rank)
+        w.add_uint32(f"{a}.attention.key_length_mla", qk_nope + qk_rope)
+        w.add_uint32(f"{a}.attention.value_length_mla", v_head)
     w.add_uint32(f"{a}.expert_feed_forward_length", n_ff_exp)
     w.add_uint32(f"{a}.expert_count", n_expert)
     w.add_uint32(f"{a}.expert_shared_count", n_shared)
-    w.add_float32(f"{a}.expert_weights_scale", 2.5)
-    w.add_bool(f"{a}.expert_weights_norm", True)
-    w.add_uint32(f"{a}.expert_gating_func", 2)
+    w.add_float32(f"{a}.expert_weights_scale", weights_scale)
+    w.add_bool(f"{a}.expert_weights_norm", weights_norm)
+    w.add_uint32(f"{a}.expert_gating_func", gating)
+    if n_group > 0:
+        w.add_uint32(f"{a}.expert_group_count", n_group)
+        w.add_uint32(f"{a}.expert_group_used_count", n_group_used)
     w.add_uint32(f"{a}.rope.dimension_count", qk_rope)
+    if yarn:
+        w.add_string(f"{a}.rope.scaling.type", "yarn")
+        w.add_float32(f"{a}.rope.scaling.factor", yarn["factor"])
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", yarn["original_context_length"])
+        w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", yarn.get("log_multiplier", 0.0))
+        if "attn_factor" in yarn:
+            w.add_float32(f"{a}.rope.scaling.attn_factor", yarn["attn_factor"])
     w.add_file_type(0 if dtype == np.float32 else 1)
     add_spm_vocab(w, n_vocab)
     w.add_tensor("token_embd.weight", _w(rng, n_vocab, n_embd, dtype=dtype))
@@ -156,13 +186,20 @@ def write_deepseek2(path: Path, n_layer=4, n_dense=1, n_embd=256, n_ff=512, n_ff
     for i in range(n_layer):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, np.float32))
-        w.add_tensor(p + "attn_q_a_norm.weight", np.ones(q_lora_rank, np.float32))
+        if q_lora_rank:
+            w.add_tensor(p + "attn_q_a_norm.weight", np.ones(q_lora_rank, np.float32))
         w.add_tensor(p + "attn_kv_a_norm.weight", np.ones(kv_lora_rank, np.float32))
-        w.add_tensor(p + "attn_q_a.weight", _w(rng, q_lora_rank, n_embd, dtype=dtype))
-        w.add_tensor(p + "attn_q_b.weight", _w(rng, n_head * (qk_nope + qk_rope), q_lora_rank, dtype=dtype))
+        if q_lora_rank:
+            w.add_tensor(p + "attn_q_a.weight", _w(rng, q_lora_rank, n_embd, dtype=dtype))
+            w.add_tensor(p + "attn_q_b.weight", _w(rng, n_head * (qk_nope + qk_rope), q_lora_rank, dtype=dtype))
+        else:
+            w.add_tensor(p + "attn_q.weight", _w(rng, n_head * (qk_nope + qk_rope), n_embd, dtype=dtype))
         w.add_tensor(p + "attn_kv_a_mqa.weight", _w(rng, kv_lora_rank + qk_rope, n_embd, dtype=dtype))
-        w.add_tensor(p + "attn_k_b.weight", _w(rng, n_head, kv_lora_rank, qk_nope, dtype=dtype))
-        w.add_tensor(p + "attn_v_b.weight", _w(rng, n_head, v_head, kv_lora_rank, dtype=dtype))
+        if fused_kv_b:
+            w.add_tensor(p + "attn_kv_b.weight", _w(rng, n_head * (qk_nope + v_head), kv_lora_rank, dtype=dtype))
+        else:
+            w.add_tensor(p + "attn_k_b.weight", _w(rng, n_head, kv_lora_rank, qk_nope, dtype=dtype))
+            w.add_tensor(p + "attn_v_b.weight", _w(rng, n_head, v_head, kv_lora_rank, dtype=dtype))
         w.add_tensor(p + "attn_output.weight", _w(rng, n_embd, n_head * v_head, dtype=dtype))
         w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, np.float32))
         if i < n_dense:
@@ -171,7 +208,9 @@ def write_deepseek2(path: Path, n_layer=4, n_dense=1, n_embd=256, n_ff=512, n_ff
             w.add_tensor(p + "ffn_down.weight", _w(rng, n_embd, n_ff, dtype=dtype))
             continue
         w.add_tensor(p + "ffn_gate_inp.weight", _w(rng, n_expert, n_embd))
-        w.add_tensor(p + "exp_probs_b.bias", np.zeros(n_expert, np.float32))
+        if gating == 2:
+            bias = _w(rng, n_expert, scale=probs_bias) if probs_bias else np.zeros(n_expert, np.float32)
+            w.add_tensor(p + "exp_probs_b.bias", bias)
         w.add_tensor(p + "ffn_gate_exps.weight", _w(rng, n_expert, n_ff_exp, n_embd, dtype=dtype))
         w.add_tensor(p + "ffn_up_exps.weight", _w(rng, n_expert, n_ff_exp, n_embd, dtype=dtype))
         w.add_tensor(p + "ffn_down_exps.weight", _w(rng, n_expert, n_embd, n_ff_exp, dtype=dtype))

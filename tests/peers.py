@@ -354,14 +354,109 @@ def ik_logits(model_path: str | os.PathLike, tokens: list[int], *, all_positions
         model.close()
 
 
-def ik_tokenize(model_path: str | os.PathLike, text: str, *, add_bos: bool = True) -> list[int]:
-    """Tokens of ``text`` with the model's own tokenizer (vocab-only load)."""
-    from ik_llama_cpp import _ctypes_api as C
-    from ik_llama_cpp._internals import IkModel
+class IkVocab:
+    """ik_llama.cpp's tokenizer of one model file, loaded once (``vocab_only``) for many calls.
 
-    _silence_llama(C)
-    model = IkModel(str(model_path), use_mmap=True, n_gpu_layers=0)
+    Wraps ``llama_tokenize``, ``llama_token_to_piece``, ``llama_detokenize``, ``llama_token_get_attr``
+    and ``llama_token_is_eog`` of the wheel's libllama (ik_llama.cpp takes the model pointer where
+    mainline takes the vocab, except in ``llama_detokenize``).
+    """
+
+    def __init__(self, model_path: str | os.PathLike):
+        from ik_llama_cpp import _ctypes_api as C
+
+        _silence_llama(C)
+        C.llama_backend_init()
+        params = C.llama_model_default_params()
+        params.vocab_only = True
+        params.use_mmap = True
+        self._C, self._lib = C, C._lib
+        self._model = C.llama_model_load_from_file(str(model_path).encode("utf-8"), params)
+        if not self._model:
+            raise RuntimeError(f"ik_llama.cpp cannot load the vocabulary of {model_path}")
+        self._vocab = C.llama_model_get_vocab(self._model)
+        self.n_vocab = C.llama_vocab_n_tokens(self._vocab)
+        lib = self._lib
+        lib.llama_detokenize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32,
+                                         ctypes.c_char_p, ctypes.c_int32, ctypes.c_bool, ctypes.c_bool]
+        lib.llama_detokenize.restype = ctypes.c_int32
+        lib.llama_token_get_attr.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib.llama_token_get_attr.restype = ctypes.c_int
+
+    def tokenize(self, text: str, *, add_bos: bool = True, special: bool = False) -> list[int]:
+        """``llama_tokenize(text, add_special=add_bos, parse_special=special)``."""
+        data = text.encode("utf-8")
+        n = self._C.llama_tokenize(self._model, data, len(data), None, 0, add_bos, special)
+        buf = (self._C.llama_token * max(1, abs(n)))()
+        n = self._C.llama_tokenize(self._model, data, len(data), buf, len(buf), add_bos, special)
+        if n < 0:
+            raise RuntimeError(f"llama_tokenize needs {-n} tokens")
+        return list(buf[:n])
+
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        """``llama_token_to_piece(token, lstrip=0, special)`` as raw bytes."""
+        buf = ctypes.create_string_buffer(256)
+        n = self._C.llama_token_to_piece(self._model, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._C.llama_token_to_piece(self._model, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: list[int], *, remove_special: bool = False,
+                   unparse_special: bool = False) -> bytes:
+        """``llama_detokenize`` as raw bytes."""
+        arr = (ctypes.c_int32 * max(1, len(tokens)))(*tokens)
+        size = 64 + 8 * len(tokens)
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = self._lib.llama_detokenize(self._vocab, arr, len(tokens), buf, size, remove_special,
+                                           unparse_special)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+
+    def attr(self, token: int) -> int:
+        """``llama_token_get_attr``: the LLAMA_TOKEN_ATTR_* bits."""
+        return int(self._lib.llama_token_get_attr(self._model, token))
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._C.llama_token_is_eog(self._model, token))
+
+    def close(self) -> None:
+        if self._model:
+            self._C.llama_free_model(self._model)
+            self._model = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def ik_tokenize(model_path: str | os.PathLike, text: str, *, add_bos: bool = True,
+                special: bool = False) -> list[int]:
+    """Tokens of ``text`` with the model's own tokenizer (vocab-only load); ``special`` parses
+    control-token texts such as ``<|im_start|>`` (``parse_special``)."""
+    with IkVocab(model_path) as vocab:
+        return vocab.tokenize(text, add_bos=add_bos, special=special)
+
+
+def ik_unicode_flags():
+    """ik_llama.cpp's ``unicode_cpt_flags_from_cpt(cpt)`` as a python function returning the flag bits
+    (``unicode_cpt_flags::as_uint``: category bits 0x01..0x80, 0x100 whitespace, then lower/upper/nfd),
+    or None when the wheel or the symbol is missing.
+
+    The function is C++ (``unicode.h``) but exported from libllama.so under its Itanium-mangled name;
+    the 2-byte bitfield struct it returns travels in a register on x86-64, hence ``c_uint16``.
+    """
+    if wheel_dir() is None:
+        return None
     try:
-        return model.tokenize(text, add_bos=add_bos)
-    finally:
-        model.close()
+        from ik_llama_cpp import _ctypes_api as C
+        fn = C._lib._Z26unicode_cpt_flags_from_cptj
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_uint32]
+    fn.restype = ctypes.c_uint16
+    return fn

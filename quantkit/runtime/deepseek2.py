@@ -1,0 +1,196 @@
+"""The blocks of architecture ``deepseek2`` (DeepSeek-V2/V2-Lite/V3/R1): multi-head latent attention
+(MLA) and the routed mixture of experts, computed as ik_llama.cpp does (llm_build_deepseek2 with
+its default MLA mode and flash attention off).
+
+MLA keeps one compressed vector per position instead of per-head keys and values.  The cache holds
+``kv`` = rmsnorm of the first kv_lora_rank outputs of attn_kv_a_mqa, and the shared roped key part
+``k_rope`` (its last n_rot outputs).  Each head's key is (attn_k_b · kv, k_rope) and its value
+attn_v_b · kv, so the query's non-rope part is moved into the latent space once
+(q_nope · attn_k_b), attention runs against the cache rows themselves, and attn_v_b maps the
+result back to each head's values: the same numbers with far less cache.
+
+Files from ik_llama.cpp's and mainline's MLA converters store attn_k_b [qk_nope, kv_lora, n_head]
+and attn_v_b [kv_lora, v_head, n_head]; older files only the fused attn_kv_b
+[kv_lora, n_head * (qk_nope + v_head)], whose rows are, per head, qk_nope key rows then v_head
+value rows; both are used in place, the key rows transposed (``matmul_q_t``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import QuantkitError
+from ..gguf_io.reader import GGUFModel
+from .weights import Weight
+
+# deepseek2.expert_gating_func
+GATING = {1: "softmax", 2: "sigmoid"}
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    q_lora_rank: int            # 0: queries straight from attn_q (V2-Lite)
+    kv_lora_rank: int           # compressed kv per position (what the cache keeps, with k_rope)
+    qk_nope: int                # per-head query/key dims without rope
+    qk_rope: int                # roped dims, the key's shared by all heads (n_rot)
+    v_head_dim: int
+    kq_scale: float             # softmax scale: mscale^2 / sqrt(qk_nope + qk_rope)
+    # ggml_rope_ext arguments (YaRN)
+    freq_scale: float
+    ext_factor: float
+    rope_mscale: float
+    beta_fast: float
+    beta_slow: float
+    n_ctx_orig: int
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    n_expert: int
+    n_expert_used: int
+    n_expert_shared: int
+    n_dense_lead: int           # the first layers have a plain FFN
+    gating: str                 # "softmax" or "sigmoid"
+    weights_norm: bool
+    weights_scale: float
+    n_group: int                # group-limited routing: experts of the n_group_used best groups only
+    n_group_used: int
+
+
+def read_config(model: GGUFModel, key, n_ctx_train: int) -> tuple[MLAConfig, MoEConfig]:
+    """MLA and MoE parameters from the metadata; ``key(name, default)`` reads ``deepseek2.<name>``."""
+    n_rot = int(key("rope.dimension_count"))
+    if model.get("deepseek2.attention.key_length_mla") is not None:
+        # mainline's MLA layout: key_length/value_length describe the latent cache (576/512),
+        # the *_mla keys the per-head sizes
+        qk_head, v_head = int(key("attention.key_length_mla")), int(key("attention.value_length_mla"))
+    else:
+        qk_head, v_head = int(key("attention.key_length")), int(key("attention.value_length"))
+
+    # rope scaling as ik_llama.cpp reads it: a missing type means linear, a missing factor 1
+    scaling = key("rope.scaling.type", "linear")
+    if scaling not in ("none", "linear", "yarn"):
+        raise QuantkitError(f"{model.path}: rope scaling '{scaling}' is not supported for deepseek2")
+    factor = float(key("rope.scaling.factor", 0.0) or 0.0)
+    freq_scale = 1.0 / factor if factor and scaling != "none" else 1.0
+    attn_factor = float(key("rope.scaling.attn_factor", 1.0))
+    # DeepSeek's YaRN: the softmax scale carries mscale^2 with mscale = 0.1 * mscale_all_dim * ln(s) + 1
+    # (yarn_log_multiplier = 0.1 * mscale_all_dim) instead of scaling q and k; so llm_build_deepseek2
+    # gives the rope a magnitude 1 / (1 + 0.1 ln s) that cancels YaRN's own (ggml_rope_ext multiplies
+    # by 1 + 0.1 ln s when ext_factor != 0; with linear scaling nothing cancels it, as in ik_llama.cpp)
+    mscale = attn_factor * (1.0 + float(key("rope.scaling.yarn_log_multiplier", 0.0)) * math.log(1.0 / freq_scale))
+    mla = MLAConfig(
+        q_lora_rank=int(key("attention.q_lora_rank", 0)), kv_lora_rank=int(key("attention.kv_lora_rank")),
+        qk_nope=qk_head - n_rot, qk_rope=n_rot, v_head_dim=v_head,
+        kq_scale=mscale * mscale / math.sqrt(qk_head),
+        freq_scale=freq_scale, ext_factor=1.0 if scaling == "yarn" else 0.0,
+        rope_mscale=1.0 / (1.0 + 0.1 * math.log(1.0 / freq_scale)),
+        # ik_llama.cpp does not read yarn_beta_fast/slow for deepseek2: ggml's defaults, which are
+        # also DeepSeek's published values
+        beta_fast=32.0, beta_slow=1.0,
+        n_ctx_orig=int(key("rope.scaling.original_context_length", n_ctx_train)))
+
+    # files without it are DeepSeek-V2 (softmax), except that ik_llama.cpp takes 47/48-layer ones
+    # for GLM-4.7-Flash (sigmoid)
+    gating = int(key("expert_gating_func", 2 if int(key("block_count")) in (47, 48) else 1))
+    if gating not in GATING:
+        raise QuantkitError(f"{model.path}: expert gating function {gating} is not supported for deepseek2")
+    moe = MoEConfig(
+        n_expert=int(key("expert_count")), n_expert_used=int(key("expert_used_count")),
+        n_expert_shared=int(key("expert_shared_count", 0)), n_dense_lead=int(key("leading_dense_block_count", 0)),
+        gating=GATING[gating], weights_norm=bool(key("expert_weights_norm", False)),
+        weights_scale=float(key("expert_weights_scale", 1.0)),
+        n_group=int(key("expert_group_count", 1) or 1), n_group_used=int(key("expert_group_used_count", 0) or 0))
+    if moe.n_group > 1 and moe.n_expert % moe.n_group:
+        raise QuantkitError(f"{model.path}: {moe.n_expert} experts do not split into {moe.n_group} groups")
+    return mla, moe
+
+
+# ---- weights ----
+
+@dataclass(frozen=True)
+class MLAHeads:
+    """One layer's per-head latent maps (views of the file's tensors)."""
+    k_b: list[Weight]           # per head: q_nope (qk_nope) -> latent (kv_lora); rows of attn_kv_b if k_b_t
+    k_b_t: bool                 # k_b are attn_kv_b's key rows (kv_lora -> qk_nope), to be used transposed
+    v_b: list[Weight]           # per head: latent (kv_lora) -> value (v_head)
+
+
+def _rows(w: Weight, r0: int, r1: int) -> Weight:
+    """Rows r0:r1 of a matrix as a 2-D Weight (a view)."""
+    return Weight(f"{w.name}[{r0}:{r1}]", w.qtype, (w.n_in, r1 - r0), w.blocks[r0:r1])
+
+
+def _per_head(w: Weight, n_in: int, n_out: int, n_head: int) -> list[Weight]:
+    """The n_head matrices (n_out rows of n_in) of a 3-D tensor, also when stored flattened to 2-D."""
+    if w.n_in != n_in or w.n_out * w.n_matrices != n_out * n_head:
+        raise QuantkitError(f"tensor {w.name}: shape {list(w.shape)}, expected [{n_in}, {n_out}, {n_head}]")
+    return [_rows(w, h * n_out, (h + 1) * n_out) for h in range(n_head)]
+
+
+def load_layer(m, i: int) -> MLAHeads:
+    """Check that layer i has every tensor it needs (so a bad file fails at load) and return its
+    per-head latent maps."""
+    c, mla, moe = m.config, m.config.mla, m.config.moe
+    p = f"blk.{i}."
+    names = ["attn_norm", "attn_kv_a_mqa", "attn_kv_a_norm", "attn_output", "ffn_norm"]
+    names += ["attn_q_a", "attn_q_a_norm", "attn_q_b"] if mla.q_lora_rank else ["attn_q"]
+    if i < moe.n_dense_lead:
+        names += ["ffn_gate", "ffn_up", "ffn_down"]
+    else:
+        names += ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
+        names += ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"] if moe.n_expert_shared else []
+    for name in names:
+        m.w.need(p + name + ".weight")
+    nope, lora, v_dim, n_head = mla.qk_nope, mla.kv_lora_rank, mla.v_head_dim, c.n_head
+    if p + "attn_k_b.weight" in m.w and p + "attn_v_b.weight" in m.w:
+        return MLAHeads(_per_head(m.w.need(p + "attn_k_b.weight"), nope, lora, n_head), False,
+                        _per_head(m.w.need(p + "attn_v_b.weight"), lora, v_dim, n_head))
+    kv_b = m.w.need(p + "attn_kv_b.weight")
+    heads = _per_head(kv_b, lora, nope + v_dim, n_head)
+    return MLAHeads([_rows(h, 0, nope) for h in heads], True, [_rows(h, nope, nope + v_dim) for h in heads])
+
+
+# ---- blocks ----
+
+def attention(m, i: int, h, pos, cache):
+    """MLA self-attention of layer i on the normed input h (n_tokens, n_embd) -> (n_tokens, n_embd)."""
+    c, mla, ops, heads = m.config, m.config.mla, m.ops, m.mla_heads[i]
+    p, n = f"blk.{i}.", h.shape[0]
+    if mla.q_lora_rank:
+        q = ops.rmsnorm(m.linear(p + "attn_q_a", h), m.vector(p + "attn_q_a_norm.weight"), c.rms_eps)
+        q = m.linear(p + "attn_q_b", q)
+    else:
+        q = m.linear(p + "attn_q", h)
+    q = q.reshape(n, c.n_head, mla.qk_nope + mla.qk_rope)
+    q_nope, q_rope = q[..., :mla.qk_nope], q[..., mla.qk_nope:].copy()
+
+    kv = m.linear(p + "attn_kv_a_mqa", h)                                  # (n, kv_lora + qk_rope)
+    k_rope = kv[:, mla.kv_lora_rank:].reshape(n, 1, mla.qk_rope).copy()
+    kv = ops.rmsnorm(kv[:, :mla.kv_lora_rank], m.vector(p + "attn_kv_a_norm.weight"), c.rms_eps)
+
+    # ggml's "normal" rope (adjacent pairs) on the rope dims of every query head and the shared key
+    rope = dict(freq_scale=mla.freq_scale, ext_factor=mla.ext_factor, mscale=mla.rope_mscale,
+                beta_fast=mla.beta_fast, beta_slow=mla.beta_slow, n_ctx_orig=mla.n_ctx_orig)
+    q_rope = ops.rope_ext(q_rope, pos, mla.qk_rope, c.rope_base, **rope)
+    k_rope = ops.rope_ext(k_rope, pos, mla.qk_rope, c.rope_base, **rope)
+
+    pos0 = cache.n_past
+    cache.store(i, pos0, k_rope, kv)
+    q_lat = ops.matmul_q_heads(heads.k_b, q_nope, transposed=heads.k_b_t)   # (n, n_head, kv_lora)
+    a = ops.attention_mla(q_rope, q_lat, cache, i, pos0, mla.kq_scale)      # (n, n_head, kv_lora)
+    o = ops.matmul_q_heads(heads.v_b, a)                                     # (n, n_head, v_head)
+    return m.linear(p + "attn_output", o.reshape(n, c.n_head * mla.v_head_dim))
+
+
+def moe(m, i: int, h):
+    """Routed experts plus the shared ones of layer i on the normed input h -> (n_tokens, n_embd)."""
+    moe_c, ops, p = m.config.moe, m.ops, f"blk.{i}."
+    ids, weights = ops.moe_route(m.linear(p + "ffn_gate_inp", h), moe_c.n_expert_used, moe_c.gating,
+                                 bias=m.vector(p + "exp_probs_b.bias"), norm=moe_c.weights_norm,
+                                 scale=moe_c.weights_scale, n_group=moe_c.n_group, n_group_used=moe_c.n_group_used)
+    out = ops.moe_ffn(h, ids, weights, m.w.need(p + "ffn_gate_exps.weight"), m.w.need(p + "ffn_up_exps.weight"),
+                      m.w.need(p + "ffn_down_exps.weight"))
+    if moe_c.n_expert_shared:
+        out = out + m.ffn(p, h, "_shexp")
+    return out

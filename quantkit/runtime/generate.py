@@ -1,0 +1,92 @@
+"""Text generation: sampling and the prompt -> tokens loop, with llama.cpp's timing split
+(prompt processing vs. generation)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import QuantkitError
+
+
+@dataclass
+class SamplerOptions:
+    temp: float = 0.8           # <= 0: greedy
+    top_k: int = 40             # <= 0: all tokens
+    top_p: float = 0.95         # >= 1: no nucleus cut
+    seed: int | None = None
+
+
+class Sampler:
+    """top-k, then top-p, then temperature, as llama.cpp's default chain orders them."""
+
+    def __init__(self, opts: SamplerOptions):
+        self.opts = opts
+        self.rng = np.random.default_rng(opts.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        o = self.opts
+        if o.temp <= 0:
+            return int(np.argmax(logits))
+        logits = logits.astype(np.float64)
+        k = len(logits) if o.top_k <= 0 else min(o.top_k, len(logits))
+        idx = np.argpartition(-logits, k - 1)[:k]
+        idx = idx[np.argsort(-logits[idx], kind="stable")]
+        p = np.exp(logits[idx] - logits[idx[0]])
+        p /= p.sum()
+        if o.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(p), o.top_p) + 1)
+            idx, p = idx[:keep], p[:keep]
+        z = logits[idx] / o.temp
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        return int(idx[self.rng.choice(len(idx), p=p)])
+
+
+@dataclass
+class GenerationStats:
+    n_prompt: int = 0
+    prompt_seconds: float = 0.0
+    n_generated: int = 0
+    gen_seconds: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.n_prompt / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def gen_tps(self) -> float:
+        return self.n_generated / self.gen_seconds if self.gen_seconds else 0.0
+
+
+def generate(model, prompt: list[int], n_predict: int, sampler: Sampler, stop_ids=(),
+             n_ctx: int | None = None, stats: GenerationStats | None = None) -> Iterator[int]:
+    """Yield up to ``n_predict`` sampled tokens after ``prompt``; stops early at a token of
+    ``stop_ids`` (not yielded).  ``stats`` is filled as it goes."""
+    if not prompt:
+        raise QuantkitError("the prompt is empty (no tokens)")
+    n_ctx = n_ctx or min(model.config.n_ctx_train, len(prompt) + n_predict)
+    if len(prompt) + n_predict > n_ctx:
+        raise QuantkitError(f"prompt ({len(prompt)} tokens) + {n_predict} exceeds the context of {n_ctx}")
+    stats = stats if stats is not None else GenerationStats()
+    stats.n_prompt = len(prompt)
+    cache = model.new_cache(n_ctx)
+    t0 = time.perf_counter()
+    logits = model.forward(prompt, cache, logits_from=len(prompt) - 1)[-1]
+    stats.prompt_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(n_predict):
+        tok = sampler(logits)
+        if tok in stop_ids:
+            break
+        stats.tokens.append(tok)
+        stats.n_generated += 1
+        yield tok
+        if stats.n_generated == n_predict:
+            break
+        logits = model.forward([tok], cache, logits_from=0)[-1]
+        stats.gen_seconds = time.perf_counter() - t0
+    stats.gen_seconds = time.perf_counter() - t0

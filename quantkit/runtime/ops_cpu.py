@@ -1,0 +1,309 @@
+"""CPU operations of the runtime (numpy + numba).  ``model.py`` calls only these; a CUDA backend
+provides the same functions with the same signatures.
+
+ggml's CPU graph is followed where it changes numbers that a comparison with llama.cpp would see:
+the KV cache holds float16, and ggml multiplies it with float16 copies of its other operand (the
+query for K·Q, the softmax probabilities for V·P).  Quantized weights are multiplied with float32
+activations here.  ggml first rounds activations to 8 bits, and how depends on its build and on the
+batch size (ik_llama.cpp's wheel gives the same position logits that differ by several percent of
+max |logit| between a batch of 4 and one of 64 tokens), so quantkit does not imitate one of those
+paths: it computes what the stored weights mean, which tests check against ik_llama.cpp on the
+dequantized (F32) file to float precision.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..types import QuantType, traits
+from .weights import Weight
+
+F32 = np.float32
+# float32 values of a decoded weight tile: small enough to stay in L2/L3 between the decoder and
+# the BLAS product that reads it
+TILE_VALUES = 1 << 20
+
+
+def _f16_round(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(F32)
+
+
+# ---- matrix products ----
+
+def matmul_q(w: Weight, x: np.ndarray) -> np.ndarray:
+    """x (n_tokens, n_in) @ w^T -> (n_tokens, n_out), reading w in its stored type.
+
+    Rows of w are decoded a tile at a time into float32 and multiplied with BLAS, so a product
+    touches each stored byte once and never holds more than one decoded tile."""
+    x = np.ascontiguousarray(x, F32)
+    if w.qtype == QuantType.F32:
+        return x @ w.plain().T
+    if w.qtype == QuantType.F16:
+        x = _f16_round(x)           # ggml's f16 dot product converts the activations to f16
+    n_out, group = w.n_out * w.n_matrices, traits(w.qtype).interleave_rows
+    tile = max(group, TILE_VALUES // w.n_in // group * group)
+    out = np.empty((x.shape[0], n_out), F32)
+    for r0 in range(0, n_out, tile):
+        r1 = min(n_out, r0 + tile)
+        np.matmul(x, w.rows(r0, r1).T, out=out[:, r0:r1])
+    return out
+
+
+def matmul_q_t(w: Weight, x: np.ndarray) -> np.ndarray:
+    """x (n_tokens, n_out) @ w -> (n_tokens, n_in): w used transposed, rows decoded a tile at a time.
+
+    For MLA files that only have the fused attn_kv_b: its key rows map the latent to the key, and
+    the absorbed query needs the opposite direction.  ik_llama.cpp builds a transposed copy at load
+    (float types kept, quantized ones requantized to q8_0); here the stored rows are used as they
+    are, which differs from that copy only by its 8-bit rounding."""
+    x = np.ascontiguousarray(x, F32)
+    if w.qtype == QuantType.F32:
+        return x @ w.plain()
+    if w.qtype == QuantType.F16:
+        x = _f16_round(x)
+    group = traits(w.qtype).interleave_rows
+    tile = max(group, TILE_VALUES // w.n_in // group * group)
+    out = np.zeros((x.shape[0], w.n_in), F32)
+    for r0 in range(0, w.n_out, tile):
+        r1 = min(w.n_out, r0 + tile)
+        out += x[:, r0:r1] @ w.rows(r0, r1)
+    return out
+
+
+def matmul_q_heads(ws, x: np.ndarray, transposed: bool = False) -> np.ndarray:
+    """Per-head products (ggml's batched mul_mat with a 3-D weight): x (n_tokens, n_head, d_in)
+    with one matrix per head in ``ws`` -> (n_tokens, n_head, d_out)."""
+    mm = matmul_q_t if transposed else matmul_q
+    return np.stack([mm(w, x[:, h]) for h, w in enumerate(ws)], axis=1)
+
+
+def embed(w: Weight, ids: np.ndarray) -> np.ndarray:
+    """Rows ``ids`` of a token embedding (n_tokens, n_embd), decoded (ggml_get_rows)."""
+    group = traits(w.qtype).interleave_rows
+    out = np.empty((len(ids), w.n_in), F32)
+    for i, t in enumerate(ids):
+        r0 = int(t) // group * group
+        out[i] = w.rows(r0, r0 + group)[int(t) - r0]
+    return out
+
+
+# ---- elementwise ----
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * weight, per row (ggml sums the squares in double)."""
+    ms = np.einsum("ij,ij->i", x.astype(np.float64), x.astype(np.float64)) / x.shape[1]
+    scale = (1.0 / np.sqrt(ms + eps)).astype(F32)
+    return (x * scale[:, None]) * weight
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    return gate / (F32(1) + np.exp(-gate)) * up
+
+
+def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0,
+         neox: bool = False) -> np.ndarray:
+    """Rotary embedding of x (n_tokens, n_heads, head_dim) in place on the first n_rot dims.
+
+    Normal mode rotates adjacent pairs (x[2i], x[2i+1]) (llama after the converter's q/k
+    permutation); neox mode rotates (x[i], x[i + n_rot/2])."""
+    half = n_rot // 2
+    theta_scale = freq_base ** (-2.0 / n_rot)
+    inv = np.array([theta_scale ** i for i in range(half)], np.float64)
+    theta = (pos.astype(np.float64)[:, None] * freq_scale) * inv[None, :]      # (n_tokens, half)
+    return _rotate(x, n_rot, np.cos(theta).astype(F32), np.sin(theta).astype(F32), neox)
+
+
+def rope_ext(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0,
+             ext_factor: float = 0.0, mscale: float = 1.0, beta_fast: float = 32.0, beta_slow: float = 1.0,
+             n_ctx_orig: int = 0, neox: bool = False) -> np.ndarray:
+    """``ggml_rope_ext``: :func:`rope` with YaRN, in place on the first n_rot dims of x.
+
+    With ``ext_factor`` 0 the angles are the linearly scaled ones (pos * freq_scale * base^(-2i/n_rot))
+    and cos/sin are multiplied by ``mscale``.  Otherwise YaRN blends, per frequency, the scaled
+    angle with the unscaled one: dims below the "fast" correction dim keep their original frequency
+    (they turn many times within the training context), dims above the "slow" one are interpolated,
+    with a linear ramp in between; and mscale grows by 1 + 0.1 ln(1 / freq_scale)."""
+    half = n_rot // 2
+    i = np.arange(half)
+    theta_extrap = pos.astype(np.float64)[:, None] * (freq_base ** (-2.0 * i / n_rot))[None, :]
+    theta = freq_scale * theta_extrap                                           # (n_tokens, half)
+    if ext_factor != 0.0:
+        def corr_dim(n_turns):      # the dim whose wavelength fits n_turns times in n_ctx_orig
+            return n_rot * math.log(n_ctx_orig / (n_turns * 2 * math.pi)) / (2 * math.log(freq_base))
+        lo = max(0.0, math.floor(corr_dim(beta_fast)))
+        hi = min(n_rot - 1.0, math.ceil(corr_dim(beta_slow)))
+        mix = (1 - np.clip((i - lo) / max(0.001, hi - lo), 0, 1)) * ext_factor
+        theta = theta * (1 - mix) + theta_extrap * mix
+        mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
+    return _rotate(x, n_rot, (np.cos(theta) * mscale).astype(F32), (np.sin(theta) * mscale).astype(F32), neox)
+
+
+def _rotate(x: np.ndarray, n_rot: int, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
+    """Rotate the dim pairs of x (n_tokens, n_heads, head_dim) by angles given as cos/sin (n_tokens, n_rot/2)."""
+    half = n_rot // 2
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    if neox:
+        a, b = x[..., :half].copy(), x[..., half:n_rot].copy()
+        x[..., :half] = a * cos - b * sin
+        x[..., half:n_rot] = a * sin + b * cos
+    else:
+        a, b = x[..., 0:n_rot:2].copy(), x[..., 1:n_rot:2].copy()
+        x[..., 0:n_rot:2] = a * cos - b * sin
+        x[..., 1:n_rot:2] = a * sin + b * cos
+    return x
+
+
+# ---- attention ----
+
+class KVCache:
+    """Keys and values of every layer for one sequence, stored as float16 like llama.cpp's cache."""
+
+    def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, k_dim: int, v_dim: int):
+        self.k = np.zeros((n_layer, n_ctx, n_head_kv, k_dim), np.float16)     # (layer, pos, head, k_dim)
+        self.v = np.zeros((n_layer, n_ctx, n_head_kv, v_dim), np.float16)     # (layer, pos, head, v_dim)
+        self.n_ctx = n_ctx
+        self.n_past = 0
+
+    def store(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
+        n = k.shape[0]
+        if pos0 + n > self.n_ctx:
+            raise ValueError(f"context is full ({self.n_ctx} positions)")
+        self.k[layer, pos0:pos0 + n] = k
+        self.v[layer, pos0:pos0 + n] = v
+
+    def clear(self) -> None:
+        self.n_past = 0
+
+
+class MLACache(KVCache):
+    """The cache of multi-head latent attention (DeepSeek-V2/V3), float16 like ik_llama.cpp's;
+    :func:`attention` reads it like a KVCache with one key/value head.
+
+    Per layer and position it keeps one row, the roped shared key part (n_rot) followed by the
+    normalized compressed kv (kv_lora_rank), instead of per-head keys and values: the keys are the
+    whole row and the values its last kv_lora_rank entries (``v`` is a view), the queries having
+    been mapped into that latent space."""
+
+    def __init__(self, n_layer: int, n_ctx: int, n_rot: int, kv_lora_rank: int):
+        self.k = np.zeros((n_layer, n_ctx, 1, n_rot + kv_lora_rank), np.float16)   # (layer, pos, 1, n_rot + kv_lora)
+        self.v = self.k[..., n_rot:]                                               # (layer, pos, 1, kv_lora)
+        self.n_rot = n_rot
+        self.n_ctx = n_ctx
+        self.n_past = 0
+
+    def store(self, layer: int, pos0: int, k_rope: np.ndarray, kv: np.ndarray) -> None:
+        """k_rope (n_tokens, 1, n_rot), kv (n_tokens, kv_lora_rank)."""
+        n = kv.shape[0]
+        if pos0 + n > self.n_ctx:
+            raise ValueError(f"context is full ({self.n_ctx} positions)")
+        self.k[layer, pos0:pos0 + n, 0, :self.n_rot] = k_rope.reshape(n, self.n_rot)
+        self.k[layer, pos0:pos0 + n, 0, self.n_rot:] = kv
+
+
+def attention(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float) -> np.ndarray:
+    """Causal multi-head attention of q (n_tokens, n_head, k_dim) at positions pos0.. against the
+    cache's first pos0 + n_tokens positions -> (n_tokens, n_head * v_dim).  Query head h reads
+    key/value head h // (n_head / n_head_kv), as ggml's broadcast does."""
+    n_tok, n_head, k_dim = q.shape
+    n_kv = pos0 + n_tok
+    k = cache.k[layer, :n_kv].astype(F32)                   # (n_kv, n_head_kv, k_dim)
+    v = cache.v[layer, :n_kv].astype(F32)                   # (n_kv, n_head_kv, v_dim)
+    n_head_kv, v_dim = k.shape[1], v.shape[2]
+    g = n_head // n_head_kv
+    qh = _f16_round(q).reshape(n_tok, n_head_kv, g, k_dim).transpose(1, 2, 0, 3)   # (hkv, g, t, k_dim)
+    scores = qh @ k.transpose(1, 2, 0)[:, None]             # (hkv, g, t, n_kv)
+    scores *= F32(scale)
+    # causal mask: query at position pos0 + i sees keys 0 .. pos0 + i
+    future = np.arange(n_kv)[None, :] > (pos0 + np.arange(n_tok))[:, None]
+    scores[..., future] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True, dtype=np.float64).astype(F32)
+    out = _f16_round(scores) @ v.transpose(1, 0, 2)[:, None]        # (hkv, g, t, v_dim)
+    return np.ascontiguousarray(out.transpose(2, 0, 1, 3)).reshape(n_tok, n_head * v_dim)
+
+
+def attention_mla(q_rope: np.ndarray, q_lat: np.ndarray, cache: MLACache, layer: int, pos0: int,
+                  scale: float) -> np.ndarray:
+    """Attention in the latent space of an :class:`MLACache`: queries q_rope (n_tokens, n_head, n_rot)
+    and q_lat (n_tokens, n_head, kv_lora_rank), laid out like the cache rows -> (n_tokens, n_head,
+    kv_lora_rank), still to be mapped to each head's values."""
+    q = np.concatenate([q_rope, q_lat], axis=-1)
+    return attention(q, cache, layer, pos0, scale).reshape(q.shape[0], q.shape[1], -1)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """In float64, as llama-perplexity sums exp in double."""
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def attention_scale(k_dim: int) -> float:
+    return 1.0 / math.sqrt(k_dim)
+
+
+# ---- mixture of experts ----
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return F32(1) / (F32(1) + np.exp(-x))
+
+
+def moe_route(logits: np.ndarray, n_used: int, gating: str, bias: np.ndarray | None = None,
+              norm: bool = False, scale: float = 1.0, n_group: int = 1, n_group_used: int = 1):
+    """Router: expert ids (n_tokens, n_used) and their weights (n_tokens, n_used) from the router
+    logits (n_tokens, n_expert), as ggml's build_moe_ffn chooses them.
+
+    ``gating`` "softmax" or "sigmoid" turns logits into probabilities; ``bias`` (DeepSeek-V3's
+    exp_probs_b) is added for the choice only, the weights are the unbiased probabilities;
+    ``norm`` makes the weights of a token sum to 1, then ``scale`` multiplies them.  With
+    ``n_group_used < n_group`` experts are first restricted to the best groups (DeepSeek's
+    group-limited routing; ik_llama.cpp does not do this for deepseek2)."""
+    probs = softmax(logits) if gating == "softmax" else sigmoid(logits)
+    choice = probs if bias is None else probs + bias
+    if 0 < n_group_used < n_group:
+        choice = _best_groups(choice, n_group, n_group_used, top2=gating != "softmax")
+    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :n_used]
+    weights = np.take_along_axis(probs, ids, axis=-1)
+    if norm:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    if abs(scale - 1.0) > 1e-5:
+        weights = weights * F32(scale)
+    return ids, weights.astype(F32)
+
+
+def _best_groups(choice: np.ndarray, n_group: int, n_group_used: int, top2: bool) -> np.ndarray:
+    """choice with the experts outside each token's n_group_used best groups set to -inf.
+
+    Groups are ranked as DeepSeek's reference does: V3 (sigmoid, ``top2``) by the sum of the two
+    best biased scores of the group, V2 (softmax) by its best probability."""
+    n_tok, n_expert = choice.shape
+    g = choice.reshape(n_tok, n_group, n_expert // n_group)
+    best = np.sort(g, axis=-1)[..., ::-1]
+    score = best[..., :2].sum(axis=-1) if top2 else best[..., 0]                # (n_tokens, n_group)
+    keep = np.argsort(-score, axis=-1, kind="stable")[:, :n_group_used]
+    mask = np.zeros((n_tok, n_group), bool)
+    np.put_along_axis(mask, keep, True, axis=-1)
+    return np.where(mask[..., None], g, -np.inf).reshape(n_tok, n_expert)
+
+
+def moe_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate_exps: Weight, up_exps: Weight,
+            down_exps: Weight) -> np.ndarray:
+    """Routed SwiGLU experts: sum_k weights[:, k] * expert_{ids[:, k]}(x) -> (n_tokens, n_embd).
+
+    Only the tokens routed to an expert go through it: per expert, one product with its matrix of
+    each 3-D tensor.  The weighted outputs are summed in slot order, as ggml does."""
+    n_tok, n_used = ids.shape
+    out = np.zeros((n_tok, n_used, down_exps.n_out), F32)                      # (n_tokens, n_used, n_embd)
+    for e in np.unique(ids):
+        tok, slot = np.nonzero(ids == e)
+        h = x[tok]
+        g = silu_mul(matmul_q(gate_exps.expert(e), h), matmul_q(up_exps.expert(e), h))
+        out[tok, slot] = matmul_q(down_exps.expert(e), g) * weights[tok, slot][:, None]
+    return out.sum(axis=1)

@@ -1,0 +1,62 @@
+"""Open a model file for the runtime: weights, tokenizer and thread settings together.
+
+The CLI's ``run``, ``perplexity`` (and later ``imatrix``) start here, so they agree on how a file is
+opened and how many threads compute.
+"""
+from __future__ import annotations
+
+import codecs
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..gguf_io.reader import GGUFModel, open_model
+from .model import Model
+from .tokenizer import Tokenizer
+
+
+def set_threads(threads: int | None) -> int:
+    """Use ``threads`` for numba kernels and for the BLAS products (all cores when None)."""
+    import numba
+    n = max(1, min(threads or os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    try:                                # numpy's BLAS reads its thread count at import; change it live
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(n, user_api="blas")
+    except ImportError:
+        pass
+    return n
+
+
+@dataclass
+class Session:
+    gguf: GGUFModel
+    model: Model
+    tokenizer: Tokenizer
+    threads: int
+
+
+@contextmanager
+def open_session(path, threads: int | None = None) -> Iterator[Session]:
+    n = set_threads(threads)
+    gguf = open_model(path)
+    try:
+        yield Session(gguf, Model(gguf), Tokenizer.from_model(gguf), n)
+    finally:
+        gguf.close()
+
+
+class TextStream:
+    """Token ids -> text as it becomes printable: a UTF-8 character split across tokens is held back
+    until its last byte arrives (invalid bytes become U+FFFD, as llama.cpp's console shows them)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        return self._decoder.decode(self.tokenizer.token_piece(token))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)

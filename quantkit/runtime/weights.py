@@ -1,0 +1,102 @@
+"""Model weights as they are stored: zero-copy views of the GGUF file, never dequantized as a whole.
+
+A :class:`Weight` is one tensor in ggml order (``shape[0]`` is the row length, the input dimension
+of a matrix product); its ``blocks`` are the file's bytes as ``(n_rows, row_size)`` uint8.  A 3-D
+expert tensor ``[n_in, n_out, n_expert]`` is ``n_expert`` matrices of ``n_out`` rows each, and
+``expert(e)`` is the view of one of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import formats
+from ..errors import QuantkitError
+from ..gguf_io.reader import GGUFModel, TensorInfo
+from ..types import QuantType, traits, type_name
+
+# dtypes whose rows are plain numbers: read without a decoder
+PLAIN_DTYPE = {QuantType.F32: np.float32, QuantType.F16: np.float16}
+
+
+@dataclass(frozen=True)
+class Weight:
+    name: str
+    qtype: QuantType
+    shape: tuple[int, ...]          # ggml order
+    blocks: np.ndarray              # uint8 (n_rows, row_size), a view of the file
+
+    @property
+    def n_in(self) -> int:
+        return self.shape[0]
+
+    @property
+    def n_out(self) -> int:
+        return self.shape[1] if len(self.shape) > 1 else 1
+
+    @property
+    def n_matrices(self) -> int:
+        return int(np.prod(self.shape[2:], dtype=np.int64)) if len(self.shape) > 2 else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+    def expert(self, e: int) -> "Weight":
+        """Matrix ``e`` of a 3-D tensor."""
+        n = self.n_out
+        return Weight(f"{self.name}[{e}]", self.qtype, self.shape[:2], self.blocks[e * n:(e + 1) * n])
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` as float32 (stop - start, n_in); start/stop on interleave boundaries."""
+        b = self.blocks[start:stop]
+        dtype = PLAIN_DTYPE.get(self.qtype)
+        if dtype is not None:
+            return b.view(dtype).astype(np.float32, copy=dtype is not np.float32)
+        return formats.dequantize(b, self.qtype, self.n_in)
+
+    def plain(self) -> np.ndarray:
+        """Rows of an F32 tensor without a copy (n_rows, n_in)."""
+        assert self.qtype == QuantType.F32
+        return self.blocks.view(np.float32)
+
+    def vector(self) -> np.ndarray:
+        """A 1-D tensor (norm weights, biases) as float32."""
+        return self.rows(0, self.blocks.shape[0]).reshape(-1)
+
+
+def load_weight(info: TensorInfo) -> Weight:
+    qt = QuantType(info.qtype)
+    if qt not in PLAIN_DTYPE and not formats.can_dequantize(qt):
+        raise QuantkitError(f"tensor {info.name}: the runtime cannot compute with {type_name(qt)}")
+    t = traits(qt)
+    if t.interleave_rows > 1 and info.n_rows % t.interleave_rows:
+        raise QuantkitError(f"tensor {info.name}: {info.n_rows} rows are not a multiple of "
+                            f"{t.interleave_rows} ({type_name(qt)})")
+    return Weight(info.name, qt, tuple(info.shape), info.raw())
+
+
+class WeightStore:
+    """Name -> Weight for one model file, loaded on first use."""
+
+    def __init__(self, model: GGUFModel):
+        self.model = model
+        self._cache: dict[str, Weight] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.model.by_name
+
+    def get(self, name: str) -> Weight | None:
+        if name not in self.model.by_name:
+            return None
+        w = self._cache.get(name)
+        if w is None:
+            w = self._cache[name] = load_weight(self.model.by_name[name])
+        return w
+
+    def need(self, name: str) -> Weight:
+        w = self.get(name)
+        if w is None:
+            raise QuantkitError(f"{self.model.path}: tensor '{name}' is missing")
+        return w

@@ -1,0 +1,86 @@
+"""Every type the runtime computes with: its matrix product equals dequantize-then-numpy.
+
+The reference decodes with each format's plain-numpy twin (``reference=True``) and multiplies in
+float64; the runtime reads the stored bytes through its own path (tiles of rows, interleaved row
+groups, expert slices of 3-D tensors).  Weights are real quantizer output of random rows, so scales
+are what files hold.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from quantkit import formats
+from quantkit.runtime import ops_cpu
+from quantkit.runtime.weights import Weight
+from quantkit.types import QuantType, traits, type_name
+
+N_PER_ROW = 512
+N_ROWS = 32                 # a multiple of every interleave group (4, 8, 16)
+
+
+def _types():
+    out = []
+    for qt, fmt in sorted(formats.registered().items(), key=lambda kv: int(kv[0])):
+        if any(f == "ik" for f, _ in fmt.quant_paths) and N_PER_ROW % traits(qt).block_size == 0:
+            out.append(qt)
+    return out
+
+
+TYPES = _types()
+
+
+def quantized_rows(qtype, n_rows: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n_rows, N_PER_ROW)) * rng.uniform(0.01, 1.0, (n_rows, 1))).astype(np.float32)
+    paths = formats.registered()[qtype].quant_paths
+    imatrix = None if ("ik", False) in paths else rng.uniform(0.5, 2.0, N_PER_ROW).astype(np.float32)
+    return formats.quantize(x, qtype, imatrix, "ik")
+
+
+def reference_product(blocks: np.ndarray, qtype, x: np.ndarray) -> np.ndarray:
+    w = formats.dequantize(blocks, qtype, N_PER_ROW, reference=True).astype(np.float64)
+    return x.astype(np.float64) @ w.T
+
+
+def test_every_implemented_type_is_covered():
+    names = {type_name(t) for t in TYPES}
+    for must in ("q8_0", "q4_K", "iq4_k", "iq2_k_r4", "q8_0_r8", "iq2_kt", "bf16", "f16"):
+        assert must in names, must
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: type_name(t))
+def test_matmul_equals_dequantize_then_numpy(qtype):
+    blocks = quantized_rows(qtype, N_ROWS, seed=int(qtype))
+    w = Weight("w", QuantType(qtype), (N_PER_ROW, N_ROWS), blocks)
+    x = np.random.default_rng(1).standard_normal((5, N_PER_ROW)).astype(np.float32)
+    if qtype == QuantType.F16:           # ggml's f16 product rounds the activations to f16 first
+        x = x.astype(np.float16).astype(np.float32)
+    ref = reference_product(blocks, qtype, x)
+    got = ops_cpu.matmul_q(w, x)
+    assert got.shape == (5, N_ROWS) and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qtype", [QuantType.Q4_K, QuantType.IQ2_K_R4, QuantType.Q8_0_R8],
+                         ids=lambda t: type_name(t))
+def test_expert_slices_and_tiles(qtype, monkeypatch):
+    """A 3-D expert tensor: each expert's product reads its own rows; small tiles change nothing."""
+    n_expert = 3
+    blocks = quantized_rows(qtype, N_ROWS * n_expert, seed=7)
+    w = Weight("exps", QuantType(qtype), (N_PER_ROW, N_ROWS, n_expert), blocks)
+    x = np.random.default_rng(2).standard_normal((4, N_PER_ROW)).astype(np.float32)
+    monkeypatch.setattr(ops_cpu, "TILE_VALUES", N_PER_ROW * 8)     # several tiles per matrix
+    for e in range(n_expert):
+        ref = reference_product(blocks[e * N_ROWS:(e + 1) * N_ROWS], qtype, x)
+        np.testing.assert_allclose(ops_cpu.matmul_q(w.expert(e), x), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
+def test_embedding_rows_of_an_interleaved_type():
+    """get_rows on an interleaved tensor decodes the row's group and picks the row out of it."""
+    qtype = QuantType.IQ4_K_R4
+    blocks = quantized_rows(qtype, N_ROWS, seed=3)
+    w = Weight("token_embd.weight", qtype, (N_PER_ROW, N_ROWS), blocks)
+    ids = np.array([0, 5, 31, 6, 6])
+    ref = formats.dequantize(blocks, qtype, N_PER_ROW, reference=True)[ids]
+    np.testing.assert_array_equal(ops_cpu.embed(w, ids), ref)
