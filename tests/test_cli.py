@@ -209,3 +209,24 @@ def test_tensor_order_follows_the_flavor(tmp_path):
         assert got == want, flavor
         rc, o, e = run_cli("quantize", src, out, "q8_0", "--flavor", flavor, *extra, "--dry-run", "--json")
         assert [t["name"] for t in json.loads(o)["plan"]["tensors"]] == want
+
+
+def test_full_disk_fails_before_writing(tmp_path, llama, monkeypatch, capsys):
+    """The output is reserved whole first: no space is one line and no file, before any tensor."""
+    import errno
+    import os
+
+    import quantkit.formats as formats
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def never(*a, **k):
+        raise AssertionError("quantized although the disk is full")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    monkeypatch.setattr(formats, "quantize", never)
+    out = tmp_path / "out.gguf"
+    assert main(["quantize", str(llama), str(out), "q8_0"]) == 1
+    assert "not enough disk space" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
