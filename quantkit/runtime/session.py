@@ -17,15 +17,16 @@ from .tokenizer import Tokenizer
 
 
 def set_threads(threads: int | None) -> int:
-    """Use ``threads`` for numba kernels and for the BLAS products (all cores when None)."""
+    """Compute on ``threads`` threads (all cores when None).
+
+    The matrix products split their rows between that many threads of their own, each decoding
+    and multiplying single-threaded, so numba's and BLAS's own pools are kept at one thread for
+    them (see ops_cpu._TilePool); numba's count is what the products read."""
     import numba
+    from threadpoolctl import threadpool_limits
     n = max(1, min(threads or os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(n)
-    try:                                # numpy's BLAS reads its thread count at import; change it live
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(n, user_api="blas")
-    except ImportError:
-        pass
+    threadpool_limits(1, user_api="blas")
     return n
 
 

