@@ -486,6 +486,73 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
         out.print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_error:.5f}")
 
 
+@cli.command()
+@click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-f", "--file", "text_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Calibration text.")
+@click.option("-o", "--output", "out_path", default="imatrix.gguf", show_default=True,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="Output file: .dat writes the legacy format (what ik_llama.cpp reads), anything else GGUF.")
+@click.option("-c", "--ctx-size", type=click.IntRange(min=16), default=512, show_default=True,
+              help="Tokens per chunk.")
+@click.option("--chunks", type=click.IntRange(min=1), default=None, help="Process at most N chunks.")
+@click.option("--process-output", is_flag=True, help="Also collect output.weight.")
+@click.option("--activations", type=click.Choice(["mainline", "exact"]), default="mainline", show_default=True,
+              help="mainline: round each quantized product's input to 8 bits as mainline ggml does, "
+                   "so the values follow llama-imatrix's; exact: compute in float32.")
+@_threads_option
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def imatrix(model_path, text_path, out_path, ctx_size, chunks, process_output, activations, threads, as_json):
+    """Collect an importance matrix: per weight, the mean square of every input column over the
+    calibration text (per expert for routed experts), as llama-imatrix does."""
+    import math
+
+    from . import imatrix as imx
+    from .runtime import ops_cpu
+    from .runtime import perplexity as ppl
+    from .runtime.activations import MainlineRounding
+    from .runtime.collect import ActivationStats, ObservingOps, collect
+    from .runtime.model import Model
+    from .runtime.session import open_session
+
+    _refuse_overwrite_input(model_path, out_path)
+    stats = ActivationStats(process_output=process_output)
+    with open_session(model_path, threads) as s:
+        shapes = {t.name: tuple(t.shape) for t in s.gguf.tensors}
+        ops = MainlineRounding(ops_cpu) if activations == "mainline" else ops_cpu
+        model = Model(s.gguf, ops=ObservingOps(ops, stats, shapes))
+        tokens = s.tokenizer.encode(_read_text(text_path), add_special=True)
+        add_bos = s.tokenizer.add_bos and s.tokenizer.bos_id is not None
+        chunk_list = ppl.chunk_tokens(tokens, ctx_size, chunks, s.tokenizer.bos_id if add_bos else None)
+        with _progress_bar("chunks", len(chunk_list), show=not as_json) as bar:
+            task = bar.add_task("imatrix", total=len(chunk_list))
+            nll = collect(model, chunk_list, lambda i, v: bar.update(
+                task, completed=i + 1, description=f"PPL {math.exp(sum(v) / len(v)):.4f}"))
+    if not stats.entries:
+        raise QuantkitError(f"{model_path}: no matrix product was observed (no blk.* weights?)")
+    missing = stats.never_fired()
+    for name, experts in missing.items():
+        logging.getLogger("quantkit").warning(
+            f"{name}: {len(experts)} of {stats.entries[name].counts.size} experts got no token "
+            f"(partial data): {', '.join(map(str, experts[:16]))}{' ...' if len(experts) > 16 else ''}")
+    if out_path.suffix == ".dat":
+        means = stats.means()
+        keep = {n: v for n, v in means.items() if stats.entries[n].counts.any()}
+        imx.save_dat(out_path, keep, {n: stats.ncall(n, ctx_size) for n in keep},
+                     chunk_count=len(chunk_list), dataset=str(text_path))
+    else:
+        imx.save_gguf(out_path, {n: e.sums for n, e in stats.entries.items()},
+                      {n: e.counts for n, e in stats.entries.items()}, datasets=[str(text_path)],
+                      chunk_count=len(chunk_list), chunk_size=ctx_size)
+    ppl_value = math.exp(sum(nll) / len(nll))
+    if as_json:
+        print(json.dumps({"file": str(out_path), "entries": len(stats.entries), "chunks": len(chunk_list),
+                          "n_ctx": ctx_size, "ppl": ppl_value, "partial": missing}, indent=1))
+    else:
+        out.print(f"[green]wrote[/] {out_path}: {len(stats.entries)} entries from {len(chunk_list)} chunks of "
+                  f"{ctx_size} tokens (PPL {ppl_value:.4f})")
+
+
 def _progress_bar(unit: str, total: int, show: bool = True) -> Progress:
     return Progress(TextColumn("{task.description}", style="cyan"), BarColumn(),
                     TextColumn(f"{{task.completed}}/{{task.total}} {unit}"), TimeRemainingColumn(),

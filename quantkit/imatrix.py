@@ -390,18 +390,20 @@ def _load_dat(path: Path) -> ImatrixData:
                        format="dat", datasets=datasets, chunk_count=chunk_count, chunk_size=0)
 
 
-def save_dat(path: str | os.PathLike, weights: dict[str, np.ndarray], ncall: int = 1, *,
+def save_dat(path: str | os.PathLike, weights: dict[str, np.ndarray], ncall: int | dict[str, int] = 1, *,
              chunk_count: int = 0, dataset: str = "") -> Path:
     """Write importance weights (entry name -> mean x² per column) as a legacy ``.dat`` file, the
-    format ik_llama.cpp's llama-quantize reads.  Values are stored times ``ncall``, as llama-imatrix
-    stores them; the trailer carries the chunk count and the dataset name.  Written to a temporary
-    file that is renamed at the end."""
-    if ncall < 1:
-        raise ValueError(f"ncall must be positive, got {ncall}")
+    format ik_llama.cpp's llama-quantize reads.  Values are stored times ``ncall`` (one for all
+    entries, or per entry), as llama-imatrix stores them; the trailer carries the chunk count and
+    the dataset name.  Written to a temporary file that is renamed at the end."""
+    ncalls = ncall if isinstance(ncall, dict) else dict.fromkeys(weights, ncall)
+    if any(n < 1 for n in ncalls.values()):
+        raise ValueError(f"ncall must be positive, got {min(ncalls.values())}")
     path = Path(path)
     parts = [struct.pack("<i", len(weights))]
     for name, vals in weights.items():
         raw = name.encode()
+        ncall = ncalls[name]
         vals = np.asarray(vals, np.float32).reshape(-1) * np.float32(ncall)
         parts += [struct.pack("<i", len(raw)), raw, struct.pack("<ii", ncall, vals.size), vals.astype("<f4").tobytes()]
     ds = dataset.encode()
@@ -412,4 +414,40 @@ def save_dat(path: str | os.PathLike, weights: dict[str, np.ndarray], ncall: int
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    return path
+
+
+def save_gguf(path: str | os.PathLike, sums: dict[str, np.ndarray], counts: dict[str, np.ndarray], *,
+              datasets: list[str], chunk_count: int, chunk_size: int) -> Path:
+    """Write raw sums as mainline llama-imatrix's GGUF imatrix (specs/ggml-quants.md §3.2).
+
+    ``sums``: entry -> (n_mat, n_per_row) Σx²; ``counts``: entry -> (n_mat,) tokens per matrix (or
+    one count).  Entries in byte order of their names, each as ``<name>.in_sum2`` F32 [n_per_row,
+    n_mat] then ``<name>.counts`` F32 [1, n_mat], trailing 1-dimensions dropped as ggml does;
+    ``general.type = imatrix`` and the three ``imatrix.*`` keys llama-quantize needs."""
+    from .gguf_io.constants import MetaValue, ValueType
+    from .gguf_io.writer import GGUFWriter, TensorSpec
+    from .types import QuantType
+
+    def shape(ne0, n_mat):
+        return (ne0,) if n_mat == 1 else (ne0, n_mat)
+
+    meta = {"general.type": MetaValue(ValueType.STRING, "imatrix"),
+            KEY_DATASETS: MetaValue(ValueType.ARRAY, list(datasets), ValueType.STRING),
+            KEY_CHUNK_COUNT: MetaValue(ValueType.UINT32, int(chunk_count)),
+            KEY_CHUNK_SIZE: MetaValue(ValueType.UINT32, int(chunk_size))}
+    names = sorted(sums, key=lambda n: n.encode())
+    specs, data = [], []
+    for name in names:
+        c = np.asarray(counts[name], np.float32).reshape(-1)
+        s2 = np.asarray(sums[name], np.float32)
+        # one row per count: per-head entries (several rows of sums, one count) are stored flat
+        s2 = s2.reshape(c.size, -1)
+        specs += [TensorSpec(name + SUFFIX_SUM2, shape(s2.shape[1], s2.shape[0]), QuantType.F32),
+                  TensorSpec(name + SUFFIX_COUNTS, shape(1, c.size), QuantType.F32)]
+        data += [s2, c]
+    path = Path(path)
+    with GGUFWriter([path], [(meta, specs)]) as w:
+        for spec, arr in zip(specs, data):
+            w.write_tensor(spec.name, np.ascontiguousarray(arr, "<f4"))
     return path

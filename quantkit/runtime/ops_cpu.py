@@ -333,16 +333,18 @@ def _best_groups(choice: np.ndarray, n_group: int, n_group_used: int, top2: bool
 
 
 def moe_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate_exps: Weight, up_exps: Weight,
-            down_exps: Weight) -> np.ndarray:
+            down_exps: Weight, matmul=None) -> np.ndarray:
     """Routed SwiGLU experts: sum_k weights[:, k] * expert_{ids[:, k]}(x) -> (n_tokens, n_embd).
 
     Only the tokens routed to an expert go through it: per expert, one product with its matrix of
-    each 3-D tensor.  The weighted outputs are summed in slot order, as ggml does."""
+    each 3-D tensor.  The weighted outputs are summed in slot order, as ggml does.  ``matmul``:
+    the product to use (an observer's, for imatrix collection); matmul_q by default."""
+    mm = matmul or matmul_q
     n_tok, n_used = ids.shape
     out = np.zeros((n_tok, n_used, down_exps.n_out), F32)                      # (n_tokens, n_used, n_embd)
     for e in np.unique(ids):
         tok, slot = np.nonzero(ids == e)
         h = x[tok]
-        g = silu_mul(matmul_q(gate_exps.expert(e), h), matmul_q(up_exps.expert(e), h))
-        out[tok, slot] = matmul_q(down_exps.expert(e), g) * weights[tok, slot][:, None]
+        g = silu_mul(mm(gate_exps.expert(e), h), mm(up_exps.expert(e), h))
+        out[tok, slot] = mm(down_exps.expert(e), g) * weights[tok, slot][:, None]
     return out.sum(axis=1)

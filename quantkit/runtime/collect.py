@@ -1,0 +1,135 @@
+"""Importance-matrix collection: the activations every weight multiplies, as llama-imatrix sums them.
+
+:class:`ObservingOps` wraps an ops backend and reports the input of every matrix product to an
+:class:`ActivationStats` before computing it, so the model code does not know it is observed.  What
+is kept follows llama-imatrix (specs/ggml-quants.md §3.1):
+
+* a dense product (``blk.*`` weights; ``output.weight`` only with ``process_output``; never the
+  token embedding, also not when it doubles as the output matrix) adds Σ x_j² per input column and
+  the number of tokens, for batches of at least 16 tokens;
+* a routed expert (3-D ``*_exps`` tensors) adds, per expert, the rows of the tokens routed to it and
+  their number: an expert that never fires keeps count 0 ("partial data");
+* a per-head product (MLA's ``attn_k_b``/``attn_v_b``) keeps one row of sums per head and one count.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MIN_ROWS = 16                       # llama-imatrix ignores dense products of fewer rows
+_EXPERT = re.compile(r"^(.*)\[(\d+)\]$")                # Weight.expert(e) is named "name[e]"
+
+
+@dataclass
+class Entry:
+    sums: np.ndarray                # float64 (n_mat, n_in): Σ x² per matrix and input column
+    counts: np.ndarray              # int64 (n_mat,) tokens per matrix; (1,) for dense and per-head
+
+
+@dataclass
+class ActivationStats:
+    process_output: bool = False
+    entries: dict[str, Entry] = field(default_factory=dict)
+
+    def wanted(self, name: str) -> bool:
+        return name.startswith("blk.") or (self.process_output and name == "output.weight")
+
+    def _entry(self, name: str, n_mat: int, n_in: int, n_counts: int) -> Entry:
+        e = self.entries.get(name)
+        if e is None:
+            e = self.entries[name] = Entry(np.zeros((n_mat, n_in)), np.zeros(n_counts, np.int64))
+        if e.sums.shape != (n_mat, n_in):
+            raise ValueError(f"{name}: activations of shape {(n_mat, n_in)} after {e.sums.shape}")
+        return e
+
+    def add_dense(self, name: str, x: np.ndarray) -> None:
+        if self.wanted(name) and x.shape[0] >= MIN_ROWS:
+            e = self._entry(name, 1, x.shape[1], 1)
+            x64 = x.astype(np.float64)
+            e.sums[0] += np.einsum("ij,ij->j", x64, x64)
+            e.counts[0] += x.shape[0]
+
+    def add_expert(self, name: str, expert: int, n_expert: int, x: np.ndarray) -> None:
+        if self.wanted(name):
+            e = self._entry(name, n_expert, x.shape[1], n_expert)
+            x64 = x.astype(np.float64)
+            e.sums[expert] += np.einsum("ij,ij->j", x64, x64)
+            e.counts[expert] += x.shape[0]
+
+    def add_heads(self, name: str, x: np.ndarray) -> None:
+        """x (n_tokens, n_head, d_in): one row of sums per head, one count of tokens."""
+        if self.wanted(name) and x.shape[0] >= MIN_ROWS:
+            e = self._entry(name, x.shape[1], x.shape[2], 1)
+            x64 = x.astype(np.float64)
+            e.sums += np.einsum("thj,thj->hj", x64, x64)
+            e.counts[0] += x.shape[0]
+
+    # ---- results ----
+    def never_fired(self) -> dict[str, list[int]]:
+        """Entries with experts that saw no token: name -> expert indices."""
+        return {n: np.nonzero(e.counts == 0)[0].tolist() for n, e in sorted(self.entries.items())
+                if e.counts.size > 1 and (e.counts == 0).any()}
+
+    def means(self) -> dict[str, np.ndarray]:
+        """name -> mean x² per input column (float32, flattened over matrices); 1.0 for a matrix
+        that saw no token, as llama-quantize reads such a matrix."""
+        out = {}
+        for name, e in sorted(self.entries.items()):
+            counts = np.broadcast_to(e.counts, (e.sums.shape[0],)) if e.counts.size == 1 else e.counts
+            with np.errstate(invalid="ignore", divide="ignore"):
+                m = np.where(counts[:, None] > 0, e.sums / np.maximum(counts, 1)[:, None], 1.0)
+            out[name] = m.astype(np.float32).reshape(-1)
+        return out
+
+    def ncall(self, name: str, chunk_size: int) -> int:
+        """The legacy format's call count: tokens of the busiest matrix in chunks, rounded up."""
+        return max(1, math.ceil(int(self.entries[name].counts.max()) / chunk_size))
+
+
+class ObservingOps:
+    """An ops backend that reports every product's input to ``stats`` and then computes it with
+    ``ops``.  ``shapes``: tensor name -> ggml shape, to know how many experts a 3-D tensor has."""
+
+    def __init__(self, ops, stats: ActivationStats, shapes: dict[str, tuple[int, ...]]):
+        self._ops, self.stats, self._shapes = ops, stats, shapes
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def matmul_q(self, w, x):
+        m = _EXPERT.match(w.name)
+        if m is None:
+            self.stats.add_dense(w.name, x)
+        else:
+            base = m.group(1)
+            shape = self._shapes.get(base, ())
+            n_expert = int(np.prod(shape[2:])) if len(shape) > 2 else 1
+            self.stats.add_expert(base, int(m.group(2)), n_expert, x)
+        return self._ops.matmul_q(w, x)
+
+    def matmul_q_heads(self, ws, x, transposed: bool = False):
+        self.stats.add_heads(ws[0].name.split("[")[0], x)      # heads are row slices "name[r0:r1]"
+        return self._ops.matmul_q_heads(ws, x, transposed)
+
+    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps):
+        return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=self.matmul_q)
+
+
+def collect(model, chunks: list[np.ndarray], on_chunk=None) -> list[float]:
+    """Run every chunk from an empty cache with all positions' logits, as llama-imatrix does (its
+    products see the whole chunk); ``model`` computes with an :class:`ObservingOps`.  Returns the
+    negative log-likelihoods of each chunk's second half, llama-imatrix's running perplexity;
+    ``on_chunk(i, nll)`` after each chunk."""
+    from .perplexity import token_nll
+    nll: list[float] = []
+    for i, chunk in enumerate(chunks):
+        n_ctx = len(chunk)
+        logits = model.forward(chunk, model.new_cache(n_ctx), logits_from=0)
+        first = n_ctx // 2
+        nll.extend(token_nll(logits[first:n_ctx - 1], chunk[first + 1:]).tolist())
+        if on_chunk is not None:
+            on_chunk(i, nll)
+    return nll

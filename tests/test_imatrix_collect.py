@@ -1,0 +1,130 @@
+"""`quantkit imatrix`: importance matrices collected by the runtime, against mainline llama-imatrix.
+
+The reference files in ../shared/golden/imatrix were made by mainline `llama-imatrix -m
+SmolLM2-135M-Instruct.Q4_1.gguf -f calib-gpl3.txt -c 256 --chunks 8` in both formats.  Every entry
+must be present and 99% of the values (Σx²/count per column) within 2%: exact equality is not
+expected, since ggml sums in float32 in its own order; with float32 activations (``--activations
+exact``) only ~96% are, because mainline rounds every quantized product's input to 8 bits and the
+later layers see the difference.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import peers
+from models import write_deepseek2
+from quantkit.gguf_io.reader import open_model
+from quantkit.imatrix import load_imatrix
+from quantkit.runtime import ops_cpu
+from quantkit.runtime.collect import ActivationStats, ObservingOps, collect
+from quantkit.runtime.model import Model
+
+
+def quantkit_cli(*args, check=True):
+    p = subprocess.run([sys.executable, "-m", "quantkit", *map(str, args)], capture_output=True, text=True)
+    if check:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def agreement(ours, ref) -> float:
+    """Fraction of reference values that ours matches within 2% (relative)."""
+    assert set(ours.weights) == set(ref.weights)
+    rel = np.concatenate([np.abs(ours.weights[n] - v) / np.maximum(np.abs(v), 1e-30) for n, v in ref.weights.items()])
+    return float((rel <= 0.02).mean())
+
+
+@pytest.fixture(scope="module")
+def golden(shared_dir):
+    return shared_dir / "golden" / "imatrix"
+
+
+@pytest.fixture(scope="module")
+def ours_dat(tmp_path_factory, smollm2_path, golden):
+    out = tmp_path_factory.mktemp("imatrix") / "smollm2.dat"
+    p = quantkit_cli("imatrix", smollm2_path, "-f", golden / "calib-gpl3.txt", "-o", out, "-c", "256",
+                     "--chunks", "8", "--threads", "2", "--json")
+    doc = json.loads(p.stdout)
+    assert doc["chunks"] == 8 and doc["entries"] == 210 and doc["partial"] == {}
+    return out
+
+
+def test_dat_matches_llama_imatrix(ours_dat, golden):
+    ours, ref = load_imatrix(ours_dat), load_imatrix(golden / "smollm2-q4_1-gpl3.dat")
+    share = agreement(ours, ref)
+    print(f"\n  .dat: {100 * share:.2f}% of values within 2% of llama-imatrix's")
+    assert share >= 0.99
+    assert ours.format == "dat" and ours.chunk_count == ref.chunk_count == 8
+    assert {n: int(c[0]) for n, c in ours.counts.items()} == {n: int(c[0]) for n, c in ref.counts.items()}
+
+
+def test_gguf_matches_llama_imatrix(tmp_path, smollm2_path, golden):
+    out = tmp_path / "smollm2.gguf"
+    quantkit_cli("imatrix", smollm2_path, "-f", golden / "calib-gpl3.txt", "-o", out, "-c", "256",
+                 "--chunks", "8", "--threads", "2")
+    ours, ref = load_imatrix(out), load_imatrix(golden / "smollm2-q4_1-gpl3.gguf")
+    assert ours.format == "gguf" and agreement(ours, ref) >= 0.99
+    assert (ours.chunk_count, ours.chunk_size) == (ref.chunk_count, ref.chunk_size) == (8, 256)
+    assert all(int(ours.counts[n][0]) == int(c[0]) == 2048 for n, c in ref.counts.items())
+    # the same tensor layout as llama-imatrix's file: names, order, shapes, types
+    with open_model(out) as a, open_model(golden / "smollm2-q4_1-gpl3.gguf") as b:
+        assert [(t.name, t.shape, t.qtype) for t in a.tensors] == [(t.name, t.shape, t.qtype) for t in b.tensors]
+        assert a.get("general.type") == "imatrix"
+
+
+@pytest.mark.skipif(peers.llama_quantize_bin() is None, reason="ik-llama-cpp-python not installed")
+def test_ik_llama_quantize_reads_our_dat(ours_dat, smollm2_path, tmp_path):
+    out = tmp_path / "q.gguf"
+    p = subprocess.run([str(peers.llama_quantize_bin()), "--allow-requantize", "--imatrix", str(ours_dat),
+                        str(smollm2_path), str(out), "IQ4_XS", "2"], capture_output=True, text=True)
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log[-3000:]
+    assert "210 importance matrix entries" in log, log[-3000:]
+
+
+def test_expert_counts_are_the_routed_tokens(tmp_path):
+    """On a tiny deepseek2 (8 experts, 2 used): each expert's count is the number of tokens the
+    router sent to it, tallied independently from the router's own output; experts that got no
+    token are reported."""
+    path = write_deepseek2(tmp_path / "ds.gguf", n_expert=8, n_expert_used=2, n_layer=3, n_dense=1, seed=3)
+    routed: list[np.ndarray] = []
+    real_route = ops_cpu.moe_route
+
+    class Recording:                     # records the router's choices, then computes as usual
+        def __getattr__(self, name):
+            return getattr(ops_cpu, name)
+
+        @staticmethod
+        def moe_route(*a, **k):
+            ids, w = real_route(*a, **k)
+            routed.append(ids.copy())
+            return ids, w
+
+    stats = ActivationStats()
+    with open_model(path) as g:
+        shapes = {t.name: tuple(t.shape) for t in g.tensors}
+        model = Model(g, ops=ObservingOps(Recording(), stats, shapes))
+        rng = np.random.default_rng(0)
+        chunks = [rng.integers(0, 512, 24) for _ in range(2)]
+        collect(model, chunks)
+    moe_layers = [1, 2]
+    assert len(routed) == len(chunks) * len(moe_layers)
+    for k, layer in enumerate(moe_layers):
+        tally = sum(np.bincount(routed[c * len(moe_layers) + k].reshape(-1), minlength=8) for c in range(len(chunks)))
+        for kind in ("gate", "up", "down"):
+            e = stats.entries[f"blk.{layer}.ffn_{kind}_exps.weight"]
+            np.testing.assert_array_equal(e.counts, tally)
+            assert e.sums.shape == (8, shapes[f"blk.{layer}.ffn_{kind}_exps.weight"][0])
+            assert ((e.sums.sum(axis=1) > 0) == (tally > 0)).all()
+        expected = np.nonzero(tally == 0)[0].tolist()
+        assert stats.never_fired().get(f"blk.{layer}.ffn_up_exps.weight", []) == expected
+    # dense and shared-expert products count every token; per-head MLA maps one row per head
+    assert stats.entries["blk.0.ffn_down.weight"].counts.tolist() == [48]
+    assert stats.entries["blk.1.ffn_up_shexp.weight"].counts.tolist() == [48]
+    k_b = stats.entries["blk.0.attn_k_b.weight"]
+    assert k_b.counts.tolist() == [48] and k_b.sums.shape[0] == 4
