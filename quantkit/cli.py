@@ -141,6 +141,10 @@ def cli():
               help="Importance matrix (GGUF or legacy .dat).")
 @click.option("--include-weights", multiple=True, help="Use only imatrix entries containing this text.")
 @click.option("--exclude-weights", multiple=True, help="Ignore imatrix entries containing this text.")
+@click.option("--missing-expert", type=click.Choice(["unit", "fill-mean", "error"]), default="unit",
+              show_default=True,
+              help="Experts the imatrix has no data for (GGUF imatrix): weight 1 as llama-quantize, the mean "
+                   "of the other experts, or an error.")
 @click.option("--token-embedding-type", help="Type for token_embd.weight (wins over the recipe).")
 @click.option("--output-tensor-type", help="Type for output.weight (wins over the recipe).")
 @click.option("--leave-output-tensor", is_flag=True, help="Keep output.weight as it is.")
@@ -157,7 +161,7 @@ def cli():
 @click.option("--threads", "-t", type=click.IntRange(1, 1024), help="Threads for quantization.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and stop.")
 @click.option("--json", "as_json", is_flag=True, help="Print plan and result as JSON on stdout.")
-def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_weights, exclude_weights,
+def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_weights, exclude_weights, missing_expert,
              token_embedding_type, output_tensor_type, leave_output_tensor, pure, allow_requantize,
              strict, ignore_imatrix_rules, flavor, split_max_size, keep_split, threads, dry_run, as_json):
     """Quantize IN to OUT with a per-tensor recipe.
@@ -191,6 +195,12 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
     if imatrix_path is not None:
         from .imatrix import load_imatrix
         imat = load_imatrix(imatrix_path, include=list(include_weights), exclude=list(exclude_weights))
+        if imat.partial and missing_expert != "error":
+            logging.getLogger("quantkit").warning(
+                f"{imatrix_path}: {len(imat.partial)} entries have experts without data (partial data), "
+                + ("weight 1 used there" if missing_expert == "unit" else "the other experts' mean used there")
+                + f": {', '.join(imat.partial[:4])}{' ...' if len(imat.partial) > 4 else ''}")
+        imat = imat.with_missing_experts(missing_expert)
     opts.has_imatrix = imat is not None and len(imat) > 0
 
     with open_model(model_in) as model:
@@ -486,7 +496,27 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
         out.print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_error:.5f}")
 
 
-@cli.command()
+class _DefaultGroup(click.Group):
+    """A group whose first argument, when it names none of its commands, starts ``default``'s
+    arguments (``quantkit imatrix MODEL -f TEXT`` is ``quantkit imatrix collect MODEL -f TEXT``)."""
+
+    def __init__(self, *args, default: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.default = default
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            args = [self.default, *args]
+        return super().parse_args(ctx, args)
+
+
+@cli.group(cls=_DefaultGroup, default="collect")
+def imatrix():
+    """Importance matrices: collect one (the default: quantkit imatrix MODEL -f TEXT), convert,
+    merge, or look inside."""
+
+
+@imatrix.command("collect")
 @click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-f", "--file", "text_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Calibration text.")
@@ -502,12 +532,13 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
                    "so the values follow llama-imatrix's; exact: compute in float32.")
 @_threads_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def imatrix(model_path, text_path, out_path, ctx_size, chunks, process_output, activations, threads, as_json):
+def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_output, activations, threads,
+                    as_json):
     """Collect an importance matrix: per weight, the mean square of every input column over the
     calibration text (per expert for routed experts), as llama-imatrix does."""
     import math
 
-    from . import imatrix as imx
+    from .imatrix_tools import RawImatrix
     from .runtime import ops_cpu
     from .runtime import perplexity as ppl
     from .runtime.activations import MainlineRounding
@@ -535,15 +566,8 @@ def imatrix(model_path, text_path, out_path, ctx_size, chunks, process_output, a
         logging.getLogger("quantkit").warning(
             f"{name}: {len(experts)} of {stats.entries[name].counts.size} experts got no token "
             f"(partial data): {', '.join(map(str, experts[:16]))}{' ...' if len(experts) > 16 else ''}")
-    if out_path.suffix == ".dat":
-        means = stats.means()
-        keep = {n: v for n, v in means.items() if stats.entries[n].counts.any()}
-        imx.save_dat(out_path, keep, {n: stats.ncall(n, ctx_size) for n in keep},
-                     chunk_count=len(chunk_list), dataset=str(text_path))
-    else:
-        imx.save_gguf(out_path, {n: e.sums for n, e in stats.entries.items()},
-                      {n: e.counts for n, e in stats.entries.items()}, datasets=[str(text_path)],
-                      chunk_count=len(chunk_list), chunk_size=ctx_size)
+    RawImatrix({n: e.sums for n, e in stats.entries.items()}, {n: e.counts for n, e in stats.entries.items()},
+               ctx_size, [str(text_path)]).save(out_path)
     ppl_value = math.exp(sum(nll) / len(nll))
     if as_json:
         print(json.dumps({"file": str(out_path), "entries": len(stats.entries), "chunks": len(chunk_list),
@@ -551,6 +575,70 @@ def imatrix(model_path, text_path, out_path, ctx_size, chunks, process_output, a
     else:
         out.print(f"[green]wrote[/] {out_path}: {len(stats.entries)} entries from {len(chunk_list)} chunks of "
                   f"{ctx_size} tokens (PPL {ppl_value:.4f})")
+
+
+_CHUNK_OPTION = click.option(
+    "-c", "--ctx-size", "chunk_size", type=click.IntRange(min=1), default=512, show_default=True,
+    help="Tokens per chunk of the run that made a legacy .dat input (it does not store it; GGUF inputs do).")
+
+
+@imatrix.command("convert")
+@click.argument("in_path", metavar="IN", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out_path", metavar="OUT", type=click.Path(dir_okay=False, path_type=Path))
+@_CHUNK_OPTION
+def imatrix_convert(in_path, out_path, chunk_size):
+    """Rewrite an imatrix in the format OUT's extension names (.dat legacy, else GGUF)."""
+    from .imatrix_tools import RawImatrix
+    _refuse_overwrite_input(in_path, out_path)
+    raw = RawImatrix.from_file(in_path, chunk_size)
+    raw.save(out_path)
+    out.print(f"[green]wrote[/] {out_path}: {len(raw.sums)} entries, {raw.chunk_count} chunks of {raw.chunk_size}")
+
+
+@imatrix.command("merge")
+@click.argument("in_paths", metavar="IN...", nargs=-1, required=True,
+                type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@_CHUNK_OPTION
+def imatrix_merge(in_paths, out_path, chunk_size):
+    """Merge imatrix files: sums and token counts added, so each file weighs what it saw."""
+    from .imatrix_tools import RawImatrix
+    for p in in_paths:
+        _refuse_overwrite_input(p, out_path)
+    raw = RawImatrix.from_file(in_paths[0], chunk_size)
+    for p in in_paths[1:]:
+        raw = raw.merged(RawImatrix.from_file(p, chunk_size))
+    raw.save(out_path)
+    out.print(f"[green]wrote[/] {out_path}: {len(raw.sums)} entries from {len(in_paths)} files, "
+              f"{raw.chunk_count} chunks of {raw.chunk_size}")
+
+
+@imatrix.command("stats")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@_CHUNK_OPTION
+@click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Most important columns shown.")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def imatrix_stats(path, chunk_size, top, as_json):
+    """Per entry: values, experts without data, and the importance of its columns (sum, mean,
+    max/mean ratio, the most important columns)."""
+    from .imatrix_tools import RawImatrix
+    raw = RawImatrix.from_file(path, chunk_size)
+    rows, missing = raw.stats(top), raw.never_fired()
+    if as_json:
+        print(json.dumps({"file": str(path), "chunk_size": raw.chunk_size, "chunks": raw.chunk_count,
+                          "datasets": raw.datasets, "entries": rows, "experts_without_data": missing}, indent=1))
+        return
+    t = Table(title=f"{path}: {len(rows)} entries, {raw.chunk_count} chunks of {raw.chunk_size}",
+              header_style="bold")
+    for col in ("entry", "values", "matrices", "no data", "Σ importance", "mean", "max/mean", "top columns"):
+        t.add_column(col, justify="left" if col in ("entry", "no data", "top columns") else "right")
+    for r in rows:
+        t.add_row(r["name"], str(r["values"]), str(r["matrices"]),
+                  f"[yellow]{len(r['no_data'])}[/]" if r["no_data"] else "", f"{r['sum']:.4g}", f"{r['mean']:.4g}",
+                  f"{r['max_over_mean']:.1f}", " ".join(map(str, r["top_columns"])))
+    out.print(t)
+    for name, experts in missing.items():
+        out.print(f"[yellow]{name}[/]: experts without data: {', '.join(map(str, experts))}")
 
 
 def _progress_bar(unit: str, total: int, show: bool = True) -> Progress:

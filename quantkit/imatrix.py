@@ -42,6 +42,7 @@ SUFFIX_COUNTS = ".counts"
 SUFFIX_SUM = ".in_sum"          # newer llama-imatrix: Σx (activations); not used for quantization
 
 TOKEN_EMBD = "token_embd.weight"
+MISSING_EXPERT_POLICIES = ("unit", "fill-mean", "error")
 
 
 @dataclass
@@ -111,6 +112,34 @@ class ImatrixData:
                            path=self.path, format=self.format, datasets=list(self.datasets),
                            chunk_count=self.chunk_count, chunk_size=self.chunk_size,
                            partial=[n for n in self.partial if n in keep])
+
+    def with_missing_experts(self, policy: str) -> "ImatrixData":
+        """Handle matrices (experts) that got no token, which only GGUF files can tell:
+
+        ``unit``: weight 1.0 there, what llama-quantize does; ``fill-mean``: the mean weights of
+        the entry's experts that have data; ``error``: refuse, naming them."""
+        if policy not in MISSING_EXPERT_POLICIES:
+            raise ValueError(f"unknown missing-expert policy '{policy}'")
+        if not self.partial:
+            return self
+        if policy == "error":
+            names = ", ".join(f"{n} ({int((self.counts[n] <= 0).sum())} of {self.counts[n].size})"
+                              for n in self.partial[:8])
+            raise QuantkitError(f"{self._where()}experts without imatrix data: {names}"
+                                + (" ..." if len(self.partial) > 8 else "")
+                                + " (--missing-expert unit or fill-mean to quantize anyway)")
+        weights = dict(self.weights)
+        if policy == "fill-mean":
+            for name in self.partial:
+                c = self.counts[name]
+                w = weights[name].reshape(c.size, -1).copy()
+                seen = c > 0
+                if seen.any():
+                    w[~seen] = w[seen].mean(axis=0)
+                weights[name] = w.reshape(-1)
+        return ImatrixData(weights=weights, n_matrices=dict(self.n_matrices), counts=dict(self.counts),
+                           path=self.path, format=self.format, datasets=list(self.datasets),
+                           chunk_count=self.chunk_count, chunk_size=self.chunk_size, partial=list(self.partial))
 
     def check_finite(self) -> None:
         """Raise QuantkitError if any weight is NaN or infinite (llama-quantize aborts then)."""

@@ -128,3 +128,21 @@ def test_expert_counts_are_the_routed_tokens(tmp_path):
     assert stats.entries["blk.1.ffn_up_shexp.weight"].counts.tolist() == [48]
     k_b = stats.entries["blk.0.attn_k_b.weight"]
     assert k_b.counts.tolist() == [48] and k_b.sums.shape[0] == 4
+
+
+def test_our_imatrix_lowers_iq2_k_kl_divergence(ours_dat, smollm2_path, golden, tmp_path):
+    """SmolLM2 at IQ2_K with and without the imatrix collected above: KL divergence against the F32
+    model (quantkit's runtime, llama-perplexity's statistics) must drop with it."""
+    f32 = tmp_path / "f32.gguf"
+    quantkit_cli("quantize", smollm2_path, f32, "f32", "--allow-requantize")
+    base = tmp_path / "base.kld"
+    text = golden / "calib-gpl3.txt"
+    quantkit_cli("perplexity", f32, "-f", text, "-c", "256", "--chunks", "4", "--kl-divergence-base", base)
+    kld = {}
+    for label, extra in (("without", []), ("with", ["--imatrix", ours_dat])):
+        q = tmp_path / f"iq2_k-{label}.gguf"
+        quantkit_cli("quantize", f32, q, "IQ2_K", "--threads", "2", *extra)
+        p = quantkit_cli("perplexity", q, "--kl-divergence-base", base, "--kl-divergence", "--json")
+        kld[label] = json.loads(p.stdout)["kld"]["mean"][0]
+    print(f"\n  IQ2_K mean KLD vs F32: {kld['without']:.4f} without imatrix, {kld['with']:.4f} with quantkit's")
+    assert kld["with"] < 0.9 * kld["without"]

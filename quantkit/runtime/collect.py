@@ -48,23 +48,21 @@ class ActivationStats:
     def add_dense(self, name: str, x: np.ndarray) -> None:
         if self.wanted(name) and x.shape[0] >= MIN_ROWS:
             e = self._entry(name, 1, x.shape[1], 1)
-            x64 = x.astype(np.float64)
-            e.sums[0] += np.einsum("ij,ij->j", x64, x64)
+            # squares in float as llama-imatrix forms them, summed in double
+            e.sums[0] += np.square(x, dtype=np.float32).sum(axis=0, dtype=np.float64)
             e.counts[0] += x.shape[0]
 
     def add_expert(self, name: str, expert: int, n_expert: int, x: np.ndarray) -> None:
         if self.wanted(name):
             e = self._entry(name, n_expert, x.shape[1], n_expert)
-            x64 = x.astype(np.float64)
-            e.sums[expert] += np.einsum("ij,ij->j", x64, x64)
+            e.sums[expert] += np.square(x, dtype=np.float32).sum(axis=0, dtype=np.float64)
             e.counts[expert] += x.shape[0]
 
     def add_heads(self, name: str, x: np.ndarray) -> None:
         """x (n_tokens, n_head, d_in): one row of sums per head, one count of tokens."""
         if self.wanted(name) and x.shape[0] >= MIN_ROWS:
             e = self._entry(name, x.shape[1], x.shape[2], 1)
-            x64 = x.astype(np.float64)
-            e.sums += np.einsum("thj,thj->hj", x64, x64)
+            e.sums += np.square(x, dtype=np.float32).sum(axis=0, dtype=np.float64)
             e.counts[0] += x.shape[0]
 
     # ---- results ----

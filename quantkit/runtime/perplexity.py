@@ -78,9 +78,13 @@ class PplResult:
 
 
 def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """-log p(target) per row, with exp summed in double as llama-perplexity does."""
-    lp = log_softmax(logits)
-    return -lp[np.arange(len(targets)), targets]
+    """-log p(target) per row as llama-perplexity computes it: exp of (logit - max) in float, summed
+    in double (only the target's log-probability is formed, not the whole row's)."""
+    logits = np.asarray(logits, np.float32)
+    m = logits.max(axis=-1, keepdims=True)
+    sums = np.exp(logits - m).sum(axis=-1, dtype=np.float64)
+    rows = np.arange(len(targets))
+    return np.log(sums) - (logits[rows, targets] - m[:, 0]).astype(np.float64)
 
 
 def perplexity(model, chunks: list[np.ndarray], on_chunk: Callable[[int, PplResult], None] | None = None,

@@ -1,0 +1,120 @@
+"""Raw importance matrices (sums and counts): what `quantkit imatrix` collects, merges, converts and
+describes.
+
+:mod:`quantkit.imatrix` reads files the way llama-quantize uses them (normalised weights); this
+module keeps what llama-imatrix accumulates, Σx² per column and tokens per matrix, so files can be
+merged by counts and written in either format (specs/ggml-quants.md §3.2-3.4):
+
+* GGUF in: sums and counts as stored.  Legacy ``.dat`` in: the file holds mean·ncall per column and
+  ncall, so Σx² ≈ value·chunk_size and count = ncall·chunk_size, as llama-imatrix reconstructs it
+  (``chunk_size`` is the ``-c`` of the run that made it: pass it).
+* ``.dat`` out: per entry ncall = ceil(max count / chunk_size), values = Σx²/count·ncall per matrix
+  (1·ncall for a matrix without data); entries without any data are left out.
+* GGUF out: sums and counts as they are, with ``imatrix.datasets/chunk_count/chunk_size``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import imatrix as imx
+from .errors import QuantkitError
+
+
+@dataclass
+class RawImatrix:
+    sums: dict[str, np.ndarray]                 # entry -> float64 (n_mat, n_per_row), Σx²
+    counts: dict[str, np.ndarray]               # entry -> int64 (n_mat,) tokens, or (1,) for one count
+    chunk_size: int
+    datasets: list[str] = field(default_factory=list)
+
+    @property
+    def chunk_count(self) -> int:
+        """llama-imatrix's m_last_chunk: tokens of the busiest matrix in chunks."""
+        top = max((int(c.max()) for c in self.counts.values()), default=0)
+        return top // self.chunk_size if self.chunk_size else 0
+
+    @classmethod
+    def from_file(cls, path, chunk_size: int) -> "RawImatrix":
+        data = imx.load_imatrix(path, check_finite=False)
+        sums, counts = {}, {}
+        for name, w in data.weights.items():
+            if data.format == "gguf":
+                c = data.counts[name].astype(np.int64)
+                s = w.astype(np.float64).reshape(c.size, -1) * np.maximum(c, 0)[:, None]
+            else:
+                ncall = int(data.counts[name][0])
+                c = np.array([max(ncall, 0) * chunk_size], np.int64)
+                s = w.astype(np.float64).reshape(1, -1) * c[0]
+            sums[name], counts[name] = s, c
+        size = data.chunk_size if data.format == "gguf" and data.chunk_size else chunk_size
+        return cls(sums, counts, size, list(data.datasets))
+
+    def merged(self, other: "RawImatrix") -> "RawImatrix":
+        """Sums and counts added entry by entry; a single count meets per-expert counts by being
+        spread over the experts, as llama-imatrix merges."""
+        sums = {n: s.copy() for n, s in self.sums.items()}
+        counts = {n: c.copy() for n, c in self.counts.items()}
+        for name, s in other.sums.items():
+            c = other.counts[name]
+            if name not in sums:
+                sums[name], counts[name] = s.copy(), c.copy()
+                continue
+            if sums[name].size != s.size:
+                raise QuantkitError(f"imatrix entry '{name}': {sums[name].size} values in one file, "
+                                    f"{s.size} in the other")
+            sums[name] = sums[name] + s.reshape(sums[name].shape)
+            a, b = counts[name], c
+            if a.size != b.size:
+                n = max(a.size, b.size)
+                a, b = np.broadcast_to(a, (n,)), np.broadcast_to(b, (n,))
+                sums[name] = sums[name].reshape(n, -1)
+            counts[name] = a + b
+        return RawImatrix(sums, counts, self.chunk_size, self.datasets + other.datasets)
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        if path.suffix == ".dat":
+            means, ncalls = {}, {}
+            for name in sorted(self.sums, key=lambda n: n.encode()):
+                c = self.counts[name]
+                if not c.any():
+                    continue                    # llama-imatrix skips entries without data
+                s = self.sums[name].reshape(c.size, -1)
+                m = np.where(c[:, None] > 0, s / np.maximum(c, 1)[:, None], 1.0)
+                means[name] = m.astype(np.float32).reshape(-1)
+                ncalls[name] = max(1, math.ceil(int(c.max()) / self.chunk_size))
+            if not means:
+                raise QuantkitError(f"{path}: no entry has data")
+            return imx.save_dat(path, means, ncalls, chunk_count=self.chunk_count,
+                                dataset=self.datasets[-1] if self.datasets else "")
+        return imx.save_gguf(path, self.sums, self.counts, datasets=self.datasets,
+                             chunk_count=self.chunk_count, chunk_size=self.chunk_size)
+
+    # ---- what users look at ----
+    def never_fired(self) -> dict[str, list[int]]:
+        """Entries with matrices (experts) that got no token: name -> their indices."""
+        return {n: np.nonzero(c == 0)[0].tolist() for n, c in sorted(self.counts.items())
+                if c.size > 1 and (c == 0).any()}
+
+    def stats(self, top: int = 5) -> list[dict]:
+        """Per entry: values, matrices, experts without data, and the importance (mean x² per
+        column, over the matrices with data) summed, averaged, its max/mean ratio and the most
+        important columns."""
+        rows = []
+        for name in sorted(self.sums):
+            c = self.counts[name]
+            s = self.sums[name].reshape(c.size, -1) if c.size > 1 else self.sums[name].reshape(1, -1)
+            seen = c > 0
+            imp = (s[seen] / c[seen][:, None]).mean(axis=0) if seen.any() else np.zeros(s.shape[1])
+            mean = float(imp.mean())
+            order = np.argsort(-imp, kind="stable")[:top]
+            rows.append({"name": name, "values": int(s.size), "matrices": int(c.size),
+                         "tokens": int(c.sum()), "no_data": np.nonzero(~seen)[0].tolist() if c.size > 1 else [],
+                         "sum": float(imp.sum()), "mean": mean,
+                         "max_over_mean": float(imp.max() / mean) if mean > 0 else 0.0,
+                         "top_columns": order.tolist()})
+        return rows

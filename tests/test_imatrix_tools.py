@@ -1,0 +1,144 @@
+"""`quantkit imatrix convert | merge | stats` and quantize's `--missing-expert` policy.
+
+Conversions are checked against llama-imatrix's own pair of files (one run written in both formats,
+../shared/golden/imatrix), merges against sums and counts added by hand, the expert policy against
+formats.quantize with the weights each policy stands for.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from models import write_deepseek2
+from quantkit import formats
+from quantkit.cli import main
+from quantkit.gguf_io.reader import open_model
+from quantkit.imatrix import load_imatrix, save_gguf
+from quantkit.types import QuantType
+
+
+@pytest.fixture(scope="module")
+def golden(shared_dir):
+    return shared_dir / "golden" / "imatrix"
+
+
+def assert_same_weights(a, b, rtol=1e-6):
+    assert set(a.weights) == set(b.weights)
+    for n in a.weights:
+        np.testing.assert_allclose(a.weights[n], b.weights[n], rtol=rtol, err_msg=n)
+
+
+def test_convert_gguf_to_dat_gives_llama_imatrix_dat(golden, tmp_path):
+    out = tmp_path / "x.dat"
+    assert main(["imatrix", "convert", str(golden / "smollm2-q4_1-gpl3.gguf"), str(out)]) == 0
+    ours, ref = load_imatrix(out), load_imatrix(golden / "smollm2-q4_1-gpl3.dat")
+    assert_same_weights(ours, ref)
+    assert {n: c.tolist() for n, c in ours.counts.items()} == {n: c.tolist() for n, c in ref.counts.items()}
+    assert ours.chunk_count == ref.chunk_count == 8
+
+
+def test_convert_dat_to_gguf_with_its_chunk_size(golden, tmp_path):
+    out = tmp_path / "x.gguf"
+    assert main(["imatrix", "convert", str(golden / "smollm2-q4_1-gpl3.dat"), str(out), "-c", "256"]) == 0
+    ours, ref = load_imatrix(out), load_imatrix(golden / "smollm2-q4_1-gpl3.gguf")
+    assert_same_weights(ours, ref)
+    assert (ours.chunk_count, ours.chunk_size) == (8, 256)
+    assert all(int(c[0]) == 2048 for c in ours.counts.values())
+
+
+def test_merge_adds_sums_and_counts(golden, tmp_path):
+    out = tmp_path / "m.gguf"
+    src = str(golden / "smollm2-q4_1-gpl3.gguf")
+    assert main(["imatrix", "merge", src, src, "-o", str(out)]) == 0
+    ours, ref = load_imatrix(out), load_imatrix(src)
+    assert_same_weights(ours, ref)              # twice the sums over twice the tokens
+    assert all(int(c[0]) == 4096 for c in ours.counts.values()) and ours.chunk_count == 16
+
+
+def moe_imatrix(path, n_expert=4, n_in=256, counts=(10, 0, 5, 7), seed=0):
+    rng = np.random.default_rng(seed)
+    c = np.array(counts, np.float32)
+    sums = rng.uniform(0.5, 2.0, (n_expert, n_in)).astype(np.float32) * c[:, None]
+    save_gguf(path, {"blk.1.ffn_up_exps.weight": sums, "blk.1.ffn_down.weight": sums[:1] * 0 + 3.0},
+              {"blk.1.ffn_up_exps.weight": c, "blk.1.ffn_down.weight": np.array([1], np.float32)},
+              datasets=["synthetic"], chunk_count=1, chunk_size=16)
+    return sums, c
+
+
+def test_merge_spreads_a_single_count_over_experts(tmp_path):
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    sa, ca = moe_imatrix(a)
+    sb, cb = moe_imatrix(b, counts=(1, 2, 3, 4), seed=1)
+    out = tmp_path / "ab.gguf"
+    assert main(["imatrix", "merge", str(a), str(b), "-o", str(out)]) == 0
+    m = load_imatrix(out)
+    np.testing.assert_array_equal(m.counts["blk.1.ffn_up_exps.weight"], (ca + cb).astype(np.int64))
+    want = (sa + sb) / (ca + cb)[:, None]
+    np.testing.assert_allclose(m.weights["blk.1.ffn_up_exps.weight"], want.reshape(-1), rtol=1e-6)
+
+
+def test_stats_reports_experts_without_data(tmp_path, capsys):
+    path = tmp_path / "moe.gguf"
+    sums, c = moe_imatrix(path)
+    assert main(["imatrix", "stats", str(path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["experts_without_data"] == {"blk.1.ffn_up_exps.weight": [1]}
+    row = next(r for r in doc["entries"] if r["name"] == "blk.1.ffn_up_exps.weight")
+    imp = np.mean([sums[e] / c[e] for e in (0, 2, 3)], axis=0)
+    assert row["matrices"] == 4 and row["no_data"] == [1] and row["tokens"] == 22
+    assert row["top_columns"][0] == int(np.argmax(imp))
+    assert abs(row["max_over_mean"] - imp.max() / imp.mean()) < 1e-6 * row["max_over_mean"]
+    assert main(["imatrix", "stats", str(path)]) == 0
+    assert "experts without data: 1" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ds-imat")
+    model = write_deepseek2(d / "ds.gguf", n_layer=2, n_dense=1, n_expert=4, seed=5)
+    imat = d / "partial.gguf"
+    moe_imatrix(imat)
+    return model, imat
+
+
+def expert_rows(path, name, e):
+    with open_model(path) as m:
+        t = m.by_name[name]
+        raw = t.raw()
+        n = t.shape[1]
+        return raw[e * n:(e + 1) * n].copy(), t.shape
+
+
+def test_missing_expert_policies(deepseek, tmp_path, capsys, caplog):
+    model, imat = deepseek
+    name = "blk.1.ffn_up_exps.weight"
+    recipe = f"{name}=q4_K"
+    base = ["quantize", str(model), "", "--custom-q", recipe, "--imatrix", str(imat)]
+
+    out = tmp_path / "err.gguf"
+    base[2] = str(out)
+    assert main(base + ["--missing-expert", "error"]) == 1
+    err = capsys.readouterr().err
+    assert "experts without imatrix data" in err and name in err and not out.exists()
+
+    files = {}
+    for policy in ("unit", "fill-mean"):
+        files[policy] = tmp_path / f"{policy}.gguf"
+        base[2] = str(files[policy])
+        caplog.clear()
+        assert main(base + ["--missing-expert", policy]) == 0
+        assert "partial data" in caplog.text and name in caplog.text
+    f32_rows, shape = expert_rows(model, name, 1)
+    x = f32_rows.view(np.float32).reshape(shape[1], shape[0])
+    data = load_imatrix(imat)
+    w = data.weights[name].reshape(4, -1)
+    expected = {"unit": np.ones(shape[0], np.float32), "fill-mean": w[[0, 2, 3]].mean(axis=0)}
+    for policy, path in files.items():
+        got, _ = expert_rows(path, name, 1)
+        want = formats.quantize(x, QuantType.Q4_K, expected[policy].astype(np.float32))
+        np.testing.assert_array_equal(got, want, err_msg=policy)
+    # experts with data are quantized alike under both policies
+    for e in (0, 2, 3):
+        np.testing.assert_array_equal(expert_rows(files["unit"], name, e)[0], expert_rows(files["fill-mean"], name, e)[0])
