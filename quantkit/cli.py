@@ -527,13 +527,19 @@ def imatrix():
               help="Tokens per chunk.")
 @click.option("--chunks", type=click.IntRange(min=1), default=None, help="Process at most N chunks.")
 @click.option("--process-output", is_flag=True, help="Also collect output.weight.")
+@click.option("--in-file", "in_files", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Start from this imatrix's data (repeatable): with --chunk, resume a run from its last save.")
+@click.option("--chunk", "skip_chunks", type=click.IntRange(min=0), default=0,
+              help="Skip the first N chunks of the text (those an --in-file already holds).")
+@click.option("--output-frequency", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Save OUT every N chunks, so an interrupted run can be resumed.")
 @click.option("--activations", type=click.Choice(["mainline", "exact"]), default="mainline", show_default=True,
               help="mainline: round each quantized product's input to 8 bits as mainline ggml does, "
                    "so the values follow llama-imatrix's; exact: compute in float32.")
 @_threads_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_output, activations, threads,
-                    as_json):
+def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_output, in_files, skip_chunks,
+                    output_frequency, activations, threads, as_json):
     """Collect an importance matrix: per weight, the mean square of every input column over the
     calibration text (per expert for routed experts), as llama-imatrix does."""
     import math
@@ -547,18 +553,30 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
     from .runtime.session import open_session
 
     _refuse_overwrite_input(model_path, out_path)
+    datasets = []
     stats = ActivationStats(process_output=process_output)
+    if in_files:
+        raw = RawImatrix.from_file(in_files[0], ctx_size)
+        for p in in_files[1:]:
+            raw = raw.merged(RawImatrix.from_file(p, ctx_size))
+        stats, datasets = ActivationStats.from_raw(raw, process_output), raw.datasets
+    datasets.append(str(text_path))
     with open_session(model_path, threads) as s:
         shapes = {t.name: tuple(t.shape) for t in s.gguf.tensors}
         ops = MainlineRounding(ops_cpu) if activations == "mainline" else ops_cpu
         model = Model(s.gguf, ops=ObservingOps(ops, stats, shapes))
         tokens = s.tokenizer.encode(_read_text(text_path), add_special=True)
         add_bos = s.tokenizer.add_bos and s.tokenizer.bos_id is not None
-        chunk_list = ppl.chunk_tokens(tokens, ctx_size, chunks, s.tokenizer.bos_id if add_bos else None)
+        chunk_list = ppl.chunk_tokens(tokens[skip_chunks * ctx_size:], ctx_size, chunks,
+                                      s.tokenizer.bos_id if add_bos else None)
         with _progress_bar("chunks", len(chunk_list), show=not as_json) as bar:
             task = bar.add_task("imatrix", total=len(chunk_list))
-            nll = collect(model, chunk_list, lambda i, v: bar.update(
-                task, completed=i + 1, description=f"PPL {math.exp(sum(v) / len(v)):.4f}"))
+
+            def on_chunk(i, v):
+                bar.update(task, completed=i + 1, description=f"PPL {math.exp(sum(v) / len(v)):.4f}")
+                if (i + 1) % output_frequency == 0 and i + 1 < len(chunk_list):
+                    stats.to_raw(ctx_size, datasets).save(out_path)     # atomic: a temporary file renamed
+            nll = collect(model, chunk_list, on_chunk, all_logits=process_output)
     if not stats.entries:
         raise QuantkitError(f"{model_path}: no matrix product was observed (no blk.* weights?)")
     missing = stats.never_fired()
@@ -566,8 +584,7 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
         logging.getLogger("quantkit").warning(
             f"{name}: {len(experts)} of {stats.entries[name].counts.size} experts got no token "
             f"(partial data): {', '.join(map(str, experts[:16]))}{' ...' if len(experts) > 16 else ''}")
-    RawImatrix({n: e.sums for n, e in stats.entries.items()}, {n: e.counts for n, e in stats.entries.items()},
-               ctx_size, [str(text_path)]).save(out_path)
+    stats.to_raw(ctx_size, datasets).save(out_path)
     ppl_value = math.exp(sum(nll) / len(nll))
     if as_json:
         print(json.dumps({"file": str(out_path), "entries": len(stats.entries), "chunks": len(chunk_list),
@@ -683,7 +700,7 @@ def main(argv=None) -> int:
         err.print("quantkit: interrupted")
         return 130
     except KeyboardInterrupt:
-        err.print("quantkit: interrupted; no output file was written")
+        err.print("quantkit: interrupted; no partial output file was left behind")
         return 130
     except click.ClickException as e:
         e.show()

@@ -146,3 +146,41 @@ def test_our_imatrix_lowers_iq2_k_kl_divergence(ours_dat, smollm2_path, golden, 
         kld[label] = json.loads(p.stdout)["kld"]["mean"][0]
     print(f"\n  IQ2_K mean KLD vs F32: {kld['without']:.4f} without imatrix, {kld['with']:.4f} with quantkit's")
     assert kld["with"] < 0.9 * kld["without"]
+
+
+def test_periodic_saves_and_resume(smollm2_path, golden, tmp_path, monkeypatch):
+    """--output-frequency 2 leaves a complete file after chunk 2 when the run is interrupted in
+    chunk 3; --in-file that --chunk 2 finishes it with the same data as one uninterrupted run."""
+    from quantkit.cli import main
+    from quantkit.runtime import collect as collect_mod
+
+    text = str(golden / "calib-gpl3.txt")
+    common = ["-f", text, "-c", "128", "--threads", "2"]
+    whole = tmp_path / "whole.gguf"
+    assert main(["imatrix", str(smollm2_path), "-o", str(whole), "--chunks", "4", *common]) == 0
+
+    out = tmp_path / "run.gguf"
+    real = collect_mod.ObservingOps.matmul_q
+    calls = {"n": 0}
+    per_chunk = 30 * 7 + 1                  # SmolLM2: 7 products per layer and the output
+
+    def interrupt_in_chunk_3(self, w, x):
+        calls["n"] += 1
+        if calls["n"] > 2 * per_chunk + 5:
+            raise KeyboardInterrupt
+        return real(self, w, x)
+    monkeypatch.setattr(collect_mod.ObservingOps, "matmul_q", interrupt_in_chunk_3)
+    assert main(["imatrix", str(smollm2_path), "-o", str(out), "--chunks", "4", "--output-frequency", "2",
+                 *common]) == 130
+    monkeypatch.setattr(collect_mod.ObservingOps, "matmul_q", real)
+    saved = load_imatrix(out)
+    assert all(int(c[0]) == 2 * 128 for c in saved.counts.values()) and saved.chunk_count == 2
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []     # no temporary left
+
+    resumed = tmp_path / "resumed.gguf"
+    assert main(["imatrix", str(smollm2_path), "-o", str(resumed), "--chunks", "2", "--chunk", "2",
+                 "--in-file", str(out), *common]) == 0
+    a, b = load_imatrix(whole), load_imatrix(resumed)
+    assert a.chunk_count == b.chunk_count == 4
+    for n in a.weights:
+        np.testing.assert_allclose(b.weights[n], a.weights[n], rtol=1e-5, err_msg=n)

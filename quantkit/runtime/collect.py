@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import QuantkitError
+
 MIN_ROWS = 16                       # llama-imatrix ignores dense products of fewer rows
 _EXPERT = re.compile(r"^(.*)\[(\d+)\]$")                # Weight.expert(e) is named "name[e]"
 
@@ -42,8 +44,23 @@ class ActivationStats:
         if e is None:
             e = self.entries[name] = Entry(np.zeros((n_mat, n_in)), np.zeros(n_counts, np.int64))
         if e.sums.shape != (n_mat, n_in):
-            raise ValueError(f"{name}: activations of shape {(n_mat, n_in)} after {e.sums.shape}")
+            # data loaded from a file is stored one row per count: take this product's shape
+            if e.sums.size != n_mat * n_in or e.counts.size != n_counts:
+                raise QuantkitError(f"imatrix entry '{name}': {e.sums.size} values and {e.counts.size} "
+                                    f"counts do not fit this model's {n_mat} x {n_in} and {n_counts}")
+            e.sums = e.sums.reshape(n_mat, n_in)
         return e
+
+    @classmethod
+    def from_raw(cls, raw, process_output: bool = False) -> "ActivationStats":
+        """Start from earlier data (a :class:`quantkit.imatrix_tools.RawImatrix`): --in-file."""
+        return cls(process_output, {n: Entry(raw.sums[n].astype(np.float64).copy(), raw.counts[n].astype(np.int64).copy())
+                                    for n in raw.sums})
+
+    def to_raw(self, chunk_size: int, datasets: list[str]):
+        from ..imatrix_tools import RawImatrix
+        return RawImatrix({n: e.sums for n, e in self.entries.items()},
+                          {n: e.counts for n, e in self.entries.items()}, chunk_size, list(datasets))
 
     def add_dense(self, name: str, x: np.ndarray) -> None:
         if self.wanted(name) and x.shape[0] >= MIN_ROWS:
@@ -116,18 +133,20 @@ class ObservingOps:
         return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=self.matmul_q)
 
 
-def collect(model, chunks: list[np.ndarray], on_chunk=None) -> list[float]:
-    """Run every chunk from an empty cache with all positions' logits, as llama-imatrix does (its
-    products see the whole chunk); ``model`` computes with an :class:`ObservingOps`.  Returns the
-    negative log-likelihoods of each chunk's second half, llama-imatrix's running perplexity;
-    ``on_chunk(i, nll)`` after each chunk."""
+def collect(model, chunks: list[np.ndarray], on_chunk=None, all_logits: bool = False) -> list[float]:
+    """Run every chunk from an empty cache, as llama-imatrix does (its products see the whole
+    chunk); ``model`` computes with an :class:`ObservingOps`.  Returns the negative log-likelihoods
+    of each chunk's second half, llama-imatrix's running perplexity; ``on_chunk(i, nll)`` after each
+    chunk.  The output matrix is applied to the scored half only, unless ``all_logits`` (it is
+    observed then: --process-output)."""
     from .perplexity import token_nll
     nll: list[float] = []
     for i, chunk in enumerate(chunks):
         n_ctx = len(chunk)
-        logits = model.forward(chunk, model.new_cache(n_ctx), logits_from=0)
         first = n_ctx // 2
-        nll.extend(token_nll(logits[first:n_ctx - 1], chunk[first + 1:]).tolist())
+        start = 0 if all_logits else first
+        logits = model.forward(chunk, model.new_cache(n_ctx), logits_from=start)
+        nll.extend(token_nll(logits[first - start:n_ctx - 1 - start], chunk[first + 1:]).tolist())
         if on_chunk is not None:
             on_chunk(i, nll)
     return nll
