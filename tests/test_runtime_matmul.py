@@ -84,3 +84,19 @@ def test_embedding_rows_of_an_interleaved_type():
     ids = np.array([0, 5, 31, 6, 6])
     ref = formats.dequantize(blocks, qtype, N_PER_ROW, reference=True)[ids]
     np.testing.assert_array_equal(ops_cpu.embed(w, ids), ref)
+
+
+def test_f16_rounding_equals_numpys_cast():
+    """The runtime's bit-level float16 rounding == numpy's float32 -> float16 -> float32 cast, bit for
+    bit, over normal, subnormal, tie, overflow and special values."""
+    rng = np.random.default_rng(0)
+    scales = (1e-8, 1e-6, 3e-5, 6e-5, 1e-3, 1.0, 100.0, 6e4)
+    x = np.concatenate([rng.standard_normal(20000).astype(np.float32) * np.float32(s) for s in scales]
+                       + [np.array([0.0, -0.0, 65504, 65519.99, 65520, -7e4, np.inf, -np.inf, np.nan, 2.0 ** -14,
+                                    2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11],
+                                   np.float32)])
+    with np.errstate(over="ignore"):
+        ref = x.astype(np.float16).astype(np.float32)
+    got = ops_cpu._f16_round(x)
+    same = (ref.view(np.uint32) == got.view(np.uint32)) | (np.isnan(ref) & np.isnan(got))
+    assert same.all(), x[~same][:5]
