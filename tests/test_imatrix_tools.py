@@ -142,3 +142,26 @@ def test_missing_expert_policies(deepseek, tmp_path, capsys, caplog):
     # experts with data are quantized alike under both policies
     for e in (0, 2, 3):
         np.testing.assert_array_equal(expert_rows(files["unit"], name, e)[0], expert_rows(files["fill-mean"], name, e)[0])
+
+
+def test_experts_that_never_fire_end_to_end(tmp_path, shared_dir, capsys, caplog):
+    """A tiny deepseek2 (16 experts, 2 used) through `quantkit imatrix` on a short text: the experts
+    that got no token are reported at collection, listed by `stats`, refused by
+    `quantize --missing-expert error` and quantized with `fill-mean`."""
+    model = write_deepseek2(tmp_path / "ds.gguf", n_expert=16, n_expert_used=2, n_layer=3, n_dense=1, seed=3)
+    text = tmp_path / "t.txt"
+    text.write_text((shared_dir / "golden" / "imatrix" / "calib-gpl3.txt").read_text()[:3000])
+    imat = tmp_path / "ds.imatrix.gguf"
+    assert main(["imatrix", str(model), "-f", str(text), "-o", str(imat), "-c", "32", "--chunks", "2", "--json"]) == 0
+    partial = json.loads(capsys.readouterr().out)["partial"]
+    assert partial and "experts got no token" in caplog.text
+    assert main(["imatrix", "stats", str(imat), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["experts_without_data"] == partial
+    data = load_imatrix(imat)
+    assert {n: np.nonzero(c == 0)[0].tolist() for n, c in data.counts.items() if (c == 0).any()} == partial
+    recipe = ["--custom-q", r"ffn_.*_exps=q4_K", "--imatrix", str(imat)]
+    out = tmp_path / "q.gguf"
+    assert main(["quantize", str(model), str(out), *recipe, "--missing-expert", "error"]) == 1
+    assert "experts without imatrix data" in capsys.readouterr().err and not out.exists()
+    assert main(["quantize", str(model), str(out), *recipe, "--missing-expert", "fill-mean"]) == 0
+    assert out.exists()
