@@ -647,11 +647,14 @@ def imatrix_stats(path, chunk_size, top, as_json):
         return
     t = Table(title=f"{path}: {len(rows)} entries, {raw.chunk_count} chunks of {raw.chunk_size}",
               header_style="bold")
-    for col in ("entry", "values", "matrices", "no data", "Σ importance", "mean", "max/mean", "top columns"):
+    for col in ("entry", "values", "matrices", "no data", "Σ importance", "mean", "σ", "active %", "entropy",
+                "E norm %", "ZD %", "cos prev", "max/mean", "top columns"):
         t.add_column(col, justify="left" if col in ("entry", "no data", "top columns") else "right")
     for r in rows:
         t.add_row(r["name"], str(r["values"]), str(r["matrices"]),
                   f"[yellow]{len(r['no_data'])}[/]" if r["no_data"] else "", f"{r['sum']:.4g}", f"{r['mean']:.4g}",
+                  f"{r['std']:.4g}", f"{r['active_pct']:.1f}", f"{r['entropy']:.3f}", f"{100 * r['entropy_norm']:.1f}",
+                  f"{r['zd_pct']:.1f}", "" if r["cos_prev"] is None else f"{r['cos_prev']:.3f}",
                   f"{r['max_over_mean']:.1f}", " ".join(map(str, r["top_columns"])))
     out.print(t)
     for name, experts in missing.items():

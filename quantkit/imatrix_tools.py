@@ -101,20 +101,39 @@ class RawImatrix:
                 if c.size > 1 and (c == 0).any()}
 
     def stats(self, top: int = 5) -> list[dict]:
-        """Per entry: values, matrices, experts without data, and the importance (mean x² per
-        column, over the matrices with data) summed, averaged, its max/mean ratio and the most
-        important columns."""
-        rows = []
+        """Per entry: values, matrices, experts without data, and the statistics of its importance
+        (mean x² per column, averaged over the matrices with data) that llama-imatrix's
+        --show-statistics prints: sum, min, max, mean, standard deviation, share of active columns
+        (> 1e-5), entropy of the normalised importance in bits and divided by log2(columns), share
+        of columns more than one standard deviation above the mean, and the cosine similarity with
+        the same tensor of the previous layer; plus max/mean and the most important columns."""
+        imps, rows = {}, []
         for name in sorted(self.sums):
             c = self.counts[name]
             s = self.sums[name].reshape(c.size, -1) if c.size > 1 else self.sums[name].reshape(1, -1)
             seen = c > 0
             imp = (s[seen] / c[seen][:, None]).mean(axis=0) if seen.any() else np.zeros(s.shape[1])
-            mean = float(imp.mean())
+            imps[name] = imp
+            total, mean, std = float(imp.sum()), float(imp.mean()), float(imp.std())
+            p = imp / total if total > 0 else np.zeros_like(imp)
+            nz = p[p > 0]
+            entropy = float(-(nz * np.log2(nz)).sum())
             order = np.argsort(-imp, kind="stable")[:top]
             rows.append({"name": name, "values": int(s.size), "matrices": int(c.size),
                          "tokens": int(c.sum()), "no_data": np.nonzero(~seen)[0].tolist() if c.size > 1 else [],
-                         "sum": float(imp.sum()), "mean": mean,
+                         "sum": total, "min": float(imp.min()), "max": float(imp.max()), "mean": mean, "std": std,
+                         "active_pct": 100.0 * float((imp > 1e-5).mean()),
+                         "entropy": entropy, "entropy_norm": entropy / np.log2(imp.size) if imp.size > 1 else 0.0,
+                         "zd_pct": 100.0 * float(((imp - mean) > std).mean()) if std > 0 else 0.0,
+                         "cos_prev": None,
                          "max_over_mean": float(imp.max() / mean) if mean > 0 else 0.0,
                          "top_columns": order.tolist()})
+        for r in rows:                          # the same tensor one layer up: blk.{i-1}.<rest>
+            parts = r["name"].split(".", 2)
+            if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+                prev = imps.get(f"blk.{int(parts[1]) - 1}.{parts[2]}")
+                cur = imps[r["name"]]
+                if prev is not None and prev.size == cur.size:
+                    norm = float(np.linalg.norm(prev) * np.linalg.norm(cur))
+                    r["cos_prev"] = float(prev @ cur) / norm if norm > 0 else 0.0
         return rows

@@ -165,3 +165,27 @@ def test_experts_that_never_fire_end_to_end(tmp_path, shared_dir, capsys, caplog
     assert "experts without imatrix data" in capsys.readouterr().err and not out.exists()
     assert main(["quantize", str(model), str(out), *recipe, "--missing-expert", "fill-mean"]) == 0
     assert out.exists()
+
+
+def test_stats_figures(tmp_path, capsys):
+    """The statistics of two dense entries in consecutive layers, recomputed here by hand."""
+    rng = np.random.default_rng(2)
+    a = rng.uniform(0, 1, 64) ** 4
+    b = a * rng.uniform(0.5, 1.5, 64)
+    path = tmp_path / "two.gguf"
+    save_gguf(path, {"blk.0.ffn_up.weight": a[None] * 10, "blk.1.ffn_up.weight": b[None] * 10},
+              {"blk.0.ffn_up.weight": np.array([10.0]), "blk.1.ffn_up.weight": np.array([10.0])},
+              datasets=["x"], chunk_count=1, chunk_size=10)
+    assert main(["imatrix", "stats", str(path), "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["entries"]}
+    r0, r1 = rows["blk.0.ffn_up.weight"], rows["blk.1.ffn_up.weight"]
+    a32 = a.astype(np.float32).astype(np.float64)
+    b32 = b.astype(np.float32).astype(np.float64)
+    p = a32 / a32.sum()
+    assert abs(r0["entropy"] - float(-(p * np.log2(p)).sum())) < 1e-6
+    assert abs(r0["entropy_norm"] - r0["entropy"] / 6.0) < 1e-9
+    assert abs(r0["active_pct"] - 100 * (a32 > 1e-5).mean()) < 1e-9
+    assert abs(r0["zd_pct"] - 100 * ((a32 - a32.mean()) > a32.std()).mean()) < 1e-9
+    assert r0["cos_prev"] is None
+    assert abs(r1["cos_prev"] - a32 @ b32 / np.linalg.norm(a32) / np.linalg.norm(b32)) < 1e-6
+    assert abs(r1["std"] - b32.std()) < 1e-6 * b32.std()
