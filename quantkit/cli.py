@@ -461,16 +461,14 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
                 base.chunks = base.chunks[:chunks]
             total = len(base.chunks)
         else:
-            tokens = s.tokenizer.encode(_read_text(text_path), add_special=True)
-            add_bos = s.tokenizer.add_bos and s.tokenizer.bos_id is not None
-            chunk_list = ppl.chunk_tokens(tokens, ctx_size, chunks, s.tokenizer.bos_id if add_bos else None)
+            chunk_list = s.chunks(_read_text(text_path), ctx_size, chunks)
             total = len(chunk_list)
         progress = _progress_bar("chunks", total, show=not as_json)
         with progress as bar:
             task = bar.add_task("kl-divergence" if kld else "perplexity", total=total)
 
             def on_chunk(i, r):
-                now = r.summary()["kld"]["mean"][0] if kld and len(r.kld) > 1 else getattr(r, "ppl", None)
+                now = sum(r.kld) / len(r.kld) if kld else r.ppl
                 bar.update(task, completed=i + 1,
                            description=f"{'KLD' if kld else 'PPL'} {now:.4f}" if now is not None else "")
             if kld:
@@ -546,10 +544,8 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
 
     from .imatrix_tools import RawImatrix
     from .runtime import ops_cpu
-    from .runtime import perplexity as ppl
     from .runtime.activations import MainlineRounding
     from .runtime.collect import ActivationStats, ObservingOps, collect
-    from .runtime.model import Model
     from .runtime.session import open_session
 
     _refuse_overwrite_input(model_path, out_path)
@@ -561,14 +557,12 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
             raw = raw.merged(RawImatrix.from_file(p, ctx_size))
         stats, datasets = ActivationStats.from_raw(raw, process_output), raw.datasets
     datasets.append(str(text_path))
-    with open_session(model_path, threads) as s:
-        shapes = {t.name: tuple(t.shape) for t in s.gguf.tensors}
-        ops = MainlineRounding(ops_cpu) if activations == "mainline" else ops_cpu
-        model = Model(s.gguf, ops=ObservingOps(ops, stats, shapes))
-        tokens = s.tokenizer.encode(_read_text(text_path), add_special=True)
-        add_bos = s.tokenizer.add_bos and s.tokenizer.bos_id is not None
-        chunk_list = ppl.chunk_tokens(tokens[skip_chunks * ctx_size:], ctx_size, chunks,
-                                      s.tokenizer.bos_id if add_bos else None)
+    ops = MainlineRounding(ops_cpu) if activations == "mainline" else ops_cpu
+
+    def observing(gguf):
+        return ObservingOps(ops, stats, {t.name: tuple(t.shape) for t in gguf.tensors})
+    with open_session(model_path, threads, wrap_ops=observing) as s:
+        chunk_list = s.chunks(_read_text(text_path), ctx_size, chunks, skip=skip_chunks)
         with _progress_bar("chunks", len(chunk_list), show=not as_json) as bar:
             task = bar.add_task("imatrix", total=len(chunk_list))
 
@@ -576,15 +570,16 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
                 bar.update(task, completed=i + 1, description=f"PPL {math.exp(sum(v) / len(v)):.4f}")
                 if (i + 1) % output_frequency == 0 and i + 1 < len(chunk_list):
                     stats.to_raw(ctx_size, datasets).save(out_path)     # atomic: a temporary file renamed
-            nll = collect(model, chunk_list, on_chunk, all_logits=process_output)
+            nll = collect(s.model, chunk_list, on_chunk, all_logits=process_output)
     if not stats.entries:
         raise QuantkitError(f"{model_path}: no matrix product was observed (no blk.* weights?)")
-    missing = stats.never_fired()
+    raw = stats.to_raw(ctx_size, datasets)
+    missing = raw.never_fired()
     for name, experts in missing.items():
         logging.getLogger("quantkit").warning(
-            f"{name}: {len(experts)} of {stats.entries[name].counts.size} experts got no token "
+            f"{name}: {len(experts)} of {raw.counts[name].size} experts got no token "
             f"(partial data): {', '.join(map(str, experts[:16]))}{' ...' if len(experts) > 16 else ''}")
-    stats.to_raw(ctx_size, datasets).save(out_path)
+    raw.save(out_path)
     ppl_value = math.exp(sum(nll) / len(nll))
     if as_json:
         print(json.dumps({"file": str(out_path), "entries": len(stats.entries), "chunks": len(chunk_list),

@@ -13,7 +13,6 @@ is kept follows llama-imatrix (specs/ggml-quants.md §3.1):
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 
@@ -81,27 +80,6 @@ class ActivationStats:
             e = self._entry(name, x.shape[1], x.shape[2], 1)
             e.sums += np.square(x, dtype=np.float32).sum(axis=0, dtype=np.float64)
             e.counts[0] += x.shape[0]
-
-    # ---- results ----
-    def never_fired(self) -> dict[str, list[int]]:
-        """Entries with experts that saw no token: name -> expert indices."""
-        return {n: np.nonzero(e.counts == 0)[0].tolist() for n, e in sorted(self.entries.items())
-                if e.counts.size > 1 and (e.counts == 0).any()}
-
-    def means(self) -> dict[str, np.ndarray]:
-        """name -> mean x² per input column (float32, flattened over matrices); 1.0 for a matrix
-        that saw no token, as llama-quantize reads such a matrix."""
-        out = {}
-        for name, e in sorted(self.entries.items()):
-            counts = np.broadcast_to(e.counts, (e.sums.shape[0],)) if e.counts.size == 1 else e.counts
-            with np.errstate(invalid="ignore", divide="ignore"):
-                m = np.where(counts[:, None] > 0, e.sums / np.maximum(counts, 1)[:, None], 1.0)
-            out[name] = m.astype(np.float32).reshape(-1)
-        return out
-
-    def ncall(self, name: str, chunk_size: int) -> int:
-        """The legacy format's call count: tokens of the busiest matrix in chunks, rounded up."""
-        return max(1, math.ceil(int(self.entries[name].counts.max()) / chunk_size))
 
 
 class ObservingOps:

@@ -66,11 +66,16 @@ class _TilePool:
     def __init__(self):
         self._pool, self._n = None, 0
 
+    @staticmethod
+    def threads(n_tokens: int) -> int:
+        """Threads a product of ``n_tokens`` rows runs its tiles on.  A few tokens: one, since the
+        product is cheap beside the decoding, which numba's parallel decoders spread over the
+        threads without the pool's per-tile hand-offs."""
+        return numba.get_num_threads() if n_tokens >= FEW_TOKENS else 1
+
     def map(self, fn, items, n_tokens: int):
-        n = numba.get_num_threads()
-        if n <= 1 or len(items) <= 1 or n_tokens < FEW_TOKENS:
-            # a few tokens: the product is cheap beside the decoding, which numba's parallel
-            # decoders spread over the threads without the pool's per-tile hand-offs
+        n = self.threads(n_tokens)
+        if n <= 1 or len(items) <= 1:
             return [fn(i) for i in items]
         if self._pool is None or self._n != n:
             if self._pool is not None:
@@ -94,9 +99,8 @@ def matmul_q(w: Weight, x: np.ndarray) -> np.ndarray:
         x = _f16_round(x)           # ggml's f16 dot product converts the activations to f16
     n_out, group = w.n_out * w.n_matrices, traits(w.qtype).interleave_rows
     tile = max(group, TILE_VALUES // w.n_in // group * group)
-    if x.shape[0] >= FEW_TOKENS:                    # every thread gets a share
-        per_thread = -(-n_out // max(1, numba.get_num_threads()))
-        tile = min(tile, -(-per_thread // group) * group)
+    per_thread = -(-n_out // _tiles.threads(x.shape[0]))                 # every thread gets a share
+    tile = min(tile, -(-per_thread // group) * group)
     out = np.empty((x.shape[0], n_out), F32)
     plain = w.plain() if w.qtype == QuantType.F32 else None
 
@@ -223,10 +227,13 @@ class KVCache:
         self.n_ctx = n_ctx
         self.n_past = 0
 
-    def store(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
-        n = k.shape[0]
+    def _check_room(self, pos0: int, n: int) -> None:
         if pos0 + n > self.n_ctx:
             raise ValueError(f"context is full ({self.n_ctx} positions)")
+
+    def store(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
+        n = k.shape[0]
+        self._check_room(pos0, n)
         self.k[layer, pos0:pos0 + n] = k
         self.v[layer, pos0:pos0 + n] = v
 
@@ -253,8 +260,7 @@ class MLACache(KVCache):
     def store(self, layer: int, pos0: int, k_rope: np.ndarray, kv: np.ndarray) -> None:
         """k_rope (n_tokens, 1, n_rot), kv (n_tokens, kv_lora_rank)."""
         n = kv.shape[0]
-        if pos0 + n > self.n_ctx:
-            raise ValueError(f"context is full ({self.n_ctx} positions)")
+        self._check_room(pos0, n)
         self.k[layer, pos0:pos0 + n, 0, :self.n_rot] = k_rope.reshape(n, self.n_rot)
         self.k[layer, pos0:pos0 + n, 0, self.n_rot:] = kv
 

@@ -11,8 +11,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
+
 from ..gguf_io.reader import GGUFModel, open_model
 from .model import Model
+from .perplexity import chunk_tokens
 from .tokenizer import Tokenizer
 
 
@@ -37,13 +40,24 @@ class Session:
     tokenizer: Tokenizer
     threads: int
 
+    def chunks(self, text: str, n_ctx: int, n_chunks: int | None = None, skip: int = 0) -> list[np.ndarray]:
+        """The text in llama-perplexity's / llama-imatrix's chunks of ``n_ctx`` tokens (BOS first
+        where the vocabulary adds one), after the first ``skip`` chunks."""
+        tok = self.tokenizer
+        tokens = tok.encode(text, add_special=True)[skip * n_ctx:]
+        bos = tok.bos_id if tok.add_bos and tok.bos_id is not None else None
+        return chunk_tokens(tokens, n_ctx, n_chunks, bos)
+
 
 @contextmanager
-def open_session(path, threads: int | None = None) -> Iterator[Session]:
+def open_session(path, threads: int | None = None, wrap_ops=None) -> Iterator[Session]:
+    """``wrap_ops(gguf)``: the ops backend the model computes with (an observer, a rounding
+    wrapper); ops_cpu when None."""
     n = set_threads(threads)
     gguf = open_model(path)
     try:
-        yield Session(gguf, Model(gguf), Tokenizer.from_model(gguf), n)
+        model = Model(gguf) if wrap_ops is None else Model(gguf, ops=wrap_ops(gguf))
+        yield Session(gguf, model, Tokenizer.from_model(gguf), n)
     finally:
         gguf.close()
 
