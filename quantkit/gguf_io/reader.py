@@ -56,6 +56,9 @@ class TensorInfo:
         return self.source.view(self.offset, self.nbytes).reshape(self.n_rows, row_size)
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Sequential little-endian reader over a buffer that raises GGUFFormatError past its end."""
 
@@ -90,6 +93,24 @@ class _Cursor:
         except UnicodeDecodeError:
             self.fail(f"{what} is not valid UTF-8", at)
 
+    def strings(self, n: int, what: str) -> list[str]:
+        """n strings in a row (a vocabulary: 100k+ of them, so one tight loop, not n string() calls)."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        unpack_len = _U64.unpack_from
+        for i in range(n):
+            if pos + 8 > end or pos + 8 + unpack_len(buf, pos)[0] > end:
+                self.pos = pos
+                self.fail(f"truncated file: {what}[{i}] runs past the end of the file ({end} bytes)")
+            n_bytes = unpack_len(buf, pos)[0]
+            pos += 8
+            try:
+                out.append(str(buf[pos:pos + n_bytes], "utf-8"))
+            except UnicodeDecodeError:
+                self.fail(f"{what}[{i}] is not valid UTF-8", pos - 8)
+            pos += n_bytes
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, what: str) -> MetaValue:
         at = self.pos
         try:
@@ -109,7 +130,7 @@ class _Cursor:
         if elem == ValueType.ARRAY:
             self.fail(f"{what}: nested arrays are not supported", at)
         if elem == ValueType.STRING:
-            return MetaValue(vtype, [self.string(f"{what}[{i}]") for i in range(n)], elem)
+            return MetaValue(vtype, self.strings(n, what), elem)
         size = SCALAR_SIZE[elem]
         if n > len(self.buf):
             self.fail(f"truncated file: {what} claims {n} elements")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..types import QuantType
+from . import kernels, ops_cpu
 
 F32 = np.float32
 T = QuantType
@@ -30,35 +31,16 @@ VEC_DOT_TYPE = {
 }
 
 
-def round_q8_0(x: np.ndarray) -> np.ndarray:
-    """x (n, k) with k a multiple of 32, as its q8_0/q8_1 blocks decode."""
-    n, k = x.shape
-    b = x.reshape(n, k // 32, 32)
-    amax = np.abs(b).max(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, F32(127) / amax, F32(0)).astype(F32)
-    d = (amax / F32(127)).astype(np.float16).astype(F32)
-    return (np.rint(b * inv) * d).reshape(n, k)
-
-
-def round_q8_K(x: np.ndarray) -> np.ndarray:
-    """x (n, k) with k a multiple of 256, as its q8_K blocks decode."""
-    n, k = x.shape
-    b = x.reshape(n, k // 256, 256)
-    m = np.take_along_axis(b, np.abs(b).argmax(axis=-1)[..., None], axis=-1)
-    with np.errstate(divide="ignore"):
-        iscale = np.where(m != 0, F32(-127) / m, F32(0)).astype(F32)
-        d = np.where(iscale != 0, F32(1) / iscale, F32(0)).astype(F32)
-    return (np.minimum(np.rint(b * iscale), F32(127)) * d).reshape(n, k)
-
-
 def round_for(qtype, x: np.ndarray) -> np.ndarray:
     """x as mainline's product with a ``qtype`` weight sees it (unchanged for other types)."""
     vt = VEC_DOT_TYPE.get(QuantType(qtype))
     if vt is None:
         return x
     x = np.ascontiguousarray(x, F32)
-    return round_q8_K(x) if vt == T.Q8_K else round_q8_0(x)
+    out = np.empty_like(x)
+    kernel = kernels.round_q8_K_rows if vt == T.Q8_K else kernels.round_q8_0_rows
+    ops_cpu.by_rows(lambda r0, r1: kernel(x[r0:r1], out[r0:r1]), x.shape[0])
+    return out
 
 
 class MainlineRounding:
@@ -66,12 +48,23 @@ class MainlineRounding:
 
     def __init__(self, ops):
         self._ops = ops
+        # (input, block size, rounded input) of the last product: attn_q/k/v (and ffn_gate/up)
+        # share one input, which is rounded once for them (the input is held, so `is` is safe)
+        self._last = (None, 0, None)
 
     def __getattr__(self, name):
         return getattr(self._ops, name)
 
     def matmul_q(self, w, x):
-        return self._ops.matmul_q(w, round_for(w.qtype, x))
+        vt = VEC_DOT_TYPE.get(QuantType(w.qtype))
+        if vt is None:
+            return self._ops.matmul_q(w, x)
+        block = 256 if vt == T.Q8_K else 32
+        last_x, last_block, rounded = self._last
+        if last_x is not x or last_block != block:
+            rounded = round_for(w.qtype, x)
+            self._last = (x, block, rounded)
+        return self._ops.matmul_q(w, rounded)
 
     def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None):
         return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=matmul or self.matmul_q)

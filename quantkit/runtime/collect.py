@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import QuantkitError
+from . import kernels
 
 MIN_ROWS = 16                       # llama-imatrix ignores dense products of fewer rows
 _EXPERT = re.compile(r"^(.*)\[(\d+)\]$")                # Weight.expert(e) is named "name[e]"
@@ -65,13 +66,13 @@ class ActivationStats:
         if self.wanted(name) and x.shape[0] >= MIN_ROWS:
             e = self._entry(name, 1, x.shape[1], 1)
             # squares in float as llama-imatrix forms them, summed in double
-            e.sums[0] += np.square(x, dtype=np.float32).sum(axis=0, dtype=np.float64)
+            kernels.add_square_sums(np.ascontiguousarray(x, np.float32), e.sums[0])
             e.counts[0] += x.shape[0]
 
     def add_expert(self, name: str, expert: int, n_expert: int, x: np.ndarray) -> None:
         if self.wanted(name):
             e = self._entry(name, n_expert, x.shape[1], n_expert)
-            e.sums[expert] += np.square(x, dtype=np.float32).sum(axis=0, dtype=np.float64)
+            kernels.add_square_sums(np.ascontiguousarray(x, np.float32), e.sums[expert])
             e.counts[expert] += x.shape[0]
 
     def add_heads(self, name: str, x: np.ndarray) -> None:

@@ -19,6 +19,7 @@ import numba
 import numpy as np
 
 from ..types import QuantType, traits
+from . import kernels
 from .weights import Weight
 
 F32 = np.float32
@@ -28,29 +29,10 @@ TILE_VALUES = 1 << 20
 # below this many tokens a product's tiles run one after the other (generation: 10.0 -> 12.9
 # tokens/s for SmolLM2 Q4_K on 2 threads), from it on side by side (a 128-token prompt: 190 -> 256)
 FEW_TOKENS = 8
-
-
-def _f16_round(x: np.ndarray) -> np.ndarray:
-    """float32 values rounded to the nearest float16 (ties to even), kept as float32: what ggml's
-    conversions to f16 do.  numpy's own float16 cast converts one value at a time (2x slower on
-    the attention scores); this rounds the bits instead:
-
-      |x| >= 2^-14  keep 10 of the 23 mantissa bits:  u + 0x0FFF + (bit 13 of u), low 13 bits cleared
-      |x| <  2^-14  float16 subnormals, multiples of 2^-24:  rint(x * 2^24) * 2^-24
-      |x| >= 65520  overflows to +-inf (and nan stays nan): numpy's cast, for those few only
-    """
-    x = np.ascontiguousarray(x, F32)
-    u = x.view(np.uint32)
-    r = ((u + np.uint32(0x0FFF) + ((u >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)).view(F32)
-    a = np.abs(x)
-    small = a < F32(2.0 ** -14)
-    if small.any():
-        r = np.where(small, np.rint(x * F32(2.0 ** 24)) * F32(2.0 ** -24), r)
-    big = ~(a < F32(65520.0))
-    if big.any():
-        with np.errstate(over="ignore"):
-            r = np.where(big, x.astype(np.float16).astype(F32), r)
-    return r
+# attention work items: at most this many query positions, and this many query rows (positions x
+# the query heads of one key head), per item
+QUERY_BLOCK = 64
+QUERY_ROWS = 4096
 
 
 # ---- matrix products ----
@@ -87,6 +69,36 @@ class _TilePool:
 
 
 _tiles = _TilePool()
+
+
+def by_rows(fn, n_rows: int, n_tokens: int | None = None) -> None:
+    """``fn(r0, r1)`` over all rows (of ``n_tokens`` tokens, one row each by default): for a batch split between the tile pool's threads, where
+    numba kernels run single-threaded; for a few rows in one call (numba's own parallel rows).
+
+    Between the products of a batch a numba-parallel kernel must not run on the calling thread:
+    after each parallel region numba's OpenMP threads spin for a while, on the cores the pool's
+    threads need next (a prompt of SmolLM2 Q8_0: 191 -> 289 tokens/s without them)."""
+    n_tokens = n_rows if n_tokens is None else n_tokens
+    n = _tiles.threads(n_tokens)
+    if n <= 1 or n_rows < 2 * n:
+        fn(0, n_rows)
+        return
+    step = -(-n_rows // n)
+    _tiles.map(lambda r0: fn(r0, min(n_rows, r0 + step)), range(0, n_rows, step), n_tokens)
+
+
+def _rows2d(x: np.ndarray) -> np.ndarray:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _f16_round(x: np.ndarray) -> np.ndarray:
+    """x (n_tokens, ...): float32 values rounded to the nearest float16 (ties to even), kept as float32: what ggml's
+    conversions to f16 do (numpy's own cast converts one value at a time: 2x slower)."""
+    x = np.ascontiguousarray(x, F32)
+    out = np.empty_like(x)
+    x2, out2 = _rows2d(x), _rows2d(out)
+    by_rows(lambda r0, r1: kernels.f16_round_rows(x2[r0:r1], out2[r0:r1]), x2.shape[0], x.shape[0])
+    return out
 
 
 def matmul_q(w: Weight, x: np.ndarray) -> np.ndarray:
@@ -142,25 +154,25 @@ def matmul_q_heads(ws, x: np.ndarray, transposed: bool = False) -> np.ndarray:
 
 def embed(w: Weight, ids: np.ndarray) -> np.ndarray:
     """Rows ``ids`` of a token embedding (n_tokens, n_embd), decoded (ggml_get_rows)."""
-    group = traits(w.qtype).interleave_rows
-    out = np.empty((len(ids), w.n_in), F32)
-    for i, t in enumerate(ids):
-        r0 = int(t) // group * group
-        out[i] = w.rows(r0, r0 + group)[int(t) - r0]
-    return out
+    return w.gather(np.asarray(ids, np.int64))
 
 
 # ---- elementwise ----
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * weight, per row (ggml sums the squares in double)."""
-    ms = np.einsum("ij,ij->i", x.astype(np.float64), x.astype(np.float64)) / x.shape[1]
-    scale = (1.0 / np.sqrt(ms + eps)).astype(F32)
-    return (x * scale[:, None]) * weight
+    x, weight = np.ascontiguousarray(x, F32), np.ascontiguousarray(weight, F32)
+    out = np.empty_like(x)
+    by_rows(lambda r0, r1: kernels.rmsnorm_rows(x[r0:r1], weight, float(eps), out[r0:r1]), x.shape[0])
+    return out
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    return gate / (F32(1) + np.exp(-gate)) * up
+    """silu(gate) * up."""
+    gate, up = _rows2d(np.ascontiguousarray(gate, F32)), _rows2d(np.ascontiguousarray(up, F32))
+    out = np.empty_like(gate)
+    by_rows(lambda r0, r1: kernels.silu_mul_rows(gate[r0:r1], up[r0:r1], out[r0:r1]), gate.shape[0])
+    return out
 
 
 def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0,
@@ -202,17 +214,12 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq_
 
 
 def _rotate(x: np.ndarray, n_rot: int, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
-    """Rotate the dim pairs of x (n_tokens, n_heads, head_dim) by angles given as cos/sin (n_tokens, n_rot/2)."""
-    half = n_rot // 2
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    if neox:
-        a, b = x[..., :half].copy(), x[..., half:n_rot].copy()
-        x[..., :half] = a * cos - b * sin
-        x[..., half:n_rot] = a * sin + b * cos
-    else:
-        a, b = x[..., 0:n_rot:2].copy(), x[..., 1:n_rot:2].copy()
-        x[..., 0:n_rot:2] = a * cos - b * sin
-        x[..., 1:n_rot:2] = a * sin + b * cos
+    """Rotate the dim pairs of x (n_tokens, n_heads, head_dim) in place by angles given as cos/sin
+    (n_tokens, n_rot/2)."""
+    y = x if x.dtype == F32 and x.flags.c_contiguous else np.ascontiguousarray(x, F32)
+    by_rows(lambda r0, r1: kernels.rotate_pairs(y[r0:r1], cos[r0:r1], sin[r0:r1], n_rot, neox), y.shape[0])
+    if y is not x:
+        x[...] = y
     return x
 
 
@@ -268,24 +275,42 @@ class MLACache(KVCache):
 def attention(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float) -> np.ndarray:
     """Causal multi-head attention of q (n_tokens, n_head, k_dim) at positions pos0.. against the
     cache's first pos0 + n_tokens positions -> (n_tokens, n_head * v_dim).  Query head h reads
-    key/value head h // (n_head / n_head_kv), as ggml's broadcast does."""
+    key/value head h // (n_head / n_head_kv), as ggml's broadcast does.
+
+    The work is split by key head and by blocks of query positions: a block multiplies only with
+    the keys its last query sees (a prompt's first block skips most of them), and the query heads
+    of one key head go through BLAS together, each query position's g heads side by side."""
     n_tok, n_head, k_dim = q.shape
     n_kv = pos0 + n_tok
-    k = cache.k[layer, :n_kv].astype(F32)                   # (n_kv, n_head_kv, k_dim)
-    v = cache.v[layer, :n_kv].astype(F32)                   # (n_kv, n_head_kv, v_dim)
-    n_head_kv, v_dim = k.shape[1], v.shape[2]
+    n_head_kv, v_dim = cache.k.shape[2], cache.v.shape[3]
     g = n_head // n_head_kv
-    qh = _f16_round(q).reshape(n_tok, n_head_kv, g, k_dim).transpose(1, 2, 0, 3)   # (hkv, g, t, k_dim)
-    scores = qh @ k.transpose(1, 2, 0)[:, None]             # (hkv, g, t, n_kv)
-    scores *= F32(scale)
-    # causal mask: query at position pos0 + i sees keys 0 .. pos0 + i
-    future = np.arange(n_kv)[None, :] > (pos0 + np.arange(n_tok))[:, None]
-    scores[..., future] = -np.inf
-    scores -= scores.max(axis=-1, keepdims=True)
+    keys = np.ascontiguousarray(cache.k[layer, :n_kv].astype(F32).transpose(1, 2, 0))   # (hkv, k_dim, n_kv)
+    values = np.ascontiguousarray(cache.v[layer, :n_kv].astype(F32).transpose(1, 0, 2))  # (hkv, n_kv, v_dim)
+    q16 = _f16_round(q)                             # ggml multiplies the f16 keys with an f16 copy of q
+    out = np.empty((n_tok, n_head, v_dim), F32)
+    block = max(1, min(QUERY_BLOCK, QUERY_ROWS // g))
+
+    def head_block(job):
+        h, t0 = job
+        t1 = min(n_tok, t0 + block)
+        heads = slice(h * g, (h + 1) * g)
+        n_seen = pos0 + t1                          # keys the block's last query sees
+        scores = q16[t0:t1, heads].reshape((t1 - t0) * g, k_dim) @ keys[h, :, :n_seen]
+        causal_softmax_f16(scores, pos0 + t0, g, scale)
+        out[t0:t1, heads] = (scores @ values[h, :n_seen]).reshape(t1 - t0, g, v_dim)
+    _tiles.map(head_block, [(h, t0) for h in range(n_head_kv) for t0 in range(0, n_tok, block)], n_tok)
+    return out.reshape(n_tok, n_head * v_dim)
+
+
+def causal_softmax_f16(scores: np.ndarray, pos0: int, rows_per_pos: int, scale: float) -> None:
+    """In place: each row of ``scores`` (n_rows, n_kv) becomes the f16-rounded softmax of ``scale *
+    scores`` over the keys its query may see (row r's query is at position pos0 + r // rows_per_pos
+    and sees keys 0 .. that position), zeros after them.  numpy's SIMD exp between two kernels."""
+    row_max = np.empty(scores.shape[0], F32)
+    kernels.scale_mask_max(scores, pos0, rows_per_pos, F32(scale), row_max)
+    np.subtract(scores, row_max[:, None], out=scores)
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True, dtype=np.float64).astype(F32)
-    out = _f16_round(scores) @ v.transpose(1, 0, 2)[:, None]        # (hkv, g, t, v_dim)
-    return np.ascontiguousarray(out.transpose(2, 0, 1, 3)).reshape(n_tok, n_head * v_dim)
+    kernels.normalize_f16(scores)
 
 
 def attention_mla(q_rope: np.ndarray, q_lat: np.ndarray, cache: MLACache, layer: int, pos0: int,

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import QuantkitError
 from ..gguf_io.writer import AtomicOutput
+from . import kernels, ops_cpu
 from .ops_cpu import log_softmax
 
 MAGIC = b"_logits_"
@@ -80,11 +81,11 @@ class PplResult:
 def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """-log p(target) per row as llama-perplexity computes it: exp of (logit - max) in float, summed
     in double (only the target's log-probability is formed, not the whole row's)."""
-    logits = np.asarray(logits, np.float32)
-    m = logits.max(axis=-1, keepdims=True)
-    sums = np.exp(logits - m).sum(axis=-1, dtype=np.float64)
-    rows = np.arange(len(targets))
-    return np.log(sums) - (logits[rows, targets] - m[:, 0]).astype(np.float64)
+    logits = np.ascontiguousarray(logits, np.float32)
+    targets = np.ascontiguousarray(targets, np.int64)
+    out = np.empty(len(targets), np.float64)
+    ops_cpu.by_rows(lambda r0, r1: kernels.target_nll(logits[r0:r1], targets[r0:r1], out[r0:r1]), len(targets))
+    return out
 
 
 def perplexity(model, chunks: list[np.ndarray], on_chunk: Callable[[int, PplResult], None] | None = None,

@@ -50,7 +50,17 @@ class Weight:
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` as float32 (stop - start, n_in); start/stop on interleave boundaries."""
-        b = self.blocks[start:stop]
+        return self._decode(self.blocks[start:stop])
+
+    def gather(self, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` (any order, repeats allowed) as float32 (len(ids), n_in), decoded in one
+        call: the interleave groups holding them are gathered, decoded, and the rows picked."""
+        group = traits(self.qtype).interleave_rows
+        row_size = self.blocks.shape[1]
+        groups = self.blocks.reshape(-1, group, row_size)[ids // group].reshape(-1, row_size)
+        return self._decode(groups).reshape(len(ids), group, self.n_in)[np.arange(len(ids)), ids % group]
+
+    def _decode(self, b: np.ndarray) -> np.ndarray:
         dtype = PLAIN_DTYPE.get(self.qtype)
         if dtype is not None:
             return b.view(dtype).astype(np.float32, copy=dtype is not np.float32)

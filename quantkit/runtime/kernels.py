@@ -1,0 +1,201 @@
+"""numba kernels of the CPU runtime: the elementwise steps between the matrix products.
+
+Each has a plain-numpy twin in :mod:`quantkit.runtime.reference_ops` that the tests compare it
+with.  None allocates its output: the caller passes it, so the same kernel serves a whole batch of
+tokens or one token.  Rows run in parallel (``prange``); inside the matrix-product thread pool,
+where numba runs single-threaded, they run one after the other.
+
+All arithmetic stays in float32 where ggml's does (numba keeps float32 * float32 in float32), and
+the sums ggml forms in double are formed in double here too.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+F32 = np.float32
+
+
+@intrinsic
+def _f32_bits(typingctx, x):
+    """The bit pattern of a float32 as uint32 (a register move: loops using it still vectorize)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, u):
+    """The float32 whose bit pattern is the low 32 bits of the integer u."""
+    if not isinstance(u, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if u.bitwidth > 32:
+            v = builder.trunc(v, ir.IntType(32))
+        elif u.bitwidth < 32:
+            v = builder.zext(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
+    return types.float32(u), codegen
+
+
+@njit(cache=True, inline="always")
+def _f16_value(x):
+    """x rounded to the nearest float16 value (ties to even), as float32; branch-free, so loops
+    over it vectorize.  With u the bits of x:
+
+      normal    |x| >= 2^-14  keep 10 of the 23 mantissa bits:  u + 0x0FFF + (bit 13 of u), the low
+                13 bits cleared (a carry into the exponent is the rounding up to the next binade)
+                  u: s eeeeeeee mmmmmmmmmm|m mmmm mmmm mmmm
+                                    kept ^ ^ bit 13      ^ cleared
+      subnormal |x| <  2^-14  multiples of 2^-24:  (|x| + 0.75) - 0.75, since float32's spacing in
+                [0.5, 1) is 2^-24 and 0.75 is an even multiple (ties go to even multiples); x's sign
+      overflow  |x| >= 65520  x * inf: +-inf, and NaN stays NaN
+    """
+    u = _f32_bits(x)
+    normal = _bits_f32((u + np.uint32(0x0FFF) + ((u >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000))
+    a = abs(x)
+    sub = _bits_f32(_f32_bits(np.float32((a + F32(0.75)) - F32(0.75))) | (u & np.uint32(0x80000000)))
+    r = normal if a >= F32(2.0 ** -14) else sub
+    return r if a < F32(65520.0) else x * F32(np.inf)
+
+
+@njit(cache=True, parallel=True)
+def f16_round_rows(x, out):
+    """out = x rounded to float16 values, x and out (n_rows, n) float32 (out may be x)."""
+    for r in prange(x.shape[0]):
+        for i in range(x.shape[1]):
+            out[r, i] = _f16_value(x[r, i])
+
+
+@njit(cache=True, parallel=True)
+def scale_mask_max(scores, pos0, rows_per_pos, scale, row_max):
+    """Softmax, first step, in place on scores (n_rows, n_kv): multiply by ``scale``, set the keys
+    a row's query may not see to -inf, and row_max[r] = the row's maximum.
+
+    Row r belongs to the query at position pos0 + r // rows_per_pos (the query heads that share a
+    key head sit side by side), which sees keys 0 .. that position."""
+    n_rows, n_kv = scores.shape
+    for r in prange(n_rows):
+        n_seen = min(n_kv, pos0 + r // rows_per_pos + 1)
+        m = -np.inf
+        for j in range(n_seen):
+            s = scores[r, j] * scale
+            scores[r, j] = s
+            m = max(m, s)
+        for j in range(n_seen, n_kv):
+            scores[r, j] = -np.inf
+        row_max[r] = m
+
+
+@njit(cache=True, parallel=True)
+def normalize_f16(e):
+    """Softmax, last step, in place on the exponentials e (n_rows, n_kv): each row multiplied by
+    1 / its sum (summed in double, the factor rounded to float32, as ggml's soft_max does) and
+    rounded to f16, as ggml converts the probabilities before multiplying them with the f16 values."""
+    for r in prange(e.shape[0]):
+        total = 0.0
+        for j in range(e.shape[1]):
+            total += np.float64(e[r, j])
+        inv_total = F32(1.0 / total)
+        for j in range(e.shape[1]):
+            e[r, j] = _f16_value(e[r, j] * inv_total)
+
+
+@njit(cache=True, parallel=True)
+def round_q8_0_rows(x, out):
+    """out = x as its q8_0 (or q8_1: the same values) blocks of 32 decode, x (n_rows, k)."""
+    for r in prange(x.shape[0]):
+        for b in range(0, x.shape[1], 32):
+            amax = F32(0.0)
+            for i in range(b, b + 32):
+                amax = max(amax, abs(x[r, i]))
+            inv = F32(127.0) / amax if amax > 0 else F32(0.0)
+            d = _f16_value(amax / F32(127.0))        # stored as f16
+            for i in range(b, b + 32):
+                out[r, i] = np.float32(np.rint(x[r, i] * inv)) * d
+
+
+@njit(cache=True, parallel=True)
+def round_q8_K_rows(x, out):
+    """out = x as its q8_K blocks of 256 decode, x (n_rows, k): the value of largest magnitude m
+    (the first one) sets iscale = -127 / m, q = min(127, rint(iscale * x)), d = 1 / iscale."""
+    for r in prange(x.shape[0]):
+        for b in range(0, x.shape[1], 256):
+            amax, m = F32(0.0), F32(0.0)
+            for i in range(b, b + 256):
+                if abs(x[r, i]) > amax:
+                    amax, m = abs(x[r, i]), x[r, i]
+            iscale = F32(-127.0) / m if m != 0 else F32(0.0)
+            d = F32(1.0) / iscale if iscale != 0 else F32(0.0)
+            for i in range(b, b + 256):
+                out[r, i] = min(np.float32(np.rint(iscale * x[r, i])), F32(127.0)) * d
+
+
+@njit(cache=True, parallel=True)
+def silu_mul_rows(gate, up, out):
+    """out = silu(gate) * up = gate / (1 + exp(-gate)) * up, all (n_rows, n) float32."""
+    for r in prange(gate.shape[0]):
+        for i in range(gate.shape[1]):
+            g = gate[r, i]
+            out[r, i] = g / (F32(1.0) + np.exp(-g)) * up[r, i]
+
+
+@njit(cache=True, parallel=True)
+def rmsnorm_rows(x, weight, eps, out):
+    """out = x / sqrt(mean(x^2) + eps) * weight per row, the mean of squares in double."""
+    n = x.shape[1]
+    for r in prange(x.shape[0]):
+        ss = 0.0
+        for i in range(n):
+            v = np.float64(x[r, i])
+            ss += v * v
+        scale = F32(1.0 / np.sqrt(ss / n + eps))
+        for i in range(n):
+            out[r, i] = (x[r, i] * scale) * weight[i]
+
+
+@njit(cache=True, parallel=True)
+def rotate_pairs(x, cos, sin, n_rot, neox):
+    """The rotary embedding in place: x (n_tokens, n_heads, head_dim), the angles of token t as
+    cos[t], sin[t] (n_rot / 2 each).  Pair i is (x[2i], x[2i+1]) in normal mode and
+    (x[i], x[i + n_rot/2]) in neox mode; dims from n_rot on are left alone."""
+    half = n_rot // 2
+    for t in prange(x.shape[0]):
+        for h in range(x.shape[1]):
+            for i in range(half):
+                ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
+                a, b = x[t, h, ia], x[t, h, ib]
+                x[t, h, ia] = a * cos[t, i] - b * sin[t, i]
+                x[t, h, ib] = a * sin[t, i] + b * cos[t, i]
+
+
+@njit(cache=True)
+def add_square_sums(x, sums):
+    """sums (n_in,) float64 += Σ over the rows of x (n_rows, n_in) of x² (squared in float32, added
+    in double, row after row: llama-imatrix's order)."""
+    for r in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            v = x[r, i] * x[r, i]
+            sums[i] += np.float64(v)
+
+
+@njit(cache=True, parallel=True)
+def target_nll(logits, targets, out):
+    """out[r] = -log softmax(logits[r])[targets[r]] as llama-perplexity forms it: exp(logit - max)
+    in float, summed in double."""
+    n = logits.shape[1]
+    for r in prange(logits.shape[0]):
+        m = logits[r, 0]
+        for j in range(1, n):
+            m = max(m, logits[r, j])
+        total = 0.0
+        for j in range(n):
+            total += np.float64(np.exp(logits[r, j] - m))
+        out[r] = np.log(total) - np.float64(logits[r, targets[r]] - m)

@@ -1,0 +1,66 @@
+"""Plain-numpy twins of the runtime's numba kernels (:mod:`quantkit.runtime.kernels`).
+
+They compute the same numbers with whole-array numpy operations: slower, easier to read, and what
+the tests hold the kernels to.  The runtime itself calls the kernels.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+
+
+def f16_round(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest float16 (ties to even), kept as float32: what ggml's
+    conversions to f16 do (see kernels._f16_round_at for the bit layout)."""
+    x = np.ascontiguousarray(x, F32)
+    u = x.view(np.uint32)
+    r = ((u + np.uint32(0x0FFF) + ((u >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)).view(F32)
+    a = np.abs(x)
+    r = np.where(a < F32(2.0 ** -14), np.rint(x * F32(2.0 ** 24)) * F32(2.0 ** -24), r)
+    with np.errstate(over="ignore"):
+        return np.where(a < F32(65520.0), r, x.astype(np.float16).astype(F32)).astype(F32)
+
+
+def causal_softmax_f16(scores: np.ndarray, pos0: int, rows_per_pos: int, scale: float) -> np.ndarray:
+    """kernels.causal_softmax_f16, returning a new array."""
+    n_rows, n_kv = scores.shape
+    s = scores * F32(scale)
+    seen = np.arange(n_kv)[None, :] <= (pos0 + np.arange(n_rows) // rows_per_pos)[:, None]
+    s = np.where(seen, s, -np.inf)
+    s = np.exp(s - s.max(axis=-1, keepdims=True))
+    inv_total = (1.0 / s.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(F32)
+    return f16_round(s * inv_total)
+
+
+def round_q8_0(x: np.ndarray) -> np.ndarray:
+    """x (n, k) with k a multiple of 32, as its q8_0/q8_1 blocks decode."""
+    n, k = x.shape
+    b = x.reshape(n, k // 32, 32)
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, F32(127) / amax, F32(0)).astype(F32)
+    d = (amax / F32(127)).astype(np.float16).astype(F32)
+    return (np.rint(b * inv) * d).reshape(n, k)
+
+
+def round_q8_K(x: np.ndarray) -> np.ndarray:
+    """x (n, k) with k a multiple of 256, as its q8_K blocks decode."""
+    n, k = x.shape
+    b = x.reshape(n, k // 256, 256)
+    m = np.take_along_axis(b, np.abs(b).argmax(axis=-1)[..., None], axis=-1)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(m != 0, F32(-127) / m, F32(0)).astype(F32)
+        d = np.where(iscale != 0, F32(1) / iscale, F32(0)).astype(F32)
+    return (np.minimum(np.rint(b * iscale), F32(127)) * d).reshape(n, k)
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    return gate / (F32(1) + np.exp(-gate)) * up
+
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * weight, per row (ggml sums the squares in double)."""
+    ms = np.einsum("ij,ij->i", x.astype(np.float64), x.astype(np.float64)) / x.shape[1]
+    scale = (1.0 / np.sqrt(ms + eps)).astype(F32)
+    return (x * scale[:, None]) * weight

@@ -1,0 +1,144 @@
+"""The runtime's numba kernels against their plain-numpy twins (quantkit.runtime.reference_ops), and
+the float16 rounding against numpy's own float16 cast."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from quantkit.runtime import kernels, ops_cpu
+from quantkit.runtime import reference_ops as ref
+
+F32 = np.float32
+
+
+def awkward_values(rng, shape) -> np.ndarray:
+    """Normal values with zeros, tiny (f16-subnormal) and huge (f16-overflowing) ones mixed in."""
+    x = rng.standard_normal(shape).astype(F32)
+    flat = x.reshape(-1)
+    idx = rng.permutation(flat.size)
+    k = flat.size // 16
+    flat[idx[:k]] = 0
+    flat[idx[k:2 * k]] *= F32(1e-6)
+    flat[idx[2 * k:3 * k]] *= F32(1e5)
+    return x
+
+
+def test_f16_round_equals_numpy_cast_on_every_range():
+    rng = np.random.default_rng(1)
+    x = awkward_values(rng, (64, 96))
+    # ties between two float16 neighbours, in the normal and the subnormal range
+    x[0, :4] = [1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 2.0 ** -24 * 0.5, 2.0 ** -24 * 1.5]
+    x[1, :5] = [65504.0, 65519.0, 65520.0, -1e30, np.nan]
+    with np.errstate(over="ignore"):
+        expect = x.astype(np.float16).astype(F32)
+    got = np.empty_like(x)
+    kernels.f16_round_rows(x, got)
+    np.testing.assert_array_equal(got, expect)
+    np.testing.assert_array_equal(ref.f16_round(x), expect)
+
+
+@pytest.mark.parametrize("pos0,rows_per_pos", [(0, 1), (0, 3), (5, 2), (40, 1)])
+def test_causal_softmax_f16(pos0, rows_per_pos):
+    rng = np.random.default_rng(pos0 + rows_per_pos)
+    n_pos = 12
+    n_kv = pos0 + n_pos
+    s = (rng.standard_normal((n_pos * rows_per_pos, n_kv)) * 4).astype(F32)
+    expect = ref.causal_softmax_f16(s, pos0, rows_per_pos, 0.125)
+    got = s.copy()
+    ops_cpu.causal_softmax_f16(got, pos0, rows_per_pos, 0.125)
+    # exp may differ in its last bit between numpy and numba, which can move an f16 rounding
+    np.testing.assert_allclose(got, expect, rtol=2 ** -10, atol=0)
+    # masked keys are exact zeros and every row sums to 1 up to f16 rounding
+    future = np.arange(n_kv)[None, :] > (pos0 + np.arange(len(s)) // rows_per_pos)[:, None]
+    assert (got[future] == 0).all() and (got[~future] > 0).any()
+    np.testing.assert_allclose(got.sum(axis=1), 1, rtol=2e-3)
+
+
+@pytest.mark.parametrize("kernel,twin,block", [(kernels.round_q8_0_rows, ref.round_q8_0, 32),
+                                                (kernels.round_q8_K_rows, ref.round_q8_K, 256)])
+def test_activation_rounding(kernel, twin, block):
+    rng = np.random.default_rng(block)
+    x = awkward_values(rng, (7, 4 * block))
+    x[0, :block] = 0                                     # an all-zero block
+    x[1, :block] = -3.0                                  # the largest magnitude is negative
+    got = np.empty_like(x)
+    kernel(x, got)
+    np.testing.assert_array_equal(got, twin(x))
+    # 8 bits per value: at most 255 distinct values per block
+    assert all(len(np.unique(b)) <= 255 for b in got.reshape(-1, block))
+
+
+def test_silu_mul_and_rmsnorm():
+    rng = np.random.default_rng(3)
+    g, u = rng.standard_normal((2, 9, 100)).astype(F32) * 5
+    got = np.empty_like(g)
+    kernels.silu_mul_rows(g, u, got)
+    np.testing.assert_allclose(got, ref.silu_mul(g, u), rtol=1e-6, atol=1e-30)
+    x = awkward_values(rng, (9, 100))
+    w = rng.standard_normal(100).astype(F32)
+    got = np.empty_like(x)
+    kernels.rmsnorm_rows(x, w, 1e-5, got)
+    np.testing.assert_allclose(got, ref.rmsnorm(x, w, 1e-5), rtol=1e-6)
+    np.testing.assert_array_equal(ops_cpu.rmsnorm(x, w, 1e-5), got)
+
+
+@pytest.mark.parametrize("n_head,n_head_kv,pos0,n_tok", [(6, 2, 0, 150), (4, 4, 7, 3), (8, 1, 20, 1)])
+def test_attention_equals_dense_reference(n_head, n_head_kv, pos0, n_tok):
+    """The blocked attention against the whole-matrix formula (all heads at once, full mask)."""
+    rng = np.random.default_rng(n_head + pos0)
+    k_dim, v_dim = 16, 8
+    cache = ops_cpu.KVCache(1, pos0 + n_tok, n_head_kv, k_dim, v_dim)
+    cache.store(0, 0, rng.standard_normal((pos0 + n_tok, n_head_kv, k_dim)),
+                rng.standard_normal((pos0 + n_tok, n_head_kv, v_dim)))
+    q = rng.standard_normal((n_tok, n_head, k_dim)).astype(F32)
+    got = ops_cpu.attention(q, cache, 0, pos0, 0.25)
+    k = cache.k[0].astype(F32)
+    v = cache.v[0].astype(F32)
+    g = n_head // n_head_kv
+    expect = np.empty((n_tok, n_head, v_dim), F32)
+    for h in range(n_head):
+        s = ref.f16_round(q[:, h]) @ k[:, h // g].T
+        p = ref.causal_softmax_f16(s, pos0, 1, 0.25)
+        expect[:, h] = p @ v[:, h // g]
+    # BLAS may sum a score in another order for another block shape, and a last-bit difference
+    # can move a probability's f16 rounding (2^-11 relative): tolerances of that size
+    np.testing.assert_allclose(got.reshape(n_tok, n_head, v_dim), expect, rtol=1e-3, atol=2e-4)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_kernel_equals_rotation_formula(neox):
+    rng = np.random.default_rng(int(neox))
+    x = rng.standard_normal((5, 3, 16)).astype(F32)
+    pos = np.arange(7, 12)
+    n_rot, half = 12, 6
+    theta = pos[:, None] * (10000.0 ** (-2.0 * np.arange(half) / n_rot))[None, :]
+    cos, sin = np.cos(theta).astype(F32)[:, None], np.sin(theta).astype(F32)[:, None]
+    ia, ib = (np.arange(half), np.arange(half) + half) if neox else (np.arange(0, n_rot, 2), np.arange(1, n_rot, 2))
+    expect = x.copy()
+    expect[..., ia] = x[..., ia] * cos - x[..., ib] * sin
+    expect[..., ib] = x[..., ia] * sin + x[..., ib] * cos
+    got = ops_cpu.rope(x.copy(), pos, n_rot, 10000.0, neox=neox)
+    np.testing.assert_allclose(got, expect, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])
+    # a non-contiguous view is rotated in place too
+    y = np.concatenate([x, x], axis=-1)
+    ops_cpu.rope(y[..., :16], pos, n_rot, 10000.0, neox=neox)
+    np.testing.assert_array_equal(y[..., :16], got)
+
+
+def test_square_sums_and_target_nll():
+    from quantkit.runtime.perplexity import token_nll
+    rng = np.random.default_rng(5)
+    x = awkward_values(rng, (40, 24))
+    sums = np.full(24, 0.5)
+    kernels.add_square_sums(x, sums)
+    np.testing.assert_array_equal(sums, 0.5 + np.square(x, dtype=F32).sum(axis=0, dtype=np.float64))
+    logits = (rng.standard_normal((20, 300)) * 3).astype(F32)
+    targets = rng.integers(0, 300, 20)
+    expect = -ref_log_softmax(logits)[np.arange(20), targets]
+    np.testing.assert_allclose(token_nll(logits, targets), expect, rtol=1e-6)
+
+
+def ref_log_softmax(x):
+    x = x.astype(np.float64)
+    return x - x.max(axis=1, keepdims=True) - np.log(np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True))
