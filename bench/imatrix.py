@@ -56,14 +56,13 @@ def quantkit_chunks_seconds(path: Path, chunks: list[list[int]], threads: int) -
     chunk run first (numba's cached kernels loaded), then every chunk timed."""
     import numpy as np
 
-    from quantkit.runtime import ops_cpu
     from quantkit.runtime.activations import MainlineRounding
     from quantkit.runtime.collect import ActivationStats, ObservingOps, collect
     from quantkit.runtime.session import open_session
     stats = ActivationStats()
 
-    def observing(gguf):
-        return ObservingOps(MainlineRounding(ops_cpu), stats, {t.name: tuple(t.shape) for t in gguf.tensors})
+    def observing(gguf, ops):
+        return ObservingOps(MainlineRounding(ops), stats, {t.name: tuple(t.shape) for t in gguf.tensors})
     with open_session(path, threads, wrap_ops=observing) as s:
         arrays = [np.asarray(c) for c in chunks]
         collect(s.model, arrays[:1])                           # warm-up

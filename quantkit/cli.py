@@ -373,6 +373,14 @@ def _threads_option(f):
                         help="Threads (default: all cores).")(f)
 
 
+def _device_options(f):
+    f = click.option("-ot", "--override-tensor", "overrides", multiple=True, metavar="REGEX=cpu",
+                     help="Keep tensors whose name matches REGEX on the CPU (repeatable; e.g. exps=cpu).")(f)
+    return click.option("--device", default="cpu", show_default=True,
+                        help="cpu (numba), cuda[:N] (torch on the GPU, needs torch), or torch-cpu "
+                             "(the torch backend on the CPU).")(f)
+
+
 @cli.command()
 @click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-p", "--prompt", required=True, help="Prompt text.")
@@ -386,14 +394,16 @@ def _threads_option(f):
 @click.option("-c", "--ctx-size", type=click.IntRange(min=1), default=None,
               help="Context size (default: prompt + n-predict).")
 @_threads_option
+@_device_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of streaming.")
-def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size, threads, as_json):
+def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size, threads, device, overrides,
+        as_json):
     """Generate text from PROMPT with quantkit's reference runtime, streaming it, then print prompt
     and generation speed (tokens/s)."""
     from .runtime.generate import GenerationStats, Sampler, SamplerOptions, generate
-    from .runtime.session import TextStream, open_session
+    from .runtime.session import TextStream, open_session, parse_overrides
 
-    with open_session(model_path, threads) as s:
+    with open_session(model_path, threads, device=device, cpu_tensors=parse_overrides(overrides)) as s:
         tok = s.tokenizer
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = tok.encode(text, add_special=True, parse_special=chat)
@@ -441,12 +451,13 @@ def _read_text(path: Path) -> str:
 @click.option("--kl-divergence", "kld", is_flag=True,
               help="Compare with the logits saved in --kl-divergence-base FILE (KLD, top-token, Δp statistics).")
 @_threads_option
+@_device_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, as_json):
+def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, device, overrides, as_json):
     """Perplexity of MODEL on a text, llama-perplexity's way (chunks of --ctx-size tokens, the
     second half of each scored), or KL divergence against a base model's saved logits."""
     from .runtime import perplexity as ppl
-    from .runtime.session import open_session
+    from .runtime.session import open_session, parse_overrides
 
     if kld and kld_base is None:
         raise QuantkitError("--kl-divergence needs --kl-divergence-base FILE (the base model's saved logits)")
@@ -454,7 +465,7 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
         raise QuantkitError("-f FILE is needed (the text to evaluate)")
     if kld_base is not None and not kld:
         _refuse_overwrite_input(model_path, kld_base)
-    with open_session(model_path, threads) as s:
+    with open_session(model_path, threads, device=device, cpu_tensors=parse_overrides(overrides)) as s:
         if kld:
             base = ppl.LogitsFile.read(kld_base)
             if chunks:
@@ -535,18 +546,18 @@ def imatrix():
               help="mainline: round each quantized product's input to 8 bits as mainline ggml does, "
                    "so the values follow llama-imatrix's; exact: compute in float32.")
 @_threads_option
+@_device_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_output, in_files, skip_chunks,
-                    output_frequency, activations, threads, as_json):
+                    output_frequency, activations, threads, device, overrides, as_json):
     """Collect an importance matrix: per weight, the mean square of every input column over the
     calibration text (per expert for routed experts), as llama-imatrix does."""
     import math
 
     from .imatrix_tools import RawImatrix
-    from .runtime import ops_cpu
     from .runtime.activations import MainlineRounding
     from .runtime.collect import ActivationStats, ObservingOps, collect
-    from .runtime.session import open_session
+    from .runtime.session import open_session, parse_overrides
 
     _refuse_overwrite_input(model_path, out_path)
     datasets = []
@@ -557,11 +568,11 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
             raw = raw.merged(RawImatrix.from_file(p, ctx_size))
         stats, datasets = ActivationStats.from_raw(raw, process_output), raw.datasets
     datasets.append(str(text_path))
-    ops = MainlineRounding(ops_cpu) if activations == "mainline" else ops_cpu
-
-    def observing(gguf):
+    def observing(gguf, ops):
+        ops = MainlineRounding(ops) if activations == "mainline" else ops
         return ObservingOps(ops, stats, {t.name: tuple(t.shape) for t in gguf.tensors})
-    with open_session(model_path, threads, wrap_ops=observing) as s:
+    with open_session(model_path, threads, wrap_ops=observing, device=device,
+                      cpu_tensors=parse_overrides(overrides)) as s:
         chunk_list = s.chunks(_read_text(text_path), ctx_size, chunks, skip=skip_chunks)
         with _progress_bar("chunks", len(chunk_list), show=not as_json) as bar:
             task = bar.add_task("imatrix", total=len(chunk_list))

@@ -62,7 +62,7 @@ class MainlineRounding:
         block = 256 if vt == T.Q8_K else 32
         last_x, last_block, rounded = self._last
         if last_x is not x or last_block != block:
-            rounded = round_for(w.qtype, x)
+            rounded = self._ops.from_host(round_for(w.qtype, self._ops.host(x)))
             self._last = (x, block, rounded)
         return self._ops.matmul_q(w, rounded)
 

@@ -95,17 +95,18 @@ class ObservingOps:
 
     def matmul_q(self, w, x):
         m = _EXPERT.match(w.name)
+        seen = self._ops.host(x)
         if m is None:
-            self.stats.add_dense(w.name, x)
+            self.stats.add_dense(w.name, seen)
         else:
             base = m.group(1)
             shape = self._shapes.get(base, ())
             n_expert = int(np.prod(shape[2:])) if len(shape) > 2 else 1
-            self.stats.add_expert(base, int(m.group(2)), n_expert, x)
+            self.stats.add_expert(base, int(m.group(2)), n_expert, seen)
         return self._ops.matmul_q(w, x)
 
     def matmul_q_heads(self, ws, x, transposed: bool = False):
-        self.stats.add_heads(ws[0].name.split("[")[0], x)      # heads are row slices "name[r0:r1]"
+        self.stats.add_heads(ws[0].name.split("[")[0], self._ops.host(x))   # heads: row slices "name[r0:r1]"
         return self._ops.matmul_q_heads(ws, x, transposed)
 
     def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps):

@@ -163,10 +163,10 @@ def attention(m, i: int, h, pos, cache):
     else:
         q = m.linear(p + "attn_q", h)
     q = q.reshape(n, c.n_head, mla.qk_nope + mla.qk_rope)
-    q_nope, q_rope = q[..., :mla.qk_nope], q[..., mla.qk_nope:].copy()
+    q_nope, q_rope = q[..., :mla.qk_nope], q[..., mla.qk_nope:]
 
     kv = m.linear(p + "attn_kv_a_mqa", h)                                  # (n, kv_lora + qk_rope)
-    k_rope = kv[:, mla.kv_lora_rank:].reshape(n, 1, mla.qk_rope).copy()
+    k_rope = kv[:, mla.kv_lora_rank:].reshape(n, 1, mla.qk_rope)
     kv = ops.rmsnorm(kv[:, :mla.kv_lora_rank], m.vector(p + "attn_kv_a_norm.weight"), c.rms_eps)
 
     # ggml's "normal" rope (adjacent pairs) on the rope dims of every query head and the shared key

@@ -85,7 +85,7 @@ class Model:
         self.tok_embd = self.w.need("token_embd.weight")
         # tied embeddings: no output.weight, the token embedding doubles as the output matrix
         self.output = self.w.get("output.weight") or self.tok_embd
-        self.output_norm = self.w.need("output_norm.weight").vector()
+        self.w.need("output_norm.weight")
         self._norms = {}
         # load every layer now: a missing tensor fails early
         if self.config.mla:
@@ -103,10 +103,11 @@ class Model:
         return self.ops.KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim, c.head_dim)
 
     def vector(self, name: str) -> np.ndarray | None:
-        """A 1-D tensor (norm weight, bias) as float32, or None when the file has none."""
+        """A 1-D tensor (norm weight, bias) as float32 (where the ops backend keeps it), or None
+        when the file has none."""
         v = self._norms.get(name)
         if v is None and name in self.w:
-            v = self._norms[name] = self.w.need(name).vector()
+            v = self._norms[name] = self.ops.param(self.w.need(name).vector())
         return v
 
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
@@ -127,15 +128,15 @@ class Model:
         q = self.linear(p + "attn_q", h).reshape(n, c.n_head, c.head_dim)
         k = self.linear(p + "attn_k", h).reshape(n, c.n_head_kv, c.head_dim)
         v = self.linear(p + "attn_v", h).reshape(n, c.n_head_kv, c.head_dim)
-        ops.rope(q, pos, c.n_rot, c.rope_base, c.rope_scale)
-        ops.rope(k, pos, c.n_rot, c.rope_base, c.rope_scale)
+        q = ops.rope(q, pos, c.n_rot, c.rope_base, c.rope_scale)
+        k = ops.rope(k, pos, c.n_rot, c.rope_base, c.rope_scale)
         cache.store(i, cache.n_past, k, v)
         a = ops.attention(q, cache, i, cache.n_past, ops.attention_scale(c.head_dim))  # (n, n_head * head_dim)
         return self.linear(p + "attn_output", a)
 
     def forward(self, tokens, cache: ops_cpu.KVCache, logits_from: int = 0) -> np.ndarray:
-        """Run ``tokens`` at the cache's next positions; logits (n, n_vocab) of the tokens from
-        index ``logits_from`` on (the last one only: ``logits_from=len(tokens) - 1``)."""
+        """Run ``tokens`` at the cache's next positions; logits (n, n_vocab), a numpy array, of the
+        tokens from index ``logits_from`` on (the last one only: ``logits_from=len(tokens) - 1``)."""
         c, ops = self.config, self.ops
         tokens = np.asarray(tokens, np.int64)
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.tok_embd.n_out):
@@ -150,5 +151,5 @@ class Model:
             h = ops.rmsnorm(x, self.vector(p + "ffn_norm.weight"), c.rms_eps)
             x = x + (deepseek2.moe(self, i, h) if c.moe and i >= c.moe.n_dense_lead else self.ffn(p, h))
         cache.n_past = pos0 + n
-        x = ops.rmsnorm(x[logits_from:], self.output_norm, c.rms_eps)
-        return ops.matmul_q(self.output, x)
+        x = ops.rmsnorm(x[logits_from:], self.vector("output_norm.weight"), c.rms_eps)
+        return ops.host(ops.matmul_q(self.output, x))

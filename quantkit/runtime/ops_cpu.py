@@ -35,6 +35,21 @@ QUERY_BLOCK = 64
 QUERY_ROWS = 4096
 
 
+# ---- values in and out of the backend (numpy arrays here; a device backend converts) ----
+
+def host(x) -> np.ndarray:
+    return np.asarray(x)
+
+
+def from_host(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def param(v: np.ndarray) -> np.ndarray:
+    """A model vector (norm weights, biases) as the backend keeps it."""
+    return v
+
+
 # ---- matrix products ----
 
 class _TilePool:
@@ -175,23 +190,19 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return out
 
 
-def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0,
-         neox: bool = False) -> np.ndarray:
-    """Rotary embedding of x (n_tokens, n_heads, head_dim) in place on the first n_rot dims.
-
-    Normal mode rotates adjacent pairs (x[2i], x[2i+1]) (llama after the converter's q/k
-    permutation); neox mode rotates (x[i], x[i + n_rot/2])."""
+def rope_angles(pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0):
+    """cos and sin, float32 (n_tokens, n_rot/2), of the plain rotary angles pos * freq_scale * base^(-2i/n_rot)."""
     half = n_rot // 2
     theta_scale = freq_base ** (-2.0 / n_rot)
     inv = np.array([theta_scale ** i for i in range(half)], np.float64)
-    theta = (pos.astype(np.float64)[:, None] * freq_scale) * inv[None, :]      # (n_tokens, half)
-    return _rotate(x, n_rot, np.cos(theta).astype(F32), np.sin(theta).astype(F32), neox)
+    theta = (np.asarray(pos, np.float64)[:, None] * freq_scale) * inv[None, :]      # (n_tokens, half)
+    return np.cos(theta).astype(F32), np.sin(theta).astype(F32)
 
 
-def rope_ext(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0,
-             ext_factor: float = 0.0, mscale: float = 1.0, beta_fast: float = 32.0, beta_slow: float = 1.0,
-             n_ctx_orig: int = 0, neox: bool = False) -> np.ndarray:
-    """``ggml_rope_ext``: :func:`rope` with YaRN, in place on the first n_rot dims of x.
+def rope_ext_angles(pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0,
+                    ext_factor: float = 0.0, mscale: float = 1.0, beta_fast: float = 32.0,
+                    beta_slow: float = 1.0, n_ctx_orig: int = 0):
+    """cos and sin, float32 (n_tokens, n_rot/2), of ``ggml_rope_ext``'s angles, YaRN included.
 
     With ``ext_factor`` 0 the angles are the linearly scaled ones (pos * freq_scale * base^(-2i/n_rot))
     and cos/sin are multiplied by ``mscale``.  Otherwise YaRN blends, per frequency, the scaled
@@ -200,7 +211,7 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq_
     with a linear ramp in between; and mscale grows by 1 + 0.1 ln(1 / freq_scale)."""
     half = n_rot // 2
     i = np.arange(half)
-    theta_extrap = pos.astype(np.float64)[:, None] * (freq_base ** (-2.0 * i / n_rot))[None, :]
+    theta_extrap = np.asarray(pos, np.float64)[:, None] * (freq_base ** (-2.0 * i / n_rot))[None, :]
     theta = freq_scale * theta_extrap                                           # (n_tokens, half)
     if ext_factor != 0.0:
         def corr_dim(n_turns):      # the dim whose wavelength fits n_turns times in n_ctx_orig
@@ -210,7 +221,25 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq_
         mix = (1 - np.clip((i - lo) / max(0.001, hi - lo), 0, 1)) * ext_factor
         theta = theta * (1 - mix) + theta_extrap * mix
         mscale *= 1.0 + 0.1 * math.log(1.0 / freq_scale)
-    return _rotate(x, n_rot, (np.cos(theta) * mscale).astype(F32), (np.sin(theta) * mscale).astype(F32), neox)
+    return (np.cos(theta) * mscale).astype(F32), (np.sin(theta) * mscale).astype(F32)
+
+
+def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0,
+         neox: bool = False) -> np.ndarray:
+    """Rotary embedding of x (n_tokens, n_heads, head_dim) in place on the first n_rot dims; returns x.
+
+    Normal mode rotates adjacent pairs (x[2i], x[2i+1]) (llama after the converter's q/k
+    permutation); neox mode rotates (x[i], x[i + n_rot/2])."""
+    return _rotate(x, n_rot, *rope_angles(pos, n_rot, freq_base, freq_scale), neox)
+
+
+def rope_ext(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0,
+             ext_factor: float = 0.0, mscale: float = 1.0, beta_fast: float = 32.0, beta_slow: float = 1.0,
+             n_ctx_orig: int = 0, neox: bool = False) -> np.ndarray:
+    """``ggml_rope_ext``: :func:`rope` with YaRN (:func:`rope_ext_angles`), in place; returns x."""
+    cos, sin = rope_ext_angles(pos, n_rot, freq_base, freq_scale, ext_factor, mscale, beta_fast, beta_slow,
+                               n_ctx_orig)
+    return _rotate(x, n_rot, cos, sin, neox)
 
 
 def _rotate(x: np.ndarray, n_rot: int, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:

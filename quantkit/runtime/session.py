@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import codecs
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 
+from ..errors import QuantkitError
 from ..gguf_io.reader import GGUFModel, open_model
 from .model import Model
 from .perplexity import chunk_tokens
@@ -49,14 +51,55 @@ class Session:
         return chunk_tokens(tokens, n_ctx, n_chunks, bos)
 
 
+DEVICES = ("cpu", "cuda", "torch-cpu")
+
+
+def make_ops(device: str = "cpu", cpu_tensors=(), threads: int = 1):
+    """The ops backend for ``device``: "cpu" the numba backend (ops_cpu); "cuda" / "cuda:N" the
+    torch backend on that GPU, with tensors matching ``cpu_tensors`` (regexes) kept on the CPU;
+    "torch-cpu" the torch backend on the CPU (the CUDA code path, where no GPU is)."""
+    from . import ops_cpu
+    if device == "cpu":
+        return ops_cpu
+    if not (device in ("cuda", "torch-cpu") or re.fullmatch(r"cuda:\d+", device)):
+        raise QuantkitError(f"unknown device '{device}' (cpu, cuda, cuda:N or torch-cpu)")
+    try:
+        import torch
+    except ImportError:
+        raise QuantkitError(f"--device {device} needs torch: pip install 'quantkit-gguf[cuda]'") from None
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise QuantkitError(f"--device {device}: torch sees no CUDA device (torch {torch.__version__}, "
+                            f"CUDA build: {torch.version.cuda or 'no'})")
+    from .ops_torch import TorchOps
+    torch.set_num_threads(threads)
+    return TorchOps("cpu" if device == "torch-cpu" else device, cpu_tensors)
+
+
+def parse_overrides(specs) -> list[str]:
+    """``--override-tensor REGEX=cpu`` values -> the regexes (only the CPU is a target here)."""
+    patterns = []
+    for spec in specs:
+        regex, sep, target = spec.rpartition("=")
+        if not sep or not regex or target.lower() != "cpu":
+            raise QuantkitError(f"--override-tensor '{spec}': expected REGEX=cpu")
+        try:
+            re.compile(regex)
+        except re.error as e:
+            raise QuantkitError(f"--override-tensor '{spec}': bad regex: {e}") from None
+        patterns.append(regex)
+    return patterns
+
+
 @contextmanager
-def open_session(path, threads: int | None = None, wrap_ops=None) -> Iterator[Session]:
-    """``wrap_ops(gguf)``: the ops backend the model computes with (an observer, a rounding
-    wrapper); ops_cpu when None."""
+def open_session(path, threads: int | None = None, wrap_ops=None, device: str = "cpu",
+                 cpu_tensors=()) -> Iterator[Session]:
+    """``device``/``cpu_tensors``: see :func:`make_ops`.  ``wrap_ops(gguf, ops)``: the ops backend
+    the model computes with, built around the device's (an observer, a rounding wrapper)."""
     n = set_threads(threads)
+    ops = make_ops(device, cpu_tensors, n)
     gguf = open_model(path)
     try:
-        model = Model(gguf) if wrap_ops is None else Model(gguf, ops=wrap_ops(gguf))
+        model = Model(gguf, ops=ops if wrap_ops is None else wrap_ops(gguf, ops))
         yield Session(gguf, model, Tokenizer.from_model(gguf), n)
     finally:
         gguf.close()

@@ -1,0 +1,259 @@
+"""The runtime's torch backend: the ops interface of ``ops_cpu`` computed with torch on a CUDA GPU
+(or, where there is none, on the CPU: the same code, which is how CI tests it).
+
+Weights go to the device in their stored, quantized layout, once, on first use; every product
+decodes a tile of rows there (``torch_decode``) and multiplies it, so the device holds the file's
+bytes plus one decoded tile.  A weight stays on the CPU, computed by the numba backend on host
+copies of the activations, when
+  * its type has no torch decoder, or is row-interleaved (``_r4``/``_r8``: CPU layouts, which
+    ik_llama.cpp also keeps on the CPU), or
+  * its name matches a ``--override-tensor REGEX=cpu`` pattern (``exps=cpu``: the routed experts
+    in RAM, everything else on the GPU, as DeepSeek users run ik_llama.cpp).
+Activations are float32 torch tensors on the device; the numerics follow ops_cpu (f16 KV cache,
+f16 copies of the query and of the probabilities, sums of squares and of exponentials in double).
+"""
+from __future__ import annotations
+
+import math
+import re
+import warnings
+
+import numpy as np
+import torch
+
+from ..types import QuantType, traits
+from . import ops_cpu, torch_decode
+from .weights import Weight
+
+F32 = torch.float32
+NUMBA = "cpu (numba)"
+
+
+def _f16_round(x: torch.Tensor) -> torch.Tensor:
+    """Values rounded to float16 (ties to even) and back: what ggml's conversions to f16 do."""
+    return x.to(torch.float16).to(F32)
+
+
+class TorchOps:
+    """An ops backend (the functions ``Model`` calls) on ``device``; ``cpu_tensors``: regexes of
+    tensor names to keep on the CPU (searched, as ggml's --override-tensor patterns are)."""
+
+    def __init__(self, device: str = "cuda", cpu_tensors=()):
+        self.device = torch.device(device)
+        self.cpu_tensors = [re.compile(p) for p in cpu_tensors]
+        self._bytes: dict[tuple, torch.Tensor] = {}
+        self._params: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+
+    # ---- placement and transfers ----
+
+    def on_device(self, w: Weight) -> bool:
+        """Whether ``w`` is computed on the device (else by the numba backend on the CPU)."""
+        base = w.name.split("[")[0]                     # experts and head slices: "name[e]"
+        if any(p.search(base) for p in self.cpu_tensors):
+            return False
+        return torch_decode.can_decode(w.qtype) and traits(w.qtype).interleave_rows == 1
+
+    def placement(self, weights) -> dict[str, str]:
+        """Tensor name -> where it is computed: "cuda:0 (torch)" (the device), or "cpu (numba)"."""
+        return {w.name: f"{self.device} (torch)" if self.on_device(w) else NUMBA for w in weights}
+
+    def _device_bytes(self, w: Weight) -> torch.Tensor:
+        key = (w.blocks.__array_interface__["data"][0], w.blocks.shape)
+        b = self._bytes.get(key)
+        if b is None:
+            with warnings.catch_warnings():         # the file's map is read-only: copied below
+                warnings.simplefilter("ignore", UserWarning)
+                b = torch.from_numpy(w.blocks).to(self.device, copy=True)
+            b = self._bytes[key] = b
+        return b
+
+    def host(self, x) -> np.ndarray:
+        """A backend value as a numpy array (logits, observed activations)."""
+        return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+    def from_host(self, x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(self.device)
+
+    def param(self, v: np.ndarray) -> torch.Tensor:
+        """A model vector (norm weights, biases) on the device, uploaded once."""
+        hit = self._params.get(id(v))
+        if hit is None or hit[0] is not v:
+            hit = self._params[id(v)] = (v, self.from_host(v))
+        return hit[1]
+
+    # ---- matrix products ----
+
+    def _decoded(self, w: Weight, r0: int, r1: int) -> torch.Tensor:
+        return torch_decode.decode(self._device_bytes(w)[r0:r1], w.qtype, w.n_in)
+
+    def _tile(self, w: Weight) -> int:
+        return max(1, ops_cpu.TILE_VALUES // w.n_in)
+
+    def matmul_q(self, w: Weight, x: torch.Tensor) -> torch.Tensor:
+        """x (n_tokens, n_in) @ w^T -> (n_tokens, n_out), decoding w a tile of rows at a time."""
+        if not self.on_device(w):
+            return self.from_host(ops_cpu.matmul_q(w, self.host(x)))
+        x = x.to(F32)
+        if w.qtype == QuantType.F16:
+            x = _f16_round(x)           # ggml's f16 dot product converts the activations to f16
+        n_out, tile = w.n_out * w.n_matrices, self._tile(w)
+        if n_out <= tile:
+            return x @ self._decoded(w, 0, n_out).T
+        out = torch.empty((x.shape[0], n_out), dtype=F32, device=self.device)
+        for r0 in range(0, n_out, tile):
+            r1 = min(n_out, r0 + tile)
+            out[:, r0:r1] = x @ self._decoded(w, r0, r1).T
+        return out
+
+    def matmul_q_t(self, w: Weight, x: torch.Tensor) -> torch.Tensor:
+        """x (n_tokens, n_out) @ w -> (n_tokens, n_in) (see ops_cpu.matmul_q_t)."""
+        if not self.on_device(w):
+            return self.from_host(ops_cpu.matmul_q_t(w, self.host(x)))
+        x = x.to(F32)
+        if w.qtype == QuantType.F16:
+            x = _f16_round(x)
+        out = torch.zeros((x.shape[0], w.n_in), dtype=F32, device=self.device)
+        tile = self._tile(w)
+        for r0 in range(0, w.n_out, tile):
+            r1 = min(w.n_out, r0 + tile)
+            out += x[:, r0:r1] @ self._decoded(w, r0, r1)
+        return out
+
+    def matmul_q_heads(self, ws, x: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+        mm = self.matmul_q_t if transposed else self.matmul_q
+        return torch.stack([mm(w, x[:, h]) for h, w in enumerate(ws)], dim=1)
+
+    def embed(self, w: Weight, ids: np.ndarray) -> torch.Tensor:
+        """Rows ``ids`` of the token embedding, decoded on the device (ggml_get_rows)."""
+        if not self.on_device(w):
+            return self.from_host(ops_cpu.embed(w, ids))
+        idx = torch.from_numpy(np.asarray(ids, np.int64)).to(self.device)
+        return torch_decode.decode(self._device_bytes(w)[idx], w.qtype, w.n_in)
+
+    # ---- elementwise ----
+
+    def rmsnorm(self, x: torch.Tensor, weight, eps: float) -> torch.Tensor:
+        """x / sqrt(mean(x^2) + eps) * weight, the mean of squares in double as ggml forms it."""
+        xd = x.to(torch.float64)
+        scale = (1.0 / torch.sqrt((xd * xd).sum(dim=-1) / x.shape[-1] + eps)).to(F32)
+        return (x * scale[:, None]) * self._vec(weight)
+
+    def _vec(self, v) -> torch.Tensor:
+        return v if isinstance(v, torch.Tensor) else self.param(v)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return gate / (1 + torch.exp(-gate)) * up
+
+    def rope(self, x, pos, n_rot, freq_base, freq_scale=1.0, neox=False):
+        """ops_cpu.rope: the same angles (computed on the host), the rotation on the device."""
+        return self._rotate(x, n_rot, *ops_cpu.rope_angles(pos, n_rot, freq_base, freq_scale), neox)
+
+    def rope_ext(self, x, pos, n_rot, freq_base, freq_scale=1.0, ext_factor=0.0, mscale=1.0,
+                 beta_fast=32.0, beta_slow=1.0, n_ctx_orig=0, neox=False):
+        """ops_cpu.rope_ext (YaRN): the same angles, rotated on the device."""
+        cos, sin = ops_cpu.rope_ext_angles(pos, n_rot, freq_base, freq_scale, ext_factor, mscale,
+                                           beta_fast, beta_slow, n_ctx_orig)
+        return self._rotate(x, n_rot, cos, sin, neox)
+
+    def _rotate(self, x, n_rot, cos, sin, neox):
+        half = n_rot // 2
+        c, s = self.from_host(cos)[:, None, :], self.from_host(sin)[:, None, :]
+        x = x.clone()
+        ia, ib = (slice(0, half), slice(half, n_rot)) if neox else (slice(0, n_rot, 2), slice(1, n_rot, 2))
+        a, b = x[..., ia].clone(), x[..., ib].clone()
+        x[..., ia] = a * c - b * s
+        x[..., ib] = a * s + b * c
+        return x
+
+    # ---- attention ----
+
+    def KVCache(self, n_layer, n_ctx, n_head_kv, k_dim, v_dim):
+        return _TorchKVCache(self.device, n_layer, n_ctx, n_head_kv, k_dim, v_dim)
+
+    def MLACache(self, n_layer, n_ctx, n_rot, kv_lora_rank):
+        return _TorchMLACache(self.device, n_layer, n_ctx, n_rot, kv_lora_rank)
+
+    def attention(self, q: torch.Tensor, cache, layer: int, pos0: int, scale: float) -> torch.Tensor:
+        """ops_cpu.attention: causal, grouped-query, f16 query and probabilities, the exponentials
+        summed in double and multiplied by 1 / sum."""
+        n_tok, n_head, k_dim = q.shape
+        n_kv = pos0 + n_tok
+        k = cache.k[layer, :n_kv].to(F32)                       # (n_kv, hkv, k_dim)
+        v = cache.v[layer, :n_kv].to(F32)
+        n_head_kv, v_dim = k.shape[1], v.shape[2]
+        g = n_head // n_head_kv
+        qh = _f16_round(q).reshape(n_tok, n_head_kv, g, k_dim).permute(1, 2, 0, 3)     # (hkv, g, t, d)
+        scores = (qh @ k.permute(1, 2, 0)[:, None]) * scale                          # (hkv, g, t, n_kv)
+        future = (torch.arange(n_kv, device=self.device)[None, :]
+                  > (pos0 + torch.arange(n_tok, device=self.device))[:, None])
+        scores = scores.masked_fill(future, -math.inf)
+        e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+        inv_total = (1.0 / e.sum(dim=-1, keepdim=True, dtype=torch.float64)).to(F32)
+        out = _f16_round(e * inv_total) @ v.permute(1, 0, 2)[:, None]                  # (hkv, g, t, v_dim)
+        return out.permute(2, 0, 1, 3).reshape(n_tok, n_head * v_dim)
+
+    def attention_mla(self, q_rope, q_lat, cache, layer, pos0, scale):
+        q = torch.cat([q_rope, q_lat], dim=-1)
+        return self.attention(q, cache, layer, pos0, scale).reshape(q.shape[0], q.shape[1], -1)
+
+    attention_scale = staticmethod(ops_cpu.attention_scale)
+
+    # ---- mixture of experts ----
+
+    def moe_route(self, logits, n_used, gating, bias=None, norm=False, scale=1.0, n_group=1, n_group_used=1):
+        """The router's choice is made on the host (a few numbers per token), as ops_cpu makes it."""
+        bias = None if bias is None else self.host(bias)
+        return ops_cpu.moe_route(self.host(logits), n_used, gating, bias=bias, norm=norm, scale=scale,
+                                 n_group=n_group, n_group_used=n_group_used)
+
+    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None):
+        """ops_cpu.moe_ffn: per expert, the tokens routed to it through its three matrices; the
+        weighted outputs summed in slot order."""
+        mm = matmul or self.matmul_q
+        n_tok, n_used = ids.shape
+        out = torch.zeros((n_tok, n_used, down_exps.n_out), dtype=F32, device=self.device)
+        w = self.from_host(weights)
+        for e in np.unique(ids):
+            tok, slot = np.nonzero(ids == e)
+            t, s = torch.from_numpy(tok).to(self.device), torch.from_numpy(slot).to(self.device)
+            h = x[t]
+            g = self.silu_mul(mm(gate_exps.expert(e), h), mm(up_exps.expert(e), h))
+            out[t, s] = mm(down_exps.expert(e), g) * w[t, s][:, None]
+        return out.sum(dim=1)
+
+
+class _TorchKVCache:
+    """ops_cpu.KVCache on the device: float16 keys and values per layer and position."""
+
+    def __init__(self, device, n_layer, n_ctx, n_head_kv, k_dim, v_dim):
+        self.k = torch.zeros((n_layer, n_ctx, n_head_kv, k_dim), dtype=torch.float16, device=device)
+        self.v = torch.zeros((n_layer, n_ctx, n_head_kv, v_dim), dtype=torch.float16, device=device)
+        self.n_ctx, self.n_past = n_ctx, 0
+
+    def _check_room(self, pos0, n):
+        if pos0 + n > self.n_ctx:
+            raise ValueError(f"context is full ({self.n_ctx} positions)")
+
+    def store(self, layer, pos0, k, v):
+        n = k.shape[0]
+        self._check_room(pos0, n)
+        self.k[layer, pos0:pos0 + n] = k.to(torch.float16)
+        self.v[layer, pos0:pos0 + n] = v.to(torch.float16)
+
+    def clear(self):
+        self.n_past = 0
+
+
+class _TorchMLACache(_TorchKVCache):
+    """ops_cpu.MLACache on the device: one row per position, roped key part then the latent."""
+
+    def __init__(self, device, n_layer, n_ctx, n_rot, kv_lora_rank):
+        self.k = torch.zeros((n_layer, n_ctx, 1, n_rot + kv_lora_rank), dtype=torch.float16, device=device)
+        self.v = self.k[..., n_rot:]
+        self.n_rot, self.n_ctx, self.n_past = n_rot, n_ctx, 0
+
+    def store(self, layer, pos0, k_rope, kv):
+        n = kv.shape[0]
+        self._check_room(pos0, n)
+        self.k[layer, pos0:pos0 + n, 0, :self.n_rot] = k_rope.reshape(n, self.n_rot).to(torch.float16)
+        self.k[layer, pos0:pos0 + n, 0, self.n_rot:] = kv.to(torch.float16)
