@@ -122,8 +122,8 @@ def test_quantized_logits_close_to_ik_quantized_path(files, prompt, name):
 @pytest.mark.parametrize("name", ["f32", *QUANTIZED])
 def test_torch_backend_matches_numba_backend(files, prompt, name):
     """--device torch-cpu (the CUDA backend's code on the CPU; CUDA too where a GPU is): the numba
-    backend's logits within 1e-3 x max |logit|; types without a torch decoder (IQ4_K, the
-    interleaved IQ2_K_R4) stay on the CPU, and a split run (ffn tensors on the CPU) agrees too.
+    backend's logits within 1e-3 x max |logit|; types without a torch decoder (the interleaved
+    IQ2_K_R4) stay on the CPU, and a split run (ffn tensors on the CPU) agrees too.
 
     The two backends sum in other orders (OpenBLAS against torch's BLAS), and over 30 layers the
     float16 roundings of the KV cache and of the probabilities amplify that to 6-9e-4 x max |logit|

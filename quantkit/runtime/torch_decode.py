@@ -6,13 +6,19 @@ Each decoder takes ``b`` uint8 (n_rows, row_size) and returns float32 (n_rows, n
 arithmetic follows ggml's dequantize_row_* (products in the same order: (d * scale) * q - m), so
 the values equal the numba decoders' bit for bit, which the tests check type by type.
 
-Types without a decoder here stay on the CPU (numba), like ik_llama.cpp keeps interleaved ones.
+Types without a decoder here (the trellis IQn_KT for now, the interleaved ones by design) stay on
+the CPU (numba), as ik_llama.cpp keeps interleaved ones there.
 """
 from __future__ import annotations
 
 import torch
 
+from ..formats._iqk import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
+from ..formats.iq2kl import PAIRS
 from ..formats.iq4 import KVALUES
+from ..formats.iq4kss import BASE as IQ4KSS_BASE
+from ..formats.iq4kss import SHIFTED as IQ4KSS_SHIFTED
+from ..formats.iqk import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K
 from ..types import QuantType
 
 T = QuantType
@@ -193,15 +199,211 @@ def _iq4_xs(b):
     return (dl * _iq4_table(b.device)[q]).reshape(n, 256)
 
 
+# ---- ik's IQK types (formats/iqk.py draws the layouts) ----
+
+def _unpack_2bit(qs: torch.Tensor) -> torch.Tensor:
+    """(n, 64) -> (n, 256) 2-bit codes in Q2_K's layout: value 128 h + 32 s + l is
+    qs[32 h + l] >> 2 s."""
+    q = qs.long().reshape(-1, 2, 1, 32)
+    return ((q >> (2 * torch.arange(4, device=qs.device)).reshape(1, 1, 4, 1)) & 3).reshape(-1, 256)
+
+
+def _unpack_bits(qh: torch.Tensor) -> torch.Tensor:
+    """(n, 32) -> (n, 256): value 32 j + k is bit j of qh[k]."""
+    return ((qh.long()[:, None, :] >> torch.arange(8, device=qh.device).reshape(1, 8, 1)) & 1).reshape(-1, 256)
+
+
+def _unpack_nibbles_64(qs: torch.Tensor) -> torch.Tensor:
+    """(n, 128) -> (n, 256): chunk c of 64 values from bytes 32 c.., low nibbles then high ones."""
+    q = qs.long().reshape(-1, 4, 1, 32)
+    return torch.cat([q & 0xF, q >> 4], dim=2).reshape(-1, 256)
+
+
+def _unpack_nibbles_32(qs: torch.Tensor) -> torch.Tensor:
+    """(n, 16 k) -> (n, 32 k): per 16 bytes, the low nibbles then the high ones."""
+    n = qs.shape[0]
+    return _nibbles(qs.reshape(-1, 16)).reshape(n, -1)
+
+
+def _unpack_6bit_scales(sh: torch.Tensor, sl: torch.Tensor) -> torch.Tensor:
+    """16 scales 0..63: the low 4 bits nibble ib % 2 of sl[ib // 2], the top 2 bits
+    bits 2 (ib % 4) of sh[ib // 4]."""
+    ib = torch.arange(16, device=sh.device)
+    lo = (sl.long()[:, ib // 2] >> (4 * (ib % 2))) & 0xF
+    hi = (sh.long()[:, ib // 4] >> (2 * (ib % 4))) & 3
+    return lo | (hi << 4)
+
+
+def _table(values, device) -> torch.Tensor:
+    return torch.tensor([float(v) for v in values], dtype=torch.float32, device=device)
+
+
+def _shift_bits(extra: torch.Tensor, n_sub: int, first: int = 0) -> torch.Tensor:
+    """Bits first .. first + n_sub - 1 of extra (n, 1) -> (n, n_sub)."""
+    return (extra >> (first + torch.arange(n_sub, device=extra.device))) & 1
+
+
+def _u16(b: torch.Tensor, at: int) -> torch.Tensor:
+    return b[:, at:at + 1].long() | (b[:, at + 1:at + 2].long() << 8)
+
+
+def _scaled16(dl: torch.Tensor, values: torch.Tensor, q: torch.Tensor, shift: torch.Tensor, per_shift: int):
+    """(d * ls) per 16-value sub-block times T[q + per_shift * shift]: dl, shift (n, 16), q (n, 256)."""
+    v = values[q + per_shift * shift.repeat_interleave(16, dim=1)]
+    return dl.repeat_interleave(16, dim=1) * v
+
+
+def _iq3_k(b):
+    """{ d @0; extra u16 @2; signs u16 @4; scales_l[8] @6 (|ls| = 2 m + 1); qs[64] @14; qh[32] @78 }."""
+    b = _blocks(b, 110)
+    ib = torch.arange(16, device=b.device)
+    mag = (b[:, 6 + ib // 2].long() >> (4 * (ib % 2))) & 0xF
+    ls = (2 * mag + 1) * (1 - 2 * _shift_bits(_u16(b, 4), 16))
+    q = _unpack_2bit(b[:, 14:78]) | (_unpack_bits(b[:, 78:110]) << 2)
+    return _scaled16(_f16(b, 0) * ls.float(), _table(IQ3NL_VALUES, b.device), q, _shift_bits(_u16(b, 2), 16), 8)
+
+
+def _iq4_k(b):
+    """{ d @0; extra u16 @2; scales_h[4] @4; scales_l[8] @8; qs[128] @16 (IQ4_NL's nibble order) }."""
+    b = _blocks(b, 144)
+    ls = _unpack_6bit_scales(b[:, 4:8], b[:, 8:16]) - 32
+    q = _unpack_nibbles_32(b[:, 16:144])
+    return _scaled16(_f16(b, 0) * ls.float(), _table(IQ4K_VALUES, b.device), q, _shift_bits(_u16(b, 2), 16), 16)
+
+
+def _iq5_k(b):
+    """{ d @0; extra u16 @2; scales_h[4] @4; scales_l[8] @8; qs[128] @16; qh[32] @144 }."""
+    b = _blocks(b, 176)
+    ls = _unpack_6bit_scales(b[:, 4:8], b[:, 8:16]) - 32
+    q = _unpack_nibbles_64(b[:, 16:144]) | (_unpack_bits(b[:, 144:176]) << 4)
+    return _scaled16(_f16(b, 0) * ls.float(), _table(IQ5NL_VALUES, b.device), q, _shift_bits(_u16(b, 2), 16), 32)
+
+
+def _iq6_k(b):
+    """{ d @0; extra u16 @2; int8 scales[16] @4; qs[128] @20; qh[64] @148 }, decoded as the C
+    to_float does: a cubic in the 6-bit code, plus the sub-block's shift bit."""
+    b = _blocks(b, 212)
+    ls = b[:, 4:20].contiguous().view(torch.int8).float()
+    q = (_unpack_nibbles_64(b[:, 20:148]) | (_unpack_2bit(b[:, 148:212]) << 4)).float()
+    shift = _shift_bits(_u16(b, 2), 16).float().repeat_interleave(16, dim=1)
+    v = (A_IQ6K + q * (B_IQ6K + q * (-C_IQ6K + q * D_IQ6K))) + shift
+    return (_f16(b, 0) * ls).repeat_interleave(16, dim=1) * v
+
+
+def _row_scaled(b, n_per_row, meta: int, block: int):
+    """Rows that start with a scale: (the scale as float32 (n_rows, 1), blocks (n_rows * n_sb, block))."""
+    n_rows = b.shape[0]
+    d = b[:, 0:meta].contiguous().view(torch.float32 if meta == 4 else torch.float16).float()
+    return d, b[:, meta:].reshape(n_rows * (n_per_row // 256), block)
+
+
+def _iq45_ks(b, n_per_row, five_bits: bool):
+    """IQ4_KS / IQ5_KS: a float32 row scale, then blocks { scales[8] (odd 7-bit scale << 1 |
+    shift bit); qs[128] (IQ4_KS: IQ4_NL's nibble order, IQ5_KS: 64-value chunks); IQ5_KS qh[32] }."""
+    d, blk = _row_scaled(b, n_per_row, 4, 168 if five_bits else 136)
+    n_rows, n_sb = b.shape[0], n_per_row // 256
+    s = blk[:, :8].long()
+    dl = d.repeat_interleave(n_sb, dim=0) * ((s & 254) - 127).float()                  # (n_rows n_sb, 8)
+    if five_bits:
+        q = _unpack_nibbles_64(blk[:, 8:136]) | (_unpack_bits(blk[:, 136:168]) << 4)
+        values, per_shift = _table(IQ5NL_VALUES, b.device), 32
+    else:
+        q = _unpack_nibbles_32(blk[:, 8:136])
+        values, per_shift = _table(IQ4K_VALUES, b.device), 16
+    v = values[q.reshape(-1, 8, 32) + per_shift * (s & 1)[:, :, None]]
+    return (dl[:, :, None] * v).reshape(n_rows, n_per_row)
+
+
+def _iq3_ks(b, n_per_row):
+    """An fp16 row scale, then blocks { extra u16 (bits 0-7: scale bit 4, 8-15: shift bits);
+    scales[4] @2 (block ib: nibble ib // 4 of byte ib % 4); qs[64] @6; qh[32] @70 }."""
+    d, blk = _row_scaled(b, n_per_row, 2, 102)
+    n_rows, n_sb = b.shape[0], n_per_row // 256
+    extra = _u16(blk, 0)
+    ib = torch.arange(8, device=b.device)
+    lo = (blk[:, 2 + ib % 4].long() >> (4 * (ib // 4))) & 0xF
+    ls = (lo | (_shift_bits(extra, 8) << 4)) - 16
+    q = (_unpack_2bit(blk[:, 6:70]) | (_unpack_bits(blk[:, 70:102]) << 2)).reshape(-1, 8, 32)
+    v = _table(IQ3NL_VALUES, b.device)[q + 8 * _shift_bits(extra, 8, 8)[:, :, None]]
+    dl = d.repeat_interleave(n_sb, dim=0) * ls.float()
+    return (dl[:, :, None] * v).reshape(n_rows, n_per_row)
+
+
+def _iq2_k(b):
+    """{ d @0; extra u16 @2; scales[8] @4 (4 bits, minus 8); qs[64] @12 (Q2_K's 2-bit layout) }."""
+    b = _blocks(b, 76)
+    ib = torch.arange(16, device=b.device)
+    ls = ((b[:, 4 + ib // 2].long() >> (4 * (ib % 2))) & 0xF) - 8
+    return _scaled16(_f16(b, 0) * ls.float(), _table(IQ2NL_VALUES, b.device), _unpack_2bit(b[:, 12:76]),
+                     _shift_bits(_u16(b, 2), 16), 4)
+
+
+def _iq2_ks(b, n_per_row):
+    """An fp16 row scale, then blocks { extra u16 @0 (bits 0-7: shift bits, 8-15: scale bit 4);
+    scales[4] @2 (block ib: nibble ib % 2 of byte ib // 2); qs[64] @6 }: 8 blocks of 32."""
+    d, blk = _row_scaled(b, n_per_row, 2, 70)
+    n_rows, n_sb = b.shape[0], n_per_row // 256
+    extra = _u16(blk, 0)
+    ib = torch.arange(8, device=b.device)
+    lo = (blk[:, 2 + ib // 2].long() >> (4 * (ib % 2))) & 0xF
+    ls = (lo | (_shift_bits(extra, 8, 8) << 4)) - 16
+    q = _unpack_2bit(blk[:, 6:70]).reshape(-1, 8, 32)
+    v = _table(IQ2NL_VALUES, b.device)[q + 4 * _shift_bits(extra, 8)[:, :, None]]
+    dl = d.repeat_interleave(n_sb, dim=0) * ls.float()
+    return (dl[:, :, None] * v).reshape(n_rows, n_per_row)
+
+
+def _iq2_kl(b, n_per_row):
+    """An fp16 row scale, then blocks { scales_h u16 @0 (2 bits per block); scales_l[4] @2 (block ib:
+    nibble ib // 4 of byte ib % 4); qs[64] @6; qh[16] @70 }: 5-bit codes of value pairs."""
+    d, blk = _row_scaled(b, n_per_row, 2, 86)
+    n_rows, n_sb = b.shape[0], n_per_row // 256
+    ib = torch.arange(8, device=b.device)
+    uls = ((blk[:, 2 + ib % 4].long() >> (4 * (ib // 4))) & 0xF) | (((_u16(blk, 0) >> (2 * ib)) & 3) << 4)
+    qs = blk[:, 6:70].long().reshape(-1, 4, 16)
+    lo = torch.stack([qs & 0xF, qs >> 4], dim=2).reshape(-1, 8, 16)
+    hi = (blk[:, None, 70:86].long() >> ib[None, :, None]) & 1
+    pairs = torch.tensor(PAIRS, dtype=torch.float32, device=b.device)[lo | (hi << 4)]     # (.., 8, 16, 2)
+    dl = d.repeat_interleave(n_sb, dim=0) * (uls - 32).float()
+    return (dl[:, :, None, None] * pairs).reshape(n_rows, n_per_row)
+
+
+def _iq4_kss(b, n_per_row):
+    """A float32 row scale, then per 32 values 8 u16 words: bit 0 of word k is bit k of the block's
+    scale byte, bits 1-15 hold the 4 codes of 8 values, xor-folded (a ^= a >> 1 undoes it)."""
+    n_rows = b.shape[0]
+    d = b[:, 0:4].contiguous().view(torch.float32).float()
+    w = b[:, 4:].contiguous().view(torch.int16).long() & 0xFFFF
+    w = w.reshape(-1, 8)                                                     # (n_rows n_blocks, 8)
+    ls = ((w & 1) << torch.arange(8, device=b.device)).sum(dim=1)
+    a = w & 0xFFFE
+    a = a ^ (a >> 1)
+    qs = torch.stack([a & 0xFF, a >> 8], dim=-1).reshape(-1, 16)
+    q = torch.cat([qs & 0xF, qs >> 4], dim=1)
+    base, shifted = (torch.tensor(t, dtype=torch.float32, device=b.device) for t in (IQ4KSS_BASE, IQ4KSS_SHIFTED))
+    v = torch.where((ls & 1)[:, None] == 1, shifted[q], base[q])
+    n_blocks = n_per_row // 32
+    dl = d.repeat_interleave(n_blocks, dim=0).reshape(-1) * ((ls & 254) - 127).float()
+    return (dl[:, None] * v).reshape(n_rows, n_per_row)
+
+
+# decoders that need the row length (row-scaled types)
+ROW_DECODERS = {
+    T.IQ4_KS: lambda b, n: _iq45_ks(b, n, False), T.IQ5_KS: lambda b, n: _iq45_ks(b, n, True),
+    T.IQ3_KS: _iq3_ks, T.IQ2_KS: _iq2_ks, T.IQ2_KL: _iq2_kl, T.IQ4_KSS: _iq4_kss,
+}
+
 DECODERS = {
     T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0, T.Q6_0: _q6_0,
     T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: lambda b: _q45_k(b, False), T.Q5_K: lambda b: _q45_k(b, True),
     T.Q6_K: _q6_k, T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs,
+    T.IQ2_K: _iq2_k, T.IQ3_K: _iq3_k, T.IQ4_K: _iq4_k, T.IQ5_K: _iq5_k, T.IQ6_K: _iq6_k,
 }
 
 
 def can_decode(qtype) -> bool:
-    return QuantType(qtype) in DECODERS or QuantType(qtype) in (T.F32, T.F16, T.BF16)
+    qtype = QuantType(qtype)
+    return qtype in DECODERS or qtype in ROW_DECODERS or qtype in (T.F32, T.F16, T.BF16)
 
 
 def decode(b: torch.Tensor, qtype, n_per_row: int) -> torch.Tensor:
@@ -214,4 +416,6 @@ def decode(b: torch.Tensor, qtype, n_per_row: int) -> torch.Tensor:
         return b.contiguous().view(torch.float16).float().reshape(n_rows, n_per_row)
     if qtype == T.BF16:
         return b.contiguous().view(torch.bfloat16).float().reshape(n_rows, n_per_row)
+    if qtype in ROW_DECODERS:
+        return ROW_DECODERS[qtype](b, n_per_row)
     return DECODERS[qtype](b).reshape(n_rows, n_per_row)
