@@ -404,6 +404,10 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
     from .runtime.session import TextStream, open_session, parse_overrides
 
     with open_session(model_path, threads, device=device, cpu_tensors=parse_overrides(overrides)) as s:
+        placement = _placement(s)
+        if placement and not as_json:
+            err.print("weights: " + "; ".join(f"{where} {v['tensors']} tensors, {v['MB']:.1f} MB"
+                                               for where, v in placement.items()))
         tok = s.tokenizer
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = tok.encode(text, add_special=True, parse_special=chat)
@@ -423,13 +427,21 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
         if as_json:
             print(json.dumps({"prompt": text, "prompt_tokens": ids, "text": "".join(pieces),
                               "tokens": stats.tokens, "threads": s.threads,
-                              "prompt_tokens_per_second": stats.prompt_tps,
+                              "prompt_tokens_per_second": stats.prompt_tps, "placement": placement,
                               "generation_tokens_per_second": stats.gen_tps}, indent=1))
             return
         out.print(pieces[-1], markup=False, highlight=False)
         err.print(f"prompt: {stats.n_prompt} tokens in {stats.prompt_seconds:.2f} s "
                   f"({stats.prompt_tps:.1f} tokens/s); generation: {stats.n_generated} tokens in "
                   f"{stats.gen_seconds:.2f} s ({stats.gen_tps:.1f} tokens/s); {s.threads} threads")
+
+
+def _placement(session) -> dict | None:
+    """Where a device backend computes the matrices (None for the all-CPU numba backend)."""
+    summary = getattr(session.model.ops, "placement_summary", None)
+    if summary is None:
+        return None
+    return summary([session.model.w.need(t.name) for t in session.gguf.tensors if t.n_dims >= 2])
 
 
 def _read_text(path: Path) -> str:

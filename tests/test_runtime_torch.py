@@ -132,7 +132,13 @@ def test_cli_torch_cpu_generates_what_cpu_does(v3):
         p = quantkit_cli("run", v3, "-p", "abc", "-n", "8", "--temp", "0", "--json", "--device", device,
                          "-ot", "ffn_down_exps=cpu")
         assert p.returncode == 0, p.stderr[-2000:]
-        runs[device] = json.loads(p.stdout)["tokens"]
+        result = json.loads(p.stdout)
+        runs[device] = result["tokens"]
+        if device == "torch-cpu":       # the one routed-expert tensor per MoE layer kept on the CPU
+            placed = result["placement"]
+            assert placed[NUMBA]["tensors"] == 3 and placed["cpu (torch)"]["tensors"] > 20, placed
+        else:
+            assert result["placement"] is None
     assert runs["cpu"] == runs["torch-cpu"] and len(runs["cpu"]) == 8
 
 

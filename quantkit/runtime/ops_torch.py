@@ -57,6 +57,16 @@ class TorchOps:
         """Tensor name -> where it is computed: "cuda:0 (torch)" (the device), or "cpu (numba)"."""
         return {w.name: f"{self.device} (torch)" if self.on_device(w) else NUMBA for w in weights}
 
+    def placement_summary(self, weights) -> dict[str, dict[str, float]]:
+        """Where -> {"tensors": count, "MB": stored size}: what a run tells before it computes."""
+        out: dict[str, dict[str, float]] = {}
+        for w in weights:
+            where = f"{self.device} (torch)" if self.on_device(w) else NUMBA
+            e = out.setdefault(where, {"tensors": 0, "MB": 0.0})
+            e["tensors"] += 1
+            e["MB"] = round(e["MB"] + w.nbytes / 1e6, 1)
+        return out
+
     def _device_bytes(self, w: Weight) -> torch.Tensor:
         key = (w.blocks.__array_interface__["data"][0], w.blocks.shape)
         b = self._bytes.get(key)
