@@ -53,19 +53,23 @@ class TorchOps:
             return False
         return torch_decode.can_decode(w.qtype) and traits(w.qtype).interleave_rows == 1
 
+    def where(self, w: Weight) -> str:
+        """Where ``w`` is computed: "cuda:0 (torch)" (the device), or "cpu (numba)"."""
+        return f"{self.device} (torch)" if self.on_device(w) else NUMBA
+
     def placement(self, weights) -> dict[str, str]:
-        """Tensor name -> where it is computed: "cuda:0 (torch)" (the device), or "cpu (numba)"."""
-        return {w.name: f"{self.device} (torch)" if self.on_device(w) else NUMBA for w in weights}
+        """Tensor name -> :meth:`where` it is computed."""
+        return {w.name: self.where(w) for w in weights}
 
     def placement_summary(self, weights) -> dict[str, dict[str, float]]:
         """Where -> {"tensors": count, "MB": stored size}: what a run tells before it computes."""
-        out: dict[str, dict[str, float]] = {}
+        count: dict[str, int] = {}
+        nbytes: dict[str, int] = {}
         for w in weights:
-            where = f"{self.device} (torch)" if self.on_device(w) else NUMBA
-            e = out.setdefault(where, {"tensors": 0, "MB": 0.0})
-            e["tensors"] += 1
-            e["MB"] = round(e["MB"] + w.nbytes / 1e6, 1)
-        return out
+            where = self.where(w)
+            count[where] = count.get(where, 0) + 1
+            nbytes[where] = nbytes.get(where, 0) + w.nbytes
+        return {where: {"tensors": n, "MB": round(nbytes[where] / 1e6, 1)} for where, n in count.items()}
 
     def _device_bytes(self, w: Weight) -> torch.Tensor:
         key = (w.blocks.__array_interface__["data"][0], w.blocks.shape)
@@ -74,7 +78,7 @@ class TorchOps:
             with warnings.catch_warnings():         # the file's map is read-only: copied below
                 warnings.simplefilter("ignore", UserWarning)
                 b = torch.from_numpy(w.blocks).to(self.device, copy=True)
-            b = self._bytes[key] = b
+            self._bytes[key] = b
         return b
 
     def host(self, x) -> np.ndarray:

@@ -288,26 +288,41 @@ def _emit(out: list[int], n: int) -> None:
         out.append(n)
 
 
+def _spans(chunks: list[int]):
+    """(start, end) of each chunk of a text cut into pieces of the given lengths."""
+    start = 0
+    for n in chunks:
+        yield start, start + n
+        start += n
+
+
+def _contraction(text: str, pos: int, end: int, fold: bool) -> int:
+    """Length of the contraction 's 't 'm 'd (2) or 're 've 'll (3) at ``pos`` (0 if none);
+    ``fold``: ASCII letters match either case (llama3's (?i:...))."""
+    def at(i):
+        c = text[i]
+        return c.lower() if fold and c < "\x80" else c
+    if text[pos] != "'" or pos + 1 >= end:
+        return 0
+    c1 = at(pos + 1)
+    if c1 in ("s", "t", "m", "d"):
+        return 2
+    if pos + 2 < end and c1 + at(pos + 2) in ("re", "ve", "ll"):
+        return 3
+    return 0
+
+
 def _split_gpt2(text: str, flags: list[int], chunks: list[int]) -> list[int]:
     """unicode_regex_split_custom_gpt2: 's|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"""
     out: list[int] = []
-    start = 0
-    for n in chunks:
-        ini, end = start, start + n
-        start = end
-        pos = ini
+    for pos, end in _spans(chunks):
         while pos < end:
             cpt, fl = text[pos], flags[pos]
-            if cpt == "'" and pos + 1 < end:
-                c1 = text[pos + 1]
-                if c1 in ("s", "t", "m", "d"):
-                    _emit(out, 2)
-                    pos += 2
-                    continue
-                if pos + 2 < end and c1 + text[pos + 2] in ("re", "ve", "ll"):
-                    _emit(out, 3)
-                    pos += 3
-                    continue
+            n_contraction = _contraction(text, pos, end, fold=False)
+            if n_contraction:
+                _emit(out, n_contraction)
+                pos += n_contraction
+                continue
             f2 = (flags[pos + 1] if pos + 1 < end else 0) if cpt == " " else fl
             tok = pos
             if f2 & (_L | _N):
@@ -341,27 +356,16 @@ def _split_gpt2(text: str, flags: list[int], chunks: list[int]) -> list[int]:
 def _split_llama3(text: str, flags: list[int], chunks: list[int], max_digits: int = 3) -> list[int]:
     """unicode_regex_split_custom_llama3 (``max_digits`` 3) and ..._qwen2 (``max_digits`` 1)."""
     out: list[int] = []
-    start = 0
-    for n in chunks:
-        ini, end = start, start + n
-        start = end
-        pos = ini
+    for pos, end in _spans(chunks):
         while pos < end:
             cpt, fl = text[pos], flags[pos]
             tok = pos
             # (?i:'s|'t|'re|'ve|'m|'ll|'d)
-            if cpt == "'" and pos + 1 < end:
-                c1 = text[pos + 1].lower() if text[pos + 1] < "\x80" else text[pos + 1]
-                if c1 in ("s", "t", "m", "d"):
-                    _emit(out, 2)
-                    pos += 2
-                    continue
-                if pos + 2 < end:
-                    c2 = text[pos + 2].lower() if text[pos + 2] < "\x80" else text[pos + 2]
-                    if c1 + c2 in ("re", "ve", "ll"):
-                        _emit(out, 3)
-                        pos += 3
-                        continue
+            n_contraction = _contraction(text, pos, end, fold=True)
+            if n_contraction:
+                _emit(out, n_contraction)
+                pos += n_contraction
+                continue
             # [^\r\n\p{L}\p{N}]?\p{L}+
             if not (cpt == "\r" or cpt == "\n" or fl & _N):
                 if fl & _L or (pos + 1 < end and flags[pos + 1] & _L):
@@ -410,9 +414,8 @@ def _split_llama3(text: str, flags: list[int], chunks: list[int], max_digits: in
 def _split_regex(pattern: re.Pattern, subject: str, chunks: list[int]) -> list[int]:
     """unicode_regex_split_stl: matches and the text between them, chunk by chunk."""
     out: list[int] = []
-    start = 0
-    for n in chunks:
-        seg = subject[start:start + n]
+    for start, end in _spans(chunks):
+        seg, n = subject[start:end], end - start
         prev = 0
         for m in pattern.finditer(seg):
             a, b = m.span()
@@ -422,7 +425,6 @@ def _split_regex(pattern: re.Pattern, subject: str, chunks: list[int]) -> list[i
             prev = b
         if prev < n:
             out.append(n - prev)
-        start += n
     return out
 
 
@@ -461,11 +463,7 @@ def regex_split(text: str, regexes: tuple[str, ...]) -> list[str]:
             if wide is None:        # std::wregex \s does not match non-ASCII whitespace
                 wide = "".join("\x0b" if c >= "\x80" and f & _WS else c for c, f in zip(text, flags))
             chunks = _split_regex(pattern, wide, chunks)
-    words, start = [], 0
-    for n in chunks:
-        words.append(text[start:start + n])
-        start += n
-    return words
+    return [text[start:end] for start, end in _spans(chunks)]
 
 
 # ---- end-of-generation and other special tokens found by their text (llama_vocab::impl::load) ----

@@ -372,9 +372,8 @@ def _iq4_kss(b, n_per_row):
     """A float32 row scale, then per 32 values 8 u16 words: bit 0 of word k is bit k of the block's
     scale byte, bits 1-15 hold the 4 codes of 8 values, xor-folded (a ^= a >> 1 undoes it)."""
     n_rows = b.shape[0]
-    d = b[:, 0:4].contiguous().view(torch.float32).float()
-    w = b[:, 4:].contiguous().view(torch.int16).long() & 0xFFFF
-    w = w.reshape(-1, 8)                                                     # (n_rows n_blocks, 8)
+    d, blk = _row_scaled(b, n_per_row, 4, 128)
+    w = (blk.contiguous().view(torch.int16).long() & 0xFFFF).reshape(-1, 8)   # (n_rows n_blocks, 8)
     ls = ((w & 1) << torch.arange(8, device=b.device)).sum(dim=1)
     a = w & 0xFFFE
     a = a ^ (a >> 1)
