@@ -312,6 +312,15 @@ def _contraction(text: str, pos: int, end: int, fold: bool) -> int:
     return 0
 
 
+def _after_spaces(pos: int, n_ws: int, end: int) -> int:
+    """Where a token starting at ``pos`` with ``n_ws`` whitespace characters ends: \s+(?!\S) leaves
+    the last space to the next word, \s+ at the end of the chunk takes them all, and a character
+    no other rule took stands alone."""
+    if n_ws > 1 and pos + n_ws < end:
+        return pos + n_ws - 1
+    return pos + max(n_ws, 1)
+
+
 def _split_gpt2(text: str, flags: list[int], chunks: list[int]) -> list[int]:
     """unicode_regex_split_custom_gpt2: 's|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"""
     out: list[int] = []
@@ -343,12 +352,7 @@ def _split_gpt2(text: str, flags: list[int], chunks: list[int]) -> list[int]:
             n_ws = 0
             while pos + n_ws < end and flags[pos + n_ws] & _WS:
                 n_ws += 1
-            if n_ws > 1 and pos + n_ws < end:       # \s+(?!\S)
-                pos += n_ws - 1
-            elif n_ws > 0:                          # \s+
-                pos += n_ws
-            else:
-                pos += 1
+            pos = _after_spaces(pos, n_ws, end)
             _emit(out, pos - tok)
     return out
 
@@ -399,14 +403,7 @@ def _split_llama3(text: str, flags: list[int], chunks: list[int], max_digits: in
                 if text[pos + n_ws] in ("\r", "\n"):
                     last_rn = pos + n_ws + 1
                 n_ws += 1
-            if last_rn > 0:                         # \s*[\r\n]+
-                pos = last_rn
-            elif n_ws > 1 and pos + n_ws < end:     # \s+(?!\S)
-                pos += n_ws - 1
-            elif n_ws > 0:                          # \s+
-                pos += n_ws
-            else:
-                pos += 1
+            pos = last_rn if last_rn > 0 else _after_spaces(pos, n_ws, end)    # \s*[\r\n]+ first
             _emit(out, pos - tok)
     return out
 
