@@ -313,7 +313,7 @@ def _contraction(text: str, pos: int, end: int, fold: bool) -> int:
 
 
 def _after_spaces(pos: int, n_ws: int, end: int) -> int:
-    """Where a token starting at ``pos`` with ``n_ws`` whitespace characters ends: \s+(?!\S) leaves
+    r"""Where a token starting at ``pos`` with ``n_ws`` whitespace characters ends: \s+(?!\S) leaves
     the last space to the next word, \s+ at the end of the chunk takes them all, and a character
     no other rule took stands alone."""
     if n_ws > 1 and pos + n_ws < end:
