@@ -132,7 +132,7 @@ def cli():
 
 
 @cli.command()
-@click.argument("model_in", metavar="IN", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model_in", metavar="IN", type=click.Path(path_type=Path))
 @click.argument("model_out", metavar="OUT", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("default_type", metavar="[TYPE]", required=False)
 @click.option("--custom-q", "custom_q", multiple=True, metavar="RECIPE",
@@ -166,12 +166,17 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
              strict, ignore_imatrix_rules, flavor, split_max_size, keep_split, threads, dry_run, as_json):
     """Quantize IN to OUT with a per-tensor recipe.
 
+    IN is a GGUF file (or the first shard of a split one) or a Hugging Face model directory
+    (config.json, *.safetensors, tokenizer.json: LlamaForCausalLM, DeepseekV3ForCausalLM with FP8 or
+    BF16 weights), converted as convert_hf_to_gguf.py would and quantized in one streaming pass.
+
     TYPE is a llama-quantize preset (Q4_K_M, Q6_K, IQ4_XS, IQ4_K, …: the C tool's per-tensor mix for
     every tensor no recipe rule matches) or a ggml type name (that type for all of them, as --pure).
     Omit it to keep unmatched tensors as they are.
     """
     from . import formats
     from .gguf_io.reader import open_model
+    from .hf import open_hf
     from .plan import PlanOptions, attach_imatrix, check_imatrix, check_implemented, make_plan
     from .presets import ModelInfo
     from .quantize import WriteOptions, run_plan
@@ -203,7 +208,9 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
         imat = imat.with_missing_experts(missing_expert)
     opts.has_imatrix = imat is not None and len(imat) > 0
 
-    with open_model(model_in) as model:
+    if model_in.is_dir() and keep_split:
+        raise QuantkitError("--keep-split needs a split GGUF input; use --split-max-size with a model directory")
+    with (open_hf(model_in) if model_in.is_dir() else open_model(model_in)) as model:
         opts.model = ModelInfo.from_metadata(model.get)
         plan = make_plan(model.tensors, opts)
         imatrix_of, missing = attach_imatrix(plan, imat) if imat is not None else ({}, [])

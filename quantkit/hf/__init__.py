@@ -1,0 +1,92 @@
+"""Hugging Face checkpoints (config.json + safetensors + tokenizer) read as a GGUF model.
+
+:func:`open_hf` gives an object with the interface of :class:`~quantkit.gguf_io.reader.GGUFModel`
+(``metadata``, ``tensors``, ``by_name``, ``get``), whose tensors are the ones convert_hf_to_gguf.py
+would write (names, shapes, layouts, storage types) and whose data is produced from the safetensors
+memory maps as the quantize pipeline reads it. So ``quantize HF_DIR OUT`` is convert-then-quantize in
+one streaming pass: nothing but the rows in flight is ever held in memory.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import QuantkitError
+from ..gguf_io.constants import KEY_ARCHITECTURE, MetaValue, ValueType
+from ..gguf_io.reader import TensorInfo
+from ..types import traits
+from . import deepseek, llama
+from .checkpoint import Checkpoint
+from .config import Config
+from .lazy import LazySource
+from .safetensors import open_checkpoint
+from .vocab import vocab_metadata
+
+# config.json "architectures" -> (GGUF architecture, converter)
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", llama.convert),
+    "MistralForCausalLM": ("llama", llama.convert),
+    "DeepseekV3ForCausalLM": ("deepseek2", deepseek.convert),
+    "DeepseekV2ForCausalLM": ("deepseek2", deepseek.convert),
+}
+
+
+def is_hf_dir(path: str | os.PathLike) -> bool:
+    return Path(path).is_dir()
+
+
+class HFModel:
+    def __init__(self, directory: Path):
+        self.path = directory
+        cfg = Config(directory / "config.json")
+        arch = cfg.architecture
+        if arch not in ARCHITECTURES:
+            raise QuantkitError(f"{directory}: architecture '{arch}' is not supported "
+                                f"(supported: {', '.join(ARCHITECTURES)})")
+        gguf_arch, convert = ARCHITECTURES[arch]
+        tensors, self.files = open_checkpoint(directory)
+        try:
+            ck = Checkpoint(tensors, directory)
+            conv = convert(cfg, ck)
+            ck.check_all_used()
+            meta = {KEY_ARCHITECTURE: MetaValue(ValueType.STRING, gguf_arch),
+                    "general.name": MetaValue(ValueType.STRING, directory.resolve().name)}
+            meta.update(conv.metadata)
+            meta.update(vocab_metadata(directory, cfg.get("vocab_size"), cfg.raw))
+        except BaseException:
+            self.close()
+            raise
+        self.metadata = meta
+        self.tensors: list[TensorInfo] = []
+        for name, shape, lazy in conv.tensors:
+            n_elements = 1
+            for d in shape:
+                n_elements *= d
+            nbytes = traits(lazy.qtype).row_size(shape[0]) * (n_elements // shape[0])
+            self.tensors.append(TensorInfo(name, tuple(shape), lazy.qtype, 0, nbytes, LazySource(lazy)))
+        self.by_name = {t.name: t for t in self.tensors}
+
+    n_shards = 1
+
+    @property
+    def architecture(self) -> str | None:
+        return self.get(KEY_ARCHITECTURE)
+
+    def get(self, key: str, default=None):
+        mv = self.metadata.get(key)
+        return default if mv is None else mv.to_python()
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+        self.files = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_hf(directory: str | os.PathLike) -> HFModel:
+    return HFModel(Path(directory))

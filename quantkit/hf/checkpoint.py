@@ -1,0 +1,91 @@
+"""A checkpoint's tensors as the architecture converters take them: by name, shape-checked against
+what config.json implies, float8 paired with its block scales, and every tensor accounted for
+(a tensor no converter takes is an error, as in convert_hf_to_gguf.py: "Can not map tensor")."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import QuantkitError
+from ..gguf_io.constants import MetaValue, ValueType
+from .lazy import Lazy, Stored
+from .numerics import FP8_BLOCK
+from .safetensors import SafeTensor
+
+SCALE_SUFFIX = "_scale_inv"         # DeepSeek's FP8 checkpoints: "<name>.weight_scale_inv"
+
+
+@dataclass
+class Conversion:
+    """What an architecture converter returns: GGUF metadata and the output tensors in file order,
+    each as (GGUF name, ggml shape, rows)."""
+    metadata: dict[str, MetaValue] = field(default_factory=dict)
+    tensors: list[tuple[str, tuple[int, ...], Lazy]] = field(default_factory=list)
+
+    def add(self, name: str, lazy: Lazy, shape: tuple[int, ...] | None = None) -> None:
+        self.tensors.append((name, shape or lazy.ggml_shape, lazy))
+
+    def meta(self, key: str, value, vtype: ValueType) -> None:
+        self.metadata[key] = MetaValue(vtype, value)
+
+
+class Checkpoint:
+    def __init__(self, tensors: dict[str, SafeTensor], directory: Path):
+        self.tensors, self.directory = tensors, directory
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None, as_f32: bool = False) -> Stored:
+        """The tensor ``name`` (HF shape ``shape`` if given); float8 comes with its scale grid."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise QuantkitError(f"{self.directory}: tensor '{name}' is missing from the checkpoint")
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise QuantkitError(f"{self.directory}: tensor '{name}' has shape {list(t.shape)} but config.json "
+                                f"implies {list(shape)}")
+        if t.dtype not in ("F32", "F16", "BF16", "F8_E4M3"):
+            raise QuantkitError(f"{self.directory}: tensor '{name}' is {t.dtype}; only F32, F16, BF16 and "
+                                "F8_E4M3 weights are converted")
+        self.used.add(name)
+        scale = None
+        if t.dtype == "F8_E4M3":
+            scale = self.tensors.get(name + SCALE_SUFFIX)
+            if scale is None or len(t.shape) != 2:
+                raise QuantkitError(f"{self.directory}: float8 tensor '{name}' has no {name + SCALE_SUFFIX} "
+                                    "block scales (only DeepSeek's 128x128 block-scaled FP8 is converted)")
+            grid = tuple(-(-d // FP8_BLOCK) for d in t.shape)
+            if tuple(scale.shape) != grid or scale.dtype != "F32":
+                raise QuantkitError(f"{self.directory}: '{name + SCALE_SUFFIX}' is {scale.dtype} {list(scale.shape)}; "
+                                    f"128x128 blocks of {list(t.shape)} need F32 {list(grid)}")
+            self.used.add(name + SCALE_SUFFIX)
+        return Stored(t, scale, as_f32=as_f32 or len(t.shape) == 1)
+
+    def skip(self, pattern: str) -> None:
+        """Tensors the GGUF does not carry (rotary caches, the MTP layer ...)."""
+        rx = re.compile(pattern)
+        self.used.update(n for n in self.tensors if rx.search(n))
+
+    def check_all_used(self) -> None:
+        left = sorted(n for n in self.tensors if n not in self.used)
+        if left:
+            raise QuantkitError(f"{self.directory}: cannot map tensor '{left[0]}'"
+                                f"{f' (and {len(left) - 1} more)' if len(left) > 1 else ''} to a GGUF tensor")
+
+
+def permute_qk_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """The row order convert_hf_to_gguf.py gives llama's q and k projections.
+
+    HF's rotary embedding pairs dimension i with i + d/2 within each head ("rotate half"); ggml's
+    normal rope pairs 2i with 2i + 1. Per head of d rows, GGUF row 2i + s is HF row s*d/2 + i::
+
+        HF   rows of a head:  x0 x1 x2 x3 | y0 y1 y2 y3        (pairs (x_i, y_i))
+        GGUF rows of a head:  x0 y0 x1 y1 x2 y2 x3 y3
+    """
+    d = n_rows // n_head
+    h, i, s = np.meshgrid(np.arange(n_head), np.arange(d // 2), np.arange(2), indexing="ij")
+    return (h * d + s * (d // 2) + i).reshape(-1)

@@ -1,0 +1,116 @@
+"""Tiny Hugging Face checkpoints for the conversion tests, saved by transformers itself.
+
+The tokenizer is SmolLM2's, rebuilt with the ``tokenizers`` library from the vocabulary, merges and
+special tokens of the shipped SmolLM2 GGUF (which convert_hf_to_gguf.py made from the original
+tokenizer.json): so converting it back must give that GGUF's tokenizer arrays exactly.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+CONTROL = 3
+
+
+def smollm2_tokenizer_meta(smollm2: Path) -> dict:
+    from quantkit.gguf_io.reader import open_model
+    with open_model(smollm2) as m:
+        return {k: m.get(k) for k in m.metadata if k.startswith("tokenizer.")}
+
+
+def write_tokenizer(directory: Path, meta: dict, *, merges_as_pairs: bool = False) -> None:
+    """tokenizer.json (byte-level BPE with SmolLM's digit split) and tokenizer_config.json."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, types = meta["tokenizer.ggml.tokens"], list(meta["tokenizer.ggml.token_type"])
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == CONTROL])
+    tok.save(str(directory / "tokenizer.json"))
+    if not merges_as_pairs:     # the older "a b" string format the original file has
+        doc = json.loads((directory / "tokenizer.json").read_text())
+        doc["model"]["merges"] = [" ".join(p) for p in doc["model"]["merges"]]
+        (directory / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False))
+    bos, eos = (tokens[meta[f"tokenizer.ggml.{s}_token_id"]] for s in ("bos", "eos"))
+    config = {"bos_token": bos, "eos_token": eos, "unk_token": tokens[meta["tokenizer.ggml.unknown_token_id"]]
+              if "tokenizer.ggml.unknown_token_id" in meta else None,
+              "clean_up_tokenization_spaces": False, "model_max_length": 8192,
+              "tokenizer_class": "GPT2Tokenizer"}
+    if "tokenizer.ggml.padding_token_id" in meta:
+        config["pad_token"] = tokens[meta["tokenizer.ggml.padding_token_id"]]
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
+
+
+def save_llama(directory: Path, tok_meta: dict, *, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
+               tie=False, rope_scaling=None, dtype="float32", seed=0) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    n_vocab = len(tok_meta["tokenizer.ggml.tokens"])
+    cfg = LlamaConfig(vocab_size=n_vocab, hidden_size=n_embd, intermediate_size=n_ff, num_hidden_layers=n_layer,
+                      num_attention_heads=n_head, num_key_value_heads=n_head_kv, max_position_embeddings=2048,
+                      tie_word_embeddings=tie, rms_norm_eps=1e-5, bos_token_id=tok_meta["tokenizer.ggml.bos_token_id"],
+                      eos_token_id=tok_meta["tokenizer.ggml.eos_token_id"], rope_theta=100000.0,
+                      rope_scaling=rope_scaling)
+    model = LlamaForCausalLM(cfg).eval()
+    _spread_weights(model)
+    model.to(getattr(torch, dtype)).save_pretrained(directory)
+    write_tokenizer(directory, tok_meta)
+    return directory
+
+
+def save_deepseek_v3(directory: Path, tok_meta: dict, *, n_layer=3, n_dense=1, n_embd=64, n_head=4, n_ff=128,
+                     n_ff_exp=32, n_expert=4, n_used=2, n_shared=1, q_lora=32, kv_lora=16, qk_nope=16, qk_rope=8,
+                     v_head=16, dtype="float32", rope_scaling=None, seed=0) -> Path:
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    torch.manual_seed(seed)
+    n_vocab = len(tok_meta["tokenizer.ggml.tokens"])
+    cfg = DeepseekV3Config(vocab_size=n_vocab, hidden_size=n_embd, intermediate_size=n_ff,
+                           moe_intermediate_size=n_ff_exp, num_hidden_layers=n_layer, first_k_dense_replace=n_dense,
+                           num_attention_heads=n_head, num_key_value_heads=n_head, n_routed_experts=n_expert,
+                           n_shared_experts=n_shared, num_experts_per_tok=n_used, n_group=1, topk_group=1,
+                           q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_rope_head_dim=qk_rope,
+                           qk_nope_head_dim=qk_nope, v_head_dim=v_head, max_position_embeddings=2048,
+                           rope_scaling=rope_scaling, bos_token_id=tok_meta["tokenizer.ggml.bos_token_id"],
+                           eos_token_id=tok_meta["tokenizer.ggml.eos_token_id"])
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    _spread_weights(model)
+    model.to(getattr(torch, dtype)).save_pretrained(directory)
+    write_tokenizer(directory, tok_meta)
+    return directory
+
+
+def _spread_weights(model) -> None:
+    """Random weights large enough that a few layers change the logits visibly (transformers'
+    initialisation is 0.02-scaled, which leaves a tiny model close to its embeddings), and random
+    router biases."""
+    import torch
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / np.sqrt(p.shape[-1]))
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def hf_logits(directory: Path, tokens: list[int]) -> np.ndarray:
+    """All-position logits (n_tokens, n_vocab) of a saved checkpoint, computed by transformers in f32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float().numpy()
