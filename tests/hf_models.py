@@ -114,3 +114,44 @@ def hf_logits(directory: Path, tokens: list[int]) -> np.ndarray:
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].float().numpy()
+
+
+FP8_KEEP = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")     # DeepSeek keeps these in BF16
+
+
+def save_fp8_pair(src: Path, fp8_dir: Path, bf16_dir: Path) -> None:
+    """DeepSeek's FP8 format made from a saved checkpoint: each linear weight as float8_e4m3fn with a
+    float32 ``weight_scale_inv`` per 128 x 128 block (amax / 448, DeepSeek's recipe), everything else
+    BF16; and its BF16 twin, dequantized the way DeepSeek's fp8_cast_bf16.py does it (fp8 * scale in
+    float32, rounded to bfloat16)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(src / "model.safetensors"))
+    fp8, twin = {}, {}
+    for name, w in tensors.items():
+        w = w.float()
+        if w.ndim != 2 or any(k in name for k in FP8_KEEP):
+            fp8[name] = twin[name] = w.to(torch.bfloat16)
+            continue
+        rows, cols = w.shape
+        br, bc = -(-rows // 128), -(-cols // 128)
+        padded = torch.zeros(br * 128, bc * 128)
+        padded[:rows, :cols] = w
+        amax = padded.view(br, 128, bc, 128).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+        scale = (amax / 448.0).float()
+        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+        q = (w / full).to(torch.float8_e4m3fn)
+        fp8[name], fp8[name + "_scale_inv"] = q, scale.contiguous()
+        twin[name] = (q.float() * full).to(torch.bfloat16)
+    for d, data in ((fp8_dir, fp8), (bf16_dir, twin)):
+        d.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.suffix != ".safetensors":
+                shutil.copy(f, d / f.name)
+        save_file(data, str(d / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [128, 128]}
+    (fp8_dir / "config.json").write_text(json.dumps(cfg, indent=1))

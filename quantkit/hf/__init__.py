@@ -44,6 +44,7 @@ class HFModel:
             raise QuantkitError(f"{directory}: architecture '{arch}' is not supported "
                                 f"(supported: {', '.join(ARCHITECTURES)})")
         gguf_arch, convert = ARCHITECTURES[arch]
+        _check_quantization(cfg)
         tensors, self.files = open_checkpoint(directory)
         try:
             ck = Checkpoint(tensors, directory)
@@ -86,6 +87,18 @@ class HFModel:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _check_quantization(cfg: Config) -> None:
+    """Only DeepSeek's FP8 (float8_e4m3fn with 128 x 128 block scales) is a checkpoint quantization
+    we read; other schemes (GPTQ, AWQ, per-tensor FP8 ...) store other tensors under other names."""
+    q = cfg.get("quantization_config")
+    if not q:
+        return
+    method, block = q.get("quant_method"), q.get("weight_block_size", [128, 128])
+    if method != "fp8" or list(block) != [128, 128]:
+        raise QuantkitError(f"{cfg.path}: quantization_config {method!r} with weight_block_size {block} is not "
+                            "supported (only fp8 with 128x128 blocks, as DeepSeek-V3 ships)")
 
 
 def open_hf(directory: str | os.PathLike) -> HFModel:
