@@ -168,6 +168,16 @@ def test_deepseek_v3_f32_matches_transformers_in_ik(tmp_path, deepseek_dir):
         assert g.by_name["blk.1.ffn_down_exps.weight"].shape == (32, 64, 4)
         assert g.by_name["blk.0.attn_k_b.weight"].shape == (16, 4 * 16)
         assert g.get("deepseek2.expert_gating_func") == 2
+        # the split halves, as ik's converter makes them with torch: kv_b viewed per head, the key band
+        # transposed to (n_head * kv_lora, qk_nope), the value band (n_head * v_head, kv_lora)
+        from safetensors.torch import load_file
+        kv_b = load_file(str(deepseek_dir / "model.safetensors"))["model.layers.0.self_attn.kv_b_proj.weight"]
+        k_b, v_b = torch.split(kv_b.view(4, 16 + 16, 16), [16, 16], dim=1)
+        assert (g.by_name["blk.0.attn_k_b.weight"].raw().view(np.float32).reshape(-1)
+                == k_b.transpose(1, 2).reshape(-1).numpy()).all()
+        assert (g.by_name["blk.0.attn_v_b.weight"].raw().view(np.float32).reshape(-1)
+                == v_b.reshape(-1).numpy()).all()
+    # ik's contexts compute MLA attention from attn_k_b/attn_v_b
     ref = H.hf_logits(deepseek_dir, PROMPT)
     ik = np.asarray(peers.ik_logits(out, PROMPT, all_positions=True)).reshape(ref.shape)
     assert _close(ik, ref) <= TOL
@@ -321,3 +331,16 @@ def test_bad_checkpoints_fail_cleanly(tmp_path, llama_dir, breakage, needle):
     assert_clean_failure(*run_cli("quantize", d, out, "q8_0"), needle)
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["m"]       # no temporary file left behind
+
+
+def test_lazy_source_serves_any_byte_range(deepseek_dir):
+    """The quantize pipeline reads copies in 1 MiB parts that need not fall on row boundaries."""
+    rng = np.random.default_rng(0)
+    with open_hf(deepseek_dir) as m:
+        for name in ("blk.1.ffn_down_exps.weight", "blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight"):
+            info = m.by_name[name]
+            whole = info.source.read(0, info.nbytes)
+            for _ in range(20):
+                a = int(rng.integers(0, info.nbytes))
+                n = int(rng.integers(0, info.nbytes - a + 1))
+                assert (info.source.read(a, n) == whole[a:a + n]).all()

@@ -66,9 +66,16 @@ class Stored(Lazy):
         self.qtype = QuantType.F32 if as_f32 else stored[t.dtype]
 
     def take(self, index: np.ndarray) -> np.ndarray:
+        # read the span the rows lie in (with pread: touching the map would leave its pages counted
+        # in this process's memory) and pick the rows from it; gathers (q/k permutation, value band)
+        # ask for rows close together
         index = np.asarray(index)
-        contiguous = len(index) and index[-1] - index[0] == len(index) - 1 and bool(np.all(np.diff(index) == 1))
-        raw = self.t.read_rows(int(index[0]), int(index[-1]) + 1) if contiguous else self.matrix[index]
+        if not len(index):
+            return np.empty((0, self.n_per_row), STORAGE_DTYPE[self.qtype])
+        lo, hi = int(index.min()), int(index.max()) + 1
+        raw = self.t.read_rows(lo, hi)
+        if hi - lo != len(index) or index[0] != lo or not bool(np.all(np.diff(index) == 1)):
+            raw = raw[index - lo]
         if self.t.dtype == "F8_E4M3":
             raw = fp8_block_rows(np.asarray(raw), self.scale_inv.data.reshape(self.scale_inv.shape[0], -1), index)
         if not self.as_f32:

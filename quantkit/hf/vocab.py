@@ -63,7 +63,7 @@ def _split_regexes(pre: dict | None, where: Path) -> tuple[str, ...]:
     if kind == "Sequence":
         return tuple(r for p in pre.get("pretokenizers", []) for r in _split_regexes(p, where))
     if kind == "ByteLevel":
-        return (rt._RE_GPT2,) if pre.get("use_regex", True) else ()
+        return (rt.GPT2_REGEX,) if pre.get("use_regex", True) else ()
     if kind == "Digits":
         return ("\\p{N}",) if pre.get("individual_digits") else ("\\p{N}+",)
     if kind == "Split":
@@ -71,18 +71,13 @@ def _split_regexes(pre: dict | None, where: Path) -> tuple[str, ...]:
         regex = pattern.get("Regex")
         if regex is None:
             regex = re.escape(pattern.get("String", ""))
-        return (regex.replace(_HF_CONTRACTIONS, rt._CONTRACTIONS),)
+        return (regex.replace(_HF_CONTRACTIONS, rt.CONTRACTIONS_REGEX),)
     raise QuantkitError(f"{where}: pre-tokenizer '{kind}' is not supported (byte-level BPE tokenizers only)")
 
 
 def _pre_name(regexes: tuple[str, ...], clean_spaces: bool | None, where: Path) -> str:
-    candidates = []
-    for regex_set, flags, names in rt._PRE_GROUPS:
-        if rt._REGEXES[regex_set] != regexes:
-            continue
-        if clean_spaces is not None and flags.get("clean_spaces", True) != clean_spaces:
-            continue
-        candidates.extend(names)
+    candidates = [name for name, flags in rt.pre_tokenizer_names(regexes)
+                  if clean_spaces is None or flags.get("clean_spaces", True) == clean_spaces]
     if not candidates:
         raise QuantkitError(f"{where}: its pre-tokenizer ({' | '.join(regexes) or 'none'}) matches none of "
                             "llama.cpp's; a GGUF with another split would tokenize differently")

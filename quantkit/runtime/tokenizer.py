@@ -221,6 +221,17 @@ _PRE_GROUPS = (
     ("exaone-moe", {}, ("exaone-moe",)),
 )
 _PRE = {name: (regexes, flags) for regexes, flags, names in _PRE_GROUPS for name in names}
+# the GPT-2 split (also what a byte-level pre-tokenizer with use_regex applies) and the expanded
+# contractions group, for readers of other tokenizer formats
+GPT2_REGEX, CONTRACTIONS_REGEX = _RE_GPT2, _CONTRACTIONS
+
+
+def pre_tokenizer_names(regexes: tuple[str, ...]) -> list[tuple[str, dict]]:
+    """llama.cpp's pre-tokenizer names that split text with exactly these regexes, and their flags."""
+    return [(name, flags) for regex_set, flags, names in _PRE_GROUPS if _REGEXES[regex_set] == regexes
+            for name in names]
+
+
 # pre-tokenizers that llama.cpp implements with hand-written code we do not port
 _PRE_UNSUPPORTED = ("kimi-k2", "afmoe", "tiny_aya", "superbpe", "gemma4")
 
