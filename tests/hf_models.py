@@ -70,7 +70,7 @@ def save_llama(directory: Path, tok_meta: dict, *, n_layer=2, n_embd=64, n_head=
 
 def save_deepseek_v3(directory: Path, tok_meta: dict, *, n_layer=3, n_dense=1, n_embd=64, n_head=4, n_ff=128,
                      n_ff_exp=32, n_expert=4, n_used=2, n_shared=1, q_lora=32, kv_lora=16, qk_nope=16, qk_rope=8,
-                     v_head=16, dtype="float32", rope_scaling=None, seed=0) -> Path:
+                     v_head=16, dtype="float32", rope_scaling=None, n_ctx=2048, seed=0) -> Path:
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     torch.manual_seed(seed)
@@ -80,7 +80,7 @@ def save_deepseek_v3(directory: Path, tok_meta: dict, *, n_layer=3, n_dense=1, n
                            num_attention_heads=n_head, num_key_value_heads=n_head, n_routed_experts=n_expert,
                            n_shared_experts=n_shared, num_experts_per_tok=n_used, n_group=1, topk_group=1,
                            q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_rope_head_dim=qk_rope,
-                           qk_nope_head_dim=qk_nope, v_head_dim=v_head, max_position_embeddings=2048,
+                           qk_nope_head_dim=qk_nope, v_head_dim=v_head, max_position_embeddings=n_ctx,
                            rope_scaling=rope_scaling, bos_token_id=tok_meta["tokenizer.ggml.bos_token_id"],
                            eos_token_id=tok_meta["tokenizer.ggml.eos_token_id"])
     model = DeepseekV3ForCausalLM(cfg).eval()

@@ -184,6 +184,21 @@ def test_deepseek_v3_f32_matches_transformers_in_ik(tmp_path, deepseek_dir):
     assert (ik.argmax(1) == ref.argmax(1)).all()
 
 
+def test_deepseek_v3_yarn_matches_transformers_in_ik(tmp_path, tok_meta):
+    """DeepSeek-V3 ships YaRN rope scaling (mscale_all_dim -> yarn_log_multiplier); a 64-token prompt
+    on a 16-token original context exercises it."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}
+    d = H.save_deepseek_v3(tmp_path / "yarn", tok_meta, n_layer=2, rope_scaling=rope, n_ctx=64)
+    out = _convert(d, tmp_path / "f32.gguf", "f32")
+    with open_model(out) as g:
+        assert g.get("deepseek2.rope.scaling.type") == "yarn"
+        assert g.get("deepseek2.rope.scaling.yarn_log_multiplier") == pytest.approx(0.1)
+    ref = H.hf_logits(d, PROMPT)
+    ik = np.asarray(peers.ik_logits(out, PROMPT, all_positions=True)).reshape(ref.shape)
+    assert _close(ik, ref) <= TOL
+
+
 def test_deepseek_v3_recipe_loads_and_computes(tmp_path, deepseek_dir):
     recipe = (H.Path(__file__).parent.parent / "recipes" / "deepseek-v3-iq2_k_r4.txt")
     one = _convert(deepseek_dir, tmp_path / "one.gguf", "--custom-q", recipe)
