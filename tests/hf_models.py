@@ -90,6 +90,28 @@ def save_deepseek_v3(directory: Path, tok_meta: dict, *, n_layer=3, n_dense=1, n
     return directory
 
 
+def save_deepseek_v2_lite(directory: Path, tok_meta: dict, *, n_layer=27, seed=0) -> Path:
+    """DeepSeek-V2-Lite's shape in miniature: queries without a LoRA (attn_q), softmax routing without
+    normalisation, two shared experts.  27 layers: ik_llama.cpp takes q_lora_rank = 0 only from
+    V2-Lite's 26/27-layer files."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = DeepseekV2Config(vocab_size=len(tok_meta["tokenizer.ggml.tokens"]), hidden_size=64, intermediate_size=128,
+                           moe_intermediate_size=32, num_hidden_layers=n_layer, first_k_dense_replace=1,
+                           num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=2,
+                           num_experts_per_tok=2, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                           qk_nope_head_dim=16, v_head_dim=16, head_dim=8, max_position_embeddings=2048,
+                           topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
+                           bos_token_id=tok_meta["tokenizer.ggml.bos_token_id"],
+                           eos_token_id=tok_meta["tokenizer.ggml.eos_token_id"])
+    model = DeepseekV2ForCausalLM(cfg).eval()
+    _spread_weights(model)
+    model.save_pretrained(directory)
+    write_tokenizer(directory, tok_meta)
+    return directory
+
+
 def _spread_weights(model) -> None:
     """Random weights large enough that a few layers change the logits visibly (transformers'
     initialisation is 0.02-scaled, which leaves a tiny model close to its embeddings), and random

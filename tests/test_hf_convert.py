@@ -199,6 +199,17 @@ def test_deepseek_v3_yarn_matches_transformers_in_ik(tmp_path, tok_meta):
     assert _close(ik, ref) <= TOL
 
 
+def test_deepseek_v2_lite_matches_transformers_in_ik(tmp_path, tok_meta):
+    d = H.save_deepseek_v2_lite(tmp_path / "v2", tok_meta)
+    out = _convert(d, tmp_path / "f32.gguf", "f32")
+    with open_model(out) as g:
+        assert "blk.0.attn_q.weight" in g.by_name and "blk.0.attn_q_a.weight" not in g.by_name
+        assert g.get("deepseek2.expert_gating_func") == 1 and g.get("deepseek2.expert_weights_norm") is False
+    ref = H.hf_logits(d, PROMPT[:32])
+    ik = np.asarray(peers.ik_logits(out, PROMPT[:32], all_positions=True)).reshape(ref.shape)
+    assert _close(ik, ref) <= TOL
+
+
 def test_deepseek_v3_recipe_loads_and_computes(tmp_path, deepseek_dir):
     recipe = (H.Path(__file__).parent.parent / "recipes" / "deepseek-v3-iq2_k_r4.txt")
     one = _convert(deepseek_dir, tmp_path / "one.gguf", "--custom-q", recipe)
@@ -359,3 +370,16 @@ def test_lazy_source_serves_any_byte_range(deepseek_dir):
                 a = int(rng.integers(0, info.nbytes))
                 n = int(rng.integers(0, info.nbytes - a + 1))
                 assert (info.source.read(a, n) == whole[a:a + n]).all()
+
+
+def test_dry_run_plans_the_converted_tensors(tmp_path, deepseek_dir):
+    rc, so, se = run_cli("quantize", deepseek_dir, tmp_path / "x.gguf", "--custom-q", "exps=iq4_k", "--dry-run",
+                         "--json")
+    assert rc == 0, se
+    plan = json.loads(so)["plan"]
+    by_name = {t["name"]: t for t in plan["tensors"]}
+    assert by_name["blk.1.ffn_up_exps.weight"]["target"] == "iq4_k"
+    assert by_name["blk.1.ffn_up_exps.weight"]["shape"] == [64, 32, 4]
+    assert by_name["blk.0.attn_q_b.weight"]["target"] == "f32"        # no rule: kept as stored
+    assert len(by_name) == 3 + 14 + 2 * 19                            # DeepSeek's layout: 3 + 14/dense + 19/MoE
+    assert not (tmp_path / "x.gguf").exists()
