@@ -378,7 +378,7 @@ def test_dry_run_plans_the_converted_tensors(tmp_path, deepseek_dir):
     assert rc == 0, se
     plan = json.loads(so)["plan"]
     by_name = {t["name"]: t for t in plan["tensors"]}
-    assert by_name["blk.1.ffn_up_exps.weight"]["target"] == "iq4_k"
+    assert by_name["blk.1.ffn_up_exps.weight"]["requested"] == "iq4_k"     # rows of 64: a fallback type
     assert by_name["blk.1.ffn_up_exps.weight"]["shape"] == [64, 32, 4]
     assert by_name["blk.0.attn_q_b.weight"]["target"] == "f32"        # no rule: kept as stored
     assert len(by_name) == 3 + 14 + 2 * 19                            # DeepSeek's layout: 3 + 14/dense + 19/MoE
