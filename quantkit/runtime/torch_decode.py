@@ -6,11 +6,12 @@ Each decoder takes ``b`` uint8 (n_rows, row_size) and returns float32 (n_rows, n
 arithmetic follows ggml's dequantize_row_* (products in the same order: (d * scale) * q - m), so
 the values equal the numba decoders' bit for bit, which the tests check type by type.
 
-Types without a decoder here (the trellis IQn_KT for now, the interleaved ones by design) stay on
-the CPU (numba), as ik_llama.cpp keeps interleaved ones there.
+Interleaved types have no decoder here by design: they stay on the CPU (numba), as ik_llama.cpp
+keeps them there.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..formats._iqk import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
@@ -386,10 +387,90 @@ def _iq4_kss(b, n_per_row):
     return (dl[:, None] * v).reshape(n_rows, n_per_row)
 
 
+# ---- trellis (IQn_KT): a float32 row scale, then 256-value blocks of 8 sub-blocks of 32 ----
+#
+# A code selects a group of 8 (IQ4_KT: 4) integer values made by a hash; those values are a fixed
+# table per type (2^bits x group, formats._kt_codebook.trellis_values), uploaded once per device,
+# so decoding is bit extraction, one gather and one product: value = (d * scale) * table[code].
+
+_TRELLIS_TABLES: dict = {}
+
+
+def _trellis_table(name: str, device, offset: int | None = None) -> torch.Tensor:
+    from ..formats._kt_codebook import OFFSET, SPECS, trellis_values
+    key = (name, str(device), offset)
+    if key not in _TRELLIS_TABLES:
+        spec = SPECS[name]
+        values = trellis_values(np.arange(1 << spec.num_bits), spec.group, spec.is_abs,
+                                OFFSET if offset is None else offset)
+        _TRELLIS_TABLES[key] = torch.from_numpy(values).to(device)
+    return _TRELLIS_TABLES[key]
+
+
+def _kt_scales(b, n_per_row, block: int):
+    """(d per block (n_blocks, 1), blocks (n_blocks, block)): the row scale repeated per block."""
+    d, blk = _row_scaled(b, n_per_row, 4, block)
+    return d.repeat_interleave(n_per_row // 256, dim=0), blk.long()
+
+
+def _nibble_scales(s: torch.Tensor) -> torch.Tensor:
+    """4 bytes -> the 8 sub-block nibbles: sub-block ib is nibble ib // 4 of byte ib % 4."""
+    return torch.cat([s & 0xF, s >> 4], dim=1)
+
+
+def _iq1_kt(b, n_per_row):
+    """56 B: sh[8] | ql[32] | qh[16]; code (ib, j) = ql[4ib+j] | nibble ib//4 of qh[4(ib%4)+j] << 8
+    | bit 4+j of sh[ib] << 12; scale IQ4_K table[sh & 15]."""
+    d, blk = _kt_scales(b, n_per_row, 56)
+    dev = b.device
+    sh, ql, qh = blk[:, :8], blk[:, 8:40].reshape(-1, 8, 4), blk[:, 40:56]
+    ib, j = torch.arange(8, device=dev)[:, None], torch.arange(4, device=dev)[None, :]
+    hi = (qh[:, 4 * (ib % 4) + j] << (8 - 4 * (ib // 4))) & 0xF00
+    codes = ql | hi | ((sh[:, :, None] << (8 - j)) & 0x1000)
+    sl = d * _table(IQ4K_VALUES[:16], dev)[sh & 0xF]
+    return sl[:, :, None, None] * _trellis_table("iq1_kt", dev)[codes]
+
+
+def _iq23_kt(b, n_per_row, name: str):
+    """scales[4] | 16-bit codes[32] (| qh[32] signs for IQ3_KT: bit ib of qh[j] negates value j
+    of sub-block ib); IQ2_KT's scale is the IQ4_K table entry, IQ3_KT's the nibble itself."""
+    three = name == "iq3_kt"
+    d, blk = _kt_scales(b, n_per_row, 100 if three else 68)
+    dev = b.device
+    codes = (blk[:, 4:68:2] | (blk[:, 5:68:2] << 8)).reshape(-1, 8, 4)
+    nib = _nibble_scales(blk[:, :4])
+    sl = d * (nib.float() if three else _table(IQ4K_VALUES[:16], dev)[nib])
+    v = (sl[:, :, None, None] * _trellis_table(name, dev)[codes]).reshape(-1, 8, 32)
+    if three:
+        neg = ((blk[:, None, 68:100] >> torch.arange(8, device=dev)[None, :, None]) & 1).bool()
+        v = torch.where(neg, -v, v)
+    return v
+
+
+def _iq4_kt(b, n_per_row):
+    """128 B: 8 uint32 words (bit 0: second table, bits 1-7: scale + 64, bits 8+3j..: code bits
+    12-14 of group j) | ql[64] (code bits 0-7) | qh[32] (bits 8-11 of group g in nibble g//32 of
+    qh[g%32]); 15-bit codes of 4 values."""
+    from ..formats._kt_codebook import IQ4_KT_SECOND_OFFSET, OFFSET
+    d, blk = _kt_scales(b, n_per_row, 128)
+    dev = b.device
+    head = torch.cat([_u32(blk, 4 * ib) for ib in range(8)], dim=1)                  # (n, 8)
+    g = torch.arange(64, device=dev)
+    low = (blk[:, 32 + g] | ((blk[:, 96 + g % 32] << (8 - 4 * (g // 32))) & 0xF00)).reshape(-1, 8, 8)
+    codes = low | (((head[:, :, None] >> (8 + 3 * torch.arange(8, device=dev))) & 7) << 12)
+    first = _trellis_table("iq4_kt", dev, OFFSET)[codes]
+    second = _trellis_table("iq4_kt", dev, IQ4_KT_SECOND_OFFSET)[codes]
+    v = torch.where((head & 1).bool()[:, :, None, None], second, first)
+    sl = d * (((head & 0xFF) >> 1) - 64).float()
+    return sl[:, :, None, None] * v
+
+
 # decoders that need the row length (row-scaled types)
 ROW_DECODERS = {
     T.IQ4_KS: lambda b, n: _iq45_ks(b, n, False), T.IQ5_KS: lambda b, n: _iq45_ks(b, n, True),
     T.IQ3_KS: _iq3_ks, T.IQ2_KS: _iq2_ks, T.IQ2_KL: _iq2_kl, T.IQ4_KSS: _iq4_kss,
+    T.IQ1_KT: _iq1_kt, T.IQ2_KT: lambda b, n: _iq23_kt(b, n, "iq2_kt"),
+    T.IQ3_KT: lambda b, n: _iq23_kt(b, n, "iq3_kt"), T.IQ4_KT: _iq4_kt,
 }
 
 DECODERS = {
@@ -416,5 +497,5 @@ def decode(b: torch.Tensor, qtype, n_per_row: int) -> torch.Tensor:
     if qtype == T.BF16:
         return b.contiguous().view(torch.bfloat16).float().reshape(n_rows, n_per_row)
     if qtype in ROW_DECODERS:
-        return ROW_DECODERS[qtype](b, n_per_row)
+        return ROW_DECODERS[qtype](b, n_per_row).reshape(n_rows, n_per_row)
     return DECODERS[qtype](b).reshape(n_rows, n_per_row)
