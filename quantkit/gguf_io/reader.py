@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import GGUFFormatError, QuantkitError
 from ..types import QuantType, is_known_type_id, traits
-from .constants import (DEFAULT_ALIGNMENT, GGUF_MAGIC, KEY_ALIGNMENT, KEY_SPLIT_COUNT, KEY_SPLIT_NO,
+from .constants import (DEFAULT_ALIGNMENT, GGUF_MAGIC, KEY_ALIGNMENT, KEY_ARCHITECTURE, KEY_SPLIT_COUNT, KEY_SPLIT_NO,
                         KEY_SPLIT_TENSORS, MAX_DIMS, MAX_NAME_BYTES, SCALAR_DTYPE, SCALAR_FORMAT,
                         SCALAR_SIZE, SPLIT_KEYS, SPLIT_NAME_RE, MetaValue, ValueType, pad_to,
                         split_shard_name)
@@ -288,7 +288,33 @@ class GGUFFile:
         self.close()
 
 
-class GGUFModel:
+class ModelView:
+    """What the tools read of a model: ``metadata`` ({key: MetaValue}), ``tensors`` and ``by_name``
+    (TensorInfo), ``close()``; subclasses fill them in (GGUF files here, Hugging Face checkpoints
+    in :mod:`quantkit.hf`)."""
+    metadata: dict
+    tensors: list
+    by_name: dict
+
+    @property
+    def architecture(self) -> str | None:
+        return self.get(KEY_ARCHITECTURE)
+
+    def get(self, key: str, default=None):
+        mv = self.metadata.get(key)
+        return default if mv is None else mv.to_python()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class GGUFModel(ModelView):
     """A model stored in one GGUF file or in split shards, read as one.
 
     ``metadata`` is the first shard's metadata without the ``split.*`` keys; ``tensors`` lists the
@@ -311,23 +337,9 @@ class GGUFModel:
     def n_shards(self) -> int:
         return len(self.files)
 
-    @property
-    def architecture(self) -> str | None:
-        return self.get("general.architecture")
-
-    def get(self, key: str, default=None):
-        mv = self.metadata.get(key)
-        return default if mv is None else mv.to_python()
-
     def close(self) -> None:
         for f in self.files:
             f.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def open_model(path: str | os.PathLike) -> GGUFModel:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import QuantkitError
 from ..gguf_io.constants import KEY_ARCHITECTURE, MetaValue, ValueType
-from ..gguf_io.reader import TensorInfo
+from ..gguf_io.reader import ModelView, TensorInfo
 from ..types import traits
 from . import deepseek, llama
 from .checkpoint import Checkpoint
@@ -35,7 +35,7 @@ def is_hf_dir(path: str | os.PathLike) -> bool:
     return Path(path).is_dir()
 
 
-class HFModel:
+class HFModel(ModelView):
     def __init__(self, directory: Path):
         self.path = directory
         cfg = Config(directory / "config.json")
@@ -69,24 +69,10 @@ class HFModel:
 
     n_shards = 1
 
-    @property
-    def architecture(self) -> str | None:
-        return self.get(KEY_ARCHITECTURE)
-
-    def get(self, key: str, default=None):
-        mv = self.metadata.get(key)
-        return default if mv is None else mv.to_python()
-
     def close(self) -> None:
         for f in self.files:
             f.close()
         self.files = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _check_quantization(cfg: Config) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..errors import QuantkitError
 from ..gguf_io.constants import MetaValue, ValueType
+from .config import Config
 from .lazy import Lazy, Stored
 from .numerics import FP8_BLOCK
 from .safetensors import SafeTensor
@@ -89,3 +90,32 @@ def permute_qk_rows(n_rows: int, n_head: int) -> np.ndarray:
     d = n_rows // n_head
     h, i, s = np.meshgrid(np.arange(n_head), np.arange(d // 2), np.arange(2), indexing="ij")
     return (h * d + s * (d // 2) + i).reshape(-1)
+
+
+def base_conversion(arch: str, cfg: Config, rms_eps_default: float) -> Conversion:
+    """A Conversion holding the hyperparameters every decoder-only model has, under ``arch``'s keys
+    (what convert_hf_to_gguf.py's base class writes)."""
+    U32, F32 = ValueType.UINT32, ValueType.FLOAT32
+    c = Conversion()
+    n_head = cfg.need("num_attention_heads")
+    c.meta(f"{arch}.context_length", cfg.need("max_position_embeddings"), U32)
+    c.meta(f"{arch}.embedding_length", cfg.need("hidden_size"), U32)
+    c.meta(f"{arch}.feed_forward_length", cfg.need("intermediate_size"), U32)
+    c.meta(f"{arch}.block_count", cfg.need("num_hidden_layers"), U32)
+    c.meta(f"{arch}.attention.head_count", n_head, U32)
+    c.meta(f"{arch}.attention.head_count_kv", cfg.get("num_key_value_heads", n_head), U32)
+    c.meta(f"{arch}.rope.freq_base", cfg.rope_theta, F32)
+    c.meta(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg.get("rms_norm_eps", rms_eps_default)), F32)
+    c.meta(f"{arch}.vocab_size", cfg.need("vocab_size"), U32)
+    return c
+
+
+def add_output_head(c: Conversion, ck: Checkpoint, cfg: Config) -> None:
+    """output_norm, and output.weight unless the embeddings are tied (no lm_head stored, or
+    tie_word_embeddings): the loaders then use token_embd."""
+    n_embd, n_vocab = cfg.need("hidden_size"), cfg.need("vocab_size")
+    c.add("output_norm.weight", ck.get("model.norm.weight", (n_embd,)))
+    if ck.has("lm_head.weight") and not cfg.get("tie_word_embeddings", False):
+        c.add("output.weight", ck.get("lm_head.weight", (n_vocab, n_embd)))
+    else:
+        ck.skip(r"^lm_head\.weight$")

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import QuantkitError
 from ..gguf_io.constants import ValueType
-from .checkpoint import Checkpoint, Conversion
+from .checkpoint import Checkpoint, Conversion, add_output_head, base_conversion
 from .config import Config
 from .lazy import Gathered, HeadsTransposed, Stacked
 
@@ -33,7 +33,6 @@ def convert(cfg: Config, ck: Checkpoint) -> Conversion:
     a = "deepseek2"
     n_layer, n_embd, n_vocab = cfg.need("num_hidden_layers"), cfg.need("hidden_size"), cfg.need("vocab_size")
     n_head = cfg.need("num_attention_heads")
-    n_head_kv = cfg.get("num_key_value_heads", n_head)
     n_ff, n_ff_exp = cfg.need("intermediate_size"), cfg.need("moe_intermediate_size")
     n_expert, n_shared = cfg.need("n_routed_experts"), cfg.get("n_shared_experts", 0)
     n_dense, n_used = cfg.get("first_k_dense_replace", 0), cfg.need("num_experts_per_tok")
@@ -47,17 +46,8 @@ def convert(cfg: Config, ck: Checkpoint) -> Conversion:
     if scoring not in GATING:
         raise QuantkitError(f"{cfg.path}: scoring_func '{scoring}' is not supported (softmax or sigmoid)")
 
-    c = Conversion()
-    c.meta(f"{a}.context_length", cfg.need("max_position_embeddings"), U32)
-    c.meta(f"{a}.embedding_length", n_embd, U32)
-    c.meta(f"{a}.feed_forward_length", n_ff, U32)
-    c.meta(f"{a}.block_count", n_layer, U32)
-    c.meta(f"{a}.attention.head_count", n_head, U32)
-    c.meta(f"{a}.attention.head_count_kv", n_head_kv, U32)
-    c.meta(f"{a}.rope.freq_base", cfg.rope_theta, F32)
-    c.meta(f"{a}.attention.layer_norm_rms_epsilon", float(cfg.get("rms_norm_eps", 1e-6)), F32)
+    c = base_conversion(a, cfg, 1e-6)
     c.meta(f"{a}.expert_used_count", n_used, U32)
-    c.meta(f"{a}.vocab_size", n_vocab, U32)
     if q_lora:
         c.meta(f"{a}.attention.q_lora_rank", q_lora, U32)
     c.meta(f"{a}.attention.kv_lora_rank", kv_lora, U32)
@@ -132,9 +122,5 @@ def convert(cfg: Config, ck: Checkpoint) -> Conversion:
             c.add(g + "ffn_gate_shexp.weight", ck.get(mlp + "shared_experts.gate_proj.weight", (sh, n_embd)))
             c.add(g + "ffn_up_shexp.weight", ck.get(mlp + "shared_experts.up_proj.weight", (sh, n_embd)))
             c.add(g + "ffn_down_shexp.weight", ck.get(mlp + "shared_experts.down_proj.weight", (n_embd, sh)))
-    c.add("output_norm.weight", ck.get("model.norm.weight", (n_embd,)))
-    if ck.has("lm_head.weight") and not cfg.get("tie_word_embeddings", False):
-        c.add("output.weight", ck.get("lm_head.weight", (n_vocab, n_embd)))
-    else:
-        ck.skip(r"^lm_head\.weight$")
+    add_output_head(c, ck, cfg)
     return c

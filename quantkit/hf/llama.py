@@ -7,7 +7,7 @@ import numpy as np
 
 from ..errors import QuantkitError
 from ..gguf_io.constants import ValueType
-from .checkpoint import Checkpoint, Conversion, permute_qk_rows
+from .checkpoint import Checkpoint, Conversion, add_output_head, base_conversion, permute_qk_rows
 from .config import Config
 from .lazy import Constant, Gathered
 
@@ -62,16 +62,7 @@ def convert(cfg: Config, ck: Checkpoint) -> Conversion:
         raise QuantkitError(f"{cfg.path}: num_attention_heads {n_head} is not a multiple of "
                             f"num_key_value_heads {n_head_kv}")
 
-    c = Conversion()
-    c.meta(f"{a}.context_length", cfg.need("max_position_embeddings"), U32)
-    c.meta(f"{a}.embedding_length", n_embd, U32)
-    c.meta(f"{a}.feed_forward_length", n_ff, U32)
-    c.meta(f"{a}.block_count", n_layer, U32)
-    c.meta(f"{a}.attention.head_count", n_head, U32)
-    c.meta(f"{a}.attention.head_count_kv", n_head_kv, U32)
-    c.meta(f"{a}.rope.freq_base", float(cfg.rope_theta), F32)
-    c.meta(f"{a}.attention.layer_norm_rms_epsilon", float(cfg.get("rms_norm_eps", 1e-5)), F32)
-    c.meta(f"{a}.vocab_size", n_vocab, U32)
+    c = base_conversion(a, cfg, 1e-5)
     c.meta(f"{a}.rope.dimension_count", head_dim, U32)
     if head_dim != n_embd // n_head:
         c.meta(f"{a}.attention.key_length", head_dim, U32)
@@ -103,10 +94,5 @@ def convert(cfg: Config, ck: Checkpoint) -> Conversion:
             elif hf == "self_attn.k_proj.weight":
                 t = Gathered(t, permute_qk_rows(kv_rows, n_head_kv))
             c.add(f"blk.{i}.{gg}", t)
-    c.add("output_norm.weight", ck.get("model.norm.weight", (n_embd,)))
-    # tied embeddings: no output.weight, the loaders fall back to token_embd
-    if ck.has("lm_head.weight") and not cfg.get("tie_word_embeddings", False):
-        c.add("output.weight", ck.get("lm_head.weight", (n_vocab, n_embd)))
-    else:
-        ck.skip(r"^lm_head\.weight$")
+    add_output_head(c, ck, cfg)
     return c
