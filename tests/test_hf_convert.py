@@ -383,3 +383,16 @@ def test_dry_run_plans_the_converted_tensors(tmp_path, deepseek_dir):
     assert by_name["blk.0.attn_q_b.weight"]["target"] == "f32"        # no rule: kept as stored
     assert len(by_name) == 3 + 14 + 2 * 19                            # DeepSeek's layout: 3 + 14/dense + 19/MoE
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_fp8_kernel_equals_its_numpy_twin():
+    from quantkit.hf.numerics import fp8_block_rows
+    from quantkit.kernels.floats import fp8_blocks_to_bf16_rows
+    rng = np.random.default_rng(3)
+    q = rng.integers(0, 256, (300, 260), dtype=np.uint8)          # every code, NaNs included
+    scale = (rng.random((3, 3)) * 1e-2).astype(np.float32)
+    rows = np.arange(300)[::-1].copy()
+    got = np.empty(q.shape, np.uint16)
+    fp8_blocks_to_bf16_rows(q, scale, rows, E4M3FN, got)
+    want = fp8_block_rows(q, scale, rows)
+    assert (got == want).all()

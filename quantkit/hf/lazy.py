@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..types import QuantType
-from .numerics import bf16_to_f32, fp8_block_rows
+from ..kernels.floats import fp8_blocks_to_bf16_rows
+from .numerics import E4M3FN, bf16_to_f32
 from .safetensors import SafeTensor
 
 STORAGE_DTYPE = {QuantType.F32: np.dtype("<f4"), QuantType.F16: np.dtype("<f2"), QuantType.BF16: np.dtype("<u2")}
@@ -59,6 +60,9 @@ class Stored(Lazy):
 
     def __init__(self, t: SafeTensor, scale_inv: SafeTensor | None = None, as_f32: bool = False):
         self.t, self.scale_inv = t, scale_inv
+        # the scale grid is small (one float per 128 x 128 block): read once
+        self.scale_grid = None if scale_inv is None else np.array(scale_inv.data, np.float32).reshape(
+            scale_inv.shape[0], -1)
         self.matrix = t.matrix()
         self.n_rows, self.n_per_row = self.matrix.shape
         self.as_f32 = as_f32
@@ -77,7 +81,9 @@ class Stored(Lazy):
         if hi - lo != len(index) or index[0] != lo or not bool(np.all(np.diff(index) == 1)):
             raw = raw[index - lo]
         if self.t.dtype == "F8_E4M3":
-            raw = fp8_block_rows(np.asarray(raw), self.scale_inv.data.reshape(self.scale_inv.shape[0], -1), index)
+            bf16 = np.empty(raw.shape, np.uint16)
+            fp8_blocks_to_bf16_rows(np.ascontiguousarray(raw), self.scale_grid, index, E4M3FN, bf16)
+            raw = bf16
         if not self.as_f32:
             return np.ascontiguousarray(raw)
         if self.t.dtype in ("BF16", "F8_E4M3"):

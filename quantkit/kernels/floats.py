@@ -40,3 +40,23 @@ def f16_to_fp32_rows(h, lut, out):
     for r in prange(n_rows):
         for i in range(n):
             out[r, i] = lut[h[r, i]]
+
+
+@njit(cache=True, parallel=True)
+def fp8_blocks_to_bf16_rows(q, scale, row_index, table, out):
+    """DeepSeek's block-scaled float8 to bf16: out[r, c] = bf16(table[q[r, c]] * scale[row_index[r]
+    // 128, c // 128]), the product in float32 and rounded to nearest even (NaN stays a quiet NaN).
+    ``table``: the 256 float8_e4m3fn values as float32; numpy twin: hf.numerics.fp8_block_rows."""
+    n_rows, n = q.shape
+    for r in prange(n_rows):
+        srow = row_index[r] // 128
+        prod = np.empty(n, np.float32)
+        for c in range(n):
+            prod[c] = table[q[r, c]] * scale[srow, c // 128]
+        u32 = prod.view(np.uint32)
+        for c in range(n):
+            u = u32[c]
+            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                out[r, c] = np.uint16((u >> np.uint32(16)) | np.uint32(64))
+            else:
+                out[r, c] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
