@@ -21,7 +21,8 @@ import peers  # noqa: E402
 from conftest import smollm2_file  # noqa: E402
 from quantkit.gguf_io.reader import open_model  # noqa: E402
 from quantkit.hf import open_hf  # noqa: E402
-from quantkit.hf.numerics import E4M3FN, f32_to_bf16  # noqa: E402
+from quantkit.formats.floats import fp32_to_bf16_bits  # noqa: E402
+from quantkit.hf.numerics import E4M3FN  # noqa: E402
 from test_cli import assert_clean_failure, run_cli  # noqa: E402
 
 TEXTS = ["The capital of France is Paris.", "  two  spaces, digits 12345 and 3.14159\n\nnew lines\t tabs",
@@ -250,7 +251,7 @@ def test_bf16_rounding_matches_torch():
     x = np.concatenate([rng.standard_normal(100_000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 100_000),
                         np.array([0.0, -0.0, 1e-45, 3.4e38, -3.4e38, np.inf, -np.inf], np.float32)]).astype(np.float32)
     ref = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    assert (f32_to_bf16(x) == ref).all()
+    assert (fp32_to_bf16_bits(x) == ref).all()
 
 
 # ---- pre-tokenizer detection ----

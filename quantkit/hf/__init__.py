@@ -31,10 +31,6 @@ ARCHITECTURES = {
 }
 
 
-def is_hf_dir(path: str | os.PathLike) -> bool:
-    return Path(path).is_dir()
-
-
 class HFModel(ModelView):
     def __init__(self, directory: Path):
         self.path = directory

@@ -15,8 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..types import QuantType
+from .. import formats
 from ..kernels.floats import fp8_blocks_to_bf16_rows
-from .numerics import E4M3FN, bf16_to_f32
+from .numerics import E4M3FN
 from .safetensors import SafeTensor
 
 STORAGE_DTYPE = {QuantType.F32: np.dtype("<f4"), QuantType.F16: np.dtype("<f2"), QuantType.BF16: np.dtype("<u2")}
@@ -63,8 +64,7 @@ class Stored(Lazy):
         # the scale grid is small (one float per 128 x 128 block): read once
         self.scale_grid = None if scale_inv is None else np.array(scale_inv.data, np.float32).reshape(
             scale_inv.shape[0], -1)
-        self.matrix = t.matrix()
-        self.n_rows, self.n_per_row = self.matrix.shape
+        self.n_rows, self.n_per_row = t.matrix().shape
         self.as_f32 = as_f32
         stored = {"F32": QuantType.F32, "F16": QuantType.F16, "BF16": QuantType.BF16, "F8_E4M3": QuantType.BF16}
         self.qtype = QuantType.F32 if as_f32 else stored[t.dtype]
@@ -87,7 +87,7 @@ class Stored(Lazy):
         if not self.as_f32:
             return np.ascontiguousarray(raw)
         if self.t.dtype in ("BF16", "F8_E4M3"):
-            return bf16_to_f32(np.asarray(raw))
+            return formats.dequantize(np.ascontiguousarray(raw).view(np.uint8), QuantType.BF16, self.n_per_row)
         return np.asarray(raw, dtype=np.float32)
 
     @property

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..formats.floats import fp32_to_bf16_bits
+
 FP8_BLOCK = 128
 
 
@@ -35,22 +37,6 @@ def _e4m3fn_table() -> np.ndarray:
 E4M3FN = _e4m3fn_table()
 
 
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 bits (uint16) -> float32: the top half of the float32's bits."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits, round to nearest even (torch's and ggml's conversion); NaN stays a
-    quiet NaN."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    if nan.any():
-        rounded[nan] = ((u[nan] >> 16) | np.uint32(0x40)).astype(np.uint16)
-    return rounded
-
-
 def fp8_block_rows(fp8: np.ndarray, scale_inv: np.ndarray, row_index: np.ndarray) -> np.ndarray:
     """Rows of a block-scaled float8 matrix as bfloat16 bits.
 
@@ -60,4 +46,4 @@ def fp8_block_rows(fp8: np.ndarray, scale_inv: np.ndarray, row_index: np.ndarray
     cols = fp8.shape[1]
     block_rows = np.asarray(row_index) // FP8_BLOCK
     scale = np.repeat(scale_inv[block_rows].astype(np.float32), FP8_BLOCK, axis=1)[:, :cols]
-    return f32_to_bf16(E4M3FN[fp8] * scale)
+    return fp32_to_bf16_bits(E4M3FN[fp8] * scale)
