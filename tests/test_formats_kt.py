@@ -107,6 +107,44 @@ def test_fma32_is_exact():
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
+def test_search_breaks_ties_as_ik(name):
+    """Equal scores go to ik's SIMD lane first, then to the earlier position: the kernel's one-pass
+    vector search equals the twin's explicit rule.  Ties are made on purpose: a group with zero
+    weights scores 0 at every code, and one with zero weights on all values but one or two ties the
+    codes that agree on the others (imatrix columns of unused inputs are zero like this)."""
+    spec = SPECS[name]
+    g = spec.group
+    twin = kt.matcher(name)
+    tables = kt._kernel_tables(name)
+    rng = np.random.default_rng(spec.num_bits + g)
+    n_blocks, lane_decided = 60, 0
+    for b in range(n_blocks):
+        x = rng.standard_normal(32).astype(np.float32)
+        x = np.abs(x) if spec.is_abs else x
+        w = (rng.random(32) + 0.1).astype(np.float32)
+        w[:g] = 0                                   # every code ties
+        w[g:2 * g - 1] = 0                          # ties among codes equal in the last value
+        w[2 * g:3 * g - 2] = 0                      # ... in the last two
+        d = np.float32(np.abs(x).max() / 100)
+        codes = np.empty(32 // g, np.int64)
+        kt_kernels.match(d, x, w, 0, *tables[:5], codes, 0)
+        want = twin.match(d, x, w)
+        np.testing.assert_array_equal(codes, want, err_msg=f"{name} block {b}")
+        # count the groups whose winner is not the first position holding the minimum: only the
+        # lane rule decides those
+        inv = np.float32(1) / d
+        for l in range(32 // g):
+            vx, wl = inv * x[g * l:g * l + g], w[g * l:g * l + g]
+            c = int(kt.cluster_of(spec, twin.cb.mid, vx))
+            vals = twin.cb.member_values[c]
+            sq = wl * (vals - vx) ** 2
+            score = kt.hsum8(sq) if g == 8 else (sq[:, 0] + sq[:, 2]) + (sq[:, 1] + sq[:, 3])
+            first = int(np.flatnonzero(score == score.min())[0])
+            lane_decided += twin.cb.members[c][first] != want[l]
+    assert lane_decided > 10, lane_decided          # the test can tell a positional tie-break
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
 def test_codebook_shape(name):
     """ik's search steps 8 members at a time: every cluster is a multiple of 8, and every code is in
     n_neighbours clusters (padding adds more)."""

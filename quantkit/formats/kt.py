@@ -462,8 +462,9 @@ def quantize_kt_row(name, x, qw):
 def _kernel_tables(name, offset=None):
     """The codebook as the kernels take it (kernels/kt.py), built once per process."""
     cb = codebook(name) if offset is None else codebook(name, offset)
-    return (cb.mid, cb.offsets, cb.flat_members, cb.flat_values_t.astype(np.int8),
-            np.ascontiguousarray(cb.values.T).astype(np.int8), cb.values)
+    # float16 bits: the search widens them in one instruction (numba has no float16 arrays)
+    return (cb.mid, cb.offsets, cb.flat_members, cb.flat_values_t.astype(np.float16).view(np.uint16),
+            np.ascontiguousarray(cb.values.T).astype(np.float16).view(np.uint16), cb.values)
 
 
 def _fast_small(one):

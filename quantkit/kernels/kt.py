@@ -5,10 +5,11 @@ cluster's members are one contiguous run:
 
     offsets  int64 (n_clusters+1,)   cluster c owns positions offsets[c] .. offsets[c+1]-1
     members  int32 (total,)          the code at each position
-    vt       int8 (group, total)     value k of the code at each position (row k contiguous, so
-                                     the score loop reads each value dimension as one stream;
-                                     values are integers in [-126, 126], so int8 is exact)
-    vt_all   int8 (group, 2^bits)    every code's values (searched when a cluster is empty)
+    vt       uint16 (group, total)   value k of the code at each position, as float16 bits (row
+                                     k contiguous, so the search reads each value dimension as
+                                     one stream; values are integers in [-126, 126], exact in
+                                     float16, which the CPU widens in one instruction)
+    vt_all   uint16 (group, 2^bits)  every code's values (searched when a cluster is empty)
     values   float32 (2^bits, group)
 
 The search keeps, like ik's AVX2 loop, the best score of each of 8 position classes (p % 8) and
@@ -19,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange
+from numba.core import cgutils
 from numba.core import types as nbt
 from numba.extending import intrinsic
 
@@ -58,142 +60,114 @@ def iq4k_index(a):
     return nearest(a, IQ4_V, IQ4_LUT, IQ4_THR, OVERFLOW)
 
 
-def _flip_magnitude(builder, b):
-    """b ^ ((b >> 31) & 0x7fffffff) on an i32: maps float bits to a signed order key and back."""
-    i32 = ir.IntType(32)
-    sign = builder.ashr(b, ir.Constant(i32, 31))
-    return builder.xor(b, builder.and_(sign, ir.Constant(i32, 0x7FFFFFFF)))
+def _splat(builder, value, vtype):
+    """<8 x T> with every lane = value."""
+    one = builder.insert_element(ir.Constant(vtype, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(vtype, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
+
+
+# ik's search keeps the first minimum of each SIMD lane and then takes the lanes in this order; a
+# lane holds the positions p with p % 8 == lane class.  Groups of 8 fill a register each (lane =
+# p % 8); groups of 4 sit two to a register, so the classes come out as 0,2,4,6 | 1,3,5,7.
+_LANE_ORDER = {8: (0, 1, 2, 3, 4, 5, 6, 7), 4: (0, 2, 4, 6, 1, 3, 5, 7)}
 
 
 @intrinsic
-def _order_key(typingctx, s):
-    """int32 whose order is the float order of float32 s (+0 for -0, so equal floats get equal
-    keys): the smallest score can then be found with an integer min, which LLVM vectorises.  Done
-    in LLVM's own int32 ops because numba widens int32 arithmetic to int64."""
-    sig = nbt.int32(nbt.float32)
+def _nearest_code(typingctx, tab, start, n, v, w):
+    """ik's find_best_match over one run of n codebook positions (n a multiple of 8, as every
+    cluster is): the position p (0 <= p < n) of the code nearest to the group v (weights w, both
+    g-tuples of float32), whose values are tab[:, start + p] (float16 bits).
+
+    One pass, 8 positions per step, written in LLVM vectors because numba leaves a per-lane argmin
+    scalar: lane l of the running state holds the best (score, position) among positions
+    p % 8 == l, replaced only by a strictly smaller score, so each lane keeps its first minimum
+    and a NaN never wins (ik's _CMP_LT compare).  The score is summed as ik's horizontal sum:
+    ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7)) for groups of 8, (s0+s2) + (s1+s3) for groups of 4.
+
+        step i:  lane    0     1     2   ...   7
+                 pos     i    i+1   i+2  ...  i+7
+                 score   s(i) ...                    best[l] = s if s < best[l]; at[l] = pos
+        then the lanes in _LANE_ORDER[g], a later lane winning only with a smaller score
+    """
+    g = v.count
+    sig = nbt.int64(tab, start, n, v, w)
 
     def codegen(context, builder, signature, args):
-        v = builder.fadd(args[0], ir.Constant(ir.FloatType(), 0.0))
-        return _flip_magnitude(builder, builder.bitcast(v, ir.IntType(32)))
-    return sig, codegen
+        tab_v, start_v, n_v, v_v, w_v = args
+        i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+        vf, vi = ir.VectorType(f32, 8), ir.VectorType(i32, 8)
+        vh_ptr = ir.VectorType(ir.HalfType(), 8).as_pointer()
+        ary = context.make_array(signature.args[0])(context, builder, tab_v)
+        row_stride = builder.sdiv(cgutils.unpack_tuple(builder, ary.strides, 2)[0], ir.Constant(i64, 2))
+        rows = [builder.gep(ary.data, [builder.add(builder.mul(ir.Constant(i64, k), row_stride), start_v)])
+                for k in range(g)]
+        vx = [_splat(builder, builder.extract_value(v_v, k), vf) for k in range(g)]
+        vw = [_splat(builder, builder.extract_value(w_v, k), vf) for k in range(g)]
 
+        entry = builder.block
+        loop = builder.append_basic_block("kt.loop")
+        body = builder.append_basic_block("kt.body")
+        done = builder.append_basic_block("kt.done")
+        builder.branch(loop)
 
-@intrinsic
-def _min32(typingctx, a, b):
-    """min of two int32 without widening."""
-    sig = nbt.int32(nbt.int32, nbt.int32)
+        builder.position_at_end(loop)
+        i = builder.phi(i64)
+        pos = builder.phi(vi)
+        best = builder.phi(vf)
+        at = builder.phi(vi)
+        builder.cbranch(builder.icmp_signed("<", i, n_v), body, done)
 
-    def codegen(context, builder, signature, args):
-        return builder.select(builder.icmp_signed("<", args[0], args[1]), args[0], args[1])
-    return sig, codegen
+        builder.position_at_end(body)
+        t = []
+        for k in range(g):
+            q = builder.fpext(builder.load(builder.bitcast(builder.gep(rows[k], [i]), vh_ptr), align=2), vf)
+            e = builder.fsub(q, vx[k])
+            t.append(builder.fmul(vw[k], builder.fmul(e, e)))
+        if g == 8:
+            s = builder.fadd(builder.fadd(builder.fadd(t[0], t[4]), builder.fadd(t[2], t[6])),
+                             builder.fadd(builder.fadd(t[1], t[5]), builder.fadd(t[3], t[7])))
+        else:
+            s = builder.fadd(builder.fadd(t[0], t[2]), builder.fadd(t[1], t[3]))
+        better = builder.fcmp_ordered("<", s, best)
+        for phi, first, later in ((i, ir.Constant(i64, 0), builder.add(i, ir.Constant(i64, 8))),
+                                  (pos, ir.Constant(vi, list(range(8))), builder.add(pos, ir.Constant(vi, [8] * 8))),
+                                  (best, ir.Constant(vf, [float("inf")] * 8), builder.select(better, s, best)),
+                                  (at, ir.Constant(vi, [0] * 8), builder.select(better, pos, at))):
+            phi.add_incoming(first, entry)
+            phi.add_incoming(later, body)
+        builder.branch(loop)
 
-
-@intrinsic
-def _float(typingctx, b):
-    """The float32 with these int32 bits."""
-    sig = nbt.float32(nbt.int32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return sig, codegen
-
-
-@intrinsic
-def _key_flip(typingctx, b):
-    sig = nbt.int32(nbt.int32)
-
-    def codegen(context, builder, signature, args):
-        return _flip_magnitude(builder, args[0])
+        builder.position_at_end(done)
+        order = _LANE_ORDER[g]
+        s_best = builder.extract_element(best, ir.Constant(i32, order[0]))
+        p_best = builder.extract_element(at, ir.Constant(i32, order[0]))
+        for lane in order[1:]:
+            s = builder.extract_element(best, ir.Constant(i32, lane))
+            later = builder.fcmp_ordered("<", s, s_best)
+            s_best = builder.select(later, s, s_best)
+            p_best = builder.select(later, builder.extract_element(at, ir.Constant(i32, lane)), p_best)
+        return builder.sext(p_best, i64)
     return sig, codegen
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _from_key(k):
-    """The score with order key k (the key map is its own inverse)."""
-    return _float(_key_flip(k))
-
-
-@intrinsic
-def _lane_rank(typingctx, s, m, p, is4):
-    """(lane << 24) | p as int32 where score s equals the minimum m, else INT32_MAX.  The lane of
-    position p in ik's 8-wide search: p % 8, or for groups of 4 (two per register) the lane that
-    holds class p % 8 = 0,2,4,6,1,3,5,7 in that order."""
-    sig = nbt.int32(nbt.float32, nbt.float32, nbt.int64, nbt.boolean)
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        s, m, p, is4 = args
-        p32 = builder.trunc(p, i32)
-        o = builder.and_(p32, ir.Constant(i32, 7))
-        r4 = builder.or_(builder.lshr(o, ir.Constant(i32, 1)), builder.shl(builder.and_(o, ir.Constant(i32, 1)),
-                                                                            ir.Constant(i32, 2)))
-        lane = builder.select(builder.trunc(is4, ir.IntType(1)), r4, o)
-        val = builder.or_(builder.shl(lane, ir.Constant(i32, 24)), p32)
-        return builder.select(builder.fcmp_ordered("==", s, m), val, ir.Constant(i32, 0x7FFFFFFF))
-    return sig, codegen
+def _nearest8(tab, start, n, inv, x, w, o):
+    v = (inv * x[o], inv * x[o + 1], inv * x[o + 2], inv * x[o + 3],
+         inv * x[o + 4], inv * x[o + 5], inv * x[o + 6], inv * x[o + 7])
+    ww = (w[o], w[o + 1], w[o + 2], w[o + 3], w[o + 4], w[o + 5], w[o + 6], w[o + 7])
+    return _nearest_code(tab, start, n, v, ww)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _first_of(sc, n, m, is4):
-    """The position ik's search returns among the n scores whose minimum is m (see match)."""
-    best = np.int32(0x7FFFFFFF)
-    for p in range(n):
-        best = _min32(best, _lane_rank(sc[np.uintp(p)], m, p, is4))
-    return np.int64(best) & 0xFFFFFF
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _scores8(tab, start, n, inv, x, w, base, sc):
-    """Weighted squared distance of inv*x[base:base+8] to the n codes at tab[:, start:], summed as
-    ik's hsum: ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7)).  Returns the position ik picks (see match)."""
-    v0, v1, v2, v3 = inv * x[base], inv * x[base + 1], inv * x[base + 2], inv * x[base + 3]
-    v4, v5, v6, v7 = inv * x[base + 4], inv * x[base + 5], inv * x[base + 6], inv * x[base + 7]
-    w0, w1, w2, w3, w4, w5, w6, w7 = w[base], w[base + 1], w[base + 2], w[base + 3], w[base + 4], \
-        w[base + 5], w[base + 6], w[base + 7]
-    m = np.int32(0x7FFFFFFF)
-    st = np.uintp(start)
-    for p in range(n):
-        u = np.uintp(p)
-        q = st + u
-        e0 = F(tab[0, q]) - v0
-        e1 = F(tab[1, q]) - v1
-        e2 = F(tab[2, q]) - v2
-        e3 = F(tab[3, q]) - v3
-        e4 = F(tab[4, q]) - v4
-        e5 = F(tab[5, q]) - v5
-        e6 = F(tab[6, q]) - v6
-        e7 = F(tab[7, q]) - v7
-        s = (((w0 * (e0 * e0) + w4 * (e4 * e4)) + (w2 * (e2 * e2) + w6 * (e6 * e6)))
-             + ((w1 * (e1 * e1) + w5 * (e5 * e5)) + (w3 * (e3 * e3) + w7 * (e7 * e7))))
-        sc[u] = s
-        m = _min32(m, _order_key(s))
-    return _first_of(sc, n, _from_key(m), False)
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _scores4(tab, start, n, inv, x, w, base, sc):
-    """As _scores8 for groups of 4: (s0+s2) + (s1+s3)."""
-    v0, v1, v2, v3 = inv * x[base], inv * x[base + 1], inv * x[base + 2], inv * x[base + 3]
-    w0, w1, w2, w3 = w[base], w[base + 1], w[base + 2], w[base + 3]
-    m = np.int32(0x7FFFFFFF)
-    st = np.uintp(start)
-    for p in range(n):
-        u = np.uintp(p)
-        q = st + u
-        e0 = F(tab[0, q]) - v0
-        e1 = F(tab[1, q]) - v1
-        e2 = F(tab[2, q]) - v2
-        e3 = F(tab[3, q]) - v3
-        s = (w0 * (e0 * e0) + w2 * (e2 * e2)) + (w1 * (e1 * e1) + w3 * (e3 * e3))
-        sc[u] = s
-        m = _min32(m, _order_key(s))
-    return _first_of(sc, n, _from_key(m), True)
+def _nearest4(tab, start, n, inv, x, w, o):
+    return _nearest_code(tab, start, n, (inv * x[o], inv * x[o + 1], inv * x[o + 2], inv * x[o + 3]),
+                         (w[o], w[o + 1], w[o + 2], w[o + 3]))
 
 
 @njit(**_OPTS)
-def match(d, x, w, base, mid, offsets, members, vt, vt_all, codes, cbase, sc):
+def match(d, x, w, base, mid, offsets, members, vt, vt_all, codes, cbase):
     """find_best_match: codes[cbase + l] for each group l of the 32 values x[base:base+32] at scale
-    d.  sc: scratch of at least the largest cluster (2^bits where a cluster is empty)."""
+    d."""
     g = vt.shape[0]
     if d == 0:
         for l in range(32 // g):
@@ -218,14 +192,13 @@ def match(d, x, w, base, mid, offsets, members, vt, vt_all, codes, cbase, sc):
         everything = n == 0              # an empty cluster: every code (groups of 8 only)
         if everything:
             n = vt_all.shape[1]
-            jbest = _scores8(vt_all, 0, n, inv, x, w, o, sc)
+            jbest = _nearest8(vt_all, 0, n, inv, x, w, o)
         elif g == 8:
-            jbest = _scores8(vt, start, n, inv, x, w, o, sc)
+            jbest = _nearest8(vt, start, n, inv, x, w, o)
         else:
-            jbest = _scores4(vt, start, n, inv, x, w, o, sc)
-        # ik keeps the first minimum of each position class p % 8 (one SIMD lane each) and then
-        # takes the lanes in order: the winner is the smallest score, then the earliest lane, then
-        # the earliest position (_first_of)
+            jbest = _nearest4(vt, start, n, inv, x, w, o)
+        # the winner is the smallest score, then the earliest lane, then the earliest position
+        # (_nearest_code)
         codes[cbase + l] = jbest if everything else members[start + jbest]
 
 
@@ -343,7 +316,6 @@ def small_row(x, qw, has_qw, y, one, mid, offsets, members, vt, vt_all, values):
     scales = np.zeros(nsub, np.float32)
     idx = np.zeros(4 * nsub, np.int64)
     tmp = np.empty(8, np.int64)
-    sc = np.empty(vt_all.shape[1], np.float32)
     max_scale = F(0)
     for ib in range(nsub):
         base = 32 * ib
@@ -353,9 +325,9 @@ def small_row(x, qw, has_qw, y, one, mid, offsets, members, vt, vt_all, values):
         if amax < F(1e-16):
             continue
         scale_0 = max(F(90), F(124) * amax / amax_row)
-        match(amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0, sc)
+        match(amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
         dp, sp = fit(x, w, base, tmp, 0, values)
-        match(-amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 4, sc)
+        match(-amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 4)
         dm, sm = fit(x, w, base, tmp, 4, values)
         pick = 0
         if sp > sm:
@@ -368,9 +340,9 @@ def small_row(x, qw, has_qw, y, one, mid, offsets, members, vt, vt_all, values):
             idx[4 * ib + j] = tmp[pick + j]
         if one:
             scale_0 -= F(8)
-            match(amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0, sc)
+            match(amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
             dp1, sp1 = fit(x, w, base, tmp, 0, values)
-            match(-amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 4, sc)
+            match(-amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 4)
             dm1, sm1 = fit(x, w, base, tmp, 4, values)
             if sp1 > sp or sm1 > sp:
                 pick = 0
@@ -418,7 +390,7 @@ def small_row(x, qw, has_qw, y, one, mid, offsets, members, vt, vt_all, values):
         base = 32 * ib
         lv = KV[ls[ib]]
         dl = d * lv
-        match(dl, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0, sc)
+        match(dl, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
         mse1 = F(0)
         mse2 = F(0)
         for e in range(32):
@@ -464,7 +436,6 @@ def iq3_row(x, qw, has_qw, y, mid, offsets, members, vt, vt_all, values):
     scales = np.zeros(nsub, np.float32)
     idx = np.zeros(4 * nsub, np.int64)
     tmp = np.empty(4, np.int64)
-    sc = np.empty(vt_all.shape[1], np.float32)
     max_scale = F(0)
     for ib in range(nsub):
         base = 32 * ib
@@ -477,7 +448,7 @@ def iq3_row(x, qw, has_qw, y, mid, offsets, members, vt, vt_all, values):
         best = F(0)
         found = False
         for itry in range(-3, 4):
-            match(amax / (scale_0 + F(8 * itry)), ax, w, base, mid, offsets, members, vt, vt_all, tmp, 0, sc)
+            match(amax / (scale_0 + F(8 * itry)), ax, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
             dd, score = fit(ax, w, base, tmp, 0, values)
             if score > best:
                 best = score
@@ -516,7 +487,7 @@ def iq3_row(x, qw, has_qw, y, mid, offsets, members, vt, vt_all, values):
         for j in range(32):
             if x[base + j] < 0:
                 y[o + 68 + j] |= 1 << sb
-        match(d * F(ls), ax, w, base, mid, offsets, members, vt, vt_all, idx, 4 * ib, sc)
+        match(d * F(ls), ax, w, base, mid, offsets, members, vt, vt_all, idx, 4 * ib)
         _final_sums(ax, w, base, idx, 4 * ib, values, F(ls), sums)
         for j in range(4):
             c = idx[4 * ib + j]
@@ -527,7 +498,7 @@ def iq3_row(x, qw, has_qw, y, mid, offsets, members, vt, vt_all, values):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _iq4_trials(x, w, base, amax, scale_0, best, cb, tmp, sc):
+def _iq4_trials(x, w, base, amax, scale_0, best, cb, tmp):
     """IQ4_KT's ten trial scales ±amax/(scale_0 + 8*itry) with one codebook: (best score, the scale
     that beat ``best`` last, whether one did)."""
     mid, off, mem, vt, vta, val = cb
@@ -537,7 +508,7 @@ def _iq4_trials(x, w, base, amax, scale_0, best, cb, tmp, sc):
         den = F(8 * itry) + scale_0
         for sgn in range(2):
             a = amax / den if sgn == 0 else -amax / den
-            match(a, x, w, base, mid, off, mem, vt, vta, tmp, 0, sc)
+            match(a, x, w, base, mid, off, mem, vt, vta, tmp, 0)
             dd, score = fit(x, w, base, tmp, 0, val)
             if score > best:
                 best = score
@@ -564,7 +535,6 @@ def iq4_row(x, qw, has_qw, y, cb1, cb2):
     scales = np.zeros(nsub, np.float32)
     second = np.zeros(nsub, np.bool_)
     tmp = np.empty(8, np.int64)
-    sc = np.empty(max(vta1.shape[1], vta2.shape[1]), np.float32)
     max_scale = F(0)
     for ib in range(nsub):
         base = 32 * ib
@@ -574,15 +544,15 @@ def iq4_row(x, qw, has_qw, y, cb1, cb2):
         if amax < F(1e-16):
             continue
         scale_0 = max(F(90), F(124) * amax / amax_row)
-        best, scale, better = _iq4_trials(x, w, base, amax, scale_0, F(0), cb1, tmp, sc)
+        best, scale, better = _iq4_trials(x, w, base, amax, scale_0, F(0), cb1, tmp)
         if better:
             scales[ib] = scale
-        match(scales[ib], x, w, base, mid2, off2, mem2, vt2, vta2, tmp, 0, sc)
+        match(scales[ib], x, w, base, mid2, off2, mem2, vt2, vta2, tmp, 0)
         dd, score = fit(x, w, base, tmp, 0, val2)
         if score > best:               # ik does not raise best here
             scales[ib] = dd
             second[ib] = True
-        best, scale, better = _iq4_trials(x, w, base, amax, scale_0, best, cb2, tmp, sc)
+        best, scale, better = _iq4_trials(x, w, base, amax, scale_0, best, cb2, tmp)
         if better:
             scales[ib] = scale
             second[ib] = True
@@ -599,10 +569,10 @@ def iq4_row(x, qw, has_qw, y, cb1, cb2):
         sb = ib % 8
         ls = min(nint(inv * scales[ib]), 63)
         if second[ib]:
-            match(d * F(ls), x, w, base, mid2, off2, mem2, vt2, vta2, tmp, 0, sc)
+            match(d * F(ls), x, w, base, mid2, off2, mem2, vt2, vta2, tmp, 0)
             _final_sums(x, w, base, tmp, 0, val2, F(ls), sums)
         else:
-            match(d * F(ls), x, w, base, mid1, off1, mem1, vt1, vta1, tmp, 0, sc)
+            match(d * F(ls), x, w, base, mid1, off1, mem1, vt1, vta1, tmp, 0)
             _final_sums(x, w, base, tmp, 0, val1, F(ls), sums)
         head = (((ls + 64) << 1) & 0xFF) | (1 if second[ib] else 0)
         for j in range(8):
