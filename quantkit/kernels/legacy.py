@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .kquants import qx_lanes
+
 F = np.float32
 D = np.float64
 QK = 32
@@ -679,8 +681,11 @@ def _pack_q6_0(L, y, off):
 @njit(cache=True, parallel=True)
 def quantize_rows_q6_0(x, qw, has_qw, out):
     """Q6_0 always runs the fork's make_qx_quants (nmax 32): weights ``qw*sqrtf(sigma2 + x²)`` with
-    sigma2 = Σx²/n_per_row of the row, or ``x²`` without an imatrix."""
+    sigma2 = Σx²/n_per_row of the row, or ``x²`` without an imatrix.  A row's blocks are searched
+    side by side, one SIMD lane each (kquants.qx_lanes): make_qx_quants' 39 trial scales are
+    sequential float sums, which one block at a time would wait on."""
     n_rows, n = x.shape
+    nb = n // QK
     for r in prange(n_rows):
         xr = x[r]
         y = out[r]
@@ -690,15 +695,22 @@ def quantize_rows_q6_0(x, qw, has_qw, out):
             for j in range(n):
                 sum_x2 += xr[j] * xr[j]
             sigma2 = sum_x2 / F(n)
-        w = np.empty(QK, np.float32)
-        L = np.empty(QK, np.int64)
-        for ib in range(n // QK):
-            xb = xr[ib * QK:(ib + 1) * QK]
+        xt = np.empty((QK, nb), np.float32)         # value j of block b at [j, b]
+        wt = np.empty((QK, nb), np.float32)
+        for b in range(nb):
             for j in range(QK):
-                w[j] = qw[ib * QK + j] * np.sqrt(sigma2 + xb[j] * xb[j]) if has_qw else xb[j] * xb[j]
-            d = make_qx_quants(xb, w, 32, L, True)
-            off = ib * Q6_0_BYTES
-            _store_fp16(y, off, d)
+                v = xr[b * QK + j]
+                xt[j, b] = v
+                wt[j, b] = qw[b * QK + j] * np.sqrt(sigma2 + v * v) if has_qw else v * v
+        d = np.empty(nb, np.float32)
+        Lt = np.empty((QK, nb), np.int32)
+        qx_lanes(xt, wt, 32, True, d, Lt)
+        L = np.empty(QK, np.int64)
+        for b in range(nb):
+            for j in range(QK):
+                L[j] = Lt[j, b]
+            off = b * Q6_0_BYTES
+            _store_fp16(y, off, d[b])
             _pack_q6_0(L, y, off)
 
 
