@@ -2,8 +2,8 @@
 
 * Every torch block decoder equals the numba decoder bit for bit, on rows with zeros, tiny and huge
   values.
-* The tiny DeepSeek-V3 model (MLA + MoE) quantized to each type the torch backend decodes (all
-  non-interleaved types quantkit writes but the trellis ones, which stay on the CPU for now): the
+* The tiny DeepSeek-V3 model (MLA + MoE) quantized to each type the torch backend decodes (every
+  non-interleaved type quantkit writes, the trellis ones included): the
   logits of 32 positions on torch (the CPU here; CUDA where a GPU is) equal the numba backend's
   within 1e-3 x max |logit|, and the quantized weights are really computed by torch.
 * A split run (routed experts kept on the CPU with --override-tensor exps=cpu) gives the all-CPU

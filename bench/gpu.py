@@ -1,0 +1,176 @@
+"""Benchmark: the runtime's torch backend on a GPU (issue 8): generation speed and the fraction of the
+device's memory bandwidth it reaches.
+
+A llama-shaped model with random weights (TinyLlama-1.1B's shape by default: 22 layers, 2048 wide,
+2.2 GB in F16) is written as F16 and quantized by quantkit to each --types entry.  Each file runs in
+a child process on --device: a --prompt token batch, then --gen tokens one at a time (greedy).
+
+    bandwidth fraction = bytes of weights read per generated token x tokens/s / device bandwidth
+
+The bytes per token are every matrix the token multiplies (all 2-D weights but token_embd, of
+which one row is read).  The device bandwidth is measured in the same run by a device-to-device
+copy of 2 GiB (bytes read + bytes written per second), so the figure needs no spec sheet; pass
+--bandwidth-gbs to use a nominal figure instead.  On a machine without a GPU, --device torch-cpu
+runs the same code on the CPU (and compares with the CPU's copy bandwidth).
+
+    python bench/gpu.py [--device cuda] [--types f16,q8_0,q4_K] [--layers 22] [--gen 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_f16_llama(path: Path, n_layer: int, n_embd: int, n_ff: int, n_head: int, n_head_kv: int,
+                    n_vocab: int) -> None:
+    import gguf
+    rng = np.random.default_rng(0)
+    # one random tile reused by every matrix: the speed does not depend on the values, and making
+    # a billion normal numbers would take longer than the benchmark
+    tile = (rng.standard_normal(1 << 24, dtype=np.float32) * 0.02).astype(np.float16)
+
+    def mat(rows, cols):
+        return np.resize(tile, rows * cols).reshape(rows, cols)
+
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_block_count(n_layer)
+    w.add_context_length(2048)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(1)
+    kv = n_embd // n_head * n_head_kv
+    w.add_tensor("token_embd.weight", mat(n_vocab, n_embd))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("output.weight", mat(n_vocab, n_embd))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, np.float32))
+        for name, rows, cols in (("attn_q", n_embd, n_embd), ("attn_k", kv, n_embd), ("attn_v", kv, n_embd),
+                                 ("attn_output", n_embd, n_embd), ("ffn_gate", n_ff, n_embd),
+                                 ("ffn_up", n_ff, n_embd), ("ffn_down", n_embd, n_ff)):
+            w.add_tensor(p + name + ".weight", mat(rows, cols))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes read + written per second by a device-to-device copy of 2 GiB (best of 5)."""
+    import torch
+    dev = torch.device("cpu" if device == "torch-cpu" else device)
+    a = torch.empty(1 << 29, dtype=torch.float32, device=dev)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        b.copy_(a)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * a.numel() * a.element_size() / best
+
+
+def child(path: Path, device: str, n_prompt: int, n_gen: int, threads: int) -> dict:
+    import torch
+    from quantkit.gguf_io.reader import open_model
+    from quantkit.runtime.model import Model
+    from quantkit.runtime.session import make_ops, set_threads
+    set_threads(threads)
+    cuda = device.startswith("cuda")
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    with open_model(path) as g:
+        ops = make_ops(device, (), threads)
+        model = Model(g, ops=ops)
+        weights = [model.w.need(t.name) for t in g.tensors if t.n_dims >= 2]
+        per_token = sum(w.nbytes for w in weights if not w.name.startswith("token_embd"))
+        on_device = ops.placement_summary(weights) if hasattr(ops, "placement_summary") else {}
+        tokens = [int(t) for t in np.random.default_rng(1).integers(1, 1000, n_prompt)]
+        model.forward(tokens[:4], model.new_cache(8))           # upload the weights, warm the kernels
+        sync()
+        cache = model.new_cache(n_prompt + n_gen)
+        t0 = time.perf_counter()
+        logits = model.forward(tokens, cache, logits_from=n_prompt - 1)[-1]
+        sync()
+        t1 = time.perf_counter()
+        for _ in range(n_gen):
+            logits = model.forward([int(np.argmax(logits))], cache)[-1]
+        sync()
+        t2 = time.perf_counter()
+    peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
+    return {"pp": n_prompt / (t1 - t0), "tg": n_gen / (t2 - t1), "bytes_per_token": per_token,
+            "placement": on_device, "device_peak_gb": peak}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--types", default="f16,q8_0,q4_K")
+    ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--embd", type=int, default=2048)
+    ap.add_argument("--ff", type=int, default=5632)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--bandwidth-gbs", type=float, help="nominal device bandwidth instead of the measured copy")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(Path(args.child), args.device, args.prompt, args.gen, args.threads)))
+        return
+    import torch
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --device torch-cpu to exercise the same code on the CPU")
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU (torch)"
+    bw = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else copy_bandwidth(args.device)
+    bw_how = "nominal" if args.bandwidth_gbs else "measured device copy, read + write"
+    qk = [sys.executable, "-m", "quantkit"]
+    with tempfile.TemporaryDirectory(dir=REPO) as d:
+        d = Path(d)
+        f16 = d / "f16.gguf"
+        write_f16_llama(f16, args.layers, args.embd, args.ff, 32, 4, args.vocab)
+        print(f"llama {args.layers} layers x {args.embd} (ff {args.ff}, vocab {args.vocab}); {name}; "
+              f"bandwidth {bw / 1e9:.0f} GB/s ({bw_how}); prompt {args.prompt}, {args.gen} generated")
+        print(f"{'type':6} {'file GB':>8} {'GB/token':>9} {'pp tok/s':>9} {'tg tok/s':>9} "
+              f"{'GB/s read':>10} {'of bandwidth':>13}  placement")
+        for t in args.types.split(","):
+            path = f16 if t.lower() == "f16" else d / f"{t}.gguf"
+            if path != f16:
+                subprocess.run(qk + ["quantize", str(f16), str(path), t, "--pure"], check=True, capture_output=True)
+            p = subprocess.run([sys.executable, __file__, "--child", str(path), "--device", args.device,
+                                "--prompt", str(args.prompt), "--gen", str(args.gen), "--threads", str(args.threads)],
+                               capture_output=True, text=True)
+            if p.returncode != 0:
+                raise SystemExit(f"{t}: {p.stderr[-3000:]}")
+            r = json.loads(p.stdout.strip().splitlines()[-1])
+            read = r["bytes_per_token"] * r["tg"]
+            where = ", ".join(f"{k}: {v['tensors']} tensors" for k, v in r["placement"].items())
+            print(f"{t:6} {path.stat().st_size / 1e9:8.2f} {r['bytes_per_token'] / 1e9:9.3f} {r['pp']:9.1f} "
+                  f"{r['tg']:9.2f} {read / 1e9:10.1f} {100 * read / bw:12.1f}%  {where}")
+
+
+if __name__ == "__main__":
+    main()
