@@ -8,10 +8,9 @@ lands somewhere in the interleaved group, so the transform is a fixed bit permut
 
 Each layout below is written once, forwards, as numpy bit operations on (groups, N, block bytes).
 The permutation is then measured by running that function on log2(bits) "bit-plane" probes (probe
-p sets every input bit whose index has bit p set), checked to be a bijection, and compiled into a
-byte gather (when whole bytes move) or into a numba kernel with one loop per kind of output byte
-(whole bytes, two nibbles, other bit runs); the inverse (``deinterleave``) is the inverse
-permutation.  So both directions are exact by
+p sets every input bit whose index has bit p set), checked to be a bijection, and compiled into
+straight-line machine code for one column block (see "the kernel" below); the inverse
+(``deinterleave``) is the inverse permutation.  So both directions are exact by
 construction, and only the forward layouts need to be right, which the tests check against the C
 library's own bytes.
 
@@ -26,7 +25,10 @@ from functools import lru_cache
 from typing import Callable
 
 import numpy as np
+from llvmlite import ir
 from numba import njit
+from numba.core import types as nbt
+from numba.extending import intrinsic
 
 from ..types import QuantType, traits
 
@@ -398,47 +400,30 @@ def _bit_permutation(qtype: QuantType) -> np.ndarray:
     return perm
 
 
+# ---------------------------------------------------------------------------------- the kernel
+# A layout's bit permutation is compiled into straight-line machine code for one column block:
+# every output chunk (8, 4 or 1 consecutive bytes whose bits come alike from consecutive source
+# bytes) is a few loads, shifts, masks and ORs and one store, with constant offsets.  The chunk list
+# is built from the permutation at compile time and emitted as LLVM IR by an intrinsic
+# (``_column_block``), so numba's typing never sees thousands of statements; a generic interpreter
+# of the same moves ran 3-5x slower (it loops over short moves), and numba-generated Python for it
+# took up to 15 s to compile per layout.
+#
+#   plain side:   row k's block at  plain + k*row_size   (k < N; offsets within the block)
+#   packed side:  the interleaved block at  packed        (offsets 0 .. N*blk-1)
+#
+# A chunk: (width, dst (k, offset), [(src (k, offset), shift, mask, dst_shift), ...]); k = -1 on the
+# packed side.  Every source run lies inside one byte, so a width-W integer op treats each of its W
+# bytes alike (masks repeated per byte), on any alignment.
+
+_WIDTHS = (8, 4, 1)
+
+
 @dataclass(frozen=True)
-class Moves:
-    """Each entry covers a sequence of consecutive output bytes whose sources also advance by one
-    byte (the layouts move 4-32 bytes alike):
-
-      runs     int32 (n, 3): dst, src, length        whole bytes copied
-      nibbles  int32 (n, 5): dst, lo_src, hi_src, length, lo_shift | hi_shift << 4
-                             every byte made of two moved nibbles (the 4-bit code fields)
-      bits     int32 (m, 3): dst, length, first entry into bit_runs (entry m+1 ends it)
-      bit_runs int64 (k, 4): src, shift, mask, dst_shift
-    """
-    runs: np.ndarray
-    nibbles: np.ndarray
-    bits: np.ndarray
-    bit_runs: np.ndarray
-
-
-@dataclass(frozen=True)
-class GroupProgram:
-    """How to turn one row group (N rows, N*row_size bytes) into the other layout, with offsets
-    taken from the start of the group.  The per-row metas are byte runs done once per group; the
-    column blocks are done n_cb times, column block cb adding cb*src_step / cb*dst_step to every
-    offset."""
-    n_cb: int
-    src_step: int
-    dst_step: int
-    meta_runs: np.ndarray
-    moves: Moves
-
-
-def _sequences(keys: list, offsets: list[tuple]) -> list[list[int]]:
-    """Split entries (sorted by destination) into maximal sequences: consecutive entries with the
-    same key whose offsets (destination first) all grow by one.  Returns [first, length] pairs."""
-    out = []
-    for t in range(len(keys)):
-        if out and keys[t] == keys[t - 1] and len(offsets[t]) == len(offsets[t - 1]) and \
-                all(o == q + 1 for o, q in zip(offsets[t], offsets[t - 1])):
-            out[-1][1] += 1
-        else:
-            out.append([t, 1])
-    return out
+class Chunk:
+    width: int
+    dst: tuple[int, int]
+    runs: tuple[tuple[tuple[int, int], int, int, int], ...]
 
 
 def _runs(src_byte, src_bit):
@@ -454,179 +439,138 @@ def _runs(src_byte, src_bit):
     return runs
 
 
-def _moves(seqs: list[tuple]) -> Moves:
-    """seqs: (dst, [(src, shift, mask, dst_shift)...], length) -> the three classes."""
-    runs, nibs, bits, bit_runs = [], [], [], []
-    for dst, rs, length in seqs:
-        if len(rs) == 1 and rs[0][2] == 255:
-            runs.append((dst, rs[0][0], length))
-        elif len(rs) == 2 and rs[0][2] == rs[1][2] == 15 and rs[0][3] == 0 and rs[1][3] == 4:
-            nibs.append((dst, rs[0][0], rs[1][0], length, rs[0][1] | rs[1][1] << 4))
-        else:
-            bits.append((dst, length, len(bit_runs)))
-            bit_runs += rs
-    bits.append((0, 0, len(bit_runs)))                  # sentinel: where the last entry's runs end
-    return Moves(np.asarray(runs, np.int32).reshape(-1, 3), np.asarray(nibs, np.int32).reshape(-1, 5),
-                 np.asarray(bits, np.int32).reshape(-1, 3), np.asarray(bit_runs, np.int64).reshape(-1, 4))
-
-
 @lru_cache(maxsize=None)
-def _program(qtype: QuantType, n_per_row: int, inverse: bool) -> GroupProgram:
-    """Compile the block permutation of ``qtype`` into a GroupProgram for rows of ``n_per_row``.
-
-    Plain group:       row r = [meta_r][blk_r0][blk_r1]...          (row_size bytes each)
-    Interleaved group: [meta_0..meta_N-1][ilv_0][ilv_1]...          ilv_cb = N*blk bytes
-    The block permutation works on the N plain blocks of one column laid end to end, so plain byte
-    s of that concatenation lives at (s // blk) * row_size + meta + s % blk + cb * blk."""
-    lay = LAYOUTS[qtype]
-    n, meta = lay.rows, traits(qtype).row_meta_size
-    n_cb = n_per_row // lay.block_values
+def chunks(qtype: QuantType, inverse: bool) -> tuple[Chunk, ...]:
+    """The output chunks of one column block of ``qtype`` (plain -> interleaved, or back)."""
+    n = LAYOUTS[qtype].rows
     perm = _bit_permutation(qtype)
     blk = perm.size // 8 // n
-    row_size = meta + n_cb * blk
-
-    def plain_off(s):
-        return int((s // blk) * row_size + meta + s % blk)
-
-    def packed_off(s):
-        return int(n * meta + s)
-
-    meta_plain = [r * row_size + i for r in range(n) for i in range(meta)]
-    meta_packed = list(range(n * meta))
     if inverse:
         perm = np.argsort(perm)
-        dst_off, src_off, src_step, dst_step = plain_off, packed_off, n * blk, blk
-        meta_moves = sorted(zip(meta_plain, meta_packed))
-    else:
-        dst_off, src_off, src_step, dst_step = packed_off, plain_off, blk, n * blk
-        meta_moves = sorted(zip(meta_packed, meta_plain))
-    meta_runs = np.asarray([(*meta_moves[t], length) for t, length in
-                            _sequences([0] * len(meta_moves), meta_moves)], np.int32).reshape(-1, 3)
 
+    def plain(b):
+        return (b // blk, b % blk)
+
+    def packed(b):
+        return (-1, b)
+
+    dst_at, src_at = (plain, packed) if inverse else (packed, plain)
     n_bytes = perm.size // 8
     src_byte = perm.reshape(n_bytes, 8) // 8
     src_bit = perm.reshape(n_bytes, 8) % 8
-    out = sorted((dst_off(j), [(src_off(sb), sh, mask, ds) for sb, sh, mask, ds in _runs(src_byte[j], src_bit[j])])
-                 for j in range(n_bytes))
-    keys = [tuple(r[1:] for r in rs) for _, rs in out]
-    offsets = [(d, *(r[0] for r in rs)) for d, rs in out]
-    seqs = [(*out[t], length) for t, length in _sequences(keys, offsets)]
-    return GroupProgram(n_cb, src_step, dst_step, meta_runs, _moves(seqs))
+    per_byte = [[(src_at(b), sh, mask, ds) for b, sh, mask, ds in _runs(src_byte[j], src_bit[j])]
+                for j in range(n_bytes)]
+
+    def alike(j, t):
+        """Output byte j+t is byte j's pattern moved t bytes along (same rows)."""
+        if dst_at(j + t) != (dst_at(j)[0], dst_at(j)[1] + t) or len(per_byte[j + t]) != len(per_byte[j]):
+            return False
+        return all(q[1:] == r[1:] and q[0] == (r[0][0], r[0][1] + t) for q, r in zip(per_byte[j + t], per_byte[j]))
+
+    out, j = [], 0
+    while j < n_bytes:
+        width = next(w for w in _WIDTHS if w == 1 or (j + w <= n_bytes and all(alike(j, t) for t in range(1, w))))
+        out.append(Chunk(width, dst_at(j), tuple(tuple(r) for r in per_byte[j])))
+        j += width
+    return tuple(out)
 
 
-@njit(inline="always")
-def _load32(a, i):
-    """4 bytes at any offset as one little-endian word; unsigned indices spare numba's
-    negative-index check, so LLVM fuses the four loads into one unaligned load."""
-    j = np.uintp(i)
-    return (np.int64(a[j]) | (np.int64(a[j + np.uintp(1)]) << 8) | (np.int64(a[j + np.uintp(2)]) << 16)
-            | (np.int64(a[j + np.uintp(3)]) << 24))
+def _key(qtype: QuantType, inverse: bool) -> int:
+    return 2 * int(qtype) + int(inverse)
 
 
-@njit(inline="always")
-def _store32(a, i, v):
-    j = np.uintp(i)
-    a[j] = v & 255
-    a[j + np.uintp(1)] = (v >> 8) & 255
-    a[j + np.uintp(2)] = (v >> 16) & 255
-    a[j + np.uintp(3)] = (v >> 24) & 255
+def _from_key(key: int) -> tuple[QuantType, bool]:
+    return QuantType(key // 2), bool(key % 2)
 
 
-@njit(inline="always")
-def _word_starts(length, k):
-    """The k-th 4-byte step of a sequence; the last one overlaps its neighbour when the length
-    is not a multiple of 4 (every byte is a pure function of the source, so writing it twice
-    is harmless).  Sequences shorter than 4 go byte by byte."""
-    return min(4 * k, length - 4)
+@intrinsic
+def _column_block(typingctx, src, dst, plain, packed, row_size, key):
+    """One column block of the layout ``key`` (a literal: 2*qtype + inverse) from src to dst, plain
+    side at byte offset ``plain`` (row 0; row k at + k*row_size), packed side at ``packed``."""
+    if not isinstance(key, nbt.IntegerLiteral):
+        return None
+    qtype, inverse = _from_key(key.literal_value)
+    sig = nbt.void(src, dst, plain, packed, row_size, key)
 
+    def codegen(context, builder, signature, args):
+        src_v, dst_v, plain_v, packed_v, row_v, _ = args
+        i64 = ir.IntType(64)
+        rows = LAYOUTS[qtype].rows
+        src_data = context.make_array(signature.args[0])(context, builder, src_v).data
+        dst_data = context.make_array(signature.args[1])(context, builder, dst_v).data
 
-@njit(cache=True)
-def _apply_moves(s, d, n_cb, src_step, dst_step, runs, nibbles, bits, bit_runs):
-    """One row group's column blocks.  The column-block loop is innermost: each entry is decoded
-    once per group; sequences of 4+ bytes move a 32-bit word at a time (a word op treats its 4
-    bytes alike: masks are repeated in every byte)."""
-    for t in range(runs.shape[0]):
-        length = runs[t, 2]
-        if length >= 4:
-            for w in range((length + 3) // 4):
-                k = _word_starts(length, w)
-                for cb in range(n_cb):
-                    _store32(d, runs[t, 0] + k + cb * dst_step, _load32(s, runs[t, 1] + k + cb * src_step))
-        else:
-            for k in range(length):
-                for cb in range(n_cb):
-                    d[np.uintp(runs[t, 0] + k + cb * dst_step)] = s[np.uintp(runs[t, 1] + k + cb * src_step)]
-    for t in range(nibbles.shape[0]):
-        lo_shift, hi_shift, length = nibbles[t, 4] & 15, nibbles[t, 4] >> 4, nibbles[t, 3]
-        if length >= 4:
-            for w in range((length + 3) // 4):
-                k = _word_starts(length, w)
-                lo, hi, do = nibbles[t, 1] + k, nibbles[t, 2] + k, nibbles[t, 0] + k
-                # the shifts are 0 or 4: one loop per pair keeps them constants
-                if lo_shift == 0 and hi_shift == 0:
-                    for cb in range(n_cb):
-                        _store32(d, do, (_load32(s, lo) & 0x0F0F0F0F) | ((_load32(s, hi) & 0x0F0F0F0F) << 4))
-                        lo += src_step
-                        hi += src_step
-                        do += dst_step
-                elif lo_shift == 0:
-                    for cb in range(n_cb):
-                        _store32(d, do, (_load32(s, lo) & 0x0F0F0F0F) | (_load32(s, hi) & 0xF0F0F0F0))
-                        lo += src_step
-                        hi += src_step
-                        do += dst_step
-                elif hi_shift == 0:
-                    for cb in range(n_cb):
-                        _store32(d, do, ((_load32(s, lo) >> 4) & 0x0F0F0F0F) | ((_load32(s, hi) & 0x0F0F0F0F) << 4))
-                        lo += src_step
-                        hi += src_step
-                        do += dst_step
-                else:
-                    for cb in range(n_cb):
-                        _store32(d, do, ((_load32(s, lo) >> 4) & 0x0F0F0F0F) | (_load32(s, hi) & 0xF0F0F0F0))
-                        lo += src_step
-                        hi += src_step
-                        do += dst_step
-        else:
-            for k in range(length):
-                for cb in range(n_cb):
-                    lo = (s[np.uintp(nibbles[t, 1] + k + cb * src_step)] >> lo_shift) & 15
-                    hi = (s[np.uintp(nibbles[t, 2] + k + cb * src_step)] >> hi_shift) & 15
-                    d[np.uintp(nibbles[t, 0] + k + cb * dst_step)] = lo | (hi << 4)
-    for t in range(bits.shape[0] - 1):
-        length, first, last = bits[t, 1], bits[t, 2], bits[t + 1, 2]
-        if length >= 4:
-            for w in range((length + 3) // 4):
-                k = _word_starts(length, w)
-                for cb in range(n_cb):
-                    v = 0
-                    for r in range(first, last):
-                        v |= ((_load32(s, bit_runs[r, 0] + k + cb * src_step) >> bit_runs[r, 1])
-                              & (bit_runs[r, 2] * 0x01010101)) << bit_runs[r, 3]
-                    _store32(d, bits[t, 0] + k + cb * dst_step, v)
-        else:
-            for k in range(length):
-                for cb in range(n_cb):
-                    v = 0
-                    for r in range(first, last):
-                        v |= ((s[np.uintp(bit_runs[r, 0] + k + cb * src_step)] >> bit_runs[r, 1])
-                              & bit_runs[r, 2]) << bit_runs[r, 3]
-                    d[np.uintp(bits[t, 0] + k + cb * dst_step)] = v
+        def bases(data, plain_side):
+            if not plain_side:
+                return {-1: builder.gep(data, [packed_v])}
+            return {k: builder.gep(data, [builder.add(plain_v, builder.mul(ir.Constant(i64, k), row_v))])
+                    for k in range(rows)}
+
+        src_base = bases(src_data, not inverse)
+        dst_base = bases(dst_data, inverse)
+        loaded = {}                     # one load per source word: runs often share one
+
+        def load(at, width):
+            if (at, width) not in loaded:
+                ty = ir.IntType(8 * width)
+                ptr = builder.bitcast(builder.gep(src_base[at[0]], [ir.Constant(i64, at[1])]), ty.as_pointer())
+                loaded[at, width] = builder.load(ptr, align=1)
+            return loaded[at, width]
+
+        for c in chunks(qtype, inverse):
+            ty = ir.IntType(8 * c.width)
+            rep = int.from_bytes(b"\x01" * c.width, "little")
+            value = None
+            for at, shift, mask, dst_shift in c.runs:
+                v = load(at, c.width)
+                if mask != 255:
+                    if shift:
+                        v = builder.lshr(v, ir.Constant(ty, shift))
+                    v = builder.and_(v, ir.Constant(ty, mask * rep))
+                    if dst_shift:
+                        v = builder.shl(v, ir.Constant(ty, dst_shift))
+                value = v if value is None else builder.or_(value, v)
+            ptr = builder.bitcast(builder.gep(dst_base[c.dst[0]], [ir.Constant(i64, c.dst[1])]), ty.as_pointer())
+            builder.store(value, ptr, align=1)
+        return context.get_dummy_value()
+    return sig, codegen
 
 
 # One thread, without the GIL: callers run chunks side by side on their own threads (quantkit
 # repack's workers).  A numba parallel loop here made its OpenMP threads spin at every chunk's end,
 # taking the CPU from the threads that read and write.
 @njit(cache=True, nogil=True)
-def _run_program(src, dst, n_groups, group_bytes, n_cb, src_step, dst_step, meta_runs, runs, nibbles,
-                 bits, bit_runs):
+def _run_layout(src, dst, n_groups, row_size, meta, n_cb, key):
+    """Row groups of N rows: the N row metas (meta bytes each, first in the packed group) and n_cb
+    column blocks of the layout ``key`` (blk bytes per row per block).  Offsets into src and dst
+    are the same: both layouts fill a group's N*row_size bytes."""
+    n = _rows_of(key)
+    blk = (row_size - meta) // n_cb
+    inverse = key % 2 == 1
+    group_bytes = n * row_size
     for g in range(n_groups):
-        s = src[g * group_bytes:(g + 1) * group_bytes]
-        d = dst[g * group_bytes:(g + 1) * group_bytes]
-        for t in range(meta_runs.shape[0]):
-            for k in range(meta_runs[t, 2]):
-                d[np.uintp(meta_runs[t, 0] + k)] = s[np.uintp(meta_runs[t, 1] + k)]
-        _apply_moves(s, d, n_cb, src_step, dst_step, runs, nibbles, bits, bit_runs)
+        base = g * group_bytes
+        for k in range(n):
+            for i in range(meta):
+                plain_at = np.uintp(base + k * row_size + i)
+                packed_at = np.uintp(base + k * meta + i)
+                if inverse:
+                    dst[plain_at] = src[packed_at]
+                else:
+                    dst[packed_at] = src[plain_at]
+        for cb in range(n_cb):
+            _column_block(src, dst, base + meta + cb * blk, base + n * meta + cb * n * blk, row_size, key)
+
+
+@intrinsic
+def _rows_of(typingctx, key):
+    """N, the rows of a group, of the layout ``key`` (a literal)."""
+    if not isinstance(key, nbt.IntegerLiteral):
+        return None
+    rows = LAYOUTS[_from_key(key.literal_value)[0]].rows
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(ir.IntType(64), rows)
+    return nbt.int64(key), codegen
 
 
 def _check(rows: np.ndarray, qtype, n_per_row: int):
@@ -640,17 +584,32 @@ def _check(rows: np.ndarray, qtype, n_per_row: int):
     return lay
 
 
+_ENTRY: dict[int, Callable] = {}
+_BYTES = nbt.Array(nbt.uint8, 1, "C")
+
+
+def _layout_kernel(key: int) -> Callable:
+    """_run_layout compiled (or loaded from numba's cache) for the literal ``key``, and called
+    directly: the dispatcher would type a plain-int call first, and the layout needs the literal."""
+    fn = _ENTRY.get(key)
+    if fn is None:
+        sig = (_BYTES, _BYTES, nbt.int64, nbt.int64, nbt.int64, nbt.int64, nbt.literal(key))
+        _run_layout.compile(sig)
+        fn = _ENTRY[key] = _run_layout.overloads[sig].entry_point
+    return fn
+
+
 def _regroup(rows: np.ndarray, qtype, n_per_row: int, inverse: bool, out: np.ndarray | None) -> np.ndarray:
     lay = _check(rows, qtype, n_per_row)
-    prog = _program(QuantType(qtype), n_per_row, inverse)
     src = np.ascontiguousarray(rows, U8)
     dst = np.empty_like(src) if out is None else out
     if dst.shape != src.shape or dst.dtype != U8:
         raise ValueError("out must be a uint8 array shaped like rows")
-    group_bytes = lay.rows * src.shape[1]
-    m = prog.moves
-    _run_program(src.reshape(-1), dst.reshape(-1), src.shape[0] // lay.rows, group_bytes, prog.n_cb,
-                 prog.src_step, prog.dst_step, prog.meta_runs, m.runs, m.nibbles, m.bits, m.bit_runs)
+    qtype = QuantType(qtype)
+    key = _key(qtype, inverse)
+    args = (src.reshape(-1), dst.reshape(-1), src.shape[0] // lay.rows, src.shape[1], traits(qtype).row_meta_size,
+            n_per_row // lay.block_values, key)
+    _layout_kernel(key)(*args)
     return dst
 
 
