@@ -1,8 +1,9 @@
 """Benchmark: the runtime's torch backend on a GPU (issue 8): generation speed and the fraction of the
 device's memory bandwidth it reaches.
 
-A llama-shaped model with random weights (TinyLlama-1.1B's shape by default: 22 layers, 2048 wide,
-2.2 GB in F16) is written as F16 and quantized by quantkit to each --types entry.  Each file runs in
+A llama-shaped F16 model with random weights of --size-mb (bench/quantize.py's make_model: 2048
+wide, 5632 FFN, 32000 vocabulary; 2200 MB by default, TinyLlama-1.1B's size) is quantized by
+quantkit to each --types entry.  Each file runs in
 a child process on --device: a --prompt token batch, then --gen tokens one at a time (greedy).
 
     bandwidth fraction = bytes of weights read per generated token x tokens/s / device bandwidth
@@ -13,7 +14,7 @@ copy of 2 GiB (bytes read + bytes written per second), so the figure needs no sp
 --bandwidth-gbs to use a nominal figure instead.  On a machine without a GPU, --device torch-cpu
 runs the same code on the CPU (and compares with the CPU's copy bandwidth).
 
-    python bench/gpu.py [--device cuda] [--types f16,q8_0,q4_K] [--layers 22] [--gen 64]
+    python bench/gpu.py [--device cuda] [--types f16,q8_0,q4_K] [--size-mb 2200] [--gen 64]
 """
 from __future__ import annotations
 
@@ -29,46 +30,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def write_f16_llama(path: Path, n_layer: int, n_embd: int, n_ff: int, n_head: int, n_head_kv: int,
-                    n_vocab: int) -> None:
-    import gguf
-    rng = np.random.default_rng(0)
-    # one random tile reused by every matrix: the speed does not depend on the values, and making
-    # a billion normal numbers would take longer than the benchmark
-    tile = (rng.standard_normal(1 << 24, dtype=np.float32) * 0.02).astype(np.float16)
-
-    def mat(rows, cols):
-        return np.resize(tile, rows * cols).reshape(rows, cols)
-
-    w = gguf.GGUFWriter(str(path), arch="llama")
-    w.add_block_count(n_layer)
-    w.add_context_length(2048)
-    w.add_embedding_length(n_embd)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_rope_dimension_count(n_embd // n_head)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(n_vocab)
-    w.add_file_type(1)
-    kv = n_embd // n_head * n_head_kv
-    w.add_tensor("token_embd.weight", mat(n_vocab, n_embd))
-    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
-    w.add_tensor("output.weight", mat(n_vocab, n_embd))
-    for i in range(n_layer):
-        p = f"blk.{i}."
-        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, np.float32))
-        for name, rows, cols in (("attn_q", n_embd, n_embd), ("attn_k", kv, n_embd), ("attn_v", kv, n_embd),
-                                 ("attn_output", n_embd, n_embd), ("ffn_gate", n_ff, n_embd),
-                                 ("ffn_up", n_ff, n_embd), ("ffn_down", n_embd, n_ff)):
-            w.add_tensor(p + name + ".weight", mat(rows, cols))
-        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+sys.path.insert(0, str(REPO / "tests"))            # models.py, which make_model writes with
+from quantize import make_model  # noqa: E402      # bench/quantize.py (this folder is on sys.path)
 
 
 def copy_bandwidth(device: str) -> float:
@@ -128,10 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--types", default="f16,q8_0,q4_K")
-    ap.add_argument("--layers", type=int, default=22)
-    ap.add_argument("--embd", type=int, default=2048)
-    ap.add_argument("--ff", type=int, default=5632)
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--size-mb", type=int, default=2200)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -151,8 +111,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=REPO) as d:
         d = Path(d)
         f16 = d / "f16.gguf"
-        write_f16_llama(f16, args.layers, args.embd, args.ff, 32, 4, args.vocab)
-        print(f"llama {args.layers} layers x {args.embd} (ff {args.ff}, vocab {args.vocab}); {name}; "
+        make_model(f16, args.size_mb)
+        print(f"llama of {f16.stat().st_size / 1e9:.2f} GB in F16; {name}; "
               f"bandwidth {bw / 1e9:.0f} GB/s ({bw_how}); prompt {args.prompt}, {args.gen} generated")
         print(f"{'type':6} {'file GB':>8} {'GB/token':>9} {'pp tok/s':>9} {'tg tok/s':>9} "
               f"{'GB/s read':>10} {'of bandwidth':>13}  placement")
