@@ -111,3 +111,8 @@ def test_bad_shapes():
         interleave.interleave(np.zeros((3, 76), np.uint8), T.IQ2_K_R4, 256)
     with pytest.raises(NotImplementedError):
         interleave.interleave(np.zeros((4, 66), np.uint8), T.IQ2_XXS_R4, 256)
+    with pytest.raises(ValueError, match="are 76 bytes"):                 # the kernel checks no bounds
+        interleave.interleave(np.zeros((4, 75), np.uint8), T.IQ2_K_R4, 256)
+    frozen = np.frombuffer(bytes(4 * 76), np.uint8).reshape(4, 76)
+    with pytest.raises(ValueError, match="writable"):
+        interleave.interleave(np.zeros((4, 76), np.uint8), T.IQ2_K_R4, 256, out=frozen)

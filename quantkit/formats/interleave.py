@@ -581,6 +581,9 @@ def _check(rows: np.ndarray, qtype, n_per_row: int):
         raise ValueError(f"rows of {n_per_row} are not a multiple of {lay.block_values}")
     if rows.shape[0] % lay.rows:
         raise ValueError(f"{traits(qtype).name} needs a multiple of {lay.rows} rows, got {rows.shape[0]}")
+    row_size = traits(qtype).row_size(n_per_row)
+    if rows.ndim != 2 or rows.shape[1] != row_size:      # the kernel checks no bounds
+        raise ValueError(f"rows of {n_per_row} {traits(qtype).name} values are {row_size} bytes, got shape {rows.shape}")
     return lay
 
 
@@ -590,7 +593,8 @@ _BYTES = nbt.Array(nbt.uint8, 1, "C")
 
 def _layout_kernel(key: int) -> Callable:
     """_run_layout compiled (or loaded from numba's cache) for the literal ``key``, and called
-    directly: the dispatcher would type a plain-int call first, and the layout needs the literal."""
+    directly: the dispatcher would type a plain-int call first, and the layout needs the literal.
+    The direct call checks no types, so the caller passes C-contiguous uint8 arrays (dst writable)."""
     fn = _ENTRY.get(key)
     if fn is None:
         sig = (_BYTES, _BYTES, nbt.int64, nbt.int64, nbt.int64, nbt.int64, nbt.literal(key))
@@ -603,8 +607,8 @@ def _regroup(rows: np.ndarray, qtype, n_per_row: int, inverse: bool, out: np.nda
     lay = _check(rows, qtype, n_per_row)
     src = np.ascontiguousarray(rows, U8)
     dst = np.empty_like(src) if out is None else out
-    if dst.shape != src.shape or dst.dtype != U8:
-        raise ValueError("out must be a uint8 array shaped like rows")
+    if dst.shape != src.shape or dst.dtype != U8 or not dst.flags.writeable:
+        raise ValueError("out must be a writable uint8 array shaped like rows")
     qtype = QuantType(qtype)
     key = _key(qtype, inverse)
     args = (src.reshape(-1), dst.reshape(-1), src.shape[0] // lay.rows, src.shape[1], traits(qtype).row_meta_size,
