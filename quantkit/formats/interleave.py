@@ -539,11 +539,10 @@ def _column_block(typingctx, src, dst, plain, packed, row_size, key):
 # repack's workers).  A numba parallel loop here made its OpenMP threads spin at every chunk's end,
 # taking the CPU from the threads that read and write.
 @njit(cache=True, nogil=True)
-def _run_layout(src, dst, n_groups, row_size, meta, n_cb, key):
-    """Row groups of N rows: the N row metas (meta bytes each, first in the packed group) and n_cb
+def _run_layout(src, dst, n_groups, n, row_size, meta, n_cb, key):
+    """Row groups of n rows: the n row metas (meta bytes each, first in the packed group) and n_cb
     column blocks of the layout ``key`` (blk bytes per row per block).  Offsets into src and dst
-    are the same: both layouts fill a group's N*row_size bytes."""
-    n = _rows_of(key)
+    are the same: both layouts fill a group's n*row_size bytes."""
     blk = (row_size - meta) // n_cb
     inverse = key % 2 == 1
     group_bytes = n * row_size
@@ -559,18 +558,6 @@ def _run_layout(src, dst, n_groups, row_size, meta, n_cb, key):
                     dst[packed_at] = src[plain_at]
         for cb in range(n_cb):
             _column_block(src, dst, base + meta + cb * blk, base + n * meta + cb * n * blk, row_size, key)
-
-
-@intrinsic
-def _rows_of(typingctx, key):
-    """N, the rows of a group, of the layout ``key`` (a literal)."""
-    if not isinstance(key, nbt.IntegerLiteral):
-        return None
-    rows = LAYOUTS[_from_key(key.literal_value)[0]].rows
-
-    def codegen(context, builder, signature, args):
-        return ir.Constant(ir.IntType(64), rows)
-    return nbt.int64(key), codegen
 
 
 def _check(rows: np.ndarray, qtype, n_per_row: int):
@@ -597,7 +584,7 @@ def _layout_kernel(key: int) -> Callable:
     The direct call checks no types, so the caller passes C-contiguous uint8 arrays (dst writable)."""
     fn = _ENTRY.get(key)
     if fn is None:
-        sig = (_BYTES, _BYTES, nbt.int64, nbt.int64, nbt.int64, nbt.int64, nbt.literal(key))
+        sig = (_BYTES, _BYTES, nbt.int64, nbt.int64, nbt.int64, nbt.int64, nbt.int64, nbt.literal(key))
         _run_layout.compile(sig)
         fn = _ENTRY[key] = _run_layout.overloads[sig].entry_point
     return fn
@@ -611,8 +598,8 @@ def _regroup(rows: np.ndarray, qtype, n_per_row: int, inverse: bool, out: np.nda
         raise ValueError("out must be a writable uint8 array shaped like rows")
     qtype = QuantType(qtype)
     key = _key(qtype, inverse)
-    args = (src.reshape(-1), dst.reshape(-1), src.shape[0] // lay.rows, src.shape[1], traits(qtype).row_meta_size,
-            n_per_row // lay.block_values, key)
+    args = (src.reshape(-1), dst.reshape(-1), src.shape[0] // lay.rows, lay.rows, src.shape[1],
+            traits(qtype).row_meta_size, n_per_row // lay.block_values, key)
     _layout_kernel(key)(*args)
     return dst
 
