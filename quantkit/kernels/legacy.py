@@ -241,127 +241,6 @@ def quantize_rows_plain(qtype, x, out):
 # still taken one trial after the other, in C's order, so the result is unchanged.
 
 @njit(cache=True)
-def _qx_codes(xb, nmax, iscale, L):
-    """L[i] = clamp(nearest_int(iscale*x[i]), -nmax, nmax-1)."""
-    for i in range(QK):
-        L[i] = max(-nmax, min(nmax - 1, int(np.rint(iscale * xb[i]))))
-
-
-@njit(cache=True)
-def _qx_sums2(xb, w, nmax, ia, ib):
-    """Σ w*x*l and Σ w*l*l (float32, C order) for the codes of two trial scales ia and ib."""
-    lo = F(-nmax)
-    hi = F(nmax - 1)
-    sxa = F(0)
-    s2a = F(0)
-    sxb = F(0)
-    s2b = F(0)
-    for i in range(QK):
-        # clamping the float code equals clamping nearest_int's result, without branches
-        la = min(hi, max(lo, np.rint(ia * xb[i])))
-        lb = min(hi, max(lo, np.rint(ib * xb[i])))
-        wx = w[i] * xb[i]
-        sxa += wx * la
-        s2a += w[i] * la * la
-        sxb += wx * lb
-        s2b += w[i] * lb * lb
-    return sxa, s2a, sxb, s2b
-
-
-@njit(cache=True)
-def _qx_iscale(k, nmax, mx, ik):
-    """Trial scale number k of make_qx_quants, in C's order: -nmax/max, then for s = -9..9
-    -(nmax + 0.1 s)/max (mainline skips s = 0) followed, in ik only, by (nmax - 1 + 0.1 s)/max."""
-    if k == 0:
-        return F(-nmax) / mx
-    if ik:
-        s = (k - 1) // 2 - 9
-        if (k - 1) % 2 == 1:
-            return (F(nmax - 1) + F(0.1) * F(s)) / mx
-    else:
-        s = k - 10 if k <= 9 else k - 9
-    return -(F(nmax) + F(0.1) * F(s)) / mx
-
-
-@njit(cache=True)
-def make_qx_quants(xb, w, nmax, L, ik):
-    """Weighted symmetric scale search (rmse_type 1); L gets codes l + nmax; returns the scale."""
-    amax = F(0)
-    mx = F(0)
-    for i in range(QK):
-        ax = abs(xb[i])
-        if ax > amax:
-            amax = ax
-            mx = xb[i]
-    if amax < GROUP_MAX_EPS:
-        for i in range(QK):
-            L[i] = 0
-        return F(0)
-    n_trials = 39 if ik else 19
-    best_k = 0
-    scale = F(0)
-    best = F(0)
-    sumlx = F(0)
-    suml2 = F(0)
-    for k in range(0, n_trials, 2):
-        kb = min(k + 1, n_trials - 1)
-        sxa, s2a, sxb, s2b = _qx_sums2(xb, w, nmax, _qx_iscale(k, nmax, mx, ik), _qx_iscale(kb, nmax, mx, ik))
-        for t in range(k, kb + 1):
-            sx = sxa if t == k else sxb
-            s2 = s2a if t == k else s2b
-            if t == 0:          # the first trial is taken unconditionally
-                scale = sx / s2 if s2 != 0 else F(0)
-                best = scale * sx
-                sumlx = sx
-                suml2 = s2
-            elif s2 > 0 and sx * sx > best * s2:
-                scale = sx / s2
-                best = scale * sx
-                sumlx = sx
-                suml2 = s2
-                best_k = t
-    _qx_codes(xb, nmax, _qx_iscale(best_k, nmax, mx, ik), L)
-    if ik:
-        # greedy refinement: step the code with the largest gradient while sumlx²/suml2 grows
-        for _ in range(QK * (2 * nmax - 1)):
-            abs_gmax = F(0)
-            gmax = F(0)
-            best_j = -1
-            for j in range(QK):
-                l = L[j]
-                g = scale * w[j] * (xb[j] - scale * F(l))
-                movable = ((g > 0) & (l < nmax - 1)) | ((g < 0) & (l > -nmax))
-                ag = abs(g) if movable else F(0)
-                if ag > abs_gmax:
-                    abs_gmax = ag
-                    gmax = g
-                    best_j = j
-            if best_j < 0:
-                break
-            wj = w[best_j]
-            l = L[best_j]
-            if gmax > 0:
-                nsx = sumlx + wj * xb[best_j]
-                ns2 = suml2 + wj * F(2 * l + 1)
-                l += 1
-            else:
-                nsx = sumlx - wj * xb[best_j]
-                ns2 = suml2 - wj * F(2 * l - 1)
-                l -= 1
-            if ns2 > 0 and nsx * nsx > best * ns2:
-                sumlx = nsx
-                suml2 = ns2
-                scale = sumlx / suml2
-                best = scale * sumlx
-                L[best_j] = l
-            else:
-                break
-    for i in range(QK):
-        L[i] += nmax
-    return scale
-
-
-@njit(cache=True)
 def _qkx3_codes(xb, nmax, iscale, mn, L):
     """L[i] = clamp(nearest_int(iscale*(x[i] - min)), 0, nmax)."""
     for i in range(QK):
@@ -577,6 +456,18 @@ def make_qkx3_quants_mainline(xb, w, nmax, L, Laux, rmin, rdelta, nstep):
     return scale, -mn
 
 
+@njit(cache=True)
+def _block_lanes(xr, qw, has_qw, sigma2, xt, wt):
+    """A row's blocks as SIMD lanes for kquants.qx_lanes: value j of block b at xt[j, b], its weight
+    ``qw*sqrtf(sigma2 + x²)`` (``x²`` without an imatrix) at wt[j, b].  make_qx_quants' trial
+    scales are sequential float sums, which one block at a time would wait on."""
+    for b in range(xt.shape[1]):
+        for j in range(QK):
+            v = xr[b * QK + j]
+            xt[j, b] = v
+            wt[j, b] = qw[b * QK + j] * np.sqrt(sigma2 + v * v) if has_qw else v * v
+
+
 @njit(cache=True, parallel=True)
 def quantize_rows_imatrix(qtype, x, qw, ik, out):
     """Q4_0/Q4_1/Q5_0/Q5_1 with importance weights qw (n_per_row,); ik selects the fork's searches."""
@@ -589,28 +480,37 @@ def quantize_rows_imatrix(qtype, x, qw, ik, out):
         for j in range(n):
             sum_x2 += xr[j] * xr[j]
         sigma2 = sum_x2 / F(n)
-        w = np.empty(QK, np.float32)
         L = np.empty(QK, np.int64)
+        if qtype == Q4_0 or qtype == Q5_0:
+            # make_qx_quants on every block of the row at once, one SIMD lane each
+            nb = n // QK
+            xt = np.empty((QK, nb), np.float32)
+            wt = np.empty((QK, nb), np.float32)
+            _block_lanes(xr, qw, True, sigma2, xt, wt)
+            d = np.empty(nb, np.float32)
+            Lt = np.empty((QK, nb), np.int32)
+            qx_lanes(xt, wt, 8 if qtype == Q4_0 else 16, ik, d, Lt)
+            for ib in range(nb):
+                for j in range(QK):
+                    L[j] = Lt[j, ib]
+                _store_fp16(y, ib * ts, d[ib])
+                _pack_codes(L, y, ib * ts + 2, qtype == Q5_0)
+            continue
+        w = np.empty(QK, np.float32)
         Laux = np.empty(QK, np.int64)
+        nmax = 15 if qtype == Q4_1 else 31
         for ib in range(n // QK):
             xb = xr[ib * QK:(ib + 1) * QK]
             for j in range(QK):
                 w[j] = qw[ib * QK + j] * np.sqrt(sigma2 + xb[j] * xb[j])
             off = ib * ts
-            if qtype == Q4_0 or qtype == Q5_0:
-                nmax = 8 if qtype == Q4_0 else 16
-                d = make_qx_quants(xb, w, nmax, L, ik)
-                _store_fp16(y, off, d)
-                _pack_codes(L, y, off + 2, qtype == Q5_0)
+            if ik:
+                d, the_min = make_qkx3_quants_ik(xb, w, nmax, L, F(-0.9), F(0.05), 36)
             else:
-                nmax = 15 if qtype == Q4_1 else 31
-                if ik:
-                    d, the_min = make_qkx3_quants_ik(xb, w, nmax, L, F(-0.9), F(0.05), 36)
-                else:
-                    d, the_min = make_qkx3_quants_mainline(xb, w, nmax, L, Laux, F(-0.9), F(0.05), 36)
-                _store_fp16(y, off, d)
-                _store_fp16(y, off + 2, -the_min)
-                _pack_codes(L, y, off + 4, qtype == Q5_1)
+                d, the_min = make_qkx3_quants_mainline(xb, w, nmax, L, Laux, F(-0.9), F(0.05), 36)
+            _store_fp16(y, off, d)
+            _store_fp16(y, off + 2, -the_min)
+            _pack_codes(L, y, off + 4, qtype == Q5_1)
 
 
 # ---- decoding ----
@@ -681,9 +581,8 @@ def _pack_q6_0(L, y, off):
 @njit(cache=True, parallel=True)
 def quantize_rows_q6_0(x, qw, has_qw, out):
     """Q6_0 always runs the fork's make_qx_quants (nmax 32): weights ``qw*sqrtf(sigma2 + x²)`` with
-    sigma2 = Σx²/n_per_row of the row, or ``x²`` without an imatrix.  A row's blocks are searched
-    side by side, one SIMD lane each (kquants.qx_lanes): make_qx_quants' 39 trial scales are
-    sequential float sums, which one block at a time would wait on."""
+    sigma2 = Σx²/n_per_row of the row, or ``x²`` without an imatrix; a row's blocks are searched
+    side by side (_block_lanes)."""
     n_rows, n = x.shape
     nb = n // QK
     for r in prange(n_rows):
@@ -695,13 +594,9 @@ def quantize_rows_q6_0(x, qw, has_qw, out):
             for j in range(n):
                 sum_x2 += xr[j] * xr[j]
             sigma2 = sum_x2 / F(n)
-        xt = np.empty((QK, nb), np.float32)         # value j of block b at [j, b]
+        xt = np.empty((QK, nb), np.float32)
         wt = np.empty((QK, nb), np.float32)
-        for b in range(nb):
-            for j in range(QK):
-                v = xr[b * QK + j]
-                xt[j, b] = v
-                wt[j, b] = qw[b * QK + j] * np.sqrt(sigma2 + v * v) if has_qw else v * v
+        _block_lanes(xr, qw, has_qw, sigma2, xt, wt)
         d = np.empty(nb, np.float32)
         Lt = np.empty((QK, nb), np.int32)
         qx_lanes(xt, wt, 32, True, d, Lt)
