@@ -15,6 +15,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from . import dot
+
 F32 = np.float32
 
 
@@ -199,3 +201,64 @@ def target_nll(logits, targets, out):
         for j in range(n):
             total += np.float64(np.exp(logits[r, j] - m))
         out[r] = np.log(total) - np.float64(logits[r, targets[r]] - m)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _half_row_dot(a, i, h, x, n):
+    """Σ_d half(a[i, h, d]) * x[d] over d < n (a: float16 bits, rows contiguous)."""
+    s = F32(0)
+    n32 = n // 32 * 32
+    n8 = n // 8 * 8
+    for d in range(0, n32, 32):
+        s += dot.half_dot32(a, i, h, d, x, d)
+    for d in range(n32, n8, 8):
+        s += dot.half_dot8(a, i, h, d, x, d)
+    for d in range(n8, n):
+        s += dot.half_bits(a[i, h, d]) * x[d]
+    return s
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _half_row_axpy(a, i, h, p, y, n):
+    """y[d] += p * half(a[i, h, d]) for d < n."""
+    n32 = n // 32 * 32
+    n8 = n // 8 * 8
+    for d in range(0, n32, 32):
+        dot.half_axpy32(a, i, h, d, p, y, d)
+    for d in range(n32, n8, 8):
+        dot.half_axpy8(a, i, h, d, p, y, d)
+    for d in range(n8, n):
+        y[d] += p * dot.half_bits(a[i, h, d])
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def attend_few(q16, keys, values, pos0, scale, out):
+    """Causal grouped-query attention of a few tokens, straight from the float16 cache:
+    q16 (n_tokens, n_head, k_dim) float32 queries already rounded to f16; keys (n_ctx, n_head_kv,
+    k_dim) and values (n_ctx, n_head_kv, v_dim) uint16 (float16 bits, rows contiguous); token t
+    sits at position pos0 + t and sees keys 0 .. pos0 + t -> out (n_tokens, n_head, v_dim).
+
+    The numbers of ops_cpu.attention's batched path: scores q·k in float, times ``scale``, the
+    exponentials of (score - max) summed in double, the probabilities rounded to f16, then Σ p v."""
+    n_tok, n_head, k_dim = q16.shape
+    g = n_head // keys.shape[1]
+    v_dim = values.shape[2]
+    for job in prange(n_tok * n_head):
+        t, h = job // n_head, job % n_head
+        hk = h // g
+        n_seen = pos0 + t + 1
+        e = np.empty(n_seen, F32)
+        m = -np.inf
+        for j in range(n_seen):
+            s = _half_row_dot(keys, j, hk, q16[t, h], k_dim) * scale
+            e[j] = s
+            m = max(m, s)
+        total = 0.0
+        for j in range(n_seen):
+            e[j] = np.exp(e[j] - m)
+            total += np.float64(e[j])
+        inv_total = F32(1.0 / total)
+        y = out[t, h]
+        y[:] = 0
+        for j in range(n_seen):
+            _half_row_axpy(values, j, hk, _f16_value(e[j] * inv_total), y, v_dim)

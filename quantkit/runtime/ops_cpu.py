@@ -19,7 +19,7 @@ import numba
 import numpy as np
 
 from ..types import QuantType, traits
-from . import kernels
+from . import kernels, matvec
 from .weights import Weight
 
 F32 = np.float32
@@ -29,6 +29,9 @@ TILE_VALUES = 1 << 20
 # below this many tokens a product's tiles run one after the other (generation: 10.0 -> 12.9
 # tokens/s for SmolLM2 Q4_K on 2 threads), from it on side by side (a 128-token prompt: 190 -> 256)
 FEW_TOKENS = 8
+# products of at most this many tokens multiply the packed rows directly (matvec.py) where a
+# fused kernel exists: each row is read once per token, with no decoded float32 copy
+FUSED_TOKENS = 4
 # attention work items: at most this many query positions, and this many query rows (positions x
 # the query heads of one key head), per item
 QUERY_BLOCK = 64
@@ -124,6 +127,9 @@ def matmul_q(w: Weight, x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x, F32)
     if w.qtype == QuantType.F16:
         x = _f16_round(x)           # ggml's f16 dot product converts the activations to f16
+    kind = matvec.kind_of(w.qtype) if x.shape[0] <= FUSED_TOKENS else None
+    if kind is not None:
+        return matvec.matvec(kind, w.plain_layout()[1], x)
     n_out, group = w.n_out * w.n_matrices, traits(w.qtype).interleave_rows
     tile = max(group, TILE_VALUES // w.n_in // group * group)
     per_thread = -(-n_out // _tiles.threads(x.shape[0]))                 # every thread gets a share
@@ -312,6 +318,11 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float
     n_tok, n_head, k_dim = q.shape
     n_kv = pos0 + n_tok
     n_head_kv, v_dim = cache.k.shape[2], cache.v.shape[3]
+    if n_tok <= FUSED_TOKENS:
+        out = np.empty((n_tok, n_head, v_dim), F32)
+        kernels.attend_few(_f16_round(q), cache.k[layer].view(np.uint16), cache.v[layer].view(np.uint16),
+                           pos0, F32(scale), out)
+        return out.reshape(n_tok, n_head * v_dim)
     g = n_head // n_head_kv
     keys = np.ascontiguousarray(cache.k[layer, :n_kv].astype(F32).transpose(1, 2, 0))   # (hkv, k_dim, n_kv)
     values = np.ascontiguousarray(cache.v[layer, :n_kv].astype(F32).transpose(1, 0, 2))  # (hkv, n_kv, v_dim)

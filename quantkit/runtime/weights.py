@@ -7,11 +7,12 @@ expert tensor ``[n_in, n_out, n_expert]`` is ``n_expert`` matrices of ``n_out`` 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import formats
+from ..formats import interleave
 from ..errors import QuantkitError
 from ..gguf_io.reader import GGUFModel, TensorInfo
 from ..types import QuantType, traits, type_name
@@ -26,6 +27,8 @@ class Weight:
     qtype: QuantType
     shape: tuple[int, ...]          # ggml order
     blocks: np.ndarray              # uint8 (n_rows, row_size), a view of the file
+    # interleaved types: the rows regrouped into the plain type's layout, made on first use
+    _plain: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def n_in(self) -> int:
@@ -46,7 +49,19 @@ class Weight:
     def expert(self, e: int) -> "Weight":
         """Matrix ``e`` of a 3-D tensor."""
         n = self.n_out
-        return Weight(f"{self.name}[{e}]", self.qtype, self.shape[:2], self.blocks[e * n:(e + 1) * n])
+        plain = [self._plain[0][e * n:(e + 1) * n]] if self._plain else []
+        return Weight(f"{self.name}[{e}]", self.qtype, self.shape[:2], self.blocks[e * n:(e + 1) * n], plain)
+
+    def plain_layout(self) -> tuple[QuantType, np.ndarray]:
+        """The rows as (type, blocks) in a layout that is not interleaved: the stored ones, or for
+        an ``_r4``/``_r8`` type its plain type's rows, regrouped once and kept (a copy in memory
+        the size of the tensor: the fused kernels of generation read plain rows)."""
+        t = traits(self.qtype)
+        if t.interleave_rows == 1:
+            return self.qtype, self.blocks
+        if not self._plain:
+            self._plain.append(interleave.deinterleave(self.blocks, self.qtype, self.n_in))
+        return t.base, self._plain[0]
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` as float32 (stop - start, n_in); start/stop on interleave boundaries."""
