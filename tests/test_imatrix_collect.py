@@ -164,11 +164,11 @@ def test_periodic_saves_and_resume(smollm2_path, golden, tmp_path, monkeypatch):
     calls = {"n": 0}
     per_chunk = 30 * 7 + 1                  # SmolLM2: 7 products per layer and the output
 
-    def interrupt_in_chunk_3(self, w, x):
+    def interrupt_in_chunk_3(self, w, x, fused=None):
         calls["n"] += 1
         if calls["n"] > 2 * per_chunk + 5:
             raise KeyboardInterrupt
-        return real(self, w, x)
+        return real(self, w, x, fused)
     monkeypatch.setattr(collect_mod.ObservingOps, "matmul_q", interrupt_in_chunk_3)
     assert main(["imatrix", str(smollm2_path), "-o", str(out), "--chunks", "4", "--output-frequency", "2",
                  *common]) == 130

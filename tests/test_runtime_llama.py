@@ -159,18 +159,41 @@ def test_f32_greedy_tokens_match_ik(files, prompt):
     assert ours == ik_greedy(files["f32"], tokens, 32)
 
 
+def decode(path, tokens, n_prompt):
+    """Logits of the prompt tokens[:n_prompt] in one batch, then of each further token fed alone
+    through the KV cache."""
+    with open_model(path) as g:
+        m = Model(g)
+        cache = m.new_cache(len(tokens))
+        steps = [m.forward(tokens[:n_prompt], cache)] + [m.forward([t], cache) for t in tokens[n_prompt:]]
+    return np.concatenate(steps)
+
+
 def test_cached_decoding_equals_full_forward(files, prompt):
     """Prompt, then one token at a time through the KV cache == one pass over the whole sequence
-    (to float noise: BLAS sums a 1-row product in another order than a 24-row one, and a flipped
-    f16 rounding of a query or a probability grows over the positions: 6e-4 of max |logit| seen)."""
-    with open_model(files["q4_K"]) as g:
-        m = Model(g)
-        full = m.forward(prompt[:24], m.new_cache(24))
-        cache = m.new_cache(24)
-        steps = [m.forward(prompt[:16], cache)] + [m.forward([t], cache) for t in prompt[16:24]]
-    steps = np.concatenate(steps)
+    (F32: both compute in float; to float noise: BLAS sums a 1-row product in another order than a
+    24-row one, and a flipped f16 rounding of a query or a probability grows over the positions)."""
+    full = our_logits(files["f32"], prompt[:24])
+    steps = decode(files["f32"], prompt[:24], 16)
     np.testing.assert_allclose(steps, full, rtol=0, atol=2e-3 * np.abs(full).max())
     assert (steps.argmax(-1) == full.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("name", ["q4_K", "iq2_k_r4"])
+def test_quantized_generation_steps_stay_as_close_to_ik_as_batches(files, prompt, name):
+    """Generation steps multiply the packed rows with 8-bit activations (matvec.py), batches with
+    float ones: both stay as close to ik_llama.cpp's logits of the same positions.  Files: q5_0,
+    q8_0, q4_K, q6_K rows (q4_K) and iq4_nl, q5_0 and regrouped iq2_k_r4 rows (iq2_k_r4)."""
+    tokens, n_prompt = prompt[:40], 16
+    full = our_logits(files[name], tokens)[n_prompt:]
+    steps = decode(files[name], tokens, n_prompt)[n_prompt:]
+    ik = peers.ik_logits(files[name], tokens, all_positions=True, n_threads=2)[n_prompt:]
+    step_rel, step_same = compare(steps, ik)
+    full_rel, full_same = compare(full, ik)
+    print(f"\n  {name}: steps vs ik {step_rel:.3f} ({100 * step_same:.0f}% same top), "
+          f"batch vs ik {full_rel:.3f} ({100 * full_same:.0f}%), steps vs batch {compare(steps, full)[0]:.3f}")
+    assert step_rel <= 1.5 * full_rel and step_same >= full_same - 0.1
+    assert compare(steps, full)[0] <= 0.08
 
 
 def test_cli_run_greedy(files, prompt, smollm2_path):

@@ -69,7 +69,8 @@ def test_expert_slices_and_tiles(qtype, monkeypatch):
     n_expert = 3
     blocks = quantized_rows(qtype, N_ROWS * n_expert, seed=7)
     w = Weight("exps", QuantType(qtype), (N_PER_ROW, N_ROWS, n_expert), blocks)
-    x = np.random.default_rng(2).standard_normal((4, N_PER_ROW)).astype(np.float32)
+    # a batch (the tile path; generation's fused products: test_runtime_matvec.py)
+    x = np.random.default_rng(2).standard_normal((ops_cpu.FUSED_TOKENS + 1, N_PER_ROW)).astype(np.float32)
     monkeypatch.setattr(ops_cpu, "TILE_VALUES", N_PER_ROW * 8)     # several tiles per matrix
     for e in range(n_expert):
         ref = reference_product(blocks[e * N_ROWS:(e + 1) * N_ROWS], qtype, x)

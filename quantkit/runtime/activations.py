@@ -55,16 +55,16 @@ class MainlineRounding:
     def __getattr__(self, name):
         return getattr(self._ops, name)
 
-    def matmul_q(self, w, x):
+    def matmul_q(self, w, x, fused=None):
         vt = VEC_DOT_TYPE.get(QuantType(w.qtype))
         if vt is None:
-            return self._ops.matmul_q(w, x)
+            return self._ops.matmul_q(w, x, fused)
         block = 256 if vt == T.Q8_K else 32
         last_x, last_block, rounded = self._last
         if last_x is not x or last_block != block:
             rounded = self._ops.from_host(round_for(w.qtype, self._ops.host(x)))
             self._last = (x, block, rounded)
-        return self._ops.matmul_q(w, rounded)
+        return self._ops.matmul_q(w, rounded, False)     # rounded here, mainline's way
 
     def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None):
         return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=matmul or self.matmul_q)

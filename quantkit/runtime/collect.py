@@ -93,7 +93,7 @@ class ObservingOps:
     def __getattr__(self, name):
         return getattr(self._ops, name)
 
-    def matmul_q(self, w, x):
+    def matmul_q(self, w, x, fused=None):
         m = _EXPERT.match(w.name)
         seen = self._ops.host(x)
         if m is None:
@@ -103,7 +103,7 @@ class ObservingOps:
             shape = self._shapes.get(base, ())
             n_expert = int(np.prod(shape[2:])) if len(shape) > 2 else 1
             self.stats.add_expert(base, int(m.group(2)), n_expert, seen)
-        return self._ops.matmul_q(w, x)
+        return self._ops.matmul_q(w, x, fused)
 
     def matmul_q_heads(self, ws, x, transposed: bool = False):
         self.stats.add_heads(ws[0].name.split("[")[0], self._ops.host(x))   # heads: row slices "name[r0:r1]"

@@ -1,27 +1,30 @@
-"""Dot products of packed integer codes with float32 activations, a run of codes at a time, written
-as LLVM vector IR (numba intrinsics) for the runtime's fused matrix-vector kernels (matvec.py).
+"""Dot products of packed weights with activations, written as LLVM vector IR (numba intrinsics)
+for the runtime's fused matrix-vector kernels (matvec.py) and its attention of a few tokens.
 
 numba compiles a loop such as ``s += float(q[o + j]) * x[xo + j]`` into one scalar multiply-add
 per value: index wrap-around checks and the strict order of float additions keep LLVM from
-vectorizing it (7x slower than the vector form here).  These intrinsics load the codes of one run
-(n = 8, 16 or 32 values) as a vector, take the bits apart, widen them to float32, multiply with
-the activations and add the products up in a tree, all in SIMD registers; the kernels around them
-loop over blocks and apply the scales in plain numba.
+vectorizing it (7x slower than the vector form here).  These intrinsics load the codes as vectors,
+take the bits apart, multiply and add in SIMD registers, at byte offsets that are constants of
+the compiled kernel.
 
-A run's code j (0 <= j < n) is built from the bytes at ``off``:
+The main one, :func:`chunk_dot`, reads a chunk of blocks described by a static list of
+:class:`Run` (where each run's bits sit, how they combine, where its scale is), with the
+activations rounded to 8 bits per 32 as ggml's q8_0 does:
 
-    low       (a[off + j] >> shift) & mask             shift < 8, e.g. nibbles: shift 0 / 4, mask 15
-    | high    ((a[hoff + j] >> hshift) & hmask) << hpos  a second plane of bits (Q6_0, Q6_K, Q3_K)
-      or      ((qh >> (hbase + j)) & 1) << hpos          one bit per code from a 32-bit word (Q5_0, Q5_1)
-    then      code - bias                              (unsigned codes centred: Q4_0 bias 8, ...)
-      or      table[toff + code]                       int8 values of a non-linear grid (IQ4_NL, IQ4_K, IQ2_K)
+    code j of a run    (a[off + j] >> shift) & mask            (split: a 16-byte block's low
+                       | high bits << hpos                      nibbles, then its high ones)
+                       - bias, or table[params[k] + code]      (non-linear grids, one pshufb)
+    run sum            Σ_j code_j * xq_j                       16-bit products added in pairs
+                                                               into 32-bit lanes (pmaddwd)
+    chunk              Σ_k float(run sum_k) * scale_k * xd     float FMAs, 4 accumulators
 
-and Q8_0's codes are the signed bytes themselves.  The table lookup is one byte shuffle (pshufb)
-of a 16-entry table on x86; elsewhere it is a per-lane extract.
-
-The numpy twins (``*_twin``) compute the same sums value by value, for the tests.
+numba's cache checks the source file of the cached function only: after editing this module,
+delete quantkit/runtime/__pycache__/*.nb* (kernels compiled from the old IR stay cached otherwise).
+Each intrinsic has a numpy twin (``*_twin``) that the tests compare it with.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import llvmlite.binding as llb
 import numpy as np
@@ -61,15 +64,6 @@ def _as(builder, value, t):
     return value
 
 
-def _bits(builder, base, off, shift, mask, n):
-    """<n x i16>: (base[off + j] >> shift) & mask.  Shifted as 16-bit lanes: x86 shifts those by
-    one count register, while a byte shift by a count only known at run time (a loop's j % 2)
-    becomes n scalar shifts."""
-    v = builder.zext(_load(builder, base, off, n, _I8), ir.VectorType(_I16, n))
-    v = builder.lshr(v, _splat(builder, _as(builder, shift, _I16), n))
-    return builder.and_(v, _splat(builder, _as(builder, mask, _I16), n))
-
-
 def _lookup(builder, table16, idx, n):
     """<n x i8>: table16[idx[j]] for idx < 16, table16 a <16 x i8>."""
     if not _X86:
@@ -107,114 +101,9 @@ def _dot(builder, values, xbase, xoff, n):
     return builder.extract_element(prod, ir.Constant(_I32, 0))
 
 
-def _signed_f32(builder, codes_i8, n):
-    return builder.sitofp(builder.sext(codes_i8, ir.VectorType(_I32, n)), ir.VectorType(_F32, n))
-
-
-def _centred_f32(builder, codes, bias, n):
-    wide = builder.zext(codes, ir.VectorType(_I32, n))
-    wide = builder.sub(wide, _splat(builder, _as(builder, bias, _I32), n))
-    return builder.sitofp(wide, ir.VectorType(_F32, n))
-
-
-def _check(n):
-    assert n in (8, 16, 32), n
-
-
-def signed_dot(n):
-    """``dot(a, off, x, xo)`` = Σ_j int8(a[off + j]) * x[xo + j] (a uint8 or int8 1-D, x float32 1-D)."""
-    _check(n)
-
-    @intrinsic
-    def dot(typingctx, a, off, x, xo):
-        def codegen(context, builder, sig, args):
-            q = _load(builder, _data(context, builder, sig.args[0], args[0]), args[1], n, _I8)
-            return _dot(builder, _signed_f32(builder, q, n), _data(context, builder, sig.args[2], args[2]), args[3], n)
-        return nbt.float32(a, off, x, xo), codegen
-    return dot
-
-
-def bits_dot(n):
-    """``dot(a, off, shift, mask, bias, x, xo)`` = Σ_j (((a[off + j] >> shift) & mask) - bias) * x[xo + j]."""
-    _check(n)
-
-    @intrinsic
-    def dot(typingctx, a, off, shift, mask, bias, x, xo):
-        def codegen(context, builder, sig, args):
-            a_v, off_v, shift_v, mask_v, bias_v, x_v, xo_v = args
-            codes = _bits(builder, _data(context, builder, sig.args[0], a_v), off_v, shift_v, mask_v, n)
-            return _dot(builder, _centred_f32(builder, codes, bias_v, n),
-                        _data(context, builder, sig.args[5], x_v), xo_v, n)
-        return nbt.float32(a, off, shift, mask, bias, x, xo), codegen
-    return dot
-
-
-def plane_dot(n):
-    """``dot(a, off, shift, mask, hoff, hshift, hmask, hpos, bias, x, xo)`` =
-    Σ_j ((((a[off + j] >> shift) & mask) | (((a[hoff + j] >> hshift) & hmask) << hpos)) - bias) * x[xo + j]."""
-    _check(n)
-
-    @intrinsic
-    def dot(typingctx, a, off, shift, mask, hoff, hshift, hmask, hpos, bias, x, xo):
-        def codegen(context, builder, sig, args):
-            a_v, off_v, shift_v, mask_v, hoff_v, hshift_v, hmask_v, hpos_v, bias_v, x_v, xo_v = args
-            base = _data(context, builder, sig.args[0], a_v)
-            low = _bits(builder, base, off_v, shift_v, mask_v, n)
-            high = _bits(builder, base, hoff_v, hshift_v, hmask_v, n)
-            high = builder.shl(high, _splat(builder, _as(builder, hpos_v, _I16), n))
-            return _dot(builder, _centred_f32(builder, builder.or_(low, high), bias_v, n),
-                        _data(context, builder, sig.args[9], x_v), xo_v, n)
-        return nbt.float32(a, off, shift, mask, hoff, hshift, hmask, hpos, bias, x, xo), codegen
-    return dot
-
-
-def word_dot(n):
-    """``dot(a, off, shift, mask, qh, hbase, hpos, bias, x, xo)`` =
-    Σ_j ((((a[off + j] >> shift) & mask) | (((qh >> (hbase + j)) & 1) << hpos)) - bias) * x[xo + j],
-    qh a 32-bit word of high bits (hbase + n <= 32)."""
-    _check(n)
-
-    @intrinsic
-    def dot(typingctx, a, off, shift, mask, qh, hbase, hpos, bias, x, xo):
-        def codegen(context, builder, sig, args):
-            a_v, off_v, shift_v, mask_v, qh_v, hbase_v, hpos_v, bias_v, x_v, xo_v = args
-            vi = ir.VectorType(_I32, n)
-            low = builder.zext(_bits(builder, _data(context, builder, sig.args[0], a_v), off_v, shift_v, mask_v, n), vi)
-            # bit hbase + j of qh in lane j: a mask per lane and a compare (a variable shift per
-            # lane is slower on AVX2)
-            masks = builder.shl(ir.Constant(vi, [1 << j for j in range(n)]), _splat(builder, _as(builder, hbase_v, _I32), n))
-            hit = builder.icmp_unsigned("!=", builder.and_(_splat(builder, _as(builder, qh_v, _I32), n), masks),
-                                        ir.Constant(vi, [0] * n))
-            high = builder.zext(hit, vi)
-            code = builder.or_(low, builder.shl(high, _splat(builder, _as(builder, hpos_v, _I32), n)))
-            code = builder.sub(code, _splat(builder, _as(builder, bias_v, _I32), n))
-            return _dot(builder, builder.sitofp(code, ir.VectorType(_F32, n)),
-                        _data(context, builder, sig.args[8], x_v), xo_v, n)
-        return nbt.float32(a, off, shift, mask, qh, hbase, hpos, bias, x, xo), codegen
-    return dot
-
-
-def table_dot(n):
-    """``dot(a, off, shift, mask, table, toff, x, xo)`` = Σ_j table[toff + ((a[off + j] >> shift) & mask)] * x[xo + j],
-    table int8 1-D with at least toff + 16 entries, mask < 16."""
-    _check(n)
-
-    @intrinsic
-    def dot(typingctx, a, off, shift, mask, table, toff, x, xo):
-        def codegen(context, builder, sig, args):
-            a_v, off_v, shift_v, mask_v, t_v, toff_v, x_v, xo_v = args
-            idx = _bits(builder, _data(context, builder, sig.args[0], a_v), off_v, shift_v, mask_v, n)
-            table16 = _load(builder, _data(context, builder, sig.args[4], t_v), toff_v, 16, _I8)
-            vals = _lookup(builder, table16, builder.trunc(idx, ir.VectorType(_I8, n)), n)
-            return _dot(builder, _signed_f32(builder, vals, n), _data(context, builder, sig.args[6], x_v), xo_v, n)
-        return nbt.float32(a, off, shift, mask, table, toff, x, xo), codegen
-    return dot
-
-
 def float_dot(n, half):
     """``dot(a, off, x, xo)`` = Σ_j w_j * x[xo + j], w the n float32 (``half``: float16) values
-    stored at byte ``off`` of a (uint8 1-D)."""
-    _check(n)
+    stored at byte ``off`` of a (uint8 1-D): rows of F32 / F16 weights."""
     elt = ir.HalfType() if half else _F32
 
     @intrinsic
@@ -238,112 +127,264 @@ def half_at(typingctx, a, off):
     return nbt.float32(a, off), codegen
 
 
-# ---- the instances the kernels use ----
-
 f32x32, f16x32 = float_dot(32, False), float_dot(32, True)
 
-signed32 = signed_dot(32)
-bits8, bits16, bits32 = bits_dot(8), bits_dot(16), bits_dot(32)
-plane8, plane16, plane32 = plane_dot(8), plane_dot(16), plane_dot(32)
-word16 = word_dot(16)
-table8, table16, table32 = table_dot(8), table_dot(16), table_dot(32)
-
-
-# ---- numpy twins ----
 
 def _x(x, xo, n):
     return np.asarray(x[xo:xo + n], np.float64)
-
-
-def signed_twin(a, off, x, xo, n):
-    return float(np.asarray(a[off:off + n]).view(np.int8).astype(np.float64) @ _x(x, xo, n))
 
 
 def _low(a, off, shift, mask, n):
     return (np.asarray(a[off:off + n], np.int64) >> shift) & mask
 
 
-def bits_twin(a, off, shift, mask, bias, x, xo, n):
-    return float((_low(a, off, shift, mask, n) - bias) @ _x(x, xo, n))
-
-
-def plane_twin(a, off, shift, mask, hoff, hshift, hmask, hpos, bias, x, xo, n):
-    code = _low(a, off, shift, mask, n) | (_low(a, hoff, hshift, hmask, n) << hpos)
-    return float((code - bias) @ _x(x, xo, n))
-
-
-def word_twin(a, off, shift, mask, qh, hbase, hpos, bias, x, xo, n):
-    high = (int(qh) >> (hbase + np.arange(n))) & 1
-    return float(((_low(a, off, shift, mask, n) | (high << hpos)) - bias) @ _x(x, xo, n))
-
-
 def float_twin(a, off, x, xo, n, half):
+    """float_dot, value by value."""
     w = np.asarray(a[off:off + (2 if half else 4) * n]).view(np.float16 if half else np.float32)
     return float(w.astype(np.float64) @ _x(x, xo, n))
 
 
-def table_twin(a, off, shift, mask, table, toff, x, xo, n):
-    vals = np.asarray(table, np.int64)[toff + _low(a, off, shift, mask, n)]
-    return float(vals @ _x(x, xo, n))
+# ---- chunks: many runs of codes, each with its own scale, accumulated in one vector ----
+
+class Run(NamedTuple):
+    """One run of codes in a chunk; byte offsets are relative to the chunk's first byte, value
+    offsets to its first value."""
+    n: int                      # values (8, 16 or 32)
+    xoff: int                   # the run's first value
+    off: int                    # first byte of the low bits
+    shift: int | None = None    # low bits (byte >> shift) & mask; None: the bytes are int8 codes
+    mask: int | None = None
+    hoff: int | None = None     # a plane of high bits, ((byte >> hshift) & hmask) << hpos
+    hshift: int = 0
+    hmask: int = 0
+    hpos: int = 4
+    bias: int = 0               # subtracted from the code (ignored with a table)
+    hword: int | None = None    # or high bit j is bit hbase + j of the 32-bit word at hword
+    hbase: int = 0
+    d_at: int | None = None     # the run's scale: the float16 at d_at, else scales[k]
+    m_at: int | None = None     # a float16 min added to every value (Q4_1, Q5_1)
+    split: bool = False         # n/2 bytes at off: codes 0..n/2-1 their low nibbles, then the high
+
+    def moved(self, byte_delta: int, value_delta: int) -> "Run":
+        """The same run in a block byte_delta bytes and value_delta values further on."""
+        def mv(v):
+            return None if v is None else v + byte_delta
+        return self._replace(xoff=self.xoff + value_delta, off=self.off + byte_delta, hoff=mv(self.hoff),
+                             hword=mv(self.hword), d_at=mv(self.d_at), m_at=mv(self.m_at))
 
 
-# ---- whole blocks: several runs, each with its own scale, summed in one vector ----
+def _fold(builder, v, n, to):
+    """Add the halves of v (<n x float>) until ``to`` lanes are left."""
+    while n > to:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+        v = builder.fadd(lo, hi)
+    return v
+
+
+def _halves(builder, base, o, offsets):
+    """{offset: float32} for the float16 scalars at base[o + offset]: 8 at a time gathered into
+    one vector and widened in one instruction (a scalar widening per scale merges into a register
+    and chains every conversion to the one before)."""
+    out = {}
+    v8h = ir.VectorType(_I16, 8)
+    offsets = list(offsets)
+    for g in range(0, len(offsets), 8):
+        part = offsets[g:g + 8]
+        vec = ir.Constant(v8h, [0] * 8)
+        for lane, off in enumerate(part):
+            ptr = builder.bitcast(builder.gep(base, [builder.add(o, ir.Constant(ir.IntType(64), off))]), _I16.as_pointer())
+            vec = builder.insert_element(vec, builder.load(ptr, align=1), ir.Constant(_I32, lane))
+        wide = builder.fpext(builder.bitcast(vec, ir.VectorType(ir.HalfType(), 8)), ir.VectorType(_F32, 8))
+        for lane, off in enumerate(part):
+            out[off] = (wide, lane)
+    return out
+
+
+def _lane_splat(builder, vec_lane, n):
+    vec, lane = vec_lane
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, n), [lane] * n))
+
+
+def _madd(builder, w16, x16, n):
+    """<n/2 x i32>: w16[2i] * x16[2i] + w16[2i+1] * x16[2i+1] (<n x i16> operands; pmaddwd on x86)."""
+    if _X86 and n in (16, 32):
+        v16, v8 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+        fn = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(v8, [v16, v16]))
+        halves = []
+        for h in range(n // 16):
+            pick = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * h, 16 * h + 16)))
+            halves.append(builder.call(fn, [builder.shuffle_vector(w16, w16, pick), builder.shuffle_vector(x16, x16, pick)]))
+        if len(halves) == 1:
+            return halves[0]
+        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
+    vi = ir.VectorType(_I32, n)
+    prod = builder.mul(builder.sext(w16, vi), builder.sext(x16, vi))
+    even = ir.Constant(ir.VectorType(_I32, n // 2), list(range(0, n, 2)))
+    odd = ir.Constant(ir.VectorType(_I32, n // 2), list(range(1, n, 2)))
+    return builder.add(builder.shuffle_vector(prod, prod, even), builder.shuffle_vector(prod, prod, odd))
+
+
+def _fold_int(builder, v, n, to):
+    while n > to:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+        v = builder.add(lo, hi)
+    return v
+
 
 def chunk_dot(runs, table=False):
-    """``dot(a, o, scales, toffs, tab, x, xo)`` = Σ_k scales[k] * Σ_j code_kj * x[xo + xoff_k + j]
-    over the static ``runs``: tuples (n, xoff, off, shift, mask, hoff, hshift, hmask, hpos, bias)
-    with byte offsets relative to o (hoff None: no high plane; hshift None: the low byte's own
-    bits are the int8 code).  With ``table`` a code is tab[toffs[k] + code] instead of code - bias.
+    """``dot(a, o, scales, params, tab, xq, xd, xsum, xo)`` = Σ_k Σ_j value_kj * x_(xo + xoff_k + j)
+    over the static ``runs`` (:class:`Run`) of a chunk starting at byte o of a and value xo of x
+    (xo a multiple of 32), where
 
-    The runs' products are scaled and added into one vector, which is summed once at the end: a
-    super-block costs one horizontal sum instead of one per run."""
-    width = max(r[0] for r in runs)
+        value = scale_k * code (+ min_k)      scale_k the float16 at d_at, or scales[k]
+        x_i   = xq[i] * xd[i // 32]           the activations as int8 codes (held as int16) and
+                                              a scale per 32, as ggml's q8_0 rounds them;
+                                              xsum[i // 32] = xd * Σ xq over the 32
+
+    With ``table`` a code is the int8 tab[params[k] + code] (a 16-entry window of the grid).
+
+    A run's integer codes are multiplied with xq in 16-bit lanes and added in pairs into 32-bit
+    lanes (pmaddwd: 16 products per instruction), so each run costs one float conversion and one
+    FMA per 8 lanes, whatever its width; the runs' sums go into a few float accumulators (scaled by
+    scale_k * xd), summed once at the end.  Bytes, scales and activations are read at offsets
+    fixed when the kernel is compiled: a chunk is straight-line vector code."""
+    runs = tuple(Run(*r) for r in runs)
+    assert all(r.n == runs[0].n for r in runs), "one run width per chunk"
 
     @intrinsic
-    def dot(typingctx, a, o, scales, toffs, tab, x, xo):
+    def dot(typingctx, a, o, scales, params, tab, xq, xd, xsum, xo):
         def codegen(context, builder, sig, args):
-            a_v, o_v, sc_v, to_v, tab_v, x_v, xo_v = args
+            a_v, o_v, sc_v, pa_v, tab_v, xq_v, xd_v, xs_v, xo_v = args
             i64 = ir.IntType(64)
+            vf8 = ir.VectorType(_F32, 8)
+            fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf8, [vf8, vf8, vf8]),
+                                                     "llvm.fmuladd.v8f32")
             base = _data(context, builder, sig.args[0], a_v)
             sc = _data(context, builder, sig.args[2], sc_v)
-            to = _data(context, builder, sig.args[3], to_v)
+            pa = _data(context, builder, sig.args[3], pa_v)
             tb = _data(context, builder, sig.args[4], tab_v)
-            xb = _data(context, builder, sig.args[5], x_v)
-            acc = None
-            for k, (n, xoff, off, shift, mask, hoff, hshift, hmask, hpos, bias) in enumerate(runs):
-                c = lambda v: ir.Constant(i64, v)
-                at = builder.add(o_v, c(off))
-                if shift is None:
-                    vals = _signed_f32(builder, _load(builder, base, at, n, _I8), n)
+            xqb = _data(context, builder, sig.args[5], xq_v)
+            xdb = _data(context, builder, sig.args[6], xd_v)
+            xsb = _data(context, builder, sig.args[7], xs_v)
+            xblock = builder.lshr(xo_v, ir.Constant(i64, 5))
+
+            def c(v):
+                return ir.Constant(i64, v)
+            halves = _halves(builder, base, o_v, dict.fromkeys(
+                v for r in runs for v in (r.d_at, r.m_at) if v is not None))
+            # 8 blocks of 32 with a float16 scale each (legacy chunks): their scale products
+            # d * xd in one vector multiply, lane i for block i
+            d_offs = list(dict.fromkeys(r.d_at for r in runs))
+            block_scales = None
+            if len(d_offs) == 8 and None not in d_offs and \
+                    all(d_offs.index(r.d_at) == r.xoff // 32 for r in runs):
+                d_vec = _halves(builder, base, o_v, d_offs)[d_offs[0]][0]
+                xd_vec = _load(builder, xdb, xblock, 8, _F32)
+                block_scales = builder.fmul(d_vec, xd_vec)
+            n_acc = 4                   # independent FMA chains
+            accs = [ir.Constant(vf8, [0.0] * 8)] * n_acc
+            mins = ir.Constant(_F32, 0.0)
+            for k, r in enumerate(runs):
+                n = r.n
+                v8 = ir.VectorType(_I8, n)
+
+                def b8(v):
+                    return ir.Constant(v8, [v] * n)
+                at = builder.add(o_v, c(r.off))
+                if r.shift is None:
+                    code = _load(builder, base, at, n, _I8)
+                elif r.split:
+                    # a block of 16 bytes holds 32 codes: low nibbles first, then the high ones
+                    h8 = ir.VectorType(_I8, n // 2)
+                    raw = _load(builder, base, at, n // 2, _I8)
+                    mask = ir.Constant(h8, [15] * (n // 2))
+                    lo = builder.and_(raw, mask)
+                    hi = builder.and_(builder.lshr(raw, ir.Constant(h8, [4] * (n // 2))), mask)
+                    code = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
                 else:
-                    code = _bits(builder, base, at, c(shift), c(mask), n)
-                    if hoff is not None:
-                        high = _bits(builder, base, builder.add(o_v, c(hoff)), c(hshift), c(hmask), n)
-                        code = builder.or_(code, builder.shl(high, ir.Constant(ir.VectorType(_I16, n), [hpos] * n)))
+                    # bytes all the way: the shifts are constants here, which x86 does on bytes
+                    # as a 16-bit shift and a mask; codes fit in int8
+                    code = builder.and_(builder.lshr(_load(builder, base, at, n, _I8), b8(r.shift)), b8(r.mask))
+                if r.shift is not None:
+                    if r.hoff is not None:
+                        high = _load(builder, base, builder.add(o_v, c(r.hoff)), n, _I8)
+                        high = builder.and_(builder.lshr(high, b8(r.hshift)), b8(r.hmask))
+                        code = builder.or_(code, builder.shl(high, b8(r.hpos)))
+                    if r.hword is not None:
+                        # bit hbase + j of the word, in byte lane j: spread the word's bytes over
+                        # the lanes (byte (hbase + j) // 8 to lane j), test one bit per lane
+                        word = _load(builder, base, builder.add(o_v, c(r.hword)), 4, _I8)
+                        spread = builder.shuffle_vector(word, word, ir.Constant(ir.VectorType(_I32, n),
+                                                                                [(r.hbase + j) // 8 for j in range(n)]))
+                        bit = ir.Constant(v8, [1 << ((r.hbase + j) % 8) for j in range(n)])
+                        hit = builder.icmp_unsigned("!=", builder.and_(spread, bit), b8(0))
+                        code = builder.or_(code, builder.select(hit, b8(1 << r.hpos), b8(0)))
                     if table:
-                        toff = builder.load(builder.gep(to, [c(k)]))
-                        t16 = _load(builder, tb, toff, 16, _I8)
-                        vals = _signed_f32(builder, _lookup(builder, t16, builder.trunc(code, ir.VectorType(_I8, n)), n), n)
+                        t16 = _load(builder, tb, builder.load(builder.gep(pa, [c(k)])), 16, _I8)
+                        code = _lookup(builder, t16, code, n)
                     else:
-                        vals = _centred_f32(builder, code, c(bias), n)
-                prod = builder.fmul(vals, _load(builder, xb, builder.add(xo_v, c(xoff)), n, _F32))
-                s = _splat(builder, builder.load(builder.gep(sc, [c(k)])), n)
-                prod = builder.fmul(prod, s)
-                while n > 8:                           # fold to 8 lanes
-                    n //= 2
-                    lo = builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-                    hi = builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-                    prod = builder.fadd(lo, hi)
-                acc = prod if acc is None else builder.fadd(acc, prod)
-            n = 8
-            while n > 1:
-                n //= 2
-                lo = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-                hi = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-                acc = builder.fadd(lo, hi)
-            return builder.extract_element(acc, ir.Constant(_I32, 0))
-        return nbt.float32(a, o, scales, toffs, tab, x, xo), codegen
+                        code = builder.sub(code, b8(r.bias))
+                w16 = builder.sext(code, ir.VectorType(_I16, n))
+                x16 = _load(builder, xqb, builder.add(xo_v, c(r.xoff)), n, _I16)
+                isum = _fold_int(builder, _madd(builder, w16, x16, n), n // 2, 8) if n >= 16 else \
+                    builder.shuffle_vector(_madd(builder, w16, x16, n), ir.Constant(ir.VectorType(_I32, 4), [0] * 4),
+                                           ir.Constant(ir.VectorType(_I32, 8), list(range(8))))
+                blk = builder.add(xblock, c(r.xoff // 32))
+                if block_scales is not None:
+                    scale8 = _lane_splat(builder, (block_scales, r.xoff // 32), 8)
+                else:
+                    if r.d_at is not None:
+                        vec, lane = halves[r.d_at]
+                        d = builder.extract_element(vec, ir.Constant(_I32, lane))
+                    else:
+                        d = builder.load(builder.gep(sc, [c(k)]))
+                    scale8 = _splat(builder, builder.fmul(d, builder.load(builder.gep(xdb, [blk]))), 8)
+                fsum = builder.sitofp(isum, vf8)
+                accs[k % n_acc] = builder.call(fmuladd, [fsum, scale8, accs[k % n_acc]])
+                if r.m_at is not None and (k == 0 or runs[k - 1].m_at != r.m_at or r.xoff // 32 != runs[k - 1].xoff // 32):
+                    vec, lane = halves[r.m_at]
+                    m = builder.extract_element(vec, ir.Constant(_I32, lane))
+                    mins = builder.fadd(mins, builder.fmul(m, builder.load(builder.gep(xsb, [blk]))))
+            while len(accs) > 1:
+                accs = [builder.fadd(accs[i], accs[i + 1]) for i in range(0, len(accs), 2)]
+            total = builder.extract_element(_fold(builder, accs[0], 8, 1), ir.Constant(_I32, 0))
+            return builder.fadd(total, mins)
+        return nbt.float32(a, o, scales, params, tab, xq, xd, xsum, xo), codegen
+    dot.runs, dot.table = runs, table           # for the twin in tests
     return dot
+
+
+def chunk_twin(runs, table, a, o, scales, params, tab, xq, xd, xo):
+    """chunk_dot, value by value (float64 sums of value * xq * xd)."""
+    a = np.asarray(a)
+    total = 0.0
+    for k, r in enumerate(Run(*r) for r in runs):
+        n = r.n
+        if r.shift is None:
+            code = a[o + r.off:o + r.off + n].view(np.int8).astype(np.int64)
+        else:
+            if r.split:
+                raw = np.asarray(a[o + r.off:o + r.off + n // 2], np.int64)
+                code = np.concatenate([raw & 15, raw >> 4])
+            else:
+                code = _low(a, o + r.off, r.shift, r.mask, n)
+            if r.hoff is not None:
+                code = code | (_low(a, o + r.hoff, r.hshift, r.hmask, n) << r.hpos)
+            if r.hword is not None:
+                word = int(a[o + r.hword:o + r.hword + 4].view(np.uint32)[0])
+                code = code | (((word >> (r.hbase + np.arange(n))) & 1) << r.hpos)
+            code = np.asarray(tab, np.int64)[params[k] + code] if table else code - r.bias
+        half = (lambda at: float(a[o + at:o + at + 2].view(np.float16)[0]))
+        d = float(scales[k]) if r.d_at is None else half(r.d_at)
+        value = d * code + (0.0 if r.m_at is None else half(r.m_at))
+        i = xo + r.xoff
+        xv = np.asarray(xq[i:i + n], np.float64) * float(xd[i // 32])
+        total += float(value @ xv)
+    return total
 
 
 # ---- float16 rows of a 3-D array (the KV cache): a[i, h, d:d + n], contiguous in d ----

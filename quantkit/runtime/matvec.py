@@ -1,29 +1,36 @@
 """Fused matrix-vector products for generation: each stored row is multiplied with the activations
-straight from its packed bytes, block by block, and never written out as float32.
+straight from its packed bytes, chunk by chunk, and never written out as float32.
 
 A decoded row costs a write and a read of 4 bytes per weight; the packed row is 0.3-1 byte.  For
 the one or few tokens of a generation step that traffic, not the arithmetic, set the speed of the
 decode-then-BLAS path (ops_cpu.matmul_q), so the products of a few tokens come here for the types
 below; larger batches keep the tile path, where BLAS reuses each decoded tile for every token.
 
-Per block the codes go through one of the vector dots of :mod:`quantkit.runtime.dot` and are
-multiplied by the block's scales here:
-
-    q4_0   d * Σ (q - 8) x                   q4_1   d * Σ q x + m * Σ x     (Σ x per 32: xsum)
-    q4_K   d sc_s Σ q x - dmin m_s Σ x       iq4_k  d ls_s Σ table[q] x     ...
+As in ggml's quantized dot products the activations are first rounded to 8 bits per 32 (q8_0:
+``round_q8``), and weight codes and activation codes are multiplied as integers; F32 and F16 rows
+are multiplied in float.  Per chunk (8 legacy blocks, or one super-block of 256) the kernel runs
+one :func:`dot.chunk_dot`, compiled from the type's static list of runs below; its scales come
+from the blocks themselves (legacy types) or from the few scalar lines of the type's ``setup``
+(k-quants and IQK types: 6-bit scales, grid choices, mins).  Each type compiles its own loop: the
+type is a literal argument of the kernel (``_kernel``).
 
 Interleaved types (``_r4``/``_r8``) are regrouped into their plain rows once, on first use (see
 ``Weight.plain_layout``), and take the plain type's kernel.  The numpy twin is decoding the rows
-and multiplying (``formats.dequantize(...) @ x``), which the tests compare with.
+and multiplying with the rounded activations (``formats.dequantize(...) @ round_q8(x)``), which
+the tests compare with.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from ..formats._iqk import IQ2NL_VALUES, IQ4K_VALUES
-from ..types import TYPE_TRAITS, QuantType
+from ..types import TYPE_TRAITS, QuantType, traits
 from . import dot as D
+from .kernels import _f16_value as half_round
 
 F = np.float32
 T = QuantType
@@ -39,8 +46,9 @@ def _padded(values, n):
 # non-linear grids as int8, padded so that a 16-byte load at any table offset stays inside
 IQ4_TABLE = _padded(IQ4K_VALUES, 48)          # iq4_nl / iq4_xs: 0..15; iq4_k: + 16 * extra bit
 IQ2_TABLE = _padded(IQ2NL_VALUES, 32)         # iq2_k: 4 values, + 4 * extra bit
+NO_TABLE = np.zeros(16, np.int8)              # the types without a grid
 
-# the kernel's selector per stored type (the order of the branches in _row_dot)
+# the kernel selector per stored type: 0-1 float rows, 2-8 legacy blocks, 9-14 super-blocks (_row_dot)
 KIND = {T.F32: 0, T.F16: 1, T.Q8_0: 2, T.Q4_0: 3, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 6, T.Q6_0: 7,
         T.IQ4_NL: 8, T.IQ4_XS: 9, T.Q4_K: 10, T.Q5_K: 11, T.Q6_K: 12, T.IQ4_K: 13, T.IQ2_K: 14}
 
@@ -98,137 +106,257 @@ def _floats(b, x, n, half):
     return s
 
 
-@njit(**_OPTS)
-def _legacy(kind, b, x, xsum):
-    """Blocks of 32: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q6_0, IQ4_NL (block layouts in formats/legacy.py
-    and formats/iq4.py)."""
-    s = F(0)
-    for ib in range(x.shape[0] // 32):
-        e = 32 * ib
-        if kind == 2:                                   # Q8_0   d | 32 int8
-            o = 34 * ib
-            s += D.half_at(b, o) * D.signed32(b, o + 2, x, e)
-        elif kind == 3:                                 # Q4_0   d | 16 bytes: codes j, j+16
-            o = 18 * ib
-            s += D.half_at(b, o) * (D.bits16(b, o + 2, 0, 15, 8, x, e) + D.bits16(b, o + 2, 4, 15, 8, x, e + 16))
-        elif kind == 4:                                 # Q4_1   d m | 16 bytes
-            o = 20 * ib
-            q = D.bits16(b, o + 4, 0, 15, 0, x, e) + D.bits16(b, o + 4, 4, 15, 0, x, e + 16)
-            s += D.half_at(b, o) * q + D.half_at(b, o + 2) * xsum[ib]
-        elif kind == 5:                                 # Q5_0   d | qh (32 bits) | 16 bytes
-            o = 22 * ib
-            qh = _u32(b, o + 2)
-            q = D.word16(b, o + 6, 0, 15, qh, 0, 4, 16, x, e) + D.word16(b, o + 6, 4, 15, qh, 16, 4, 16, x, e + 16)
-            s += D.half_at(b, o) * q
-        elif kind == 6:                                 # Q5_1   d m | qh | 16 bytes
-            o = 24 * ib
-            qh = _u32(b, o + 4)
-            q = D.word16(b, o + 8, 0, 15, qh, 0, 4, 0, x, e) + D.word16(b, o + 8, 4, 15, qh, 16, 4, 0, x, e + 16)
-            s += D.half_at(b, o) * q + D.half_at(b, o + 2) * xsum[ib]
-        elif kind == 7:
-            # Q6_0   d | qh[8] | qs[16]; code j < 8 takes bits 0-1 of qh[j], 8 <= j < 16 bits 4-5
-            # of qh[j-8], and codes j+16 bits 2-3 / 6-7
-            o = 26 * ib
-            qh, qs = o + 2, o + 10
-            q = (D.plane8(b, qs, 0, 15, qh, 0, 3, 4, 32, x, e) + D.plane8(b, qs + 8, 0, 15, qh, 4, 3, 4, 32, x, e + 8)
-                 + D.plane8(b, qs, 4, 15, qh, 2, 3, 4, 32, x, e + 16)
-                 + D.plane8(b, qs + 8, 4, 15, qh, 6, 3, 4, 32, x, e + 24))
-            s += D.half_at(b, o) * q
-        else:                                           # IQ4_NL d | 16 bytes of table indices
-            o = 18 * ib
-            q = D.table16(b, o + 2, 0, 15, IQ4_TABLE, 0, x, e) + D.table16(b, o + 2, 4, 15, IQ4_TABLE, 0, x, e + 16)
-            s += D.half_at(b, o) * q
-    return s
+# ---- the runs of each type's chunks (dot.Run: byte and value offsets inside the chunk) ----
+#
+# Legacy types are read 8 blocks (256 values) per chunk, and a row's last n % 256 values one block
+# per chunk; super-block types one super-block per chunk.
+
+R = D.Run
 
 
-@njit(**_OPTS)
-def _super(kind, b, x, xsum):
-    """Super-blocks of 256: IQ4_XS, Q4_K, Q5_K, Q6_K, IQ4_K, IQ2_K (layouts in formats/kquants.py,
-    iq4.py, iqk.py, iq2k.py)."""
-    s = F(0)
-    for sb in range(x.shape[0] // 256):
-        e = 256 * sb
-        if kind == 9:                                   # IQ4_XS d | scales_h | scales_l[4] | qs[128]
-            o = 136 * sb
+@dataclass(frozen=True)
+class LegacyLayout:
+    """A type of 32-value blocks: its block bytes and the runs of one block (scales and mins
+    read by the chunk dot itself, from d_at / m_at)."""
+    block_bytes: int
+    runs: tuple
+    table: bool = False                # codes index the IQ4 grid
+
+    def chunk(self, n_blocks: int):
+        """The chunk dot of n_blocks consecutive blocks."""
+        runs = tuple(r.moved(self.block_bytes * i, 32 * i) for i in range(n_blocks) for r in self.runs)
+        return D.chunk_dot(runs, table=self.table)
+
+
+LEGACY = {
+    # Q8_0   d | 32 int8
+    T.Q8_0: LegacyLayout(34, (R(32, 0, 2, d_at=0),)),
+    # Q4_0   d | 16 bytes: low nibbles are values 0-15, high nibbles 16-31, minus 8
+    T.Q4_0: LegacyLayout(18, (R(32, 0, 2, 0, 15, bias=8, d_at=0, split=True),)),
+    # Q4_1   d m | 16 bytes
+    T.Q4_1: LegacyLayout(20, (R(32, 0, 4, 0, 15, d_at=0, m_at=2, split=True),)),
+    # Q5_0   d | qh (bit j: the fifth bit of value j) | 16 bytes, minus 16
+    T.Q5_0: LegacyLayout(22, (R(32, 0, 6, 0, 15, bias=16, hword=2, d_at=0, split=True),)),
+    # Q5_1   d m | qh | 16 bytes
+    T.Q5_1: LegacyLayout(24, (R(32, 0, 8, 0, 15, hword=4, d_at=0, m_at=2, split=True),)),
+    # Q6_0   d | qh[8] | qs[16]: value j < 8 takes bits 0-1 of qh[j], 8 <= j < 16 bits 4-5 of
+    #        qh[j - 8]; values 16 + j bits 2-3 / 6-7; minus 32
+    T.Q6_0: LegacyLayout(26, tuple(R(8, xoff, 10 + 8 * (xoff // 8 % 2), 4 * (xoff // 16), 15, 2, hshift, 3,
+                                     bias=32, d_at=0)
+                                   for xoff, hshift in ((0, 0), (8, 4), (16, 2), (24, 6)))),
+    # IQ4_NL d | 16 bytes of grid indices
+    T.IQ4_NL: LegacyLayout(18, (R(32, 0, 2, 0, 15, d_at=0, split=True),), table=True),
+}
+# chunk dots of 8 blocks and of 1 block, made once (numba caches what uses them)
+_LEGACY_CHUNKS = {q: (lay.chunk(8), lay.chunk(1)) for q, lay in LEGACY.items()}
+
+
+def _super_chunk(runs, table=False):
+    return D.chunk_dot(tuple(D.Run(*r) for r in runs), table)
+
+
+SUPER_CHUNKS = {
+    # IQ4_XS d | scales_h | scales_l[4] | qs[128]: 32-group ib's values from the 16 bytes at 8 + 16 ib
+    T.IQ4_XS: _super_chunk([(16, 32 * ib + 16 * h, 8 + 16 * ib, 4 * h, 15) for ib in range(8) for h in range(2)],
+                           table=True),
+    # Q4_K d dmin scales[12] qs[128]: sub-block j is nibble j % 2 of qs[32 (j // 2) ..]
+    T.Q4_K: _super_chunk([(32, 32 * j, 16 + 32 * (j // 2), 4 * (j % 2), 15) for j in range(8)]),
+    # Q5_K d dmin scales[12] qh[32] qs[128]: the fifth bit of sub-block j is bit j of qh
+    T.Q5_K: _super_chunk([(32, 32 * j, 48 + 32 * (j // 2), 4 * (j % 2), 15, 16, j, 1, 4) for j in range(8)]),
+    # Q6_K ql[128] qh[64] scales[16] d: value v = 128 h + 32 q + l is nibble q // 2 of
+    # ql[64 h + 32 (q % 2) + l] with bits 2q..2q+1 of qh[32 h + l] above it, minus 32
+    T.Q6_K: _super_chunk([(16, 128 * h + 32 * q + l0, 64 * h + 32 * (q % 2) + l0, 4 * (q // 2), 15,
+                           128 + 32 * h + l0, 2 * q, 3, 4, 32)
+                          for h in range(2) for q in range(4) for l0 in (0, 16)]),
+    # IQ4_K d extra scales_h[4] scales_l[8] qs[128]: sub-block ib of 16 is nibble ib % 2 of
+    # qs[16 (ib // 2) ..], on the second grid when bit ib of extra is set
+    T.IQ4_K: _super_chunk([(16, 16 * ib, 16 + 16 * (ib // 2), 4 * (ib % 2), 15) for ib in range(16)], table=True),
+    # IQ2_K d extra scales[8] qs[64]: sub-block ib (32-group g = ib // 2) is bits 2 (g % 4) of
+    # qs[32 (g // 4) + 16 (ib % 2) ..], values 4..7 of the grid when bit ib of extra is set
+    T.IQ2_K: _super_chunk([(16, 16 * ib, 12 + 32 * (ib // 8) + 16 * (ib % 2), 2 * ((ib // 2) % 4), 3)
+                           for ib in range(16)], table=True),
+}
+_TYPE_OF_KIND = {k: q for q, k in KIND.items()}
+
+
+# ---- row dots, specialised per type: the kind is a literal, so each type compiles its own loop ----
+
+def legacy_row(kind, b, xq, xd, xsum, scales, params):
+    """Row b (bytes) of the legacy type ``kind`` · x (see _legacy_row)."""
+    raise NotImplementedError("called from numba code only")
+
+
+@overload(legacy_row, prefer_literal=True)
+def _legacy_row(kind, b, xq, xd, xsum, scales, params):
+    """8 blocks per chunk dot, the row's last n % 256 values one block at a time."""
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    qtype = _TYPE_OF_KIND[kind.literal_value]
+    chunk8, chunk1 = _LEGACY_CHUNKS[qtype]
+    block_bytes = LEGACY[qtype].block_bytes
+    table = IQ4_TABLE if LEGACY[qtype].table else NO_TABLE
+
+    def impl(kind, b, xq, xd, xsum, scales, params):
+        nb = xq.shape[0] // 32
+        s = F(0)
+        ib = 0
+        while ib + 8 <= nb:
+            s += chunk8(b, block_bytes * ib, scales, params, table, xq, xd, xsum, 32 * ib)
+            ib += 8
+        while ib < nb:
+            s += chunk1(b, block_bytes * ib, scales, params, table, xq, xd, xsum, 32 * ib)
+            ib += 1
+        return s
+    return impl
+
+
+def super_row(kind, b, xq, xd, xsum, scales, params):
+    """Row b (bytes) of the super-block type ``kind`` · x (see _super_row)."""
+    raise NotImplementedError("called from numba code only")
+
+
+@overload(super_row, prefer_literal=True)
+def _super_row(kind, b, xq, xd, xsum, scales, params):
+    """One chunk dot per super-block of 256, after its run scales (and grid offsets)."""
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    qtype = _TYPE_OF_KIND[kind.literal_value]
+    chunk = SUPER_CHUNKS[qtype]
+    table = IQ2_TABLE if qtype == T.IQ2_K else IQ4_TABLE
+    block_bytes = traits(qtype).type_size
+
+    if qtype == T.IQ4_XS:
+        def setup(b, o, xsum, sb, scales, params):
             d, sh = D.half_at(b, o), _u16(b, o + 2)
             for ib in range(8):
                 ls = ((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4)
-                q = D.table16(b, o + 8 + 16 * ib, 0, 15, IQ4_TABLE, 0, x, e + 32 * ib) \
-                    + D.table16(b, o + 8 + 16 * ib, 4, 15, IQ4_TABLE, 0, x, e + 32 * ib + 16)
-                s += d * F(ls - 32) * q
-        elif kind == 10 or kind == 11:
-            # Q4_K d dmin scales[12] qs[128]; Q5_K the same with qh[32] before qs: sub-block j's
-            # codes are nibble j % 2 of qs[32 (j // 2) ..], Q5_K's fifth bit bit j of qh[..]
-            five = kind == 11
-            o = (176 if five else 144) * sb
+                scales[2 * ib] = scales[2 * ib + 1] = d * F(ls - 32)
+            return F(0)
+    elif qtype in (T.Q4_K, T.Q5_K):
+        def setup(b, o, xsum, sb, scales, params):
             d, dmin = D.half_at(b, o), D.half_at(b, o + 2)
-            qs = o + (48 if five else 16)
+            mins = F(0)
             for j in range(8):
                 sc, m = _scale_min_k4(j, b, o + 4)
-                if five:
-                    q = D.plane32(b, qs + 32 * (j // 2), 4 * (j % 2), 15, o + 16, j, 1, 4, 0, x, e + 32 * j)
-                else:
-                    q = D.bits32(b, qs + 32 * (j // 2), 4 * (j % 2), 15, 0, x, e + 32 * j)
-                s += d * F(sc) * q - dmin * F(m) * xsum[8 * sb + j]
-        elif kind == 12:
-            # Q6_K ql[128] qh[64] scales[16] (int8) d; value v = 128 h + 32 quarter + l takes the
-            # nibble quarter // 2 of ql[64 h + 32 (quarter % 2) + l] and bits 2 quarter of qh[32 h + l]
-            o = 210 * sb
+                scales[j] = d * F(sc)
+                mins += F(m) * xsum[8 * sb + j]
+            return -dmin * mins
+    elif qtype == T.Q6_K:
+        def setup(b, o, xsum, sb, scales, params):
             d = D.half_at(b, o + 208)
-            for h in range(2):
-                for quarter in range(4):
-                    for half in range(2):
-                        l0 = 16 * half
-                        v = 128 * h + 32 * quarter + l0
-                        q = D.plane16(b, o + 64 * h + 32 * (quarter % 2) + l0, 4 * (quarter // 2), 15,
-                                      o + 128 + 32 * h + l0, 2 * quarter, 3, 4, 32, x, e + v)
-                        s += d * F(np.int8(b[o + 192 + v // 16])) * q
-        elif kind == 13:
-            # IQ4_K d extra scales_h[4] scales_l[8] qs[128]; sub-block ib of 16 takes nibble ib % 2
-            # of qs[16 (ib // 2) ..], from the second table when bit ib of extra is set
-            o = 144 * sb
+            for k in range(16):             # run order h, q, l0: sub-block 8 h + 2 q + l0 / 16
+                scales[k] = d * F(np.int8(b[o + 192 + 8 * (k // 8) + 2 * ((k // 2) % 4) + k % 2]))
+            return F(0)
+    elif qtype == T.IQ4_K:
+        def setup(b, o, xsum, sb, scales, params):
             d, extra = D.half_at(b, o), _u16(b, o + 2)
             for ib in range(16):
                 ls = (((np.int64(b[o + 8 + ib // 2]) >> (4 * (ib % 2))) & 0xF)
                       | (((np.int64(b[o + 4 + ib // 4]) >> (2 * (ib % 4))) & 3) << 4)) - 32
-                q = D.table16(b, o + 16 + 16 * (ib // 2), 4 * (ib % 2), 15, IQ4_TABLE, 16 * ((extra >> ib) & 1),
-                              x, e + 16 * ib)
-                s += d * F(ls) * q
-        else:
-            # IQ2_K d extra scales[8] qs[64]; sub-block ib of 16 (in 32-group g = ib // 2) takes bits
-            # 2 (g % 4) of qs[32 (g // 4) + 16 (ib % 2) ..], values 4..7 when bit ib of extra is set
-            o = 76 * sb
+                scales[ib] = d * F(ls)
+                params[ib] = 16 * ((extra >> ib) & 1)
+            return F(0)
+    else:
+        def setup(b, o, xsum, sb, scales, params):
             d, extra = D.half_at(b, o), _u16(b, o + 2)
             for ib in range(16):
-                g = ib // 2
-                ls = ((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) - 8
-                q = D.table16(b, o + 12 + 32 * (g // 4) + 16 * (ib % 2), 2 * (g % 4), 3, IQ2_TABLE,
-                              4 * ((extra >> ib) & 1), x, e + 16 * ib)
-                s += d * F(ls) * q
-    return s
+                scales[ib] = d * F(((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) - 8)
+                params[ib] = 4 * ((extra >> ib) & 1)
+            return F(0)
+    setup = njit(inline="always")(setup)
+
+    def impl(kind, b, xq, xd, xsum, scales, params):
+        s = F(0)
+        for sb in range(xq.shape[0] // 256):
+            o = block_bytes * sb
+            s += setup(b, o, xsum, sb, scales, params)
+            s += chunk(b, o, scales, params, table, xq, xd, xsum, 256 * sb)
+        return s
+    return impl
+
+
+def row_dot(kind, b, x, xq, xd, xsum, scales, params):
+    """Row b (bytes) of the type ``kind`` · x (float types) or · xq * xd (the others); scales,
+    params: scratch of 32 entries."""
+    raise NotImplementedError("called from numba code only")
+
+
+@overload(row_dot, prefer_literal=True)
+def _row_dot(kind, b, x, xq, xd, xsum, scales, params):
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    k = kind.literal_value
+    if k <= 1:
+        half = k == 1
+        return lambda kind, b, x, xq, xd, xsum, scales, params: _floats(b, x, x.shape[0], half)
+    if k <= 8:
+        return lambda kind, b, x, xq, xd, xsum, scales, params: legacy_row(kind, b, xq, xd, xsum, scales, params)
+    return lambda kind, b, x, xq, xd, xsum, scales, params: super_row(kind, b, xq, xd, xsum, scales, params)
+
+
+ROWS_PER_TASK = 16
 
 
 @njit(**_OPTS)
-def _row_dot(kind, b, x, xsum):
-    if kind <= 1:
-        return _floats(b, x, x.shape[0], kind == 1)
-    if kind <= 8:
-        return _legacy(kind, b, x, xsum)
-    return _super(kind, b, x, xsum)
+def round_q8(x, xq, xd, xsum):
+    """The activations x (n_tokens, n) as ggml's q8_0 rounds them, per 32: d = fp16(amax / 127),
+    xq = rint(x * 127 / amax) (int16 holding int8), xd = d, xsum = d * Σ xq; the values they
+    stand for are xq * xd (kernels.round_q8_0_rows)."""
+    for t in range(x.shape[0]):
+        for blk in range(x.shape[1] // 32):
+            amax = F(0)
+            for i in range(32 * blk, 32 * blk + 32):
+                amax = max(amax, abs(x[t, i]))
+            inv = F(127.0) / amax if amax > 0 else F(0)
+            total = 0
+            for i in range(32 * blk, 32 * blk + 32):
+                q = np.int16(np.rint(x[t, i] * inv))
+                xq[t, i] = q
+                total += q
+            xd[t, blk] = half_round(amax / F(127.0))
+            xsum[t, blk] = xd[t, blk] * F(total)
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def matvec(kind, blocks, x):
+def _matvec(blocks, x, out, kind):
+    """out[t, r] = row r of ``blocks`` (n_rows, row_size uint8, of the type ``kind`` selects; a
+    literal, so each type compiles its own loop) · x[t], for the few tokens t of x (n_tokens, n_in)."""
+    n_tok, n_in = x.shape
+    xq = np.zeros((n_tok, n_in), np.int16)
+    xd = np.zeros((n_tok, n_in // 32), F)
+    xsum = np.zeros((n_tok, n_in // 32), F)
+    if kind > 1:
+        round_q8(x, xq, xd, xsum)
+    n_rows = blocks.shape[0]
+    for task in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        scales = np.empty(32, F)                        # the chunk dots' scratch, once per task
+        params = np.zeros(32, np.int64)
+        for r in range(task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK)):
+            for t in range(n_tok):
+                out[t, r] = row_dot(kind, blocks[r], x[t], xq[t], xd[t], xsum[t], scales, params)
+
+
+_U8_2D, _F32_2D = types.Array(types.uint8, 2, "C"), types.Array(types.float32, 2, "C")
+_ENTRY: dict[int, object] = {}
+
+
+def _kernel(kind: int):
+    """_matvec compiled (or loaded from numba's cache) for the literal ``kind`` and called
+    directly: through the dispatcher a literal argument costs a failed plain-int typing per call."""
+    fn = _ENTRY.get(kind)
+    if fn is None:
+        sig = (_U8_2D, _F32_2D, _F32_2D, types.literal(kind))
+        _matvec.compile(sig)
+        fn = _ENTRY[kind] = _matvec.overloads[sig].entry_point
+    return fn
+
+
+def matvec(kind: int, blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
     """x (n_tokens, n_in) float32 · the rows of ``blocks`` (n_rows, row_size uint8, of the type
     ``kind`` selects) -> (n_tokens, n_rows) float32; for a few tokens (each row is read once per
     token)."""
-    n_tok, n_in = x.shape
-    xsum = np.zeros((n_tok, n_in // 32), F)             # Σ x per 32, for the types with a min
-    for t in range(n_tok):
-        for i in range(n_in // 32 * 32):
-            xsum[t, i // 32] += x[t, i]
-    out = np.empty((n_tok, blocks.shape[0]), F)
-    for r in prange(blocks.shape[0]):
-        for t in range(n_tok):
-            out[t, r] = _row_dot(kind, blocks[r], x[t], xsum[t])
+    blocks = np.ascontiguousarray(blocks, np.uint8)
+    x = np.ascontiguousarray(x, F)
+    out = np.empty((x.shape[0], blocks.shape[0]), F)
+    _kernel(kind)(blocks, x, out, kind)
     return out

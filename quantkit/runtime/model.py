@@ -152,4 +152,5 @@ class Model:
             x = x + (deepseek2.moe(self, i, h) if c.moe and i >= c.moe.n_dense_lead else self.ffn(p, h))
         cache.n_past = pos0 + n
         x = ops.rmsnorm(x[logits_from:], self.vector("output_norm.weight"), c.rms_eps)
-        return ops.host(ops.matmul_q(self.output, x))
+        # a batch's last logits alone stay a batch's (float activations): fused only for a generation step
+        return ops.host(ops.matmul_q(self.output, x, fused=n <= ops_cpu.FUSED_TOKENS))

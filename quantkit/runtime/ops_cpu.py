@@ -3,15 +3,21 @@ provides the same functions with the same signatures.
 
 ggml's CPU graph is followed where it changes numbers that a comparison with llama.cpp would see:
 the KV cache holds float16, and ggml multiplies it with float16 copies of its other operand (the
-query for K·Q, the softmax probabilities for V·P).  Quantized weights are multiplied with float32
-activations here.  ggml first rounds activations to 8 bits, and how depends on its build and on the
-batch size (ik_llama.cpp's wheel gives the same position logits that differ by several percent of
-max |logit| between a batch of 4 and one of 64 tokens), so quantkit does not imitate one of those
-paths: it computes what the stored weights mean, which tests check against ik_llama.cpp on the
-dequantized (F32) file to float precision.
+query for K·Q, the softmax probabilities for V·P).
+
+Quantized weights meet their activations in two ways.  A batch (a prompt, a perplexity chunk)
+decodes tiles of rows to float32 and multiplies with BLAS: it computes what the stored weights
+mean with float32 activations, which tests check against ik_llama.cpp on the dequantized (F32)
+file to float precision.  A generation step (at most FUSED_TOKENS tokens) multiplies the packed
+rows directly (matvec.py) and, as ggml does in its quantized dot products, rounds the activations
+to 8 bits per 32 first.  How ggml rounds depends on its build and on the batch size (ik_llama.cpp's
+wheel gives the same position logits that differ by several percent of max |logit| between a batch
+of 4 and one of 64 tokens); quantkit's generation steps stay as close to ik_llama.cpp as its
+batches do (tests/test_runtime_llama.py).
 """
 from __future__ import annotations
 
+import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
 
@@ -119,15 +125,20 @@ def _f16_round(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def matmul_q(w: Weight, x: np.ndarray) -> np.ndarray:
+def matmul_q(w: Weight, x: np.ndarray, fused: bool | None = None) -> np.ndarray:
     """x (n_tokens, n_in) @ w^T -> (n_tokens, n_out), reading w in its stored type.
+
+    ``fused``: multiply the packed rows with 8-bit activations (matvec.py), as a generation step
+    does; by default when x has at most FUSED_TOKENS rows.
 
     Rows of w are decoded a tile at a time into float32 and multiplied with BLAS, so a product
     touches each stored byte once and never holds more than one decoded tile per thread."""
     x = np.ascontiguousarray(x, F32)
     if w.qtype == QuantType.F16:
         x = _f16_round(x)           # ggml's f16 dot product converts the activations to f16
-    kind = matvec.kind_of(w.qtype) if x.shape[0] <= FUSED_TOKENS else None
+    if fused is None:
+        fused = x.shape[0] <= FUSED_TOKENS
+    kind = matvec.kind_of(w.qtype) if fused else None
     if kind is not None:
         return matvec.matvec(kind, w.plain_layout()[1], x)
     n_out, group = w.n_out * w.n_matrices, traits(w.qtype).interleave_rows
@@ -198,6 +209,18 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 def rope_angles(pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0):
     """cos and sin, float32 (n_tokens, n_rot/2), of the plain rotary angles pos * freq_scale * base^(-2i/n_rot)."""
+    pos = np.asarray(pos)
+    if len(pos) <= FUSED_TOKENS:        # a generation step: every layer asks for the same angles
+        return _few_angles(tuple(int(p) for p in pos), n_rot, float(freq_base), float(freq_scale))
+    return _rope_angles(pos, n_rot, freq_base, freq_scale)
+
+
+@functools.lru_cache(maxsize=64)
+def _few_angles(pos: tuple, n_rot: int, freq_base: float, freq_scale: float):
+    return _rope_angles(np.array(pos, np.int64), n_rot, freq_base, freq_scale)     # shared: never written to
+
+
+def _rope_angles(pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float):
     half = n_rot // 2
     theta_scale = freq_base ** (-2.0 / n_rot)
     inv = np.array([theta_scale ** i for i in range(half)], np.float64)
@@ -431,10 +454,11 @@ def moe_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate_exps: Weig
     the product to use (an observer's, for imatrix collection); matmul_q by default."""
     mm = matmul or matmul_q
     n_tok, n_used = ids.shape
+    fused = n_tok <= FUSED_TOKENS       # a generation step; in a batch even an expert's few tokens take the float path
     out = np.zeros((n_tok, n_used, down_exps.n_out), F32)                      # (n_tokens, n_used, n_embd)
     for e in np.unique(ids):
         tok, slot = np.nonzero(ids == e)
         h = x[tok]
-        g = silu_mul(mm(gate_exps.expert(e), h), mm(up_exps.expert(e), h))
-        out[tok, slot] = mm(down_exps.expert(e), g) * weights[tok, slot][:, None]
+        g = silu_mul(mm(gate_exps.expert(e), h, fused=fused), mm(up_exps.expert(e), h, fused=fused))
+        out[tok, slot] = mm(down_exps.expert(e), g, fused=fused) * weights[tok, slot][:, None]
     return out.sum(axis=1)

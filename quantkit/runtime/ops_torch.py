@@ -103,10 +103,11 @@ class TorchOps:
     def _tile(self, w: Weight) -> int:
         return max(1, ops_cpu.TILE_VALUES // w.n_in)
 
-    def matmul_q(self, w: Weight, x: torch.Tensor) -> torch.Tensor:
-        """x (n_tokens, n_in) @ w^T -> (n_tokens, n_out), decoding w a tile of rows at a time."""
+    def matmul_q(self, w: Weight, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+        """x (n_tokens, n_in) @ w^T -> (n_tokens, n_out), decoding w a tile of rows at a time
+        (``fused``: see ops_cpu.matmul_q, for the tensors computed on the host)."""
         if not self.on_device(w):
-            return self.from_host(ops_cpu.matmul_q(w, self.host(x)))
+            return self.from_host(ops_cpu.matmul_q(w, self.host(x), fused))
         x = x.to(F32)
         if w.qtype == QuantType.F16:
             x = _f16_round(x)           # ggml's f16 dot product converts the activations to f16
@@ -225,14 +226,15 @@ class TorchOps:
         weighted outputs summed in slot order."""
         mm = matmul or self.matmul_q
         n_tok, n_used = ids.shape
+        fused = n_tok <= ops_cpu.FUSED_TOKENS
         out = torch.zeros((n_tok, n_used, down_exps.n_out), dtype=F32, device=self.device)
         w = self.from_host(weights)
         for e in np.unique(ids):
             tok, slot = np.nonzero(ids == e)
             t, s = torch.from_numpy(tok).to(self.device), torch.from_numpy(slot).to(self.device)
             h = x[t]
-            g = self.silu_mul(mm(gate_exps.expert(e), h), mm(up_exps.expert(e), h))
-            out[t, s] = mm(down_exps.expert(e), g) * w[t, s][:, None]
+            g = self.silu_mul(mm(gate_exps.expert(e), h, fused=fused), mm(up_exps.expert(e), h, fused=fused))
+            out[t, s] = mm(down_exps.expert(e), g, fused=fused) * w[t, s][:, None]
         return out.sum(dim=1)
 
 

@@ -27,8 +27,10 @@ class Weight:
     qtype: QuantType
     shape: tuple[int, ...]          # ggml order
     blocks: np.ndarray              # uint8 (n_rows, row_size), a view of the file
-    # interleaved types: the rows regrouped into the plain type's layout, made on first use
-    _plain: list = field(default_factory=list, compare=False, repr=False)
+    # interleaved types: rows regrouped into the plain type's layout, made on first use; the dict
+    # is shared with the tensor's expert views (key: first and last row in the whole tensor)
+    _plain: dict = field(default_factory=dict, compare=False, repr=False)
+    _row0: int = 0                  # this view's first row in the whole tensor
 
     @property
     def n_in(self) -> int:
@@ -49,8 +51,8 @@ class Weight:
     def expert(self, e: int) -> "Weight":
         """Matrix ``e`` of a 3-D tensor."""
         n = self.n_out
-        plain = [self._plain[0][e * n:(e + 1) * n]] if self._plain else []
-        return Weight(f"{self.name}[{e}]", self.qtype, self.shape[:2], self.blocks[e * n:(e + 1) * n], plain)
+        return Weight(f"{self.name}[{e}]", self.qtype, self.shape[:2], self.blocks[e * n:(e + 1) * n],
+                      self._plain, self._row0 + e * n)
 
     def plain_layout(self) -> tuple[QuantType, np.ndarray]:
         """The rows as (type, blocks) in a layout that is not interleaved: the stored ones, or for
@@ -59,9 +61,12 @@ class Weight:
         t = traits(self.qtype)
         if t.interleave_rows == 1:
             return self.qtype, self.blocks
-        if not self._plain:
-            self._plain.append(interleave.deinterleave(self.blocks, self.qtype, self.n_in))
-        return t.base, self._plain[0]
+        r0, r1 = self._row0, self._row0 + self.blocks.shape[0]
+        for (a, b), rows in self._plain.items():
+            if a <= r0 and r1 <= b:
+                return t.base, rows if (a, b) == (r0, r1) else rows[r0 - a:r1 - a]
+        rows = self._plain[r0, r1] = interleave.deinterleave(self.blocks, self.qtype, self.n_in)
+        return t.base, rows
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` as float32 (stop - start, n_in); start/stop on interleave boundaries."""

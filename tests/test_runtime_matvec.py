@@ -1,0 +1,195 @@
+"""Generation's fused products (runtime/matvec.py over runtime/dot.py) and its attention of a few
+tokens (kernels.attend_few), against their twins.
+
+A fused product multiplies the packed rows with the activations rounded as ggml's q8_0 rounds them
+(matvec.round_q8), so its twin is the decoded rows (each format's plain-numpy reference decoder)
+times those rounded activations, in float64.  F32/F16 rows are multiplied in float.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import njit
+
+from quantkit import formats
+from quantkit.formats import interleave
+from quantkit.runtime import dot, kernels, matvec, ops_cpu
+from quantkit.runtime.weights import Weight
+from quantkit.types import QuantType, traits, type_name
+
+T = QuantType
+FUSED = sorted({q for q in formats.registered() if matvec.kind_of(q) is not None} | {T.F32, T.F16}, key=int)
+
+
+def rows_of(qtype, n_rows: int, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n_rows, n)) * rng.uniform(0.01, 1.0, (n_rows, 1))).astype(np.float32)
+    if qtype == T.F32:
+        return w.view(np.uint8)
+    if qtype == T.F16:
+        return w.astype(np.float16).view(np.uint8)
+    return formats.quantize(w, qtype, None, "ik")
+
+
+def decoded(blocks, qtype, n) -> np.ndarray:
+    if qtype == T.F32:
+        return blocks.view(np.float32).astype(np.float64)
+    if qtype == T.F16:
+        return blocks.view(np.float16).astype(np.float64)
+    return formats.dequantize(blocks, qtype, n, reference=True).astype(np.float64)
+
+
+def rounded(x: np.ndarray, qtype) -> np.ndarray:
+    """The activations as the fused product uses them."""
+    if qtype == T.F32:
+        return x
+    if qtype == T.F16:
+        return x.astype(np.float16).astype(np.float32)
+    out = np.empty_like(x)
+    kernels.round_q8_0_rows(x, out)
+    return out
+
+
+def test_every_kernel_is_reached():
+    kinds = {matvec.kind_of(q) for q in FUSED}
+    assert kinds == set(matvec.KIND.values())
+    names = {type_name(q) for q in FUSED}
+    for must in ("q8_0_r8", "q4_0_r8", "iq4_nl_r4", "q4_k_r4", "q6_k_r4", "iq4_k_r4", "iq2_k_r4", "iq4_xs_r8"):
+        assert must in names, must
+
+
+def _widths(qtype):
+    # legacy rows: whole chunks of 8 blocks and a tail of single blocks (576 = 2 * 256 + 64, as
+    # in SmolLM2); super-block rows: 3 super-blocks
+    return (576, 1024) if traits(qtype).block_size == 32 else (768,)
+
+
+@pytest.mark.parametrize("qtype", FUSED, ids=type_name)
+def test_fused_product_equals_decoded_rows_times_rounded_activations(qtype):
+    group = traits(qtype).interleave_rows
+    for n in _widths(qtype):
+        blocks = rows_of(qtype, 8 * group, n, seed=int(qtype) + n)
+        w = Weight("w", qtype, (n, 8 * group), blocks)
+        ref_rows = decoded(blocks, qtype, n)
+        for n_tok in (1, ops_cpu.FUSED_TOKENS):
+            x = np.random.default_rng(n_tok).standard_normal((n_tok, n)).astype(np.float32) * 3
+            got = ops_cpu.matmul_q(w, x)
+            ref = rounded(x, qtype).astype(np.float64) @ ref_rows.T
+            assert got.shape == (n_tok, 8 * group) and got.dtype == np.float32
+            np.testing.assert_allclose(got, ref, rtol=0, atol=3e-6 * np.abs(ref).max(), err_msg=f"n={n} tokens={n_tok}")
+
+
+def test_batches_keep_float_activations():
+    """From FUSED_TOKENS + 1 tokens on, the product is the float one (decoded tiles and BLAS)."""
+    qtype, n = T.Q4_K, 512
+    blocks = rows_of(qtype, 16, n, seed=1)
+    w = Weight("w", qtype, (n, 16), blocks)
+    x = np.random.default_rng(2).standard_normal((ops_cpu.FUSED_TOKENS + 1, n)).astype(np.float32)
+    ref = x.astype(np.float64) @ decoded(blocks, qtype, n).T
+    np.testing.assert_allclose(ops_cpu.matmul_q(w, x), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    few = ops_cpu.matmul_q(w, x[:1])
+    assert np.abs(few - ref[:1]).max() > 1e-4 * np.abs(ref).max()       # rounded activations differ
+
+
+def test_activation_rounding_equals_the_q8_0_kernel():
+    x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32) * 5
+    x[1, :32] = 0                       # an all-zero block: scale 0, codes 0
+    xq = np.zeros((3, 256), np.int16)
+    xd, xsum = np.zeros((3, 8), np.float32), np.zeros((3, 8), np.float32)
+    matvec.round_q8(x, xq, xd, xsum)
+    ref = np.empty_like(x)
+    kernels.round_q8_0_rows(x, ref)
+    np.testing.assert_array_equal(xq * np.repeat(xd, 32, axis=1), ref)
+    assert np.abs(xq).max() <= 127
+    np.testing.assert_allclose(xsum, ref.reshape(3, 8, 32).sum(-1), rtol=1e-6, atol=1e-6)
+
+
+def _chunks():
+    out = []
+    for q, lay in matvec.LEGACY.items():
+        for n_blocks, chunk in zip((8, 1), matvec._LEGACY_CHUNKS[q]):
+            runs = tuple(r.moved(lay.block_bytes * i, 32 * i) for i in range(n_blocks) for r in lay.runs)
+            out.append((f"{type_name(q)}x{n_blocks}", chunk, runs, lay.table, lay.block_bytes * n_blocks))
+    for q, chunk in matvec.SUPER_CHUNKS.items():
+        out.append((type_name(q), chunk, chunk.runs, chunk.table, traits(q).type_size))
+    return out
+
+
+@pytest.mark.parametrize("name,chunk,runs,table,n_bytes", _chunks(), ids=[c[0] for c in _chunks()])
+def test_chunk_dot_equals_its_twin_on_random_bytes(name, chunk, runs, table, n_bytes):
+    """Any bytes (not only what a quantizer writes), at an offset inside a longer row; float16
+    fields hold random finite values, per-run scales and grid offsets are random."""
+    rng = np.random.default_rng(len(name))
+    o = 3 * n_bytes
+    a = rng.integers(0, 256, o + n_bytes + 8, dtype=np.uint8)
+    for r in runs:
+        for at in (r.d_at, r.m_at):
+            if at is not None:
+                a[o + at:o + at + 2] = np.frombuffer(np.float16(rng.uniform(-2, 2)).tobytes(), np.uint8)
+    n_values = max(r.xoff + r.n for r in runs)
+    xo = 64
+    xq = rng.integers(-127, 128, xo + n_values).astype(np.int16)
+    xd = rng.uniform(0.01, 1, (xo + n_values) // 32).astype(np.float32)
+    xsum = (xq[:len(xd) * 32].reshape(-1, 32).sum(-1) * xd).astype(np.float32)
+    scales = rng.uniform(-1, 1, 32).astype(np.float32)
+    tab = matvec.IQ2_TABLE if "iq2" in name else matvec.IQ4_TABLE
+    params = np.zeros(32, np.int64)
+    if table and name.startswith("iq"):
+        params[:len(runs)] = rng.integers(0, 2, len(runs)) * (4 if "iq2" in name else 16)
+    call = njit(lambda a, o, s, p, t, q, d, m, x0: chunk(a, o, s, p, t, q, d, m, x0))
+    got = call(a, o, scales, params, tab, xq, xd, xsum, xo)
+    ref = dot.chunk_twin(runs, table, a, o, scales, params, tab, xq, xd, xo)
+    assert abs(got - ref) <= 1e-5 * max(1.0, abs(ref)), (got, ref)
+
+
+def _random_cache(cls, args, n_ctx, rng):
+    cache = cls(*args)
+    cache.k[...] = (rng.standard_normal(cache.k.shape) * 2).astype(np.float16)
+    if cls is ops_cpu.KVCache:
+        cache.v[...] = rng.standard_normal(cache.v.shape).astype(np.float16)
+    return cache
+
+
+@pytest.mark.parametrize("n_head,n_head_kv,head_dim", [(9, 3, 64), (4, 4, 44), (6, 2, 8)])
+def test_attention_of_a_few_tokens_equals_the_batched_path(n_head, n_head_kv, head_dim, monkeypatch):
+    """kernels.attend_few (straight from the f16 cache) == the BLAS path, including head sizes with
+    an 8-wide and a scalar tail and grouped-query heads."""
+    rng = np.random.default_rng(head_dim)
+    cache = _random_cache(ops_cpu.KVCache, (2, 40, n_head_kv, head_dim, head_dim), 40, rng)
+    for pos0, n_tok in ((0, 1), (17, 1), (30, 3)):
+        q = rng.standard_normal((n_tok, n_head, head_dim)).astype(np.float32)
+        got = ops_cpu.attention(q, cache, 1, pos0, 0.125)
+        monkeypatch.setattr(ops_cpu, "FUSED_TOKENS", 0)
+        ref = ops_cpu.attention(q, cache, 1, pos0, 0.125)
+        monkeypatch.undo()
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+
+
+def test_latent_attention_of_a_few_tokens_reads_the_value_view(monkeypatch):
+    """MLA: the values are a strided view of the cache rows (their last kv_lora_rank entries)."""
+    rng = np.random.default_rng(5)
+    cache = _random_cache(ops_cpu.MLACache, (1, 24, 16, 64), 24, rng)
+    q_rope = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    q_lat = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    got = ops_cpu.attention_mla(q_rope, q_lat, cache, 0, 10, 0.1)
+    monkeypatch.setattr(ops_cpu, "FUSED_TOKENS", 0)
+    ref = ops_cpu.attention_mla(q_rope, q_lat, cache, 0, 10, 0.1)
+    assert got.shape == (2, 4, 64)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+
+
+def test_interleaved_weights_are_regrouped_once_and_per_expert():
+    qtype, n, n_rows, n_expert = T.IQ4_K_R4, 256, 8, 3
+    blocks = rows_of(qtype, n_rows * n_expert, n, seed=4)
+    w = Weight("exps", qtype, (n, n_rows, n_expert), blocks)
+    base, plain = w.plain_layout()
+    assert base == T.IQ4_K
+    np.testing.assert_array_equal(plain, interleave.deinterleave(blocks, qtype, n))
+    assert w.plain_layout()[1] is plain                                 # kept, not regrouped again
+    x = np.random.default_rng(0).standard_normal((1, n)).astype(np.float32)
+    for e in range(n_expert):
+        expert = w.expert(e)
+        assert np.shares_memory(expert.plain_layout()[1], plain)
+        assert expert.plain_layout()[1].base is plain
+        ref = rounded(x, qtype).astype(np.float64) @ decoded(blocks[e * n_rows:(e + 1) * n_rows], qtype, n).T
+        np.testing.assert_allclose(ops_cpu.matmul_q(expert, x), ref, rtol=0, atol=3e-6 * np.abs(ref).max())
