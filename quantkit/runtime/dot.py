@@ -130,20 +130,6 @@ def half_at(typingctx, a, off):
 f32x32, f16x32 = float_dot(32, False), float_dot(32, True)
 
 
-@intrinsic
-def prefetch(typingctx, a, off):
-    """Ask for the cache line holding byte ``off`` of a (uint8 1-D) to be loaded (llvm.prefetch:
-    a hint, never a fault, so off may lie past the end)."""
-    def codegen(context, builder, sig, args):
-        ptr = builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]])
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), i32, i32, i32]),
-                                            "llvm.prefetch.p0i8")
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-    return nbt.none(a, off), codegen
-
-
 def _x(x, xo, n):
     return np.asarray(x[xo:xo + n], np.float64)
 

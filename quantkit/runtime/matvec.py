@@ -295,7 +295,6 @@ def _row_dot(kind, b, x, xq, xd, xsum, scales, params):
 
 
 ROWS_PER_TASK = 16
-PREFETCH_ROWS = 16       # rows read ahead: the hardware prefetcher alone left the kernel waiting on memory
 
 
 @njit(**_OPTS)
@@ -333,10 +332,6 @@ def _matvec(blocks, x, out, kind):
         scales = np.empty(32, F)                        # the chunk dots' scratch, once per task
         params = np.zeros(32, np.int64)
         for r in range(task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK)):
-            if r + PREFETCH_ROWS < n_rows:
-                ahead = blocks[r + PREFETCH_ROWS]
-                for off in range(0, ahead.shape[0], 64):
-                    D.prefetch(ahead, off)
             for t in range(n_tok):
                 out[t, r] = row_dot(kind, blocks[r], x[t], xq[t], xd[t], xsum[t], scales, params)
 
