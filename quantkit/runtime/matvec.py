@@ -28,6 +28,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ..formats._iqk import IQ2NL_VALUES, IQ4K_VALUES
+from ..kernels.kquants import scale_min_k4
 from ..types import TYPE_TRAITS, QuantType, traits
 from . import dot as D
 from .kernels import _f16_value as half_round
@@ -79,15 +80,6 @@ def _u16(b, o):
 @njit(inline="always")
 def _u32(b, o):
     return _u16(b, o) | (_u16(b, o + 2) << 16)
-
-
-@njit(inline="always")
-def _scale_min_k4(j, b, o):
-    """Q4_K/Q5_K: the 6-bit scale and min of sub-block j from the 12 bytes at o."""
-    if j < 4:
-        return np.int64(b[o + j]) & 63, np.int64(b[o + j + 4]) & 63
-    a = np.int64(b[o + j + 4])
-    return (a & 0xF) | ((np.int64(b[o + j - 4]) >> 6) << 4), (a >> 4) | ((np.int64(b[o + j]) >> 6) << 4)
 
 
 @njit(**_OPTS)
@@ -237,7 +229,7 @@ def _super_row(kind, b, xq, xd, xsum, scales, params):
             d, dmin = D.half_at(b, o), D.half_at(b, o + 2)
             mins = F(0)
             for j in range(8):
-                sc, m = _scale_min_k4(j, b, o + 4)
+                sc, m = scale_min_k4(j, b, o + 4)
                 scales[j] = d * F(sc)
                 mins += F(m) * xsum[8 * sb + j]
             return -dmin * mins
