@@ -93,12 +93,7 @@ def _lookup(builder, table16, idx, n):
 def _dot(builder, values, xbase, xoff, n):
     """Σ_j values[j] * x[xoff + j], values <n x float>, summed as a tree of halves."""
     prod = builder.fmul(values, _load(builder, xbase, xoff, n, _F32))
-    while n > 1:
-        n //= 2
-        lo = builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-        hi = builder.shuffle_vector(prod, prod, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-        prod = builder.fadd(lo, hi)
-    return builder.extract_element(prod, ir.Constant(_I32, 0))
+    return builder.extract_element(_fold(builder, prod, n, 1), ir.Constant(_I32, 0))
 
 
 def float_dot(n, half):
@@ -174,12 +169,13 @@ class Run(NamedTuple):
 
 
 def _fold(builder, v, n, to):
-    """Add the halves of v (<n x float>) until ``to`` lanes are left."""
+    """Add the halves of v (<n x float> or <n x i32>) until ``to`` lanes are left."""
+    add = builder.fadd if isinstance(v.type.element, ir.FloatType) else builder.add
     while n > to:
         n //= 2
         lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
         hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-        v = builder.fadd(lo, hi)
+        v = add(lo, hi)
     return v
 
 
@@ -224,15 +220,6 @@ def _madd(builder, w16, x16, n):
     even = ir.Constant(ir.VectorType(_I32, n // 2), list(range(0, n, 2)))
     odd = ir.Constant(ir.VectorType(_I32, n // 2), list(range(1, n, 2)))
     return builder.add(builder.shuffle_vector(prod, prod, even), builder.shuffle_vector(prod, prod, odd))
-
-
-def _fold_int(builder, v, n, to):
-    while n > to:
-        n //= 2
-        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-        v = builder.add(lo, hi)
-    return v
 
 
 def chunk_dot(runs, table=False):
@@ -330,7 +317,7 @@ def chunk_dot(runs, table=False):
                         code = builder.sub(code, b8(r.bias))
                 w16 = builder.sext(code, ir.VectorType(_I16, n))
                 x16 = _load(builder, xqb, builder.add(xo_v, c(r.xoff)), n, _I16)
-                isum = _fold_int(builder, _madd(builder, w16, x16, n), n // 2, 8) if n >= 16 else \
+                isum = _fold(builder, _madd(builder, w16, x16, n), n // 2, 8) if n >= 16 else \
                     builder.shuffle_vector(_madd(builder, w16, x16, n), ir.Constant(ir.VectorType(_I32, 4), [0] * 4),
                                            ir.Constant(ir.VectorType(_I32, 8), list(range(8))))
                 blk = builder.add(xblock, c(r.xoff // 32))

@@ -168,27 +168,82 @@ SUPER_CHUNKS = {
     T.IQ2_K: _super_chunk([(16, 16 * ib, 12 + 32 * (ib // 8) + 16 * (ib % 2), 2 * ((ib // 2) % 4), 3)
                            for ib in range(16)], table=True),
 }
+# ---- the scalar part of a super-block: its run scales (and grid offsets, mins) ----
+# setup(b, o, xsum, sb, scales, params) fills scales[k] (and params[k]) for the chunk's runs and
+# returns what the chunk dot leaves out (Q4_K/Q5_K: the mins, -dmin Σ_j m_j Σx over sub-block j).
+
+@njit(inline="always")
+def _setup_iq4_xs(b, o, xsum, sb, scales, params):
+    """d | scales_h (2 bits per 32-group) | scales_l[4] (nibbles): ls - 32, for both runs of a group."""
+    d, sh = D.half_at(b, o), _u16(b, o + 2)
+    for ib in range(8):
+        ls = ((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4)
+        scales[2 * ib] = scales[2 * ib + 1] = d * F(ls - 32)
+    return F(0)
+
+
+@njit(inline="always")
+def _setup_q45_k(b, o, xsum, sb, scales, params):
+    """d dmin | 12 bytes of 6-bit scales and mins (get_scale_min_k4)."""
+    d, dmin = D.half_at(b, o), D.half_at(b, o + 2)
+    mins = F(0)
+    for j in range(8):
+        sc, m = scale_min_k4(j, b, o + 4)
+        scales[j] = d * F(sc)
+        mins += F(m) * xsum[8 * sb + j]
+    return -dmin * mins
+
+
+@njit(inline="always")
+def _setup_q6_k(b, o, xsum, sb, scales, params):
+    """int8 scales[16] at 192, d at 208; the runs go h, q, l0: run k is sub-block 8 h + 2 q + l0 / 16."""
+    d = D.half_at(b, o + 208)
+    for k in range(16):
+        scales[k] = d * F(np.int8(b[o + 192 + 8 * (k // 8) + 2 * ((k // 2) % 4) + k % 2]))
+    return F(0)
+
+
+@njit(inline="always")
+def _setup_iq4_k(b, o, xsum, sb, scales, params):
+    """d | extra (bit ib: sub-block ib on the second grid) | scales_h[4] (2 bits) | scales_l[8]
+    (nibbles): ls - 32."""
+    d, extra = D.half_at(b, o), _u16(b, o + 2)
+    for ib in range(16):
+        ls = (((np.int64(b[o + 8 + ib // 2]) >> (4 * (ib % 2))) & 0xF)
+              | (((np.int64(b[o + 4 + ib // 4]) >> (2 * (ib % 4))) & 3) << 4)) - 32
+        scales[ib] = d * F(ls)
+        params[ib] = 16 * ((extra >> ib) & 1)
+    return F(0)
+
+
+@njit(inline="always")
+def _setup_iq2_k(b, o, xsum, sb, scales, params):
+    """d | extra (bit ib: values 4..7 of the grid) | scales[8] (nibbles): ls - 8."""
+    d, extra = D.half_at(b, o), _u16(b, o + 2)
+    for ib in range(16):
+        scales[ib] = d * F(((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) - 8)
+        params[ib] = 4 * ((extra >> ib) & 1)
+    return F(0)
+
+
+SUPER_SETUP = {T.IQ4_XS: _setup_iq4_xs, T.Q4_K: _setup_q45_k, T.Q5_K: _setup_q45_k, T.Q6_K: _setup_q6_k,
+               T.IQ4_K: _setup_iq4_k, T.IQ2_K: _setup_iq2_k}
+SUPER_TABLE = {T.IQ4_XS: IQ4_TABLE, T.IQ4_K: IQ4_TABLE, T.IQ2_K: IQ2_TABLE}
+
+
 _TYPE_OF_KIND = {k: q for q, k in KIND.items()}
 
 
-# ---- row dots, specialised per type: the kind is a literal, so each type compiles its own loop ----
+# ---- row dots, one compiled loop per type ----
 
-def legacy_row(kind, b, xq, xd, xsum, scales, params):
-    """Row b (bytes) of the legacy type ``kind`` · x (see _legacy_row)."""
-    raise NotImplementedError("called from numba code only")
-
-
-@overload(legacy_row, prefer_literal=True)
-def _legacy_row(kind, b, xq, xd, xsum, scales, params):
-    """8 blocks per chunk dot, the row's last n % 256 values one block at a time."""
-    if not isinstance(kind, types.IntegerLiteral):
-        return None
-    qtype = _TYPE_OF_KIND[kind.literal_value]
+def _legacy_row(qtype):
+    """Row b · x for a legacy type: 8 blocks per chunk dot, the row's last n % 256 values one
+    block at a time."""
     chunk8, chunk1 = _LEGACY_CHUNKS[qtype]
     block_bytes = LEGACY[qtype].block_bytes
     table = IQ4_TABLE if LEGACY[qtype].table else NO_TABLE
 
-    def impl(kind, b, xq, xd, xsum, scales, params):
+    def row(b, xq, xd, xsum, scales, params):
         nb = xq.shape[0] // 32
         s = F(0)
         ib = 0
@@ -199,72 +254,26 @@ def _legacy_row(kind, b, xq, xd, xsum, scales, params):
             s += chunk1(b, block_bytes * ib, scales, params, table, xq, xd, xsum, 32 * ib)
             ib += 1
         return s
-    return impl
+    return njit(row)
 
 
-def super_row(kind, b, xq, xd, xsum, scales, params):
-    """Row b (bytes) of the super-block type ``kind`` · x (see _super_row)."""
-    raise NotImplementedError("called from numba code only")
-
-
-@overload(super_row, prefer_literal=True)
-def _super_row(kind, b, xq, xd, xsum, scales, params):
-    """One chunk dot per super-block of 256, after its run scales (and grid offsets)."""
-    if not isinstance(kind, types.IntegerLiteral):
-        return None
-    qtype = _TYPE_OF_KIND[kind.literal_value]
+def _super_row(qtype):
+    """Row b · x for a super-block type: one chunk dot per super-block of 256, after its run
+    scales (and grid offsets), which the type's ``setup`` reads."""
     chunk = SUPER_CHUNKS[qtype]
-    table = IQ2_TABLE if qtype == T.IQ2_K else IQ4_TABLE
+    table = SUPER_TABLE.get(qtype, NO_TABLE)
     block_bytes = traits(qtype).type_size
 
-    if qtype == T.IQ4_XS:
-        def setup(b, o, xsum, sb, scales, params):
-            d, sh = D.half_at(b, o), _u16(b, o + 2)
-            for ib in range(8):
-                ls = ((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4)
-                scales[2 * ib] = scales[2 * ib + 1] = d * F(ls - 32)
-            return F(0)
-    elif qtype in (T.Q4_K, T.Q5_K):
-        def setup(b, o, xsum, sb, scales, params):
-            d, dmin = D.half_at(b, o), D.half_at(b, o + 2)
-            mins = F(0)
-            for j in range(8):
-                sc, m = scale_min_k4(j, b, o + 4)
-                scales[j] = d * F(sc)
-                mins += F(m) * xsum[8 * sb + j]
-            return -dmin * mins
-    elif qtype == T.Q6_K:
-        def setup(b, o, xsum, sb, scales, params):
-            d = D.half_at(b, o + 208)
-            for k in range(16):             # run order h, q, l0: sub-block 8 h + 2 q + l0 / 16
-                scales[k] = d * F(np.int8(b[o + 192 + 8 * (k // 8) + 2 * ((k // 2) % 4) + k % 2]))
-            return F(0)
-    elif qtype == T.IQ4_K:
-        def setup(b, o, xsum, sb, scales, params):
-            d, extra = D.half_at(b, o), _u16(b, o + 2)
-            for ib in range(16):
-                ls = (((np.int64(b[o + 8 + ib // 2]) >> (4 * (ib % 2))) & 0xF)
-                      | (((np.int64(b[o + 4 + ib // 4]) >> (2 * (ib % 4))) & 3) << 4)) - 32
-                scales[ib] = d * F(ls)
-                params[ib] = 16 * ((extra >> ib) & 1)
-            return F(0)
-    else:
-        def setup(b, o, xsum, sb, scales, params):
-            d, extra = D.half_at(b, o), _u16(b, o + 2)
-            for ib in range(16):
-                scales[ib] = d * F(((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) - 8)
-                params[ib] = 4 * ((extra >> ib) & 1)
-            return F(0)
-    setup = njit(inline="always")(setup)
+    setup = SUPER_SETUP[qtype]
 
-    def impl(kind, b, xq, xd, xsum, scales, params):
+    def row(b, xq, xd, xsum, scales, params):
         s = F(0)
         for sb in range(xq.shape[0] // 256):
             o = block_bytes * sb
             s += setup(b, o, xsum, sb, scales, params)
             s += chunk(b, o, scales, params, table, xq, xd, xsum, 256 * sb)
         return s
-    return impl
+    return njit(row)
 
 
 def row_dot(kind, b, x, xq, xd, xsum, scales, params):
@@ -281,9 +290,9 @@ def _row_dot(kind, b, x, xq, xd, xsum, scales, params):
     if k <= 1:
         half = k == 1
         return lambda kind, b, x, xq, xd, xsum, scales, params: _floats(b, x, x.shape[0], half)
-    if k <= 8:
-        return lambda kind, b, x, xq, xd, xsum, scales, params: legacy_row(kind, b, xq, xd, xsum, scales, params)
-    return lambda kind, b, x, xq, xd, xsum, scales, params: super_row(kind, b, xq, xd, xsum, scales, params)
+    qtype = _TYPE_OF_KIND[k]
+    row = _legacy_row(qtype) if qtype in LEGACY else _super_row(qtype)
+    return lambda kind, b, x, xq, xd, xsum, scales, params: row(b, xq, xd, xsum, scales, params)
 
 
 ROWS_PER_TASK = 16
