@@ -43,9 +43,18 @@ def prompt_tokens(path: Path, n: int) -> list[int]:
 
 def child_quantkit(path: Path, tokens: list[int], n_gen: int, threads: int) -> dict:
     from quantkit.gguf_io.reader import open_model
+    from quantkit.runtime import matvec
     from quantkit.runtime.model import Model
     from quantkit.runtime.session import set_threads
     set_threads(threads)
+    in_products = [0.0]
+    kernel = matvec.matvec
+
+    def timed(kind, blocks, x):                 # where a generation step's time goes
+        t = time.perf_counter()
+        y = kernel(kind, blocks, x)
+        in_products[0] += time.perf_counter() - t
+        return y
     with open_model(path) as g:
         model = Model(g)
         model.forward(tokens[:4], model.new_cache(8))           # numba kernels loaded before timing
@@ -54,11 +63,27 @@ def child_quantkit(path: Path, tokens: list[int], n_gen: int, threads: int) -> d
         logits = model.forward(tokens, cache, logits_from=len(tokens) - 1)[-1]
         t1 = time.perf_counter()
         out = []
+        matvec.matvec = timed
         for _ in range(n_gen):
             out.append(int(np.argmax(logits)))
             logits = model.forward([out[-1]], cache)[-1]
         t2 = time.perf_counter()
-    return {"pp": len(tokens) / (t1 - t0), "tg": n_gen / (t2 - t1), "tokens": out}
+        matvec.matvec = kernel
+        # the weight bytes a step reads, and how fast one thread streams them (numpy, same pages)
+        mats = [t for t in g.tensors if len(t.shape) > 1 and t.name not in ("token_embd.weight", "output.weight")]
+        weights = [model.w.need(t.name).blocks for t in mats] + [model.output.blocks]
+        n_bytes = sum(b.nbytes for b in weights)
+        stream = min(_stream_seconds(weights) for _ in range(3))
+    return {"pp": len(tokens) / (t1 - t0), "tg": n_gen / (t2 - t1), "tokens": out,
+            "products_ms": 1e3 * in_products[0] / n_gen, "step_ms": 1e3 * (t2 - t1) / n_gen,
+            "weights_mb": n_bytes / 1e6, "stream_gbs": n_bytes / stream / 1e9}
+
+
+def _stream_seconds(arrays) -> float:
+    t = time.perf_counter()
+    for a in arrays:
+        a.reshape(-1)[:a.size // 8 * 8].view(np.uint64).max()
+    return time.perf_counter() - t
 
 
 def child_ik(path: Path, tokens: list[int], n_gen: int, threads: int) -> dict:
@@ -137,14 +162,15 @@ def main() -> None:
               f"{args.threads} threads, best of {args.repeat}")
         print(f"{'file':10} {'MB':>6} | {'quantkit pp':>11} {'ik pp':>8} {'ratio':>6} | "
               f"{'quantkit tg':>11} {'ik tg':>8} {'ratio':>6} | same tokens")
+        where = []
         for name in args.types.split(","):
             path = f32 if name == "f32" else d / f"{name}.gguf"
             if name != "f32":
                 subprocess.run(qk + ["quantize", str(f32), str(path), TARGETS[name], "--json"], check=True,
                                capture_output=True)
-            best = {}
+            best, all_runs = {}, {}
             for tool in ("quantkit", "ik"):
-                runs = [run_child(tool, path, tokens, args) for _ in range(args.repeat)]
+                runs = all_runs[tool] = [run_child(tool, path, tokens, args) for _ in range(args.repeat)]
                 best[tool] = {"pp": max(r["pp"] for r in runs), "tg": max(r["tg"] for r in runs),
                               "tokens": runs[0]["tokens"]}
             q, i = best["quantkit"], best["ik"]
@@ -152,6 +178,15 @@ def main() -> None:
             print(f"{name:10} {path.stat().st_size / 1e6:6.0f} | {q['pp']:11.1f} {i['pp']:8.1f} "
                   f"{q['pp'] / i['pp']:6.2f} | {q['tg']:11.2f} {i['tg']:8.2f} {q['tg'] / i['tg']:6.2f} | "
                   f"{same}/{len(q['tokens'])}")
+            fast = min(all_runs["quantkit"], key=lambda r: r["step_ms"])
+            where.append((name, fast, 1e3 / i["tg"]))
+        print("\nwhere a quantkit generation step goes (its fastest run; ik: whole step)")
+        print(f"{'file':10} {'step ms':>8} {'products':>9} {'rest':>6} | {'weights MB':>10} {'products GB/s':>13} "
+              f"{'1-thread stream GB/s':>20} | {'ik step ms':>10}")
+        for name, r, ik_ms in where:
+            print(f"{name:10} {r['step_ms']:8.2f} {r['products_ms']:9.2f} {r['step_ms'] - r['products_ms']:6.2f} | "
+                  f"{r['weights_mb']:10.0f} {r['weights_mb'] / r['products_ms']:13.1f} {r['stream_gbs']:20.1f} | "
+                  f"{ik_ms:10.2f}")
 
 
 if __name__ == "__main__":
