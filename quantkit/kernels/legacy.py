@@ -457,15 +457,23 @@ def make_qkx3_quants_mainline(xb, w, nmax, L, Laux, rmin, rdelta, nstep):
 
 
 @njit(cache=True)
-def _block_lanes(xr, qw, has_qw, sigma2, xt, wt):
-    """A row's blocks as SIMD lanes for kquants.qx_lanes: value j of block b at xt[j, b], its weight
-    ``qw*sqrtf(sigma2 + x²)`` (``x²`` without an imatrix) at wt[j, b].  make_qx_quants' trial
-    scales are sequential float sums, which one block at a time would wait on."""
-    for b in range(xt.shape[1]):
+def _search_lanes(xr, qw, has_qw, sigma2, nmax, ik):
+    """make_qx_quants on every block of a row at once, one SIMD lane each (kquants.qx_lanes):
+    value j of block b goes to lane b with the weight ``qw*sqrtf(sigma2 + x²)`` (``x²`` without an
+    imatrix).  make_qx_quants' trial scales are sequential float sums, which one block at a time
+    would wait on.  Returns the blocks' scales d (n_blocks,) and codes Lt (QK, n_blocks)."""
+    nb = xr.shape[0] // QK
+    xt = np.empty((QK, nb), np.float32)
+    wt = np.empty((QK, nb), np.float32)
+    for b in range(nb):
         for j in range(QK):
             v = xr[b * QK + j]
             xt[j, b] = v
             wt[j, b] = qw[b * QK + j] * np.sqrt(sigma2 + v * v) if has_qw else v * v
+    d = np.empty(nb, np.float32)
+    Lt = np.empty((QK, nb), np.int32)
+    qx_lanes(xt, wt, nmax, ik, d, Lt)
+    return d, Lt
 
 
 @njit(cache=True, parallel=True)
@@ -482,15 +490,8 @@ def quantize_rows_imatrix(qtype, x, qw, ik, out):
         sigma2 = sum_x2 / F(n)
         L = np.empty(QK, np.int64)
         if qtype == Q4_0 or qtype == Q5_0:
-            # make_qx_quants on every block of the row at once, one SIMD lane each
-            nb = n // QK
-            xt = np.empty((QK, nb), np.float32)
-            wt = np.empty((QK, nb), np.float32)
-            _block_lanes(xr, qw, True, sigma2, xt, wt)
-            d = np.empty(nb, np.float32)
-            Lt = np.empty((QK, nb), np.int32)
-            qx_lanes(xt, wt, 8 if qtype == Q4_0 else 16, ik, d, Lt)
-            for ib in range(nb):
+            d, Lt = _search_lanes(xr, qw, True, sigma2, 8 if qtype == Q4_0 else 16, ik)
+            for ib in range(n // QK):
                 for j in range(QK):
                     L[j] = Lt[j, ib]
                 _store_fp16(y, ib * ts, d[ib])
@@ -582,7 +583,7 @@ def _pack_q6_0(L, y, off):
 def quantize_rows_q6_0(x, qw, has_qw, out):
     """Q6_0 always runs the fork's make_qx_quants (nmax 32): weights ``qw*sqrtf(sigma2 + x²)`` with
     sigma2 = Σx²/n_per_row of the row, or ``x²`` without an imatrix; a row's blocks are searched
-    side by side (_block_lanes)."""
+    side by side (_search_lanes)."""
     n_rows, n = x.shape
     nb = n // QK
     for r in prange(n_rows):
@@ -594,12 +595,7 @@ def quantize_rows_q6_0(x, qw, has_qw, out):
             for j in range(n):
                 sum_x2 += xr[j] * xr[j]
             sigma2 = sum_x2 / F(n)
-        xt = np.empty((QK, nb), np.float32)
-        wt = np.empty((QK, nb), np.float32)
-        _block_lanes(xr, qw, has_qw, sigma2, xt, wt)
-        d = np.empty(nb, np.float32)
-        Lt = np.empty((QK, nb), np.int32)
-        qx_lanes(xt, wt, 32, True, d, Lt)
+        d, Lt = _search_lanes(xr, qw, has_qw, sigma2, 32, True)
         L = np.empty(QK, np.int64)
         for b in range(nb):
             for j in range(QK):
