@@ -20,7 +20,8 @@ activations rounded to 8 bits per 32 as ggml's q8_0 does:
 
 numba's cache checks the source file of the cached function only: after editing this module,
 delete quantkit/runtime/__pycache__/*.nb* (kernels compiled from the old IR stay cached otherwise).
-Each intrinsic has a numpy twin (``*_twin``) that the tests compare it with.
+chunk_dot has a numpy twin (``chunk_twin``) that the tests compare it with on any bytes; the float
+and float16 dots are tested through the kernels that use them (F32/F16 products, attention).
 """
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ from numba.core import cgutils
 from numba.core import types as nbt
 from numba.extending import intrinsic
 
-F = np.float32
 _X86 = llb.get_process_triple().split("-")[0] in ("x86_64", "i386", "i686")
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
@@ -65,21 +65,16 @@ def _as(builder, value, t):
 
 
 def _lookup(builder, table16, idx, n):
-    """<n x i8>: table16[idx[j]] for idx < 16, table16 a <16 x i8>."""
+    """<n x i8>: table16[idx[j]] for idx < 16, table16 a <16 x i8> (n 16 or 32 on x86)."""
     if not _X86:
         out = ir.Constant(ir.VectorType(_I8, n), ir.Undefined)
         for j in range(n):
             k = builder.extract_element(idx, ir.Constant(_I32, j))
             out = builder.insert_element(out, builder.extract_element(table16, k), ir.Constant(_I32, j))
         return out
+    assert n in (16, 32), n
     v16 = ir.VectorType(_I8, 16)
     fn = builder.module.declare_intrinsic("llvm.x86.ssse3.pshuf.b.128", (), ir.FunctionType(v16, [v16, v16]))
-    undef = ir.Constant(v16, ir.Undefined)
-    if n == 8:
-        wide = builder.shuffle_vector(idx, ir.Constant(ir.VectorType(_I8, 8), ir.Undefined),
-                                      ir.Constant(ir.VectorType(_I32, 16), list(range(8)) + [8] * 8))
-        res = builder.call(fn, [table16, wide])
-        return builder.shuffle_vector(res, undef, ir.Constant(ir.VectorType(_I32, 8), list(range(8))))
     parts = []
     for p in range(n // 16):
         piece = builder.shuffle_vector(idx, ir.Constant(idx.type, ir.Undefined),
@@ -125,18 +120,8 @@ def half_at(typingctx, a, off):
 f32x32, f16x32 = float_dot(32, False), float_dot(32, True)
 
 
-def _x(x, xo, n):
-    return np.asarray(x[xo:xo + n], np.float64)
-
-
 def _low(a, off, shift, mask, n):
     return (np.asarray(a[off:off + n], np.int64) >> shift) & mask
-
-
-def float_twin(a, off, x, xo, n, half):
-    """float_dot, value by value."""
-    w = np.asarray(a[off:off + (2 if half else 4) * n]).view(np.float16 if half else np.float32)
-    return float(w.astype(np.float64) @ _x(x, xo, n))
 
 
 # ---- chunks: many runs of codes, each with its own scale, accumulated in one vector ----
@@ -261,17 +246,14 @@ def chunk_dot(runs, table=False):
 
             def c(v):
                 return ir.Constant(i64, v)
-            halves = _halves(builder, base, o_v, dict.fromkeys(
-                v for r in runs for v in (r.d_at, r.m_at) if v is not None))
+            # the scales first, so that 8 of them fill the first vector in run order
+            d_offs = list(dict.fromkeys(r.d_at for r in runs if r.d_at is not None))
+            halves = _halves(builder, base, o_v, dict.fromkeys(d_offs + [r.m_at for r in runs if r.m_at is not None]))
             # 8 blocks of 32 with a float16 scale each (legacy chunks): their scale products
             # d * xd in one vector multiply, lane i for block i
-            d_offs = list(dict.fromkeys(r.d_at for r in runs))
             block_scales = None
-            if len(d_offs) == 8 and None not in d_offs and \
-                    all(d_offs.index(r.d_at) == r.xoff // 32 for r in runs):
-                d_vec = _halves(builder, base, o_v, d_offs)[d_offs[0]][0]
-                xd_vec = _load(builder, xdb, xblock, 8, _F32)
-                block_scales = builder.fmul(d_vec, xd_vec)
+            if len(d_offs) == 8 and all(r.d_at is not None and d_offs.index(r.d_at) == r.xoff // 32 for r in runs):
+                block_scales = builder.fmul(halves[d_offs[0]][0], _load(builder, xdb, xblock, 8, _F32))
             n_acc = 4                   # independent FMA chains
             accs = [ir.Constant(vf8, [0.0] * 8)] * n_acc
             mins = ir.Constant(_F32, 0.0)

@@ -77,11 +77,6 @@ def _u16(b, o):
     return np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
 
 
-@njit(inline="always")
-def _u32(b, o):
-    return _u16(b, o) | (_u16(b, o + 2) << 16)
-
-
 @njit(**_OPTS)
 def _floats(b, x, n, half):
     """F32 / F16 rows: 32 values per vector dot, the rest one by one."""
@@ -143,31 +138,30 @@ LEGACY = {
 _LEGACY_CHUNKS = {q: (lay.chunk(8), lay.chunk(1)) for q, lay in LEGACY.items()}
 
 
-def _super_chunk(runs, table=False):
-    return D.chunk_dot(tuple(D.Run(*r) for r in runs), table)
-
-
-SUPER_CHUNKS = {
+# grids of the super-block types that have one
+SUPER_TABLE = {T.IQ4_XS: IQ4_TABLE, T.IQ4_K: IQ4_TABLE, T.IQ2_K: IQ2_TABLE}
+SUPER_RUNS = {
     # IQ4_XS d | scales_h | scales_l[4] | qs[128]: 32-group ib's values from the 16 bytes at 8 + 16 ib
-    T.IQ4_XS: _super_chunk([(16, 32 * ib + 16 * h, 8 + 16 * ib, 4 * h, 15) for ib in range(8) for h in range(2)],
-                           table=True),
+    T.IQ4_XS: [(16, 32 * ib + 16 * h, 8 + 16 * ib, 4 * h, 15) for ib in range(8) for h in range(2)],
     # Q4_K d dmin scales[12] qs[128]: sub-block j is nibble j % 2 of qs[32 (j // 2) ..]
-    T.Q4_K: _super_chunk([(32, 32 * j, 16 + 32 * (j // 2), 4 * (j % 2), 15) for j in range(8)]),
+    T.Q4_K: [(32, 32 * j, 16 + 32 * (j // 2), 4 * (j % 2), 15) for j in range(8)],
     # Q5_K d dmin scales[12] qh[32] qs[128]: the fifth bit of sub-block j is bit j of qh
-    T.Q5_K: _super_chunk([(32, 32 * j, 48 + 32 * (j // 2), 4 * (j % 2), 15, 16, j, 1, 4) for j in range(8)]),
+    T.Q5_K: [(32, 32 * j, 48 + 32 * (j // 2), 4 * (j % 2), 15, 16, j, 1, 4) for j in range(8)],
     # Q6_K ql[128] qh[64] scales[16] d: value v = 128 h + 32 q + l is nibble q // 2 of
     # ql[64 h + 32 (q % 2) + l] with bits 2q..2q+1 of qh[32 h + l] above it, minus 32
-    T.Q6_K: _super_chunk([(16, 128 * h + 32 * q + l0, 64 * h + 32 * (q % 2) + l0, 4 * (q // 2), 15,
-                           128 + 32 * h + l0, 2 * q, 3, 4, 32)
-                          for h in range(2) for q in range(4) for l0 in (0, 16)]),
+    T.Q6_K: [(16, 128 * h + 32 * q + l0, 64 * h + 32 * (q % 2) + l0, 4 * (q // 2), 15,
+              128 + 32 * h + l0, 2 * q, 3, 4, 32)
+             for h in range(2) for q in range(4) for l0 in (0, 16)],
     # IQ4_K d extra scales_h[4] scales_l[8] qs[128]: sub-block ib of 16 is nibble ib % 2 of
     # qs[16 (ib // 2) ..], on the second grid when bit ib of extra is set
-    T.IQ4_K: _super_chunk([(16, 16 * ib, 16 + 16 * (ib // 2), 4 * (ib % 2), 15) for ib in range(16)], table=True),
+    T.IQ4_K: [(16, 16 * ib, 16 + 16 * (ib // 2), 4 * (ib % 2), 15) for ib in range(16)],
     # IQ2_K d extra scales[8] qs[64]: sub-block ib (32-group g = ib // 2) is bits 2 (g % 4) of
     # qs[32 (g // 4) + 16 (ib % 2) ..], values 4..7 of the grid when bit ib of extra is set
-    T.IQ2_K: _super_chunk([(16, 16 * ib, 12 + 32 * (ib // 8) + 16 * (ib % 2), 2 * ((ib // 2) % 4), 3)
-                           for ib in range(16)], table=True),
+    T.IQ2_K: [(16, 16 * ib, 12 + 32 * (ib // 8) + 16 * (ib % 2), 2 * ((ib // 2) % 4), 3) for ib in range(16)],
 }
+SUPER_CHUNKS = {q: D.chunk_dot(runs, table=q in SUPER_TABLE) for q, runs in SUPER_RUNS.items()}
+
+
 # ---- the scalar part of a super-block: its run scales (and grid offsets, mins) ----
 # setup(b, o, xsum, sb, scales, params) fills scales[k] (and params[k]) for the chunk's runs and
 # returns what the chunk dot leaves out (Q4_K/Q5_K: the mins, -dmin Σ_j m_j Σx over sub-block j).
@@ -228,8 +222,6 @@ def _setup_iq2_k(b, o, xsum, sb, scales, params):
 
 SUPER_SETUP = {T.IQ4_XS: _setup_iq4_xs, T.Q4_K: _setup_q45_k, T.Q5_K: _setup_q45_k, T.Q6_K: _setup_q6_k,
                T.IQ4_K: _setup_iq4_k, T.IQ2_K: _setup_iq2_k}
-SUPER_TABLE = {T.IQ4_XS: IQ4_TABLE, T.IQ4_K: IQ4_TABLE, T.IQ2_K: IQ2_TABLE}
-
 
 _TYPE_OF_KIND = {k: q for q, k in KIND.items()}
 
@@ -263,7 +255,6 @@ def _super_row(qtype):
     chunk = SUPER_CHUNKS[qtype]
     table = SUPER_TABLE.get(qtype, NO_TABLE)
     block_bytes = traits(qtype).type_size
-
     setup = SUPER_SETUP[qtype]
 
     def row(b, xq, xd, xsum, scales, params):
