@@ -59,11 +59,11 @@ def test_every_kernel_is_reached():
 
 
 def _widths(qtype):
-    # legacy rows: whole chunks of 8 blocks and a tail of single blocks (576 = 2 * 256 + 64, as
-    # in SmolLM2); super-block rows: 3 super-blocks; float rows also with a tail of 8 and of 4
+    # legacy rows: whole chunks of 8 blocks, and a tail of 4 + 2 + 1 blocks (480 = 256 + 224);
+    # super-block rows: 3 super-blocks; float rows also with a tail of 8 and of 4
     if qtype in (T.F32, T.F16):
         return (576, 108)
-    return (576, 1024) if traits(qtype).block_size == 32 else (768,)
+    return (480, 1024) if traits(qtype).block_size == 32 else (768,)
 
 
 @pytest.mark.parametrize("qtype", FUSED, ids=type_name)
@@ -96,7 +96,7 @@ def test_batches_keep_float_activations():
 def test_activation_rounding_equals_the_q8_0_kernel():
     x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32) * 5
     x[1, :32] = 0                       # an all-zero block: scale 0, codes 0
-    xq = np.zeros((3, 256), np.int16)
+    xq = np.zeros((3, 256), np.int8)
     xd, xsum = np.zeros((3, 8), np.float32), np.zeros((3, 8), np.float32)
     matvec.round_q8(x, xq, xd, xsum)
     ref = np.empty_like(x)
@@ -109,7 +109,7 @@ def test_activation_rounding_equals_the_q8_0_kernel():
 def _chunks():
     out = []
     for q, lay in matvec.LEGACY.items():
-        for n_blocks, chunk in zip((8, 1), matvec._LEGACY_CHUNKS[q]):
+        for n_blocks, chunk in zip(matvec.CHUNK_BLOCKS, matvec._LEGACY_CHUNKS[q]):
             runs = tuple(r.moved(lay.block_bytes * i, 32 * i) for i in range(n_blocks) for r in lay.runs)
             out.append((f"{type_name(q)}x{n_blocks}", chunk, runs, lay.table, lay.block_bytes * n_blocks))
     for q, chunk in matvec.SUPER_CHUNKS.items():
@@ -130,17 +130,18 @@ def test_chunk_dot_equals_its_twin_on_random_bytes(name, chunk, runs, table, n_b
                 a[o + at:o + at + 2] = np.frombuffer(np.float16(rng.uniform(-2, 2)).tobytes(), np.uint8)
     n_values = max(r.xoff + r.n for r in runs)
     xo = 64
-    xq = rng.integers(-127, 128, xo + n_values).astype(np.int16)
+    xq = rng.integers(-127, 128, xo + n_values).astype(np.int8)
     xd = rng.uniform(0.01, 1, (xo + n_values) // 32).astype(np.float32)
-    xsum = (xq[:len(xd) * 32].reshape(-1, 32).sum(-1) * xd).astype(np.float32)
-    scales = rng.uniform(-1, 1, 32).astype(np.float32)
+    xsum = (xq[:len(xd) * 32].reshape(-1, 32).sum(-1, dtype=np.int64) * xd).astype(np.float32)
+    d = np.float32(rng.uniform(-1, 1))
+    scales = rng.integers(-128, 128, 32).astype(np.int32)
     tab = matvec.IQ2_TABLE if "iq2" in name else matvec.IQ4_TABLE
     params = np.zeros(32, np.int64)
     if table and name.startswith("iq"):
         params[:len(runs)] = rng.integers(0, 2, len(runs)) * (4 if "iq2" in name else 16)
-    call = njit(lambda a, o, s, p, t, q, d, m, x0: chunk(a, o, s, p, t, q, d, m, x0))
-    got = call(a, o, scales, params, tab, xq, xd, xsum, xo)
-    ref = dot.chunk_twin(runs, table, a, o, scales, params, tab, xq, xd, xo)
+    call = njit(lambda a, o, f, s, p, t, q, d, m, x0: chunk(a, o, f, s, p, t, q, d, m, x0))
+    got = call(a, o, d, scales, params, tab, xq, xd, xsum, xo)
+    ref = dot.chunk_twin(runs, table, a, o, d, scales, params, tab, xq, xd, xo)
     assert abs(got - ref) <= 1e-5 * max(1.0, abs(ref)), (got, ref)
 
 

@@ -13,10 +13,12 @@ activations rounded to 8 bits per 32 as ggml's q8_0 does:
 
     code j of a run    (a[off + j] >> shift) & mask            (split: a 16-byte block's low
                        | high bits << hpos                      nibbles, then its high ones)
-                       - bias, or table[params[k] + code]      (non-linear grids, one pshufb)
-    run sum            Σ_j code_j * xq_j                       16-bit products added in pairs
-                                                               into 32-bit lanes (pmaddwd)
-    chunk              Σ_k float(run sum_k) * scale_k * xd     float FMAs, 4 accumulators
+                       (- bias), or table[params[k] + code]    (non-linear grids, one pshufb)
+    32-group sum       Σ_j code_j * xq_j over the group's runs  bytes times bytes added in pairs
+                       (times each run's integer scale)         (pmaddubsw), then in pairs into
+                                                                32-bit lanes (pmaddwd)
+    chunk              Σ_g float(group sum_g) * scale_g * xd_g  float FMAs, 4 accumulators
+                       + Σ_g (min_g - bias * d_g) * xsum_g      (legacy blocks: one vector)
 
 numba's cache checks the source file of the cached function only: after editing this module,
 delete quantkit/runtime/__pycache__/*.nb* (kernels compiled from the old IR stay cached otherwise).
@@ -117,6 +119,15 @@ def half_at(typingctx, a, off):
     return nbt.float32(a, off), codegen
 
 
+@intrinsic
+def float_at(typingctx, a, off):
+    """The float32 stored at byte ``off`` of a (uint8 1-D)."""
+    def codegen(context, builder, sig, args):
+        ptr = builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]])
+        return builder.load(builder.bitcast(ptr, _F32.as_pointer()), align=1)
+    return nbt.float32(a, off), codegen
+
+
 f32x32, f16x32 = float_dot(32, False), float_dot(32, True)
 
 
@@ -164,23 +175,25 @@ def _fold(builder, v, n, to):
     return v
 
 
-def _halves(builder, base, o, offsets):
-    """{offset: float32} for the float16 scalars at base[o + offset]: 8 at a time gathered into
-    one vector and widened in one instruction (a scalar widening per scale merges into a register
-    and chains every conversion to the one before)."""
-    out = {}
-    v8h = ir.VectorType(_I16, 8)
-    offsets = list(offsets)
-    for g in range(0, len(offsets), 8):
-        part = offsets[g:g + 8]
-        vec = ir.Constant(v8h, [0] * 8)
-        for lane, off in enumerate(part):
-            ptr = builder.bitcast(builder.gep(base, [builder.add(o, ir.Constant(ir.IntType(64), off))]), _I16.as_pointer())
-            vec = builder.insert_element(vec, builder.load(ptr, align=1), ir.Constant(_I32, lane))
-        wide = builder.fpext(builder.bitcast(vec, ir.VectorType(ir.HalfType(), 8)), ir.VectorType(_F32, 8))
-        for lane, off in enumerate(part):
-            out[off] = (wide, lane)
-    return out
+def _half_vector(builder, base, o, offsets):
+    """<8 x float>: lane i the float16 at base[o + offsets[i]] (at most 8), the other lanes 0;
+    gathered as 16-bit words and widened in one instruction (a scalar widening per scale merges
+    into a register and chains every conversion to the one before)."""
+    assert len(offsets) <= 8
+    vec = ir.Constant(ir.VectorType(_I16, 8), [0] * 8)
+    for lane, off in enumerate(offsets):
+        ptr = builder.bitcast(builder.gep(base, [builder.add(o, ir.Constant(ir.IntType(64), off))]), _I16.as_pointer())
+        vec = builder.insert_element(vec, builder.load(ptr, align=1), ir.Constant(_I32, lane))
+    return builder.fpext(builder.bitcast(vec, ir.VectorType(ir.HalfType(), 8)), ir.VectorType(_F32, 8))
+
+
+def _load8(builder, base, off, n):
+    """<8 x float>: base[off:off + n] (n <= 8), the other lanes 0 (nothing past n is read)."""
+    v = _load(builder, base, off, n, _F32)
+    if n == 8:
+        return v
+    zero = ir.Constant(ir.VectorType(_F32, n), [0.0] * n)
+    return builder.shuffle_vector(v, zero, ir.Constant(ir.VectorType(_I32, 8), [i if i < n else n for i in range(8)]))
 
 
 def _lane_splat(builder, vec_lane, n):
@@ -188,146 +201,211 @@ def _lane_splat(builder, vec_lane, n):
     return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, n), [lane] * n))
 
 
-def _madd(builder, w16, x16, n):
-    """<n/2 x i32>: w16[2i] * x16[2i] + w16[2i+1] * x16[2i+1] (<n x i16> operands; pmaddwd on x86)."""
-    if _X86 and n in (16, 32):
-        v16, v8 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
-        fn = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(v8, [v16, v16]))
-        halves = []
-        for h in range(n // 16):
-            pick = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * h, 16 * h + 16)))
-            halves.append(builder.call(fn, [builder.shuffle_vector(w16, w16, pick), builder.shuffle_vector(x16, x16, pick)]))
-        if len(halves) == 1:
-            return halves[0]
-        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
-    vi = ir.VectorType(_I32, n)
-    prod = builder.mul(builder.sext(w16, vi), builder.sext(x16, vi))
+def _x86(builder, name, ret, *args):
+    fn = builder.module.declare_intrinsic(name, (), ir.FunctionType(ret, [a.type for a in args]))
+    return builder.call(fn, list(args))
+
+
+def _concat(builder, parts):
+    """The parts (vectors of one width, a power of two; 1, 2 or 4 of them) as one vector."""
+    while len(parts) > 1:
+        n = parts[0].type.count
+        both = ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n)))
+        parts = [builder.shuffle_vector(parts[i], parts[i + 1], both) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _abs_sign(builder, w, x):
+    """(|w| as unsigned bytes, x with w's sign, 0 where w is 0): w * x = |w| * sign(x, w), which
+    lets signed codes take the unsigned-by-signed byte product (<32 x i8> operands)."""
+    if _X86:
+        return (_x86(builder, "llvm.abs.v32i8", w.type, w, ir.Constant(ir.IntType(1), 0)),
+                _x86(builder, "llvm.x86.avx2.psign.b", w.type, x, w))
+    zero = ir.Constant(w.type, [0] * 32)
+    neg = builder.icmp_signed("<", w, zero)
+    return (builder.select(neg, builder.sub(zero, w), w),
+            builder.select(neg, builder.sub(zero, x), builder.select(builder.icmp_signed("==", w, zero), zero, x)))
+
+
+def _maddubs(builder, u, s):
+    """<16 x i16>: u[2i] * s[2i] + u[2i+1] * s[2i+1], u unsigned and s signed <32 x i8>
+    (pmaddubsw; its saturation never happens here: u <= 128, |s| <= 127)."""
+    if _X86:
+        return _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), u, s)
+    v32 = ir.VectorType(_I16, 32)
+    prod = builder.mul(builder.zext(u, v32), builder.sext(s, v32))
+    return _pairs(builder, prod, 32)
+
+
+def _pairs(builder, v, n):
     even = ir.Constant(ir.VectorType(_I32, n // 2), list(range(0, n, 2)))
     odd = ir.Constant(ir.VectorType(_I32, n // 2), list(range(1, n, 2)))
-    return builder.add(builder.shuffle_vector(prod, prod, even), builder.shuffle_vector(prod, prod, odd))
+    return builder.add(builder.shuffle_vector(v, v, even), builder.shuffle_vector(v, v, odd))
+
+
+def _madd(builder, p16, s16):
+    """<8 x i32>: p16[2i] * s16[2i] + p16[2i+1] * s16[2i+1] (<16 x i16> operands; pmaddwd)."""
+    if _X86:
+        return _x86(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), p16, s16)
+    v32 = ir.VectorType(_I32, 16)
+    return _pairs(builder, builder.mul(builder.sext(p16, v32), builder.sext(s16, v32)), 16)
+
+
+def _groups(runs):
+    """{32-value group: [(k, run), ...] in value order}; each group's runs tile its 32 values."""
+    groups = {}
+    for k, r in enumerate(runs):
+        groups.setdefault(r.xoff // 32, []).append((k, r))
+    for g, members in groups.items():
+        members.sort(key=lambda kr: kr[1].xoff)
+        assert [r.xoff for _, r in members] == [32 * g + sum(r.n for _, r in members[:i]) for i in range(len(members))]
+        assert sum(r.n for _, r in members) == 32 and len({r.n for _, r in members}) == 1, members
+        assert len({r.d_at for _, r in members}) == 1 and len({r.m_at for _, r in members}) == 1, members
+    return dict(sorted(groups.items()))
+
+
+def _folds_bias(r):
+    """A run whose bias is taken out after the products, as -bias * d * Σx of its 32-group (a
+    float16 scale per 32-value block: the legacy types), keeping its codes unsigned."""
+    return r.bias != 0 and r.d_at is not None and r.shift is not None
 
 
 def chunk_dot(runs, table=False):
-    """``dot(a, o, scales, params, tab, xq, xd, xsum, xo)`` = Σ_k Σ_j value_kj * x_(xo + xoff_k + j)
+    """``dot(a, o, d, scales, params, tab, xq, xd, xsum, xo)`` = Σ_k Σ_j value_kj * x_(xo + xoff_k + j)
     over the static ``runs`` (:class:`Run`) of a chunk starting at byte o of a and value xo of x
     (xo a multiple of 32), where
 
-        value = scale_k * code (+ min_k)      scale_k the float16 at d_at, or scales[k]
-        x_i   = xq[i] * xd[i // 32]           the activations as int8 codes (held as int16) and
-                                              a scale per 32, as ggml's q8_0 rounds them;
-                                              xsum[i // 32] = xd * Σ xq over the 32
+        value = scale_k * code (+ min_k)      scale_k the float16 at d_at, or d * scales[k]
+                                              (an integer scale of a super-block's run)
+        x_i   = xq[i] * xd[i // 32]           the activations as int8 codes and a scale per 32,
+                                              as ggml's q8_0 rounds them; xsum[i // 32] = xd * Σ xq
+                                              over the 32
 
     With ``table`` a code is the int8 tab[params[k] + code] (a 16-entry window of the grid).
 
-    A run's integer codes are multiplied with xq in 16-bit lanes and added in pairs into 32-bit
-    lanes (pmaddwd: 16 products per instruction), so each run costs one float conversion and one
-    FMA per 8 lanes, whatever its width; the runs' sums go into a few float accumulators (scaled by
-    scale_k * xd), summed once at the end.  Bytes, scales and activations are read at offsets
-    fixed when the kernel is compiled: a chunk is straight-line vector code."""
+    The runs of each 32 values (one of 32, two of 16 or four of 8) are multiplied together: their
+    codes as one vector of 32 bytes times the 32 activation bytes, added in pairs into 16-bit lanes
+    (pmaddubsw), then in pairs into 32-bit lanes times the runs' integer scales, or times 1
+    (pmaddwd).  pmaddubsw takes unsigned codes: signed ones (int8, grid values, codes minus a
+    bias) go as |code| times the activation with the code's sign; a legacy block's bias is taken
+    out afterwards instead (-bias * d * xsum).  Each 32 values then cost one float conversion and
+    one FMA (scale d_k * xd) into a few float accumulators, summed once at the end.  Bytes,
+    scales and activations are read at offsets fixed when the kernel is compiled: a chunk is
+    straight-line vector code."""
     runs = tuple(Run(*r) for r in runs)
-    assert all(r.n == runs[0].n for r in runs), "one run width per chunk"
+    groups = _groups(runs)
 
     @intrinsic
-    def dot(typingctx, a, o, scales, params, tab, xq, xd, xsum, xo):
+    def dot(typingctx, a, o, d, scales, params, tab, xq, xd, xsum, xo):
         def codegen(context, builder, sig, args):
-            a_v, o_v, sc_v, pa_v, tab_v, xq_v, xd_v, xs_v, xo_v = args
+            a_v, o_v, d_v, sc_v, pa_v, tab_v, xq_v, xd_v, xs_v, xo_v = args
             i64 = ir.IntType(64)
             vf8 = ir.VectorType(_F32, 8)
             fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf8, [vf8, vf8, vf8]),
                                                      "llvm.fmuladd.v8f32")
             base = _data(context, builder, sig.args[0], a_v)
-            sc = _data(context, builder, sig.args[2], sc_v)
-            pa = _data(context, builder, sig.args[3], pa_v)
-            tb = _data(context, builder, sig.args[4], tab_v)
-            xqb = _data(context, builder, sig.args[5], xq_v)
-            xdb = _data(context, builder, sig.args[6], xd_v)
-            xsb = _data(context, builder, sig.args[7], xs_v)
+            sc = _data(context, builder, sig.args[3], sc_v)
+            pa = _data(context, builder, sig.args[4], pa_v)
+            tb = _data(context, builder, sig.args[5], tab_v)
+            xqb = _data(context, builder, sig.args[6], xq_v)
+            xdb = _data(context, builder, sig.args[7], xd_v)
+            xsb = _data(context, builder, sig.args[8], xs_v)
             xblock = builder.lshr(xo_v, ir.Constant(i64, 5))
 
             def c(v):
                 return ir.Constant(i64, v)
-            # the scales first, so that 8 of them fill the first vector in run order
-            d_offs = list(dict.fromkeys(r.d_at for r in runs if r.d_at is not None))
-            halves = _halves(builder, base, o_v, dict.fromkeys(d_offs + [r.m_at for r in runs if r.m_at is not None]))
-            # 8 blocks of 32 with a float16 scale each (legacy chunks): their scale products
-            # d * xd in one vector multiply, lane i for block i
-            block_scales = None
-            if len(d_offs) == 8 and all(r.d_at is not None and d_offs.index(r.d_at) == r.xoff // 32 for r in runs):
-                block_scales = builder.fmul(halves[d_offs[0]][0], _load(builder, xdb, xblock, 8, _F32))
+            # per 32-group g (lane g): its scale (the block's float16, or the super-block's d)
+            # times xd, and what the products leave out, times xsum: a folded bias, a min
+            n_groups = len(groups)
+            assert list(groups) == list(range(n_groups)) and n_groups <= 8
+            firsts = [members[0][1] for members in groups.values()]
+            if firsts[0].d_at is not None:
+                d_vec = _half_vector(builder, base, o_v, [r.d_at for r in firsts])
+            else:
+                d_vec = _splat(builder, d_v, 8)
+            group_scales = builder.fmul(d_vec, _load8(builder, xdb, xblock, n_groups))
+            left_out = None
+            if any(_folds_bias(r) or r.m_at is not None for r in firsts):
+                bias = ir.Constant(vf8, [-float(r.bias) if _folds_bias(r) else 0.0 for r in firsts] + [0.0] * (8 - n_groups))
+                coef = builder.fmul(d_vec, bias)
+                if firsts[0].m_at is not None:
+                    coef = builder.fadd(coef, _half_vector(builder, base, o_v, [r.m_at for r in firsts]))
+                left_out = builder.fmul(coef, _load8(builder, xsb, xblock, n_groups))
+            ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
             n_acc = 4                   # independent FMA chains
             accs = [ir.Constant(vf8, [0.0] * 8)] * n_acc
-            mins = ir.Constant(_F32, 0.0)
-            for k, r in enumerate(runs):
-                n = r.n
-                v8 = ir.VectorType(_I8, n)
+            for gi, (g, members) in enumerate(groups.items()):
+                pieces, signed = [], False
+                for k, r in members:
+                    n = r.n
+                    v8 = ir.VectorType(_I8, n)
 
-                def b8(v):
-                    return ir.Constant(v8, [v] * n)
-                at = builder.add(o_v, c(r.off))
-                if r.shift is None:
-                    code = _load(builder, base, at, n, _I8)
-                elif r.split:
-                    # a block of 16 bytes holds 32 codes: low nibbles first, then the high ones
-                    h8 = ir.VectorType(_I8, n // 2)
-                    raw = _load(builder, base, at, n // 2, _I8)
-                    mask = ir.Constant(h8, [15] * (n // 2))
-                    lo = builder.and_(raw, mask)
-                    hi = builder.and_(builder.lshr(raw, ir.Constant(h8, [4] * (n // 2))), mask)
-                    code = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-                else:
-                    # bytes all the way: the shifts are constants here, which x86 does on bytes
-                    # as a 16-bit shift and a mask; codes fit in int8
-                    code = builder.and_(builder.lshr(_load(builder, base, at, n, _I8), b8(r.shift)), b8(r.mask))
-                if r.shift is not None:
-                    if r.hoff is not None:
-                        high = _load(builder, base, builder.add(o_v, c(r.hoff)), n, _I8)
-                        high = builder.and_(builder.lshr(high, b8(r.hshift)), b8(r.hmask))
-                        code = builder.or_(code, builder.shl(high, b8(r.hpos)))
-                    if r.hword is not None:
-                        # bit hbase + j of the word, in byte lane j: spread the word's bytes over
-                        # the lanes (byte (hbase + j) // 8 to lane j), test one bit per lane
-                        word = _load(builder, base, builder.add(o_v, c(r.hword)), 4, _I8)
-                        spread = builder.shuffle_vector(word, word, ir.Constant(ir.VectorType(_I32, n),
-                                                                                [(r.hbase + j) // 8 for j in range(n)]))
-                        bit = ir.Constant(v8, [1 << ((r.hbase + j) % 8) for j in range(n)])
-                        hit = builder.icmp_unsigned("!=", builder.and_(spread, bit), b8(0))
-                        code = builder.or_(code, builder.select(hit, b8(1 << r.hpos), b8(0)))
-                    if table:
-                        t16 = _load(builder, tb, builder.load(builder.gep(pa, [c(k)])), 16, _I8)
-                        code = _lookup(builder, t16, code, n)
+                    def b8(v):
+                        return ir.Constant(v8, [v] * n)
+                    at = builder.add(o_v, c(r.off))
+                    if r.shift is None:
+                        code, signed = _load(builder, base, at, n, _I8), True
+                    elif r.split:
+                        # a block of 16 bytes holds 32 codes: low nibbles first, then the high ones
+                        h8 = ir.VectorType(_I8, n // 2)
+                        raw = _load(builder, base, at, n // 2, _I8)
+                        both = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(h8, [4] * (n // 2))),
+                                                      ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+                        code = builder.and_(both, b8(15))
                     else:
-                        code = builder.sub(code, b8(r.bias))
-                w16 = builder.sext(code, ir.VectorType(_I16, n))
-                x16 = _load(builder, xqb, builder.add(xo_v, c(r.xoff)), n, _I16)
-                isum = _fold(builder, _madd(builder, w16, x16, n), n // 2, 8) if n >= 16 else \
-                    builder.shuffle_vector(_madd(builder, w16, x16, n), ir.Constant(ir.VectorType(_I32, 4), [0] * 4),
-                                           ir.Constant(ir.VectorType(_I32, 8), list(range(8))))
-                blk = builder.add(xblock, c(r.xoff // 32))
-                if block_scales is not None:
-                    scale8 = _lane_splat(builder, (block_scales, r.xoff // 32), 8)
+                        # bytes all the way: the shifts are constants here, which x86 does on bytes
+                        # as a 16-bit shift and a mask; codes fit in int8
+                        code = builder.and_(builder.lshr(_load(builder, base, at, n, _I8), b8(r.shift)), b8(r.mask))
+                    if r.shift is not None:
+                        if r.hoff is not None:
+                            high = _load(builder, base, builder.add(o_v, c(r.hoff)), n, _I8)
+                            high = builder.and_(builder.lshr(high, b8(r.hshift)), b8(r.hmask))
+                            code = builder.or_(code, builder.shl(high, b8(r.hpos)))
+                        if r.hword is not None:
+                            # bit hbase + j of the word, in byte lane j: spread the word's bytes over
+                            # the lanes (byte (hbase + j) // 8 to lane j), test one bit per lane
+                            word = _load(builder, base, builder.add(o_v, c(r.hword)), 4, _I8)
+                            spread = builder.shuffle_vector(word, word, ir.Constant(ir.VectorType(_I32, n),
+                                                                                    [(r.hbase + j) // 8 for j in range(n)]))
+                            bit = ir.Constant(v8, [1 << ((r.hbase + j) % 8) for j in range(n)])
+                            hit = builder.icmp_unsigned("!=", builder.and_(spread, bit), b8(0))
+                            code = builder.or_(code, builder.select(hit, b8(1 << r.hpos), b8(0)))
+                        if table:
+                            t16 = _load(builder, tb, builder.load(builder.gep(pa, [c(k)])), 16, _I8)
+                            code, signed = _lookup(builder, t16, code, n), True
+                        elif r.bias and not _folds_bias(r):
+                            code, signed = builder.sub(code, b8(r.bias)), True
+                    pieces.append(code)
+                w = _concat(builder, pieces)
+                x = _load(builder, xqb, builder.add(xo_v, c(32 * g)), 32, _I8)
+                u, s = _abs_sign(builder, w, x) if signed else (w, x)
+                p16 = _maddubs(builder, u, s)
+                r0 = members[0][1]
+                if r0.d_at is None:
+                    # the runs' integer scales, each over the 16-bit lanes of its values
+                    lanes = 16 // len(members)
+                    iscale = None
+                    for i, (k, r) in enumerate(members):
+                        one = _splat(builder, _as(builder, builder.load(builder.gep(sc, [c(k)])), _I16), 16)
+                        iscale = one if iscale is None else builder.shuffle_vector(
+                            iscale, one, ir.Constant(ir.VectorType(_I32, 16),
+                                                     [16 + j if j // lanes == i else j for j in range(16)]))
+                    isum = _madd(builder, p16, iscale)
                 else:
-                    if r.d_at is not None:
-                        vec, lane = halves[r.d_at]
-                        d = builder.extract_element(vec, ir.Constant(_I32, lane))
-                    else:
-                        d = builder.load(builder.gep(sc, [c(k)]))
-                    scale8 = _splat(builder, builder.fmul(d, builder.load(builder.gep(xdb, [blk]))), 8)
-                fsum = builder.sitofp(isum, vf8)
-                accs[k % n_acc] = builder.call(fmuladd, [fsum, scale8, accs[k % n_acc]])
-                if r.m_at is not None and (k == 0 or runs[k - 1].m_at != r.m_at or r.xoff // 32 != runs[k - 1].xoff // 32):
-                    vec, lane = halves[r.m_at]
-                    m = builder.extract_element(vec, ir.Constant(_I32, lane))
-                    mins = builder.fadd(mins, builder.fmul(m, builder.load(builder.gep(xsb, [blk]))))
+                    isum = _madd(builder, p16, ones)
+                scale8 = _lane_splat(builder, (group_scales, gi), 8)
+                accs[gi % n_acc] = builder.call(fmuladd, [builder.sitofp(isum, vf8), scale8, accs[gi % n_acc]])
+            if left_out is not None:
+                accs[-1] = builder.fadd(accs[-1], left_out)
             while len(accs) > 1:
                 accs = [builder.fadd(accs[i], accs[i + 1]) for i in range(0, len(accs), 2)]
-            total = builder.extract_element(_fold(builder, accs[0], 8, 1), ir.Constant(_I32, 0))
-            return builder.fadd(total, mins)
-        return nbt.float32(a, o, scales, params, tab, xq, xd, xsum, xo), codegen
+            return builder.extract_element(_fold(builder, accs[0], 8, 1), ir.Constant(_I32, 0))
+        return nbt.float32(a, o, d, scales, params, tab, xq, xd, xsum, xo), codegen
     dot.runs, dot.table = runs, table           # for the twin in tests
     return dot
 
 
-def chunk_twin(runs, table, a, o, scales, params, tab, xq, xd, xo):
+def chunk_twin(runs, table, a, o, d, scales, params, tab, xq, xd, xo):
     """chunk_dot, value by value (float64 sums of value * xq * xd)."""
     a = np.asarray(a)
     total = 0.0
@@ -348,8 +426,8 @@ def chunk_twin(runs, table, a, o, scales, params, tab, xq, xd, xo):
                 code = code | (((word >> (r.hbase + np.arange(n))) & 1) << r.hpos)
             code = np.asarray(tab, np.int64)[params[k] + code] if table else code - r.bias
         half = (lambda at: float(a[o + at:o + at + 2].view(np.float16)[0]))
-        d = float(scales[k]) if r.d_at is None else half(r.d_at)
-        value = d * code + (0.0 if r.m_at is None else half(r.m_at))
+        scale = float(d) * float(scales[k]) if r.d_at is None else half(r.d_at)
+        value = scale * code + (0.0 if r.m_at is None else half(r.m_at))
         i = xo + r.xoff
         xv = np.asarray(xq[i:i + n], np.float64) * float(xd[i // 32])
         total += float(value @ xv)

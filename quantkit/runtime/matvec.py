@@ -8,11 +8,13 @@ below; larger batches keep the tile path, where BLAS reuses each decoded tile fo
 
 As in ggml's quantized dot products the activations are first rounded to 8 bits per 32 (q8_0:
 ``round_q8``), and weight codes and activation codes are multiplied as integers; F32 and F16 rows
-are multiplied in float.  Per chunk (8 legacy blocks, or one super-block of 256) the kernel runs
-one :func:`dot.chunk_dot`, compiled from the type's static list of runs below; its scales come
-from the blocks themselves (legacy types) or from the few scalar lines of the type's ``setup``
-(k-quants and IQK types: 6-bit scales, grid choices, mins).  Each type compiles its own loop: the
-type is a literal argument of the kernel (``_kernel``).
+are multiplied in float.  Per chunk (8 legacy blocks, or one super-block of 256; a legacy row's
+last blocks in chunks of 4, 2 and 1) the kernel runs one :func:`dot.chunk_dot`, compiled from the
+type's static list of runs below; its scales come from the blocks themselves (legacy types) or
+from the few scalar lines of the type's ``setup`` (k-quants and IQK types: integer sub-block
+scales, grid choices, mins).  Each type compiles its own loop: the type is a literal argument of
+the kernel (``_kernel``).  The loop passes byte and value offsets, never views, down to the
+chunks: a view per row would count a reference up and down on an array both threads share.
 
 Interleaved types (``_r4``/``_r8``) are regrouped into their plain rows once, on first use (see
 ``Weight.plain_layout``), and take the plain type's kernel.  The numpy twin is decoding the rows
@@ -77,19 +79,16 @@ def _u16(b, o):
     return np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
 
 
-@njit(**_OPTS)
-def _floats(b, x, n, half):
-    """F32 / F16 rows: 32 values per vector dot, the rest one by one."""
+@njit(inline="always")
+def _floats(b, bo, x, xo, n, half):
+    """F32 / F16 rows (at byte bo of b) · x[xo:xo + n]: 32 values per vector dot, the rest one by one."""
     size = 2 if half else 4
     s = F(0)
     n32 = n // 32 * 32
     for j in range(0, n32, 32):
-        s += D.f16x32(b, size * j, x, j) if half else D.f32x32(b, size * j, x, j)
+        s += D.f16x32(b, bo + size * j, x, xo + j) if half else D.f32x32(b, bo + size * j, x, xo + j)
     for j in range(n32, n):
-        if half:
-            s += D.half_at(b, 2 * j) * x[j]
-        else:
-            s += b[4 * j:4 * j + 4].view(np.float32)[0] * x[j]
+        s += (D.half_at(b, bo + 2 * j) if half else D.float_at(b, bo + 4 * j)) * x[xo + j]
     return s
 
 
@@ -134,8 +133,10 @@ LEGACY = {
     # IQ4_NL d | 16 bytes of grid indices
     T.IQ4_NL: LegacyLayout(18, (R(32, 0, 2, 0, 15, d_at=0, split=True),), table=True),
 }
-# chunk dots of 8 blocks and of 1 block, made once (numba caches what uses them)
-_LEGACY_CHUNKS = {q: (lay.chunk(8), lay.chunk(1)) for q, lay in LEGACY.items()}
+# chunk dots of 8, 4, 2 and 1 blocks, made once (numba caches what uses them): a row's last
+# n % 256 values take at most one of each of the smaller ones
+CHUNK_BLOCKS = (8, 4, 2, 1)
+_LEGACY_CHUNKS = {q: tuple(lay.chunk(n) for n in CHUNK_BLOCKS) for q, lay in LEGACY.items()}
 
 
 # grids of the super-block types that have one
@@ -163,61 +164,60 @@ SUPER_CHUNKS = {q: D.chunk_dot(runs, table=q in SUPER_TABLE) for q, runs in SUPE
 
 
 # ---- the scalar part of a super-block: its run scales (and grid offsets, mins) ----
-# setup(b, o, xsum, sb, scales, params) fills scales[k] (and params[k]) for the chunk's runs and
-# returns what the chunk dot leaves out (Q4_K/Q5_K: the mins, -dmin Σ_j m_j Σx over sub-block j).
+# setup(b, o, xsum, xb, scales, params) (xb: the super-block's first entry of xsum) fills the integer scales[k] (and params[k]) of the chunk's
+# runs and returns (d, what the chunk dot leaves out): the super-block's float scale, and for
+# Q4_K/Q5_K the mins, -dmin Σ_j m_j Σx over sub-block j.
 
 @njit(inline="always")
-def _setup_iq4_xs(b, o, xsum, sb, scales, params):
+def _setup_iq4_xs(b, o, xsum, xb, scales, params):
     """d | scales_h (2 bits per 32-group) | scales_l[4] (nibbles): ls - 32, for both runs of a group."""
-    d, sh = D.half_at(b, o), _u16(b, o + 2)
+    sh = _u16(b, o + 2)
     for ib in range(8):
         ls = ((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4)
-        scales[2 * ib] = scales[2 * ib + 1] = d * F(ls - 32)
-    return F(0)
+        scales[2 * ib] = scales[2 * ib + 1] = ls - 32
+    return D.half_at(b, o), F(0)
 
 
 @njit(inline="always")
-def _setup_q45_k(b, o, xsum, sb, scales, params):
+def _setup_q45_k(b, o, xsum, xb, scales, params):
     """d dmin | 12 bytes of 6-bit scales and mins (get_scale_min_k4)."""
     d, dmin = D.half_at(b, o), D.half_at(b, o + 2)
     mins = F(0)
     for j in range(8):
         sc, m = scale_min_k4(j, b, o + 4)
-        scales[j] = d * F(sc)
-        mins += F(m) * xsum[8 * sb + j]
-    return -dmin * mins
+        scales[j] = sc
+        mins += F(m) * xsum[xb + j]
+    return d, -dmin * mins
 
 
 @njit(inline="always")
-def _setup_q6_k(b, o, xsum, sb, scales, params):
+def _setup_q6_k(b, o, xsum, xb, scales, params):
     """int8 scales[16] at 192, d at 208; the runs go h, q, l0: run k is sub-block 8 h + 2 q + l0 / 16."""
-    d = D.half_at(b, o + 208)
     for k in range(16):
-        scales[k] = d * F(np.int8(b[o + 192 + 8 * (k // 8) + 2 * ((k // 2) % 4) + k % 2]))
-    return F(0)
+        scales[k] = np.int8(b[o + 192 + 8 * (k // 8) + 2 * ((k // 2) % 4) + k % 2])
+    return D.half_at(b, o + 208), F(0)
 
 
 @njit(inline="always")
-def _setup_iq4_k(b, o, xsum, sb, scales, params):
+def _setup_iq4_k(b, o, xsum, xb, scales, params):
     """d | extra (bit ib: sub-block ib on the second grid) | scales_h[4] (2 bits) | scales_l[8]
     (nibbles): ls - 32."""
-    d, extra = D.half_at(b, o), _u16(b, o + 2)
+    extra = _u16(b, o + 2)
     for ib in range(16):
-        ls = (((np.int64(b[o + 8 + ib // 2]) >> (4 * (ib % 2))) & 0xF)
-              | (((np.int64(b[o + 4 + ib // 4]) >> (2 * (ib % 4))) & 3) << 4)) - 32
-        scales[ib] = d * F(ls)
+        scales[ib] = (((np.int64(b[o + 8 + ib // 2]) >> (4 * (ib % 2))) & 0xF)
+                      | (((np.int64(b[o + 4 + ib // 4]) >> (2 * (ib % 4))) & 3) << 4)) - 32
         params[ib] = 16 * ((extra >> ib) & 1)
-    return F(0)
+    return D.half_at(b, o), F(0)
 
 
 @njit(inline="always")
-def _setup_iq2_k(b, o, xsum, sb, scales, params):
+def _setup_iq2_k(b, o, xsum, xb, scales, params):
     """d | extra (bit ib: values 4..7 of the grid) | scales[8] (nibbles): ls - 8."""
-    d, extra = D.half_at(b, o), _u16(b, o + 2)
+    extra = _u16(b, o + 2)
     for ib in range(16):
-        scales[ib] = d * F(((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) - 8)
+        scales[ib] = ((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) - 8
         params[ib] = 4 * ((extra >> ib) & 1)
-    return F(0)
+    return D.half_at(b, o), F(0)
 
 
 SUPER_SETUP = {T.IQ4_XS: _setup_iq4_xs, T.Q4_K: _setup_q45_k, T.Q5_K: _setup_q45_k, T.Q6_K: _setup_q6_k,
@@ -229,61 +229,68 @@ _TYPE_OF_KIND = {k: q for q, k in KIND.items()}
 # ---- row dots, one compiled loop per type ----
 
 def _legacy_row(qtype):
-    """Row b · x for a legacy type: 8 blocks per chunk dot, the row's last n % 256 values one
-    block at a time."""
-    chunk8, chunk1 = _LEGACY_CHUNKS[qtype]
+    """The row at byte bo of b · the n activations from xo on, for a legacy type: 8 blocks per
+    chunk dot, then the row's last n % 256 values in chunks of 4, 2 and 1 blocks."""
+    chunk8, chunk4, chunk2, chunk1 = _LEGACY_CHUNKS[qtype]
     block_bytes = LEGACY[qtype].block_bytes
     table = IQ4_TABLE if LEGACY[qtype].table else NO_TABLE
 
-    def row(b, xq, xd, xsum, scales, params):
-        nb = xq.shape[0] // 32
+    def row(b, bo, xq, xd, xsum, xo, n, scales, params):
+        nb = n // 32
         s = F(0)
         ib = 0
         while ib + 8 <= nb:
-            s += chunk8(b, block_bytes * ib, scales, params, table, xq, xd, xsum, 32 * ib)
+            s += chunk8(b, bo + block_bytes * ib, F(1), scales, params, table, xq, xd, xsum, xo + 32 * ib)
             ib += 8
-        while ib < nb:
-            s += chunk1(b, block_bytes * ib, scales, params, table, xq, xd, xsum, 32 * ib)
-            ib += 1
+        if ib + 4 <= nb:
+            s += chunk4(b, bo + block_bytes * ib, F(1), scales, params, table, xq, xd, xsum, xo + 32 * ib)
+            ib += 4
+        if ib + 2 <= nb:
+            s += chunk2(b, bo + block_bytes * ib, F(1), scales, params, table, xq, xd, xsum, xo + 32 * ib)
+            ib += 2
+        if ib < nb:
+            s += chunk1(b, bo + block_bytes * ib, F(1), scales, params, table, xq, xd, xsum, xo + 32 * ib)
         return s
-    return njit(row)
+    return njit(row, inline="always")
 
 
 def _super_row(qtype):
-    """Row b · x for a super-block type: one chunk dot per super-block of 256, after its run
-    scales (and grid offsets), which the type's ``setup`` reads."""
+    """The row at byte bo of b · the n activations from xo on, for a super-block type: one chunk
+    dot per super-block of 256, after its run scales (and grid offsets), which the type's
+    ``setup`` reads."""
     chunk = SUPER_CHUNKS[qtype]
     table = SUPER_TABLE.get(qtype, NO_TABLE)
     block_bytes = traits(qtype).type_size
     setup = SUPER_SETUP[qtype]
 
-    def row(b, xq, xd, xsum, scales, params):
+    def row(b, bo, xq, xd, xsum, xo, n, scales, params):
         s = F(0)
-        for sb in range(xq.shape[0] // 256):
-            o = block_bytes * sb
-            s += setup(b, o, xsum, sb, scales, params)
-            s += chunk(b, o, scales, params, table, xq, xd, xsum, 256 * sb)
+        for sb in range(n // 256):
+            o = bo + block_bytes * sb
+            d, left_out = setup(b, o, xsum, xo // 32 + 8 * sb, scales, params)
+            s += left_out + chunk(b, o, d, scales, params, table, xq, xd, xsum, xo + 256 * sb)
         return s
-    return njit(row)
+    return njit(row, inline="always")
 
 
-def row_dot(kind, b, x, xq, xd, xsum, scales, params):
-    """Row b (bytes) of the type ``kind`` · x (float types) or · xq * xd (the others); scales,
-    params: scratch of 32 entries."""
+def row_dot(kind, b, bo, x, xq, xd, xsum, xo, n, scales, params):
+    """The row at byte bo of b (of the type ``kind``) · x[xo:xo + n] (float types) or · the
+    rounded activations xq * xd from xo on (the others); scales, params: scratch of 32 entries.
+    Offsets, not views: a view per row costs a reference count up and down, shared by the threads."""
     raise NotImplementedError("called from numba code only")
 
 
-@overload(row_dot, prefer_literal=True)
-def _row_dot(kind, b, x, xq, xd, xsum, scales, params):
+@overload(row_dot, prefer_literal=True, inline="always")
+def _row_dot(kind, b, bo, x, xq, xd, xsum, xo, n, scales, params):
     if not isinstance(kind, types.IntegerLiteral):
         return None
     k = kind.literal_value
     if k <= 1:
         half = k == 1
-        return lambda kind, b, x, xq, xd, xsum, scales, params: _floats(b, x, x.shape[0], half)
+        return lambda kind, b, bo, x, xq, xd, xsum, xo, n, scales, params: _floats(b, bo, x, xo, n, half)
     qtype = _TYPE_OF_KIND[k]
     row = _legacy_row(qtype) if qtype in LEGACY else _super_row(qtype)
-    return lambda kind, b, x, xq, xd, xsum, scales, params: row(b, xq, xd, xsum, scales, params)
+    return lambda kind, b, bo, x, xq, xd, xsum, xo, n, scales, params: row(b, bo, xq, xd, xsum, xo, n, scales, params)
 
 
 ROWS_PER_TASK = 16
@@ -292,7 +299,7 @@ ROWS_PER_TASK = 16
 @njit(**_OPTS)
 def round_q8(x, xq, xd, xsum):
     """The activations x (n_tokens, n) as ggml's q8_0 rounds them, per 32: d = fp16(amax / 127),
-    xq = rint(x * 127 / amax) (int16 holding int8), xd = d, xsum = d * Σ xq; the values they
+    xq = rint(x * 127 / amax) (int8), xd = d, xsum = d * Σ xq; the values they
     stand for are xq * xd (kernels.round_q8_0_rows)."""
     for t in range(x.shape[0]):
         for blk in range(x.shape[1] // 32):
@@ -302,7 +309,7 @@ def round_q8(x, xq, xd, xsum):
             inv = F(127.0) / amax if amax > 0 else F(0)
             total = 0
             for i in range(32 * blk, 32 * blk + 32):
-                q = np.int16(np.rint(x[t, i] * inv))
+                q = np.int8(np.rint(x[t, i] * inv))
                 xq[t, i] = q
                 total += q
             xd[t, blk] = half_round(amax / F(127.0))
@@ -314,18 +321,20 @@ def _matvec(blocks, x, out, kind):
     """out[t, r] = row r of ``blocks`` (n_rows, row_size uint8, of the type ``kind`` selects; a
     literal, so each type compiles its own loop) · x[t], for the few tokens t of x (n_tokens, n_in)."""
     n_tok, n_in = x.shape
-    xq = np.zeros((n_tok, n_in), np.int16)
-    xd = np.zeros((n_tok, n_in // 32), F)
-    xsum = np.zeros((n_tok, n_in // 32), F)
+    n_rows, row_size = blocks.shape
+    flat, xf = blocks.reshape(n_rows * row_size), x.reshape(n_tok * n_in)
+    # np.empty: under parallel=True each np.zeros is a parallel loop of its own (2 us a launch)
+    xq = np.empty(n_tok * n_in, np.int8)
+    xd = np.empty(n_tok * n_in // 32, F)
+    xsum = np.empty(n_tok * n_in // 32, F)
     if kind > 1:
-        round_q8(x, xq, xd, xsum)
-    n_rows = blocks.shape[0]
+        round_q8(x, xq.reshape(n_tok, n_in), xd.reshape(n_tok, n_in // 32), xsum.reshape(n_tok, n_in // 32))
     for task in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        scales = np.empty(32, F)                        # the chunk dots' scratch, once per task
+        scales = np.zeros(32, np.int32)                 # the chunk dots' scratch, once per task
         params = np.zeros(32, np.int64)
         for r in range(task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK)):
             for t in range(n_tok):
-                out[t, r] = row_dot(kind, blocks[r], x[t], xq[t], xd[t], xsum[t], scales, params)
+                out[t, r] = row_dot(kind, flat, r * row_size, xf, xq, xd, xsum, t * n_in, n_in, scales, params)
 
 
 _U8_2D, _F32_2D = types.Array(types.uint8, 2, "C"), types.Array(types.float32, 2, "C")
