@@ -31,9 +31,10 @@ def test_f16_round_equals_numpy_cast_on_every_range():
     x[1, :5] = [65504.0, 65519.0, 65520.0, -1e30, np.nan]
     with np.errstate(over="ignore"):
         expect = x.astype(np.float16).astype(F32)
-    got = np.empty_like(x)
-    kernels.f16_round_rows(x, got)
-    np.testing.assert_array_equal(got, expect)
+    for kernel in (kernels.f16_round_rows, kernels.f16_round_few):       # parallel rows, rows in turn
+        got = np.empty_like(x)
+        kernel(x, got)
+        np.testing.assert_array_equal(got, expect)
     np.testing.assert_array_equal(ref.f16_round(x), expect)
 
 
@@ -68,18 +69,22 @@ def test_activation_rounding(kernel, twin, block):
     assert all(len(np.unique(b)) <= 255 for b in got.reshape(-1, block))
 
 
-def test_silu_mul_and_rmsnorm():
+@pytest.mark.parametrize("loop", ["rows", "few"])
+def test_silu_mul_and_rmsnorm(loop):
+    """Both loops over the rows (parallel, and in turn for a generation step's few rows)."""
+    silu_mul, rmsnorm = getattr(kernels, f"silu_mul_{loop}"), getattr(kernels, f"rmsnorm_{loop}")
     rng = np.random.default_rng(3)
     g, u = rng.standard_normal((2, 9, 100)).astype(F32) * 5
     got = np.empty_like(g)
-    kernels.silu_mul_rows(g, u, got)
+    silu_mul(g, u, got)
     np.testing.assert_allclose(got, ref.silu_mul(g, u), rtol=1e-6, atol=1e-30)
     x = awkward_values(rng, (9, 100))
     w = rng.standard_normal(100).astype(F32)
     got = np.empty_like(x)
-    kernels.rmsnorm_rows(x, w, 1e-5, got)
+    rmsnorm(x, w, 1e-5, got)
     np.testing.assert_allclose(got, ref.rmsnorm(x, w, 1e-5), rtol=1e-6)
     np.testing.assert_array_equal(ops_cpu.rmsnorm(x, w, 1e-5), got)
+    np.testing.assert_array_equal(ops_cpu.rmsnorm(x[:2], w, 1e-5), got[:2])
 
 
 @pytest.mark.parametrize("n_head,n_head_kv,pos0,n_tok", [(6, 2, 0, 150), (4, 4, 7, 3), (8, 1, 20, 1)])
@@ -124,6 +129,9 @@ def test_rope_kernel_equals_rotation_formula(neox):
     y = np.concatenate([x, x], axis=-1)
     ops_cpu.rope(y[..., :16], pos, n_rot, 10000.0, neox=neox)
     np.testing.assert_array_equal(y[..., :16], got)
+    # a generation step's few tokens (the rows in turn)
+    few = ops_cpu.rope(x[:2].copy(), pos[:2], n_rot, 10000.0, neox=neox)
+    np.testing.assert_array_equal(few, got[:2])
 
 
 def test_square_sums_and_target_nll():

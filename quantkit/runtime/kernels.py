@@ -3,7 +3,8 @@
 Each has a plain-numpy twin in :mod:`quantkit.runtime.reference_ops` that the tests compare it
 with.  None allocates its output: the caller passes it, so the same kernel serves a whole batch of
 tokens or one token.  Rows run in parallel (``prange``); inside the matrix-product thread pool,
-where numba runs single-threaded, they run one after the other.
+where numba runs single-threaded, they run one after the other, and so do the few rows of a
+generation step (the ``*_few`` loops).
 
 All arithmetic stays in float32 where ggml's does (numba keeps float32 * float32 in float32), and
 the sums ggml forms in double are formed in double here too.
@@ -68,12 +69,27 @@ def _f16_value(x):
     return r if a < F32(65520.0) else x * F32(np.inf)
 
 
+# Each elementwise step is a row kernel with two loops over the rows: ``*_rows`` (parallel) and
+# ``*_few`` (one after the other: for the few rows of a generation step a parallel launch costs
+# more than the work).
+
+@njit(cache=True, inline="always")
+def _f16_round_row(x, r, out):
+    for i in range(x.shape[1]):
+        out[r, i] = _f16_value(x[r, i])
+
+
 @njit(cache=True, parallel=True)
 def f16_round_rows(x, out):
     """out = x rounded to float16 values, x and out (n_rows, n) float32 (out may be x)."""
     for r in prange(x.shape[0]):
-        for i in range(x.shape[1]):
-            out[r, i] = _f16_value(x[r, i])
+        _f16_round_row(x, r, out)
+
+
+@njit(cache=True)
+def f16_round_few(x, out):
+    for r in range(x.shape[0]):
+        _f16_round_row(x, r, out)
 
 
 @njit(cache=True, parallel=True)
@@ -140,27 +156,60 @@ def round_q8_K_rows(x, out):
                 out[r, i] = min(np.float32(np.rint(iscale * x[r, i])), F32(127.0)) * d
 
 
+@njit(cache=True, inline="always")
+def _silu_mul_row(gate, up, r, out):
+    for i in range(gate.shape[1]):
+        g = gate[r, i]
+        out[r, i] = g / (F32(1.0) + np.exp(-g)) * up[r, i]
+
+
 @njit(cache=True, parallel=True)
 def silu_mul_rows(gate, up, out):
     """out = silu(gate) * up = gate / (1 + exp(-gate)) * up, all (n_rows, n) float32."""
     for r in prange(gate.shape[0]):
-        for i in range(gate.shape[1]):
-            g = gate[r, i]
-            out[r, i] = g / (F32(1.0) + np.exp(-g)) * up[r, i]
+        _silu_mul_row(gate, up, r, out)
+
+
+@njit(cache=True)
+def silu_mul_few(gate, up, out):
+    for r in range(gate.shape[0]):
+        _silu_mul_row(gate, up, r, out)
+
+
+@njit(cache=True, inline="always")
+def _rmsnorm_row(x, r, weight, eps, out):
+    n = x.shape[1]
+    ss = 0.0
+    for i in range(n):
+        v = np.float64(x[r, i])
+        ss += v * v
+    scale = F32(1.0 / np.sqrt(ss / n + eps))
+    for i in range(n):
+        out[r, i] = (x[r, i] * scale) * weight[i]
 
 
 @njit(cache=True, parallel=True)
 def rmsnorm_rows(x, weight, eps, out):
     """out = x / sqrt(mean(x^2) + eps) * weight per row, the mean of squares in double."""
-    n = x.shape[1]
     for r in prange(x.shape[0]):
-        ss = 0.0
-        for i in range(n):
-            v = np.float64(x[r, i])
-            ss += v * v
-        scale = F32(1.0 / np.sqrt(ss / n + eps))
-        for i in range(n):
-            out[r, i] = (x[r, i] * scale) * weight[i]
+        _rmsnorm_row(x, r, weight, eps, out)
+
+
+@njit(cache=True)
+def rmsnorm_few(x, weight, eps, out):
+    for r in range(x.shape[0]):
+        _rmsnorm_row(x, r, weight, eps, out)
+
+
+@njit(cache=True, inline="always")
+def _rotate_token(x, t, cos, sin, n_rot, neox):
+    half = n_rot // 2
+    for h in range(x.shape[1]):
+        for i in range(half):
+            ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            a, b = x[t, h, ia], x[t, h, ib]
+            x[t, h, ia] = a * cos[t, i] - b * sin[t, i]
+            x[t, h, ib] = a * sin[t, i] + b * cos[t, i]
 
 
 @njit(cache=True, parallel=True)
@@ -168,14 +217,14 @@ def rotate_pairs(x, cos, sin, n_rot, neox):
     """The rotary embedding in place: x (n_tokens, n_heads, head_dim), the angles of token t as
     cos[t], sin[t] (n_rot / 2 each).  Pair i is (x[2i], x[2i+1]) in normal mode and
     (x[i], x[i + n_rot/2]) in neox mode; dims from n_rot on are left alone."""
-    half = n_rot // 2
     for t in prange(x.shape[0]):
-        for h in range(x.shape[1]):
-            for i in range(half):
-                ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
-                a, b = x[t, h, ia], x[t, h, ib]
-                x[t, h, ia] = a * cos[t, i] - b * sin[t, i]
-                x[t, h, ib] = a * sin[t, i] + b * cos[t, i]
+        _rotate_token(x, t, cos, sin, n_rot, neox)
+
+
+@njit(cache=True)
+def rotate_few(x, cos, sin, n_rot, neox):
+    for t in range(x.shape[0]):
+        _rotate_token(x, t, cos, sin, n_rot, neox)
 
 
 @njit(cache=True)

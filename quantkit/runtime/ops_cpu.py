@@ -121,7 +121,10 @@ def _f16_round(x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x, F32)
     out = np.empty_like(x)
     x2, out2 = _rows2d(x), _rows2d(out)
-    by_rows(lambda r0, r1: kernels.f16_round_rows(x2[r0:r1], out2[r0:r1]), x2.shape[0], x.shape[0])
+    if x.shape[0] <= FUSED_TOKENS:
+        kernels.f16_round_few(x2, out2)
+    else:
+        by_rows(lambda r0, r1: kernels.f16_round_rows(x2[r0:r1], out2[r0:r1]), x2.shape[0], x.shape[0])
     return out
 
 
@@ -195,7 +198,10 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * weight, per row (ggml sums the squares in double)."""
     x, weight = np.ascontiguousarray(x, F32), np.ascontiguousarray(weight, F32)
     out = np.empty_like(x)
-    by_rows(lambda r0, r1: kernels.rmsnorm_rows(x[r0:r1], weight, float(eps), out[r0:r1]), x.shape[0])
+    if x.shape[0] <= FUSED_TOKENS:
+        kernels.rmsnorm_few(x, weight, float(eps), out)
+    else:
+        by_rows(lambda r0, r1: kernels.rmsnorm_rows(x[r0:r1], weight, float(eps), out[r0:r1]), x.shape[0])
     return out
 
 
@@ -203,7 +209,10 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu(gate) * up."""
     gate, up = _rows2d(np.ascontiguousarray(gate, F32)), _rows2d(np.ascontiguousarray(up, F32))
     out = np.empty_like(gate)
-    by_rows(lambda r0, r1: kernels.silu_mul_rows(gate[r0:r1], up[r0:r1], out[r0:r1]), gate.shape[0])
+    if gate.shape[0] <= FUSED_TOKENS:
+        kernels.silu_mul_few(gate, up, out)
+    else:
+        by_rows(lambda r0, r1: kernels.silu_mul_rows(gate[r0:r1], up[r0:r1], out[r0:r1]), gate.shape[0])
     return out
 
 
@@ -275,7 +284,10 @@ def _rotate(x: np.ndarray, n_rot: int, cos: np.ndarray, sin: np.ndarray, neox: b
     """Rotate the dim pairs of x (n_tokens, n_heads, head_dim) in place by angles given as cos/sin
     (n_tokens, n_rot/2)."""
     y = x if x.dtype == F32 and x.flags.c_contiguous else np.ascontiguousarray(x, F32)
-    by_rows(lambda r0, r1: kernels.rotate_pairs(y[r0:r1], cos[r0:r1], sin[r0:r1], n_rot, neox), y.shape[0])
+    if y.shape[0] <= FUSED_TOKENS:
+        kernels.rotate_few(y, cos, sin, n_rot, neox)
+    else:
+        by_rows(lambda r0, r1: kernels.rotate_pairs(y[r0:r1], cos[r0:r1], sin[r0:r1], n_rot, neox), y.shape[0])
     if y is not x:
         x[...] = y
     return x
