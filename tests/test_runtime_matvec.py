@@ -110,38 +110,33 @@ def _chunks():
     out = []
     for q, lay in matvec.LEGACY.items():
         for n_blocks, chunk in zip(matvec.CHUNK_BLOCKS, matvec._LEGACY_CHUNKS[q]):
-            runs = tuple(r.moved(lay.block_bytes * i, 32 * i) for i in range(n_blocks) for r in lay.runs)
-            out.append((f"{type_name(q)}x{n_blocks}", chunk, runs, lay.table, lay.block_bytes * n_blocks))
+            out.append((f"{type_name(q)}x{n_blocks}", chunk, lay.block_bytes * n_blocks))
     for q, chunk in matvec.SUPER_CHUNKS.items():
-        out.append((type_name(q), chunk, chunk.runs, chunk.table, traits(q).type_size))
+        out.append((type_name(q), chunk, traits(q).type_size))
     return out
 
 
-@pytest.mark.parametrize("name,chunk,runs,table,n_bytes", _chunks(), ids=[c[0] for c in _chunks()])
-def test_chunk_dot_equals_its_twin_on_random_bytes(name, chunk, runs, table, n_bytes):
-    """Any bytes (not only what a quantizer writes), at an offset inside a longer row; float16
-    fields hold random finite values, per-run scales and grid offsets are random."""
+@pytest.mark.parametrize("name,chunk,n_bytes", _chunks(), ids=[c[0] for c in _chunks()])
+def test_chunk_dot_equals_its_twin_on_random_bytes(name, chunk, n_bytes):
+    """Any bytes (not only what a quantizer writes), at an offset inside a longer row: random
+    codes, packed scales, mins and grid bits; float16 fields hold random finite values."""
     rng = np.random.default_rng(len(name))
     o = 3 * n_bytes
     a = rng.integers(0, 256, o + n_bytes + 8, dtype=np.uint8)
-    for r in runs:
-        for at in (r.d_at, r.m_at):
-            if at is not None:
-                a[o + at:o + at + 2] = np.frombuffer(np.float16(rng.uniform(-2, 2)).tobytes(), np.uint8)
-    n_values = max(r.xoff + r.n for r in runs)
+    halves = [at for r in chunk.runs for at in (r.d_at, r.m_at) if at is not None]
+    if chunk.sup is not None:
+        halves += [at for at in (chunk.sup.d_at, chunk.sup.dmin_at) if at is not None]
+    for at in halves:
+        a[o + at:o + at + 2] = np.frombuffer(np.float16(rng.uniform(-2, 2)).tobytes(), np.uint8)
+    n_values = max(r.xoff + r.n for r in chunk.runs)
     xo = 64
     xq = rng.integers(-127, 128, xo + n_values).astype(np.int8)
     xd = rng.uniform(0.01, 1, (xo + n_values) // 32).astype(np.float32)
     xsum = (xq[:len(xd) * 32].reshape(-1, 32).sum(-1, dtype=np.int64) * xd).astype(np.float32)
-    d = np.float32(rng.uniform(-1, 1))
-    scales = rng.integers(-128, 128, 32).astype(np.int32)
     tab = matvec.IQ2_TABLE if "iq2" in name else matvec.IQ4_TABLE
-    params = np.zeros(32, np.int64)
-    if table and name.startswith("iq"):
-        params[:len(runs)] = rng.integers(0, 2, len(runs)) * (4 if "iq2" in name else 16)
-    call = njit(lambda a, o, f, s, p, t, q, d, m, x0: chunk(a, o, f, s, p, t, q, d, m, x0))
-    got = call(a, o, d, scales, params, tab, xq, xd, xsum, xo)
-    ref = dot.chunk_twin(runs, table, a, o, d, scales, params, tab, xq, xd, xo)
+    call = njit(lambda a, o, t, q, d, m, x0: chunk(a, o, t, q, d, m, x0))
+    got = call(a, o, tab, xq, xd, xsum, xo)
+    ref = dot.chunk_twin(chunk, a, o, tab, xq, xd, xo)
     assert abs(got - ref) <= 1e-5 * max(1.0, abs(ref)), (got, ref)
 
 

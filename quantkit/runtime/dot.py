@@ -164,6 +164,41 @@ class Run(NamedTuple):
                              hword=mv(self.hword), d_at=mv(self.d_at), m_at=mv(self.m_at))
 
 
+class Scale(NamedTuple):
+    """A small integer read from a super-block's bytes (a run's scale, a group's min); offsets
+    relative to the super-block's first byte:
+
+        ((a[at] >> shift) & mask | ((a[hi_at] >> hi_shift) & hi_mask) << hi_pos) - bias
+        int8(a[at])                                                 (signed)"""
+    at: int
+    shift: int = 0
+    mask: int = 0xFF
+    hi_at: int | None = None
+    hi_shift: int = 0
+    hi_mask: int = 0
+    hi_pos: int = 4
+    bias: int = 0
+    signed: bool = False
+
+    def value(self, a, o) -> int:
+        if self.signed:
+            return int(np.int8(a[o + self.at]))
+        v = (int(a[o + self.at]) >> self.shift) & self.mask
+        if self.hi_at is not None:
+            v |= ((int(a[o + self.hi_at]) >> self.hi_shift) & self.hi_mask) << self.hi_pos
+        return v - self.bias
+
+
+class Super(NamedTuple):
+    """What a super-block chunk reads besides its runs: value = d * scale_k * code (- dmin * m_g)."""
+    d_at: int                       # the float16 super-block scale
+    scales: tuple                   # run k's integer scale (Scale)
+    dmin_at: int | None = None      # a float16 scale of the mins (Q4_K, Q5_K)
+    mins: tuple = ()                # 32-group g's integer min (Scale)
+    grid_at: int | None = None      # with a table: bit k of the 16-bit word here moves run k's
+    grid_step: int = 0              # 16-entry window of the grid by grid_step entries
+
+
 def _fold(builder, v, n, to):
     """Add the halves of v (<n x float> or <n x i32>) until ``to`` lanes are left."""
     add = builder.fadd if isinstance(v.type.element, ir.FloatType) else builder.add
@@ -251,6 +286,41 @@ def _madd(builder, p16, s16):
     return _pairs(builder, builder.mul(builder.sext(p16, v32), builder.sext(s16, v32)), 16)
 
 
+def _small_ints(builder, base, o, specs):
+    """<16 x i16>: lane i the value of specs[i] (:class:`Scale`, at most 16, all signed or all
+    not), the other lanes 0.  The bytes they read (a span of at most 16) are loaded once and
+    spread over the lanes with one shuffle per plane; shifts and masks are per-lane constants."""
+    n = len(specs)
+    assert n <= 16 and len({sp.signed for sp in specs}) == 1
+    ats = [sp.at for sp in specs] + [sp.hi_at for sp in specs if sp.hi_at is not None]
+    lo, span = min(ats), max(ats) - min(ats) + 1
+    assert span <= 16, specs
+    v16 = ir.VectorType(_I8, 16)
+    raw = _load(builder, base, builder.add(o, ir.Constant(ir.IntType(64), lo)), span, _I8)
+    if span < 16:
+        raw = builder.shuffle_vector(raw, ir.Constant(ir.VectorType(_I8, span), [0] * span),
+                                     ir.Constant(ir.VectorType(_I32, 16), list(range(span)) + [span] * (16 - span)))
+
+    def lanes(values, fill=0):
+        return ir.Constant(v16, list(values) + [fill] * (16 - n))
+
+    def pick(idx):
+        return builder.shuffle_vector(raw, raw, ir.Constant(ir.VectorType(_I32, 16), list(idx) + [0] * (16 - n)))
+    vals = pick(sp.at - lo for sp in specs)
+    if not specs[0].signed:
+        vals = builder.and_(builder.lshr(vals, lanes(sp.shift for sp in specs)), lanes(sp.mask for sp in specs))
+        if any(sp.hi_at is not None for sp in specs):
+            high = pick((sp.hi_at if sp.hi_at is not None else sp.at) - lo for sp in specs)
+            high = builder.and_(builder.lshr(high, lanes(sp.hi_shift for sp in specs)),
+                                lanes(sp.hi_mask if sp.hi_at is not None else 0 for sp in specs))
+            vals = builder.or_(vals, builder.shl(high, lanes(sp.hi_pos if sp.hi_at is not None else 0 for sp in specs)))
+    w16 = ir.VectorType(_I16, 16)
+    wide = builder.sext(vals, w16) if specs[0].signed else builder.zext(vals, w16)
+    if any(sp.bias for sp in specs):
+        wide = builder.sub(wide, ir.Constant(w16, [sp.bias for sp in specs] + [0] * (16 - n)))
+    return wide
+
+
 def _lane_sums(builder, vs):
     """<8 x i32>: lane g = the sum of the 8 lanes of vs[g] (at most 8 vectors <8 x i32>, the
     missing ones 0).  Three rounds of interleaving within 128-bit halves and adding (x86:
@@ -289,59 +359,66 @@ def _folds_bias(r):
     return r.bias != 0 and r.d_at is not None and r.shift is not None
 
 
-def chunk_dot(runs, table=False):
-    """``dot(a, o, d, scales, params, tab, xq, xd, xsum, xo)`` = Σ_k Σ_j value_kj * x_(xo + xoff_k + j)
-    over the static ``runs`` (:class:`Run`) of a chunk starting at byte o of a and value xo of x
-    (xo a multiple of 32), where
+def chunk_dot(runs, table=False, sup=None):
+    """``dot(a, o, tab, xq, xd, xsum, xo)`` = Σ_k Σ_j value_kj * x_(xo + xoff_k + j) over the static
+    ``runs`` (:class:`Run`) of a chunk starting at byte o of a and value xo of x (xo a multiple of
+    32), where
 
-        value = scale_k * code (+ min_k)      scale_k the float16 at d_at, or d * scales[k]
-                                              (an integer scale of a super-block's run)
+        value = scale_k * code (+ min_k)      scale_k the float16 at the run's d_at (legacy
+                                              blocks), or d * s_k with the super-block's float16
+                                              d and its integer run scale s_k (``sup``: Super;
+                                              its mins: - dmin * m_g)
         x_i   = xq[i] * xd[i // 32]           the activations as int8 codes and a scale per 32,
                                               as ggml's q8_0 rounds them; xsum[i // 32] = xd * Σ xq
                                               over the 32
 
-    With ``table`` a code is the int8 tab[params[k] + code] (a 16-entry window of the grid).
+    With ``table`` a code is the int8 tab[window_k + code], a 16-entry window of the grid (moved
+    by the super-block's grid bits).
 
     The runs of each 32 values (one of 32, two of 16 or four of 8) are multiplied together: their
     codes as one vector of 32 bytes times the 32 activation bytes, added in pairs into 16-bit lanes
     (pmaddubsw), then in pairs into 32-bit lanes times the runs' integer scales, or times 1
     (pmaddwd).  pmaddubsw takes unsigned codes: signed ones (int8, grid values, codes minus a
     bias) go as |code| times the activation with the code's sign; a legacy block's bias is taken
-    out afterwards instead (-bias * d * xsum).  Each 32 values then cost one float conversion and
-    one FMA (scale d_k * xd) into a few float accumulators, summed once at the end.  Bytes,
-    scales and activations are read at offsets fixed when the kernel is compiled: a chunk is
-    straight-line vector code."""
+    out afterwards instead (-bias * d * xsum).  The groups' sums then meet in one vector, which is
+    converted once and scaled by d_g * xd_g.  Bytes, scales and activations are read at offsets
+    fixed when the kernel is compiled: a chunk is straight-line vector code."""
     runs = tuple(Run(*r) for r in runs)
     groups = _groups(runs)
+    assert (sup is None) == all(r.d_at is not None for r in runs)
+    assert sup is None or len(sup.scales) == len(runs)
 
     @intrinsic
-    def dot(typingctx, a, o, d, scales, params, tab, xq, xd, xsum, xo):
+    def dot(typingctx, a, o, tab, xq, xd, xsum, xo):
         def codegen(context, builder, sig, args):
-            a_v, o_v, d_v, sc_v, pa_v, tab_v, xq_v, xd_v, xs_v, xo_v = args
+            a_v, o_v, tab_v, xq_v, xd_v, xs_v, xo_v = args
             i64 = ir.IntType(64)
             vf8 = ir.VectorType(_F32, 8)
             fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf8, [vf8, vf8, vf8]),
                                                      "llvm.fmuladd.v8f32")
             base = _data(context, builder, sig.args[0], a_v)
-            sc = _data(context, builder, sig.args[3], sc_v)
-            pa = _data(context, builder, sig.args[4], pa_v)
-            tb = _data(context, builder, sig.args[5], tab_v)
-            xqb = _data(context, builder, sig.args[6], xq_v)
-            xdb = _data(context, builder, sig.args[7], xd_v)
-            xsb = _data(context, builder, sig.args[8], xs_v)
+            tb = _data(context, builder, sig.args[2], tab_v)
+            xqb = _data(context, builder, sig.args[3], xq_v)
+            xdb = _data(context, builder, sig.args[4], xd_v)
+            xsb = _data(context, builder, sig.args[5], xs_v)
             xblock = builder.lshr(xo_v, ir.Constant(i64, 5))
 
             def c(v):
                 return ir.Constant(i64, v)
+
+            def half(at):
+                ptr = builder.bitcast(builder.gep(base, [builder.add(o_v, c(at))]), ir.HalfType().as_pointer())
+                return builder.fpext(builder.load(ptr, align=1), _F32)
             # per 32-group g (lane g): its scale (the block's float16, or the super-block's d)
             # times xd, and what the products leave out, times xsum: a folded bias, a min
             n_groups = len(groups)
             assert list(groups) == list(range(n_groups)) and n_groups <= 8
             firsts = [members[0][1] for members in groups.values()]
-            if firsts[0].d_at is not None:
+            if sup is None:
                 d_vec = _half_vector(builder, base, o_v, [r.d_at for r in firsts])
             else:
-                d_vec = _splat(builder, d_v, 8)
+                d_vec = _splat(builder, half(sup.d_at), 8)
+                run_scales = _small_ints(builder, base, o_v, sup.scales)
             group_scales = builder.fmul(d_vec, _load8(builder, xdb, xblock, n_groups))
             left_out = None
             if any(_folds_bias(r) or r.m_at is not None for r in firsts):
@@ -350,6 +427,15 @@ def chunk_dot(runs, table=False):
                 if firsts[0].m_at is not None:
                     coef = builder.fadd(coef, _half_vector(builder, base, o_v, [r.m_at for r in firsts]))
                 left_out = builder.fmul(coef, _load8(builder, xsb, xblock, n_groups))
+            if sup is not None and sup.mins:
+                # - dmin * m_g * xsum_g
+                m16 = _small_ints(builder, base, o_v, sup.mins)
+                m8 = builder.sitofp(builder.shuffle_vector(m16, m16, ir.Constant(ir.VectorType(_I32, 8), list(range(8)))), vf8)
+                dmin = builder.fsub(ir.Constant(_F32, 0.0), half(sup.dmin_at))
+                left_out = builder.fmul(builder.fmul(m8, _load8(builder, xsb, xblock, n_groups)), _splat(builder, dmin, 8))
+            if sup is not None and sup.grid_at is not None:
+                ptr = builder.bitcast(builder.gep(base, [builder.add(o_v, c(sup.grid_at))]), _I16.as_pointer())
+                grid_bits = builder.zext(builder.load(ptr, align=1), i64)
             ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
             isums = []
             for gi, (g, members) in enumerate(groups.items()):
@@ -389,8 +475,11 @@ def chunk_dot(runs, table=False):
                             hit = builder.icmp_unsigned("!=", builder.and_(spread, bit), b8(0))
                             code = builder.or_(code, builder.select(hit, b8(1 << r.hpos), b8(0)))
                         if table:
-                            t16 = _load(builder, tb, builder.load(builder.gep(pa, [c(k)])), 16, _I8)
-                            code, signed = _lookup(builder, t16, code, n), True
+                            window = c(0)
+                            if sup is not None and sup.grid_at is not None:
+                                bit = builder.and_(builder.lshr(grid_bits, c(k)), c(1))
+                                window = builder.mul(bit, c(sup.grid_step))
+                            code, signed = _lookup(builder, _load(builder, tb, window, 16, _I8), code, n), True
                         elif r.bias and not _folds_bias(r):
                             code, signed = builder.sub(code, b8(r.bias)), True
                     pieces.append(code)
@@ -402,12 +491,8 @@ def chunk_dot(runs, table=False):
                 if r0.d_at is None:
                     # the runs' integer scales, each over the 16-bit lanes of its values
                     lanes = 16 // len(members)
-                    iscale = None
-                    for i, (k, r) in enumerate(members):
-                        one = _splat(builder, _as(builder, builder.load(builder.gep(sc, [c(k)])), _I16), 16)
-                        iscale = one if iscale is None else builder.shuffle_vector(
-                            iscale, one, ir.Constant(ir.VectorType(_I32, 16),
-                                                     [16 + j if j // lanes == i else j for j in range(16)]))
+                    iscale = builder.shuffle_vector(run_scales, run_scales, ir.Constant(
+                        ir.VectorType(_I32, 16), [members[j // lanes][0] for j in range(16)]))
                     isum = _madd(builder, p16, iscale)
                 else:
                     isum = _madd(builder, p16, ones)
@@ -417,16 +502,20 @@ def chunk_dot(runs, table=False):
             zero = ir.Constant(vf8, [0.0] * 8)
             acc = builder.call(fmuladd, [builder.sitofp(total, vf8), group_scales, zero if left_out is None else left_out])
             return builder.extract_element(_fold(builder, acc, 8, 1), ir.Constant(_I32, 0))
-        return nbt.float32(a, o, d, scales, params, tab, xq, xd, xsum, xo), codegen
-    dot.runs, dot.table = runs, table           # for the twin in tests
+        return nbt.float32(a, o, tab, xq, xd, xsum, xo), codegen
+    dot.runs, dot.table, dot.sup = runs, table, sup         # for the twin in tests
     return dot
 
 
-def chunk_twin(runs, table, a, o, d, scales, params, tab, xq, xd, xo):
-    """chunk_dot, value by value (float64 sums of value * xq * xd)."""
+def chunk_twin(dot, a, o, tab, xq, xd, xo):
+    """A chunk dot (``dot``: what chunk_dot made), value by value (float64 sums of value * xq * xd)."""
+    runs, table, sup = dot.runs, dot.table, dot.sup
     a = np.asarray(a)
+
+    def half(at):
+        return float(a[o + at:o + at + 2].view(np.float16)[0])
     total = 0.0
-    for k, r in enumerate(Run(*r) for r in runs):
+    for k, r in enumerate(runs):
         n = r.n
         if r.shift is None:
             code = a[o + r.off:o + r.off + n].view(np.int8).astype(np.int64)
@@ -441,10 +530,20 @@ def chunk_twin(runs, table, a, o, d, scales, params, tab, xq, xd, xo):
             if r.hword is not None:
                 word = int(a[o + r.hword:o + r.hword + 4].view(np.uint32)[0])
                 code = code | (((word >> (r.hbase + np.arange(n))) & 1) << r.hpos)
-            code = np.asarray(tab, np.int64)[params[k] + code] if table else code - r.bias
-        half = (lambda at: float(a[o + at:o + at + 2].view(np.float16)[0]))
-        scale = float(d) * float(scales[k]) if r.d_at is None else half(r.d_at)
-        value = scale * code + (0.0 if r.m_at is None else half(r.m_at))
+            if table:
+                window = 0
+                if sup is not None and sup.grid_at is not None:
+                    bits = int(a[o + sup.grid_at:o + sup.grid_at + 2].view(np.uint16)[0])
+                    window = ((bits >> k) & 1) * sup.grid_step
+                code = np.asarray(tab, np.int64)[window + code]
+            else:
+                code = code - r.bias
+        if sup is None:
+            value = half(r.d_at) * code + (0.0 if r.m_at is None else half(r.m_at))
+        else:
+            value = half(sup.d_at) * sup.scales[k].value(a, o) * code
+            if sup.mins:
+                value = value - half(sup.dmin_at) * sup.mins[r.xoff // 32].value(a, o)
         i = xo + r.xoff
         xv = np.asarray(xq[i:i + n], np.float64) * float(xd[i // 32])
         total += float(value @ xv)

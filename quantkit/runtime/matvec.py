@@ -10,9 +10,9 @@ As in ggml's quantized dot products the activations are first rounded to 8 bits 
 ``round_q8``), and weight codes and activation codes are multiplied as integers; F32 and F16 rows
 are multiplied in float.  Per chunk (8 legacy blocks, or one super-block of 256; a legacy row's
 last blocks in chunks of 4, 2 and 1) the kernel runs one :func:`dot.chunk_dot`, compiled from the
-type's static list of runs below; its scales come from the blocks themselves (legacy types) or
-from the few scalar lines of the type's ``setup`` (k-quants and IQK types: integer sub-block
-scales, grid choices, mins).  Each type compiles its own loop: the type is a literal argument of
+type's static list of runs below; it reads the scales from the blocks themselves: float16 block
+scales (legacy types), or a float16 super-block scale and packed integer sub-block scales (and
+grid choices, mins) whose bit positions the type's ``Super`` lists (k-quants and IQK types).  Each type compiles its own loop: the type is a literal argument of
 the kernel (``_kernel``).  The loop passes byte and value offsets, never views, down to the
 chunks: a view per row would count a reference up and down on an array both threads share.
 
@@ -30,7 +30,6 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ..formats._iqk import IQ2NL_VALUES, IQ4K_VALUES
-from ..kernels.kquants import scale_min_k4
 from ..types import TYPE_TRAITS, QuantType, traits
 from . import dot as D
 from .kernels import _f16_value as half_round
@@ -72,11 +71,6 @@ def kind_of(qtype: QuantType) -> int | None:
     """The kernel selector for rows of ``qtype`` (its plain type's for interleaved types), or None
     when no fused kernel computes them."""
     return _KIND_OF.get(qtype)
-
-
-@njit(inline="always")
-def _u16(b, o):
-    return np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
 
 
 @njit(inline="always")
@@ -141,87 +135,51 @@ _LEGACY_CHUNKS = {q: tuple(lay.chunk(n) for n in CHUNK_BLOCKS) for q, lay in LEG
 
 # grids of the super-block types that have one
 SUPER_TABLE = {T.IQ4_XS: IQ4_TABLE, T.IQ4_K: IQ4_TABLE, T.IQ2_K: IQ2_TABLE}
-SUPER_RUNS = {
-    # IQ4_XS d | scales_h | scales_l[4] | qs[128]: 32-group ib's values from the 16 bytes at 8 + 16 ib
-    T.IQ4_XS: [(16, 32 * ib + 16 * h, 8 + 16 * ib, 4 * h, 15) for ib in range(8) for h in range(2)],
+S = D.Scale
+
+
+def _k4(j, mins):
+    """Q4_K/Q5_K: scale (or min) j of the 12 bytes at 4, 6 bits each (get_scale_min_k4): j < 4 is
+    byte j (mins: j + 4) & 63; j >= 4 the low nibble (mins: high nibble) of byte j + 4 with the top
+    2 bits of byte j - 4 (mins: j) above it."""
+    if j < 4:
+        return S(4 + j + 4 * mins, 0, 63)
+    return S(8 + j, 4 * mins, 15, 4 + j - 4 + 4 * mins, 6, 3, 4)
+
+
+SUPER = {
+    # IQ4_XS d | scales_h | scales_l[4] | qs[128]: 32-group ib's values from the 16 bytes at 8 + 16 ib;
+    # its scale: nibble ib % 2 of scales_l[ib // 2] | bits 2 ib of scales_h << 4, minus 32
+    T.IQ4_XS: ([R(16, 32 * ib + 16 * h, 8 + 16 * ib, 4 * h, 15) for ib in range(8) for h in range(2)],
+               D.Super(0, tuple(S(4 + ib // 2, 4 * (ib % 2), 15, 2 + ib // 4, 2 * (ib % 4), 3, 4, 32)
+                                for ib in range(8) for h in range(2)))),
     # Q4_K d dmin scales[12] qs[128]: sub-block j is nibble j % 2 of qs[32 (j // 2) ..]
-    T.Q4_K: [(32, 32 * j, 16 + 32 * (j // 2), 4 * (j % 2), 15) for j in range(8)],
+    T.Q4_K: ([R(32, 32 * j, 16 + 32 * (j // 2), 4 * (j % 2), 15) for j in range(8)],
+             D.Super(0, tuple(_k4(j, 0) for j in range(8)), 2, tuple(_k4(j, 1) for j in range(8)))),
     # Q5_K d dmin scales[12] qh[32] qs[128]: the fifth bit of sub-block j is bit j of qh
-    T.Q5_K: [(32, 32 * j, 48 + 32 * (j // 2), 4 * (j % 2), 15, 16, j, 1, 4) for j in range(8)],
+    T.Q5_K: ([R(32, 32 * j, 48 + 32 * (j // 2), 4 * (j % 2), 15, 16, j, 1, 4) for j in range(8)],
+             D.Super(0, tuple(_k4(j, 0) for j in range(8)), 2, tuple(_k4(j, 1) for j in range(8)))),
     # Q6_K ql[128] qh[64] scales[16] d: value v = 128 h + 32 q + l is nibble q // 2 of
-    # ql[64 h + 32 (q % 2) + l] with bits 2q..2q+1 of qh[32 h + l] above it, minus 32
-    T.Q6_K: [(16, 128 * h + 32 * q + l0, 64 * h + 32 * (q % 2) + l0, 4 * (q // 2), 15,
-              128 + 32 * h + l0, 2 * q, 3, 4, 32)
-             for h in range(2) for q in range(4) for l0 in (0, 16)],
+    # ql[64 h + 32 (q % 2) + l] with bits 2q..2q+1 of qh[32 h + l] above it, minus 32; the int8
+    # scale of its 16 values is scales[v // 16]
+    T.Q6_K: ([R(16, 128 * h + 32 * q + l0, 64 * h + 32 * (q % 2) + l0, 4 * (q // 2), 15,
+                128 + 32 * h + l0, 2 * q, 3, 4, 32)
+              for h in range(2) for q in range(4) for l0 in (0, 16)],
+             D.Super(208, tuple(S(192 + 8 * h + 2 * q + l0 // 16, signed=True)
+                                for h in range(2) for q in range(4) for l0 in (0, 16)))),
     # IQ4_K d extra scales_h[4] scales_l[8] qs[128]: sub-block ib of 16 is nibble ib % 2 of
-    # qs[16 (ib // 2) ..], on the second grid when bit ib of extra is set
-    T.IQ4_K: [(16, 16 * ib, 16 + 16 * (ib // 2), 4 * (ib % 2), 15) for ib in range(16)],
+    # qs[16 (ib // 2) ..], on the second grid when bit ib of extra is set; its scale: nibble ib % 2
+    # of scales_l[ib // 2] | bits 2 (ib % 4) of scales_h[ib // 4] << 4, minus 32
+    T.IQ4_K: ([R(16, 16 * ib, 16 + 16 * (ib // 2), 4 * (ib % 2), 15) for ib in range(16)],
+              D.Super(0, tuple(S(8 + ib // 2, 4 * (ib % 2), 15, 4 + ib // 4, 2 * (ib % 4), 3, 4, 32)
+                               for ib in range(16)), grid_at=2, grid_step=16)),
     # IQ2_K d extra scales[8] qs[64]: sub-block ib (32-group g = ib // 2) is bits 2 (g % 4) of
-    # qs[32 (g // 4) + 16 (ib % 2) ..], values 4..7 of the grid when bit ib of extra is set
-    T.IQ2_K: [(16, 16 * ib, 12 + 32 * (ib // 8) + 16 * (ib % 2), 2 * ((ib // 2) % 4), 3) for ib in range(16)],
+    # qs[32 (g // 4) + 16 (ib % 2) ..], values 4..7 of the grid when bit ib of extra is set; its
+    # scale: nibble ib % 2 of scales[ib // 2], minus 8
+    T.IQ2_K: ([R(16, 16 * ib, 12 + 32 * (ib // 8) + 16 * (ib % 2), 2 * ((ib // 2) % 4), 3) for ib in range(16)],
+              D.Super(0, tuple(S(4 + ib // 2, 4 * (ib % 2), 15, bias=8) for ib in range(16)), grid_at=2, grid_step=4)),
 }
-SUPER_CHUNKS = {q: D.chunk_dot(runs, table=q in SUPER_TABLE) for q, runs in SUPER_RUNS.items()}
-
-
-# ---- the scalar part of a super-block: its run scales (and grid offsets, mins) ----
-# setup(b, o, xsum, xb, scales, params) (xb: the super-block's first entry of xsum) fills the integer scales[k] (and params[k]) of the chunk's
-# runs and returns (d, what the chunk dot leaves out): the super-block's float scale, and for
-# Q4_K/Q5_K the mins, -dmin Σ_j m_j Σx over sub-block j.
-
-@njit(inline="always")
-def _setup_iq4_xs(b, o, xsum, xb, scales, params):
-    """d | scales_h (2 bits per 32-group) | scales_l[4] (nibbles): ls - 32, for both runs of a group."""
-    sh = _u16(b, o + 2)
-    for ib in range(8):
-        ls = ((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4)
-        scales[2 * ib] = scales[2 * ib + 1] = ls - 32
-    return D.half_at(b, o), F(0)
-
-
-@njit(inline="always")
-def _setup_q45_k(b, o, xsum, xb, scales, params):
-    """d dmin | 12 bytes of 6-bit scales and mins (get_scale_min_k4)."""
-    d, dmin = D.half_at(b, o), D.half_at(b, o + 2)
-    mins = F(0)
-    for j in range(8):
-        sc, m = scale_min_k4(j, b, o + 4)
-        scales[j] = sc
-        mins += F(m) * xsum[xb + j]
-    return d, -dmin * mins
-
-
-@njit(inline="always")
-def _setup_q6_k(b, o, xsum, xb, scales, params):
-    """int8 scales[16] at 192, d at 208; the runs go h, q, l0: run k is sub-block 8 h + 2 q + l0 / 16."""
-    for k in range(16):
-        scales[k] = np.int8(b[o + 192 + 8 * (k // 8) + 2 * ((k // 2) % 4) + k % 2])
-    return D.half_at(b, o + 208), F(0)
-
-
-@njit(inline="always")
-def _setup_iq4_k(b, o, xsum, xb, scales, params):
-    """d | extra (bit ib: sub-block ib on the second grid) | scales_h[4] (2 bits) | scales_l[8]
-    (nibbles): ls - 32."""
-    extra = _u16(b, o + 2)
-    for ib in range(16):
-        scales[ib] = (((np.int64(b[o + 8 + ib // 2]) >> (4 * (ib % 2))) & 0xF)
-                      | (((np.int64(b[o + 4 + ib // 4]) >> (2 * (ib % 4))) & 3) << 4)) - 32
-        params[ib] = 16 * ((extra >> ib) & 1)
-    return D.half_at(b, o), F(0)
-
-
-@njit(inline="always")
-def _setup_iq2_k(b, o, xsum, xb, scales, params):
-    """d | extra (bit ib: values 4..7 of the grid) | scales[8] (nibbles): ls - 8."""
-    extra = _u16(b, o + 2)
-    for ib in range(16):
-        scales[ib] = ((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) - 8
-        params[ib] = 4 * ((extra >> ib) & 1)
-    return D.half_at(b, o), F(0)
-
-
-SUPER_SETUP = {T.IQ4_XS: _setup_iq4_xs, T.Q4_K: _setup_q45_k, T.Q5_K: _setup_q45_k, T.Q6_K: _setup_q6_k,
-               T.IQ4_K: _setup_iq4_k, T.IQ2_K: _setup_iq2_k}
+SUPER_CHUNKS = {q: D.chunk_dot(runs, table=q in SUPER_TABLE, sup=sup) for q, (runs, sup) in SUPER.items()}
 
 _TYPE_OF_KIND = {k: q for q, k in KIND.items()}
 
@@ -235,62 +193,58 @@ def _legacy_row(qtype):
     block_bytes = LEGACY[qtype].block_bytes
     table = IQ4_TABLE if LEGACY[qtype].table else NO_TABLE
 
-    def row(b, bo, xq, xd, xsum, xo, n, scales, params):
+    def row(b, bo, xq, xd, xsum, xo, n):
         nb = n // 32
         s = F(0)
         ib = 0
         while ib + 8 <= nb:
-            s += chunk8(b, bo + block_bytes * ib, F(1), scales, params, table, xq, xd, xsum, xo + 32 * ib)
+            s += chunk8(b, bo + block_bytes * ib, table, xq, xd, xsum, xo + 32 * ib)
             ib += 8
         if ib + 4 <= nb:
-            s += chunk4(b, bo + block_bytes * ib, F(1), scales, params, table, xq, xd, xsum, xo + 32 * ib)
+            s += chunk4(b, bo + block_bytes * ib, table, xq, xd, xsum, xo + 32 * ib)
             ib += 4
         if ib + 2 <= nb:
-            s += chunk2(b, bo + block_bytes * ib, F(1), scales, params, table, xq, xd, xsum, xo + 32 * ib)
+            s += chunk2(b, bo + block_bytes * ib, table, xq, xd, xsum, xo + 32 * ib)
             ib += 2
         if ib < nb:
-            s += chunk1(b, bo + block_bytes * ib, F(1), scales, params, table, xq, xd, xsum, xo + 32 * ib)
+            s += chunk1(b, bo + block_bytes * ib, table, xq, xd, xsum, xo + 32 * ib)
         return s
     return njit(row, inline="always")
 
 
 def _super_row(qtype):
     """The row at byte bo of b · the n activations from xo on, for a super-block type: one chunk
-    dot per super-block of 256, after its run scales (and grid offsets), which the type's
-    ``setup`` reads."""
+    dot per super-block of 256."""
     chunk = SUPER_CHUNKS[qtype]
     table = SUPER_TABLE.get(qtype, NO_TABLE)
     block_bytes = traits(qtype).type_size
-    setup = SUPER_SETUP[qtype]
 
-    def row(b, bo, xq, xd, xsum, xo, n, scales, params):
+    def row(b, bo, xq, xd, xsum, xo, n):
         s = F(0)
         for sb in range(n // 256):
-            o = bo + block_bytes * sb
-            d, left_out = setup(b, o, xsum, xo // 32 + 8 * sb, scales, params)
-            s += left_out + chunk(b, o, d, scales, params, table, xq, xd, xsum, xo + 256 * sb)
+            s += chunk(b, bo + block_bytes * sb, table, xq, xd, xsum, xo + 256 * sb)
         return s
     return njit(row, inline="always")
 
 
-def row_dot(kind, b, bo, x, xq, xd, xsum, xo, n, scales, params):
+def row_dot(kind, b, bo, x, xq, xd, xsum, xo, n):
     """The row at byte bo of b (of the type ``kind``) · x[xo:xo + n] (float types) or · the
-    rounded activations xq * xd from xo on (the others); scales, params: scratch of 32 entries.
+    rounded activations xq * xd from xo on (the others).
     Offsets, not views: a view per row costs a reference count up and down, shared by the threads."""
     raise NotImplementedError("called from numba code only")
 
 
 @overload(row_dot, prefer_literal=True, inline="always")
-def _row_dot(kind, b, bo, x, xq, xd, xsum, xo, n, scales, params):
+def _row_dot(kind, b, bo, x, xq, xd, xsum, xo, n):
     if not isinstance(kind, types.IntegerLiteral):
         return None
     k = kind.literal_value
     if k <= 1:
         half = k == 1
-        return lambda kind, b, bo, x, xq, xd, xsum, xo, n, scales, params: _floats(b, bo, x, xo, n, half)
+        return lambda kind, b, bo, x, xq, xd, xsum, xo, n: _floats(b, bo, x, xo, n, half)
     qtype = _TYPE_OF_KIND[k]
     row = _legacy_row(qtype) if qtype in LEGACY else _super_row(qtype)
-    return lambda kind, b, bo, x, xq, xd, xsum, xo, n, scales, params: row(b, bo, xq, xd, xsum, xo, n, scales, params)
+    return lambda kind, b, bo, x, xq, xd, xsum, xo, n: row(b, bo, xq, xd, xsum, xo, n)
 
 
 ROWS_PER_TASK = 16
@@ -330,11 +284,9 @@ def _matvec(blocks, x, out, kind):
     if kind > 1:
         round_q8(x, xq.reshape(n_tok, n_in), xd.reshape(n_tok, n_in // 32), xsum.reshape(n_tok, n_in // 32))
     for task in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        scales = np.zeros(32, np.int32)                 # the chunk dots' scratch, once per task
-        params = np.zeros(32, np.int64)
         for r in range(task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK)):
             for t in range(n_tok):
-                out[t, r] = row_dot(kind, flat, r * row_size, xf, xq, xd, xsum, t * n_in, n_in, scales, params)
+                out[t, r] = row_dot(kind, flat, r * row_size, xf, xq, xd, xsum, t * n_in, n_in)
 
 
 _U8_2D, _F32_2D = types.Array(types.uint8, 2, "C"), types.Array(types.float32, 2, "C")
