@@ -255,14 +255,8 @@ def target_nll(logits, targets, out):
 @njit(cache=True, error_model="numpy", inline="always")
 def _half_row_dot(a, i, h, x, n):
     """Σ_d half(a[i, h, d]) * x[d] over d < n (a: float16 bits, rows contiguous)."""
-    s = F32(0)
-    n32 = n // 32 * 32
-    n8 = n // 8 * 8
-    for d in range(0, n32, 32):
-        s += dot.half_dot32(a, i, h, d, x, d)
-    for d in range(n32, n8, 8):
-        s += dot.half_dot8(a, i, h, d, x, d)
-    for d in range(n8, n):
+    s = dot.half_dot(a, i, h, x, n)
+    for d in range(n // 8 * 8, n):
         s += dot.half_bits(a[i, h, d]) * x[d]
     return s
 
@@ -298,8 +292,9 @@ def attend_few(q16, keys, values, pos0, scale, out):
         n_seen = pos0 + t + 1
         e = np.empty(n_seen, F32)
         m = -np.inf
+        qv = q16[t, h]                          # one view per job: a view per key costs its reference count
         for j in range(n_seen):
-            s = _half_row_dot(keys, j, hk, q16[t, h], k_dim) * scale
+            s = _half_row_dot(keys, j, hk, qv, k_dim) * scale
             e[j] = s
             m = max(m, s)
         total = 0.0
