@@ -268,8 +268,9 @@ _BY_NAME["q1_0"] = T.Q1_0          # mainline's name for the same layout
 
 
 def traits(qtype: QuantType | int) -> TypeTraits:
-    """Traits of a type id; raises KeyError for ids no project defines."""
-    return TYPE_TRAITS[QuantType(qtype)]
+    """Traits of a type id; raises for ids no project defines."""
+    t = TYPE_TRAITS.get(qtype)          # an int finds its member: IntEnum hashes and compares as int
+    return t if t is not None else TYPE_TRAITS[QuantType(qtype)]
 
 
 def is_known_type_id(type_id: int) -> bool:

@@ -87,6 +87,7 @@ class Model:
         self.output = self.w.get("output.weight") or self.tok_embd
         self.w.need("output_norm.weight")
         self._norms = {}
+        self._linears = {}                  # name -> (weight, bias or None)
         # load every layer now: a missing tensor fails early
         if self.config.mla:
             self.mla_heads = [deepseek2.load_layer(self, i) for i in range(self.config.n_layer)]
@@ -112,9 +113,11 @@ class Model:
 
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
         """x @ ``name``.weight^T (+ ``name``.bias)."""
-        y = self.ops.matmul_q(self.w.need(name + ".weight"), x)
-        bias = self.vector(name + ".bias")
-        return y if bias is None else y + bias
+        wb = self._linears.get(name)
+        if wb is None:
+            wb = self._linears[name] = (self.w.need(name + ".weight"), self.vector(name + ".bias"))
+        y = self.ops.matmul_q(wb[0], x)
+        return y if wb[1] is None else y + wb[1]
 
     def ffn(self, prefix: str, x: np.ndarray, suffix: str = "") -> np.ndarray:
         """SwiGLU feed-forward ffn_down(silu(ffn_gate x) * ffn_up x) of tensors ``prefix``ffn_*``suffix``."""

@@ -139,11 +139,10 @@ def matmul_q(w: Weight, x: np.ndarray, fused: bool | None = None) -> np.ndarray:
     x = np.ascontiguousarray(x, F32)
     if w.qtype == QuantType.F16:
         x = _f16_round(x)           # ggml's f16 dot product converts the activations to f16
-    if fused is None:
-        fused = x.shape[0] <= FUSED_TOKENS
-    kind = matvec.kind_of(w.qtype) if fused else None
-    if kind is not None:
-        return matvec.matvec(kind, w.plain_layout()[1], x)
+    if fused or (fused is None and x.shape[0] <= FUSED_TOKENS):
+        kind = matvec.kind_of(w.qtype)
+        if kind is not None:
+            return matvec.matvec(kind, w.plain_layout()[1], x)
     n_out, group = w.n_out * w.n_matrices, traits(w.qtype).interleave_rows
     tile = max(group, TILE_VALUES // w.n_in // group * group)
     per_thread = -(-n_out // _tiles.threads(x.shape[0]))                 # every thread gets a share
@@ -218,15 +217,15 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 def rope_angles(pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0):
     """cos and sin, float32 (n_tokens, n_rot/2), of the plain rotary angles pos * freq_scale * base^(-2i/n_rot)."""
-    pos = np.asarray(pos)
+    pos = np.asarray(pos, np.int64)
     if len(pos) <= FUSED_TOKENS:        # a generation step: every layer asks for the same angles
-        return _few_angles(tuple(int(p) for p in pos), n_rot, float(freq_base), float(freq_scale))
+        return _few_angles(pos.tobytes(), n_rot, freq_base, freq_scale)
     return _rope_angles(pos, n_rot, freq_base, freq_scale)
 
 
 @functools.lru_cache(maxsize=64)
-def _few_angles(pos: tuple, n_rot: int, freq_base: float, freq_scale: float):
-    return _rope_angles(np.array(pos, np.int64), n_rot, freq_base, freq_scale)     # shared: never written to
+def _few_angles(pos: bytes, n_rot: int, freq_base: float, freq_scale: float):
+    return _rope_angles(np.frombuffer(pos, np.int64), n_rot, freq_base, freq_scale)     # shared: never written to
 
 
 def _rope_angles(pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float):
@@ -304,6 +303,11 @@ class KVCache:
         self.n_ctx = n_ctx
         self.n_past = 0
 
+    @functools.cached_property
+    def bits(self) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values as their float16 bits (uint16 views), as kernels.attend_few reads them."""
+        return self.k.view(np.uint16), self.v.view(np.uint16)
+
     def _check_room(self, pos0: int, n: int) -> None:
         if pos0 + n > self.n_ctx:
             raise ValueError(f"context is full ({self.n_ctx} positions)")
@@ -355,8 +359,8 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float
     n_head_kv, v_dim = cache.k.shape[2], cache.v.shape[3]
     if n_tok <= FUSED_TOKENS:
         out = np.empty((n_tok, n_head, v_dim), F32)
-        kernels.attend_few(_f16_round(q), cache.k[layer].view(np.uint16), cache.v[layer].view(np.uint16),
-                           pos0, F32(scale), out)
+        k16, v16 = cache.bits
+        kernels.attend_few(_f16_round(q), k16[layer], v16[layer], pos0, F32(scale), out)
         return out.reshape(n_tok, n_head * v_dim)
     g = n_head // n_head_kv
     keys = np.ascontiguousarray(cache.k[layer, :n_kv].astype(F32).transpose(1, 2, 0))   # (hkv, k_dim, n_kv)
