@@ -168,8 +168,9 @@ class Scale(NamedTuple):
     """A small integer read from a super-block's bytes (a run's scale, a group's min); offsets
     relative to the super-block's first byte:
 
-        ((a[at] >> shift) & mask | ((a[hi_at] >> hi_shift) & hi_mask) << hi_pos) - bias
-        int8(a[at])                                                 (signed)"""
+        v = ((a[at] >> shift) & mask | ((a[hi_at] >> hi_shift) & hi_mask) << hi_pos) - bias
+        int8(a[at])                                                 (signed)
+        then 2 v + 1 (odd), and -v where bit neg_bit of a[neg_at] is set"""
     at: int
     shift: int = 0
     mask: int = 0xFF
@@ -179,14 +180,23 @@ class Scale(NamedTuple):
     hi_pos: int = 4
     bias: int = 0
     signed: bool = False
+    odd: bool = False
+    neg_at: int | None = None
+    neg_bit: int = 0
 
     def value(self, a, o) -> int:
         if self.signed:
-            return int(np.int8(a[o + self.at]))
-        v = (int(a[o + self.at]) >> self.shift) & self.mask
-        if self.hi_at is not None:
-            v |= ((int(a[o + self.hi_at]) >> self.hi_shift) & self.hi_mask) << self.hi_pos
-        return v - self.bias
+            v = int(np.int8(a[o + self.at]))
+        else:
+            v = (int(a[o + self.at]) >> self.shift) & self.mask
+            if self.hi_at is not None:
+                v |= ((int(a[o + self.hi_at]) >> self.hi_shift) & self.hi_mask) << self.hi_pos
+            v -= self.bias
+        if self.odd:
+            v = 2 * v + 1
+        if self.neg_at is not None and (int(a[o + self.neg_at]) >> self.neg_bit) & 1:
+            v = -v
+        return v
 
 
 class Super(NamedTuple):
@@ -292,7 +302,7 @@ def _small_ints(builder, base, o, specs):
     spread over the lanes with one shuffle per plane; shifts and masks are per-lane constants."""
     n = len(specs)
     assert n <= 16 and len({sp.signed for sp in specs}) == 1
-    ats = [sp.at for sp in specs] + [sp.hi_at for sp in specs if sp.hi_at is not None]
+    ats = [sp.at for sp in specs] + [at for sp in specs for at in (sp.hi_at, sp.neg_at) if at is not None]
     lo, span = min(ats), max(ats) - min(ats) + 1
     assert span <= 16, specs
     v16 = ir.VectorType(_I8, 16)
@@ -318,6 +328,14 @@ def _small_ints(builder, base, o, specs):
     wide = builder.sext(vals, w16) if specs[0].signed else builder.zext(vals, w16)
     if any(sp.bias for sp in specs):
         wide = builder.sub(wide, ir.Constant(w16, [sp.bias for sp in specs] + [0] * (16 - n)))
+    if any(sp.odd for sp in specs):
+        wide = builder.add(builder.shl(wide, ir.Constant(w16, [int(sp.odd) for sp in specs] + [0] * (16 - n))),
+                           ir.Constant(w16, [int(sp.odd) for sp in specs] + [0] * (16 - n)))
+    if any(sp.neg_at is not None for sp in specs):
+        signs = pick((sp.neg_at if sp.neg_at is not None else sp.at) - lo for sp in specs)
+        bits = lanes(1 << sp.neg_bit if sp.neg_at is not None else 0 for sp in specs)
+        neg = builder.icmp_unsigned("!=", builder.and_(signs, bits), ir.Constant(v16, [0] * 16))
+        wide = builder.select(neg, builder.sub(ir.Constant(w16, [0] * 16), wide), wide)
     return wide
 
 

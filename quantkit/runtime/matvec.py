@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ..formats._iqk import IQ2NL_VALUES, IQ4K_VALUES
+from ..formats._iqk import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES
 from ..types import TYPE_TRAITS, QuantType, traits
 from . import dot as D
 from .kernels import _f16_value as half_round
@@ -48,11 +48,13 @@ def _padded(values, n):
 # non-linear grids as int8, padded so that a 16-byte load at any table offset stays inside
 IQ4_TABLE = _padded(IQ4K_VALUES, 48)          # iq4_nl / iq4_xs: 0..15; iq4_k: + 16 * extra bit
 IQ2_TABLE = _padded(IQ2NL_VALUES, 32)         # iq2_k: 4 values, + 4 * extra bit
+IQ3_TABLE = _padded(IQ3NL_VALUES, 32)         # iq3_k: 8 values, + 8 * extra bit
 NO_TABLE = np.zeros(16, np.int8)              # the types without a grid
 
-# the kernel selector per stored type: 0-1 float rows, 2-8 legacy blocks, 9-14 super-blocks (_row_dot)
+# the kernel selector per stored type: 0-1 float rows, 2-8 legacy blocks, 9-16 super-blocks (_row_dot)
 KIND = {T.F32: 0, T.F16: 1, T.Q8_0: 2, T.Q4_0: 3, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 6, T.Q6_0: 7,
-        T.IQ4_NL: 8, T.IQ4_XS: 9, T.Q4_K: 10, T.Q5_K: 11, T.Q6_K: 12, T.IQ4_K: 13, T.IQ2_K: 14}
+        T.IQ4_NL: 8, T.IQ4_XS: 9, T.Q4_K: 10, T.Q5_K: 11, T.Q6_K: 12, T.IQ4_K: 13, T.IQ2_K: 14,
+        T.Q3_K: 15, T.IQ3_K: 16}
 
 
 def _kinds() -> dict[QuantType, int]:
@@ -134,7 +136,7 @@ _LEGACY_CHUNKS = {q: tuple(lay.chunk(n) for n in CHUNK_BLOCKS) for q, lay in LEG
 
 
 # grids of the super-block types that have one
-SUPER_TABLE = {T.IQ4_XS: IQ4_TABLE, T.IQ4_K: IQ4_TABLE, T.IQ2_K: IQ2_TABLE}
+SUPER_TABLE = {T.IQ4_XS: IQ4_TABLE, T.IQ4_K: IQ4_TABLE, T.IQ2_K: IQ2_TABLE, T.IQ3_K: IQ3_TABLE}
 S = D.Scale
 
 
@@ -178,6 +180,21 @@ SUPER = {
     # scale: nibble ib % 2 of scales[ib // 2], minus 8
     T.IQ2_K: ([R(16, 16 * ib, 12 + 32 * (ib // 8) + 16 * (ib % 2), 2 * ((ib // 2) % 4), 3) for ib in range(16)],
               D.Super(0, tuple(S(4 + ib // 2, 4 * (ib % 2), 15, bias=8) for ib in range(16)), grid_at=2, grid_step=4)),
+    # Q3_K hmask[32] qs[64] scales[12] d: value v = 128 h + 32 s + l is bits 2s..2s+1 of
+    # qs[32 h + l] with bit 4h + s of hmask[l] above them, minus 4; the 6-bit scale of its 16
+    # values j = v // 16: nibble j // 8 of scales[j % 8] | bits 2 (j // 4) of scales[8 + j % 4] << 4,
+    # minus 32
+    T.Q3_K: ([R(16, v0, 32 + 32 * (v0 // 128) + v0 % 32, 2 * (v0 % 128 // 32), 3, v0 % 32, v0 // 32, 1, 2, 4)
+              for v0 in range(0, 256, 16)],
+             D.Super(108, tuple(S(96 + j % 8, 4 * (j // 8), 15, 104 + j % 4, 2 * (j // 4), 3, 4, 32)
+                                for j in range(16)))),
+    # IQ3_K d extra signs scales_l[8] qs[64] qh[32]: value v's 2 low bits as Q3_K's (qs at 14), its
+    # third bit 4h + s of qh[l]; sub-block ib of 16 on the second grid (8 on) when bit ib of extra
+    # is set; its scale: 2 |nibble ib % 2 of scales_l[ib // 2]| + 1, negative where bit ib of signs is
+    T.IQ3_K: ([R(16, v0, 14 + 32 * (v0 // 128) + v0 % 32, 2 * (v0 % 128 // 32), 3, 78 + v0 % 32, v0 // 32, 1, 2)
+               for v0 in range(0, 256, 16)],
+              D.Super(0, tuple(S(6 + ib // 2, 4 * (ib % 2), 15, odd=True, neg_at=4 + ib // 8, neg_bit=ib % 8)
+                               for ib in range(16)), grid_at=2, grid_step=8)),
 }
 SUPER_CHUNKS = {q: D.chunk_dot(runs, table=q in SUPER_TABLE, sup=sup) for q, (runs, sup) in SUPER.items()}
 
