@@ -110,14 +110,14 @@ def _chunks():
     out = []
     for q, lay in matvec.LEGACY.items():
         for n_blocks, chunk in zip(matvec.CHUNK_BLOCKS, matvec._LEGACY_CHUNKS[q]):
-            out.append((f"{type_name(q)}x{n_blocks}", chunk, lay.block_bytes * n_blocks))
+            out.append((f"{type_name(q)}x{n_blocks}", chunk, lay.block_bytes * n_blocks, matvec.IQ4_TABLE))
     for q, chunk in matvec.SUPER_CHUNKS.items():
-        out.append((type_name(q), chunk, traits(q).type_size))
+        out.append((type_name(q), chunk, traits(q).type_size, matvec.SUPER_TABLE.get(q, matvec.NO_TABLE)))
     return out
 
 
-@pytest.mark.parametrize("name,chunk,n_bytes", _chunks(), ids=[c[0] for c in _chunks()])
-def test_chunk_dot_equals_its_twin_on_random_bytes(name, chunk, n_bytes):
+@pytest.mark.parametrize("name,chunk,n_bytes,tab", _chunks(), ids=[c[0] for c in _chunks()])
+def test_chunk_dot_equals_its_twin_on_random_bytes(name, chunk, n_bytes, tab):
     """Any bytes (not only what a quantizer writes), at an offset inside a longer row: random
     codes, packed scales, mins and grid bits; float16 fields hold random finite values."""
     rng = np.random.default_rng(len(name))
@@ -133,7 +133,6 @@ def test_chunk_dot_equals_its_twin_on_random_bytes(name, chunk, n_bytes):
     xq = rng.integers(-127, 128, xo + n_values).astype(np.int8)
     xd = rng.uniform(0.01, 1, (xo + n_values) // 32).astype(np.float32)
     xsum = (xq[:len(xd) * 32].reshape(-1, 32).sum(-1, dtype=np.int64) * xd).astype(np.float32)
-    tab = matvec.IQ2_TABLE if "iq2" in name else matvec.IQ4_TABLE
     call = njit(lambda a, o, t, q, d, m, x0: chunk(a, o, t, q, d, m, x0))
     got = call(a, o, tab, xq, xd, xsum, xo)
     ref = dot.chunk_twin(chunk, a, o, tab, xq, xd, xo)

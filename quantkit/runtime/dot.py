@@ -371,6 +371,12 @@ def _groups(runs):
     return dict(sorted(groups.items()))
 
 
+def _max_code(r):
+    """The largest code a run's bits can form."""
+    high = (r.hmask << r.hpos) if r.hoff is not None else (1 << r.hpos) if r.hword is not None else 0
+    return (r.mask or 0) | high
+
+
 def _folds_bias(r):
     """A run whose bias is taken out after the products, as -bias * d * Σx of its 32-group (a
     float16 scale per 32-value block: the legacy types), keeping its codes unsigned."""
@@ -497,7 +503,16 @@ def chunk_dot(runs, table=False, sup=None):
                             if sup is not None and sup.grid_at is not None:
                                 bit = builder.and_(builder.lshr(grid_bits, c(k)), c(1))
                                 window = builder.mul(bit, c(sup.grid_step))
-                            code, signed = _lookup(builder, _load(builder, tb, window, 16, _I8), code, n), True
+                            if _max_code(r) < 16:
+                                code = _lookup(builder, _load(builder, tb, window, 16, _I8), code, n)
+                            else:
+                                # 32 grid entries (5-bit codes): both halves looked up, bit 4 picks
+                                low = builder.and_(code, b8(15))
+                                upper = builder.icmp_unsigned("!=", builder.and_(code, b8(16)), b8(0))
+                                code = builder.select(
+                                    upper, _lookup(builder, _load(builder, tb, builder.add(window, c(16)), 16, _I8), low, n),
+                                    _lookup(builder, _load(builder, tb, window, 16, _I8), low, n))
+                            signed = True
                         elif r.bias and not _folds_bias(r):
                             code, signed = builder.sub(code, b8(r.bias)), True
                     pieces.append(code)

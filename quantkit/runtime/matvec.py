@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ..formats._iqk import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES
+from ..formats._iqk import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
 from ..types import TYPE_TRAITS, QuantType, traits
 from . import dot as D
 from .kernels import _f16_value as half_round
@@ -49,12 +49,13 @@ def _padded(values, n):
 IQ4_TABLE = _padded(IQ4K_VALUES, 48)          # iq4_nl / iq4_xs: 0..15; iq4_k: + 16 * extra bit
 IQ2_TABLE = _padded(IQ2NL_VALUES, 32)         # iq2_k: 4 values, + 4 * extra bit
 IQ3_TABLE = _padded(IQ3NL_VALUES, 32)         # iq3_k: 8 values, + 8 * extra bit
+IQ5_TABLE = _padded(IQ5NL_VALUES, 64)         # iq5_k: 32 values, + 32 * extra bit
 NO_TABLE = np.zeros(16, np.int8)              # the types without a grid
 
-# the kernel selector per stored type: 0-1 float rows, 2-8 legacy blocks, 9-16 super-blocks (_row_dot)
+# the kernel selector per stored type: 0-1 float rows, 2-8 legacy blocks, 9-17 super-blocks (_row_dot)
 KIND = {T.F32: 0, T.F16: 1, T.Q8_0: 2, T.Q4_0: 3, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 6, T.Q6_0: 7,
         T.IQ4_NL: 8, T.IQ4_XS: 9, T.Q4_K: 10, T.Q5_K: 11, T.Q6_K: 12, T.IQ4_K: 13, T.IQ2_K: 14,
-        T.Q3_K: 15, T.IQ3_K: 16}
+        T.Q3_K: 15, T.IQ3_K: 16, T.IQ5_K: 17}
 
 
 def _kinds() -> dict[QuantType, int]:
@@ -136,7 +137,8 @@ _LEGACY_CHUNKS = {q: tuple(lay.chunk(n) for n in CHUNK_BLOCKS) for q, lay in LEG
 
 
 # grids of the super-block types that have one
-SUPER_TABLE = {T.IQ4_XS: IQ4_TABLE, T.IQ4_K: IQ4_TABLE, T.IQ2_K: IQ2_TABLE, T.IQ3_K: IQ3_TABLE}
+SUPER_TABLE = {T.IQ4_XS: IQ4_TABLE, T.IQ4_K: IQ4_TABLE, T.IQ2_K: IQ2_TABLE, T.IQ3_K: IQ3_TABLE,
+               T.IQ5_K: IQ5_TABLE}
 S = D.Scale
 
 
@@ -195,6 +197,13 @@ SUPER = {
                for v0 in range(0, 256, 16)],
               D.Super(0, tuple(S(6 + ib // 2, 4 * (ib % 2), 15, odd=True, neg_at=4 + ib // 8, neg_bit=ib % 8)
                                for ib in range(16)), grid_at=2, grid_step=8)),
+    # IQ5_K d extra scales_h[4] scales_l[8] qs[128] qh[32]: value v's low 4 bits are nibble
+    # (v // 32) % 2 of qs[32 (v // 64) + v % 32], its fifth bit v // 32 of qh[v % 32]; 32 grid
+    # values, the second grid (32 on) where bit ib of extra is set; scales as IQ4_K's
+    T.IQ5_K: ([R(16, v0, 16 + 32 * (v0 // 64) + v0 % 32, 4 * (v0 // 32 % 2), 15, 144 + v0 % 32, v0 // 32, 1, 4)
+               for v0 in range(0, 256, 16)],
+              D.Super(0, tuple(S(8 + ib // 2, 4 * (ib % 2), 15, 4 + ib // 4, 2 * (ib % 4), 3, 4, 32)
+                               for ib in range(16)), grid_at=2, grid_step=32)),
 }
 SUPER_CHUNKS = {q: D.chunk_dot(runs, table=q in SUPER_TABLE, sup=sup) for q, (runs, sup) in SUPER.items()}
 
