@@ -152,7 +152,7 @@ class Run(NamedTuple):
     bias: int = 0               # subtracted from the code (ignored with a table)
     hword: int | None = None    # or high bit j is bit hbase + j of the 32-bit word at hword
     hbase: int = 0
-    d_at: int | None = None     # the run's scale: the float16 at d_at, else scales[k]
+    d_at: int | None = None     # the run's scale: the float16 at d_at (legacy), else the Super's
     m_at: int | None = None     # a float16 min added to every value (Q4_1, Q5_1)
     split: bool = False         # n/2 bytes at off: codes 0..n/2-1 their low nibbles, then the high
 
@@ -239,11 +239,6 @@ def _load8(builder, base, off, n):
         return v
     zero = ir.Constant(ir.VectorType(_F32, n), [0.0] * n)
     return builder.shuffle_vector(v, zero, ir.Constant(ir.VectorType(_I32, 8), [i if i < n else n for i in range(8)]))
-
-
-def _lane_splat(builder, vec_lane, n):
-    vec, lane = vec_lane
-    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, n), [lane] * n))
 
 
 def _x86(builder, name, ret, *args):
