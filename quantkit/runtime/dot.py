@@ -201,12 +201,13 @@ class Scale(NamedTuple):
 
 class Super(NamedTuple):
     """What a super-block chunk reads besides its runs: value = d * scale_k * code (- dmin * m_g)."""
-    d_at: int                       # the float16 super-block scale
+    d_at: int | None                # the float16 super-block scale (None: 1, the row's scale
+                                    # applies: IQ4_KS, IQ5_KS)
     scales: tuple                   # run k's integer scale (Scale)
     dmin_at: int | None = None      # a float16 scale of the mins (Q4_K, Q5_K)
     mins: tuple = ()                # 32-group g's integer min (Scale)
-    grid_at: int | None = None      # with a table: bit k of the 16-bit word here moves run k's
-    grid_step: int = 0              # 16-entry window of the grid by grid_step entries
+    grid: tuple = ()                # with a table: run k's (byte, bit) moving its 16-entry window
+    grid_step: int = 0              # of the grid by grid_step entries where set
 
 
 def _fold(builder, v, n, to):
@@ -436,7 +437,7 @@ def chunk_dot(runs, table=False, sup=None):
             if sup is None:
                 d_vec = _half_vector(builder, base, o_v, [r.d_at for r in firsts])
             else:
-                d_vec = _splat(builder, half(sup.d_at), 8)
+                d_vec = _splat(builder, ir.Constant(_F32, 1.0) if sup.d_at is None else half(sup.d_at), 8)
                 run_scales = _small_ints(builder, base, o_v, sup.scales)
             group_scales = builder.fmul(d_vec, _load8(builder, xdb, xblock, n_groups))
             left_out = None
@@ -452,9 +453,6 @@ def chunk_dot(runs, table=False, sup=None):
                 m8 = builder.sitofp(builder.shuffle_vector(m16, m16, ir.Constant(ir.VectorType(_I32, 8), list(range(8)))), vf8)
                 dmin = builder.fsub(ir.Constant(_F32, 0.0), half(sup.dmin_at))
                 left_out = builder.fmul(builder.fmul(m8, _load8(builder, xsb, xblock, n_groups)), _splat(builder, dmin, 8))
-            if sup is not None and sup.grid_at is not None:
-                ptr = builder.bitcast(builder.gep(base, [builder.add(o_v, c(sup.grid_at))]), _I16.as_pointer())
-                grid_bits = builder.zext(builder.load(ptr, align=1), i64)
             ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
             isums = []
             for gi, (g, members) in enumerate(groups.items()):
@@ -495,9 +493,10 @@ def chunk_dot(runs, table=False, sup=None):
                             code = builder.or_(code, builder.select(hit, b8(1 << r.hpos), b8(0)))
                         if table:
                             window = c(0)
-                            if sup is not None and sup.grid_at is not None:
-                                bit = builder.and_(builder.lshr(grid_bits, c(k)), c(1))
-                                window = builder.mul(bit, c(sup.grid_step))
+                            if sup is not None and sup.grid:
+                                at, b = sup.grid[k]
+                                byte = builder.zext(builder.load(builder.gep(base, [builder.add(o_v, c(at))])), i64)
+                                window = builder.mul(builder.and_(builder.lshr(byte, c(b)), c(1)), c(sup.grid_step))
                             if _max_code(r) < 16:
                                 code = _lookup(builder, _load(builder, tb, window, 16, _I8), code, n)
                             else:
@@ -560,16 +559,16 @@ def chunk_twin(dot, a, o, tab, xq, xd, xo):
                 code = code | (((word >> (r.hbase + np.arange(n))) & 1) << r.hpos)
             if table:
                 window = 0
-                if sup is not None and sup.grid_at is not None:
-                    bits = int(a[o + sup.grid_at:o + sup.grid_at + 2].view(np.uint16)[0])
-                    window = ((bits >> k) & 1) * sup.grid_step
+                if sup is not None and sup.grid:
+                    at, b = sup.grid[k]
+                    window = ((int(a[o + at]) >> b) & 1) * sup.grid_step
                 code = np.asarray(tab, np.int64)[window + code]
             else:
                 code = code - r.bias
         if sup is None:
             value = half(r.d_at) * code + (0.0 if r.m_at is None else half(r.m_at))
         else:
-            value = half(sup.d_at) * sup.scales[k].value(a, o) * code
+            value = (1.0 if sup.d_at is None else half(sup.d_at)) * sup.scales[k].value(a, o) * code
             if sup.mins:
                 value = value - half(sup.dmin_at) * sup.mins[r.xoff // 32].value(a, o)
         i = xo + r.xoff

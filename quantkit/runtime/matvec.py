@@ -52,10 +52,10 @@ IQ3_TABLE = _padded(IQ3NL_VALUES, 32)         # iq3_k: 8 values, + 8 * extra bit
 IQ5_TABLE = _padded(IQ5NL_VALUES, 64)         # iq5_k: 32 values, + 32 * extra bit
 NO_TABLE = np.zeros(16, np.int8)              # the types without a grid
 
-# the kernel selector per stored type: 0-1 float rows, 2-8 legacy blocks, 9-17 super-blocks (_row_dot)
+# the kernel selector per stored type: 0-1 float rows, 2-8 legacy blocks, 9-19 super-blocks (_row_dot)
 KIND = {T.F32: 0, T.F16: 1, T.Q8_0: 2, T.Q4_0: 3, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 6, T.Q6_0: 7,
         T.IQ4_NL: 8, T.IQ4_XS: 9, T.Q4_K: 10, T.Q5_K: 11, T.Q6_K: 12, T.IQ4_K: 13, T.IQ2_K: 14,
-        T.Q3_K: 15, T.IQ3_K: 16, T.IQ5_K: 17}
+        T.Q3_K: 15, T.IQ3_K: 16, T.IQ5_K: 17, T.IQ4_KS: 18, T.IQ5_KS: 19}
 
 
 def _kinds() -> dict[QuantType, int]:
@@ -138,7 +138,7 @@ _LEGACY_CHUNKS = {q: tuple(lay.chunk(n) for n in CHUNK_BLOCKS) for q, lay in LEG
 
 # grids of the super-block types that have one
 SUPER_TABLE = {T.IQ4_XS: IQ4_TABLE, T.IQ4_K: IQ4_TABLE, T.IQ2_K: IQ2_TABLE, T.IQ3_K: IQ3_TABLE,
-               T.IQ5_K: IQ5_TABLE}
+               T.IQ5_K: IQ5_TABLE, T.IQ4_KS: IQ4_TABLE, T.IQ5_KS: IQ5_TABLE}
 S = D.Scale
 
 
@@ -150,6 +150,9 @@ def _k4(j, mins):
         return S(4 + j + 4 * mins, 0, 63)
     return S(8 + j, 4 * mins, 15, 4 + j - 4 + 4 * mins, 6, 3, 4)
 
+
+# bit k of the 16-bit word at 2 (``extra``): run k's grid choice
+_WORD_BITS = tuple((2 + k // 8, k % 8) for k in range(16))
 
 SUPER = {
     # IQ4_XS d | scales_h | scales_l[4] | qs[128]: 32-group ib's values from the 16 bytes at 8 + 16 ib;
@@ -176,12 +179,12 @@ SUPER = {
     # of scales_l[ib // 2] | bits 2 (ib % 4) of scales_h[ib // 4] << 4, minus 32
     T.IQ4_K: ([R(16, 16 * ib, 16 + 16 * (ib // 2), 4 * (ib % 2), 15) for ib in range(16)],
               D.Super(0, tuple(S(8 + ib // 2, 4 * (ib % 2), 15, 4 + ib // 4, 2 * (ib % 4), 3, 4, 32)
-                               for ib in range(16)), grid_at=2, grid_step=16)),
+                               for ib in range(16)), grid=_WORD_BITS, grid_step=16)),
     # IQ2_K d extra scales[8] qs[64]: sub-block ib (32-group g = ib // 2) is bits 2 (g % 4) of
     # qs[32 (g // 4) + 16 (ib % 2) ..], values 4..7 of the grid when bit ib of extra is set; its
     # scale: nibble ib % 2 of scales[ib // 2], minus 8
     T.IQ2_K: ([R(16, 16 * ib, 12 + 32 * (ib // 8) + 16 * (ib % 2), 2 * ((ib // 2) % 4), 3) for ib in range(16)],
-              D.Super(0, tuple(S(4 + ib // 2, 4 * (ib % 2), 15, bias=8) for ib in range(16)), grid_at=2, grid_step=4)),
+              D.Super(0, tuple(S(4 + ib // 2, 4 * (ib % 2), 15, bias=8) for ib in range(16)), grid=_WORD_BITS, grid_step=4)),
     # Q3_K hmask[32] qs[64] scales[12] d: value v = 128 h + 32 s + l is bits 2s..2s+1 of
     # qs[32 h + l] with bit 4h + s of hmask[l] above them, minus 4; the 6-bit scale of its 16
     # values j = v // 16: nibble j // 8 of scales[j % 8] | bits 2 (j // 4) of scales[8 + j % 4] << 4,
@@ -196,14 +199,24 @@ SUPER = {
     T.IQ3_K: ([R(16, v0, 14 + 32 * (v0 // 128) + v0 % 32, 2 * (v0 % 128 // 32), 3, 78 + v0 % 32, v0 // 32, 1, 2)
                for v0 in range(0, 256, 16)],
               D.Super(0, tuple(S(6 + ib // 2, 4 * (ib % 2), 15, odd=True, neg_at=4 + ib // 8, neg_bit=ib % 8)
-                               for ib in range(16)), grid_at=2, grid_step=8)),
+                               for ib in range(16)), grid=_WORD_BITS, grid_step=8)),
     # IQ5_K d extra scales_h[4] scales_l[8] qs[128] qh[32]: value v's low 4 bits are nibble
     # (v // 32) % 2 of qs[32 (v // 64) + v % 32], its fifth bit v // 32 of qh[v % 32]; 32 grid
     # values, the second grid (32 on) where bit ib of extra is set; scales as IQ4_K's
     T.IQ5_K: ([R(16, v0, 16 + 32 * (v0 // 64) + v0 % 32, 4 * (v0 // 32 % 2), 15, 144 + v0 % 32, v0 // 32, 1, 4)
                for v0 in range(0, 256, 16)],
               D.Super(0, tuple(S(8 + ib // 2, 4 * (ib % 2), 15, 4 + ib // 4, 2 * (ib % 4), 3, 4, 32)
-                               for ib in range(16)), grid_at=2, grid_step=32)),
+                               for ib in range(16)), grid=_WORD_BITS, grid_step=32)),
+    # IQ4_KS (after the row's float32 scale) scales[8] qs[128]: 32-group ib is the 16 bytes at
+    # 8 + 16 ib, low nibbles then high; its scale (scales[ib] & 254) - 127, bit 0 its grid choice
+    T.IQ4_KS: ([R(32, 32 * ib, 8 + 16 * ib, 0, 15, split=True) for ib in range(8)],
+               D.Super(None, tuple(S(ib, 0, 254, bias=127) for ib in range(8)),
+                       grid=tuple((ib, 0) for ib in range(8)), grid_step=16)),
+    # IQ5_KS (after the row's float32 scale) scales[8] qs[128] qh[32]: group g's low 4 bits are
+    # nibble g % 2 of qs[32 (g // 2) ..], its fifth bit g of qh[..]; scales as IQ4_KS's
+    T.IQ5_KS: ([R(32, 32 * g, 8 + 32 * (g // 2), 4 * (g % 2), 15, 136, g, 1, 4) for g in range(8)],
+               D.Super(None, tuple(S(g, 0, 254, bias=127) for g in range(8)),
+                       grid=tuple((g, 0) for g in range(8)), grid_step=32)),
 }
 SUPER_CHUNKS = {q: D.chunk_dot(runs, table=q in SUPER_TABLE, sup=sup) for q, (runs, sup) in SUPER.items()}
 
@@ -243,13 +256,15 @@ def _super_row(qtype):
     dot per super-block of 256."""
     chunk = SUPER_CHUNKS[qtype]
     table = SUPER_TABLE.get(qtype, NO_TABLE)
-    block_bytes = traits(qtype).type_size
+    block_bytes, meta = traits(qtype).type_size, traits(qtype).row_meta_size
+    assert meta in (0, 4)
 
     def row(b, bo, xq, xd, xsum, xo, n):
         s = F(0)
         for sb in range(n // 256):
-            s += chunk(b, bo + block_bytes * sb, table, xq, xd, xsum, xo + 256 * sb)
-        return s
+            s += chunk(b, bo + meta + block_bytes * sb, table, xq, xd, xsum, xo + 256 * sb)
+        # a row scale (float32 in front of the blocks) multiplies the whole row
+        return s * D.float_at(b, bo) if meta else s
     return njit(row, inline="always")
 
 
