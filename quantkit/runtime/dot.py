@@ -201,8 +201,8 @@ class Scale(NamedTuple):
 
 class Super(NamedTuple):
     """What a super-block chunk reads besides its runs: value = d * scale_k * code (- dmin * m_g)."""
-    d_at: int | None                # the float16 super-block scale (None: 1, the row's scale
-                                    # applies: IQ4_KS, IQ5_KS)
+    d_at: int | None                # the float16 super-block scale (None: 1, and the row's scale
+                                    # multiplies the row: the *_KS types)
     scales: tuple                   # run k's integer scale (Scale)
     dmin_at: int | None = None      # a float16 scale of the mins (Q4_K, Q5_K)
     mins: tuple = ()                # 32-group g's integer min (Scale)

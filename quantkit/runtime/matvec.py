@@ -52,10 +52,10 @@ IQ3_TABLE = _padded(IQ3NL_VALUES, 32)         # iq3_k: 8 values, + 8 * extra bit
 IQ5_TABLE = _padded(IQ5NL_VALUES, 64)         # iq5_k: 32 values, + 32 * extra bit
 NO_TABLE = np.zeros(16, np.int8)              # the types without a grid
 
-# the kernel selector per stored type: 0-1 float rows, 2-8 legacy blocks, 9-19 super-blocks (_row_dot)
+# the kernel selector per stored type: 0-1 float rows, 2-8 legacy blocks, 9-21 super-blocks (_row_dot)
 KIND = {T.F32: 0, T.F16: 1, T.Q8_0: 2, T.Q4_0: 3, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 6, T.Q6_0: 7,
         T.IQ4_NL: 8, T.IQ4_XS: 9, T.Q4_K: 10, T.Q5_K: 11, T.Q6_K: 12, T.IQ4_K: 13, T.IQ2_K: 14,
-        T.Q3_K: 15, T.IQ3_K: 16, T.IQ5_K: 17, T.IQ4_KS: 18, T.IQ5_KS: 19}
+        T.Q3_K: 15, T.IQ3_K: 16, T.IQ5_K: 17, T.IQ4_KS: 18, T.IQ5_KS: 19, T.IQ2_KS: 20, T.IQ3_KS: 21}
 
 
 def _kinds() -> dict[QuantType, int]:
@@ -138,7 +138,8 @@ _LEGACY_CHUNKS = {q: tuple(lay.chunk(n) for n in CHUNK_BLOCKS) for q, lay in LEG
 
 # grids of the super-block types that have one
 SUPER_TABLE = {T.IQ4_XS: IQ4_TABLE, T.IQ4_K: IQ4_TABLE, T.IQ2_K: IQ2_TABLE, T.IQ3_K: IQ3_TABLE,
-               T.IQ5_K: IQ5_TABLE, T.IQ4_KS: IQ4_TABLE, T.IQ5_KS: IQ5_TABLE}
+               T.IQ5_K: IQ5_TABLE, T.IQ4_KS: IQ4_TABLE, T.IQ5_KS: IQ5_TABLE, T.IQ2_KS: IQ2_TABLE,
+               T.IQ3_KS: IQ3_TABLE}
 S = D.Scale
 
 
@@ -217,6 +218,18 @@ SUPER = {
     T.IQ5_KS: ([R(32, 32 * g, 8 + 32 * (g // 2), 4 * (g % 2), 15, 136, g, 1, 4) for g in range(8)],
                D.Super(None, tuple(S(g, 0, 254, bias=127) for g in range(8)),
                        grid=tuple((g, 0) for g in range(8)), grid_step=32)),
+    # IQ2_KS (after the row's float16 scale) extra scales[4] qs[64]: group g's codes are bits
+    # 2 (g % 4) of qs[32 (g // 4) ..] (Q2_K's layout), its grid choice bit g of extra; its scale:
+    # nibble g % 2 of scales[g // 2] | bit 8 + g of extra << 4, minus 16
+    T.IQ2_KS: ([R(32, 32 * g, 6 + 32 * (g // 4), 2 * (g % 4), 3) for g in range(8)],
+               D.Super(None, tuple(S(2 + g // 2, 4 * (g % 2), 15, 1, g, 1, 4, 16) for g in range(8)),
+                       grid=tuple((0, g) for g in range(8)), grid_step=4)),
+    # IQ3_KS (after the row's float16 scale) extra scales[4] qs[64] qh[32]: group g's codes as
+    # IQ2_KS's with bit g of qh[..] above them, its grid choice bit 8 + g of extra; its scale:
+    # nibble g // 4 of scales[g % 4] | bit g of extra << 4, minus 16
+    T.IQ3_KS: ([R(32, 32 * g, 6 + 32 * (g // 4), 2 * (g % 4), 3, 70, g, 1, 2) for g in range(8)],
+               D.Super(None, tuple(S(2 + g % 4, 4 * (g // 4), 15, 0, g, 1, 4, 16) for g in range(8)),
+                       grid=tuple((1, g) for g in range(8)), grid_step=8)),
 }
 SUPER_CHUNKS = {q: D.chunk_dot(runs, table=q in SUPER_TABLE, sup=sup) for q, (runs, sup) in SUPER.items()}
 
@@ -257,14 +270,16 @@ def _super_row(qtype):
     chunk = SUPER_CHUNKS[qtype]
     table = SUPER_TABLE.get(qtype, NO_TABLE)
     block_bytes, meta = traits(qtype).type_size, traits(qtype).row_meta_size
-    assert meta in (0, 4)
+    assert meta in (0, 2, 4)
 
     def row(b, bo, xq, xd, xsum, xo, n):
         s = F(0)
         for sb in range(n // 256):
             s += chunk(b, bo + meta + block_bytes * sb, table, xq, xd, xsum, xo + 256 * sb)
-        # a row scale (float32 in front of the blocks) multiplies the whole row
-        return s * D.float_at(b, bo) if meta else s
+        # a row scale in front of the blocks (float32, or float16) multiplies the whole row
+        if meta == 4:
+            return s * D.float_at(b, bo)
+        return s * D.half_at(b, bo) if meta == 2 else s
     return njit(row, inline="always")
 
 
