@@ -206,6 +206,7 @@ class Super(NamedTuple):
     scales: tuple                   # run k's integer scale (Scale)
     dmin_at: int | None = None      # a float16 scale of the mins (Q4_K, Q5_K)
     mins: tuple = ()                # 32-group g's integer min (Scale)
+    run_mins: tuple = ()            # or run k's integer min (Scale; Q2_K: one per 16 values)
     grid: tuple = ()                # with a table: run k's (byte, bit) moving its 16-entry window
     grid_step: int = 0              # of the grid by grid_step entries where set
 
@@ -454,7 +455,9 @@ def chunk_dot(runs, table=False, sup=None):
                 dmin = builder.fsub(ir.Constant(_F32, 0.0), half(sup.dmin_at))
                 left_out = builder.fmul(builder.fmul(m8, _load8(builder, xsb, xblock, n_groups)), _splat(builder, dmin, 8))
             ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
-            isums = []
+            isums, msums = [], []
+            if sup is not None and sup.run_mins:
+                run_mins = _small_ints(builder, base, o_v, sup.run_mins)
             for gi, (g, members) in enumerate(groups.items()):
                 pieces, signed = [], False
                 for k, r in members:
@@ -521,9 +524,20 @@ def chunk_dot(runs, table=False, sup=None):
                     iscale = builder.shuffle_vector(run_scales, run_scales, ir.Constant(
                         ir.VectorType(_I32, 16), [members[j // lanes][0] for j in range(16)]))
                     isum = _madd(builder, p16, iscale)
+                    if sup.run_mins:
+                        # Σx over each run (bytes times 1, in pairs) times the run's min
+                        xpairs = _maddubs(builder, ir.Constant(ir.VectorType(_I8, 32), [1] * 32), x)
+                        msums.append(_madd(builder, xpairs, builder.shuffle_vector(run_mins, run_mins, ir.Constant(
+                            ir.VectorType(_I32, 16), [members[j // lanes][0] for j in range(16)]))))
                 else:
                     isum = _madd(builder, p16, ones)
                 isums.append(isum)
+            if msums:
+                # - dmin * xd_g * Σ_k m_k Σx over run k, per group
+                dmin = _splat(builder, builder.fsub(ir.Constant(_F32, 0.0), half(sup.dmin_at)), 8)
+                run_left = builder.fmul(builder.fmul(builder.sitofp(_lane_sums(builder, msums), vf8),
+                                                     _load8(builder, xdb, xblock, n_groups)), dmin)
+                left_out = run_left if left_out is None else builder.fadd(left_out, run_left)
             # lane g: group g's sum; one conversion and one FMA for the chunk
             total = _lane_sums(builder, isums)
             zero = ir.Constant(vf8, [0.0] * 8)
@@ -571,6 +585,8 @@ def chunk_twin(dot, a, o, tab, xq, xd, xo):
             value = (1.0 if sup.d_at is None else half(sup.d_at)) * sup.scales[k].value(a, o) * code
             if sup.mins:
                 value = value - half(sup.dmin_at) * sup.mins[r.xoff // 32].value(a, o)
+            if sup.run_mins:
+                value = value - half(sup.dmin_at) * sup.run_mins[k].value(a, o)
         i = xo + r.xoff
         xv = np.asarray(xq[i:i + n], np.float64) * float(xd[i // 32])
         total += float(value @ xv)

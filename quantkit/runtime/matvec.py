@@ -52,10 +52,10 @@ IQ3_TABLE = _padded(IQ3NL_VALUES, 32)         # iq3_k: 8 values, + 8 * extra bit
 IQ5_TABLE = _padded(IQ5NL_VALUES, 64)         # iq5_k: 32 values, + 32 * extra bit
 NO_TABLE = np.zeros(16, np.int8)              # the types without a grid
 
-# the kernel selector per stored type: 0-1 float rows, 2-8 legacy blocks, 9-21 super-blocks (_row_dot)
+# the kernel selector per stored type: 0-1 float rows, 2-8 legacy blocks, 9-22 super-blocks (_row_dot)
 KIND = {T.F32: 0, T.F16: 1, T.Q8_0: 2, T.Q4_0: 3, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 6, T.Q6_0: 7,
         T.IQ4_NL: 8, T.IQ4_XS: 9, T.Q4_K: 10, T.Q5_K: 11, T.Q6_K: 12, T.IQ4_K: 13, T.IQ2_K: 14,
-        T.Q3_K: 15, T.IQ3_K: 16, T.IQ5_K: 17, T.IQ4_KS: 18, T.IQ5_KS: 19, T.IQ2_KS: 20, T.IQ3_KS: 21}
+        T.Q3_K: 15, T.IQ3_K: 16, T.IQ5_K: 17, T.IQ4_KS: 18, T.IQ5_KS: 19, T.IQ2_KS: 20, T.IQ3_KS: 21, T.Q2_K: 22}
 
 
 def _kinds() -> dict[QuantType, int]:
@@ -230,6 +230,10 @@ SUPER = {
     T.IQ3_KS: ([R(32, 32 * g, 6 + 32 * (g // 4), 2 * (g % 4), 3, 70, g, 1, 2) for g in range(8)],
                D.Super(None, tuple(S(2 + g % 4, 4 * (g // 4), 15, 0, g, 1, 4, 16) for g in range(8)),
                        grid=tuple((1, g) for g in range(8)), grid_step=8)),
+    # Q2_K scales[16] qs[64] d dmin: value v = 128 h + 32 s + l is bits 2s..2s+1 of qs[32 h + l]
+    # (at 16); sub-block j = v // 16 has scale nibble 0 of scales[j] and min nibble 1
+    T.Q2_K: ([R(16, v0, 16 + 32 * (v0 // 128) + v0 % 32, 2 * (v0 % 128 // 32), 3) for v0 in range(0, 256, 16)],
+             D.Super(80, tuple(S(j, 0, 15) for j in range(16)), 82, run_mins=tuple(S(j, 4, 15) for j in range(16)))),
 }
 SUPER_CHUNKS = {q: D.chunk_dot(runs, table=q in SUPER_TABLE, sup=sup) for q, (runs, sup) in SUPER.items()}
 
