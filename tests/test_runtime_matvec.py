@@ -41,7 +41,7 @@ def decoded(blocks, qtype, n) -> np.ndarray:
 
 def rounded(x: np.ndarray, qtype) -> np.ndarray:
     """The activations as the fused product uses them."""
-    if qtype == T.F32:
+    if qtype in (T.F32, T.BF16, T.BF16_R16):      # float rows times float activations
         return x
     if qtype == T.F16:
         return x.astype(np.float16).astype(np.float32)
@@ -61,7 +61,7 @@ def test_every_kernel_is_reached():
 def _widths(qtype):
     # legacy rows: whole chunks of 8 blocks, and a tail of 4 + 2 + 1 blocks (480 = 256 + 224);
     # super-block rows: 3 super-blocks; float rows also with a tail of 8 and of 4
-    if qtype in (T.F32, T.F16):
+    if matvec.kind_of(qtype) < matvec.FLOAT_KINDS:
         return (576, 108)
     return (480, 1024) if traits(qtype).block_size == 32 else (768,)
 

@@ -93,42 +93,52 @@ def _dot(builder, values, xbase, xoff, n):
     return builder.extract_element(_fold(builder, prod, n, 1), ir.Constant(_I32, 0))
 
 
-def float_dot(n, half):
-    """``dot(a, off, x, xo)`` = Σ_j w_j * x[xo + j], w the n float32 (``half``: float16) values
-    stored at byte ``off`` of a (uint8 1-D): rows of F32 / F16 weights."""
-    elt = ir.HalfType() if half else _F32
+def _widen(builder, w, fmt):
+    """float16 / bfloat16 values (<n x half> / <n x i16>) as float32; float32 as they are."""
+    if fmt == "f16":
+        return builder.fpext(w, ir.VectorType(_F32, w.type.count) if isinstance(w.type, ir.VectorType) else _F32)
+    if fmt == "bf16":                       # the top 16 bits of a float32
+        wide = ir.VectorType(_I32, w.type.count) if isinstance(w.type, ir.VectorType) else _I32
+        shift = ir.Constant(wide, [16] * w.type.count) if isinstance(w.type, ir.VectorType) else ir.Constant(_I32, 16)
+        return builder.bitcast(builder.shl(builder.zext(w, wide), shift),
+                               ir.VectorType(_F32, w.type.count) if isinstance(w.type, ir.VectorType) else _F32)
+    return w
+
+
+_STORED = {"f32": _F32, "f16": ir.HalfType(), "bf16": _I16}
+
+
+def float_dot(n, fmt):
+    """``dot(a, off, x, xo)`` = Σ_j w_j * x[xo + j], w the n values stored at byte ``off`` of a
+    (uint8 1-D) as ``fmt`` ("f32", "f16" or "bf16"): rows of F32 / F16 / BF16 weights."""
+    elt = _STORED[fmt]
 
     @intrinsic
     def dot(typingctx, a, off, x, xo):
         def codegen(context, builder, sig, args):
             base = builder.bitcast(builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]]), elt.as_pointer())
-            w = _load(builder, base, ir.Constant(ir.IntType(64), 0), n, elt)
-            if half:
-                w = builder.fpext(w, ir.VectorType(_F32, n))
+            w = _widen(builder, _load(builder, base, ir.Constant(ir.IntType(64), 0), n, elt), fmt)
             return _dot(builder, w, _data(context, builder, sig.args[2], args[2]), args[3], n)
         return nbt.float32(a, off, x, xo), codegen
     return dot
 
 
-@intrinsic
-def half_at(typingctx, a, off):
-    """The float16 stored at byte ``off`` of a (uint8 1-D), as float32 (a block's scale)."""
-    def codegen(context, builder, sig, args):
-        ptr = builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]])
-        return builder.fpext(builder.load(builder.bitcast(ptr, ir.HalfType().as_pointer()), align=1), _F32)
-    return nbt.float32(a, off), codegen
+def float_at(fmt):
+    """``at(a, off)``: the value stored at byte ``off`` of a (uint8 1-D) as ``fmt``, as float32."""
+    elt = _STORED[fmt]
+
+    @intrinsic
+    def at(typingctx, a, off):
+        def codegen(context, builder, sig, args):
+            ptr = builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]])
+            return _widen(builder, builder.load(builder.bitcast(ptr, elt.as_pointer()), align=1), fmt)
+        return nbt.float32(a, off), codegen
+    return at
 
 
-@intrinsic
-def float_at(typingctx, a, off):
-    """The float32 stored at byte ``off`` of a (uint8 1-D)."""
-    def codegen(context, builder, sig, args):
-        ptr = builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]])
-        return builder.load(builder.bitcast(ptr, _F32.as_pointer()), align=1)
-    return nbt.float32(a, off), codegen
-
-
-f32x32, f16x32 = float_dot(32, False), float_dot(32, True)
+# a block's float16 scale, a row's float32 / float16 scale, and the tails of float rows
+half_at, f32_at, bf16_at = float_at("f16"), float_at("f32"), float_at("bf16")
+f32x32, f16x32, bf16x32 = float_dot(32, "f32"), float_dot(32, "f16"), float_dot(32, "bf16")
 
 
 def _low(a, off, shift, mask, n):

@@ -52,10 +52,13 @@ IQ3_TABLE = _padded(IQ3NL_VALUES, 32)         # iq3_k: 8 values, + 8 * extra bit
 IQ5_TABLE = _padded(IQ5NL_VALUES, 64)         # iq5_k: 32 values, + 32 * extra bit
 NO_TABLE = np.zeros(16, np.int8)              # the types without a grid
 
-# the kernel selector per stored type: 0-1 float rows, 2-8 legacy blocks, 9-22 super-blocks (_row_dot)
-KIND = {T.F32: 0, T.F16: 1, T.Q8_0: 2, T.Q4_0: 3, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 6, T.Q6_0: 7,
-        T.IQ4_NL: 8, T.IQ4_XS: 9, T.Q4_K: 10, T.Q5_K: 11, T.Q6_K: 12, T.IQ4_K: 13, T.IQ2_K: 14,
-        T.Q3_K: 15, T.IQ3_K: 16, T.IQ5_K: 17, T.IQ4_KS: 18, T.IQ5_KS: 19, T.IQ2_KS: 20, T.IQ3_KS: 21, T.Q2_K: 22}
+# the kernel selector per stored type (each compiles its own loop: _row_dot)
+KIND = {q: k for k, q in enumerate((
+    T.F32, T.F16, T.BF16,                                                       # float rows
+    T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q6_0, T.IQ4_NL,                  # legacy blocks
+    T.IQ4_XS, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_K, T.IQ2_K, T.Q3_K, T.IQ3_K,       # super-blocks
+    T.IQ5_K, T.IQ4_KS, T.IQ5_KS, T.IQ2_KS, T.IQ3_KS, T.Q2_K))}
+FLOAT_KINDS = 3                 # kinds below this multiply float rows with float activations
 
 
 def _kinds() -> dict[QuantType, int]:
@@ -77,15 +80,26 @@ def kind_of(qtype: QuantType) -> int | None:
 
 
 @njit(inline="always")
-def _floats(b, bo, x, xo, n, half):
-    """F32 / F16 rows (at byte bo of b) · x[xo:xo + n]: 32 values per vector dot, the rest one by one."""
-    size = 2 if half else 4
+def _floats(b, bo, x, xo, n, fmt):
+    """F32 / F16 / BF16 rows (``fmt`` 0 / 1 / 2, at byte bo of b) · x[xo:xo + n]: 32 values per
+    vector dot, the rest one by one."""
+    size = 4 if fmt == 0 else 2
     s = F(0)
     n32 = n // 32 * 32
     for j in range(0, n32, 32):
-        s += D.f16x32(b, bo + size * j, x, xo + j) if half else D.f32x32(b, bo + size * j, x, xo + j)
+        if fmt == 0:
+            s += D.f32x32(b, bo + size * j, x, xo + j)
+        elif fmt == 1:
+            s += D.f16x32(b, bo + size * j, x, xo + j)
+        else:
+            s += D.bf16x32(b, bo + size * j, x, xo + j)
     for j in range(n32, n):
-        s += (D.half_at(b, bo + 2 * j) if half else D.float_at(b, bo + 4 * j)) * x[xo + j]
+        if fmt == 0:
+            s += D.f32_at(b, bo + size * j) * x[xo + j]
+        elif fmt == 1:
+            s += D.half_at(b, bo + size * j) * x[xo + j]
+        else:
+            s += D.bf16_at(b, bo + size * j) * x[xo + j]
     return s
 
 
@@ -282,7 +296,7 @@ def _super_row(qtype):
             s += chunk(b, bo + meta + block_bytes * sb, table, xq, xd, xsum, xo + 256 * sb)
         # a row scale in front of the blocks (float32, or float16) multiplies the whole row
         if meta == 4:
-            return s * D.float_at(b, bo)
+            return s * D.f32_at(b, bo)
         return s * D.half_at(b, bo) if meta == 2 else s
     return njit(row, inline="always")
 
@@ -299,9 +313,8 @@ def _row_dot(kind, b, bo, x, xq, xd, xsum, xo, n):
     if not isinstance(kind, types.IntegerLiteral):
         return None
     k = kind.literal_value
-    if k <= 1:
-        half = k == 1
-        return lambda kind, b, bo, x, xq, xd, xsum, xo, n: _floats(b, bo, x, xo, n, half)
+    if k < FLOAT_KINDS:
+        return lambda kind, b, bo, x, xq, xd, xsum, xo, n: _floats(b, bo, x, xo, n, k)
     qtype = _TYPE_OF_KIND[k]
     row = _legacy_row(qtype) if qtype in LEGACY else _super_row(qtype)
     return lambda kind, b, bo, x, xq, xd, xsum, xo, n: row(b, bo, xq, xd, xsum, xo, n)
@@ -341,7 +354,7 @@ def _matvec(blocks, x, out, kind):
     xq = np.empty(n_tok * n_in, np.int8)
     xd = np.empty(n_tok * n_in // 32, F)
     xsum = np.empty(n_tok * n_in // 32, F)
-    if kind > 1:
+    if kind >= FLOAT_KINDS:
         round_q8(x, xq.reshape(n_tok, n_in), xd.reshape(n_tok, n_in // 32), xsum.reshape(n_tok, n_in // 32))
     for task in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         for r in range(task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK)):
