@@ -13,6 +13,7 @@ from numba import njit
 
 from quantkit import formats
 from quantkit.formats import interleave
+from quantkit.formats import iqk as iqk_formats
 from quantkit.runtime import dot, kernels, matvec, ops_cpu
 from quantkit.runtime.weights import Weight
 from quantkit.types import QuantType, traits, type_name
@@ -36,6 +37,10 @@ def decoded(blocks, qtype, n) -> np.ndarray:
         return blocks.view(np.float32).astype(np.float64)
     if qtype == T.F16:
         return blocks.view(np.float16).astype(np.float64)
+    if qtype == T.IQ6_K:
+        # the grid, as ik's matrix products decode IQ6_K (its to_float: a cubic in the code)
+        sb = blocks.reshape(-1, traits(qtype).type_size)
+        return iqk_formats.dequantize_iq6_k_table(sb).reshape(len(blocks), n).astype(np.float64)
     return formats.dequantize(blocks, qtype, n, reference=True).astype(np.float64)
 
 

@@ -510,16 +510,17 @@ def chunk_dot(runs, table=False, sup=None):
                                 at, b = sup.grid[k]
                                 byte = builder.zext(builder.load(builder.gep(base, [builder.add(o_v, c(at))])), i64)
                                 window = builder.mul(builder.and_(builder.lshr(byte, c(b)), c(1)), c(sup.grid_step))
-                            if _max_code(r) < 16:
-                                code = _lookup(builder, _load(builder, tb, window, 16, _I8), code, n)
-                            else:
-                                # 32 grid entries (5-bit codes): both halves looked up, bit 4 picks
-                                low = builder.and_(code, b8(15))
-                                upper = builder.icmp_unsigned("!=", builder.and_(code, b8(16)), b8(0))
-                                code = builder.select(
-                                    upper, _lookup(builder, _load(builder, tb, builder.add(window, c(16)), 16, _I8), low, n),
-                                    _lookup(builder, _load(builder, tb, window, 16, _I8), low, n))
-                            signed = True
+                            # 16 grid entries per lookup: with 5- or 6-bit codes every 16-entry
+                            # part is looked up and bits 4 (and 5) of the code pick
+                            low = builder.and_(code, b8(15)) if _max_code(r) >= 16 else code
+                            parts = [_lookup(builder, _load(builder, tb, builder.add(window, c(16 * i)), 16, _I8), low, n)
+                                     for i in range(_max_code(r) // 16 + 1)]
+                            bit = 16
+                            while len(parts) > 1:
+                                upper = builder.icmp_unsigned("!=", builder.and_(code, b8(bit)), b8(0))
+                                parts = [builder.select(upper, parts[i + 1], parts[i]) for i in range(0, len(parts), 2)]
+                                bit *= 2
+                            code, signed = parts[0], True
                         elif r.bias and not _folds_bias(r):
                             code, signed = builder.sub(code, b8(r.bias)), True
                     pieces.append(code)

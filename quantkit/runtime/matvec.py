@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ..formats._iqk import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
+from ..formats._iqk import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
 from ..types import TYPE_TRAITS, QuantType, traits
 from . import dot as D
 from .kernels import _f16_value as half_round
@@ -50,6 +50,7 @@ IQ4_TABLE = _padded(IQ4K_VALUES, 48)          # iq4_nl / iq4_xs: 0..15; iq4_k: +
 IQ2_TABLE = _padded(IQ2NL_VALUES, 32)         # iq2_k: 4 values, + 4 * extra bit
 IQ3_TABLE = _padded(IQ3NL_VALUES, 32)         # iq3_k: 8 values, + 8 * extra bit
 IQ5_TABLE = _padded(IQ5NL_VALUES, 64)         # iq5_k: 32 values, + 32 * extra bit
+IQ6_TABLE = _padded(IQ6NL_VALUES, 128)        # iq6_k: 64 values, + 64 * extra bit
 NO_TABLE = np.zeros(16, np.int8)              # the types without a grid
 
 # the kernel selector per stored type (each compiles its own loop: _row_dot)
@@ -57,7 +58,7 @@ KIND = {q: k for k, q in enumerate((
     T.F32, T.F16, T.BF16,                                                       # float rows
     T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q6_0, T.IQ4_NL,                  # legacy blocks
     T.IQ4_XS, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_K, T.IQ2_K, T.Q3_K, T.IQ3_K,       # super-blocks
-    T.IQ5_K, T.IQ4_KS, T.IQ5_KS, T.IQ2_KS, T.IQ3_KS, T.Q2_K))}
+    T.IQ5_K, T.IQ4_KS, T.IQ5_KS, T.IQ2_KS, T.IQ3_KS, T.Q2_K, T.IQ6_K))}
 FLOAT_KINDS = 3                 # kinds below this multiply float rows with float activations
 
 
@@ -153,7 +154,7 @@ _LEGACY_CHUNKS = {q: tuple(lay.chunk(n) for n in CHUNK_BLOCKS) for q, lay in LEG
 # grids of the super-block types that have one
 SUPER_TABLE = {T.IQ4_XS: IQ4_TABLE, T.IQ4_K: IQ4_TABLE, T.IQ2_K: IQ2_TABLE, T.IQ3_K: IQ3_TABLE,
                T.IQ5_K: IQ5_TABLE, T.IQ4_KS: IQ4_TABLE, T.IQ5_KS: IQ5_TABLE, T.IQ2_KS: IQ2_TABLE,
-               T.IQ3_KS: IQ3_TABLE}
+               T.IQ3_KS: IQ3_TABLE, T.IQ6_K: IQ6_TABLE}
 S = D.Scale
 
 
@@ -248,6 +249,13 @@ SUPER = {
     # (at 16); sub-block j = v // 16 has scale nibble 0 of scales[j] and min nibble 1
     T.Q2_K: ([R(16, v0, 16 + 32 * (v0 // 128) + v0 % 32, 2 * (v0 % 128 // 32), 3) for v0 in range(0, 256, 16)],
              D.Super(80, tuple(S(j, 0, 15) for j in range(16)), 82, run_mins=tuple(S(j, 4, 15) for j in range(16)))),
+    # IQ6_K d extra scales int8[16] qs[128] qh[64]: value v's low 4 bits as IQ5_K's (qs at 20),
+    # bits 4-5 are bits 2 ((v // 32) % 4) of qh[32 (v // 128) + v % 32]; 64 grid values, the second
+    # grid (64 on) where bit ib of extra is set.  The grid as ik's matrix products use it (its
+    # to_float decodes a cubic instead: formats.iqk.dequantize_iq6_k_table is this one's twin)
+    T.IQ6_K: ([R(16, v0, 20 + 32 * (v0 // 64) + v0 % 32, 4 * (v0 // 32 % 2), 15,
+                 148 + 32 * (v0 // 128) + v0 % 32, 2 * (v0 // 32 % 4), 3, 4) for v0 in range(0, 256, 16)],
+              D.Super(0, tuple(S(4 + ib, signed=True) for ib in range(16)), grid=_WORD_BITS, grid_step=64)),
 }
 SUPER_CHUNKS = {q: D.chunk_dot(runs, table=q in SUPER_TABLE, sup=sup) for q, (runs, sup) in SUPER.items()}
 
