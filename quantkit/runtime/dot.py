@@ -87,6 +87,18 @@ def _lookup(builder, table16, idx, n):
     return builder.shuffle_vector(parts[0], parts[1], ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
 
 
+def _lookup_halves(builder, table32, idx):
+    """<32 x i8>: lane j is table32[16 (j // 16) + idx[j]] (idx < 16): each 16-byte half looked up
+    in its own table (one 256-bit pshufb on x86)."""
+    if _X86:
+        return _x86(builder, "llvm.x86.avx2.pshuf.b", table32.type, table32, idx)
+    out = ir.Constant(table32.type, ir.Undefined)
+    for j in range(32):
+        k = builder.add(builder.extract_element(idx, ir.Constant(_I32, j)), ir.Constant(_I8, 16 * (j // 16)))
+        out = builder.insert_element(out, builder.extract_element(table32, k), ir.Constant(_I32, j))
+    return out
+
+
 def _dot(builder, values, xbase, xoff, n):
     """Σ_j values[j] * x[xoff + j], values <n x float>, summed as a tree of halves."""
     prod = builder.fmul(values, _load(builder, xbase, xoff, n, _F32))
@@ -378,6 +390,18 @@ def _groups(runs):
     return dict(sorted(groups.items()))
 
 
+def _paired(members, table, sup):
+    """A group of two 16-value grid runs whose grid choices are adjacent bits of one byte (or that
+    have none): its codes go through one 32-byte lookup (vpshufb looks up each 16-byte half in
+    its own table) in a table picked by those two bits."""
+    if not table or len(members) != 2 or any(r.n != 16 or _max_code(r) >= 16 for _, r in members):
+        return False
+    if sup is None or not sup.grid:
+        return True
+    (at0, b0), (at1, b1) = (sup.grid[k] for k, _ in members)
+    return at0 == at1 and b1 == b0 + 1
+
+
 def _max_code(r):
     """The largest code a run's bits can form."""
     high = (r.hmask << r.hpos) if r.hoff is not None else (1 << r.hpos) if r.hword is not None else 0
@@ -466,10 +490,22 @@ def chunk_dot(runs, table=False, sup=None):
                 left_out = builder.fmul(builder.fmul(m8, _load8(builder, xsb, xblock, n_groups)), _splat(builder, dmin, 8))
             ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
             isums, msums = [], []
+            v32 = ir.VectorType(_I8, 32)
+            if any(_paired(m, table, sup) for m in groups.values()):
+                # the 4 pair tables [window(bit a) | window(bit b)] of a paired group, on the stack
+                t16 = [_load(builder, tb, c(0), 16, _I8)]
+                if sup is not None and sup.grid:
+                    t16.append(_load(builder, tb, c(sup.grid_step), 16, _I8))
+                both = ir.Constant(ir.VectorType(_I32, 32), list(range(32)))
+                pair_tables = cgutils.alloca_once(builder, ir.ArrayType(v32, 4))
+                for p in range(4):
+                    lo, hi = t16[(p & 1) % len(t16)], t16[(p >> 1) % len(t16)]
+                    builder.store(builder.shuffle_vector(lo, hi, both), builder.gep(pair_tables, [c(0), c(p)]))
             if sup is not None and sup.run_mins:
                 run_mins = _small_ints(builder, base, o_v, sup.run_mins)
             for gi, (g, members) in enumerate(groups.items()):
                 pieces, signed = [], False
+                paired = _paired(members, table, sup)
                 for k, r in members:
                     n = r.n
                     v8 = ir.VectorType(_I8, n)
@@ -504,7 +540,9 @@ def chunk_dot(runs, table=False, sup=None):
                             bit = ir.Constant(v8, [1 << ((r.hbase + j) % 8) for j in range(n)])
                             hit = builder.icmp_unsigned("!=", builder.and_(spread, bit), b8(0))
                             code = builder.or_(code, builder.select(hit, b8(1 << r.hpos), b8(0)))
-                        if table:
+                        if paired:
+                            pass                        # looked up below, with the other run
+                        elif table:
                             window = c(0)
                             if sup is not None and sup.grid:
                                 at, b = sup.grid[k]
@@ -525,6 +563,13 @@ def chunk_dot(runs, table=False, sup=None):
                             code, signed = builder.sub(code, b8(r.bias)), True
                     pieces.append(code)
                 w = _concat(builder, pieces)
+                if paired:
+                    pick = c(0)
+                    if sup is not None and sup.grid:
+                        at, b = sup.grid[members[0][0]]
+                        byte = builder.zext(builder.load(builder.gep(base, [builder.add(o_v, c(at))])), i64)
+                        pick = builder.and_(builder.lshr(byte, c(b)), c(3))
+                    w, signed = _lookup_halves(builder, builder.load(builder.gep(pair_tables, [c(0), pick])), w), True
                 x = _load(builder, xqb, builder.add(xo_v, c(32 * g)), 32, _I8)
                 u, s = _abs_sign(builder, w, x) if signed else (w, x)
                 p16 = _maddubs(builder, u, s)
