@@ -217,14 +217,12 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 def rope_angles(pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0):
     """cos and sin, float32 (n_tokens, n_rot/2), of the plain rotary angles pos * freq_scale * base^(-2i/n_rot)."""
-    pos = np.asarray(pos, np.int64)
-    if len(pos) <= FUSED_TOKENS:        # a generation step: every layer asks for the same angles
-        return _few_angles(pos.tobytes(), n_rot, freq_base, freq_scale)
-    return _rope_angles(pos, n_rot, freq_base, freq_scale)
+    # every layer of a forward pass asks for the same angles: made once per set of positions
+    return _cached_angles(np.asarray(pos, np.int64).tobytes(), n_rot, freq_base, freq_scale)
 
 
 @functools.lru_cache(maxsize=64)
-def _few_angles(pos: bytes, n_rot: int, freq_base: float, freq_scale: float):
+def _cached_angles(pos: bytes, n_rot: int, freq_base: float, freq_scale: float):
     return _rope_angles(np.frombuffer(pos, np.int64), n_rot, freq_base, freq_scale)     # shared: never written to
 
 
