@@ -66,37 +66,23 @@ def _as(builder, value, t):
     return value
 
 
-def _lookup(builder, table16, idx, n):
-    """<n x i8>: table16[idx[j]] for idx < 16, table16 a <16 x i8> (n 16 or 32 on x86)."""
-    if not _X86:
-        out = ir.Constant(ir.VectorType(_I8, n), ir.Undefined)
-        for j in range(n):
-            k = builder.extract_element(idx, ir.Constant(_I32, j))
-            out = builder.insert_element(out, builder.extract_element(table16, k), ir.Constant(_I32, j))
-        return out
-    assert n in (16, 32), n
-    v16 = ir.VectorType(_I8, 16)
-    fn = builder.module.declare_intrinsic("llvm.x86.ssse3.pshuf.b.128", (), ir.FunctionType(v16, [v16, v16]))
-    parts = []
-    for p in range(n // 16):
-        piece = builder.shuffle_vector(idx, ir.Constant(idx.type, ir.Undefined),
-                                       ir.Constant(ir.VectorType(_I32, 16), list(range(16 * p, 16 * p + 16))))
-        parts.append(builder.call(fn, [table16, piece]))
-    if len(parts) == 1:
-        return parts[0]
-    return builder.shuffle_vector(parts[0], parts[1], ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
-
-
-def _lookup_halves(builder, table32, idx):
-    """<32 x i8>: lane j is table32[16 (j // 16) + idx[j]] (idx < 16): each 16-byte half looked up
-    in its own table (one 256-bit pshufb on x86)."""
+def _pshufb(builder, table, idx):
+    """lane j: table[16 (j // 16) + idx[j]] (idx < 16), table and idx 16 or 32 bytes: each 16-byte
+    half looked up in its own table (x86's pshufb, 128 or 256 bits)."""
+    n = idx.type.count
     if _X86:
-        return _x86(builder, "llvm.x86.avx2.pshuf.b", table32.type, table32, idx)
-    out = ir.Constant(table32.type, ir.Undefined)
-    for j in range(32):
+        return _x86(builder, "llvm.x86.ssse3.pshuf.b.128" if n == 16 else "llvm.x86.avx2.pshuf.b", table.type, table, idx)
+    out = ir.Constant(table.type, ir.Undefined)
+    for j in range(n):
         k = builder.add(builder.extract_element(idx, ir.Constant(_I32, j)), ir.Constant(_I8, 16 * (j // 16)))
-        out = builder.insert_element(out, builder.extract_element(table32, k), ir.Constant(_I32, j))
+        out = builder.insert_element(out, builder.extract_element(table, k), ir.Constant(_I32, j))
     return out
+
+
+def _lookup(builder, table16, idx, n):
+    """<n x i8>: table16[idx[j]] for idx < 16, table16 a <16 x i8> (n 16 or 32)."""
+    assert n in (16, 32), n
+    return _pshufb(builder, table16 if n == 16 else _concat(builder, [table16, table16]), idx)
 
 
 def _dot(builder, values, xbase, xoff, n):
@@ -106,14 +92,16 @@ def _dot(builder, values, xbase, xoff, n):
 
 
 def _widen(builder, w, fmt):
-    """float16 / bfloat16 values (<n x half> / <n x i16>) as float32; float32 as they are."""
+    """float16 / bfloat16 values (<n x half> / <n x i16>, or one) as float32; float32 as they are."""
+    vec = isinstance(w.type, ir.VectorType)
+
+    def like_w(t):
+        return ir.VectorType(t, w.type.count) if vec else t
     if fmt == "f16":
-        return builder.fpext(w, ir.VectorType(_F32, w.type.count) if isinstance(w.type, ir.VectorType) else _F32)
+        return builder.fpext(w, like_w(_F32))
     if fmt == "bf16":                       # the top 16 bits of a float32
-        wide = ir.VectorType(_I32, w.type.count) if isinstance(w.type, ir.VectorType) else _I32
-        shift = ir.Constant(wide, [16] * w.type.count) if isinstance(w.type, ir.VectorType) else ir.Constant(_I32, 16)
-        return builder.bitcast(builder.shl(builder.zext(w, wide), shift),
-                               ir.VectorType(_F32, w.type.count) if isinstance(w.type, ir.VectorType) else _F32)
+        sixteen = ir.Constant(like_w(_I32), [16] * w.type.count if vec else 16)
+        return builder.bitcast(builder.shl(builder.zext(w, like_w(_I32)), sixteen), like_w(_F32))
     return w
 
 
@@ -148,9 +136,11 @@ def float_at(fmt):
     return at
 
 
-# a block's float16 scale, a row's float32 / float16 scale, and the tails of float rows
-half_at, f32_at, bf16_at = float_at("f16"), float_at("f32"), float_at("bf16")
-f32x32, f16x32, bf16x32 = float_dot(32, "f32"), float_dot(32, "f16"), float_dot(32, "bf16")
+# rows of float weights, kind 0 / 1 / 2 (matvec): 32 values per dot, then one value at a time;
+# half_at / f32_at also read a block's float16 scale and a row's float32 scale
+FLOAT_FORMATS = ("f32", "f16", "bf16")
+FLOAT_READERS = tuple((float_dot(32, fmt), float_at(fmt)) for fmt in FLOAT_FORMATS)
+f32_at, half_at = FLOAT_READERS[0][1], FLOAT_READERS[1][1]
 
 
 def _low(a, off, shift, mask, n):
@@ -348,8 +338,8 @@ def _small_ints(builder, base, o, specs):
     if any(sp.bias for sp in specs):
         wide = builder.sub(wide, ir.Constant(w16, [sp.bias for sp in specs] + [0] * (16 - n)))
     if any(sp.odd for sp in specs):
-        wide = builder.add(builder.shl(wide, ir.Constant(w16, [int(sp.odd) for sp in specs] + [0] * (16 - n))),
-                           ir.Constant(w16, [int(sp.odd) for sp in specs] + [0] * (16 - n)))
+        odd = ir.Constant(w16, [int(sp.odd) for sp in specs] + [0] * (16 - n))
+        wide = builder.add(builder.shl(wide, odd), odd)                  # 2 v + 1
     if any(sp.neg_at is not None for sp in specs):
         signs = pick((sp.neg_at if sp.neg_at is not None else sp.at) - lo for sp in specs)
         bits = lanes(1 << sp.neg_bit if sp.neg_at is not None else 0 for sp in specs)
@@ -464,6 +454,12 @@ def chunk_dot(runs, table=False, sup=None):
             def half(at):
                 ptr = builder.bitcast(builder.gep(base, [builder.add(o_v, c(at))]), ir.HalfType().as_pointer())
                 return builder.fpext(builder.load(ptr, align=1), _F32)
+
+            def grid_bits(k, mask):
+                """Run k's grid bit (mask 1), or with the next run's above it (mask 3)."""
+                at, b = sup.grid[k]
+                byte = builder.zext(builder.load(builder.gep(base, [builder.add(o_v, c(at))])), i64)
+                return builder.and_(builder.lshr(byte, c(b)), c(mask))
             # per 32-group g (lane g): its scale (the block's float16, or the super-block's d)
             # times xd, and what the products leave out, times xsum: a folded bias, a min
             n_groups = len(groups)
@@ -545,9 +541,7 @@ def chunk_dot(runs, table=False, sup=None):
                         elif table:
                             window = c(0)
                             if sup is not None and sup.grid:
-                                at, b = sup.grid[k]
-                                byte = builder.zext(builder.load(builder.gep(base, [builder.add(o_v, c(at))])), i64)
-                                window = builder.mul(builder.and_(builder.lshr(byte, c(b)), c(1)), c(sup.grid_step))
+                                window = builder.mul(grid_bits(k, 1), c(sup.grid_step))
                             # 16 grid entries per lookup: with 5- or 6-bit codes every 16-entry
                             # part is looked up and bits 4 (and 5) of the code pick
                             low = builder.and_(code, b8(15)) if _max_code(r) >= 16 else code
@@ -566,10 +560,8 @@ def chunk_dot(runs, table=False, sup=None):
                 if paired:
                     pick = c(0)
                     if sup is not None and sup.grid:
-                        at, b = sup.grid[members[0][0]]
-                        byte = builder.zext(builder.load(builder.gep(base, [builder.add(o_v, c(at))])), i64)
-                        pick = builder.and_(builder.lshr(byte, c(b)), c(3))
-                    w, signed = _lookup_halves(builder, builder.load(builder.gep(pair_tables, [c(0), pick])), w), True
+                        pick = grid_bits(members[0][0], 3)
+                    w, signed = _pshufb(builder, builder.load(builder.gep(pair_tables, [c(0), pick])), w), True
                 x = _load(builder, xqb, builder.add(xo_v, c(32 * g)), 32, _I8)
                 u, s = _abs_sign(builder, w, x) if signed else (w, x)
                 p16 = _maddubs(builder, u, s)
@@ -577,14 +569,12 @@ def chunk_dot(runs, table=False, sup=None):
                 if r0.d_at is None:
                     # the runs' integer scales, each over the 16-bit lanes of its values
                     lanes = 16 // len(members)
-                    iscale = builder.shuffle_vector(run_scales, run_scales, ir.Constant(
-                        ir.VectorType(_I32, 16), [members[j // lanes][0] for j in range(16)]))
-                    isum = _madd(builder, p16, iscale)
+                    lane_runs = ir.Constant(ir.VectorType(_I32, 16), [members[j // lanes][0] for j in range(16)])
+                    isum = _madd(builder, p16, builder.shuffle_vector(run_scales, run_scales, lane_runs))
                     if sup.run_mins:
                         # Σx over each run (bytes times 1, in pairs) times the run's min
                         xpairs = _maddubs(builder, ir.Constant(ir.VectorType(_I8, 32), [1] * 32), x)
-                        msums.append(_madd(builder, xpairs, builder.shuffle_vector(run_mins, run_mins, ir.Constant(
-                            ir.VectorType(_I32, 16), [members[j // lanes][0] for j in range(16)]))))
+                        msums.append(_madd(builder, xpairs, builder.shuffle_vector(run_mins, run_mins, lane_runs)))
                 else:
                     isum = _madd(builder, p16, ones)
                 isums.append(isum)

@@ -59,7 +59,7 @@ KIND = {q: k for k, q in enumerate((
     T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q6_0, T.IQ4_NL,                  # legacy blocks
     T.IQ4_XS, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_K, T.IQ2_K, T.Q3_K, T.IQ3_K,       # super-blocks
     T.IQ5_K, T.IQ4_KS, T.IQ5_KS, T.IQ2_KS, T.IQ3_KS, T.Q2_K, T.IQ6_K))}
-FLOAT_KINDS = 3                 # kinds below this multiply float rows with float activations
+FLOAT_KINDS = len(D.FLOAT_FORMATS)      # kinds below this multiply float rows with float activations
 
 
 def _kinds() -> dict[QuantType, int]:
@@ -78,30 +78,6 @@ def kind_of(qtype: QuantType) -> int | None:
     """The kernel selector for rows of ``qtype`` (its plain type's for interleaved types), or None
     when no fused kernel computes them."""
     return _KIND_OF.get(qtype)
-
-
-@njit(inline="always")
-def _floats(b, bo, x, xo, n, fmt):
-    """F32 / F16 / BF16 rows (``fmt`` 0 / 1 / 2, at byte bo of b) · x[xo:xo + n]: 32 values per
-    vector dot, the rest one by one."""
-    size = 4 if fmt == 0 else 2
-    s = F(0)
-    n32 = n // 32 * 32
-    for j in range(0, n32, 32):
-        if fmt == 0:
-            s += D.f32x32(b, bo + size * j, x, xo + j)
-        elif fmt == 1:
-            s += D.f16x32(b, bo + size * j, x, xo + j)
-        else:
-            s += D.bf16x32(b, bo + size * j, x, xo + j)
-    for j in range(n32, n):
-        if fmt == 0:
-            s += D.f32_at(b, bo + size * j) * x[xo + j]
-        elif fmt == 1:
-            s += D.half_at(b, bo + size * j) * x[xo + j]
-        else:
-            s += D.bf16_at(b, bo + size * j) * x[xo + j]
-    return s
 
 
 # ---- the runs of each type's chunks (dot.Run: byte and value offsets inside the chunk) ----
@@ -264,6 +240,23 @@ _TYPE_OF_KIND = {k: q for q, k in KIND.items()}
 
 # ---- row dots, one compiled loop per type ----
 
+def _float_row(kind):
+    """The row at byte bo of b · x[xo:xo + n] for a float type (kind < FLOAT_KINDS): 32 values per
+    vector dot, the rest one by one."""
+    dot32, at = D.FLOAT_READERS[kind]
+    size = 4 if D.FLOAT_FORMATS[kind] == "f32" else 2
+
+    def row(b, bo, x, xo, n):
+        s = F(0)
+        n32 = n // 32 * 32
+        for j in range(0, n32, 32):
+            s += dot32(b, bo + size * j, x, xo + j)
+        for j in range(n32, n):
+            s += at(b, bo + size * j) * x[xo + j]
+        return s
+    return njit(row, inline="always")
+
+
 def _legacy_row(qtype):
     """The row at byte bo of b · the n activations from xo on, for a legacy type: 8 blocks per
     chunk dot, then the row's last n % 256 values in chunks of 4, 2 and 1 blocks."""
@@ -322,7 +315,8 @@ def _row_dot(kind, b, bo, x, xq, xd, xsum, xo, n):
         return None
     k = kind.literal_value
     if k < FLOAT_KINDS:
-        return lambda kind, b, bo, x, xq, xd, xsum, xo, n: _floats(b, bo, x, xo, n, k)
+        frow = _float_row(k)
+        return lambda kind, b, bo, x, xq, xd, xsum, xo, n: frow(b, bo, x, xo, n)
     qtype = _TYPE_OF_KIND[k]
     row = _legacy_row(qtype) if qtype in LEGACY else _super_row(qtype)
     return lambda kind, b, bo, x, xq, xd, xsum, xo, n: row(b, bo, xq, xd, xsum, xo, n)
