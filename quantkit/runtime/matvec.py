@@ -82,8 +82,8 @@ def kind_of(qtype: QuantType) -> int | None:
 
 # ---- the runs of each type's chunks (dot.Run: byte and value offsets inside the chunk) ----
 #
-# Legacy types are read 8 blocks (256 values) per chunk, and a row's last n % 256 values one block
-# per chunk; super-block types one super-block per chunk.
+# Legacy types are read 8 blocks (256 values) per chunk, and a row's last n % 256 values in chunks
+# of 4, 2 and 1 blocks; super-block types one super-block per chunk.
 
 R = D.Run
 
@@ -145,6 +145,18 @@ def _k4(j, mins):
 
 # bit k of the 16-bit word at 2 (``extra``): run k's grid choice
 _WORD_BITS = tuple((2 + k // 8, k % 8) for k in range(16))
+# IQ4_K / IQ5_K: scale ib is nibble ib % 2 of scales_l[ib // 2] (at 8) | bits 2 (ib % 4) of
+# scales_h[ib // 4] (at 4) << 4, minus 32
+_IQK_SCALES = tuple(S(8 + ib // 2, 4 * (ib % 2), 15, 4 + ib // 4, 2 * (ib % 4), 3, 4, 32) for ib in range(16))
+# IQ4_KS / IQ5_KS: group g's scale is (scales[g] & 254) - 127, bit 0 its grid choice
+_KS_SCALES = tuple(S(g, 0, 254, bias=127) for g in range(8))
+_KS_GRID = tuple((g, 0) for g in range(8))
+
+
+def _two_bits(qs_at, v0):
+    """(byte, shift) of value v0's 2 bits in Q2_K's layout of qs[64] at qs_at: value
+    v = 128 h + 32 s + l is bits 2s..2s+1 of qs[32 h + l] (Q2_K, Q3_K, IQ3_K, IQ2_KS, IQ3_KS)."""
+    return qs_at + 32 * (v0 // 128) + v0 % 32, 2 * (v0 % 128 // 32)
 
 SUPER = {
     # IQ4_XS d | scales_h | scales_l[4] | qs[128]: 32-group ib's values from the 16 bytes at 8 + 16 ib;
@@ -167,11 +179,9 @@ SUPER = {
              D.Super(208, tuple(S(192 + 8 * h + 2 * q + l0 // 16, signed=True)
                                 for h in range(2) for q in range(4) for l0 in (0, 16)))),
     # IQ4_K d extra scales_h[4] scales_l[8] qs[128]: sub-block ib of 16 is nibble ib % 2 of
-    # qs[16 (ib // 2) ..], on the second grid when bit ib of extra is set; its scale: nibble ib % 2
-    # of scales_l[ib // 2] | bits 2 (ib % 4) of scales_h[ib // 4] << 4, minus 32
+    # qs[16 (ib // 2) ..], on the second grid when bit ib of extra is set
     T.IQ4_K: ([R(16, 16 * ib, 16 + 16 * (ib // 2), 4 * (ib % 2), 15) for ib in range(16)],
-              D.Super(0, tuple(S(8 + ib // 2, 4 * (ib % 2), 15, 4 + ib // 4, 2 * (ib % 4), 3, 4, 32)
-                               for ib in range(16)), grid=_WORD_BITS, grid_step=16)),
+              D.Super(0, _IQK_SCALES, grid=_WORD_BITS, grid_step=16)),
     # IQ2_K d extra scales[8] qs[64]: sub-block ib (32-group g = ib // 2) is bits 2 (g % 4) of
     # qs[32 (g // 4) + 16 (ib % 2) ..], values 4..7 of the grid when bit ib of extra is set; its
     # scale: nibble ib % 2 of scales[ib // 2], minus 8
@@ -181,15 +191,13 @@ SUPER = {
     # qs[32 h + l] with bit 4h + s of hmask[l] above them, minus 4; the 6-bit scale of its 16
     # values j = v // 16: nibble j // 8 of scales[j % 8] | bits 2 (j // 4) of scales[8 + j % 4] << 4,
     # minus 32
-    T.Q3_K: ([R(16, v0, 32 + 32 * (v0 // 128) + v0 % 32, 2 * (v0 % 128 // 32), 3, v0 % 32, v0 // 32, 1, 2, 4)
-              for v0 in range(0, 256, 16)],
+    T.Q3_K: ([R(16, v0, *_two_bits(32, v0), 3, v0 % 32, v0 // 32, 1, 2, 4) for v0 in range(0, 256, 16)],
              D.Super(108, tuple(S(96 + j % 8, 4 * (j // 8), 15, 104 + j % 4, 2 * (j // 4), 3, 4, 32)
                                 for j in range(16)))),
     # IQ3_K d extra signs scales_l[8] qs[64] qh[32]: value v's 2 low bits as Q3_K's (qs at 14), its
     # third bit 4h + s of qh[l]; sub-block ib of 16 on the second grid (8 on) when bit ib of extra
     # is set; its scale: 2 |nibble ib % 2 of scales_l[ib // 2]| + 1, negative where bit ib of signs is
-    T.IQ3_K: ([R(16, v0, 14 + 32 * (v0 // 128) + v0 % 32, 2 * (v0 % 128 // 32), 3, 78 + v0 % 32, v0 // 32, 1, 2)
-               for v0 in range(0, 256, 16)],
+    T.IQ3_K: ([R(16, v0, *_two_bits(14, v0), 3, 78 + v0 % 32, v0 // 32, 1, 2) for v0 in range(0, 256, 16)],
               D.Super(0, tuple(S(6 + ib // 2, 4 * (ib % 2), 15, odd=True, neg_at=4 + ib // 8, neg_bit=ib % 8)
                                for ib in range(16)), grid=_WORD_BITS, grid_step=8)),
     # IQ5_K d extra scales_h[4] scales_l[8] qs[128] qh[32]: value v's low 4 bits are nibble
@@ -197,33 +205,30 @@ SUPER = {
     # values, the second grid (32 on) where bit ib of extra is set; scales as IQ4_K's
     T.IQ5_K: ([R(16, v0, 16 + 32 * (v0 // 64) + v0 % 32, 4 * (v0 // 32 % 2), 15, 144 + v0 % 32, v0 // 32, 1, 4)
                for v0 in range(0, 256, 16)],
-              D.Super(0, tuple(S(8 + ib // 2, 4 * (ib % 2), 15, 4 + ib // 4, 2 * (ib % 4), 3, 4, 32)
-                               for ib in range(16)), grid=_WORD_BITS, grid_step=32)),
+              D.Super(0, _IQK_SCALES, grid=_WORD_BITS, grid_step=32)),
     # IQ4_KS (after the row's float32 scale) scales[8] qs[128]: 32-group ib is the 16 bytes at
-    # 8 + 16 ib, low nibbles then high; its scale (scales[ib] & 254) - 127, bit 0 its grid choice
+    # 8 + 16 ib, low nibbles then high
     T.IQ4_KS: ([R(32, 32 * ib, 8 + 16 * ib, 0, 15, split=True) for ib in range(8)],
-               D.Super(None, tuple(S(ib, 0, 254, bias=127) for ib in range(8)),
-                       grid=tuple((ib, 0) for ib in range(8)), grid_step=16)),
+               D.Super(None, _KS_SCALES, grid=_KS_GRID, grid_step=16)),
     # IQ5_KS (after the row's float32 scale) scales[8] qs[128] qh[32]: group g's low 4 bits are
     # nibble g % 2 of qs[32 (g // 2) ..], its fifth bit g of qh[..]; scales as IQ4_KS's
     T.IQ5_KS: ([R(32, 32 * g, 8 + 32 * (g // 2), 4 * (g % 2), 15, 136, g, 1, 4) for g in range(8)],
-               D.Super(None, tuple(S(g, 0, 254, bias=127) for g in range(8)),
-                       grid=tuple((g, 0) for g in range(8)), grid_step=32)),
+               D.Super(None, _KS_SCALES, grid=_KS_GRID, grid_step=32)),
     # IQ2_KS (after the row's float16 scale) extra scales[4] qs[64]: group g's codes are bits
     # 2 (g % 4) of qs[32 (g // 4) ..] (Q2_K's layout), its grid choice bit g of extra; its scale:
     # nibble g % 2 of scales[g // 2] | bit 8 + g of extra << 4, minus 16
-    T.IQ2_KS: ([R(32, 32 * g, 6 + 32 * (g // 4), 2 * (g % 4), 3) for g in range(8)],
+    T.IQ2_KS: ([R(32, 32 * g, *_two_bits(6, 32 * g), 3) for g in range(8)],
                D.Super(None, tuple(S(2 + g // 2, 4 * (g % 2), 15, 1, g, 1, 4, 16) for g in range(8)),
                        grid=tuple((0, g) for g in range(8)), grid_step=4)),
     # IQ3_KS (after the row's float16 scale) extra scales[4] qs[64] qh[32]: group g's codes as
     # IQ2_KS's with bit g of qh[..] above them, its grid choice bit 8 + g of extra; its scale:
     # nibble g // 4 of scales[g % 4] | bit g of extra << 4, minus 16
-    T.IQ3_KS: ([R(32, 32 * g, 6 + 32 * (g // 4), 2 * (g % 4), 3, 70, g, 1, 2) for g in range(8)],
+    T.IQ3_KS: ([R(32, 32 * g, *_two_bits(6, 32 * g), 3, 70, g, 1, 2) for g in range(8)],
                D.Super(None, tuple(S(2 + g % 4, 4 * (g // 4), 15, 0, g, 1, 4, 16) for g in range(8)),
                        grid=tuple((1, g) for g in range(8)), grid_step=8)),
     # Q2_K scales[16] qs[64] d dmin: value v = 128 h + 32 s + l is bits 2s..2s+1 of qs[32 h + l]
     # (at 16); sub-block j = v // 16 has scale nibble 0 of scales[j] and min nibble 1
-    T.Q2_K: ([R(16, v0, 16 + 32 * (v0 // 128) + v0 % 32, 2 * (v0 % 128 // 32), 3) for v0 in range(0, 256, 16)],
+    T.Q2_K: ([R(16, v0, *_two_bits(16, v0), 3) for v0 in range(0, 256, 16)],
              D.Super(80, tuple(S(j, 0, 15) for j in range(16)), 82, run_mins=tuple(S(j, 4, 15) for j in range(16)))),
     # IQ6_K d extra scales int8[16] qs[128] qh[64]: value v's low 4 bits as IQ5_K's (qs at 20),
     # bits 4-5 are bits 2 ((v // 32) % 4) of qh[32 (v // 128) + v % 32]; 64 grid values, the second
