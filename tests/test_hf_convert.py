@@ -94,8 +94,9 @@ def test_llama_tokenizer_is_the_converters(llama_dir):
 def test_merges_in_pair_format(tmp_path, tok_meta):
     """tokenizer.json files from transformers >= 4.45 store merges as [a, b] pairs."""
     H.write_tokenizer(tmp_path, tok_meta, merges_as_pairs=True)
+    from quantkit.hf.config import Fields
     from quantkit.hf.vocab import vocab_metadata
-    meta = vocab_metadata(tmp_path, None, {})
+    meta = vocab_metadata(tmp_path, None, Fields({}, "config.json"))
     assert meta["tokenizer.ggml.merges"].value == list(tok_meta["tokenizer.ggml.merges"])
 
 

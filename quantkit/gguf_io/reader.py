@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import GGUFFormatError, QuantkitError
+from ..inputs import open_regular
 from ..types import QuantType, is_known_type_id, traits
 from .constants import (DEFAULT_ALIGNMENT, GGUF_MAGIC, KEY_ALIGNMENT, KEY_ARCHITECTURE, KEY_SPLIT_COUNT, KEY_SPLIT_NO,
                         KEY_SPLIT_TENSORS, MAX_DIMS, MAX_NAME_BYTES, SCALAR_DTYPE, SCALAR_FORMAT,
@@ -130,6 +131,9 @@ class _Cursor:
         if elem == ValueType.ARRAY:
             self.fail(f"{what}: nested arrays are not supported", at)
         if elem == ValueType.STRING:
+            if n > (len(self.buf) - self.pos) // 8:     # each string takes at least its 8-byte length
+                self.fail(f"truncated file: {what} claims {n} strings, the rest of the file holds at most "
+                          f"{(len(self.buf) - self.pos) // 8}")
             return MetaValue(vtype, self.strings(n, what), elem)
         size = SCALAR_SIZE[elem]
         if n > len(self.buf):
@@ -144,10 +148,7 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        try:
-            self._fh = open(self.path, "rb")
-        except OSError as e:
-            raise QuantkitError(f"{path}: cannot open: {e.strerror}") from None
+        self._fh = open_regular(self.path)
         size = os.fstat(self._fh.fileno()).st_size
         if size == 0:
             self._fh.close()
@@ -200,6 +201,8 @@ class GGUFFile:
         for i in range(n_tensors):
             at = c.pos
             name = c.string(f"tensor #{i} name")
+            if not name:
+                c.fail(f"tensor #{i} has an empty name", at)
             if name in names:
                 c.fail(f"duplicate tensor name '{name}'", at)
             names.add(name)
@@ -208,12 +211,16 @@ class GGUFFile:
             n_dims = c.u32(f"'{name}' n_dims")
             if n_dims > MAX_DIMS:
                 c.fail(f"tensor '{name}' has {n_dims} dimensions (at most {MAX_DIMS})", at)
-            shape = tuple(c.i64(f"'{name}' shape") for _ in range(n_dims))
+            # ggml keeps four dimensions, 1 past n_dims, and writes a tensor back with at least one
+            # (ggml_n_dims): a 0-dimensional tensor is one element, shape [1]
+            shape = tuple(c.i64(f"'{name}' shape") for _ in range(n_dims)) or (1,)
             type_at = c.pos
             type_id = c.i32(f"'{name}' type")
             offset = c.u64(f"'{name}' offset")
             if any(n < 0 for n in shape):
-                c.fail(f"tensor '{name}' has a negative dimension {shape}", at)
+                c.fail(f"tensor '{name}' has a negative dimension {list(shape)}", at)
+            if 0 in shape:      # ik_llama.cpp's loader asserts every dimension > 0 (gguf_tensor_info_sanitize)
+                c.fail(f"tensor '{name}' has a zero dimension {list(shape)} (ggml needs every dimension > 0)", at)
             n_elem = 1
             for n in shape:
                 n_elem *= n
@@ -222,10 +229,10 @@ class GGUFFile:
             if not is_known_type_id(type_id):
                 c.fail(f"tensor '{name}' has unknown type id {type_id}", type_at)
             t = traits(type_id)
-            if shape and shape[0] % t.block_size:
+            if shape[0] % t.block_size:
                 c.fail(f"tensor '{name}': row size {shape[0]} is not a multiple of {t.name} "
                        f"block size {t.block_size}", at)
-            nbytes = n_elem // max(shape[0], 1) * t.row_size(shape[0]) if shape and shape[0] else 0
+            nbytes = n_elem // shape[0] * t.row_size(shape[0])
             if nbytes > _INT64_MAX:
                 c.fail(f"tensor '{name}' shape {list(shape)} overflows", at)
             infos.append((at, name, shape, QuantType(type_id), offset, nbytes))
@@ -350,12 +357,17 @@ def open_model(path: str | os.PathLike) -> GGUFModel:
     m = SPLIT_NAME_RE.match(path.name)
     if not m:
         f = GGUFFile(path)
-        if f.get(KEY_SPLIT_COUNT, 1) > 1:
+        try:
+            if _split_key(f, KEY_SPLIT_COUNT, 1) > 1:
+                raise QuantkitError(f"{path}: is shard of a split model but not named "
+                                    "<prefix>-0000N-of-0000M.gguf")
+        except BaseException:
             f.close()
-            raise QuantkitError(f"{path}: is shard of a split model but not named "
-                                "<prefix>-0000N-of-0000M.gguf")
+            raise
         return GGUFModel([f])
     prefix, count = m["prefix"], int(m["count"])
+    if not 1 <= int(m["no"]) <= count:
+        raise QuantkitError(f"{path}: not a shard name (shard {int(m['no'])} of {count})")
     if int(m["no"]) != 1:
         raise QuantkitError(f"{path}: open the first shard (-00001-of-{count:05d}.gguf) of a split model")
     files: list[GGUFFile] = []
@@ -364,16 +376,73 @@ def open_model(path: str | os.PathLike) -> GGUFModel:
             shard = path.with_name(split_shard_name(prefix, i, count))
             if not shard.exists():
                 raise QuantkitError(f"{shard}: missing shard {i + 1} of {count}")
-            f = GGUFFile(shard)
-            files.append(f)
-            if f.get(KEY_SPLIT_NO, i) != i:
-                raise GGUFFormatError(shard, None, f"split.no is {f.get(KEY_SPLIT_NO)}, expected {i}")
-        total = files[0].get(KEY_SPLIT_TENSORS)
-        n = sum(len(f.tensors) for f in files)
-        if total is not None and total != n:
-            raise GGUFFormatError(path, None, f"split.tensors.count is {total} but the shards hold {n}")
+            files.append(GGUFFile(shard))
+        _check_shards_belong_together(files)
         return GGUFModel(files)
-    except Exception:
+    except BaseException:
         for f in files:
             f.close()
         raise
+
+
+def _split_key(f: GGUFFile, key: str, default=None):
+    """An integer ``split.*`` value of one shard (``default`` when the key is absent)."""
+    mv = f.metadata.get(key)
+    if mv is None:
+        return default
+    if mv.vtype in (ValueType.STRING, ValueType.ARRAY, ValueType.BOOL, ValueType.FLOAT32, ValueType.FLOAT64):
+        raise GGUFFormatError(f.path, None, f"{key} is a {mv.vtype.name.lower()}, expected an integer")
+    return int(mv.value)
+
+
+# keys each file of a set holds for itself: the others must agree between shards
+_PER_FILE_KEYS = SPLIT_KEYS + (KEY_ALIGNMENT,)
+
+
+def _check_shards_belong_together(files: list[GGUFFile]) -> None:
+    """The shards named ``-0000i-of-0000N`` are the N parts of one model, as llama.cpp's loader and
+    gguf-split would read them (shard i says split.no i, all say split.count N and the same
+    split.tensors.count, which is the number of tensors they hold together; a tensor is in one shard
+    only), and none comes from another model: a key that a later shard carries besides ``split.*``
+    (llama.cpp's tools write the metadata into the first shard only) has the first shard's value.
+
+    A shard of another model with the same split layout and tensor names cannot be told apart by
+    its container; the runtime checks every tensor's shape against the first shard's metadata."""
+    count = len(files)
+    first = files[0]
+    total = _split_key(first, KEY_SPLIT_TENSORS)
+    if count > 1 and total is None:
+        raise GGUFFormatError(first.path, None, f"has no {KEY_SPLIT_TENSORS} (llama.cpp needs it to load a split "
+                              "model)")
+    for i, f in enumerate(files):
+        n_split, no = _split_key(f, KEY_SPLIT_COUNT), _split_key(f, KEY_SPLIT_NO)
+        if count == 1 and n_split is None:
+            break           # x-00001-of-00001.gguf written without split keys: a single file
+        if n_split != count:
+            said = "no split.count" if n_split is None else f"split.count {n_split}"
+            raise GGUFFormatError(f.path, None, f"shard {i + 1} of {count} has {said}: not a shard of this set "
+                                  f"(another model's file?)")
+        if no != i:
+            said = "no split.no" if no is None else f"split.no {no}"
+            raise GGUFFormatError(f.path, None, f"shard {i + 1} of {count} has {said}, expected {i}: not a shard "
+                                  "of this set (another model's file, or shards renamed?)")
+        tensors = _split_key(f, KEY_SPLIT_TENSORS, total)
+        if tensors != total:
+            raise GGUFFormatError(f.path, None, f"shard {i + 1} of {count} says the model has {tensors} tensors, "
+                                  f"shard 1 says {total}: the shards come from different models")
+        for key, mv in f.metadata.items():
+            ref = first.metadata.get(key)
+            if i and key not in _PER_FILE_KEYS and ref is not None and not _same_value(mv, ref):
+                raise GGUFFormatError(f.path, None, f"shard {i + 1} of {count} has another {key} than shard 1: "
+                                      "the shards come from different models")
+    n = sum(len(f.tensors) for f in files)
+    if total is not None and total != n:
+        raise GGUFFormatError(first.path, None, f"split.tensors.count is {total} but the {count} shards hold {n}")
+
+
+def _same_value(a: MetaValue, b: MetaValue) -> bool:
+    if a.vtype != b.vtype or a.elem_type != b.elem_type:
+        return False
+    if isinstance(a.value, np.ndarray):
+        return bool(np.array_equal(a.value, b.value))
+    return a.value == b.value

@@ -17,7 +17,7 @@ from ..gguf_io.reader import ModelView, TensorInfo
 from ..types import traits
 from . import deepseek, llama
 from .checkpoint import Checkpoint
-from .config import Config
+from .config import Config, describe
 from .lazy import LazySource
 from .safetensors import open_checkpoint
 from .vocab import vocab_metadata
@@ -49,7 +49,7 @@ class HFModel(ModelView):
             meta = {KEY_ARCHITECTURE: MetaValue(ValueType.STRING, gguf_arch),
                     "general.name": MetaValue(ValueType.STRING, directory.resolve().name)}
             meta.update(conv.metadata)
-            meta.update(vocab_metadata(directory, cfg.get("vocab_size"), cfg.raw))
+            meta.update(vocab_metadata(directory, cfg.dim("vocab_size"), cfg))
         except BaseException:
             self.close()
             raise
@@ -74,13 +74,13 @@ class HFModel(ModelView):
 def _check_quantization(cfg: Config) -> None:
     """Only DeepSeek's FP8 (float8_e4m3fn with 128 x 128 block scales) is a checkpoint quantization
     we read; other schemes (GPTQ, AWQ, per-tensor FP8 ...) store other tensors under other names."""
-    q = cfg.get("quantization_config")
-    if not q:
+    q = cfg.object("quantization_config")
+    if not q.raw:
         return
-    method, block = q.get("quant_method"), q.get("weight_block_size", [128, 128])
-    if method != "fp8" or list(block) != [128, 128]:
-        raise QuantkitError(f"{cfg.path}: quantization_config {method!r} with weight_block_size {block} is not "
-                            "supported (only fp8 with 128x128 blocks, as DeepSeek-V3 ships)")
+    method, block = q.string("quant_method", None), q.raw.get("weight_block_size", [128, 128])
+    if method != "fp8" or block != [128, 128]:
+        raise QuantkitError(f"{cfg.path}: quantization_config {method!r} with weight_block_size {describe(block)} is "
+                            "not supported (only fp8 with 128x128 blocks, as DeepSeek-V3 ships)")
 
 
 def open_hf(directory: str | os.PathLike) -> HFModel:

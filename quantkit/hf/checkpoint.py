@@ -3,6 +3,7 @@ what config.json implies, float8 paired with its block scales, and every tensor 
 (a tensor no converter takes is an error, as in convert_hf_to_gguf.py: "Can not map tensor")."""
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from .lazy import Lazy, Stored
 from .numerics import FP8_BLOCK
 from .safetensors import SafeTensor
 
+log = logging.getLogger("quantkit")
 SCALE_SUFFIX = "_scale_inv"         # DeepSeek's FP8 checkpoints: "<name>.weight_scale_inv"
 
 
@@ -97,25 +99,51 @@ def base_conversion(arch: str, cfg: Config, rms_eps_default: float) -> Conversio
     (what convert_hf_to_gguf.py's base class writes)."""
     U32, F32 = ValueType.UINT32, ValueType.FLOAT32
     c = Conversion()
-    n_head = cfg.need("num_attention_heads")
-    c.meta(f"{arch}.context_length", cfg.need("max_position_embeddings"), U32)
-    c.meta(f"{arch}.embedding_length", cfg.need("hidden_size"), U32)
-    c.meta(f"{arch}.feed_forward_length", cfg.need("intermediate_size"), U32)
-    c.meta(f"{arch}.block_count", cfg.need("num_hidden_layers"), U32)
+    n_head = cfg.dim("num_attention_heads")
+    c.meta(f"{arch}.context_length", cfg.dim("max_position_embeddings"), U32)
+    c.meta(f"{arch}.embedding_length", cfg.dim("hidden_size"), U32)
+    c.meta(f"{arch}.feed_forward_length", cfg.dim("intermediate_size"), U32)
+    c.meta(f"{arch}.block_count", cfg.dim("num_hidden_layers"), U32)
     c.meta(f"{arch}.attention.head_count", n_head, U32)
-    c.meta(f"{arch}.attention.head_count_kv", cfg.get("num_key_value_heads", n_head), U32)
+    c.meta(f"{arch}.attention.head_count_kv", cfg.dim("num_key_value_heads", n_head), U32)
     c.meta(f"{arch}.rope.freq_base", cfg.rope_theta, F32)
-    c.meta(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg.get("rms_norm_eps", rms_eps_default)), F32)
-    c.meta(f"{arch}.vocab_size", cfg.need("vocab_size"), U32)
+    c.meta(f"{arch}.attention.layer_norm_rms_epsilon", cfg.number("rms_norm_eps", rms_eps_default, low=0.0), F32)
+    c.meta(f"{arch}.vocab_size", cfg.dim("vocab_size"), U32)
     return c
 
 
 def add_output_head(c: Conversion, ck: Checkpoint, cfg: Config) -> None:
-    """output_norm, and output.weight unless the embeddings are tied (no lm_head stored, or
-    tie_word_embeddings): the loaders then use token_embd."""
-    n_embd, n_vocab = cfg.need("hidden_size"), cfg.need("vocab_size")
+    """output_norm, and output.weight unless the embeddings are tied: the loaders then use token_embd.
+
+    convert_hf_to_gguf.py looks only at the tensors: it writes lm_head.weight whenever the checkpoint
+    has one and ties the output otherwise. Here config.json decides, as in transformers: with
+    ``tie_word_embeddings: true`` the output is token_embd even where an lm_head.weight is stored
+    (transformers ties it over the stored one); with ``false`` (LlamaConfig's and DeepseekV3Config's
+    default when the key is absent, but a checkpoint saved as tied may omit it: absent is "as stored")
+    an lm_head.weight must be there: without it transformers would start from random weights, and
+    the converter would silently write a tied model."""
+    n_embd, n_vocab = cfg.dim("hidden_size"), cfg.dim("vocab_size")
     c.add("output_norm.weight", ck.get("model.norm.weight", (n_embd,)))
-    if ck.has("lm_head.weight") and not cfg.get("tie_word_embeddings", False):
+    tied = cfg.boolean("tie_word_embeddings", None)
+    if tied is False and not ck.has("lm_head.weight"):
+        raise QuantkitError(f"{cfg.path}: says tie_word_embeddings: false but the checkpoint has no lm_head.weight "
+                            "(a shard missing?); set it to true if the output really is the embedding matrix")
+    if ck.has("lm_head.weight") and not tied:
         c.add("output.weight", ck.get("lm_head.weight", (n_vocab, n_embd)))
-    else:
+    elif ck.has("lm_head.weight"):
+        if not _same_data(ck.tensors["lm_head.weight"], ck.tensors["model.embed_tokens.weight"]):
+            log.warning(f"{cfg.path}: tie_word_embeddings is true but the stored lm_head.weight differs from "
+                        "the embeddings: the output uses the embeddings, as transformers does "
+                        "(convert_hf_to_gguf.py would write lm_head.weight)")
         ck.skip(r"^lm_head\.weight$")
+
+
+def _same_data(a: SafeTensor, b: SafeTensor, block_bytes: int = 1 << 24) -> bool:
+    """Whether two stored tensors hold the same bytes (read a block of rows at a time)."""
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    n_rows = a.matrix().shape[0]
+    step = max(1, block_bytes // max(1, a.matrix()[:1].nbytes))
+    return all(np.array_equal(a.read_rows(r, min(r + step, n_rows)).view(np.uint8),
+                              b.read_rows(r, min(r + step, n_rows)).view(np.uint8))
+               for r in range(0, n_rows, step))

@@ -31,20 +31,29 @@ GATING = {"softmax": 1, "sigmoid": 2}
 
 def convert(cfg: Config, ck: Checkpoint) -> Conversion:
     a = "deepseek2"
-    n_layer, n_embd, n_vocab = cfg.need("num_hidden_layers"), cfg.need("hidden_size"), cfg.need("vocab_size")
-    n_head = cfg.need("num_attention_heads")
-    n_ff, n_ff_exp = cfg.need("intermediate_size"), cfg.need("moe_intermediate_size")
-    n_expert, n_shared = cfg.need("n_routed_experts"), cfg.get("n_shared_experts", 0)
-    n_dense, n_used = cfg.get("first_k_dense_replace", 0), cfg.need("num_experts_per_tok")
-    q_lora, kv_lora = cfg.get("q_lora_rank"), cfg.need("kv_lora_rank")
-    qk_nope, qk_rope, v_head = cfg.need("qk_nope_head_dim"), cfg.need("qk_rope_head_dim"), cfg.need("v_head_dim")
-    moe_every = cfg.get("moe_layer_freq", 1)
+    n_layer, n_embd, n_vocab = cfg.dim("num_hidden_layers"), cfg.dim("hidden_size"), cfg.dim("vocab_size")
+    n_head = cfg.dim("num_attention_heads")
+    n_ff, n_ff_exp = cfg.dim("intermediate_size"), cfg.dim("moe_intermediate_size")
+    n_expert, n_shared = cfg.dim("n_routed_experts"), cfg.integer("n_shared_experts", 0)
+    n_dense, n_used = cfg.integer("first_k_dense_replace", 0), cfg.dim("num_experts_per_tok")
+    q_lora, kv_lora = cfg.integer("q_lora_rank", 0), cfg.dim("kv_lora_rank")
+    qk_nope, qk_rope, v_head = cfg.dim("qk_nope_head_dim"), cfg.dim("qk_rope_head_dim"), cfg.dim("v_head_dim")
+    moe_every = cfg.integer("moe_layer_freq", 1)
     if moe_every != 1:
         raise QuantkitError(f"{cfg.path}: moe_layer_freq {moe_every} is not supported (DeepSeek uses 1)")
+    if n_used > n_expert:
+        raise QuantkitError(f"{cfg.path}: num_experts_per_tok {n_used} is more than n_routed_experts {n_expert}")
+    if qk_rope % 2:
+        raise QuantkitError(f"{cfg.path}: qk_rope_head_dim {qk_rope} is odd: rotary embeddings rotate pairs of "
+                            "dimensions")
     # V3 routes with sigmoid scores (transformers' V3 config no longer writes scoring_func), V2 with softmax
-    scoring = cfg.get("scoring_func", "sigmoid" if cfg.architecture == "DeepseekV3ForCausalLM" else "softmax")
+    scoring = cfg.string("scoring_func", "sigmoid" if cfg.architecture == "DeepseekV3ForCausalLM" else "softmax")
     if scoring not in GATING:
         raise QuantkitError(f"{cfg.path}: scoring_func '{scoring}' is not supported (softmax or sigmoid)")
+    n_group, topk_group = cfg.integer("n_group", 1), cfg.integer("topk_group", 1)
+    if n_group > 1 and (n_expert % n_group or not 1 <= topk_group <= n_group):
+        raise QuantkitError(f"{cfg.path}: n_group {n_group} with topk_group {topk_group} does not fit "
+                            f"{n_expert} routed experts (n_group must divide them, topk_group be 1 to n_group)")
 
     c = base_conversion(a, cfg, 1e-6)
     c.meta(f"{a}.expert_used_count", n_used, U32)
@@ -57,20 +66,19 @@ def convert(cfg: Config, ck: Checkpoint) -> Conversion:
     c.meta(f"{a}.expert_feed_forward_length", n_ff_exp, U32)
     c.meta(f"{a}.expert_count", n_expert, U32)
     c.meta(f"{a}.expert_shared_count", n_shared, U32)
-    c.meta(f"{a}.expert_weights_scale", float(cfg.get("routed_scaling_factor", 1.0)), F32)
-    c.meta(f"{a}.expert_weights_norm", bool(cfg.get("norm_topk_prob", False)), BOOL)
+    c.meta(f"{a}.expert_weights_scale", cfg.number("routed_scaling_factor", 1.0), F32)
+    c.meta(f"{a}.expert_weights_norm", cfg.boolean("norm_topk_prob", False), BOOL)
     c.meta(f"{a}.expert_gating_func", GATING[scoring], U32)
     c.meta(f"{a}.rope.dimension_count", qk_rope, U32)
-    n_group, topk_group = cfg.get("n_group", 1), cfg.get("topk_group", 1)
-    if n_group and n_group > 1:
+    if n_group > 1:
         c.meta(f"{a}.expert_group_count", n_group, U32)
         c.meta(f"{a}.expert_group_used_count", topk_group, U32)
     rope = cfg.rope_scaling
     if cfg.rope_type == "yarn":
         c.meta(f"{a}.rope.scaling.type", "yarn", STR)
-        c.meta(f"{a}.rope.scaling.factor", float(rope["factor"]), F32)
-        c.meta(f"{a}.rope.scaling.original_context_length", int(rope["original_max_position_embeddings"]), U32)
-        c.meta(f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * float(rope.get("mscale_all_dim", 0.0)), F32)
+        c.meta(f"{a}.rope.scaling.factor", rope.number("factor", positive=True), F32)
+        c.meta(f"{a}.rope.scaling.original_context_length", rope.dim("original_max_position_embeddings"), U32)
+        c.meta(f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * rope.number("mscale_all_dim", 0.0), F32)
     elif cfg.rope_type != "default":
         raise QuantkitError(f"{cfg.path}: rope scaling '{cfg.rope_type}' is not supported for deepseek2")
 

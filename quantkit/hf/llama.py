@@ -33,9 +33,12 @@ def llama3_rope_factors(cfg: Config, head_dim: int) -> np.ndarray:
     rope = cfg.rope_scaling
     base = np.float32(cfg.rope_theta)
     freqs = np.float32(1.0) / base ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
-    factor = np.float32(rope.get("factor", 8.0))
-    low, high = np.float32(rope.get("low_freq_factor", 1.0)), np.float32(rope.get("high_freq_factor", 4.0))
-    old_ctx = np.float32(rope.get("original_max_position_embeddings", 8192))
+    factor = np.float32(rope.number("factor", 8.0, positive=True))
+    low, high = np.float32(rope.number("low_freq_factor", 1.0, positive=True)), \
+        np.float32(rope.number("high_freq_factor", 4.0, positive=True))
+    if not high > low:      # the blend divides by high - low (transformers requires high > low too)
+        rope.fail("high_freq_factor", f"a number greater than low_freq_factor ({low:g})")
+    old_ctx = np.float32(rope.dim("original_max_position_embeddings", 8192))
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
     out = []
     for f in freqs:
@@ -52,15 +55,21 @@ def llama3_rope_factors(cfg: Config, head_dim: int) -> np.ndarray:
 
 def convert(cfg: Config, ck: Checkpoint) -> Conversion:
     a = "llama"
-    n_layer, n_embd = cfg.need("num_hidden_layers"), cfg.need("hidden_size")
-    n_head = cfg.need("num_attention_heads")
-    n_head_kv = cfg.get("num_key_value_heads", n_head)
-    head_dim = cfg.get("head_dim") or n_embd // n_head
-    n_ff = cfg.need("intermediate_size")
-    n_vocab = cfg.need("vocab_size")
+    n_layer, n_embd = cfg.dim("num_hidden_layers"), cfg.dim("hidden_size")
+    n_head = cfg.dim("num_attention_heads")
+    n_head_kv = cfg.dim("num_key_value_heads", n_head)
+    head_dim = cfg.integer("head_dim", 0) or n_embd // n_head
+    n_ff = cfg.dim("intermediate_size")
+    n_vocab = cfg.dim("vocab_size")
     if n_head % n_head_kv:
         raise QuantkitError(f"{cfg.path}: num_attention_heads {n_head} is not a multiple of "
                             f"num_key_value_heads {n_head_kv}")
+    if head_dim % 2:
+        raise QuantkitError(f"{cfg.path}: the head size {head_dim} is odd (head_dim, or hidden_size / "
+                            "num_attention_heads): rotary embeddings rotate pairs of dimensions")
+    q_rows, kv_rows = n_head * head_dim, n_head_kv * head_dim
+    # the first layer's shapes before anything is computed from the head size (rope factors)
+    ck.get("model.layers.0.self_attn.q_proj.weight", (q_rows, n_embd))
 
     c = base_conversion(a, cfg, 1e-5)
     c.meta(f"{a}.rope.dimension_count", head_dim, U32)
@@ -69,11 +78,11 @@ def convert(cfg: Config, ck: Checkpoint) -> Conversion:
         c.meta(f"{a}.attention.value_length", head_dim, U32)
     rope_type = cfg.rope_type
     if rope_type in ("linear", "yarn"):
+        rope = cfg.rope_scaling
         c.meta(f"{a}.rope.scaling.type", rope_type, STR)
-        c.meta(f"{a}.rope.scaling.factor", float(cfg.rope_scaling["factor"]), F32)
+        c.meta(f"{a}.rope.scaling.factor", rope.number("factor", positive=True), F32)
         if rope_type == "yarn":
-            c.meta(f"{a}.rope.scaling.original_context_length",
-                   int(cfg.rope_scaling["original_max_position_embeddings"]), U32)
+            c.meta(f"{a}.rope.scaling.original_context_length", rope.dim("original_max_position_embeddings"), U32)
     elif rope_type not in ("default", "llama3"):
         raise QuantkitError(f"{cfg.path}: rope scaling '{rope_type}' is not supported for llama")
 
@@ -81,7 +90,6 @@ def convert(cfg: Config, ck: Checkpoint) -> Conversion:
     c.add("token_embd.weight", ck.get("model.embed_tokens.weight", (n_vocab, n_embd)))
     if rope_type == "llama3":
         c.add("rope_freqs.weight", Constant(llama3_rope_factors(cfg, head_dim)))
-    q_rows, kv_rows = n_head * head_dim, n_head_kv * head_dim
     shapes = {"self_attn.q_proj.weight": (q_rows, n_embd), "self_attn.k_proj.weight": (kv_rows, n_embd),
               "self_attn.v_proj.weight": (kv_rows, n_embd), "self_attn.o_proj.weight": (n_embd, q_rows),
               "mlp.gate_proj.weight": (n_ff, n_embd), "mlp.up_proj.weight": (n_ff, n_embd),

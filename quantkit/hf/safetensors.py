@@ -24,12 +24,16 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import QuantkitError
+from ..inputs import open_regular
+from .config import Fields, describe, parse_json
 
-# dtype name -> numpy dtype of the stored bits
+# dtype name -> numpy dtype of the stored bits (the element types of safetensors' reference reader
+# that take whole bytes)
 STORED_DTYPE = {
     "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
     "F8_E4M3": np.dtype("u1"), "F64": np.dtype("<f8"),
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"),
     "U8": np.dtype("u1"), "BOOL": np.dtype("u1"), "F8_E5M2": np.dtype("u1"),
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -72,46 +76,86 @@ class SafeTensor:
 
 
 class SafetensorsFile:
+    """One safetensors file, validated as safetensors' own reader validates it: a JSON object header
+    of at most 100 MB; each entry a known dtype, a shape of non-negative integers and two data
+    offsets that hold exactly that shape; the entries' data laid end to end, from the start of the
+    data section to the end of the file (no gap, no overlap); ``__metadata__`` strings only."""
+
     def __init__(self, path: Path):
-        self.path = path
+        self.path, self._mm, self.tensors = path, None, {}
+        self._fh = open_regular(path)
         try:
-            self._fh = open(path, "rb")
-        except OSError as e:
-            raise QuantkitError(f"{path}: {e.strerror}") from None
+            self._read()
+        except BaseException:
+            self.close()
+            raise
+
+    def _fail(self, msg: str):
+        raise QuantkitError(f"{self.path}: {msg}")
+
+    def _read(self) -> None:
         size = os.fstat(self._fh.fileno()).st_size
         if size < 8:
-            raise QuantkitError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            self._fail("not a safetensors file (shorter than its 8-byte header length)")
         (n,) = struct.unpack("<Q", self._fh.read(8))
-        if n > min(size - 8, MAX_HEADER_BYTES):
-            raise QuantkitError(f"{path}: not a safetensors file (header length {n} past the end)")
+        if n > MAX_HEADER_BYTES:
+            self._fail(f"not a safetensors file (its header length is over the {MAX_HEADER_BYTES >> 20} MiB limit)")
+        if n > size - 8:
+            self._fail(f"not a safetensors file (its header length runs past the end of the file, {size} bytes)")
+        raw = self._fh.read(n)
         try:
-            header = json.loads(self._fh.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise QuantkitError(f"{path}: safetensors header is not valid JSON ({e})") from None
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self._fail("not a safetensors file (its header is not UTF-8 text)")
+        header = parse_json(text, f"{self.path}: safetensors header", lambda pairs: _unique_keys(pairs, self.path))
         if not isinstance(header, dict):
-            raise QuantkitError(f"{path}: safetensors header is not a JSON object")
-        self.metadata = header.pop("__metadata__", None) or {}
+            self._fail(f"safetensors header is {describe(header)}, not a JSON object")
+        meta = header.pop("__metadata__", None)
+        if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+            self._fail("safetensors header's __metadata__ is not an object of strings")
+        self.metadata = meta or {}
         data_start, data_size = 8 + n, size - 8 - n
-        self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-        self.tensors: dict[str, SafeTensor] = {}
+        self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+        spans = []
         for name, entry in header.items():
-            self.tensors[name] = self._entry(name, entry, data_start, data_size)
+            dtype, shape, begin, end = self._entry(name, entry, data_size)
+            spans.append((begin, end, name))
+            item = STORED_DTYPE[dtype]
+            count = (end - begin) // item.itemsize
+            data = np.frombuffer(self._mm, dtype=item, count=count, offset=data_start + begin) if count else \
+                np.empty(0, item)
+            self.tensors[name] = SafeTensor(name, dtype, shape, self.path, data.reshape(shape), self._fh.fileno(),
+                                            data_start + begin)
+        at, last = 0, None
+        for begin, end, name in sorted(spans):
+            if begin != at:
+                self._fail(f"tensor '{name}' data starts at {begin}, " +
+                           (f"inside '{last}' (which ends at {at})" if begin < at else
+                            f"leaving a gap after {f'{last!r}' if last else 'the header'} (which ends at {at})"))
+            at, last = end, name
+        if at != data_size:
+            self._fail(f"the tensors' data ends at {at} but the file holds {data_size} bytes after the header")
 
-    def _entry(self, name: str, entry, data_start: int, data_size: int) -> SafeTensor:
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise QuantkitError(f"{self.path}: tensor '{name}' has a malformed header entry") from None
+    def _entry(self, name: str, entry, data_size: int) -> tuple[str, tuple[int, ...], int, int]:
+        """dtype, shape and data offsets of one header entry, checked against each other and the file."""
+        if not isinstance(entry, dict):
+            self._fail(f"tensor '{name}' has a header entry that is {describe(entry)}, not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if dtype not in STORED_DTYPE:
-            raise QuantkitError(f"{self.path}: tensor '{name}' has unsupported dtype {dtype}")
-        item = STORED_DTYPE[dtype]
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if not 0 <= begin <= end <= data_size or end - begin != count * item.itemsize:
-            raise QuantkitError(f"{self.path}: tensor '{name}' ({dtype} {list(shape)}) has data offsets "
-                                f"[{begin}, {end}] that do not fit its shape or the file")
-        data = np.frombuffer(self._mm, dtype=item, count=count, offset=data_start + begin) if count else \
-            np.empty(0, item)
-        return SafeTensor(name, dtype, shape, self.path, data.reshape(shape), self._fh.fileno(), data_start + begin)
+            self._fail(f"tensor '{name}' has unsupported dtype {describe(dtype)} "
+                       f"(known: {', '.join(STORED_DTYPE)})")
+        if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+            self._fail(f"tensor '{name}' has shape {describe(shape)}, expected a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+            self._fail(f"tensor '{name}' has data_offsets {describe(offsets)}, expected [begin, end]")
+        begin, end = offsets
+        nbytes = STORED_DTYPE[dtype].itemsize
+        for d in shape:
+            nbytes *= d
+        if not begin <= end <= data_size or end - begin != nbytes:
+            self._fail(f"tensor '{name}' ({dtype} {shape}, {nbytes} bytes) has data offsets "
+                       f"[{begin}, {end}] that do not fit its shape or the file ({data_size} bytes of data)")
+        return dtype, tuple(shape), begin, end
 
     def close(self) -> None:
         self.tensors = {}
@@ -124,16 +168,40 @@ class SafetensorsFile:
         self._fh.close()
 
 
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _unique_keys(pairs: list, path: Path) -> dict:
+    """A JSON object whose keys must differ (a repeated tensor name would leave one entry unseen)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise QuantkitError(f"{path}: the safetensors header has '{key}' twice")
+        out[key] = value
+    return out
+
+
+def is_plain_file_name(name) -> bool:
+    """A file name with no directory part: what an index may name (never a path out of the model
+    directory, absolute or through '..')."""
+    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+
+
 def open_checkpoint(directory: Path) -> tuple[dict[str, SafeTensor], list[SafetensorsFile]]:
     """Every tensor of a checkpoint directory: ``model.safetensors``, or the shards its
     ``model.safetensors.index.json`` names (all of them must be there), or else every
     ``*.safetensors`` file in it."""
     index = directory / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise QuantkitError(f"{index}: cannot read its weight_map ({e})") from None
+    if index.exists() or index.is_symlink():
+        weight_map = Fields.load(index, "a safetensors index").object("weight_map")
+        if not weight_map.raw:
+            weight_map.fail("weight_map", "an object mapping tensor names to shard files")
+        weight_map = weight_map.raw
+        for tensor, shard in weight_map.items():
+            if not is_plain_file_name(shard):
+                raise QuantkitError(f"{index}: weight_map puts '{tensor}' in {describe(shard)}: a shard must be "
+                                    "named by a file name in the model directory (no directory part, no '..')")
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (directory / s).exists()]
         if missing:

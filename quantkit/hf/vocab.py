@@ -19,15 +19,16 @@ convert_hf_to_gguf.py writes them, so llama.cpp's tokenizer gives the same ids a
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import QuantkitError
+from ..inputs import read_bounded
 from ..gguf_io.constants import MetaValue, ValueType
 from ..runtime import tokenizer as rt
+from .config import MAX_JSON_BYTES, Fields, describe
 
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 # special token -> its GGUF key (gguf-py spells the separator "seperator")
@@ -41,13 +42,10 @@ _PREFERRED = ("llama-bpe", "smollm", "starcoder", "deepseek-v3", "deepseek-llm",
 _HF_CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 
 
-def _read_json(path: Path) -> dict | None:
-    if not path.exists():
+def _read_json(path: Path) -> Fields | None:
+    if not path.exists() and not path.is_symlink():
         return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise QuantkitError(f"{path}: cannot read it as JSON ({e})") from None
+    return Fields.load(path, "a tokenizer file")
 
 
 def looks_special(text: str) -> bool:
@@ -55,24 +53,23 @@ def looks_special(text: str) -> bool:
         text.startswith(a) and text.endswith(b) for a, b in _LOOKS_SPECIAL)
 
 
-def _split_regexes(pre: dict | None, where: Path) -> tuple[str, ...]:
+def _split_regexes(pre: Fields) -> tuple[str, ...]:
     """The regexes that split text, in order, from a tokenizer.json ``pre_tokenizer`` section."""
-    if pre is None:
+    if not pre.raw:
         return ()
-    kind = pre.get("type")
+    kind = pre.string("type", None)
     if kind == "Sequence":
-        return tuple(r for p in pre.get("pretokenizers", []) for r in _split_regexes(p, where))
+        return tuple(r for p in pre.objects("pretokenizers") for r in _split_regexes(p))
     if kind == "ByteLevel":
-        return (rt.GPT2_REGEX,) if pre.get("use_regex", True) else ()
+        return (rt.GPT2_REGEX,) if pre.boolean("use_regex", True) else ()
     if kind == "Digits":
-        return ("\\p{N}",) if pre.get("individual_digits") else ("\\p{N}+",)
+        return ("\\p{N}",) if pre.boolean("individual_digits", False) else ("\\p{N}+",)
     if kind == "Split":
-        pattern = pre.get("pattern", {})
-        regex = pattern.get("Regex")
-        if regex is None:
-            regex = re.escape(pattern.get("String", ""))
+        pattern = pre.object("pattern")
+        regex = pattern.string("Regex") if pattern.has("Regex") else re.escape(pattern.string("String", ""))
         return (regex.replace(_HF_CONTRACTIONS, rt.CONTRACTIONS_REGEX),)
-    raise QuantkitError(f"{where}: pre-tokenizer '{kind}' is not supported (byte-level BPE tokenizers only)")
+    raise QuantkitError(f"{pre.where}: pre-tokenizer {describe(kind)} is not supported (byte-level BPE tokenizers "
+                        "only)")
 
 
 def _pre_name(regexes: tuple[str, ...], clean_spaces: bool | None, where: Path) -> str:
@@ -87,34 +84,57 @@ def _pre_name(regexes: tuple[str, ...], clean_spaces: bool | None, where: Path) 
     return candidates[0]
 
 
-def _token_text(value) -> str | None:
+def _token_text(tc: Fields, key: str) -> str | None:
+    """A special token of tokenizer_config.json: a string, or an AddedToken object with its content."""
+    value = tc.raw.get(key)
     if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
+        return tc.object(key).string("content")
+    if value is not None and not isinstance(value, str):
+        tc.fail(key, "a token (a string or an object with its content)")
+    return value
 
 
-def _merges(raw: list, where: Path) -> list[str]:
-    if not raw or isinstance(raw[0], str):
+def _token_id(config: Fields, key: str) -> int | None:
+    """A special token id of config.json: an integer, or a list of them (the first counts: Llama 3.1
+    lists three eos ids). Ids outside the vocabulary (the first Llama configs' pad_token_id -1) mean none."""
+    value = config.raw.get(key)
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return value[0] if value else None
+    return config.integer(key, None, low=-2**63, high=2**64)
+
+
+def _chat_template(tc: Fields) -> str | None:
+    """tokenizer_config.json's chat template: a string, or named templates of which "default" counts."""
+    value = tc.raw.get("chat_template")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = tc.objects("chat_template")
+        return next((t.string("template") for t in named if t.string("name", None) == "default"), None)
+    tc.fail("chat_template", "a string or a list of named templates")
+
+
+def _merges(raw: list, where: str) -> list[str]:
+    if all(isinstance(m, str) for m in raw):
         return list(raw)
-    if not (isinstance(raw[0], list) and len(raw[0]) == 2):
+    if not all(isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) for p in m) for m in raw):
         raise QuantkitError(f"{where}: model.merges is neither 'a b' strings nor [a, b] pairs")
     return [" ".join("".join(chr(ord(c) + 256) if c == " " else c for c in part) for part in pair)
             for pair in raw]
 
 
-def _add_special(post: dict | None, meta: dict, tokens: list[str]) -> dict[str, bool | None]:
+def _add_special(post: Fields, meta: dict, tokens: list[str]) -> dict[str, bool | None]:
     """Whether the tokenizer adds bos/eos around a single sequence, from tokenizer.json's
     ``post_processor`` (a TemplateProcessing whose template starts with bos / ends with eos)."""
     flags: dict[str, bool | None] = {"bos": None, "eos": None}
-    if not isinstance(post, dict):
-        return flags
-    if post.get("type") == "Sequence":
-        for p in post.get("processors", []):
+    kind = post.raw.get("type")
+    if kind == "Sequence":
+        for p in post.objects("processors"):
             flags.update({k: v for k, v in _add_special(p, meta, tokens).items() if v is not None})
         return flags
-    if post.get("type") == "TemplateProcessing":
-        single = [step.get("SpecialToken", {}).get("id") if "SpecialToken" in step else None
-                  for step in post.get("single", [])]
+    if kind == "TemplateProcessing":
+        single = [step.object("SpecialToken").raw.get("id") if step.has("SpecialToken") else None
+                  for step in post.objects("single")]
         for slot, at in (("bos", 0), ("eos", -1)):
             key = f"tokenizer.ggml.{slot}_token_id"
             if single and key in meta:
@@ -122,24 +142,39 @@ def _add_special(post: dict | None, meta: dict, tokens: list[str]) -> dict[str, 
     return flags
 
 
-def vocab_metadata(directory: Path, vocab_size: int | None, config: dict) -> dict[str, MetaValue]:
-    """``tokenizer.*`` GGUF keys for the tokenizer files in ``directory``."""
+def _vocabulary(model: Fields, added: list[Fields], where: str) -> tuple[dict[str, int], dict[int, Fields]]:
+    """token -> id for the BPE vocabulary and the added tokens, and id -> added token."""
+    vocab = model.object("vocab").raw
+    for text, i in vocab.items():
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 2**31:
+            raise QuantkitError(f"{where}: model.vocab gives {describe(text)} the id {describe(i)}, expected an "
+                                "integer from 0")
+    vocab = dict(vocab)
+    by_id = {}
+    for tok in added:
+        tid = tok.integer("id", high=2**31 - 1)
+        by_id[tid] = tok
+        vocab[tok.string("content")] = tid
+    return vocab, by_id
+
+
+def vocab_metadata(directory: Path, vocab_size: int | None, config: Fields) -> dict[str, MetaValue]:
+    """``tokenizer.*`` GGUF keys for the tokenizer files in ``directory`` (``config``: config.json,
+    for the special token ids it may give)."""
     tj_path = directory / "tokenizer.json"
     tj = _read_json(tj_path)
     if tj is None:
         raise QuantkitError(f"{directory}: no tokenizer.json (only byte-level BPE tokenizers are converted)")
-    model = tj.get("model") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
-        raise QuantkitError(f"{tj_path}: a {model.get('type')} tokenizer"
-                            f"{' with byte fallback (SentencePiece style)' if model.get('byte_fallback') else ''}"
+    model = tj.object("model")
+    kind, byte_fallback = model.raw.get("type"), model.raw.get("byte_fallback")
+    if kind != "BPE" or byte_fallback:
+        raise QuantkitError(f"{tj_path}: a {describe(kind)} tokenizer"
+                            f"{' with byte fallback (SentencePiece style)' if byte_fallback else ''}"
                             " is not supported; only byte-level BPE tokenizers are converted")
-    tc = _read_json(directory / "tokenizer_config.json") or {}
+    tc = _read_json(directory / "tokenizer_config.json") or Fields({}, str(directory / "tokenizer_config.json"))
 
-    vocab: dict[str, int] = dict(model.get("vocab") or {})
-    added = {}
-    for tok in tj.get("added_tokens") or []:
-        added[int(tok["id"])] = tok
-        vocab[tok["content"]] = int(tok["id"])
+    added_tokens = tj.objects("added_tokens")
+    vocab, added = _vocabulary(model, added_tokens, str(tj_path))
     if not vocab:
         raise QuantkitError(f"{tj_path}: empty vocabulary")
     n_vocab = vocab_size if vocab_size is not None else max(vocab.values()) + 1
@@ -154,7 +189,7 @@ def vocab_metadata(directory: Path, vocab_size: int | None, config: dict) -> dic
             tokens.append(f"[PAD{i}]")
             types.append(UNUSED)
         elif i in added:
-            if added[i].get("special") or looks_special(text):
+            if added[i].raw.get("special") or looks_special(text):
                 types.append(CONTROL)
             else:
                 text = text.replace("\u2581", " ")      # pre-normalised user-defined spaces
@@ -164,9 +199,8 @@ def vocab_metadata(directory: Path, vocab_size: int | None, config: dict) -> dic
             tokens.append(text)
             types.append(NORMAL)
 
-    clean = tc.get("clean_up_tokenization_spaces")
-    pre = _pre_name(_split_regexes(tj.get("pre_tokenizer"), tj_path), clean if isinstance(clean, bool) else None,
-                    tj_path)
+    clean = tc.raw.get("clean_up_tokenization_spaces")
+    pre = _pre_name(_split_regexes(tj.object("pre_tokenizer")), clean if isinstance(clean, bool) else None, tj_path)
     S, U32, B = ValueType.STRING, ValueType.UINT32, ValueType.BOOL
     meta = {
         "tokenizer.ggml.model": MetaValue(S, "gpt2"),
@@ -174,29 +208,28 @@ def vocab_metadata(directory: Path, vocab_size: int | None, config: dict) -> dic
         "tokenizer.ggml.tokens": MetaValue(ValueType.ARRAY, tokens, S),
         "tokenizer.ggml.token_type": MetaValue(ValueType.ARRAY, np.array(types, "<i4"),
                                                ValueType.INT32),
-        "tokenizer.ggml.merges": MetaValue(ValueType.ARRAY, _merges(model.get("merges") or [], tj_path), S),
+        "tokenizer.ggml.merges": MetaValue(ValueType.ARRAY, _merges(model.array("merges", []), str(tj_path)), S),
     }
-    content_ids = {tok["content"]: int(tok["id"]) for tok in tj.get("added_tokens") or []}
+    content_ids = {tok.string("content"): tok.integer("id", high=2**31 - 1) for tok in added_tokens}
     for slot, key in _SPECIAL_KEYS.items():
-        text = _token_text(tc.get(f"{slot}_token"))
+        text = _token_text(tc, f"{slot}_token")
         tid = content_ids.get(text) if text is not None else None
         if tid is None:
-            tid = config.get(f"{slot}_token_id")
-            if isinstance(tid, list):
-                tid = tid[0] if tid else None
-        if isinstance(tid, int) and 0 <= tid < n_vocab:
+            tid = _token_id(config, f"{slot}_token_id")
+        if tid is not None and 0 <= tid < n_vocab:
             meta[f"tokenizer.ggml.{key}_token_id"] = MetaValue(U32, tid)
-    for slot, flag in _add_special(tj.get("post_processor"), meta, tokens).items():
-        if isinstance(tc.get(f"add_{slot}_token"), bool):
-            flag = tc[f"add_{slot}_token"]
+    for slot, flag in _add_special(tj.object("post_processor"), meta, tokens).items():
+        if isinstance(tc.raw.get(f"add_{slot}_token"), bool):
+            flag = tc.raw[f"add_{slot}_token"]
         if flag is not None:
             meta[f"tokenizer.ggml.add_{slot}_token"] = MetaValue(B, flag)
-    template = tc.get("chat_template")
-    if isinstance(template, list):         # named templates: the default one
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    template = _chat_template(tc)
     jinja = directory / "chat_template.jinja"
-    if template is None and jinja.exists():
-        template = jinja.read_text(encoding="utf-8")
+    if template is None and (jinja.exists() or jinja.is_symlink()):
+        try:
+            template = read_bounded(jinja, MAX_JSON_BYTES, "a chat template").decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise QuantkitError(f"{jinja}: not UTF-8 text (invalid byte at offset {e.start})") from None
     if isinstance(template, str):
         meta["tokenizer.chat_template"] = MetaValue(S, template)
     return meta
