@@ -1,4 +1,5 @@
-"""Tiny Hugging Face checkpoints for the conversion tests, saved by transformers itself.
+"""Tiny Hugging Face checkpoints for the conversion tests, saved by transformers itself (and one
+written directly, for the hostile-input tests, which need a valid directory to break and no torch).
 
 The tokenizer is SmolLM2's, rebuilt with the ``tokenizers`` library from the vocabulary, merges and
 special tokens of the shipped SmolLM2 GGUF (which convert_hf_to_gguf.py made from the original
@@ -48,6 +49,44 @@ def write_tokenizer(directory: Path, meta: dict, *, merges_as_pairs: bool = Fals
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
     (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
+
+
+def write_tiny_llama(directory: Path, *, n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_vocab=64,
+                     tie=False) -> Path:
+    """A minimal valid LlamaForCausalLM directory written with numpy and json alone: random F32
+    weights in model.safetensors, config.json, and a byte-level BPE tokenizer (tokenizer.json of
+    ``n_vocab`` single characters, no merges; tokenizer_config.json)."""
+    from safetensors.numpy import save_file
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = {chr(0x21 + i): i for i in range(n_vocab)}
+    (directory / "tokenizer.json").write_text(json.dumps({
+        "version": "1.0", "added_tokens": [], "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
+                                                                "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "vocab": vocab, "merges": []}}))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"clean_up_tokenization_spaces": False,
+                                                                 "bos_token": "!", "eos_token": "\""}))
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": n_embd, "intermediate_size": n_ff,
+        "num_hidden_layers": n_layer, "num_attention_heads": n_head, "num_key_value_heads": n_head_kv,
+        "max_position_embeddings": 128, "vocab_size": n_vocab, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": tie}, indent=1))
+    head = n_embd // n_head
+    shapes = {"model.embed_tokens.weight": (n_vocab, n_embd), "model.norm.weight": (n_embd,)}
+    if not tie:
+        shapes["lm_head.weight"] = (n_vocab, n_embd)
+    for i in range(n_layer):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (n_embd,), p + "post_attention_layernorm.weight": (n_embd,),
+                       p + "self_attn.q_proj.weight": (n_head * head, n_embd),
+                       p + "self_attn.k_proj.weight": (n_head_kv * head, n_embd),
+                       p + "self_attn.v_proj.weight": (n_head_kv * head, n_embd),
+                       p + "self_attn.o_proj.weight": (n_embd, n_head * head),
+                       p + "mlp.gate_proj.weight": (n_ff, n_embd), p + "mlp.up_proj.weight": (n_ff, n_embd),
+                       p + "mlp.down_proj.weight": (n_embd, n_ff)})
+    rng = np.random.default_rng(0)
+    save_file({k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()},
+              str(directory / "model.safetensors"))
+    return directory
 
 
 def save_llama(directory: Path, tok_meta: dict, *, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
