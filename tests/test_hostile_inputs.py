@@ -65,11 +65,11 @@ def _refused_in_thread(fn, fifo: Path) -> str:
 
 # ---------------------------------------------------------------- GGUF tensor tables
 
-def _raw_gguf(path: Path, specs: list[TensorSpec], meta: dict | None = None, data: bytes | None = None) -> Path:
+def _raw_gguf(path: Path, specs: list[TensorSpec], meta: dict | None = None) -> Path:
+    """A GGUF file of zero-filled tensors written by our header encoder, for byte surgery."""
     meta = meta if meta is not None else {"general.architecture": MetaValue(ValueType.STRING, "llama")}
-    header, offsets = encode_header(meta, specs)
-    size = sum(-(-s.nbytes // 32) * 32 for s in specs)
-    path.write_bytes(header + (data if data is not None else bytes(size)))
+    header, _ = encode_header(meta, specs)
+    path.write_bytes(header + bytes(sum(-(-s.nbytes // 32) * 32 for s in specs)))
     return path
 
 
@@ -368,6 +368,14 @@ def _text(file, text):
     return edit
 
 
+def _replace(file, old, new):
+    def edit(d: Path):
+        text = (d / file).read_text()
+        assert old in text
+        (d / file).write_text(text.replace(old, new))
+    return edit
+
+
 def _tokenizer(**changes):
     def edit(d: Path):
         tj = json.loads((d / "tokenizer.json").read_text())
@@ -399,17 +407,22 @@ HF_CASES = {
                              "'architectures' is [[\"LlamaForCausalLM\"]] (a list), expected a list of model class"),
     "architectures not a list": (_config(architectures="LlamaForCausalLM"), "'architectures' is \"LlamaForCausalLM\""),
     "string for a number": (_config(hidden_size="32"), "'hidden_size' is \"32\" (a string), expected an integer"),
-    "zero heads": (_config(num_attention_heads=0), "'num_attention_heads' is 0 (an integer), expected an integer from 1"),
+    "zero heads": (_config(num_attention_heads=0), "'num_attention_heads' is 0 (an integer), expected an integer "
+                                                   "from 1"),
     "zero kv heads": (_config(num_key_value_heads=0), "'num_key_value_heads' is 0"),
-    "bool for an int": (_config(num_hidden_layers=True), "'num_hidden_layers' is true (a boolean), expected an integer"),
+    "bool for an int": (_config(num_hidden_layers=True), "'num_hidden_layers' is true (a boolean), expected an "
+                                                         "integer"),
     "float for an int": (_config(num_hidden_layers=1.5), "'num_hidden_layers' is 1.5 (a number), expected an integer"),
     "null": (_config(hidden_size=None), "'hidden_size' is missing"),
     "missing key": (_config(intermediate_size=_DELETE), "'intermediate_size' is missing"),
     "1e300": (_config(hidden_size=1e300), "'hidden_size' is 1e+300 (a number), expected an integer"),
     "2**70": (_config(vocab_size=2**70), "'vocab_size' is 1180591620717411303424 (an integer), expected an integer "
                                          "from 1 to 4294967295"),
-    "nan": (lambda d: (d / "config.json").write_text((d / "config.json").read_text().replace("1e-05", "NaN")),
-            "'rms_norm_eps' is NaN (a number), expected a number of at least 0"),
+    "nan": (_replace("config.json", "1e-05", "NaN"), "'rms_norm_eps' is NaN (a number), expected a number of at "
+                                                     "least 0"),
+    "1e400": (_replace("config.json", "10000.0", "1e400"), "'rope_theta' is Infinity (a number), expected a positive"),
+    "5000-digit integer": (_replace("config.json", '"vocab_size": 64', '"vocab_size": ' + "9" * 5000),
+                           "config.json: not valid JSON"),
     "rope_theta string": (_config(rope_theta="1e4"), "'rope_theta' is \"1e4\" (a string), expected a positive number"),
     "yarn without original context": (_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
                                       "'rope_scaling.original_max_position_embeddings' is missing"),
@@ -444,10 +457,12 @@ HF_CASES = {
     "unknown dtype": (_entry(EMBED, dtype="Q4_0"), "unsupported dtype \"Q4_0\""),
     "offsets reversed": (_header(lambda h: h[EMBED].update(data_offsets=h[EMBED]["data_offsets"][::-1])),
                          "do not fit its shape or the file"),
-    "offsets outside the file": (_entry(EMBED, data_offsets=[10**12, 10**12 + 8192]), "do not fit its shape or the file"),
+    "offsets outside the file": (_entry(EMBED, data_offsets=[10**12, 10**12 + 8192]), "do not fit its shape"),
     "offsets overlapping": (_header(lambda h: h["model.norm.weight"].update(
         data_offsets=[h[EMBED]["data_offsets"][0], h[EMBED]["data_offsets"][0] + 128])), "inside"),
     "offsets not numbers": (_entry(EMBED, data_offsets=["0", "8192"]), "expected [begin, end]"),
+    "bytes after the data": (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes() +
+                                                                            bytes(8)), "bytes after the header"),
     "entry not an object": (_header(lambda h: h.__setitem__(EMBED, [1, 2])), "header entry that is [1, 2]"),
     "__metadata__ not strings": (_header(lambda h: h.__setitem__("__metadata__", {"format": 1})),
                                  "__metadata__ is not an object of strings"),

@@ -35,8 +35,10 @@ def parse_json(text: str | bytes, where, object_pairs_hook=None) -> object:
         return json.loads(text, object_pairs_hook=object_pairs_hook)
     except RecursionError:
         raise QuantkitError(f"{where}: JSON nested too deeply") from None
-    except ValueError as e:         # JSONDecodeError (its message gives a position), or too many digits
+    except json.JSONDecodeError as e:       # its message gives the position, not the text
         raise QuantkitError(f"{where}: not valid JSON ({e})") from None
+    except ValueError:                      # Python's limit on the digits of an integer
+        raise QuantkitError(f"{where}: not valid JSON (a number with more than 4300 digits)") from None
 
 
 def describe(value) -> str:
@@ -56,8 +58,8 @@ def describe(value) -> str:
 
 
 class Fields:
-    """A JSON object read through typed getters; ``where`` names it in errors (a file, or a file
-    and the object's key: ``config.json: rope_scaling``)."""
+    """A JSON object read through typed getters. Errors name the file (``where``) and the key, with
+    the keys leading to this object as ``prefix`` (``rope_scaling.``, ``added_tokens[3].``)."""
 
     def __init__(self, raw: dict, where: str, prefix: str = ""):
         self.raw, self.where, self.prefix = raw, where, prefix

@@ -14,7 +14,6 @@ F8_E4M3), decoded by the caller a few rows at a time.
 """
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import struct
