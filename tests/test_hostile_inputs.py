@@ -444,6 +444,7 @@ HF_CASES = {
     # the index
     "weight_map a list": (_index(["model.safetensors"]), "'weight_map' is [\"model.safetensors\"] (a list), expected "
                                                          "an object"),
+    "weight_map empty": (_index({}), "'weight_map' is {} (an object), expected an object mapping tensor names"),
     "weight_map absolute path": (_index({EMBED: "/etc/hostname"}), "weight_map puts 'model.embed_tokens.weight' in "
                                                                    "\"/etc/hostname\""),
     "weight_map ..": (_index({EMBED: "../tiny/model.safetensors"}), "no directory part, no '..'"),

@@ -193,10 +193,10 @@ def open_checkpoint(directory: Path) -> tuple[dict[str, SafeTensor], list[Safete
     ``*.safetensors`` file in it."""
     index = directory / "model.safetensors.index.json"
     if index.exists() or index.is_symlink():
-        weight_map = Fields.load(index, "a safetensors index").object("weight_map")
-        if not weight_map.raw:
-            weight_map.fail("weight_map", "an object mapping tensor names to shard files")
-        weight_map = weight_map.raw
+        doc = Fields.load(index, "a safetensors index")
+        weight_map = doc.object("weight_map").raw
+        if not weight_map:
+            doc.fail("weight_map", "an object mapping tensor names to shard files")
         for tensor, shard in weight_map.items():
             if not is_plain_file_name(shard):
                 raise QuantkitError(f"{index}: weight_map puts '{tensor}' in {describe(shard)}: a shard must be "
