@@ -230,7 +230,7 @@ def write_sparse(path: Path, arch: str, metadata: dict, tensors: list[tuple[str,
     For plan-only tests on big shapes.  ``tensors``: (name, ggml shape, type id).
     """
     from quantkit.gguf_io.constants import MetaValue, ValueType, pad_to
-    from quantkit.gguf_io.writer import TensorSpec, encode_header
+    from quantkit.gguf_io.writer import TensorSpec, alignment_of, encode_header
     from quantkit.types import QuantType
 
     meta = {"general.architecture": MetaValue(ValueType.STRING, arch)}
@@ -238,7 +238,7 @@ def write_sparse(path: Path, arch: str, metadata: dict, tensors: list[tuple[str,
         meta[k] = v if isinstance(v, MetaValue) else MetaValue(ValueType.UINT32, v)
     specs = [TensorSpec(n, tuple(s), QuantType(t)) for n, s, t in tensors]
     header, offsets = encode_header(meta, specs)
-    size = len(header) + (offsets[-1] + pad_to(specs[-1].nbytes, 32) if specs else 0)
+    size = len(header) + (offsets[-1] + pad_to(specs[-1].nbytes, alignment_of(meta)) if specs else 0)
     with open(path, "wb") as f:
         f.write(header)
         f.truncate(size)
