@@ -133,7 +133,8 @@ def cli():
 
 @cli.command()
 @click.argument("model_in", metavar="IN", type=click.Path(path_type=Path))
-@click.argument("model_out", metavar="OUT", type=click.Path(dir_okay=False, path_type=Path))
+# outputs are checked by quantkit.outputs (one line, exit 1), not by click.Path (a usage error)
+@click.argument("model_out", metavar="OUT", type=click.Path(path_type=Path))
 @click.argument("default_type", metavar="[TYPE]", required=False)
 @click.option("--custom-q", "custom_q", multiple=True, metavar="RECIPE",
               help="Recipe file (regex=type per line) or inline 're1=t1,re2=t2'; repeatable; first match wins.")
@@ -272,7 +273,7 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
 
 @cli.command()
 @click.argument("model_in", metavar="IN", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("model_out", metavar="OUT", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model_out", metavar="OUT", type=click.Path(path_type=Path))
 @click.option("--pattern", "patterns", multiple=True, metavar="REGEX[,REGEX...]",
               help="Only tensors one of these regexes finds (ik's --repack-pattern); repeatable.")
 @click.option("--undo", is_flag=True, help="Interleaved tensors back to their plain layout.")
@@ -460,7 +461,7 @@ def _read_text(path: Path) -> str:
 @click.option("-c", "--ctx-size", type=click.IntRange(min=4), default=512, show_default=True,
               help="Tokens per chunk; the second half of each chunk is scored.")
 @click.option("--chunks", type=click.IntRange(min=1), default=None, help="Evaluate at most N chunks.")
-@click.option("--kl-divergence-base", "kld_base", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--kl-divergence-base", "kld_base", type=click.Path(path_type=Path),
               help="Save this model's logits to FILE (llama-perplexity's format) for a later --kl-divergence.")
 @click.option("--kl-divergence", "kld", is_flag=True,
               help="Compare with the logits saved in --kl-divergence-base FILE (KLD, top-token, Δp statistics).")
@@ -546,7 +547,7 @@ def imatrix():
 @click.option("-f", "--file", "text_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Calibration text.")
 @click.option("-o", "--output", "out_path", default="imatrix.gguf", show_default=True,
-              type=click.Path(dir_okay=False, path_type=Path),
+              type=click.Path(path_type=Path),
               help="Output file: .dat writes the legacy format (what ik_llama.cpp reads), anything else GGUF.")
 @click.option("-c", "--ctx-size", type=click.IntRange(min=16), default=512, show_default=True,
               help="Tokens per chunk.")
@@ -624,7 +625,7 @@ _CHUNK_OPTION = click.option(
 
 @imatrix.command("convert")
 @click.argument("in_path", metavar="IN", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("out_path", metavar="OUT", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out_path", metavar="OUT", type=click.Path(path_type=Path))
 @_CHUNK_OPTION
 def imatrix_convert(in_path, out_path, chunk_size):
     """Rewrite an imatrix in the format OUT's extension names (.dat legacy, else GGUF)."""
@@ -639,7 +640,7 @@ def imatrix_convert(in_path, out_path, chunk_size):
 @imatrix.command("merge")
 @click.argument("in_paths", metavar="IN...", nargs=-1, required=True,
                 type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-o", "--output", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out_path", required=True, type=click.Path(path_type=Path))
 @_CHUNK_OPTION
 def imatrix_merge(in_paths, out_path, chunk_size):
     """Merge imatrix files: sums and token counts added, so each file weighs what it saw."""

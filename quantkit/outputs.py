@@ -75,9 +75,6 @@ def check_output(path: str | os.PathLike, what: str = "OUT") -> Path:
     path = Path(path)
     target = Path(os.path.realpath(path))
     shown = _describe(path, what)
-    st = _stat(target, shown)
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        raise QuantkitError(f"{shown} is {_kind(st.st_mode)}: quantkit writes only regular files")
     parent = target.parent
     pst = _stat(parent, shown)
     if pst is None or not stat.S_ISDIR(pst.st_mode):
@@ -89,6 +86,9 @@ def check_output(path: str | os.PathLike, what: str = "OUT") -> Path:
     n = len(os.fsencode(target.name))
     if n > name_max:
         raise QuantkitError(f"{shown}: the file name is {n} bytes long, the file system allows {name_max}")
+    st = _stat(target, shown)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise QuantkitError(f"{shown} is {_kind(st.st_mode)}: quantkit writes only regular files")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise QuantkitError(f"{shown}: directory '{parent}' is not writable")
     return target

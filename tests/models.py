@@ -16,11 +16,13 @@ def _w(rng, *np_shape, scale=0.02, dtype=np.float32):
 
 
 def write_llama(path: Path, n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=512,
-                tied=False, dtype=np.float32, seed=0, vocab=False) -> Path:
+                tied=False, dtype=np.float32, seed=0, vocab=False, alignment=None) -> Path:
     """A llama-architecture GGUF with random weights (with ``vocab``, a minimal tokenizer so that
-    ik_llama.cpp loads it)."""
+    ik_llama.cpp loads it; with ``alignment``, its data aligned to that and ``general.alignment``)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch="llama")
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
     w.add_block_count(n_layer)
     w.add_context_length(256)
     w.add_embedding_length(n_embd)
