@@ -6,8 +6,8 @@ Before any work, :func:`check_outputs` refuses an output path that
   would replace ``/dev/null`` (as root) or a FIFO with a regular file;
 * is one of the files the command reads, compared by identity (device and inode, so hard links
   and symlinks count), including every shard of a split GGUF and the files of a model directory;
-* lies in a directory that does not exist or is not writable, or has a longer name than the file
-  system allows.
+* is a file the user may not write (read-only), or lies in a directory that does not exist or
+  is not writable, or has a longer name than the file system allows.
 
 A symlink is written through: the new file replaces the link's final target, in the target's
 directory, and the link stays a link (llama-quantize's fopen writes through it as well).
@@ -89,6 +89,8 @@ def check_output(path: str | os.PathLike, what: str = "OUT") -> Path:
     st = _stat(target, shown)
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise QuantkitError(f"{shown} is {_kind(st.st_mode)}: quantkit writes only regular files")
+    if st is not None and not os.access(target, os.W_OK):
+        raise QuantkitError(f"{shown} is read-only")     # as fopen would refuse it to llama-quantize
     if not os.access(parent, os.W_OK | os.X_OK):
         raise QuantkitError(f"{shown}: directory '{parent}' is not writable")
     return target
