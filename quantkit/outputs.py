@@ -124,8 +124,6 @@ def check_outputs(outputs: Iterable[str | os.PathLike], inputs: Iterable[str | o
     """Check every path a command writes against every path it reads; the files each output
     replaces.  Call it with all of them before any work."""
     outputs = [Path(p) for p in outputs]
-    inputs = list(inputs)
-    targets = [check_output(p, what) for p in outputs]
     read: dict[tuple[int, int], Path] = {}
     for p in expand_inputs(inputs):
         try:
@@ -134,16 +132,20 @@ def check_outputs(outputs: Iterable[str | os.PathLike], inputs: Iterable[str | o
             continue                # a missing input is the reader's error to report
         read.setdefault((st.st_dev, st.st_ino), p)
     written: dict[Path, Path] = {}
-    for path, target in zip(outputs, targets):
-        st = _stat(target, _describe(path, what))
+    for path in outputs:
+        target = Path(os.path.realpath(path))
+        try:
+            st = os.stat(target)
+        except OSError:
+            st = None               # nothing there (or unreachable: check_output says why)
         if st is not None and (st.st_dev, st.st_ino) in read:
             src = read[(st.st_dev, st.st_ino)]
-            same = "" if Path(os.path.realpath(src)) == Path(os.path.realpath(path)) else f" '{src}'"
+            same = "" if Path(os.path.realpath(src)) == target else f" '{src}'"
             raise QuantkitError(f"{_describe(path, what)} is the input file{same}; choose another output path")
         if target in written:
             raise QuantkitError(f"{what} '{path}' and '{written[target]}' are the same file")
         written[target] = path
-    return targets
+    return [check_output(p, what) for p in outputs]
 
 
 # ---------------------------------------------------------------- writing

@@ -262,6 +262,9 @@ def test_check_outputs_compares_identity_not_names(tmp_path):
     os.link(a, tmp_path / "b.bin")
     with pytest.raises(QuantkitError, match="is the input file '.*a.bin'"):
         outputs.check_outputs([tmp_path / "b.bin"], [a])
+    a.chmod(0o444)                                  # the identity is what the user learns first
+    with pytest.raises(QuantkitError, match="is the input file; choose another"):
+        outputs.check_outputs([a], [a])
     with pytest.raises(QuantkitError, match="same file"):
         outputs.check_outputs([tmp_path / "new", tmp_path / "." / "new"], [a])
     # a new file beside the inputs, and a GGUF written into a model directory, are fine
