@@ -181,9 +181,9 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
     from . import formats
     from .gguf_io.reader import open_model
     from .hf import open_hf
+    from .outputs import check_outputs
     from .plan import PlanOptions, attach_imatrix, check_imatrix, check_implemented, make_plan
     from .presets import ModelInfo
-    from .outputs import check_outputs
     from .quantize import WriteOptions, run_plan
     from .recipes import load_recipe
 
