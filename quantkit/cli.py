@@ -133,7 +133,8 @@ def cli():
 
 @cli.command()
 @click.argument("model_in", metavar="IN", type=click.Path(path_type=Path))
-@click.argument("model_out", metavar="OUT", type=click.Path(dir_okay=False, path_type=Path))
+# outputs are checked by quantkit.outputs (one line, exit 1), not by click.Path (a usage error)
+@click.argument("model_out", metavar="OUT", type=click.Path(path_type=Path))
 @click.argument("default_type", metavar="[TYPE]", required=False)
 @click.option("--custom-q", "custom_q", multiple=True, metavar="RECIPE",
               help="Recipe file (regex=type per line) or inline 're1=t1,re2=t2'; repeatable; first match wins.")
@@ -173,10 +174,14 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
     TYPE is a llama-quantize preset (Q4_K_M, Q6_K, IQ4_XS, IQ4_K, …: the C tool's per-tensor mix for
     every tensor no recipe rule matches) or a ggml type name (that type for all of them, as --pure).
     Omit it to keep unmatched tensors as they are.
+
+    OUT is written whole or not at all, never over an input; if it is a symlink, its target is
+    replaced (the link stays).
     """
     from . import formats
     from .gguf_io.reader import open_model
     from .hf import open_hf
+    from .outputs import check_outputs
     from .plan import PlanOptions, attach_imatrix, check_imatrix, check_implemented, make_plan
     from .presets import ModelInfo
     from .quantize import WriteOptions, run_plan
@@ -187,7 +192,8 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
     max_size = parse_size(split_max_size) if split_max_size else None
     if include_weights and exclude_weights:
         raise QuantkitError("--include-weights and --exclude-weights cannot be used together")
-    _refuse_overwrite_input(model_in, model_out)
+    read = (imatrix_path, *(p for p in custom_q if os.path.isfile(p)))      # besides IN
+    check_outputs([model_out], [model_in, *read])
     preset, default = _parse_preset_or_type(default_type, flavor)
     opts = PlanOptions(
         default_type=default, preset=preset,
@@ -241,7 +247,7 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
             return
 
         wopts = WriteOptions(split_max_size=max_size, keep_split=keep_split, threads=threads,
-                             recipe_text=opts.recipe.text if opts.recipe else None)
+                             recipe_text=opts.recipe.text if opts.recipe else None, inputs=read)
         if imat is not None:
             wopts.imatrix_info = {"file": str(imatrix_path), "dataset": (imat.datasets or [None])[0],
                                   "entries_count": len(imat), "chunks_count": imat.chunk_count}
@@ -267,7 +273,7 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
 
 @cli.command()
 @click.argument("model_in", metavar="IN", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("model_out", metavar="OUT", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model_out", metavar="OUT", type=click.Path(path_type=Path))
 @click.option("--pattern", "patterns", multiple=True, metavar="REGEX[,REGEX...]",
               help="Only tensors one of these regexes finds (ik's --repack-pattern); repeatable.")
 @click.option("--undo", is_flag=True, help="Interleaved tensors back to their plain layout.")
@@ -279,17 +285,19 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
 def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split, dry_run, as_json):
     """Regroup IN's tensors into ik_llama.cpp's row-interleaved CPU layouts (q4_K -> q4_k_r4,
     iq2_k -> iq2_k_r4, ...) without requantizing, or back with --undo.  The bytes equal
-    `llama-quantize --repack` and the runtime repack (-rtr)."""
+    `llama-quantize --repack` and the runtime repack (-rtr).  OUT is written as by quantize: whole
+    or not at all, never over an input, through a symlink."""
     from .formats import interleave
     from .gguf_io.constants import KEY_FILE_TYPE
     from .gguf_io.reader import open_model
+    from .outputs import check_outputs
     from .quantize import WriteOptions, run_plan
     from .repack import RepackOptions, make_repack_plan
 
     if split_max_size and keep_split:
         raise QuantkitError("--split-max-size and --keep-split cannot be used together")
     max_size = parse_size(split_max_size) if split_max_size else None
-    _refuse_overwrite_input(model_in, model_out)
+    check_outputs([model_out], [model_in])
     split = tuple(p for arg in patterns for p in arg.split(",") if p)
     opts = RepackOptions(patterns=split, undo=undo, bf16=bf16)
     with open_model(model_in) as model:
@@ -322,18 +330,6 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
         out.print(f"[green]wrote[/] {', '.join(str(p) for p in result.paths)}: {n_moved} tensors "
                   f"{'restored' if undo else 'repacked'}, {_fmt_bytes(result.bytes_written)} in "
                   f"{result.seconds:.1f} s ({rate:.2f} GB/s)")
-
-
-def _refuse_overwrite_input(model_in: Path, model_out: Path) -> None:
-    if model_out.exists() and model_in.exists():
-        if os.path.samefile(model_in, model_out):
-            raise QuantkitError(f"OUT '{model_out}' is the input file; choose another output path")
-    elif model_in.resolve() == model_out.resolve():
-        raise QuantkitError(f"OUT '{model_out}' is the input file; choose another output path")
-    if model_out.exists() and model_out.is_dir():
-        raise QuantkitError(f"OUT '{model_out}' is a directory")
-    if not model_out.parent.resolve().is_dir():
-        raise QuantkitError(f"OUT '{model_out}': directory '{model_out.parent}' does not exist")
 
 
 @cli.command()
@@ -465,7 +461,7 @@ def _read_text(path: Path) -> str:
 @click.option("-c", "--ctx-size", type=click.IntRange(min=4), default=512, show_default=True,
               help="Tokens per chunk; the second half of each chunk is scored.")
 @click.option("--chunks", type=click.IntRange(min=1), default=None, help="Evaluate at most N chunks.")
-@click.option("--kl-divergence-base", "kld_base", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--kl-divergence-base", "kld_base", type=click.Path(path_type=Path),
               help="Save this model's logits to FILE (llama-perplexity's format) for a later --kl-divergence.")
 @click.option("--kl-divergence", "kld", is_flag=True,
               help="Compare with the logits saved in --kl-divergence-base FILE (KLD, top-token, Δp statistics).")
@@ -475,6 +471,7 @@ def _read_text(path: Path) -> str:
 def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, device, overrides, as_json):
     """Perplexity of MODEL on a text, llama-perplexity's way (chunks of --ctx-size tokens, the
     second half of each scored), or KL divergence against a base model's saved logits."""
+    from .outputs import check_outputs
     from .runtime import perplexity as ppl
     from .runtime.session import open_session, parse_overrides
 
@@ -483,7 +480,7 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
     if not kld and text_path is None:
         raise QuantkitError("-f FILE is needed (the text to evaluate)")
     if kld_base is not None and not kld:
-        _refuse_overwrite_input(model_path, kld_base)
+        check_outputs([kld_base], [model_path, text_path], what="--kl-divergence-base")
     with open_session(model_path, threads, device=device, cpu_tensors=parse_overrides(overrides)) as s:
         if kld:
             base = ppl.LogitsFile.read(kld_base)
@@ -541,7 +538,8 @@ class _DefaultGroup(click.Group):
 @cli.group(cls=_DefaultGroup, default="collect")
 def imatrix():
     """Importance matrices: collect one (the default: quantkit imatrix MODEL -f TEXT), convert,
-    merge, or look inside."""
+    merge, or look inside.  Outputs are written whole or not at all, never over an input, through
+    a symlink (its target is replaced)."""
 
 
 @imatrix.command("collect")
@@ -549,7 +547,7 @@ def imatrix():
 @click.option("-f", "--file", "text_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Calibration text.")
 @click.option("-o", "--output", "out_path", default="imatrix.gguf", show_default=True,
-              type=click.Path(dir_okay=False, path_type=Path),
+              type=click.Path(path_type=Path),
               help="Output file: .dat writes the legacy format (what ik_llama.cpp reads), anything else GGUF.")
 @click.option("-c", "--ctx-size", type=click.IntRange(min=16), default=512, show_default=True,
               help="Tokens per chunk.")
@@ -574,11 +572,12 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
     import math
 
     from .imatrix_tools import RawImatrix
+    from .outputs import check_outputs
     from .runtime.activations import MainlineRounding
     from .runtime.collect import ActivationStats, ObservingOps, collect
     from .runtime.session import open_session, parse_overrides
 
-    _refuse_overwrite_input(model_path, out_path)
+    check_outputs([out_path], [model_path, text_path, *in_files], what="-o")
     datasets = []
     stats = ActivationStats(process_output=process_output)
     if in_files:
@@ -626,12 +625,13 @@ _CHUNK_OPTION = click.option(
 
 @imatrix.command("convert")
 @click.argument("in_path", metavar="IN", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("out_path", metavar="OUT", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out_path", metavar="OUT", type=click.Path(path_type=Path))
 @_CHUNK_OPTION
 def imatrix_convert(in_path, out_path, chunk_size):
     """Rewrite an imatrix in the format OUT's extension names (.dat legacy, else GGUF)."""
     from .imatrix_tools import RawImatrix
-    _refuse_overwrite_input(in_path, out_path)
+    from .outputs import check_outputs
+    check_outputs([out_path], [in_path])
     raw = RawImatrix.from_file(in_path, chunk_size)
     raw.save(out_path)
     out.print(f"[green]wrote[/] {out_path}: {len(raw.sums)} entries, {raw.chunk_count} chunks of {raw.chunk_size}")
@@ -640,13 +640,13 @@ def imatrix_convert(in_path, out_path, chunk_size):
 @imatrix.command("merge")
 @click.argument("in_paths", metavar="IN...", nargs=-1, required=True,
                 type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-o", "--output", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out_path", required=True, type=click.Path(path_type=Path))
 @_CHUNK_OPTION
 def imatrix_merge(in_paths, out_path, chunk_size):
     """Merge imatrix files: sums and token counts added, so each file weighs what it saw."""
     from .imatrix_tools import RawImatrix
-    for p in in_paths:
-        _refuse_overwrite_input(p, out_path)
+    from .outputs import check_outputs
+    check_outputs([out_path], in_paths, what="-o")
     raw = RawImatrix.from_file(in_paths[0], chunk_size)
     for p in in_paths[1:]:
         raw = raw.merged(RawImatrix.from_file(p, chunk_size))
@@ -718,13 +718,19 @@ def _render_kld(doc: dict) -> None:
 
 
 def main(argv=None) -> int:
+    from .signals import Terminated, terminate_on_signals
     logging.basicConfig(level=logging.WARNING, handlers=[_WarningsToStderr()])
     # numpy's overflow warnings are noise here: overflowed outputs are caught and reported by name
     warnings.simplefilter("ignore", RuntimeWarning)
     try:
-        cli.main(args=argv, prog_name="quantkit", standalone_mode=False)
+        with terminate_on_signals():        # SIGTERM, SIGHUP: cleaned up like Ctrl-C
+            cli.main(args=argv, prog_name="quantkit", standalone_mode=False)
         return 0
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, Terminated) as e:
+        cause = e if isinstance(e, Terminated) else e.__cause__     # click turns interrupts into Abort
+        if isinstance(cause, Terminated):
+            err.print(f"quantkit: terminated by {cause.name}; no partial output file was left behind")
+            return 128 + cause.signum
         err.print("quantkit: interrupted")
         return 130
     except KeyboardInterrupt:

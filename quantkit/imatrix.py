@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import GGUFFormatError, QuantkitError
+from .outputs import AtomicOutput
 
 log = logging.getLogger(__name__)
 
@@ -424,7 +425,7 @@ def save_dat(path: str | os.PathLike, weights: dict[str, np.ndarray], ncall: int
     """Write importance weights (entry name -> mean x² per column) as a legacy ``.dat`` file, the
     format ik_llama.cpp's llama-quantize reads.  Values are stored times ``ncall`` (one for all
     entries, or per entry), as llama-imatrix stores them; the trailer carries the chunk count and
-    the dataset name.  Written to a temporary file that is renamed at the end."""
+    the dataset name.  Written to a temporary file that is renamed at the end (:mod:`quantkit.outputs`)."""
     ncalls = ncall if isinstance(ncall, dict) else dict.fromkeys(weights, ncall)
     if any(n < 1 for n in ncalls.values()):
         raise ValueError(f"ncall must be positive, got {min(ncalls.values())}")
@@ -437,12 +438,8 @@ def save_dat(path: str | os.PathLike, weights: dict[str, np.ndarray], ncall: int
         parts += [struct.pack("<i", len(raw)), raw, struct.pack("<ii", ncall, vals.size), vals.astype("<f4").tobytes()]
     ds = dataset.encode()
     parts += [struct.pack("<ii", chunk_count, len(ds)), ds]
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_bytes(b"".join(parts))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with AtomicOutput() as out:
+        out.open(path).write(b"".join(parts))
     return path
 
 

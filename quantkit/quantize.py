@@ -22,6 +22,7 @@ from .errors import QuantkitError
 from .gguf_io.constants import KEY_FILE_TYPE, KEY_QUANT_VERSION, MetaValue, ValueType
 from .gguf_io.reader import GGUFModel, TensorInfo
 from .gguf_io.writer import GGUFWriter, TensorSpec, plan_shards, shard_paths
+from .outputs import check_outputs
 from .plan import Plan, TensorPlan
 from .types import QuantType, traits, type_name
 
@@ -41,6 +42,7 @@ class WriteOptions:
     recipe_text: str | None = None
     threads: int | None = None
     keep_provenance: bool = False       # repack: keep the input's quantize.imatrix.* and quantkit.* keys
+    inputs: tuple = ()                  # other files the run reads (imatrix, recipes): never written
 
 
 @dataclass
@@ -209,6 +211,10 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
         groups = [shard_of[id(model.by_name[t.name].source)] for t in plan.tensors]
     shards = plan_shards(meta, specs, opts.split_max_size, groups)
     paths = shard_paths(out, len(shards))
+    # every shard name against every file read (all input shards, a model directory's files, the
+    # imatrix, recipes) before anything is written: --keep-split of A-0000N-of-M.gguf to A.gguf
+    # would otherwise write over its input set
+    check_outputs(paths, [model.path, *(f.path for f in getattr(model, "files", ())), *opts.inputs])
     total = plan.bytes_in
     done = 0
     t0 = time.perf_counter()

@@ -16,11 +16,13 @@ def _w(rng, *np_shape, scale=0.02, dtype=np.float32):
 
 
 def write_llama(path: Path, n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=512,
-                tied=False, dtype=np.float32, seed=0, vocab=False) -> Path:
+                tied=False, dtype=np.float32, seed=0, vocab=False, alignment=None) -> Path:
     """A llama-architecture GGUF with random weights (with ``vocab``, a minimal tokenizer so that
-    ik_llama.cpp loads it)."""
+    ik_llama.cpp loads it; with ``alignment``, its data aligned to that and ``general.alignment``)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch="llama")
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
     w.add_block_count(n_layer)
     w.add_context_length(256)
     w.add_embedding_length(n_embd)
@@ -230,7 +232,7 @@ def write_sparse(path: Path, arch: str, metadata: dict, tensors: list[tuple[str,
     For plan-only tests on big shapes.  ``tensors``: (name, ggml shape, type id).
     """
     from quantkit.gguf_io.constants import MetaValue, ValueType, pad_to
-    from quantkit.gguf_io.writer import TensorSpec, encode_header
+    from quantkit.gguf_io.writer import TensorSpec, alignment_of, encode_header
     from quantkit.types import QuantType
 
     meta = {"general.architecture": MetaValue(ValueType.STRING, arch)}
@@ -238,7 +240,7 @@ def write_sparse(path: Path, arch: str, metadata: dict, tensors: list[tuple[str,
         meta[k] = v if isinstance(v, MetaValue) else MetaValue(ValueType.UINT32, v)
     specs = [TensorSpec(n, tuple(s), QuantType(t)) for n, s, t in tensors]
     header, offsets = encode_header(meta, specs)
-    size = len(header) + (offsets[-1] + pad_to(specs[-1].nbytes, 32) if specs else 0)
+    size = len(header) + (offsets[-1] + pad_to(specs[-1].nbytes, alignment_of(meta)) if specs else 0)
     with open(path, "wb") as f:
         f.write(header)
         f.truncate(size)

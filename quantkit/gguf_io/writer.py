@@ -5,7 +5,11 @@ plan), so the header is written first and tensors are streamed after it one at a
 order; nothing but the tensor in flight is held in memory.
 
 Output goes to a temporary file in the target directory, renamed over the target only when every
-shard is complete: an error or Ctrl-C leaves no output file behind.
+shard is complete: an error, Ctrl-C, SIGTERM or SIGHUP leaves no output file behind
+(:mod:`quantkit.outputs`).
+
+The data is aligned to what each file's metadata declares (``general.alignment``, 32 without it):
+a model read with another alignment keeps it, and readers find every tensor where the header says.
 
 Layout written (gguf.cpp):
 
@@ -17,10 +21,7 @@ Layout written (gguf.cpp):
 """
 from __future__ import annotations
 
-import errno
-import os
 import struct
-import tempfile
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,9 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import QuantkitError
+from ..outputs import AtomicOutput
 from ..types import QuantType, tensor_nbytes
-from .constants import (DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION, KEY_SPLIT_COUNT, KEY_SPLIT_NO,
-                        KEY_SPLIT_TENSORS, SCALAR_DTYPE, SCALAR_FORMAT, SPLIT_KEYS, MetaValue,
+from .constants import (DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION, KEY_ALIGNMENT, KEY_SPLIT_COUNT,
+                        KEY_SPLIT_NO, KEY_SPLIT_TENSORS, SCALAR_DTYPE, SCALAR_FORMAT, SPLIT_KEYS, MetaValue,
                         ValueType, pad_to, split_shard_name)
 
 
@@ -62,9 +64,26 @@ def _pack_value(mv: MetaValue) -> bytes:
     return head + np.asarray(mv.value, dtype=SCALAR_DTYPE[mv.elem_type]).tobytes()
 
 
+def alignment_of(metadata: dict[str, MetaValue]) -> int:
+    """The data alignment a file with this metadata declares (and readers use)."""
+    mv = metadata.get(KEY_ALIGNMENT)
+    if mv is None:
+        return DEFAULT_ALIGNMENT
+    if mv.vtype != ValueType.UINT32 or mv.value <= 0 or mv.value & (mv.value - 1):
+        raise QuantkitError(f"{KEY_ALIGNMENT} must be a u32 power of two, got {mv.value!r}")
+    return int(mv.value)
+
+
 def encode_header(metadata: dict[str, MetaValue], tensors: list[TensorSpec],
-                  alignment: int = DEFAULT_ALIGNMENT) -> tuple[bytes, list[int]]:
-    """Header bytes (padded to the alignment) and each tensor's offset in the data section."""
+                  alignment: int | None = None) -> tuple[bytes, list[int]]:
+    """Header bytes (padded to the alignment) and each tensor's offset in the data section.
+
+    The alignment is the one the metadata declares; ``alignment``, if given, must agree with it
+    (readers align by the declared value, so any other would shift every tensor)."""
+    declared = alignment_of(metadata)
+    if alignment is not None and alignment != declared:
+        raise ValueError(f"alignment {alignment} differs from the {declared} the metadata declares")
+    alignment = declared
     parts = [GGUF_MAGIC, struct.pack("<Iqq", GGUF_VERSION, len(tensors), len(metadata))]
     for key, mv in metadata.items():
         parts += [_pack_string(key), struct.pack("<i", int(mv.vtype)), _pack_value(mv)]
@@ -76,51 +95,6 @@ def encode_header(metadata: dict[str, MetaValue], tensors: list[TensorSpec],
         pos += pad_to(t.nbytes, alignment)
     header = b"".join(parts)
     return header + bytes(pad_to(len(header), alignment) - len(header)), offsets
-
-
-class AtomicOutput:
-    """Temporary files renamed to their final paths on commit, deleted otherwise."""
-
-    def __init__(self):
-        self._pending: list[tuple[Path, Path]] = []
-
-    def open(self, final: Path):
-        final = Path(final)
-        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent or ".")
-        self._pending.append((Path(tmp), final))
-        return os.fdopen(fd, "wb")
-
-    def commit(self) -> None:
-        for tmp, final in self._pending:
-            os.replace(tmp, final)
-        self._pending.clear()
-
-    def discard(self) -> None:
-        for tmp, _ in self._pending:
-            try:
-                tmp.unlink()
-            except FileNotFoundError:
-                pass
-        self._pending.clear()
-
-
-def _pwrite_all(fd: int, buf, pos: int) -> None:
-    view = memoryview(buf).cast("B")
-    while view.nbytes:
-        n = os.pwrite(fd, view, pos)
-        view, pos = view[n:], pos + n
-
-
-def _reserve(fd: int, size: int, path: Path) -> None:
-    """Allocate the whole file before writing it.  A full disk is then an error before the first
-    tensor, not after hours of quantizing, and the writes land in allocated blocks: on ext4, writing
-    into a fresh file without this ran at 0.5-3 GB/s (erratic), with it at 4-5 GB/s."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise QuantkitError(f"{path}: not enough disk space for {size / 1e9:.2f} GB") from None
-        # file systems without fallocate (EOPNOTSUPP, EINVAL): the writes allocate as they go
 
 
 def _as_bytes(chunk) -> memoryview:
@@ -143,10 +117,11 @@ class GGUFWriter:
     """
 
     def __init__(self, paths: list[Path], shards: list[tuple[dict[str, MetaValue], list[TensorSpec]]],
-                 alignment: int = DEFAULT_ALIGNMENT, workers: int = 1):
+                 workers: int = 1):
         if len(paths) != len(shards):
             raise ValueError("one path per shard")
-        self.paths, self.shards, self.alignment = [Path(p) for p in paths], shards, alignment
+        self.paths, self.shards = [Path(p) for p in paths], shards
+        self.alignment = DEFAULT_ALIGNMENT      # of the shard being written
         self.workers = max(1, workers)
         self._order = [(i, t) for i, (_, specs) in enumerate(shards) for t in specs]
         self._next = 0
@@ -193,11 +168,12 @@ class GGUFWriter:
     def _open_shard(self, i: int) -> None:
         self._shard = i
         meta, specs = self.shards[i]
-        header, offsets = encode_header(meta, specs, self.alignment)
+        self.alignment = alignment_of(meta)
+        header, offsets = encode_header(meta, specs)
         self._fh = self._out.open(self.paths[i])
         size = len(header) + (offsets[-1] + pad_to(specs[-1].nbytes, self.alignment) if specs else 0)
-        _reserve(self._fh.fileno(), size, self.paths[i])
-        _pwrite_all(self._fh.fileno(), header, 0)
+        self._fh.reserve(size)
+        self._fh.pwrite(header, 0)
         self._pos = len(header)
         self.bytes_written += len(header)
 
@@ -226,7 +202,7 @@ class GGUFWriter:
                                 f"expected {spec.nbytes}")
         pad = pad_to(n, self.alignment) - n
         if pad:
-            _pwrite_all(self._fh.fileno(), bytes(pad), self._pos + n)
+            self._fh.pwrite(bytes(pad), self._pos + n)
         self._pos += n + pad
         self.bytes_written += n + pad
         self._next += 1
@@ -236,7 +212,7 @@ class GGUFWriter:
         spec = self._begin(name)
         if isinstance(chunks, (bytes, bytearray, memoryview, np.ndarray)):
             chunks = (chunks,)
-        fd, n = self._fh.fileno(), 0
+        fh, n = self._fh, 0
         # Chunk k is written by a helper thread while the producer computes chunk k+1, so a
         # producer that reuses buffers needs two of them, taking turns: when it is asked for chunk
         # k+2, the write of chunk k has finished.
@@ -246,7 +222,7 @@ class GGUFWriter:
                 buf = _as_bytes(chunk)
                 if pending is not None:
                     pending.result()
-                pending = self._pool.submit(_pwrite_all, fd, buf, self._pos + n)
+                pending = self._pool.submit(fh.pwrite, buf, self._pos + n)
                 n += buf.nbytes
         finally:
             if pending is not None:
@@ -261,13 +237,13 @@ class GGUFWriter:
         return a buffer of its own thread that the next part on that thread reuses.  A few parts
         per worker are queued, never more: memory stays bounded whatever the tensor's size."""
         spec = self._begin(name)
-        fd, n = self._fh.fileno(), 0
+        fh, n = self._fh, 0
         pending = deque()
         try:
             for nbytes, make in parts:
                 if len(pending) >= 2 * self.workers:
                     pending.popleft().result()
-                pending.append(self._pool.submit(self._make_and_write, fd, make, nbytes, self._pos + n))
+                pending.append(self._pool.submit(self._make_and_write, fh, make, nbytes, self._pos + n))
                 n += nbytes
             while pending:
                 pending.popleft().result()
@@ -277,11 +253,11 @@ class GGUFWriter:
         self._finish(spec, n)
 
     @staticmethod
-    def _make_and_write(fd: int, make, nbytes: int, pos: int) -> None:
+    def _make_and_write(fh, make, nbytes: int, pos: int) -> None:
         buf = _as_bytes(make())
         if buf.nbytes != nbytes:
             raise QuantkitError(f"internal error: a part made {buf.nbytes} bytes, expected {nbytes}")
-        _pwrite_all(fd, buf, pos)
+        fh.pwrite(buf, pos)
 
 
 def plan_shards(metadata: dict[str, MetaValue], tensors: list[TensorSpec], max_bytes: int | None = None,
@@ -291,13 +267,15 @@ def plan_shards(metadata: dict[str, MetaValue], tensors: list[TensorSpec], max_b
     ``max_bytes``: start a new shard when the next tensor would push the shard's data past it (a
     tensor is never split; a tensor larger than the limit gets a shard of its own).
     ``groups``: explicit shard index per tensor (``--keep-split``).
-    The first shard holds all metadata plus ``split.*``; the others hold only ``split.*``.
+    The first shard holds all metadata plus ``split.*``; the others hold only ``split.*`` (and
+    ``general.alignment`` where the model declares one, so that every shard is aligned alike).
     """
     base = {k: v for k, v in metadata.items() if k not in SPLIT_KEYS}
+    alignment = alignment_of(base)
     if groups is None:
         groups, shard, used = [], 0, 0
         for t in tensors:
-            size = pad_to(t.nbytes, DEFAULT_ALIGNMENT)
+            size = pad_to(t.nbytes, alignment)
             if max_bytes is not None and used and used + size > max_bytes:
                 shard, used = shard + 1, 0
             groups.append(shard)
@@ -313,6 +291,8 @@ def plan_shards(metadata: dict[str, MetaValue], tensors: list[TensorSpec], max_b
         split = {KEY_SPLIT_NO: MetaValue(ValueType.UINT16, i),
                  KEY_SPLIT_COUNT: MetaValue(ValueType.UINT16, n_shards),
                  KEY_SPLIT_TENSORS: MetaValue(ValueType.INT32, len(tensors))}
+        if i > 0 and KEY_ALIGNMENT in base:
+            split[KEY_ALIGNMENT] = base[KEY_ALIGNMENT]
         out.append(({**base, **split} if i == 0 else split, specs))
     return out
 

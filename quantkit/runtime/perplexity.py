@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import QuantkitError
-from ..gguf_io.writer import AtomicOutput
+from ..outputs import AtomicOutput
 from . import kernels, ops_cpu
 from .ops_cpu import log_softmax
 
@@ -133,25 +133,28 @@ class LogitsWriter:
 
     def __init__(self, path: Path, n_ctx: int, n_vocab: int, chunks: list[np.ndarray]):
         self.path, self.n_vocab = Path(path), n_vocab
+        self._head = MAGIC + struct.pack("<iii", n_ctx, n_vocab, len(chunks))
+        self._tokens = np.concatenate(chunks).astype("<i4")
         self._out = AtomicOutput()
-        self._fh = self._out.open(self.path)
-        self._fh.write(MAGIC + struct.pack("<iii", n_ctx, n_vocab, len(chunks)))
-        self._fh.write(np.concatenate(chunks).astype("<i4").tobytes())
+        self._fh = None
 
     def add(self, logits: np.ndarray) -> None:
         for row in logits:
-            self._fh.write(quantize_log_probs(row).tobytes())
+            self._fh.write(quantize_log_probs(row))
 
     def __enter__(self):
+        self._out.__enter__()
+        try:
+            self._fh = self._out.open(self.path)
+            self._fh.write(self._head)
+            self._fh.write(self._tokens)
+        except BaseException:
+            self._out.discard()
+            raise
         return self
 
-    def __exit__(self, exc_type, *exc):
-        self._fh.close()
-        if exc_type is None:
-            self._out.commit()
-        else:
-            self._out.discard()
-        return False
+    def __exit__(self, *exc):
+        return self._out.__exit__(*exc)
 
 
 @dataclass
