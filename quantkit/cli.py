@@ -351,7 +351,7 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
                 task = bar.add_task("quantizing", total=plan.bytes_in)
 
                 def progress(name, done, total):
-                    bar.update(task, completed=done, description=name)
+                    bar.update(task, completed=done, description=_shown(name, one_line=True))
                 result = run_plan(model, plan, model_out, wopts, lambda tp: imatrix_of.get(tp.name), progress)
         result.missing_imatrix = missing
     if as_json:
@@ -412,7 +412,8 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
             with _progress() as bar:
                 task = bar.add_task("repacking", total=plan.bytes_in)
                 result = run_plan(model, plan, model_out, wopts,
-                                  progress=lambda name, done, total: bar.update(task, completed=done, description=name))
+                                  progress=lambda name, done, total: bar.update(
+                                      task, completed=done, description=_shown(name, one_line=True)))
     if as_json:
         doc["result"] = result.to_json()
         _print_json(doc)
@@ -440,7 +441,8 @@ def _refuse_overwrite_input(model_in: Path, model_out: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 @click.option("--no-tensors", is_flag=True, help="Only metadata and totals.")
 def inspect(path, as_json, no_tensors):
-    """Show a GGUF file's metadata, tensors and totals per type."""
+    """Show a GGUF file's metadata, tensors and totals per type (a long metadata value in part, with
+    its length; --json has it whole)."""
     from .describe import describe
     from .gguf_io.reader import open_model
     with open_model(path) as model:
@@ -570,7 +572,8 @@ def _cpu_tensors(overrides) -> list[str]:
 @cli.command()
 @click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-f", "--file", "text_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Text to evaluate (not needed with --kl-divergence: the base file holds its tokens).")
+              help="Text to evaluate, a regular file of at most 1 GiB (not needed with --kl-divergence: the base "
+                   "file holds its tokens).")
 @click.option("-c", "--ctx-size", type=click.IntRange(min=4), default=512, show_default=True,
               help="Tokens per chunk; the second half of each chunk is scored.")
 @click.option("--chunks", type=click.IntRange(min=1), default=None, help="Evaluate at most N chunks.")
@@ -657,7 +660,7 @@ def imatrix():
 @imatrix.command("collect")
 @click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-f", "--file", "text_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Calibration text.")
+              help="Calibration text, a regular file of at most 1 GiB.")
 @click.option("-o", "--output", "out_path", default="imatrix.gguf", show_default=True,
               type=click.Path(dir_okay=False, path_type=Path),
               help="Output file: .dat writes the legacy format (what ik_llama.cpp reads), anything else GGUF.")

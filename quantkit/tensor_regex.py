@@ -43,7 +43,7 @@ def _seq_paths(items, last_is_free: bool) -> int:
     for i, (op, av) in enumerate(items):
         total *= _item_paths(op, av, free=last_is_free and i == len(items) - 1)
         if total > MAX_PATHS:
-            raise UnboundedRegex("too many quantifiers in a row")
+            raise UnboundedRegex("too many quantifiers or alternatives in a row")
     return total
 
 
@@ -103,9 +103,10 @@ def compile_bounded(pattern: str, where: str) -> re.Pattern:
     except re.error as e:
         raise QuantkitError(f"{where}: invalid regex '{_shown(pattern)}': {e}") from None
     except (RecursionError, OverflowError) as e:
-        raise QuantkitError(f"{where}: invalid regex '{_shown(pattern)}': too large or too deeply nested ({e})") from None
+        raise QuantkitError(f"{where}: invalid regex '{_shown(pattern)}': too large or too deeply nested "
+                            f"({e})") from None
     except UnboundedRegex as e:
-        raise QuantkitError(f"{where}: regex '{_shown(pattern)}' refused: {e}; its matching time could grow without "
-                         f"bound (write it with at most two unbounded quantifiers such as .* in a row, "
-                         f"and none nested)") from None
+        raise QuantkitError(f"{where}: regex '{_shown(pattern)}' refused: {e}; its matching time could grow "
+                            f"without bound (write it with at most two unbounded quantifiers such as .* in a "
+                            f"row, and none nested)") from None
     return regex

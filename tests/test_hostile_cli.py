@@ -115,7 +115,8 @@ def test_recipe_file_that_cannot_be_read_is_a_clean_error(tmp_path, kind):
 
 def test_long_inline_value_exit_code_contract(tmp_path, llama):
     snap = Snapshot(llama, tmp_path)
-    assert_refused(*run_cli("quantize", llama, tmp_path / "o.gguf", "q8_0", "--custom-q", "y" * 5000), "File name too long")
+    rc, out, err = run_cli("quantize", llama, tmp_path / "o.gguf", "q8_0", "--custom-q", "y" * 5000)
+    assert_refused(rc, out, err, "File name too long")
     snap.assert_unchanged()
 
 
