@@ -22,10 +22,10 @@ from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.text import Text
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
 from rich.table import Table
+from rich.text import Text
 
 from . import __version__
 from .errors import QuantkitError

@@ -98,19 +98,22 @@ def test_recipe_values_that_name_no_file(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["directory", "device", "fifo", "too large", "unreadable"])
-def test_recipe_file_that_cannot_be_read_is_a_clean_error(tmp_path, kind):
+def test_recipe_file_that_cannot_be_read_is_a_clean_error(tmp_path, monkeypatch, kind):
     path = {"directory": tmp_path, "device": Path("/dev/zero")}.get(kind, tmp_path / "r.txt")
     if kind == "fifo":
         os.mkfifo(path)                                 # no writer: opening must not wait
     elif kind == "too large":
         path.write_text("a=q8_0\n" * (MAX_RECIPE_BYTES // 7 + 1))
-    elif kind == "unreadable":
-        if os.geteuid() == 0:
-            pytest.skip("root reads any file")
+    elif kind == "unreadable":                          # (chmod 0 does not stop root: the open fails instead)
         path.write_text("a=q8_0\n")
-        path.chmod(0)
-    with pytest.raises(QuantkitError, match="--custom-q"):
+        import quantkit.textfile
+
+        def denied(*args):
+            raise PermissionError(13, "Permission denied")
+        monkeypatch.setattr(quantkit.textfile.os, "open", denied)
+    with pytest.raises(QuantkitError, match="--custom-q") as e:
         load_recipe([str(path)])
+    assert "Permission denied" in str(e.value) or kind != "unreadable"
 
 
 def test_long_inline_value_exit_code_contract(tmp_path, llama):
