@@ -2,12 +2,18 @@
 
 Every user error ends as one line on stderr and a non-zero exit code; set QUANTKIT_DEBUG=1 to see
 the traceback of an unexpected error.
+
+Names, paths, metadata, rules and messages come from files and the command line: the consoles read
+no markup or emoji codes in what they print (a chat template's ``[/INST]`` or a rule's ``[a-z]`` is
+text), styles are given as ``_styled`` parts, and ``_shown`` writes control characters as escapes.
+Every --json document is written by ``_print_json``: strict JSON, non-finite numbers as null.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -19,19 +25,67 @@ from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
 from rich.table import Table
+from rich.text import Text
 
 from . import __version__
 from .errors import QuantkitError
 from .types import QuantType, type_from_name, type_name
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+out = Console(highlight=False, markup=False, emoji=False)
+err = Console(stderr=True, highlight=False, markup=False, emoji=False, soft_wrap=True)
 GIB = 1024 ** 3
+MAX_TEXT_BYTES = GIB            # calibration / evaluation text (-f): wiki.test.raw is 1.3 MB
+INSPECT_CELL_CHARS = 2000       # of a metadata key or value in inspect's table
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CONTROL_OR_NEWLINE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _shown(value, limit: int | None = None, one_line: bool = False) -> str:
+    """Text from a file or the command line as it is shown: control characters (an ESC would drive
+    the terminal) as escapes, newlines too where it must stay ``one_line``, at most ``limit``
+    characters (then its length)."""
+    text = str(value)
+    if limit is not None and len(text) > limit:
+        text = f"{text[:limit]}… ({len(text):,} characters)"
+    return (_CONTROL_OR_NEWLINE if one_line else _CONTROL).sub(lambda m: repr(m[0])[1:-1], text)
+
+
+def _styled(*parts) -> Text:
+    """A line of parts, each plain text or a (text, style) pair; all of them shown as they are."""
+    return Text.assemble(*((_shown(p[0]), p[1]) if isinstance(p, tuple) else _shown(p) for p in parts))
+
+
+def _add_row(table: Table, *cells, limit: int | None = None) -> None:
+    table.add_row(*(c if isinstance(c, Text) else _shown(c, limit) for c in cells))
+
+
+def _warn(message, label: str = "warning:") -> None:
+    err.print(_styled((label, "yellow"), " ", _shown(message, one_line=True)))
+
+
+def _finite(value):
+    """``value`` with every non-finite float (NaN, ±inf) as None, recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):     # a numpy scalar
+        return _finite(value.item())
+    return value
+
+
+def _print_json(doc) -> None:
+    """Every --json output: strict JSON (no NaN / Infinity, which json.loads of other languages
+    refuse); a number that is not finite is written as null."""
+    print(json.dumps(_finite(doc), indent=1, allow_nan=False))
 
 
 class _WarningsToStderr(logging.Handler):
     def emit(self, record):
-        err.print(f"[yellow]warning:[/] {record.getMessage()}", markup=True)
+        _warn(record.getMessage())
 
 
 def _parse_type(value: str | None, what: str) -> QuantType | None:
@@ -57,6 +111,40 @@ def _parse_preset_or_type(value: str | None, flavor: str):
     except ValueError:
         raise QuantkitError(f"TYPE: unknown type '{value}' (neither a ggml type nor a {flavor} preset such as "
                             f"Q4_K_M)") from None
+
+
+def _type_label(text: str, flavor: str) -> str | None:
+    """The name llama-quantize gives the type ``text`` names (a preset as spelled, upper case; a
+    preset's ftype number as the preset; a ggml type; COPY), or None when it names no type."""
+    from .presets import find_preset
+    if not text or text != text.strip():
+        return None
+    key = text.upper()
+    if key == "COPY":
+        return key
+    preset = find_preset(text, flavor)
+    if preset is not None:
+        return preset.name if key.isdigit() else key
+    try:
+        type_from_name(text)
+    except ValueError:
+        return None
+    return key
+
+
+def _output_and_type(model_in: Path, out_arg: str, type_arg: str | None, flavor: str) -> tuple[Path, str | None]:
+    """llama-quantize's positionals: ``IN OUT TYPE``, or ``IN TYPE``, which writes
+    ``ggml-model-TYPE.gguf`` next to IN.  A file is never named like a type."""
+    label = _type_label(out_arg, flavor)
+    if label is None:
+        return Path(out_arg), type_arg
+    if type_arg is not None:
+        raise QuantkitError(f"OUT '{out_arg}' names a type, and TYPE '{type_arg}' follows it: give IN OUT TYPE, "
+                            f"or IN TYPE to write ggml-model-{label}.gguf next to IN "
+                            f"(./{out_arg} names a file called {out_arg})")
+    derived = model_in.parent / f"ggml-model-{label}.gguf"
+    _warn(f"no OUT given: writing {derived} (llama-quantize's name for IN TYPE)", "note:")
+    return derived, out_arg
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
@@ -93,33 +181,30 @@ def render_plan(plan, show_tensors: bool = True) -> None:
         for col in ("tensor", "shape", "source", "target", "size", "rule / note"):
             t.add_column(col, no_wrap=col != "rule / note", justify="right" if col == "size" else "left")
         for p in plan.tensors:
-            arrow = "[dim]=[/]" if p.action == "copy" else "→"
+            source = _styled(type_name(p.src_type), " ", ("=", "dim") if p.action == "copy" else "→")
             target = type_name(p.dst_type)
             if p.fallback:
-                target = f"[yellow]{target}[/] [dim](was {type_name(p.requested)})[/]"
-            note = p.rule + ("; " + "; ".join(p.notes) if p.notes else "")
-            if p.imatrix:
-                note += " [dim]+imatrix[/]"
-            t.add_row(p.name, _shape(p.shape), f"{type_name(p.src_type)} {arrow}", target,
-                      _fmt_bytes(p.nbytes_out), note)
+                target = _styled((target, "yellow"), " ", (f"(was {type_name(p.requested)})", "dim"))
+            note = _styled(p.rule + ("; " + "; ".join(p.notes) if p.notes else ""),
+                           *([" ", ("+imatrix", "dim")] if p.imatrix else []))
+            _add_row(t, p.name, _shape(p.shape), source, target, _fmt_bytes(p.nbytes_out), note)
         out.print(t)
     for title, rows in (("by type", plan.by_type()), ("by rule", plan.by_rule())):
         t = Table(title=title, header_style="bold")
         for col in (title.split()[1], "tensors", "weights", "size", "bpw"):
             t.add_column(col, justify="left" if col in ("type", "rule") else "right")
         for r in rows:
-            t.add_row(str(r["group"]), str(r["tensors"]), f"{r['elements']:,}", _fmt_bytes(r["bytes"]),
-                      f"{r['bpw']:.3f}")
+            _add_row(t, r["group"], r["tensors"], f"{r['elements']:,}", _fmt_bytes(r["bytes"]), f"{r['bpw']:.3f}")
         out.print(t)
     bpw = 8 * plan.bytes_out / plan.n_elements if plan.n_elements else 0
-    out.print(f"[bold]total[/]: {len(plan.tensors)} tensors, {plan.n_elements:,} weights, "
-              f"{plan.bytes_in / GIB:.3f} GiB → {plan.bytes_out / GIB:.3f} GiB, {bpw:.3f} bpw, "
-              + (f"preset {plan.preset.name}, " if plan.preset is not None else "")
-              + f"file type {plan.file_type}, flavor {plan.flavor}")
+    out.print(_styled(("total", "bold"), f": {len(plan.tensors)} tensors, {plan.n_elements:,} weights, "
+                      f"{plan.bytes_in / GIB:.3f} GiB → {plan.bytes_out / GIB:.3f} GiB, {bpw:.3f} bpw, "
+                      + (f"preset {plan.preset.name}, " if plan.preset is not None else "")
+                      + f"file type {plan.file_type}, flavor {plan.flavor}"))
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}", style="cyan"), BarColumn(), DownloadColumn(),
+    return Progress(TextColumn("{task.description}", style="cyan", markup=False), BarColumn(), DownloadColumn(),
                     TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True,
                     disable=not err.is_terminal)
 
@@ -134,10 +219,11 @@ def cli():
 @cli.command()
 @click.argument("model_in", metavar="IN", type=click.Path(path_type=Path))
 # outputs are checked by quantkit.outputs (one line, exit 1), not by click.Path (a usage error)
-@click.argument("model_out", metavar="OUT", type=click.Path(path_type=Path))
+@click.argument("model_out", metavar="OUT", type=click.Path(path_type=str))
 @click.argument("default_type", metavar="[TYPE]", required=False)
 @click.option("--custom-q", "custom_q", multiple=True, metavar="RECIPE",
-              help="Recipe file (regex=type per line) or inline 're1=t1,re2=t2'; repeatable; first match wins.")
+              help="Recipe file (regex=type per line) or inline rules: 're1=t1,re2=t2', or lines in the file syntax; "
+                   "repeatable; first match wins.")
 @click.option("--imatrix", "imatrix_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Importance matrix (GGUF or legacy .dat).")
 @click.option("--include-weights", multiple=True, help="Use only imatrix entries containing this text.")
@@ -173,7 +259,10 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
 
     TYPE is a llama-quantize preset (Q4_K_M, Q6_K, IQ4_XS, IQ4_K, …: the C tool's per-tensor mix for
     every tensor no recipe rule matches) or a ggml type name (that type for all of them, as --pure).
-    Omit it to keep unmatched tensors as they are.
+    Omit it to keep unmatched tensors as they are: with --custom-q, --token-embedding-type,
+    --output-tensor-type, --split-max-size or a model directory (a plain conversion); with none of
+    them there is nothing to do, which is an error, while TYPE COPY copies every tensor on purpose.
+    As in llama-quantize, `quantize IN TYPE` writes ggml-model-TYPE.gguf next to IN.
 
     OUT is written whole or not at all, never over an input; if it is a symlink, its target is
     replaced (the link stays).
@@ -192,9 +281,19 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
     max_size = parse_size(split_max_size) if split_max_size else None
     if include_weights and exclude_weights:
         raise QuantkitError("--include-weights and --exclude-weights cannot be used together")
+    model_out, default_type = _output_and_type(model_in, model_out, default_type, flavor)
+    only_copy = default_type is not None and default_type.upper() == "COPY"
+    if only_copy and (custom_q or token_embedding_type or output_tensor_type):
+        raise QuantkitError("TYPE COPY copies every tensor unchanged: it takes no --custom-q, "
+                            "--token-embedding-type or --output-tensor-type")
+    if default_type is None and not (custom_q or token_embedding_type or output_tensor_type or split_max_size
+                                     or model_in.is_dir()):
+        raise QuantkitError(f"nothing to do: with no TYPE and no --custom-q every tensor of {model_in} would be "
+                            f"copied unchanged; give a TYPE (Q4_K_M, q8_0, ...) or a recipe, or TYPE COPY to copy "
+                            f"on purpose")
     read = (imatrix_path, *(p for p in custom_q if os.path.isfile(p)))      # besides IN
     check_outputs([model_out], [model_in, *read])
-    preset, default = _parse_preset_or_type(default_type, flavor)
+    preset, default = (None, None) if only_copy else _parse_preset_or_type(default_type, flavor)
     opts = PlanOptions(
         default_type=default, preset=preset,
         recipe=load_recipe(list(custom_q)) if custom_q else None,
@@ -238,12 +337,12 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
         else:
             render_plan(plan)
             for w in plan.warnings:
-                err.print(f"[yellow]warning:[/] {w}")
+                _warn(w)
             for p in problems:
-                err.print(f"[yellow]note:[/] a real run would stop here: {p}")
+                _warn(f"a real run would stop here: {p}", "note:")
         if dry_run:
             if as_json:
-                print(json.dumps(doc, indent=1))
+                _print_json(doc)
             return
 
         wopts = WriteOptions(split_max_size=max_size, keep_split=keep_split, threads=threads,
@@ -258,17 +357,17 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
                 task = bar.add_task("quantizing", total=plan.bytes_in)
 
                 def progress(name, done, total):
-                    bar.update(task, completed=done, description=name)
+                    bar.update(task, completed=done, description=_shown(name, one_line=True))
                 result = run_plan(model, plan, model_out, wopts, lambda tp: imatrix_of.get(tp.name), progress)
         result.missing_imatrix = missing
     if as_json:
         doc["result"] = result.to_json()
-        print(json.dumps(doc, indent=1))
+        _print_json(doc)
     else:
         rate = result.n_weights / result.seconds / 1e6 if result.seconds else 0
         files = ", ".join(str(p) for p in result.paths)
-        out.print(f"[green]wrote[/] {files}: {_fmt_bytes(result.bytes_written)} in {result.seconds:.1f} s "
-                  f"({rate:.1f} M weights/s)")
+        out.print(_styled(("wrote", "green"), f" {files}: {_fmt_bytes(result.bytes_written)} in "
+                          f"{result.seconds:.1f} s ({rate:.1f} M weights/s)"))
 
 
 @cli.command()
@@ -312,7 +411,7 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
                                 f"(no tensor {'is interleaved' if undo else 'qualifies'}; see the plan)")
         if dry_run:
             if as_json:
-                print(json.dumps(doc, indent=1))
+                _print_json(doc)
             return
         wopts = WriteOptions(split_max_size=max_size, keep_split=keep_split, keep_provenance=True)
         if as_json:
@@ -321,15 +420,16 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
             with _progress() as bar:
                 task = bar.add_task("repacking", total=plan.bytes_in)
                 result = run_plan(model, plan, model_out, wopts,
-                                  progress=lambda name, done, total: bar.update(task, completed=done, description=name))
+                                  progress=lambda name, done, total: bar.update(
+                                      task, completed=done, description=_shown(name, one_line=True)))
     if as_json:
         doc["result"] = result.to_json()
-        print(json.dumps(doc, indent=1))
+        _print_json(doc)
     else:
         rate = result.bytes_written / result.seconds / 1e9 if result.seconds else 0
-        out.print(f"[green]wrote[/] {', '.join(str(p) for p in result.paths)}: {n_moved} tensors "
-                  f"{'restored' if undo else 'repacked'}, {_fmt_bytes(result.bytes_written)} in "
-                  f"{result.seconds:.1f} s ({rate:.2f} GB/s)")
+        out.print(_styled(("wrote", "green"), f" {', '.join(str(p) for p in result.paths)}: {n_moved} tensors "
+                          f"{'restored' if undo else 'repacked'}, {_fmt_bytes(result.bytes_written)} in "
+                          f"{result.seconds:.1f} s ({rate:.2f} GB/s)"))
 
 
 @cli.command()
@@ -337,37 +437,40 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 @click.option("--no-tensors", is_flag=True, help="Only metadata and totals.")
 def inspect(path, as_json, no_tensors):
-    """Show a GGUF file's metadata, tensors and totals per type."""
+    """Show a GGUF file's metadata, tensors and totals per type (a long metadata value in part, with
+    its length; --json has it whole)."""
     from .describe import describe
     from .gguf_io.reader import open_model
     with open_model(path) as model:
         doc = describe(model)
     if as_json:
-        print(json.dumps(doc, indent=1))
+        _print_json(doc)
         return
-    t = Table(title=f"{path} — metadata", header_style="bold")
+    t = Table(title=_shown(f"{path} — metadata", one_line=True), header_style="bold")
     t.add_column("key")
     t.add_column("type")
     t.add_column("value", overflow="fold")
     for kv in doc["metadata"]:
-        t.add_row(kv["key"], kv["type"], kv["value"])
+        # a long value (a chat template, a vocabulary) shown in part: laying out a 5 MB cell takes
+        # rich most of a minute; --json has it whole
+        _add_row(t, kv["key"], kv["type"], kv["value"], limit=INSPECT_CELL_CHARS)
     out.print(t)
     if not no_tensors:
         t = Table(title="tensors", header_style="bold")
         for col in ("tensor", "shape", "type", "size"):
             t.add_column(col, justify="right" if col == "size" else "left")
         for x in doc["tensors"]:
-            t.add_row(x["name"], _shape(x["shape"]), x["type"], _fmt_bytes(x["bytes"]))
+            _add_row(t, x["name"], _shape(x["shape"]), x["type"], _fmt_bytes(x["bytes"]))
         out.print(t)
     t = Table(title="totals per type", header_style="bold")
     for col in ("type", "tensors", "weights", "size", "bpw"):
         t.add_column(col, justify="left" if col == "type" else "right")
     for r in doc["by_type"]:
-        t.add_row(r["type"], str(r["tensors"]), f"{r['elements']:,}", _fmt_bytes(r["bytes"]), f"{r['bpw']:.3f}")
+        _add_row(t, r["type"], r["tensors"], f"{r['elements']:,}", _fmt_bytes(r["bytes"]), f"{r['bpw']:.3f}")
     out.print(t)
     tot = doc["totals"]
-    out.print(f"[bold]total[/]: {tot['tensors']} tensors, {tot['elements']:,} weights, "
-              f"{_fmt_bytes(tot['bytes'])}, {tot['bpw']:.3f} bpw, {doc['shards']} file(s)")
+    out.print(_styled(("total", "bold"), f": {tot['tensors']} tensors, {tot['elements']:,} weights, "
+                      f"{_fmt_bytes(tot['bytes'])}, {tot['bpw']:.3f} bpw, {doc['shards']} file(s)"))
 
 
 # --------------------------------------------------------------------------- runtime
@@ -404,9 +507,9 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
     """Generate text from PROMPT with quantkit's reference runtime, streaming it, then print prompt
     and generation speed (tokens/s)."""
     from .runtime.generate import GenerationStats, Sampler, SamplerOptions, generate
-    from .runtime.session import TextStream, open_session, parse_overrides
+    from .runtime.session import TextStream, open_session
 
-    with open_session(model_path, threads, device=device, cpu_tensors=parse_overrides(overrides)) as s:
+    with open_session(model_path, threads, device=device, cpu_tensors=_cpu_tensors(overrides)) as s:
         placement = _placement(s)
         if placement and not as_json:
             err.print("weights: " + "; ".join(f"{where} {v['tensors']} tensors, {v['MB']:.1f} MB"
@@ -428,10 +531,10 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
                 out.file.flush()
         pieces.append(stream.flush())
         if as_json:
-            print(json.dumps({"prompt": text, "prompt_tokens": ids, "text": "".join(pieces),
-                              "tokens": stats.tokens, "threads": s.threads,
-                              "prompt_tokens_per_second": stats.prompt_tps, "placement": placement,
-                              "generation_tokens_per_second": stats.gen_tps}, indent=1))
+            _print_json({"prompt": text, "prompt_tokens": ids, "text": "".join(pieces),
+                         "tokens": stats.tokens, "threads": s.threads,
+                         "prompt_tokens_per_second": stats.prompt_tps, "placement": placement,
+                         "generation_tokens_per_second": stats.gen_tps})
             return
         out.print(pieces[-1], markup=False, highlight=False)
         err.print(f"prompt: {stats.n_prompt} tokens in {stats.prompt_seconds:.2f} s "
@@ -448,16 +551,25 @@ def _placement(session) -> dict | None:
 
 
 def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise QuantkitError(f"-f {path}: {e.strerror}") from None
+    from .textfile import read_text
+    return read_text(path, "-f", MAX_TEXT_BYTES, errors="replace")
+
+
+def _cpu_tensors(overrides) -> list[str]:
+    """--override-tensor regexes, refused where their matching work has no bound (tensor_regex)."""
+    from .runtime.session import parse_overrides
+    from .tensor_regex import compile_bounded
+    patterns = parse_overrides(overrides)
+    for p in patterns:
+        compile_bounded(p, "--override-tensor")
+    return patterns
 
 
 @cli.command()
 @click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-f", "--file", "text_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Text to evaluate (not needed with --kl-divergence: the base file holds its tokens).")
+              help="Text to evaluate, a regular file of at most 1 GiB (not needed with --kl-divergence: the base "
+                   "file holds its tokens).")
 @click.option("-c", "--ctx-size", type=click.IntRange(min=4), default=512, show_default=True,
               help="Tokens per chunk; the second half of each chunk is scored.")
 @click.option("--chunks", type=click.IntRange(min=1), default=None, help="Evaluate at most N chunks.")
@@ -473,7 +585,7 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
     second half of each scored), or KL divergence against a base model's saved logits."""
     from .outputs import check_outputs
     from .runtime import perplexity as ppl
-    from .runtime.session import open_session, parse_overrides
+    from .runtime.session import open_session
 
     if kld and kld_base is None:
         raise QuantkitError("--kl-divergence needs --kl-divergence-base FILE (the base model's saved logits)")
@@ -481,14 +593,15 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
         raise QuantkitError("-f FILE is needed (the text to evaluate)")
     if kld_base is not None and not kld:
         check_outputs([kld_base], [model_path, text_path], what="--kl-divergence-base")
-    with open_session(model_path, threads, device=device, cpu_tensors=parse_overrides(overrides)) as s:
+    text = None if kld else _read_text(text_path)       # before the model loads: a bad -f fails fast
+    with open_session(model_path, threads, device=device, cpu_tensors=_cpu_tensors(overrides)) as s:
         if kld:
             base = ppl.LogitsFile.read(kld_base)
             if chunks:
                 base.chunks = base.chunks[:chunks]
             total = len(base.chunks)
         else:
-            chunk_list = s.chunks(_read_text(text_path), ctx_size, chunks)
+            chunk_list = s.chunks(text, ctx_size, chunks)
             total = len(chunk_list)
         progress = _progress_bar("chunks", total, show=not as_json)
         with progress as bar:
@@ -509,13 +622,13 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
     if kld:
         doc = stats.summary()
         if as_json:
-            print(json.dumps(doc, indent=1))
+            _print_json(doc)
         else:
             _render_kld(doc)
         return
     if as_json:
-        print(json.dumps({"ppl": res.ppl, "ppl_error": res.ppl_error, "chunks": len(chunk_list),
-                          "n_ctx": ctx_size, "tokens_scored": len(res.nll), "chunk_ppl": res.chunk_ppl}, indent=1))
+        _print_json({"ppl": res.ppl, "ppl_error": res.ppl_error, "chunks": len(chunk_list),
+                     "n_ctx": ctx_size, "tokens_scored": len(res.nll), "chunk_ppl": res.chunk_ppl})
     else:
         out.print(f"[{', '.join(f'{i + 1}]{p:.4f}' for i, p in enumerate(res.chunk_ppl))}")
         out.print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_error:.5f}")
@@ -545,7 +658,7 @@ def imatrix():
 @imatrix.command("collect")
 @click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-f", "--file", "text_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Calibration text.")
+              help="Calibration text, a regular file of at most 1 GiB.")
 @click.option("-o", "--output", "out_path", default="imatrix.gguf", show_default=True,
               type=click.Path(path_type=Path),
               help="Output file: .dat writes the legacy format (what ik_llama.cpp reads), anything else GGUF.")
@@ -575,7 +688,7 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
     from .outputs import check_outputs
     from .runtime.activations import MainlineRounding
     from .runtime.collect import ActivationStats, ObservingOps, collect
-    from .runtime.session import open_session, parse_overrides
+    from .runtime.session import open_session
 
     check_outputs([out_path], [model_path, text_path, *in_files], what="-o")
     datasets = []
@@ -586,12 +699,14 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
             raw = raw.merged(RawImatrix.from_file(p, ctx_size))
         stats, datasets = ActivationStats.from_raw(raw, process_output), raw.datasets
     datasets.append(str(text_path))
+    text = _read_text(text_path)                        # before the model loads: a bad -f fails fast
+
     def observing(gguf, ops):
         ops = MainlineRounding(ops) if activations == "mainline" else ops
         return ObservingOps(ops, stats, {t.name: tuple(t.shape) for t in gguf.tensors})
     with open_session(model_path, threads, wrap_ops=observing, device=device,
-                      cpu_tensors=parse_overrides(overrides)) as s:
-        chunk_list = s.chunks(_read_text(text_path), ctx_size, chunks, skip=skip_chunks)
+                      cpu_tensors=_cpu_tensors(overrides)) as s:
+        chunk_list = s.chunks(text, ctx_size, chunks, skip=skip_chunks)
         with _progress_bar("chunks", len(chunk_list), show=not as_json) as bar:
             task = bar.add_task("imatrix", total=len(chunk_list))
 
@@ -611,11 +726,11 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
     raw.save(out_path)
     ppl_value = math.exp(sum(nll) / len(nll))
     if as_json:
-        print(json.dumps({"file": str(out_path), "entries": len(stats.entries), "chunks": len(chunk_list),
-                          "n_ctx": ctx_size, "ppl": ppl_value, "partial": missing}, indent=1))
+        _print_json({"file": str(out_path), "entries": len(stats.entries), "chunks": len(chunk_list),
+                     "n_ctx": ctx_size, "ppl": ppl_value, "partial": missing})
     else:
-        out.print(f"[green]wrote[/] {out_path}: {len(stats.entries)} entries from {len(chunk_list)} chunks of "
-                  f"{ctx_size} tokens (PPL {ppl_value:.4f})")
+        out.print(_styled(("wrote", "green"), f" {out_path}: {len(stats.entries)} entries from {len(chunk_list)} "
+                          f"chunks of {ctx_size} tokens (PPL {ppl_value:.4f})"))
 
 
 _CHUNK_OPTION = click.option(
@@ -634,7 +749,8 @@ def imatrix_convert(in_path, out_path, chunk_size):
     check_outputs([out_path], [in_path])
     raw = RawImatrix.from_file(in_path, chunk_size)
     raw.save(out_path)
-    out.print(f"[green]wrote[/] {out_path}: {len(raw.sums)} entries, {raw.chunk_count} chunks of {raw.chunk_size}")
+    out.print(_styled(("wrote", "green"), f" {out_path}: {len(raw.sums)} entries, {raw.chunk_count} chunks of "
+                      f"{raw.chunk_size}"))
 
 
 @imatrix.command("merge")
@@ -651,8 +767,8 @@ def imatrix_merge(in_paths, out_path, chunk_size):
     for p in in_paths[1:]:
         raw = raw.merged(RawImatrix.from_file(p, chunk_size))
     raw.save(out_path)
-    out.print(f"[green]wrote[/] {out_path}: {len(raw.sums)} entries from {len(in_paths)} files, "
-              f"{raw.chunk_count} chunks of {raw.chunk_size}")
+    out.print(_styled(("wrote", "green"), f" {out_path}: {len(raw.sums)} entries from {len(in_paths)} files, "
+                      f"{raw.chunk_count} chunks of {raw.chunk_size}"))
 
 
 @imatrix.command("stats")
@@ -667,27 +783,28 @@ def imatrix_stats(path, chunk_size, top, as_json):
     raw = RawImatrix.from_file(path, chunk_size)
     rows, missing = raw.stats(top), raw.never_fired()
     if as_json:
-        print(json.dumps({"file": str(path), "chunk_size": raw.chunk_size, "chunks": raw.chunk_count,
-                          "datasets": raw.datasets, "entries": rows, "experts_without_data": missing}, indent=1))
+        _print_json({"file": str(path), "chunk_size": raw.chunk_size, "chunks": raw.chunk_count,
+                     "datasets": raw.datasets, "entries": rows, "experts_without_data": missing})
         return
-    t = Table(title=f"{path}: {len(rows)} entries, {raw.chunk_count} chunks of {raw.chunk_size}",
+    t = Table(title=_shown(f"{path}: {len(rows)} entries, {raw.chunk_count} chunks of {raw.chunk_size}", one_line=True),
               header_style="bold")
     for col in ("entry", "values", "matrices", "no data", "Σ importance", "mean", "σ", "active %", "entropy",
                 "E norm %", "ZD %", "cos prev", "max/mean", "top columns"):
         t.add_column(col, justify="left" if col in ("entry", "no data", "top columns") else "right")
     for r in rows:
-        t.add_row(r["name"], str(r["values"]), str(r["matrices"]),
-                  f"[yellow]{len(r['no_data'])}[/]" if r["no_data"] else "", f"{r['sum']:.4g}", f"{r['mean']:.4g}",
-                  f"{r['std']:.4g}", f"{r['active_pct']:.1f}", f"{r['entropy']:.3f}", f"{100 * r['entropy_norm']:.1f}",
-                  f"{r['zd_pct']:.1f}", "" if r["cos_prev"] is None else f"{r['cos_prev']:.3f}",
-                  f"{r['max_over_mean']:.1f}", " ".join(map(str, r["top_columns"])))
+        _add_row(t, r["name"], r["values"], r["matrices"],
+                 _styled((str(len(r["no_data"])), "yellow")) if r["no_data"] else "", f"{r['sum']:.4g}",
+                 f"{r['mean']:.4g}", f"{r['std']:.4g}", f"{r['active_pct']:.1f}", f"{r['entropy']:.3f}",
+                 f"{100 * r['entropy_norm']:.1f}", f"{r['zd_pct']:.1f}",
+                 "" if r["cos_prev"] is None else f"{r['cos_prev']:.3f}", f"{r['max_over_mean']:.1f}",
+                 " ".join(map(str, r["top_columns"])))
     out.print(t)
     for name, experts in missing.items():
-        out.print(f"[yellow]{name}[/]: experts without data: {', '.join(map(str, experts))}")
+        out.print(_styled((name, "yellow"), f": experts without data: {', '.join(map(str, experts))}"))
 
 
 def _progress_bar(unit: str, total: int, show: bool = True) -> Progress:
-    return Progress(TextColumn("{task.description}", style="cyan"), BarColumn(),
+    return Progress(TextColumn("{task.description}", style="cyan", markup=False), BarColumn(),
                     TextColumn(f"{{task.completed}}/{{task.total}} {unit}"), TimeRemainingColumn(),
                     console=err, transient=True, disable=not (show and err.is_terminal))
 
@@ -742,15 +859,15 @@ def main(argv=None) -> int:
     except click.exceptions.Exit as e:
         return e.exit_code
     except QuantkitError as e:
-        err.print(f"quantkit: error: {e}", markup=False)
+        err.print(f"quantkit: error: {_shown(e, one_line=True)}")
         return 1
     except BrokenPipeError:
         return 1
     except Exception as e:      # a bug: still one line unless asked for the traceback
         if os.environ.get("QUANTKIT_DEBUG"):
             raise
-        err.print(f"quantkit: internal error: {type(e).__name__}: {e} (set QUANTKIT_DEBUG=1 for a traceback)",
-                  markup=False)
+        err.print(f"quantkit: internal error: {type(e).__name__}: {_shown(e, one_line=True)} "
+                  f"(set QUANTKIT_DEBUG=1 for a traceback)")
         return 2
 
 

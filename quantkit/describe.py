@@ -7,15 +7,23 @@ from .gguf_io.constants import ValueType
 from .gguf_io.reader import GGUFModel
 from .types import type_name
 
-_PREVIEW = 8
+_PREVIEW = 8            # items of an array shown
+_ITEM_CHARS = 200       # of each string item shown: a preview, not the data
+
+
+def _item_text(x) -> str:
+    if isinstance(x, str) and len(x) > _ITEM_CHARS:
+        return f"{x[:_ITEM_CHARS]!r}… ({len(x):,} characters)"
+    return repr(x)
 
 
 def _value_text(mv) -> str:
+    """A scalar whole (a chat template: the JSON output keeps it); an array as its first items."""
     if mv.vtype != ValueType.ARRAY:
         return str(mv.value)
     items = list(mv.value[:_PREVIEW]) if mv.elem_type == ValueType.STRING else mv.value[:_PREVIEW].tolist()
     more = f", … ({len(mv.value)} items)" if len(mv.value) > _PREVIEW else ""
-    return "[" + ", ".join(repr(x) for x in items) + more + "]"
+    return "[" + ", ".join(_item_text(x) for x in items) + more + "]"
 
 
 def describe(model: GGUFModel) -> dict:

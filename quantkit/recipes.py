@@ -9,16 +9,23 @@ first match wins.  A recipe is written either as a file, one rule a line::
     token_embd\\.weight=q8_0          # a trailing comment after whitespace
 
 or inline, as ik's comma-separated form ``re1=type1,re2=type2`` (a pattern cannot hold a comma
-there).  Each rule splits at its first ``=``.  Type names are case-insensitive.
+there), or inline in the file syntax: the published scripts pass ``--custom-q "$custom"`` with the
+rules (and comments) one a line.  Each rule splits at its first ``=``.  Type names are
+case-insensitive.  Patterns must have bounded matching work (see tensor_regex).
 """
 from __future__ import annotations
 
+import errno
+import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from .errors import QuantkitError
+from .tensor_regex import compile_bounded
+from .textfile import read_text
 from .types import QuantType, type_from_name, type_name
+
+MAX_RECIPE_BYTES = 1 << 20     # published recipes are a few KB
 
 _TRAILING_COMMENT = re.compile(r"\s+#.*$")
 
@@ -61,14 +68,10 @@ def _parse_rule(item: str, source: str) -> Rule:
         qtype = type_from_name(tname)
     except ValueError:
         raise QuantkitError(f"{source}: unknown type '{tname}' in rule '{item.strip()}'") from None
-    try:
-        regex = re.compile(pattern)
-    except re.error as e:
-        raise QuantkitError(f"{source}: invalid regex '{pattern}': {e}") from None
-    return Rule(pattern, qtype, source, regex)
+    return Rule(pattern, qtype, source, compile_bounded(pattern, source))
 
 
-def parse_recipe_text(text: str, origin: str) -> list[Rule]:
+def parse_recipe_text(text: str, origin: str, line_sep: str = ":") -> list[Rule]:
     """Rules of a recipe file's text; ``origin`` names the file in messages (``origin:line``)."""
     rules = []
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -78,7 +81,7 @@ def parse_recipe_text(text: str, origin: str) -> list[Rule]:
         # a line may itself hold ik's comma form
         for item in stripped.split(",") if "," in stripped and stripped.count("=") > 1 else [stripped]:
             if item.strip():
-                rules.append(_parse_rule(item, f"{origin}:{lineno}"))
+                rules.append(_parse_rule(item, f"{origin}{line_sep}{lineno}"))
     return rules
 
 
@@ -88,22 +91,35 @@ def parse_inline(arg: str, index: int) -> list[Rule]:
             for i, item in enumerate(arg.split(","), 1) if item.strip()]
 
 
+def _recipe_file_text(arg: str, inline: bool) -> str | None:
+    """The text of recipe file ``arg``, or None when ``arg`` (which looks like inline rules) names
+    nothing: probing a long inline value as a path fails with ENAMETOOLONG, which means the same."""
+    try:
+        os.stat(arg)
+    except (OSError, ValueError) as e:
+        if inline:
+            return None
+        shown = arg if len(arg) <= 200 else f"{arg[:200]}… ({len(arg)} characters)"
+        if isinstance(e, OSError) and e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            raise QuantkitError(f"--custom-q: recipe file '{shown}': {e.strerror}") from None
+        raise QuantkitError(f"--custom-q: recipe file '{shown}' not found") from None
+    return read_text(arg, "--custom-q", MAX_RECIPE_BYTES)
+
+
 def load_recipe(args: list[str]) -> Recipe:
-    """Build a recipe from ``--custom-q`` values: each is a file path or an inline rule list.
+    """Build a recipe from ``--custom-q`` values: each is a file path or inline rules (one that holds
+    a newline or an ``=`` and names no existing file): several lines in the file syntax, or one line
+    in ik's comma form.
 
     Rules accumulate in the order given, as repeated ``--custom-q`` flags do in llama-quantize.
     """
     rules: list[Rule] = []
     for i, arg in enumerate(args, 1):
-        path = Path(arg)
-        if "=" not in arg or (path.suffix and path.is_file()):
-            if not path.is_file():
-                raise QuantkitError(f"--custom-q: recipe file '{arg}' not found")
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise QuantkitError(f"{arg}: cannot read recipe: {e}") from None
-            rules += parse_recipe_text(text, str(arg))
+        text = _recipe_file_text(arg, inline="=" in arg or "\n" in arg)
+        if text is not None:
+            rules += parse_recipe_text(text, arg)
+        elif "\n" in arg:
+            rules += parse_recipe_text(arg, f"--custom-q #{i}", line_sep=" line ")
         else:
             rules += parse_inline(arg, i)
     text = "\n".join(str(r) for r in rules)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import QuantkitError
 from .plan import Plan, TensorPlan, TOKEN_EMBD_NAMES
 from .presets import PRESETS
+from .tensor_regex import compile_bounded
 from .types import QuantType, traits, type_name
 
 T = QuantType
@@ -59,13 +59,7 @@ class RepackOptions:
 
 
 def _compile(patterns) -> list[re.Pattern]:
-    out = []
-    for p in patterns:
-        try:
-            out.append(re.compile(p))
-        except re.error as e:
-            raise QuantkitError(f"--pattern '{p}': invalid regex: {e}") from None
-    return out
+    return [compile_bounded(p, "--pattern") for p in patterns]
 
 
 def make_repack_plan(tensors, file_type: int | None, opts: RepackOptions, can_shuffle) -> Plan:
