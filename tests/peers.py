@@ -304,54 +304,93 @@ def _silence_llama(C) -> None:
     fn(_log_cb, None)
 
 
+class IkSession:
+    """One model file loaded by the wheel's llama API with one context, fed token batches through
+    its KV cache (CPU, flash attention off: the wheel's IQK flash-attention path asserts on CPUs
+    without AVX-VNNI)."""
+
+    def __init__(self, model_path: str | os.PathLike, n_ctx: int, n_threads: int = 4):
+        from ik_llama_cpp import _ctypes_api as C
+        from ik_llama_cpp._internals import IkContext, IkModel
+
+        self.C = C
+        _silence_llama(C)
+        self.model = IkModel(str(model_path), use_mmap=True, n_gpu_layers=0)
+        try:
+            self.n_vocab = self.model.n_vocab
+            self.ctx = IkContext(self.model, n_ctx=max(32, (n_ctx + 31) // 32 * 32), n_threads=n_threads,
+                                 flash_attn=False)
+        except BaseException:
+            self.model.close()
+            raise
+        self.n_past = 0
+
+    def decode(self, tokens: list[int], all_positions: bool = False) -> np.ndarray:
+        """Feed ``tokens`` at the next positions: logits (n_tokens, n_vocab), or (n_vocab,) of the
+        last token."""
+        C, n = self.C, len(tokens)
+        if not tokens:
+            raise ValueError("no tokens")
+        batch = C.llama_batch_init(n, 0, 1)
+        try:
+            batch.n_tokens = n
+            for i, tok in enumerate(tokens):
+                if not 0 <= tok < self.n_vocab:
+                    raise ValueError(f"token {tok} is outside the vocabulary ({self.n_vocab})")
+                batch.token[i] = tok
+                batch.pos[i] = self.n_past + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 1 if (all_positions or i == n - 1) else 0
+            ret = self.ctx.decode(batch)
+            if ret != 0:
+                raise RuntimeError(f"llama_decode returned {ret}")
+        finally:
+            C.llama_batch_free(batch)
+        self.n_past += n
+        rows = range(n) if all_positions else [n - 1]
+        out = np.empty((len(rows), self.n_vocab), np.float32)
+        for k, i in enumerate(rows):
+            p = self.ctx.get_logits(i)
+            if not p:
+                raise RuntimeError(f"no logits for position {i}")
+            out[k] = np.ctypeslib.as_array(p, shape=(self.n_vocab,))
+        return out if all_positions else out[0]
+
+    def close(self) -> None:
+        try:
+            self.ctx.close()
+        finally:
+            self.model.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def ik_logits(model_path: str | os.PathLike, tokens: list[int], *, all_positions: bool = False,
               n_threads: int = 4) -> np.ndarray:
-    """Logits of ik_llama.cpp for one sequence: (n_vocab,) for the last position, or (n_tokens, n_vocab).
-
-    Runs on the CPU with flash attention off (the wheel's IQK flash-attention path asserts on CPUs
-    without AVX-VNNI) and ``n_ctx`` just large enough for the tokens.
-    """
-    from ik_llama_cpp import _ctypes_api as C
-    from ik_llama_cpp._internals import IkContext, IkModel
-
+    """Logits of ik_llama.cpp for one sequence: (n_vocab,) for the last position, or (n_tokens, n_vocab),
+    with ``n_ctx`` just large enough for the tokens."""
     if not tokens:
         raise ValueError("no tokens")
-    _silence_llama(C)
-    model = IkModel(str(model_path), use_mmap=True, n_gpu_layers=0)
-    try:
-        n_vocab = model.n_vocab
-        n_ctx = max(32, (len(tokens) + 31) // 32 * 32)
-        ctx = IkContext(model, n_ctx=n_ctx, n_threads=n_threads, flash_attn=False)
-        try:
-            n = len(tokens)
-            batch = C.llama_batch_init(n, 0, 1)
-            try:
-                batch.n_tokens = n
-                for i, tok in enumerate(tokens):
-                    if not 0 <= tok < n_vocab:
-                        raise ValueError(f"token {tok} is outside the vocabulary ({n_vocab})")
-                    batch.token[i] = tok
-                    batch.pos[i] = i
-                    batch.n_seq_id[i] = 1
-                    batch.seq_id[i][0] = 0
-                    batch.logits[i] = 1 if (all_positions or i == n - 1) else 0
-                ret = ctx.decode(batch)
-                if ret != 0:
-                    raise RuntimeError(f"llama_decode returned {ret}")
-            finally:
-                C.llama_batch_free(batch)
-            rows = range(n) if all_positions else [n - 1]
-            out = np.empty((len(rows), n_vocab), np.float32)
-            for k, i in enumerate(rows):
-                p = ctx.get_logits(i)
-                if not p:
-                    raise RuntimeError(f"no logits for position {i}")
-                out[k] = np.ctypeslib.as_array(p, shape=(n_vocab,))
-            return out if all_positions else out[0]
-        finally:
-            ctx.close()
-    finally:
-        model.close()
+    with IkSession(model_path, len(tokens), n_threads) as s:
+        return s.decode(list(tokens), all_positions)
+
+
+def ik_greedy(model_path: str | os.PathLike, tokens: list[int], n: int, n_threads: int = 4) -> list[int]:
+    """ik_llama.cpp's greedy continuation of ``tokens``: the prompt in one batch, then each chosen
+    token fed alone through the KV cache (as llama-cli generates)."""
+    out = []
+    with IkSession(model_path, len(tokens) + n, n_threads) as s:
+        logits = s.decode(list(tokens))
+        for i in range(n):
+            out.append(int(np.argmax(logits)))
+            if i + 1 < n:
+                logits = s.decode(out[-1:])
+    return out
 
 
 class IkVocab:

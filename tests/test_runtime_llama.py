@@ -142,21 +142,11 @@ def test_torch_backend_matches_numba_backend(files, prompt, name):
         assert rel <= (2e-3 if cpu_tensors else 1e-3) and same >= 0.98, (device, cpu_tensors, rel, same)
 
 
-def ik_greedy(path, tokens, n) -> list[int]:
-    """ik_llama.cpp's greedy continuation, one full-sequence evaluation per token."""
-    seq, out = list(tokens), []
-    for _ in range(n):
-        t = int(np.argmax(peers.ik_logits(path, seq, n_threads=2)))
-        out.append(t)
-        seq.append(t)
-    return out
-
-
 def test_f32_greedy_tokens_match_ik(files, prompt):
     tokens = prompt[:16]
     with open_model(files["f32"]) as g:
         ours = list(generate(Model(g), tokens, 32, Sampler(SamplerOptions(temp=0))))
-    assert ours == ik_greedy(files["f32"], tokens, 32)
+    assert ours == peers.ik_greedy(files["f32"], tokens, 32, n_threads=2)
 
 
 def decode(path, tokens, n_prompt):
@@ -201,7 +191,7 @@ def test_cli_run_greedy(files, prompt, smollm2_path):
                      "--threads", "2", "--json")
     doc = json.loads(p.stdout)
     assert doc["prompt_tokens"] == peers.ik_tokenize(smollm2_path, "The capital of France is")
-    assert doc["tokens"] == ik_greedy(files["f32"], doc["prompt_tokens"], 8)[:len(doc["tokens"])]
+    assert doc["tokens"] == peers.ik_greedy(files["f32"], doc["prompt_tokens"], 8, n_threads=2)[:len(doc["tokens"])]
     assert "Paris" in doc["text"]
     assert doc["prompt_tokens_per_second"] > 0 and doc["generation_tokens_per_second"] > 0
 
