@@ -551,7 +551,7 @@ def _placement(session) -> dict | None:
 
 
 def _read_text(path: Path) -> str:
-    from .textfile import read_text
+    from .inputs import read_text
     return read_text(path, "-f", MAX_TEXT_BYTES, errors="replace")
 
 

@@ -38,21 +38,13 @@ from typing import Iterable
 
 from .errors import QuantkitError
 from .gguf_io.constants import SPLIT_NAME_RE, split_shard_name
+from .inputs import file_kind
 
 log = logging.getLogger("quantkit")
 
 PREFIX_BYTES = 64           # of the output's name kept in its temporary name (for people who see it)
 _PARTIAL_RE = re.compile(r"^\..*\.qk(\d+)-[0-9a-f]{8}\.partial$", re.S)
 _swept: set[str] = set()    # directories already cleaned of stale partials in this process
-
-
-def _kind(mode: int) -> str:
-    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return what
-    return "not a regular file"
 
 
 def _stat(path: Path, shown: str) -> os.stat_result | None:
@@ -88,7 +80,7 @@ def check_output(path: str | os.PathLike, what: str = "OUT") -> Path:
         raise QuantkitError(f"{shown}: the file name is {n} bytes long, the file system allows {name_max}")
     st = _stat(target, shown)
     if st is not None and not stat.S_ISREG(st.st_mode):
-        raise QuantkitError(f"{shown} is {_kind(st.st_mode)}: quantkit writes only regular files")
+        raise QuantkitError(f"{shown} is {file_kind(st.st_mode)}: quantkit writes only regular files")
     if st is not None and not os.access(target, os.W_OK):
         raise QuantkitError(f"{shown} is read-only")     # as fopen would refuse it to llama-quantize
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -300,7 +292,7 @@ class AtomicOutput:
             for f in self._pending:
                 st = _stat(f.final, str(f.shown))
                 if st is not None and not stat.S_ISREG(st.st_mode):   # made since the check
-                    raise QuantkitError(f"OUT '{f.shown}' is {_kind(st.st_mode)} now: quantkit writes only "
+                    raise QuantkitError(f"OUT '{f.shown}' is {file_kind(st.st_mode)} now: quantkit writes only "
                                         "regular files")
             for f in self._pending:
                 try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .errors import QuantkitError
 from .tensor_regex import compile_bounded
-from .textfile import read_text
+from .inputs import read_text
 from .types import QuantType, type_from_name, type_name
 
 MAX_RECIPE_BYTES = 1 << 20     # published recipes are a few KB

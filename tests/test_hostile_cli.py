@@ -24,7 +24,7 @@ from quantkit.gguf_io.constants import MetaValue, ValueType
 from quantkit.imatrix_tools import RawImatrix
 from quantkit.recipes import MAX_RECIPE_BYTES, load_recipe
 from quantkit.tensor_regex import backtracking_paths, compile_bounded
-from quantkit.textfile import read_text
+from quantkit.inputs import read_text
 
 from hostile import Snapshot, assert_refused, run_cli
 from models import deepseek_v3_tensors, write_llama, write_sparse
@@ -106,11 +106,11 @@ def test_recipe_file_that_cannot_be_read_is_a_clean_error(tmp_path, monkeypatch,
         path.write_text("a=q8_0\n" * (MAX_RECIPE_BYTES // 7 + 1))
     elif kind == "unreadable":                          # (chmod 0 does not stop root: the open fails instead)
         path.write_text("a=q8_0\n")
-        import quantkit.textfile
+        import quantkit.inputs
 
         def denied(*args):
             raise PermissionError(13, "Permission denied")
-        monkeypatch.setattr(quantkit.textfile.os, "open", denied)
+        monkeypatch.setattr(quantkit.inputs.os, "open", denied)
     with pytest.raises(QuantkitError, match="--custom-q") as e:
         load_recipe([str(path)])
     assert "Permission denied" in str(e.value) or kind != "unreadable"
