@@ -396,7 +396,7 @@ def _device_options(f):
 @click.option("--temp", type=float, default=0.8, show_default=True, help="Temperature; 0 = greedy.")
 @click.option("--top-k", type=int, default=40, show_default=True, help="Keep the K most likely tokens (0 = all).")
 @click.option("--top-p", type=float, default=0.95, show_default=True, help="Nucleus sampling threshold (1 = off).")
-@click.option("--seed", type=int, default=None, help="Random seed (default: random).")
+@click.option("--seed", type=int, default=None, help="Random seed (default or -1: random).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
 @click.option("-c", "--ctx-size", type=click.IntRange(min=1), default=None,
               help="Context size (default: prompt + n-predict).")

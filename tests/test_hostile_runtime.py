@@ -12,6 +12,10 @@ QuantkitError that names what is wrong, before any numba kernel runs, never in a
 """
 from __future__ import annotations
 
+import json
+import os
+import re
+
 import gguf
 import numpy as np
 import pytest
@@ -280,3 +284,180 @@ def test_cli_refuses_rope_beyond_head(rope_beyond_head, tmp_path, command):
     assert_refused(rc, so, se, "llama.rope.dimension_count = 18", "at most 16")
     snap.assert_unchanged()
     assert not out.exists() and list(tmp_path.iterdir()) == [text]
+
+
+# ---- non-finite results: an error naming where, never "PPL = nan" with exit 0 ----
+
+TEXT = "the quick brown fox jumps over the lazy dog and then it runs far away into the woods " * 40
+
+
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    """quantkit's CLI in-process (no interpreter start, no numba load): (rc, stdout, stderr)."""
+    from quantkit.cli import main
+    rc = main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+@pytest.fixture(scope="module")
+def broken(base, tmp_path_factory):
+    """The tiny llama with a NaN in one FFN weight, and with one output row of 1e38 (finite
+    weights whose logits overflow)."""
+    d = tmp_path_factory.mktemp("broken")
+    with open_model(base["llama"]) as g:
+        down = g.by_name["blk.0.ffn_down.weight"].raw().view(np.float32).copy()
+        out = g.by_name["output.weight"].raw().view(np.float32).copy()
+    down[3, 5] = np.nan
+    out[7] = 1e38
+    return {"nan": rewrite_gguf(base["llama"], d / "nan.gguf", tensors={"blk.0.ffn_down.weight": down}),
+            "huge": rewrite_gguf(base["llama"], d / "huge.gguf", tensors={"output.weight": out})}
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")      # numpy's, on the way to the NaN
+@pytest.mark.parametrize("kind", ["nan", "huge"])
+def test_non_finite_logits_stop_generation_perplexity_and_imatrix(broken, kind):
+    from quantkit.runtime.collect import ActivationStats, ObservingOps, collect
+    from quantkit.runtime.generate import Sampler, SamplerOptions, generate
+    from quantkit.runtime.perplexity import perplexity
+    chunks = [np.arange(10, 42, dtype=np.int64), np.arange(50, 82, dtype=np.int64)]
+    with open_model(broken[kind]) as g:
+        model = Model(g)
+        with pytest.raises(QuantkitError, match=r"^the prompt \(generation step 1\): the logits at position 4 "
+                                                r"are NaN or infinite: the model's weights or activations"):
+            list(generate(model, [1, 20, 30, 40, 50], 4, Sampler(SamplerOptions(seed=1))))
+        with pytest.raises(QuantkitError, match=r"^chunk 1 of 2: the logits at position 16 are NaN or infinite"):
+            perplexity(model, chunks)
+        stats = ActivationStats()
+        observed = Model(g, ops=ObservingOps(model.ops, stats, {t.name: tuple(t.shape) for t in g.tensors}))
+        # a NaN reaches the next product's inputs before the logits
+        match = r"^imatrix: the inputs of blk\.1\.attn_q\.weight are NaN" if kind == "nan" else r"^chunk 1 of 2: the logits"
+        with pytest.raises(QuantkitError, match=match):
+            collect(observed, chunks)
+
+
+def test_perplexity_cli_refuses_nan_model(broken, tmp_path):
+    """The issue's case through the real CLI: PPL = nan exited 0."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    snap = Snapshot(broken["nan"], text)
+    rc, out, err = run_cli("perplexity", broken["nan"], "-f", text, "-c", "32", "--chunks", "2", "--threads", "1")
+    assert_refused(rc, out, err, "chunk 1 of 2", "NaN or infinite")
+    assert "PPL" not in out
+    snap.assert_unchanged()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_generation_steps_check_their_logits(base):
+    """A step after the prompt whose logits are not finite stops generation, naming the step."""
+    from quantkit.runtime import ops_cpu
+    from quantkit.runtime.generate import Sampler, SamplerOptions, generate
+
+    class NanInThirdForward:
+        """ops_cpu, but the embedding of the third forward pass (generation step 3) is NaN."""
+        calls = 0
+
+        def __getattr__(self, name):
+            return getattr(ops_cpu, name)
+
+        def embed(self, w, ids):
+            self.calls += 1
+            x = ops_cpu.embed(w, ids)
+            return x * np.nan if self.calls == 3 else x
+
+    with open_model(base["llama"]) as g:
+        model = Model(g, ops=NanInThirdForward())
+        got = []
+        with pytest.raises(QuantkitError, match=r"^generation step 3: the logits at position 6 are NaN"):
+            for t in generate(model, [1, 20, 30, 40, 50], 8, Sampler(SamplerOptions(temp=0))):
+                got.append(t)
+        assert len(got) == 2
+
+
+# ---- sampling options ----
+
+@pytest.mark.parametrize("option, value, words", [
+    ("--temp", "nan", "--temp nan"), ("--temp", "inf", "--temp inf"), ("--temp", "-0.5", "--temp -0.5"),
+    ("--top-p", "1.5", "--top-p 1.5"), ("--top-p", "-0.1", "--top-p -0.1"), ("--top-p", "nan", "--top-p nan"),
+    ("--top-k", "-3", "--top-k -3"), ("--seed", "-2", "--seed -2"),
+])
+def test_run_refuses_bad_sampling_options(base, capsys, option, value, words):
+    rc, out, err = run_main(capsys, "run", base["llama"], "-p", "hi", "-n", "2", option, value, "--threads", "1")
+    assert_refused(rc, out, err, words)
+
+
+def test_run_seed_minus_one_is_random(base, capsys):
+    """llama.cpp's -1 ("random", llama-cli's default) is accepted."""
+    rc, out, err = run_main(capsys, "run", base["llama"], "-p", "hi", "-n", "3", "--seed", "-1", "--json",
+                            "--threads", "1")
+    assert rc == 0, err
+    assert len(json.loads(out)["tokens"]) <= 3
+
+
+# ---- --kl-divergence-base files ----
+
+def write_base(path, n_ctx=8, n_vocab=320, n_chunk=2, tokens=None, rows=None, tail=b""):
+    """A llama-perplexity logits file (see quantkit.runtime.perplexity), its header as given."""
+    import struct
+
+    from quantkit.runtime.perplexity import quantize_log_probs
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, max(n_vocab, 1), max(n_ctx * n_chunk, 0)) if tokens is None else np.asarray(tokens)
+    n_pos = max(n_chunk * (n_ctx - 1 - n_ctx // 2), 0)
+    if rows is None:
+        rows = np.stack([quantize_log_probs(rng.standard_normal(n_vocab).astype(np.float32)) for _ in range(n_pos)]) \
+            if n_pos and n_vocab > 0 else np.zeros((0,), np.uint16)
+    path.write_bytes(b"_logits_" + struct.pack("<iii", n_ctx, n_vocab, n_chunk) + tokens.astype("<i4").tobytes()
+                     + rows.astype("<u2").tobytes() + tail)
+    return path
+
+
+def test_kld_base_header_is_checked_against_the_file(tmp_path):
+    from quantkit.runtime.perplexity import LogitsFile
+    ok = LogitsFile.read(write_base(tmp_path / "ok.kld"))
+    assert (ok.n_ctx, ok.n_vocab, len(ok.chunks), ok.data.shape) == (8, 320, 2, (6, 324))
+    rows = np.stack([ok.data[i] for i in range(6)])
+    cases = [
+        (dict(n_ctx=1), "n_ctx must be at least 3"),            # no scored position: a ZeroDivisionError
+        (dict(n_ctx=2), "n_ctx must be at least 3"),
+        (dict(n_chunk=0), "n_chunk at least 1"),
+        (dict(n_vocab=0), "n_vocab and n_chunk at least 1"),
+        (dict(n_vocab=-5), "n_vocab and n_chunk at least 1"),
+        (dict(tail=b"\0\0"), "means 3972 bytes, the file has 3974"),        # sizes that do not match the file's
+        (dict(rows=rows[:5]), "the file has 3324"),
+        (dict(tokens=np.r_[np.arange(15), 320]), "token 320 (chunk 2)"),
+        (dict(tokens=np.r_[-1, np.arange(15)]), "token -1 (chunk 1)"),
+    ]
+    nan_row = rows.copy()
+    nan_row[4, :2] = np.array([np.nan], np.float32).view(np.uint16)
+    neg_row = rows.copy()
+    neg_row[1, :2] = np.array([-1.0], np.float32).view(np.uint16)
+    cases += [(dict(rows=nan_row), "corrupt logits row 4 (chunk 2)"), (dict(rows=neg_row), "corrupt logits row 1")]
+    for i, (kw, words) in enumerate(cases):
+        path = write_base(tmp_path / f"bad{i}.kld", **kw)
+        with pytest.raises(QuantkitError, match=re.escape(words)):
+            LogitsFile.read(path)
+    fifo = tmp_path / "fifo.kld"
+    os.mkfifo(fifo)
+    with pytest.raises(QuantkitError, match="not a regular file"):
+        LogitsFile.read(fifo)
+
+
+def test_kld_cli_refuses_inconsistent_base(base, tmp_path, capsys):
+    """A base with n_ctx 1 (an internal error before), and one from a model of another vocabulary:
+    refused before anything is computed, the base file unchanged."""
+    for name, kw, words in (("ctx1.kld", dict(n_ctx=1), "n_ctx must be at least 3"),
+                            ("vocab.kld", dict(n_vocab=100), "vocabulary of 100, the model 320")):
+        path = write_base(tmp_path / name, **kw)
+        snap = Snapshot(path, base["llama"])
+        rc, out, err = run_main(capsys, "perplexity", base["llama"], "--kl-divergence-base", path,
+                                "--kl-divergence", "--threads", "1")
+        assert_refused(rc, out, err, words)
+        snap.assert_unchanged()
+
+
+def test_kld_runs_on_a_consistent_base(base, tmp_path, capsys):
+    path = write_base(tmp_path / "ok.kld", n_ctx=16, n_chunk=2)
+    rc, out, err = run_main(capsys, "perplexity", base["llama"], "--kl-divergence-base", path,
+                            "--kl-divergence", "--json", "--threads", "1")
+    assert rc == 0, err
+    assert json.loads(out)["positions"] == 14

@@ -17,6 +17,20 @@ from .hparams import ModelConfig
 from .weights import WeightStore
 
 
+class NonFiniteLogits(QuantkitError):
+    """Logits that are NaN or infinite: the model's weights or activations are not finite (a
+    result computed from them would be NaN).  ``where``: what was being computed (a chunk, a
+    generation step), added by the caller."""
+
+    def __init__(self, position: int, where: str = ""):
+        self.position = position
+        super().__init__(f"{where + ': ' if where else ''}the logits at position {position} are NaN or infinite: "
+                         "the model's weights or activations are not finite")
+
+    def at(self, where: str) -> "NonFiniteLogits":
+        return NonFiniteLogits(self.position, where)
+
+
 class Model:
     """Weights, configuration and the forward pass of one GGUF model."""
 
@@ -82,7 +96,9 @@ class Model:
 
     def forward(self, tokens, cache: ops_cpu.KVCache, logits_from: int = 0) -> np.ndarray:
         """Run ``tokens`` at the cache's next positions; logits (n, n_vocab), a numpy array, of the
-        tokens from index ``logits_from`` on (the last one only: ``logits_from=len(tokens) - 1``)."""
+        tokens from index ``logits_from`` on (the last one only: ``logits_from=len(tokens) - 1``).
+        Logits that are not finite raise :class:`NonFiniteLogits`: nothing computed from them
+        (a sampled token, a perplexity) would mean anything."""
         c, ops = self.config, self.ops
         tokens = np.asarray(tokens, np.int64)
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.tok_embd.n_out):
@@ -99,4 +115,8 @@ class Model:
         cache.n_past = pos0 + n
         x = ops.rmsnorm(x[logits_from:], self.vector("output_norm.weight"), c.rms_eps)
         # a batch's last logits alone stay a batch's (float activations): fused only for a generation step
-        return ops.host(ops.matmul_q(self.output, x, fused=n <= ops_cpu.FUSED_TOKENS))
+        logits = ops.host(ops.matmul_q(self.output, x, fused=n <= ops_cpu.FUSED_TOKENS))
+        finite = np.isfinite(logits).all(axis=1)
+        if not finite.all():
+            raise NonFiniteLogits(pos0 + logits_from + int(np.argmin(finite)))
+        return logits
