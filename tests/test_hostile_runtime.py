@@ -461,3 +461,108 @@ def test_kld_runs_on_a_consistent_base(base, tmp_path, capsys):
                             "--kl-divergence", "--json", "--threads", "1")
     assert rc == 0, err
     assert json.loads(out)["positions"] == 14
+
+
+# ---- the tokenizer's metadata ----
+
+SPM = {"tokenizer.ggml.model": "llama",
+       "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581a", "a"]}
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"tokenizer.ggml.tokens": ["a", 1, "b"]}, "tokenizer.ggml.tokens must be an array of strings"),
+    ({"tokenizer.ggml.tokens": "abc"}, "tokenizer.ggml.tokens must be an array of strings"),
+    ({"tokenizer.ggml.scores": ["0.5"] * 261}, "tokenizer.ggml.scores must be an array of numbers"),
+    ({"tokenizer.ggml.token_type": [1.5] * 261}, "tokenizer.ggml.token_type must be an array of integers"),
+    ({"tokenizer.ggml.token_type": [1] * 260}, "tokenizer.ggml.token_type has 260 entries for 261 tokens"),
+    ({"tokenizer.ggml.bos_token_id": "1"}, "tokenizer.ggml.bos_token_id = '1' must be a token id"),
+    ({"tokenizer.ggml.eos_token_id": 2.0}, "tokenizer.ggml.eos_token_id = 2.0 must be a token id"),
+    ({"tokenizer.ggml.add_bos_token": "false"}, "tokenizer.ggml.add_bos_token = 'false' must be a bool"),
+    ({"tokenizer.ggml.add_space_prefix": 1}, "tokenizer.ggml.add_space_prefix = 1 must be a bool"),
+    ({"tokenizer.ggml.pre": 7}, "tokenizer.ggml.pre = 7 must be a string"),
+    ({"tokenizer.chat_template": ["{{ x }}"]}, "tokenizer.chat_template = ['{{ x }}'] must be a string"),
+    ({"tokenizer.ggml.model": ["llama"]}, "tokenizer model ['llama'] is not supported"),
+    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.merges": [1, 2]},
+     "tokenizer.ggml.merges must be an array of strings"),
+])
+def test_tokenizer_metadata_is_checked(change, words):
+    from quantkit.runtime.tokenizer import Tokenizer
+    with pytest.raises(QuantkitError, match=re.escape(words)):
+        Tokenizer.from_metadata({**SPM, **change})
+
+
+def test_tokenizer_default_special_ids_beyond_a_small_vocabulary():
+    """gpt2's default BOS/EOS id 11 in a vocabulary of 5: no such token (an IndexError before)."""
+    from quantkit.runtime.tokenizer import Tokenizer
+    tok = Tokenizer.from_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
+                                   "tokenizer.ggml.tokens": ["a", "b", "c", "d", "e"], "tokenizer.ggml.merges": []})
+    assert tok.bos_id is None and tok.eos_id is None and not tok.eog_ids
+    assert tok.encode("abc") == [0, 1, 2]
+
+
+# ---- chat templates: bounded work ----
+
+@pytest.mark.parametrize("template, words", [
+    ("{{ 'x' * 10**10 }}", "a repetition of 10000000000"),               # the issue's case: 10 GB
+    ("{{ ([0] * 100000) * 100000 }}", "a repetition of 10000000000"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "a ~ concatenation of 33554432"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+     "a concatenation of 33554432"),
+    ("{{ 2 ** 100000000 }}", "the power 2 ** 100000000"),
+    ("{{ 'x'|center(10**10) }}", "the filter center of 10000000000"),
+    ("{{ 'a\nb'|indent(10**9) }}", "the filter indent"),
+    ("{% set s = 'x' * 10**6 %}{{ s|replace('', s) }}", "the filter replace"),
+    ("{% set s = 'x' * 10**6 %}{{ s.replace('', s) }}", "str.replace"),
+    ("{{ 'x'.ljust(10**10) }}", "str.ljust of 10000000000"),
+    ("{{ '%10000000000d' % 1 }}", "a % formatting"),
+    ("{{ '%*d' % (10**10, 1) }}", "a % formatting"),
+    ("{{ '{:>10000000000}'.format(1) }}", "str.format"),
+    ("{{ '{:{}}'.format(1, 10**10) }}", "str.format"),
+    ("{{ [1]|batch(10**10, 'x')|list }}", "the filter batch"),
+    ("{{ messages|tojson(indent=10**8) }}", "JSON indent"),
+    ("{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}", "output is longer than"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{{ lipsum(10**8) }}", "'lipsum' is undefined"),
+    ("{% include 'x' %}", "chat template"),
+    ("{% for %}", "chat template"),
+])
+def test_chat_template_is_bounded(template, words):
+    from quantkit.runtime.tokenizer import Tokenizer
+    tok = Tokenizer.from_metadata({**SPM, "tokenizer.chat_template": template})
+    with pytest.raises(QuantkitError, match=re.escape(words)):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_chat_template_loops_and_time_are_bounded(monkeypatch):
+    """Empty nested loops make nothing but take hours: loop lengths count as work, and rendering
+    has a deadline (both lowered here to keep the test quick)."""
+    from quantkit.runtime import chat_template
+    from quantkit.runtime.tokenizer import Tokenizer
+    monkeypatch.setattr(chat_template, "MAX_WORK", 1 << 20)
+    nested = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    with pytest.raises(QuantkitError, match="characters or items in all"):
+        Tokenizer.from_metadata({**SPM, "tokenizer.chat_template": nested}).apply_chat_template([])
+    monkeypatch.setattr(chat_template, "MAX_SECONDS", 0.2)
+    calls = "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(40) }}"
+    with pytest.raises(QuantkitError, match="longer than 0.2 s"):
+        Tokenizer.from_metadata({**SPM, "tokenizer.chat_template": calls}).apply_chat_template([])
+
+
+def test_chat_template_ordinary_work_renders():
+    from quantkit.runtime.tokenizer import Tokenizer
+    template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content ~ '\n' }}{% endfor %}{{ '=' * 3 }}"
+                "{{ '%s|%5.2f' % ('a', 1.5) }}{{ '{}-{:>4}'.format('b', 7) }}{{ messages|tojson }}"
+                "{{ 'a\nb'|indent(2) }}{{ ['x', 'y']|join(', ') }}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok = Tokenizer.from_metadata({**SPM, "tokenizer.chat_template": template})
+    long = "word " * 200000                                                  # a 1 MB prompt
+    out = tok.apply_chat_template([{"role": "user", "content": long}])
+    assert out.startswith("<|user|>word word") and out.endswith(
+        '===a| 1.50b-   7[{"role": "user", "content": "' + long + '"}]a\n  b' + "x, y<|assistant|>")
+
+
+def test_run_chat_refuses_a_huge_template(base, tmp_path, capsys):
+    path = rewrite_gguf(base["llama"], tmp_path / "template.gguf", {"tokenizer.chat_template": "{{ 'x' * 10**10 }}"})
+    rc, out, err = run_main(capsys, "run", path, "-p", "hi", "-n", "2", "--chat", "--threads", "1")
+    assert_refused(rc, out, err, "chat template", "10000000000")
