@@ -410,6 +410,7 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
     from .runtime.generate import GenerationStats, Sampler, SamplerOptions, generate
     from .runtime.session import TextStream, open_session, parse_overrides
 
+    sampler = Sampler(SamplerOptions(temp=temp, top_k=top_k, top_p=top_p, seed=seed))     # checks the options
     with open_session(model_path, threads, device=device, cpu_tensors=parse_overrides(overrides)) as s:
         placement = _placement(s)
         if placement and not as_json:
@@ -418,7 +419,6 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
         tok = s.tokenizer
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = tok.encode(text, add_special=True, parse_special=chat)
-        sampler = Sampler(SamplerOptions(temp=temp, top_k=top_k, top_p=top_p, seed=seed))
         stats = GenerationStats()
         stream = TextStream(tok)
         pieces = []

@@ -5,10 +5,14 @@ QuantkitError that names what is wrong, before any numba kernel runs, never in a
 * every hyperparameter the runtime reads (llama and deepseek2), rewritten to a bad value in a tiny
   model: the model is refused at load, naming the key (in-process: only ``Model()`` is built);
 * every weight the forward pass uses, given a wrong shape: refused naming the tensor;
-* the tokenizer metadata (token list, types, scores, merges, special ids, flags);
 * a few through the real CLI, where the refusal contract itself (exit 1, one line, input
   unchanged, no output file) is what is tested: rope dims beyond the head size made the rope
-  kernel write out of bounds (glibc abort, segfault, or rc 0 with corrupted numbers).
+  kernel write out of bounds (glibc abort, segfault, or rc 0 with corrupted numbers);
+* NaN / infinite results (a NaN weight, an output row of 1e38): an error naming the chunk or the
+  generation step, where ``PPL = nan`` exited 0 and generation went on;
+* sampling options (--temp nan, --top-p 1.5, --seed -1 accepted as random) and
+  --kl-divergence-base files whose header disagrees with the file or the model;
+* the tokenizer's metadata, and chat templates that would grow without bound.
 """
 from __future__ import annotations
 
@@ -566,3 +570,14 @@ def test_run_chat_refuses_a_huge_template(base, tmp_path, capsys):
     path = rewrite_gguf(base["llama"], tmp_path / "template.gguf", {"tokenizer.chat_template": "{{ 'x' * 10**10 }}"})
     rc, out, err = run_main(capsys, "run", path, "-p", "hi", "-n", "2", "--chat", "--threads", "1")
     assert_refused(rc, out, err, "chat template", "10000000000")
+
+
+def test_huge_counts_are_refused_quickly(base, tmp_path):
+    """Counts near 2**64 (u64 keys) are compared, never iterated or allocated."""
+    for key in ("block_count", "embedding_length", "attention.head_count", "context_length"):
+        path = rewrite_gguf(base["llama"], tmp_path / "huge.gguf", {L + key: (2**64 - 1, T.UINT64)})
+        if key == "context_length":     # a context length is only an upper bound
+            with open_model(path) as g:
+                assert Model(g).config.n_ctx_train == 2**64 - 1
+        else:
+            refused(path, L + key)
