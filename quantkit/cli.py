@@ -495,7 +495,7 @@ def _device_options(f):
 @click.option("--temp", type=float, default=0.8, show_default=True, help="Temperature; 0 = greedy.")
 @click.option("--top-k", type=int, default=40, show_default=True, help="Keep the K most likely tokens (0 = all).")
 @click.option("--top-p", type=float, default=0.95, show_default=True, help="Nucleus sampling threshold (1 = off).")
-@click.option("--seed", type=int, default=None, help="Random seed (default: random).")
+@click.option("--seed", type=int, default=None, help="Random seed (default or -1: random).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
 @click.option("-c", "--ctx-size", type=click.IntRange(min=1), default=None,
               help="Context size (default: prompt + n-predict).")
@@ -509,6 +509,7 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
     from .runtime.generate import GenerationStats, Sampler, SamplerOptions, generate
     from .runtime.session import TextStream, open_session
 
+    sampler = Sampler(SamplerOptions(temp=temp, top_k=top_k, top_p=top_p, seed=seed))     # checks the options
     with open_session(model_path, threads, device=device, cpu_tensors=_cpu_tensors(overrides)) as s:
         placement = _placement(s)
         if placement and not as_json:
@@ -517,7 +518,6 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
         tok = s.tokenizer
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = tok.encode(text, add_special=True, parse_special=chat)
-        sampler = Sampler(SamplerOptions(temp=temp, top_k=top_k, top_p=top_p, seed=seed))
         stats = GenerationStats()
         stream = TextStream(tok)
         pieces = []

@@ -281,3 +281,72 @@ def deepseek_v3_tensors(n_layer=61, n_dense=3, n_embd=7168, n_ff=18432, n_ff_exp
                   (p + "ffn_up_shexp.weight", (n_embd, n_ff_exp), type_id),
                   (p + "ffn_down_shexp.weight", (n_ff_exp, n_embd), type_id)]
     return t
+
+
+def rewrite_gguf(src: Path, dst: Path, keys: dict | None = None, tensors: dict | None = None) -> Path:
+    """A copy of the GGUF ``src`` at ``dst`` with some metadata keys and tensors changed (read and
+    written with gguf-py), for crafted-metadata tests.
+
+    ``keys``: {key: value}; None removes the key, a ``(value, gguf.GGUFValueType)`` pair sets the
+    type, and otherwise an existing key keeps its type where the value fits it (ints, floats) and a
+    new one gets the python value's (int: UINT32, or INT32 when negative; float: FLOAT32; str; bool;
+    list: an array of its first element's type).  ``tensors``: {name: float32 array in numpy order
+    (rows, row length) or None to remove}; other tensors are copied byte for byte."""
+    keys, tensors = dict(keys or {}), dict(tensors or {})
+    T = gguf.GGUFValueType
+    r = gguf.GGUFReader(str(src))
+    fields = {f.name: f for f in r.fields.values() if not f.name.startswith("GGUF.")}
+
+    def infer(v):
+        if isinstance(v, bool):
+            return T.BOOL
+        if isinstance(v, int):
+            return T.INT32 if v < 0 else T.UINT32
+        if isinstance(v, float):
+            return T.FLOAT32
+        return T.STRING if isinstance(v, str) else T.ARRAY
+
+    arch = keys.pop("general.architecture", fields["general.architecture"].contents())     # a string
+    w = gguf.GGUFWriter(str(dst), arch=arch)
+    names = [n for n in fields if n != "general.architecture"] + [n for n in keys if n not in fields]
+    for name in names:
+        if name not in keys:
+            f = fields[name]
+            value, vtype = f.contents(), f.types[0]
+            sub = f.types[-1] if vtype == T.ARRAY else None
+        else:
+            value = keys[name]
+            if value is None:
+                continue
+            if isinstance(value, tuple):
+                value, vtype = value
+            else:
+                vtype = _keep_type(fields[name].types[0] if name in fields else None, value, infer(value))
+            sub = infer(value[0]) if vtype == T.ARRAY and value else (T.UINT32 if vtype == T.ARRAY else None)
+        w.add_key_value(name, value, vtype, sub_type=sub)
+    for t in r.tensors:
+        if t.name in tensors:
+            continue
+        w.add_tensor(t.name, t.data, raw_shape=[int(n) for n in reversed(t.shape)], raw_dtype=t.tensor_type)
+    for name, data in tensors.items():
+        if data is not None:
+            w.add_tensor(name, np.ascontiguousarray(data, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def _keep_type(old, value, inferred):
+    """An existing number key's own type for a new number that fits it (a float key stays float,
+    an unsigned one takes a negative value as INT32), else the value's inferred type."""
+    T = gguf.GGUFValueType
+    ints = {T.UINT8, T.UINT16, T.UINT32, T.UINT64, T.INT8, T.INT16, T.INT32, T.INT64}
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return inferred
+    if old in (T.FLOAT32, T.FLOAT64):
+        return old
+    if old in ints and isinstance(value, int):
+        return T.INT32 if value < 0 and old.name.startswith("UINT") else old
+    return inferred

@@ -68,12 +68,14 @@ class ActivationStats:
             # squares in float as llama-imatrix forms them, summed in double
             kernels.add_square_sums(np.ascontiguousarray(x, np.float32), e.sums[0])
             e.counts[0] += x.shape[0]
+            _check_finite(name, e.sums[0])
 
     def add_expert(self, name: str, expert: int, n_expert: int, x: np.ndarray) -> None:
         if self.wanted(name):
             e = self._entry(name, n_expert, x.shape[1], n_expert)
             kernels.add_square_sums(np.ascontiguousarray(x, np.float32), e.sums[expert])
             e.counts[expert] += x.shape[0]
+            _check_finite(name, e.sums[expert])
 
     def add_heads(self, name: str, x: np.ndarray) -> None:
         """x (n_tokens, n_head, d_in): one row of sums per head, one count of tokens."""
@@ -81,6 +83,15 @@ class ActivationStats:
             e = self._entry(name, x.shape[1], x.shape[2], 1)
             e.sums += np.square(x, dtype=np.float32).sum(axis=0, dtype=np.float64)
             e.counts[0] += x.shape[0]
+            _check_finite(name, e.sums)
+
+
+def _check_finite(name: str, sums: np.ndarray) -> None:
+    """Sums of squares that are NaN or infinite (an input beyond ~1.8e19, whose float32 square
+    overflows) are no importance matrix."""
+    if not np.isfinite(sums).all():
+        raise QuantkitError(f"imatrix: the inputs of {name} are NaN or so large that their squares overflow: "
+                            "the model's weights or activations are out of range")
 
 
 class ObservingOps:
@@ -119,14 +130,21 @@ def collect(model, chunks: list[np.ndarray], on_chunk=None, all_logits: bool = F
     of each chunk's second half, llama-imatrix's running perplexity; ``on_chunk(i, nll)`` after each
     chunk.  The output matrix is applied to the scored half only, unless ``all_logits`` (it is
     observed then: --process-output)."""
-    from .perplexity import token_nll
+    from .model import NonFiniteLogits
+    from .perplexity import check_nll, token_nll
     nll: list[float] = []
     for i, chunk in enumerate(chunks):
         n_ctx = len(chunk)
         first = n_ctx // 2
         start = 0 if all_logits else first
-        logits = model.forward(chunk, model.new_cache(n_ctx), logits_from=start)
-        nll.extend(token_nll(logits[first - start:n_ctx - 1 - start], chunk[first + 1:]).tolist())
+        where = f"chunk {i + 1} of {len(chunks)}"
+        try:
+            logits = model.forward(chunk, model.new_cache(n_ctx), logits_from=start)
+        except NonFiniteLogits as e:
+            raise e.at(where) from None
+        chunk_nll = token_nll(logits[first - start:n_ctx - 1 - start], chunk[first + 1:])
+        nll.extend(chunk_nll.tolist())
+        check_nll(chunk_nll, nll, where)
         if on_chunk is not None:
             on_chunk(i, nll)
     return nll

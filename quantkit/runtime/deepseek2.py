@@ -16,94 +16,12 @@ value rows; both are used in place, the key rows transposed (``matmul_q_t``).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..errors import QuantkitError
-from ..gguf_io.reader import GGUFModel
 from .weights import Weight
 
-# deepseek2.expert_gating_func
-GATING = {1: "softmax", 2: "sigmoid"}
-
-
-@dataclass(frozen=True)
-class MLAConfig:
-    q_lora_rank: int            # 0: queries straight from attn_q (V2-Lite)
-    kv_lora_rank: int           # compressed kv per position (what the cache keeps, with k_rope)
-    qk_nope: int                # per-head query/key dims without rope
-    qk_rope: int                # roped dims, the key's shared by all heads (n_rot)
-    v_head_dim: int
-    kq_scale: float             # softmax scale: mscale^2 / sqrt(qk_nope + qk_rope)
-    # ggml_rope_ext arguments (YaRN)
-    freq_scale: float
-    ext_factor: float
-    rope_mscale: float
-    beta_fast: float
-    beta_slow: float
-    n_ctx_orig: int
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    n_expert: int
-    n_expert_used: int
-    n_expert_shared: int
-    n_dense_lead: int           # the first layers have a plain FFN
-    gating: str                 # "softmax" or "sigmoid"
-    weights_norm: bool
-    weights_scale: float
-    n_group: int                # group-limited routing: experts of the n_group_used best groups only
-    n_group_used: int
-
-
-def read_config(model: GGUFModel, key, n_ctx_train: int) -> tuple[MLAConfig, MoEConfig]:
-    """MLA and MoE parameters from the metadata; ``key(name, default)`` reads ``deepseek2.<name>``."""
-    n_rot = int(key("rope.dimension_count"))
-    if model.get("deepseek2.attention.key_length_mla") is not None:
-        # mainline's MLA layout: key_length/value_length describe the latent cache (576/512),
-        # the *_mla keys the per-head sizes
-        qk_head, v_head = int(key("attention.key_length_mla")), int(key("attention.value_length_mla"))
-    else:
-        qk_head, v_head = int(key("attention.key_length")), int(key("attention.value_length"))
-
-    # rope scaling as ik_llama.cpp reads it: a missing type means linear, a missing factor 1
-    scaling = key("rope.scaling.type", "linear")
-    if scaling not in ("none", "linear", "yarn"):
-        raise QuantkitError(f"{model.path}: rope scaling '{scaling}' is not supported for deepseek2")
-    factor = float(key("rope.scaling.factor", 0.0) or 0.0)
-    freq_scale = 1.0 / factor if factor and scaling != "none" else 1.0
-    attn_factor = float(key("rope.scaling.attn_factor", 1.0))
-    # DeepSeek's YaRN: the softmax scale carries mscale^2 with mscale = 0.1 * mscale_all_dim * ln(s) + 1
-    # (yarn_log_multiplier = 0.1 * mscale_all_dim) instead of scaling q and k; so llm_build_deepseek2
-    # gives the rope a magnitude 1 / (1 + 0.1 ln s) that cancels YaRN's own (ggml_rope_ext multiplies
-    # by 1 + 0.1 ln s when ext_factor != 0; with linear scaling nothing cancels it, as in ik_llama.cpp)
-    mscale = attn_factor * (1.0 + float(key("rope.scaling.yarn_log_multiplier", 0.0)) * math.log(1.0 / freq_scale))
-    mla = MLAConfig(
-        q_lora_rank=int(key("attention.q_lora_rank", 0)), kv_lora_rank=int(key("attention.kv_lora_rank")),
-        qk_nope=qk_head - n_rot, qk_rope=n_rot, v_head_dim=v_head,
-        kq_scale=mscale * mscale / math.sqrt(qk_head),
-        freq_scale=freq_scale, ext_factor=1.0 if scaling == "yarn" else 0.0,
-        rope_mscale=1.0 / (1.0 + 0.1 * math.log(1.0 / freq_scale)),
-        # ik_llama.cpp does not read yarn_beta_fast/slow for deepseek2: ggml's defaults, which are
-        # also DeepSeek's published values
-        beta_fast=32.0, beta_slow=1.0,
-        n_ctx_orig=int(key("rope.scaling.original_context_length", n_ctx_train)))
-
-    # files without it are DeepSeek-V2 (softmax), except that ik_llama.cpp takes 47/48-layer ones
-    # for GLM-4.7-Flash (sigmoid)
-    gating = int(key("expert_gating_func", 2 if int(key("block_count")) in (47, 48) else 1))
-    if gating not in GATING:
-        raise QuantkitError(f"{model.path}: expert gating function {gating} is not supported for deepseek2")
-    moe = MoEConfig(
-        n_expert=int(key("expert_count")), n_expert_used=int(key("expert_used_count")),
-        n_expert_shared=int(key("expert_shared_count", 0)), n_dense_lead=int(key("leading_dense_block_count", 0)),
-        gating=GATING[gating], weights_norm=bool(key("expert_weights_norm", False)),
-        weights_scale=float(key("expert_weights_scale", 1.0)),
-        n_group=int(key("expert_group_count", 1) or 1), n_group_used=int(key("expert_group_used_count", 0) or 0))
-    if moe.n_group > 1 and moe.n_expert % moe.n_group:
-        raise QuantkitError(f"{model.path}: {moe.n_expert} experts do not split into {moe.n_group} groups")
-    return mla, moe
+# The configuration (MLAConfig, MoEConfig) is read and validated in hparams.py.
 
 
 # ---- weights ----

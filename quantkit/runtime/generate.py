@@ -2,6 +2,7 @@
 (prompt processing vs. generation)."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -9,14 +10,27 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import QuantkitError
+from .model import NonFiniteLogits
 
 
 @dataclass
 class SamplerOptions:
-    temp: float = 0.8           # <= 0: greedy
-    top_k: int = 40             # <= 0: all tokens
-    top_p: float = 0.95         # >= 1: no nucleus cut
-    seed: int | None = None
+    temp: float = 0.8           # 0: greedy
+    top_k: int = 40             # 0: all tokens
+    top_p: float = 0.95         # 1: no nucleus cut
+    seed: int | None = None     # None or -1 (llama.cpp's "random"): a random seed
+
+    def __post_init__(self):
+        if not (math.isfinite(self.temp) and self.temp >= 0):
+            raise QuantkitError(f"--temp {self.temp}: the temperature must be a finite number >= 0 (0: greedy)")
+        if self.top_k < 0:
+            raise QuantkitError(f"--top-k {self.top_k}: must be >= 0 (0: all tokens)")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise QuantkitError(f"--top-p {self.top_p}: must be between 0 and 1 (1: off)")
+        if self.seed == -1:
+            self.seed = None
+        elif self.seed is not None and self.seed < 0:
+            raise QuantkitError(f"--seed {self.seed}: must be >= 0, or -1 for a random seed")
 
 
 class Sampler:
@@ -39,8 +53,8 @@ class Sampler:
         if o.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(p), o.top_p) + 1)
             idx, p = idx[:keep], p[:keep]
-        z = logits[idx] / o.temp
-        p = np.exp(z - z.max())
+        z = (logits[idx] - logits[idx[0]]) / o.temp      # <= 0, the best 0: exp neither overflows nor is all 0
+        p = np.exp(z)
         p /= p.sum()
         return int(idx[self.rng.choice(len(idx), p=p)])
 
@@ -75,10 +89,13 @@ def generate(model, prompt: list[int], n_predict: int, sampler: Sampler, stop_id
     stats.n_prompt = len(prompt)
     cache = model.new_cache(n_ctx)
     t0 = time.perf_counter()
-    logits = model.forward(prompt, cache, logits_from=len(prompt) - 1)[-1]
+    try:
+        logits = model.forward(prompt, cache, logits_from=len(prompt) - 1)[-1]
+    except NonFiniteLogits as e:
+        raise e.at("the prompt (generation step 1)") from None
     stats.prompt_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for _ in range(n_predict):
+    for step in range(1, n_predict + 1):
         tok = sampler(logits)
         if tok in stop_ids:
             break
@@ -87,6 +104,9 @@ def generate(model, prompt: list[int], n_predict: int, sampler: Sampler, stop_id
         yield tok
         if stats.n_generated == n_predict:
             break
-        logits = model.forward([tok], cache, logits_from=0)[-1]
+        try:
+            logits = model.forward([tok], cache, logits_from=0)[-1]
+        except NonFiniteLogits as e:
+            raise e.at(f"generation step {step + 1}") from None
         stats.gen_seconds = time.perf_counter() - t0
     stats.gen_seconds = time.perf_counter() - t0

@@ -1,4 +1,5 @@
-"""One model definition for the runtime: configuration from GGUF metadata and the forward pass.
+"""One model definition for the runtime: the forward pass over a configuration read and validated
+from the GGUF metadata (``hparams.py``).
 
 It calls only the ops module it is given (``ops_cpu`` by default), so the same code runs on any
 backend.  Architectures: ``llama`` (SmolLM2, Llama 2/3, Mistral and friends) and ``deepseek2``
@@ -7,71 +8,27 @@ Every architecture shares the embedding, the pre-norm residual layer loop and th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from ..errors import QuantkitError
 from ..gguf_io.reader import GGUFModel
 from . import deepseek2, ops_cpu
-from .deepseek2 import MLAConfig, MoEConfig
+from .hparams import ModelConfig
 from .weights import WeightStore
 
-SUPPORTED = ("llama", "deepseek2")
 
+class NonFiniteLogits(QuantkitError):
+    """Logits that are NaN or infinite: the model's weights or activations are not finite (a
+    result computed from them would be NaN).  ``where``: what was being computed (a chunk, a
+    generation step), added by the caller."""
 
-@dataclass(frozen=True)
-class ModelConfig:
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int               # per head, keys and values alike
-    n_rot: int                  # leading dims of each head that get the rotary embedding
-    n_vocab: int
-    n_ctx_train: int
-    rms_eps: float
-    rope_base: float
-    rope_scale: float           # positions are multiplied by this (1 / linear scaling factor)
-    mla: MLAConfig | None = None    # latent attention (deepseek2) instead of per-head keys and values
-    moe: MoEConfig | None = None    # routed experts after moe.n_dense_lead plain-FFN layers
+    def __init__(self, position: int, where: str = ""):
+        self.position = position
+        super().__init__(f"{where + ': ' if where else ''}the logits at position {position} are NaN or infinite: "
+                         "the model's weights or activations are not finite")
 
-    @classmethod
-    def from_gguf(cls, model: GGUFModel) -> "ModelConfig":
-        arch = model.architecture
-        if arch not in SUPPORTED:
-            raise QuantkitError(f"{model.path}: architecture '{arch}' is not supported by the runtime "
-                                f"(supported: {', '.join(SUPPORTED)})")
-
-        def key(name, default=None):
-            v = model.get(f"{arch}.{name}", default)
-            if v is None:
-                raise QuantkitError(f"{model.path}: metadata key {arch}.{name} is missing")
-            return v
-
-        n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
-        head_dim = int(key("attention.key_length", n_embd // n_head))
-        n_vocab = model.get(f"{arch}.vocab_size")
-        if n_vocab is None:
-            tokens = model.metadata.get("tokenizer.ggml.tokens")
-            n_vocab = len(tokens.to_python()) if tokens is not None else model.by_name["token_embd.weight"].shape[1]
-        n_head_kv, n_ctx_train = int(key("attention.head_count_kv", n_head)), int(key("context_length"))
-        scaling = model.get(f"{arch}.rope.scaling.type", "none")
-        factor = float(model.get(f"{arch}.rope.scaling.factor", 0.0) or 0.0)
-        rope_scale = 1.0 / factor if scaling == "linear" and factor > 0 else 1.0
-        mla = moe = None
-        if arch == "deepseek2":
-            mla, moe = deepseek2.read_config(model, key, n_ctx_train)
-            # per query head; keys and values exist per head only inside the latent attention
-            head_dim, n_head_kv, rope_scale = mla.qk_nope + mla.qk_rope, n_head, mla.freq_scale
-        elif scaling not in ("none", "linear"):
-            raise QuantkitError(f"{model.path}: rope scaling '{scaling}' is not supported for {arch}")
-        return cls(arch=arch, n_layer=int(key("block_count")), n_embd=n_embd, n_head=n_head,
-                   n_head_kv=n_head_kv, head_dim=head_dim,
-                   n_rot=int(key("rope.dimension_count", head_dim)), n_vocab=int(n_vocab),
-                   n_ctx_train=n_ctx_train, rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-                   rope_base=float(key("rope.freq_base", 10000.0)), rope_scale=rope_scale, mla=mla, moe=moe)
+    def at(self, where: str) -> "NonFiniteLogits":
+        return NonFiniteLogits(self.position, where)
 
 
 class Model:
@@ -139,7 +96,9 @@ class Model:
 
     def forward(self, tokens, cache: ops_cpu.KVCache, logits_from: int = 0) -> np.ndarray:
         """Run ``tokens`` at the cache's next positions; logits (n, n_vocab), a numpy array, of the
-        tokens from index ``logits_from`` on (the last one only: ``logits_from=len(tokens) - 1``)."""
+        tokens from index ``logits_from`` on (the last one only: ``logits_from=len(tokens) - 1``).
+        Logits that are not finite raise :class:`NonFiniteLogits`: nothing computed from them
+        (a sampled token, a perplexity) would mean anything."""
         c, ops = self.config, self.ops
         tokens = np.asarray(tokens, np.int64)
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.tok_embd.n_out):
@@ -156,4 +115,8 @@ class Model:
         cache.n_past = pos0 + n
         x = ops.rmsnorm(x[logits_from:], self.vector("output_norm.weight"), c.rms_eps)
         # a batch's last logits alone stay a batch's (float activations): fused only for a generation step
-        return ops.host(ops.matmul_q(self.output, x, fused=n <= ops_cpu.FUSED_TOKENS))
+        logits = ops.host(ops.matmul_q(self.output, x, fused=n <= ops_cpu.FUSED_TOKENS))
+        finite = np.isfinite(logits).all(axis=1)
+        if not finite.all():
+            raise NonFiniteLogits(pos0 + logits_from + int(np.argmin(finite)))
+        return logits

@@ -15,7 +15,9 @@ other's::
 from __future__ import annotations
 
 import math
+import os
 import struct
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -23,12 +25,16 @@ from typing import Callable
 import numpy as np
 
 from ..errors import QuantkitError
+from ..inputs import open_regular
 from ..outputs import AtomicOutput
 from . import kernels, ops_cpu
+from .model import NonFiniteLogits
 from .ops_cpu import log_softmax
 
 MAGIC = b"_logits_"
 MIN_LOG_PROB = -16.0            # logits further than this below the maximum are stored as 0
+MAX_NLL = math.log(sys.float_info.max)      # exp of a larger mean negative log-likelihood overflows
+_BAD_MODEL = "the model's weights or activations are out of range"
 
 
 def chunk_tokens(tokens: list[int], n_ctx: int, n_chunks: int | None, bos: int | None) -> list[np.ndarray]:
@@ -47,11 +53,26 @@ def chunk_tokens(tokens: list[int], n_ctx: int, n_chunks: int | None, bos: int |
     return out
 
 
-def chunk_logits(model, chunk: np.ndarray) -> np.ndarray:
-    """Logits (n_ctx - n_ctx/2, n_vocab) of the scored half of one chunk, from an empty cache."""
+def chunk_logits(model, chunk: np.ndarray, where: str = "") -> np.ndarray:
+    """Logits (n_ctx - n_ctx/2, n_vocab) of the scored half of one chunk, from an empty cache;
+    ``where`` names the chunk in the error for logits that are not finite."""
     n_ctx = len(chunk)
     cache = model.new_cache(n_ctx)
-    return model.forward(chunk, cache, logits_from=n_ctx // 2)
+    try:
+        return model.forward(chunk, cache, logits_from=n_ctx // 2)
+    except NonFiniteLogits as e:
+        raise e.at(where) from None
+
+
+def check_nll(chunk_nll: np.ndarray, all_nll: list[float], where: str) -> None:
+    """A chunk's negative log-likelihoods must be finite, and the mean of all so far small enough
+    that the perplexity (exp of it) is a number: else no result is reported."""
+    if not np.isfinite(chunk_nll).all():
+        raise QuantkitError(f"{where}: a token's negative log-likelihood is not finite: {_BAD_MODEL}")
+    mean = sum(all_nll) / len(all_nll)
+    if mean > MAX_NLL:
+        raise QuantkitError(f"{where}: the mean negative log-likelihood {mean:.4g} makes the perplexity "
+                            f"overflow: {_BAD_MODEL}")
 
 
 def _mean_unc(s: float, s2: float, n: int) -> tuple[float, float]:
@@ -94,8 +115,11 @@ def perplexity(model, chunks: list[np.ndarray], on_chunk: Callable[[int, PplResu
     for i, chunk in enumerate(chunks):
         n_ctx = len(chunk)
         first = n_ctx // 2
-        logits = chunk_logits(model, chunk)[:n_ctx - 1 - first]         # positions first .. n_ctx-2
-        res.nll.extend(token_nll(logits, chunk[first + 1:]).tolist())
+        where = f"chunk {i + 1} of {len(chunks)}"
+        logits = chunk_logits(model, chunk, where)[:n_ctx - 1 - first]         # positions first .. n_ctx-2
+        nll = token_nll(logits, chunk[first + 1:])
+        res.nll.extend(nll.tolist())
+        check_nll(nll, res.nll, where)
         res.chunk_ppl.append(res.ppl)
         if base_writer is not None:
             base_writer.add(logits)
@@ -166,24 +190,57 @@ class LogitsFile:
 
     @classmethod
     def read(cls, path: Path) -> "LogitsFile":
+        """The file's header, tokens and (memory-mapped) rows, each checked: the header against
+        the file's size, the tokens against the vocabulary it names, the rows' scales."""
         path = Path(path)
-        try:
-            raw = np.fromfile(path, np.uint8)
-        except OSError as e:
-            raise QuantkitError(f"{path}: {e.strerror}") from None
-        if raw.size < 20 or raw[:8].tobytes() != MAGIC:
+        with open_regular(path, "--kl-divergence-base") as f:      # a FIFO or device: refused, not read
+            size = os.fstat(f.fileno()).st_size
+            try:
+                head = f.read(20)
+            except OSError as e:
+                raise QuantkitError(f"{path}: {e.strerror}") from None
+        if len(head) < 20 or head[:8] != MAGIC:
             raise QuantkitError(f"{path}: not a llama-perplexity logits file (no '_logits_' magic)")
-        n_ctx, n_vocab, n_chunk = struct.unpack("<iii", raw[8:20].tobytes())
+        n_ctx, n_vocab, n_chunk = struct.unpack("<iii", head[8:])
+        header = f"n_ctx={n_ctx}, n_vocab={n_vocab}, n_chunk={n_chunk}"
+        # at least one scored position per chunk: llama-perplexity scores n_ctx - 1 - n_ctx/2
+        if n_ctx < 3 or n_vocab < 1 or n_chunk < 1:
+            raise QuantkitError(f"{path}: inconsistent logits file header ({header}): n_ctx must be at least 3, "
+                                "n_vocab and n_chunk at least 1")
         n_tok = n_ctx * n_chunk
         nv = 2 * ((n_vocab + 1) // 2) + 4
         n_pos = n_chunk * (n_ctx - 1 - n_ctx // 2)
         need = 20 + 4 * n_tok + 2 * nv * n_pos
-        if n_ctx <= 0 or n_vocab <= 0 or n_chunk <= 0 or raw.size < need:
-            raise QuantkitError(f"{path}: truncated or inconsistent logits file "
-                                f"(n_ctx={n_ctx}, n_vocab={n_vocab}, n_chunk={n_chunk}, {raw.size} bytes)")
-        tokens = raw[20:20 + 4 * n_tok].view("<i4").astype(np.int64)
-        data = raw[20 + 4 * n_tok:need].view("<u2").reshape(n_pos, nv)
+        if size != need:
+            raise QuantkitError(f"{path}: truncated or inconsistent logits file: its header ({header}) "
+                                f"means {need} bytes, the file has {size}")
+        try:
+            tokens = np.fromfile(path, "<i4", count=n_tok, offset=20).astype(np.int64)
+            data = np.memmap(path, np.uint16, mode="r", offset=20 + 4 * n_tok, shape=(n_pos, nv))
+        except OSError as e:
+            raise QuantkitError(f"{path}: {e.strerror}") from None
+        bad = np.flatnonzero((tokens < 0) | (tokens >= n_vocab))
+        if bad.size:
+            raise QuantkitError(f"{path}: token {int(tokens[bad[0]])} (chunk {bad[0] // n_ctx + 1}) is outside "
+                                f"the file's vocabulary of {n_vocab}")
+        # per row: float32 scale >= 0 and min_log_prob <= 0, finite, and so every log p it stands for
+        scale_min = np.ascontiguousarray(data[:, :4]).view(np.float32)
+        with np.errstate(all="ignore"):
+            top = scale_min[:, 0] * np.float32(65535) + scale_min[:, 1]
+        ok = np.isfinite(scale_min).all(axis=1) & np.isfinite(top) & (scale_min[:, 0] >= 0) & (scale_min[:, 1] <= 0)
+        if not ok.all():
+            r = int(np.argmin(ok))
+            per_chunk = n_pos // n_chunk
+            raise QuantkitError(f"{path}: corrupt logits row {r} (chunk {r // per_chunk + 1}): scale "
+                                f"{scale_min[r, 0]!r} and minimum log-probability {scale_min[r, 1]!r} must be "
+                                "finite, >= 0 and <= 0")
         return cls(n_ctx, n_vocab, [tokens[i * n_ctx:(i + 1) * n_ctx] for i in range(n_chunk)], data)
+
+    def check_model(self, model) -> None:
+        """The model must have the base's vocabulary (its logits are compared entry by entry)."""
+        if model.config.n_vocab != self.n_vocab:
+            raise QuantkitError(f"the base logits file has a vocabulary of {self.n_vocab}, the model "
+                                f"{model.config.n_vocab}: they come from different models")
 
     def log_probs(self, i: int) -> np.ndarray:
         row = self.data[i]
@@ -215,6 +272,10 @@ class KldStats:
         if n < 2:
             raise QuantkitError("KL divergence needs at least 2 scored positions")
         a, b = np.array(self.nll), np.array(self.nll_base)
+        for v, whose in ((a, "model's"), (b, "base file's")):
+            if v.mean() > MAX_NLL:
+                raise QuantkitError(f"the {whose} mean negative log-likelihood {v.mean():.4g} makes its perplexity "
+                                    "overflow")
         m1, u1 = _mean_unc(a.sum(), (a * a).sum(), n)
         m2, u2 = _mean_unc(b.sum(), (b * b).sum(), n)
         cov = ((a * b).sum() / n - m1 * m2) / (n - 1)
@@ -227,7 +288,7 @@ class KldStats:
         dp2_mean, dp2_unc = _mean_unc((dp * dp).sum(), (dp ** 4).sum(), n)
         rms = math.sqrt(dp2_mean)
         p_same = self.same_top / n
-        return {
+        doc = {
             "positions": n,
             "ppl": [ppl_q, ppl_q * u1], "ppl_base": [ppl_b, ppl_b * u2],
             "cor_ln_ppl": cov / (u1 * u2) if u1 > 0 and u2 > 0 else 0.0,
@@ -242,6 +303,19 @@ class KldStats:
                         "rms": [100 * rms, 100 * 0.5 / rms * dp2_unc if rms > 0 else 0.0]},
             "same_top_p": [100 * p_same, 100 * math.sqrt(p_same * (1 - p_same) / (n - 1))],
         }
+        if not all(math.isfinite(x) for x in _numbers(doc)):
+            raise QuantkitError("the KL divergence statistics overflow (a result is NaN or infinite): "
+                                f"{_BAD_MODEL}, or the base file's")
+        return doc
+
+
+def _numbers(doc):
+    """Every number in a nested dict / list."""
+    for v in doc.values() if isinstance(doc, dict) else doc:
+        if isinstance(v, (dict, list)):
+            yield from _numbers(v)
+        else:
+            yield v
 
 
 def percentiles(v: np.ndarray, fractions) -> dict:
@@ -263,15 +337,17 @@ def percentiles(v: np.ndarray, fractions) -> dict:
 
 
 def kl_divergence(model, base: LogitsFile, on_chunk: Callable[[int, KldStats], None] | None = None) -> KldStats:
+    base.check_model(model)
     stats = KldStats()
     per_chunk = base.n_ctx - 1 - base.n_ctx // 2
     for i, chunk in enumerate(base.chunks):
-        logits = chunk_logits(model, chunk)[:per_chunk]
-        if logits.shape[1] != base.n_vocab:
-            raise QuantkitError(f"the model has {logits.shape[1]} logits, the base file {base.n_vocab}")
+        where = f"chunk {i + 1} of {len(base.chunks)}"
+        logits = chunk_logits(model, chunk, where)[:per_chunk]
         first = base.n_ctx // 2
         for j in range(per_chunk):
             stats.add(logits[j], base.log_probs(i * per_chunk + j), int(chunk[first + 1 + j]))
+            if not (math.isfinite(stats.kld[-1]) and math.isfinite(stats.nll[-1])):
+                raise QuantkitError(f"{where}, position {first + j}: the KL divergence is not finite: {_BAD_MODEL}")
         if on_chunk is not None:
             on_chunk(i, stats)
     return stats

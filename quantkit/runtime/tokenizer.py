@@ -17,7 +17,6 @@ codepoints assigned after 15.1 get their new category here but "undefined" in ll
 from __future__ import annotations
 
 import heapq
-import json
 import logging
 import re
 import unicodedata
@@ -509,6 +508,32 @@ def _py(value):
     return value
 
 
+def _array(meta: dict, key: str, kinds: tuple, what: str) -> list | None:
+    """The array ``key`` of the metadata whose items are all of ``kinds``, or None when absent."""
+    v = _py(meta.get(key))
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(x, kinds) and not (isinstance(x, bool) and bool not in kinds)
+                                          for x in v):
+        raise QuantkitError(f"metadata key {key} must be an array of {what}")
+    return v
+
+
+def _scalar(meta: dict, key: str, kinds: tuple, what: str, default=None):
+    """The value of ``key`` (of one of ``kinds``), or ``default`` when absent."""
+    v = _py(meta.get(key))
+    if v is None:
+        return default
+    if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+        raise QuantkitError(f"metadata key {key} = {_short(v)} must be {what}")
+    return v
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _cstr(text: str) -> str:
     """``text`` as the C string llama.cpp makes of a GGUF string: up to the first NUL."""
     i = text.find("\0")
@@ -537,15 +562,16 @@ class Tokenizer:
         if model is None:
             raise QuantkitError("the model has no tokenizer (no tokenizer.ggml.model metadata)")
         if model not in ("gpt2", "llama"):
-            raise QuantkitError(f"tokenizer model '{model}' is not supported (supported: gpt2, llama)")
+            raise QuantkitError(f"tokenizer model {_short(model)} is not supported (supported: gpt2, llama)")
         self.model = model
         self.is_spm = model == "llama"
-        tokens = _py(meta.get("tokenizer.ggml.tokens"))
+        # every value is checked for its type: the file's metadata is untrusted
+        tokens = _array(meta, "tokenizer.ggml.tokens", (str,), "strings")
         if not tokens:
             raise QuantkitError("the model has no vocabulary (tokenizer.ggml.tokens)")
         n = len(tokens)
-        scores = _py(meta.get("tokenizer.ggml.scores"))
-        types = _py(meta.get("tokenizer.ggml.token_type"))
+        scores = _array(meta, "tokenizer.ggml.scores", (int, float), "numbers")
+        types = _array(meta, "tokenizer.ggml.token_type", (int,), "integers")
         for key, arr in (("scores", scores), ("token_type", types)):
             if arr is not None and len(arr) < n:
                 raise QuantkitError(f"tokenizer.ggml.{key} has {len(arr)} entries for {n} tokens")
@@ -563,13 +589,13 @@ class Tokenizer:
         special = {"bos": 1, "eos": 2, "unk": 0}        # llama.cpp's defaults (SPM)
         self.add_space_prefix = self.add_bos = self.add_eos = False
         self.clean_spaces = self.ignore_merges = False
-        self.pre = _cstr(_py(meta.get("tokenizer.ggml.pre")) or "")
+        self.pre = _cstr(_scalar(meta, "tokenizer.ggml.pre", (str,), "a string", ""))
         self.regexes: tuple[str, ...] = ()
         if self.is_spm:
             self.add_space_prefix = self.add_bos = True
         else:
             special = {"bos": 11, "eos": 11}
-            merges = _py(meta.get("tokenizer.ggml.merges"))
+            merges = _array(meta, "tokenizer.ggml.merges", (str,), "strings")
             if merges is None:
                 raise QuantkitError("gpt2 tokenizer without merges (tokenizer.ggml.merges)")
             self.ranks: dict[tuple[str, str], int] = {}
@@ -593,20 +619,23 @@ class Tokenizer:
             self.add_bos = pflags.get("add_bos", False)
             if pflags.get("no_bos_id"):
                 del special["bos"]
-        self.add_space_prefix = bool(_py(meta.get("tokenizer.ggml.add_space_prefix", self.add_space_prefix)))
+        self.add_space_prefix = _scalar(meta, "tokenizer.ggml.add_space_prefix", (bool,), "a bool",
+                                        self.add_space_prefix)
 
         # ---- special token ids: metadata, then the texts llama.cpp looks for ----
         for key, slot in _SPECIAL_KEYS:
-            v = _py(meta.get(f"tokenizer.ggml.{key}_token_id"))
+            v = _scalar(meta, f"tokenizer.ggml.{key}_token_id", (int,), "a token id")
             if v is None:
                 continue
-            if 0 <= int(v) < n:
-                special[slot] = int(v)
+            if 0 <= v < n:
+                special[slot] = v
             else:
                 log.warning("bad special token: tokenizer.ggml.%s_token_id = %s, using default id %s", key, v,
                             special.get(slot))
-        self.add_bos = bool(_py(meta.get("tokenizer.ggml.add_bos_token", self.add_bos)))
-        self.add_eos = bool(_py(meta.get("tokenizer.ggml.add_eos_token", self.add_eos)))
+        # a default id beyond a small vocabulary is no token: the model has none for that slot
+        special = {slot: i for slot, i in special.items() if 0 <= i < n}
+        self.add_bos = _scalar(meta, "tokenizer.ggml.add_bos_token", (bool,), "a bool", self.add_bos)
+        self.add_eos = _scalar(meta, "tokenizer.ggml.add_eos_token", (bool,), "a bool", self.add_eos)
         attrs = self.attrs
         # llama.cpp keeps the first candidate of its hash-map walk; we take the lowest id
         for slot, texts in (("eot", _EOT_TEXTS), ("eom", ("<|eom_id|>",)), *_FIM_TEXTS.items()):
@@ -661,7 +690,7 @@ class Tokenizer:
         elif "modern-bert" in name and "[MASK]" in self.token_to_id:
             attrs[self.token_to_id["[MASK]"]] |= ATTR_LSTRIP
 
-        self.chat_template: str | None = _py(meta.get("tokenizer.chat_template"))
+        self.chat_template: str | None = _scalar(meta, "tokenizer.chat_template", (str,), "a string")
         self._bpe_cache: dict[str, list[int]] = {}
         self._pieces: dict[int, bytes] = {}
         self._template = None
@@ -957,23 +986,25 @@ class Tokenizer:
 
     # ---- chat ----
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render the model's ``tokenizer.chat_template`` (Jinja, sandboxed) for ``messages``, with
-        ``bos_token``/``eos_token`` and ``raise_exception`` available as in transformers."""
+        """Render the model's ``tokenizer.chat_template`` (Jinja, sandboxed, its work bounded:
+        chat_template.py) for ``messages``, with ``bos_token``/``eos_token`` and
+        ``raise_exception`` available as in transformers."""
         if not self.chat_template:
             raise QuantkitError("the model has no chat template (tokenizer.chat_template)")
         try:
-            import jinja2
+            import jinja2  # noqa: F401 (chat_template.py is built on it)
+
+            from .chat_template import BoundedEnvironment
         except ImportError:
             raise QuantkitError("chat templates need Jinja2 (pip install jinja2)") from None
         if self._template is None:
-            self._template = _jinja_env().from_string(self.chat_template)
+            env = BoundedEnvironment()
+            self._template = (env, env.compile_template(self.chat_template))
+        env, template = self._template
         bos, eos = self.special.get("bos"), self.special.get("eos")
-        try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.texts[bos] if bos is not None else "",
-                                         eos_token=self.texts[eos] if eos is not None else "", **kwargs)
-        except jinja2.TemplateError as e:
-            raise QuantkitError(f"chat template: {e}") from None
+        return env.render(template, messages=messages, add_generation_prompt=add_generation_prompt,
+                          bos_token=self.texts[bos] if bos is not None else "",
+                          eos_token=self.texts[eos] if eos is not None else "", **kwargs)
 
 
 def _clean_spaces(text: bytearray) -> bytearray:
@@ -1004,27 +1035,3 @@ def _clean_spaces(text: bytearray) -> bytearray:
                 out.pop()
         out.append(x)
     return out
-
-
-def _jinja_env():
-    """A sandboxed Jinja environment set up like transformers' chat templating."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt):
-        import datetime
-        return datetime.datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env
