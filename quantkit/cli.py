@@ -507,10 +507,10 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
     """Generate text from PROMPT with quantkit's reference runtime, streaming it, then print prompt
     and generation speed (tokens/s)."""
     from .runtime.generate import GenerationStats, Sampler, SamplerOptions, generate
-    from .runtime.session import TextStream, open_session
+    from .runtime.session import TextStream, open_session, parse_overrides
 
     sampler = Sampler(SamplerOptions(temp=temp, top_k=top_k, top_p=top_p, seed=seed))     # checks the options
-    with open_session(model_path, threads, device=device, cpu_tensors=_cpu_tensors(overrides)) as s:
+    with open_session(model_path, threads, device=device, cpu_tensors=parse_overrides(overrides)) as s:
         placement = _placement(s)
         if placement and not as_json:
             err.print("weights: " + "; ".join(f"{where} {v['tensors']} tensors, {v['MB']:.1f} MB"
@@ -555,16 +555,6 @@ def _read_text(path: Path) -> str:
     return read_text(path, "-f", MAX_TEXT_BYTES, errors="replace")
 
 
-def _cpu_tensors(overrides) -> list[str]:
-    """--override-tensor regexes, refused where their matching work has no bound (tensor_regex)."""
-    from .runtime.session import parse_overrides
-    from .tensor_regex import compile_bounded
-    patterns = parse_overrides(overrides)
-    for p in patterns:
-        compile_bounded(p, "--override-tensor")
-    return patterns
-
-
 @cli.command()
 @click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-f", "--file", "text_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -585,7 +575,7 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
     second half of each scored), or KL divergence against a base model's saved logits."""
     from .outputs import check_outputs
     from .runtime import perplexity as ppl
-    from .runtime.session import open_session
+    from .runtime.session import open_session, parse_overrides
 
     if kld and kld_base is None:
         raise QuantkitError("--kl-divergence needs --kl-divergence-base FILE (the base model's saved logits)")
@@ -594,7 +584,7 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
     if kld_base is not None and not kld:
         check_outputs([kld_base], [model_path, text_path], what="--kl-divergence-base")
     text = None if kld else _read_text(text_path)       # before the model loads: a bad -f fails fast
-    with open_session(model_path, threads, device=device, cpu_tensors=_cpu_tensors(overrides)) as s:
+    with open_session(model_path, threads, device=device, cpu_tensors=parse_overrides(overrides)) as s:
         if kld:
             base = ppl.LogitsFile.read(kld_base)
             if chunks:
@@ -688,7 +678,7 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
     from .outputs import check_outputs
     from .runtime.activations import MainlineRounding
     from .runtime.collect import ActivationStats, ObservingOps, collect
-    from .runtime.session import open_session
+    from .runtime.session import open_session, parse_overrides
 
     check_outputs([out_path], [model_path, text_path, *in_files], what="-o")
     datasets = []
@@ -705,7 +695,7 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
         ops = MainlineRounding(ops) if activations == "mainline" else ops
         return ObservingOps(ops, stats, {t.name: tuple(t.shape) for t in gguf.tensors})
     with open_session(model_path, threads, wrap_ops=observing, device=device,
-                      cpu_tensors=_cpu_tensors(overrides)) as s:
+                      cpu_tensors=parse_overrides(overrides)) as s:
         chunk_list = s.chunks(text, ctx_size, chunks, skip=skip_chunks)
         with _progress_bar("chunks", len(chunk_list), show=not as_json) as bar:
             task = bar.add_task("imatrix", total=len(chunk_list))

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import QuantkitError
 from ..gguf_io.reader import GGUFModel, open_model
+from ..tensor_regex import compile_bounded
 from .model import Model
 from .perplexity import chunk_tokens
 from .tokenizer import Tokenizer
@@ -82,10 +83,7 @@ def parse_overrides(specs) -> list[str]:
         regex, sep, target = spec.rpartition("=")
         if not sep or not regex or target.lower() != "cpu":
             raise QuantkitError(f"--override-tensor '{spec}': expected REGEX=cpu")
-        try:
-            re.compile(regex)
-        except re.error as e:
-            raise QuantkitError(f"--override-tensor '{spec}': bad regex: {e}") from None
+        compile_bounded(regex, "--override-tensor")      # valid, and its matching work bounded
         patterns.append(regex)
     return patterns
 
