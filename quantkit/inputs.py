@@ -62,34 +62,30 @@ def _size(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
-def read_bounded(path: str | os.PathLike, limit: int, what: str) -> bytes:
-    """The whole of a regular file of at most ``limit`` bytes (``what`` names it in the error).
-    Read to its end, not to its stated size: a size may be 0 (/proc) or grow meanwhile."""
-    with open_regular(path) as f:
-        try:
-            data = f.read(limit + 1)
-        except OSError as e:
-            raise QuantkitError(f"{path}: cannot read: {e.strerror}") from None
-    if len(data) > limit:
-        raise QuantkitError(f"{path}: larger than {_size(limit)}, too large for {what}")
+def read_bounded(path: str | os.PathLike, limit: int, what: str, option: str | None = None) -> bytes:
+    """The whole of a regular file of at most ``limit`` bytes (``what`` says what the file is, as
+    "a chat template"; ``option`` names the option that gave the path).  Read to its end, not to
+    its stated size: a size may be 0 (/proc) or grow meanwhile."""
+    shown = _shown(path, option)
+    with open_regular(path, option) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size <= limit:
+            try:
+                data = f.read(limit + 1)
+            except OSError as e:
+                raise QuantkitError(f"{shown}: cannot read: {e.strerror}") from None
+            size = len(data)
+    if size > limit:
+        raise QuantkitError(f"{shown}: more than the {_size(limit)} {what} may have")
     return data
 
 
-def read_text(path: str | os.PathLike, what: str, limit: int, errors: str = "strict") -> str:
+def read_text(path: str | os.PathLike, option: str, limit: int, errors: str = "strict") -> str:
     """The UTF-8 text of the regular file ``path``, at most ``limit`` bytes; anything else (missing,
     a directory, FIFO or device, larger, unreadable, not UTF-8 with ``errors="strict"``) is a user
-    error naming ``what`` (the option) and the path."""
-    with open_regular(path, what) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > limit:
-            raise QuantkitError(f"{what} {path}: {_size(size)} is more than the {_size(limit)} a text may have")
-        try:
-            data = f.read(limit + 1)
-        except OSError as e:
-            raise QuantkitError(f"{what} {path}: cannot read: {e.strerror}") from None
-    if len(data) > limit:
-        raise QuantkitError(f"{what} {path}: more than the {_size(limit)} a text may have")
+    error naming ``option`` and the path."""
+    data = read_bounded(path, limit, "a text", option)
     try:
         return data.decode("utf-8", errors)
     except UnicodeDecodeError as e:
-        raise QuantkitError(f"{what} {path}: not UTF-8 text (byte {e.start})") from None
+        raise QuantkitError(f"{option} {path}: not UTF-8 text (byte {e.start})") from None

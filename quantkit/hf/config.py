@@ -116,21 +116,19 @@ class Fields:
             self.fail(key, expected)
         return value
 
-    def boolean(self, key: str, default=_REQUIRED) -> bool:
-        value = self._value(key, default, "true or false")
+    def _of_type(self, key: str, default, kind: type, expected: str):
+        value = self._value(key, default, expected)
         if value is None:
             return default
-        if not isinstance(value, bool):
-            self.fail(key, "true or false")
+        if not isinstance(value, kind):
+            self.fail(key, expected)
         return value
 
+    def boolean(self, key: str, default=_REQUIRED) -> bool:
+        return self._of_type(key, default, bool, "true or false")
+
     def string(self, key: str, default=_REQUIRED) -> str:
-        value = self._value(key, default, "a string")
-        if value is None:
-            return default
-        if not isinstance(value, str):
-            self.fail(key, "a string")
-        return value
+        return self._of_type(key, default, str, "a string")
 
     def object(self, key: str) -> "Fields":
         """A nested object (an empty one when absent)."""
@@ -142,12 +140,7 @@ class Fields:
         return Fields(value, self.where, f"{self.prefix}{key}.")
 
     def array(self, key: str, default=_REQUIRED) -> list:
-        value = self._value(key, default, "a list")
-        if value is None:
-            return default
-        if not isinstance(value, list):
-            self.fail(key, "a list")
-        return value
+        return self._of_type(key, default, list, "a list")
 
     def objects(self, key: str) -> list["Fields"]:
         """A list of objects (empty when absent), each read through its own getters."""
