@@ -22,7 +22,9 @@ exact name first, then the fallbacks for merged/split FFN tensors and MLA (specs
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,21 +240,32 @@ def load_imatrix(path: str | os.PathLike, *, include: list[str] | None = None,
             non-finite values.
     """
     path = Path(path)
-    try:
-        with open(path, "rb") as fh:
-            magic = fh.read(4)
-    except OSError as e:
-        raise QuantkitError(f"{path}: cannot open imatrix file: {e.strerror}") from None
-    if magic == GGUF_MAGIC:
-        data = _load_gguf(path)
-    else:
-        data = _load_dat(path)
+    with _open_regular(path) as fh:
+        magic = fh.read(4)
+        data = _load_gguf(path) if magic == GGUF_MAGIC else _load_dat(path, fh)
     if include or exclude:
         data = data.filtered(include, exclude)
     if check_finite:
         data.check_finite()
     log.info("%s: %d imatrix entries (%s, %d chunks)", path, len(data), data.format, data.chunk_count)
     return data
+
+
+def _open_regular(path: Path):
+    """The imatrix file opened for reading, refused unless it is a regular file: a device, FIFO
+    or socket has no size to check what it declares against, and /dev/zero would never end.
+    Opened without blocking (a FIFO with no writer would hang the open) and checked on the open
+    file, so what is checked is what is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise QuantkitError(f"{path}: cannot open imatrix file: {e.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise QuantkitError(f"{path}: imatrix file is {kind}")
+    return os.fdopen(fd, "rb")
 
 
 def _normalise_gguf(sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -350,8 +363,19 @@ def _load_gguf(path: Path) -> ImatrixData:
                        datasets=datasets, chunk_count=chunk_count, chunk_size=chunk_size, partial=partial)
 
 
-def _load_dat(path: Path) -> ImatrixData:
-    buf = path.read_bytes()
+def _load_dat(path: Path, fh) -> ImatrixData:
+    """The legacy format, read through a map of the open file: every length it declares is checked
+    against the file's size before anything of that length is read or allocated."""
+    size = os.fstat(fh.fileno()).st_size
+    buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    try:
+        return _parse_dat(path, buf)
+    finally:
+        if size:
+            buf.close()
+
+
+def _parse_dat(path: Path, buf) -> ImatrixData:
     pos = 0
 
     def fail(msg: str, at: int):
