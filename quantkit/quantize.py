@@ -141,7 +141,8 @@ def quantize_rows(x: np.ndarray, qtype, imatrix: np.ndarray | None, flavor: str,
     if bad is not None:
         row, col = bad
         raise QuantkitError(f"tensor '{name}': row {first_row + row}, column {col}: |x| = {x[row, col]:.6g} is "
-                            f"beyond what {type_name(qtype)} can represent (it would decode to inf or nan)")
+                            f"beyond what {type_name(qtype)} can represent (the quantized output would decode to "
+                            "inf or nan)")
     return q
 
 

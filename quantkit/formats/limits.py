@@ -146,6 +146,6 @@ def imatrix_excess(values: np.ndarray) -> tuple[int, str] | None:
     if not bad.any():
         return None
     c = int(np.argmax(bad))
-    why = ("not finite" if not np.isfinite(v[c]) else "negative (a mean of squares cannot be)" if v[c] < 0
+    why = ("non-finite" if not np.isfinite(v[c]) else "negative (a mean of squares cannot be)" if v[c] < 0
            else f"above {IMATRIX_LIMIT:.4g} (the quantizers' float32 sums of squared weights would overflow)")
     return c, why
