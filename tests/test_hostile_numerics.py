@@ -11,9 +11,10 @@ naming the tensor, row and column; never a block of zeros.  What each type does 
   refused);
 * every other type refuses 1e38, 3e38, FLT_MAX and 65504000 (an fp16 scale or f16 value
   overflows, or the float32 scale search would: its bound is at most 5.8e5);
-* 131008 is kept by every type except f16 (above 65504), q2_K without an imatrix in ik's
-  flavor, q3_K/q4_K/q5_K with an imatrix (their scale-of-scales search, bound 1.0e5/8.3e4) and
-  the trellis types (row-scale search over the whole row: 1.3e4 for rows of 256), all refused.
+* 131008 is kept by every type except f16 (above 65504), ik's q2_K (and q2_k_r4) without an
+  imatrix (its fp16 scale overflows), and the types whose bound is lower: q3_K/q4_K/q5_K with an
+  imatrix (their search over the sub-block scales: 1.0e5, 8.3e4) and the trellis types (their
+  row-scale search: 1.3e4 for rows of 256), all refused.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from quantkit.formats import limits
 from quantkit.imatrix import load_imatrix, save_gguf
 from quantkit.imatrix_tools import RawImatrix
 from quantkit.quantize import quantize_rows
-from quantkit.types import traits, type_name
+from quantkit.types import QuantType, traits, type_name
 
 N = 256
 COL = 37                    # where the hostile value goes (block 1 of 32-value types, 2 of 16-value)
@@ -99,6 +100,9 @@ def test_unrepresentable_values_are_refused_or_kept(qt, flavor, imat):
         assert set(outcome.values()) == {"kept"}
     else:                   # beyond every fp16 scale and every search bound
         assert all(outcome[b] == "refused" for b in (1e38, 3e38, FLT_MAX, 65504.0 * 1000)), outcome
+        q2k_ik_plain = (traits(qt).base or qt) == QuantType.Q2_K and flavor == "ik" and not imat
+        expect = name == "f16" or q2k_ik_plain or limits.largest_value(qt, N, imat) < 131008
+        assert outcome[65504.0 * 2] == ("refused" if expect else "kept"), outcome
 
 
 @pytest.mark.parametrize("qt, flavor, imat", [p for p in quant_paths()

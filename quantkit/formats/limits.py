@@ -16,13 +16,27 @@ The weights are ``x²`` (or ``x² + σ²/4``, σ² at most 2.25 times the block'
     |sumqx| <= n · q_max · 2 · X · max_j(qw_j·|x_j|)   with one
 
 and a row is quantized only if both stay at most 2^64 (the first bounds every type's largest
-value; the second, the imatrix weight times |x| of each column: the products like w·x² the
-sums are made of), and if its weights stay below 2^60, because the QHelper clean-up and the
-trellis types also sum the squared weights of 32 values (``X·max(qw) <= 2^60``).  For the
-sub-block searches these bounds are 1.3e5 (IQ4_NL, IQ4_KS: n=32, q_max=127) to 5.8e5 (Q2_K);
-every value an f16 model can hold (65504) passes.  The trellis types' row-scale search also sums
-over the whole row with ``q_max = 127 * 123`` (the IQ4_K scale table times the largest trellis
-value): 1.3e4 for rows of 256, 3.2e3 for rows of 18432.
+value, with or without an imatrix; the second, the imatrix weight times |x| of each column: the
+products like w·x² the sums are made of), and if its weights stay below 2^60, because the QHelper
+clean-up and the trellis types also sum the squared weights of 32 values (``X·max(qw) <= 2^60``).
+
+Which sums each type compares (:data:`SEARCHES`) and the largest |x| that gives:
+
+* the sub-block searches, n = 16 or 32: 1.3e5 (IQ4_NL, IQ4_XS, IQ4_KS: q_max = 127) to 5.8e5
+  (Q2_K: q_max = 3);
+* with an imatrix the k-quants also search the 16 (8) sub-block scales of a super-block, each
+  weighted by its sub-block's summed weights, with q_max = 15 (Q2_K), 32 (Q3_K), 63 (Q4_K, Q5_K):
+  1.3e5, 1.0e5, 8.3e4;
+* IQ2_K searches its sub-block scales per super-block (q_max = 8: 1.65e5), IQ2_KS per row (q_max
+  = 16: 5.2e4 for rows of 4096, 3.2e4 for 18432);
+* the trellis types' row scale is searched over the whole row with q_max = 127 * 123 (the IQ4_K
+  scale table times the largest trellis value): 1.3e4 for rows of 256, 5.2e3 for 4096, 3.2e3 for
+  18432.
+
+So every value an f16 model can hold (65504) passes, except in IQ2_KS rows longer than 2048 and
+in the trellis types (real weights are orders of magnitude smaller).  These are upper bounds on the sums: near them the real sums are smaller (rows of ±X at the bound quantize
+as rows of ±1 do, tests/test_hostile_numerics.py), and refinement steps that compare larger
+products (make_qp_quants' coordinate descent) only stop early when those overflow, as in C.
 
 Types without a search (Q8_0, and Q4_0/Q4_1/Q5_0/Q5_1 without an imatrix: the scale is the
 block's largest value over a constant) have no such limit: their only failure is a scale beyond
@@ -104,20 +118,21 @@ class Excess:
 
 def first_excess(x: np.ndarray, qtype, imatrix: np.ndarray | None = None) -> Excess | None:
     """The first row of ``x`` (n_rows, n_per_row) whose values (with ``imatrix``, (n_per_row,)) would
-    overflow the quantizer's float32 arithmetic, or None.  Checked in float64."""
+    overflow the quantizer's float32 arithmetic, or None.  The bounds are compared in float64."""
     n_rows, n = x.shape
     k = sum_factor(qtype, n, imatrix is not None)
     if not k:
         return None
-    a = np.abs(x).astype(np.float64)
-    big = a.max(axis=1)                                  # X per row
+    a = np.abs(x)
+    big = a.max(axis=1).astype(np.float64)              # X per row (exact)
     limit = largest_value(qtype, n, imatrix is not None)
     over = big > limit
     if imatrix is not None:
-        qw = np.asarray(imatrix, np.float64)
-        prod = a * qw[None, :]
-        over_prod = k * big * prod.max(axis=1) > SUM_LIMIT
-        over_weight = big * qw.max() > WEIGHT_LIMIT
+        qw = np.asarray(imatrix, np.float32)
+        with np.errstate(over="ignore"):                # an Inf product is over the bound too
+            prod = (a * qw[None, :]).max(axis=1).astype(np.float64)
+        over_prod = k * big * prod > SUM_LIMIT
+        over_weight = big * float(qw.max()) > WEIGHT_LIMIT
     else:
         over_prod = over_weight = np.zeros(n_rows, bool)
     bad = over | over_prod | over_weight
@@ -130,7 +145,8 @@ def first_excess(x: np.ndarray, qtype, imatrix: np.ndarray | None = None) -> Exc
         return Excess(r, c, f"|x| = {x[r, c]:.6g} is beyond the largest value {name} can quantize in a row of "
                             f"{n} ({limit:.4g}: its float32 scale search would overflow)")
     if over_prod[r]:
-        c = int(np.argmax(prod[r]))
+        with np.errstate(over="ignore"):
+            c = int(np.argmax(a[r] * qw))
         return Excess(r, c, f"imatrix weight {qw[c]:.6g} times |x| = {a[r, c]:.6g} (the row's largest |x| "
                             f"{big[r]:.6g}) is beyond what {name}'s float32 scale search can sum "
                             f"({SUM_LIMIT / k:.4g} for |x| · weight · |x|)")
