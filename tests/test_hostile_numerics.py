@@ -43,12 +43,13 @@ BIG = (1e38, 3e38, FLT_MAX, 65504.0 * 2, 65504.0 * 1000)
 
 
 def quant_paths():
-    """(type, flavor, with_imatrix) for every quantizer: both flavors of the plain types, ik's
-    for the interleaved ones (they ignore the flavor)."""
+    """(type, flavor, with_imatrix) for every quantizer: both flavors of the types both projects
+    have (ggml ids below 64), ik's for its own (IQK, trellis, q6_0, interleaved: they ignore the
+    flavor)."""
     out = []
     for qt, fmt in sorted(formats.registered().items()):
         for flavor in ("ik", "mainline"):
-            if flavor == "mainline" and traits(qt).base is not None:
+            if flavor == "mainline" and qt >= 64:
                 continue
             for imat in (False, True):
                 if (flavor, imat) in fmt.quant_paths:
