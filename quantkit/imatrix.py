@@ -22,6 +22,7 @@ exact name first, then the fallbacks for merged/split FFN tensors and MLA (specs
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import struct
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import GGUFFormatError, QuantkitError
+from .formats.limits import imatrix_excess
+from .inputs import open_regular
 from .outputs import AtomicOutput
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ SUFFIX_COUNTS = ".counts"
 SUFFIX_SUM = ".in_sum"          # newer llama-imatrix: Σx (activations); not used for quantization
 
 TOKEN_EMBD = "token_embd.weight"
+MAX_COUNT = 2.0 ** 62           # token counts are kept as int64
 MISSING_EXPERT_POLICIES = ("unit", "fill-mean", "error")
 
 
@@ -62,6 +66,8 @@ class ImatrixData:
         chunk_count: chunks processed (GGUF ``imatrix.chunk_count``, legacy trailer; 0 if absent).
         chunk_size: tokens per chunk (GGUF only; 0 for legacy files).
         partial: entries with at least one zero-count matrix (their weights are 1.0 there).
+        orphan_sums: entry -> first matrix with sums but a count of 0 (GGUF): llama-quantize
+            ignores those sums; merging or converting by counts would drop them.
     """
     weights: dict[str, np.ndarray]
     n_matrices: dict[str, int] = field(default_factory=dict)
@@ -72,6 +78,7 @@ class ImatrixData:
     chunk_count: int = 0
     chunk_size: int = 0
     partial: list[str] = field(default_factory=list)
+    orphan_sums: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self):
         for name, w in list(self.weights.items()):
@@ -112,7 +119,8 @@ class ImatrixData:
                            counts={n: self.counts[n] for n in keep if n in self.counts},
                            path=self.path, format=self.format, datasets=list(self.datasets),
                            chunk_count=self.chunk_count, chunk_size=self.chunk_size,
-                           partial=[n for n in self.partial if n in keep])
+                           partial=[n for n in self.partial if n in keep],
+                           orphan_sums={n: m for n, m in self.orphan_sums.items() if n in keep})
 
     def with_missing_experts(self, policy: str) -> "ImatrixData":
         """Handle matrices (experts) that got no token, which only GGUF files can tell:
@@ -143,12 +151,20 @@ class ImatrixData:
                            chunk_count=self.chunk_count, chunk_size=self.chunk_size, partial=list(self.partial))
 
     def check_finite(self) -> None:
-        """Raise QuantkitError if any weight is NaN or infinite (llama-quantize aborts then)."""
+        """Raise QuantkitError naming the entry and column of the first weight that is NaN or
+        infinite (llama-quantize aborts then), negative (a mean of squares cannot be) or so large
+        that the quantizers' float32 sums of squared weights overflow
+        (:data:`quantkit.formats.limits.IMATRIX_LIMIT`)."""
         for name in sorted(self.weights):
-            w = self.weights[name]
-            if not np.isfinite(w).all():
-                bad = w[~np.isfinite(w)][0]
-                raise QuantkitError(f"{self._where()}imatrix contains non-finite value {bad} in entry '{name}'")
+            self._check_entry(name)
+
+    def _check_entry(self, entry: str) -> None:
+        w = self.weights[entry]
+        bad = imatrix_excess(w)
+        if bad is not None:
+            i, why = bad
+            where = _position(i, w.size, self.n_matrices[entry])
+            raise QuantkitError(f"{self._where()}imatrix entry '{entry}', {where}: value {w[i]:.6g} is {why}")
 
     # ---- lookup ----
     def lookup_name(self, tensor_name: str) -> str | None:
@@ -185,10 +201,14 @@ class ImatrixData:
                 log.warning("%s; quantizing it without imatrix", msg)
                 return None
             raise QuantkitError(msg)
-        if not np.isfinite(w).all():
-            bad = w[~np.isfinite(w)][0]
-            raise QuantkitError(f"{self._where()}imatrix contains non-finite value {bad} in entry '{entry}'")
+        self._check_entry(entry)
         return w.reshape(n_matrices, n_per_row)
+
+
+def _position(i: int, size: int, n_matrices: int) -> str:
+    """'column c' (or 'matrix m, column c' for per-expert entries) of flat index i."""
+    per = size // max(n_matrices, 1)
+    return f"column {i}" if n_matrices <= 1 or not per else f"matrix {i // per}, column {i % per}"
 
 
 def fallback_names(tensor_name: str) -> list[str]:
@@ -232,22 +252,17 @@ def load_imatrix(path: str | os.PathLike, *, include: list[str] | None = None,
         path: the imatrix file.
         include: keep only entries whose name contains one of these substrings.
         exclude: drop entries whose name contains one of these substrings (applied first).
-        check_finite: raise on NaN/Inf weights (after filtering, as llama-quantize does).
+        check_finite: raise on NaN/Inf, negative or too large weights (after filtering, as
+            llama-quantize does for NaN/Inf).
 
     Raises:
         QuantkitError: the file is missing or malformed (the message names the file), or it holds
             non-finite values.
     """
     path = Path(path)
-    try:
-        with open(path, "rb") as fh:
-            magic = fh.read(4)
-    except OSError as e:
-        raise QuantkitError(f"{path}: cannot open imatrix file: {e.strerror}") from None
-    if magic == GGUF_MAGIC:
-        data = _load_gguf(path)
-    else:
-        data = _load_dat(path)
+    with open_regular(path, "imatrix file") as fh:     # a device or FIFO: refused, never read
+        magic = fh.read(4)
+        data = _load_gguf(path) if magic == GGUF_MAGIC else _load_dat(path, fh)
     if include or exclude:
         data = data.filtered(include, exclude)
     if check_finite:
@@ -301,7 +316,7 @@ def _load_gguf(path: Path) -> ImatrixData:
                                       "must be f32")
             return np.frombuffer(f.view(t.offset, t.nbytes), dtype="<f4").astype(np.float32)
 
-        weights, n_mat, counts_of, partial = {}, {}, {}, []
+        weights, n_mat, counts_of, partial, orphans = {}, {}, {}, [], {}
         for name in sorted(parts):
             p = parts[name]
             if "sum2" not in p or "counts" not in p:
@@ -320,9 +335,14 @@ def _load_gguf(path: Path) -> ImatrixData:
             if sums.size % raw_counts.size:
                 raise GGUFFormatError(path, None, f"imatrix entry '{name}': {sums.size} sums do not split "
                                       f"into {raw_counts.size} matrices")
-            if not np.isfinite(raw_counts).all():
-                raise GGUFFormatError(path, None, f"imatrix entry '{name}' has non-finite counts")
+            bad = np.flatnonzero(~np.isfinite(raw_counts) | (raw_counts < 0) | (raw_counts >= MAX_COUNT))
+            if bad.size:
+                raise GGUFFormatError(path, None, f"imatrix entry '{name}': count {raw_counts[bad[0]]:.6g} of matrix "
+                                      f"{bad[0]} is not a token count (a number from 0 to 2^62)")
             counts = _lround(raw_counts)
+            unseen = np.flatnonzero((counts == 0) & (sums.reshape(counts.size, -1) != 0).any(axis=1))
+            if unseen.size:     # llama-quantize ignores them (weight 1); merging would drop them
+                orphans[name] = int(unseen[0])
             weights[name] = _normalise_gguf(sums, counts)
             n_mat[name] = int(counts.size)
             counts_of[name] = counts
@@ -348,11 +368,23 @@ def _load_gguf(path: Path) -> ImatrixData:
         log.info("%s: %d entries have matrices without data (weight 1.0 used): %s", path, len(partial),
                  ", ".join(partial[:5]) + (" …" if len(partial) > 5 else ""))
     return ImatrixData(weights=weights, n_matrices=n_mat, counts=counts_of, path=path, format="gguf",
-                       datasets=datasets, chunk_count=chunk_count, chunk_size=chunk_size, partial=partial)
+                       datasets=datasets, chunk_count=chunk_count, chunk_size=chunk_size, partial=partial,
+                       orphan_sums=orphans)
 
 
-def _load_dat(path: Path) -> ImatrixData:
-    buf = path.read_bytes()
+def _load_dat(path: Path, fh) -> ImatrixData:
+    """The legacy format, read through a map of the open file: every length it declares is checked
+    against the file's size before anything of that length is read or allocated."""
+    size = os.fstat(fh.fileno()).st_size
+    buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    try:
+        return _parse_dat(path, buf)
+    finally:
+        if size:
+            buf.close()
+
+
+def _parse_dat(path: Path, buf) -> ImatrixData:
     pos = 0
 
     def fail(msg: str, at: int):
@@ -392,6 +424,8 @@ def _load_dat(path: Path) -> ImatrixData:
         except UnicodeDecodeError:
             fail(f"entry {i + 1} name is not valid UTF-8", at)
         ncall = i32(f"ncall of '{name}'")
+        if ncall < 0:
+            fail(f"entry '{name}' has a negative ncall ({ncall})", pos - 4)
         nval = i32(f"value count of '{name}'")
         if nval < 1:
             fail(f"entry '{name}' has {nval} values", pos - 4)
@@ -420,6 +454,14 @@ def _load_dat(path: Path) -> ImatrixData:
                        format="dat", datasets=datasets, chunk_count=chunk_count, chunk_size=0)
 
 
+def _check_storable(path, name: str, values: np.ndarray, n_matrices: int) -> None:
+    """Refuse to write a value that float32 cannot hold (a sum or mean·ncall past 3.4e38)."""
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        raise QuantkitError(f"{path}: imatrix entry '{name}', {_position(int(bad[0]), values.size, n_matrices)}: "
+                            "the value overflows float32 (activations too large to store)")
+
+
 def save_dat(path: str | os.PathLike, weights: dict[str, np.ndarray], ncall: int | dict[str, int] = 1, *,
              chunk_count: int = 0, dataset: str = "") -> Path:
     """Write importance weights (entry name -> mean x² per column) as a legacy ``.dat`` file, the
@@ -434,7 +476,9 @@ def save_dat(path: str | os.PathLike, weights: dict[str, np.ndarray], ncall: int
     for name, vals in weights.items():
         raw = name.encode()
         ncall = ncalls[name]
-        vals = np.asarray(vals, np.float32).reshape(-1) * np.float32(ncall)
+        with np.errstate(over="ignore"):
+            vals = np.asarray(vals, np.float32).reshape(-1) * np.float32(ncall)
+        _check_storable(path, name, vals, 1)
         parts += [struct.pack("<i", len(raw)), raw, struct.pack("<ii", ncall, vals.size), vals.astype("<f4").tobytes()]
     ds = dataset.encode()
     parts += [struct.pack("<ii", chunk_count, len(ds)), ds]
@@ -466,9 +510,11 @@ def save_gguf(path: str | os.PathLike, sums: dict[str, np.ndarray], counts: dict
     specs, data = [], []
     for name in names:
         c = np.asarray(counts[name], np.float32).reshape(-1)
-        s2 = np.asarray(sums[name], np.float32)
+        with np.errstate(over="ignore"):
+            s2 = np.asarray(sums[name], np.float32)
         # one row per count: per-head entries (several rows of sums, one count) are stored flat
         s2 = s2.reshape(c.size, -1)
+        _check_storable(path, name, s2.reshape(-1), c.size)
         specs += [TensorSpec(name + SUFFIX_SUM2, shape(s2.shape[1], s2.shape[0]), QuantType.F32),
                   TensorSpec(name + SUFFIX_COUNTS, shape(1, c.size), QuantType.F32)]
         data += [s2, c]

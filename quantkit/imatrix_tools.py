@@ -30,6 +30,8 @@ class RawImatrix:
     counts: dict[str, np.ndarray]               # entry -> int64 (n_mat,) tokens, or (1,) for one count
     chunk_size: int
     datasets: list[str] = field(default_factory=list)
+    # entries whose split into matrices the file did not record (legacy .dat: one ncall for all)
+    shapeless: frozenset[str] = frozenset()
 
     @property
     def chunk_count(self) -> int:
@@ -39,41 +41,67 @@ class RawImatrix:
 
     @classmethod
     def from_file(cls, path, chunk_size: int) -> "RawImatrix":
-        data = imx.load_imatrix(path, check_finite=False)
+        data = imx.load_imatrix(path)
+        if data.orphan_sums:
+            name, m = next(iter(data.orphan_sums.items()))
+            raise QuantkitError(f"{path}: imatrix entry '{name}': matrix {m} has sums but a count of 0 "
+                                "(counts that do not match the sums)")
         sums, counts = {}, {}
         for name, w in data.weights.items():
             if data.format == "gguf":
                 c = data.counts[name].astype(np.int64)
-                s = w.astype(np.float64).reshape(c.size, -1) * np.maximum(c, 0)[:, None]
+                s = w.astype(np.float64).reshape(c.size, -1) * c[:, None]
             else:
                 ncall = int(data.counts[name][0])
-                c = np.array([max(ncall, 0) * chunk_size], np.int64)
+                if ncall == 0 and w.any():
+                    raise QuantkitError(f"{path}: imatrix entry '{name}' has values but ncall 0: no count "
+                                        "to weigh them by (counts that do not match the sums)")
+                c = np.array([ncall * chunk_size], np.int64)
                 s = w.astype(np.float64).reshape(1, -1) * c[0]
             sums[name], counts[name] = s, c
         size = data.chunk_size if data.format == "gguf" and data.chunk_size else chunk_size
-        return cls(sums, counts, size, list(data.datasets))
+        shapeless = frozenset(sums) if data.format == "dat" else frozenset()
+        return cls(sums, counts, size, list(data.datasets), shapeless)
+
+    def shape(self, name: str) -> tuple[int, int]:
+        """(matrices, values per matrix) of an entry: one matrix per count."""
+        c = self.counts[name]
+        return c.size, self.sums[name].size // c.size
 
     def merged(self, other: "RawImatrix") -> "RawImatrix":
-        """Sums and counts added entry by entry; a single count meets per-expert counts by being
-        spread over the experts, as llama-imatrix merges."""
+        """Sums and counts added entry by entry.  Entries must have the same shape (matrices and
+        values per matrix); an entry of a legacy .dat file, which does not record its matrices,
+        only the same number of values: its single count meets per-expert counts by being spread
+        over the experts, as llama-imatrix merges."""
         sums = {n: s.copy() for n, s in self.sums.items()}
         counts = {n: c.copy() for n, c in self.counts.items()}
+        shapeless = set(self.shapeless)
         for name, s in other.sums.items():
             c = other.counts[name]
             if name not in sums:
                 sums[name], counts[name] = s.copy(), c.copy()
+                if name in other.shapeless:
+                    shapeless.add(name)
                 continue
             if sums[name].size != s.size:
                 raise QuantkitError(f"imatrix entry '{name}': {sums[name].size} values in one file, "
                                     f"{s.size} in the other")
+            a_shape, b_shape = self.shape(name), other.shape(name)
+            if a_shape != b_shape and name not in self.shapeless and name not in other.shapeless:
+                raise QuantkitError(f"imatrix entry '{name}': {_shape_text(a_shape)} in one file, "
+                                    f"{_shape_text(b_shape)} in the other: not the same tensor")
+            if name not in other.shapeless:
+                shapeless.discard(name)
             sums[name] = sums[name] + s.reshape(sums[name].shape)
             a, b = counts[name], c
             if a.size != b.size:
                 n = max(a.size, b.size)
                 a, b = np.broadcast_to(a, (n,)), np.broadcast_to(b, (n,))
                 sums[name] = sums[name].reshape(n, -1)
+            if int(a.max()) + int(b.max()) >= imx.MAX_COUNT:
+                raise QuantkitError(f"imatrix entry '{name}': merged token counts pass 2^62")
             counts[name] = a + b
-        return RawImatrix(sums, counts, self.chunk_size, self.datasets + other.datasets)
+        return RawImatrix(sums, counts, self.chunk_size, self.datasets + other.datasets, frozenset(shapeless))
 
     def save(self, path) -> Path:
         path = Path(path)
@@ -87,6 +115,10 @@ class RawImatrix:
                 m = np.where(c[:, None] > 0, s / np.maximum(c, 1)[:, None], 1.0)
                 means[name] = m.astype(np.float32).reshape(-1)
                 ncalls[name] = max(1, math.ceil(int(c.max()) / self.chunk_size))
+                if ncalls[name] >= 2 ** 31:
+                    raise QuantkitError(f"{path}: imatrix entry '{name}': {int(c.max())} tokens are "
+                                        f"{ncalls[name]} chunks of {self.chunk_size}, more than the legacy "
+                                        "format's int32 ncall holds (write GGUF)")
             if not means:
                 raise QuantkitError(f"{path}: no entry has data")
             return imx.save_dat(path, means, ncalls, chunk_count=self.chunk_count,
@@ -137,3 +169,8 @@ class RawImatrix:
                     norm = float(np.linalg.norm(prev) * np.linalg.norm(cur))
                     r["cos_prev"] = float(prev @ cur) / norm if norm > 0 else 0.0
         return rows
+
+
+def _shape_text(shape: tuple[int, int]) -> str:
+    n_mat, per = shape
+    return f"{n_mat} matri{'x' if n_mat == 1 else 'ces'} of {per} values"

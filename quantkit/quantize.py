@@ -124,6 +124,30 @@ def _check_finite(x: np.ndarray, what: str, name: str, first_row: int) -> None:
                             f"{first_row + row}, column {col}")
 
 
+def quantize_rows(x: np.ndarray, qtype, imatrix: np.ndarray | None, flavor: str, name: str,
+                  first_row: int = 0) -> np.ndarray:
+    """``formats.quantize`` of rows starting at ``first_row`` of tensor ``name``, refusing what the
+    quantizer cannot represent with a QuantkitError naming the row and column, never zeros:
+
+    * values (and imatrix products) whose float32 scale search would overflow (and zero the
+      block without a sign of it) are refused before quantizing (formats/limits.py derives the
+      bounds per type);
+    * a scale or value that overflowed its storage (an fp16 scale, an f16 value above 65504)
+      decodes to Inf/NaN: llama-quantize's ggml_validate_row_data refuses such output, and so do
+      we, naming the largest value of the block that scale covers."""
+    over = formats.first_excess(x, qtype, imatrix)
+    if over is not None:
+        raise QuantkitError(f"tensor '{name}': row {first_row + over.row}, column {over.column}: {over.what}")
+    q = formats.quantize(x, qtype, imatrix, flavor)
+    bad = formats.non_finite_column(q, qtype, x)
+    if bad is not None:
+        row, col = bad
+        raise QuantkitError(f"tensor '{name}': row {first_row + row}, column {col}: |x| = {x[row, col]:.6g} is "
+                            f"beyond what {type_name(qtype)} can represent (the quantized output would decode to "
+                            "inf or nan)")
+    return q
+
+
 def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None, flavor: str):
     """Yield the output bytes of one tensor chunk by chunk.  ``imatrix``: (n_matrices, n_per_row)."""
     shape = info.shape
@@ -135,14 +159,7 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
         x = to_float32(info, rows)
         _check_finite(x, "the input", info.name, rows.start)
         w = imatrix[m] if imatrix is not None else None
-        q = formats.quantize(x, tp.dst_type, w, flavor)
-        # A scale that overflowed fp16 (or an f16 target with |x| > 65504) decodes to Inf/NaN:
-        # llama-quantize's ggml_validate_row_data refuses such output, and so do we.
-        bad = formats.find_non_finite(q, tp.dst_type, n_per_row)
-        if bad is not None:
-            raise QuantkitError(f"tensor '{info.name}': the quantized output has a non-finite scale or value "
-                                f"at row {rows.start + bad[0]} (|x| too large for {type_name(tp.dst_type)}?)")
-        yield q
+        yield quantize_rows(x, tp.dst_type, w, flavor, info.name, rows.start)
 
 
 def repack_parts(info: TensorInfo, tp: TensorPlan, buffers: "ThreadBuffers"):

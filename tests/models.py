@@ -113,7 +113,7 @@ def add_spm_vocab(w: gguf.GGUFWriter, n_vocab: int) -> None:
 def write_deepseek2(path: Path, n_layer=4, n_dense=1, n_embd=256, n_ff=512, n_ff_exp=256, n_expert=4,
                     n_expert_used=2, n_shared=1, n_head=4, q_lora_rank=256, kv_lora_rank=512,
                     qk_nope=128, qk_rope=64, v_head=128, n_vocab=512, dtype=np.float32, seed=0,
-                    fused_kv_b=False, gating=2, probs_bias=0.0, weights_norm=True, weights_scale=2.5,
+                    fused_kv_b=False, split_kv_b=False, gating=2, probs_bias=0.0, weights_norm=True, weights_scale=2.5,
                     n_group=0, n_group_used=0, yarn: dict | None = None) -> Path:
     """A DeepSeek-V3-shaped (MLA + MoE) GGUF with random weights.
 
@@ -130,6 +130,10 @@ def write_deepseek2(path: Path, n_layer=4, n_dense=1, n_embd=256, n_ff=512, n_ff
     * ``fused_kv_b``: the older layout with only attn_kv_b [kv_lora, n_head * (qk_nope + v_head)]
       and per-head metadata (head_count_kv = n_head, key_length = qk_nope + qk_rope), which
       ik_llama.cpp loads with any head sizes;
+    * ``split_kv_b`` (with ``fused_kv_b``): also attn_k_b and attn_v_b split from attn_kv_b and
+      stored flat in 2-D, attn_k_b [qk_nope, n_head * kv_lora] (each head's key rows transposed)
+      and attn_v_b [kv_lora, n_head * v_head]: the layout of ik_llama.cpp's converter (and
+      quantkit's), which the runtime computes with through attn_k_b/attn_v_b;
     * ``q_lora_rank=0``: queries from attn_q, as DeepSeek-V2-Lite (ik_llama.cpp expects that only
       of 26- or 27-layer models);
     * ``gating`` 1 (softmax, DeepSeek-V2: no exp_probs_b) or 2 (sigmoid, V3); ``probs_bias``: the
@@ -198,7 +202,14 @@ def write_deepseek2(path: Path, n_layer=4, n_dense=1, n_embd=256, n_ff=512, n_ff
             w.add_tensor(p + "attn_q.weight", _w(rng, n_head * (qk_nope + qk_rope), n_embd, dtype=dtype))
         w.add_tensor(p + "attn_kv_a_mqa.weight", _w(rng, kv_lora_rank + qk_rope, n_embd, dtype=dtype))
         if fused_kv_b:
-            w.add_tensor(p + "attn_kv_b.weight", _w(rng, n_head * (qk_nope + v_head), kv_lora_rank, dtype=dtype))
+            kv_b = _w(rng, n_head * (qk_nope + v_head), kv_lora_rank, dtype=dtype)
+            w.add_tensor(p + "attn_kv_b.weight", kv_b)
+            if split_kv_b:
+                heads = kv_b.reshape(n_head, qk_nope + v_head, kv_lora_rank)
+                w.add_tensor(p + "attn_k_b.weight", np.ascontiguousarray(
+                    heads[:, :qk_nope].transpose(0, 2, 1).reshape(n_head * kv_lora_rank, qk_nope)))
+                w.add_tensor(p + "attn_v_b.weight", np.ascontiguousarray(
+                    heads[:, qk_nope:].reshape(n_head * v_head, kv_lora_rank)))
         else:
             w.add_tensor(p + "attn_k_b.weight", _w(rng, n_head, kv_lora_rank, qk_nope, dtype=dtype))
             w.add_tensor(p + "attn_v_b.weight", _w(rng, n_head, v_head, kv_lora_rank, dtype=dtype))

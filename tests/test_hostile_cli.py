@@ -181,19 +181,32 @@ def test_warnings_are_text(capsys):
 
 
 def test_imatrix_stats_names_and_non_finite_values(tmp_path, capsys, wide):
-    """A zero entry, an infinite one, a NaN one: the table shows the names as text, the JSON is
-    strict (non-finite numbers are null)."""
-    names = ["blk.0.ffn_[a-z].weight", "blk.1.ffn_[a-z].weight", "blk.2.ffn_[a-z].weight", "blk.0.[/INST].weight"]
-    sums = [np.zeros((1, 8)), np.full((1, 8), np.inf), np.full((1, 8), np.nan), np.ones((1, 8))]
+    """An all-zero entry beside ordinary ones: the table shows the names as text, the JSON parses
+    strictly.  A file
+    holding an infinite or NaN sum is no importance matrix: refused, naming the entry."""
+    import gguf
+    names = ["blk.0.ffn_[a-z].weight", "blk.1.ffn_[a-z].weight", "blk.0.[/INST].weight"]
+    sums = [np.zeros((1, 8)), np.arange(8.0).reshape(1, 8), np.ones((1, 8))]
     path = RawImatrix(dict(zip(names, sums)), {n: np.array([10]) for n in names}, 512).save(tmp_path / "i.gguf")
     rc, out, err = _cli(capsys, "imatrix", "stats", path, "--json")
     assert rc == 0, err
     rows = {r["name"]: r for r in _strict_json(out)["entries"]}
-    assert rows["blk.1.ffn_[a-z].weight"]["sum"] is None and rows["blk.2.ffn_[a-z].weight"]["mean"] is None
     assert rows["blk.0.ffn_[a-z].weight"]["sum"] == 0.0
     rc, out, err = _cli(capsys, "imatrix", "stats", path)
     assert rc == 0, err
     assert all(n in out for n in names)
+    for value in (np.inf, np.nan):                  # written by gguf-py: quantkit refuses to write them
+        bad = tmp_path / "bad.gguf"
+        w = gguf.GGUFWriter(str(bad), arch=None)
+        w.add_string("general.type", "imatrix")
+        w.add_array("imatrix.datasets", ["t.txt"])
+        w.add_uint32("imatrix.chunk_count", 1)
+        w.add_uint32("imatrix.chunk_size", 512)
+        w.add_tensor("blk.2.ffn_[a-z].weight.in_sum2", np.full((1, 8), value, np.float32))
+        w.add_tensor("blk.2.ffn_[a-z].weight.counts", np.full((1, 1), 10, np.float32))
+        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+        rc, out, err = _cli(capsys, "imatrix", "stats", bad, "--json")
+        assert_refused(rc, out, err, "blk.2.ffn_[a-z].weight")
 
 
 # ------------------------------------------------------------------ item 13: one strict JSON writer

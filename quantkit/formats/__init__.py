@@ -13,9 +13,10 @@ import numpy as np
 from ..types import QuantType, traits, type_name
 from ._base import ALL_PATHS, FLAVORS, BlockFormat, first_non_finite
 from ._base import registered as _registered
+from .limits import first_excess
 
-__all__ = ["quantize", "dequantize", "can_quantize", "can_dequantize", "find_non_finite", "FLAVORS",
-           "BlockFormat"]
+__all__ = ["quantize", "dequantize", "can_quantize", "can_dequantize", "find_non_finite", "non_finite_column",
+           "first_excess", "FLAVORS", "BlockFormat"]
 
 # gguf-py decodes these mainline layouts; ids where the fork differs are left out.
 _GGUF_PY_DECODABLE = {
@@ -116,3 +117,24 @@ def find_non_finite(blocks: np.ndarray, qtype, n_per_row: int) -> tuple[int, int
         bad = ~np.isfinite(x)
         return tuple(int(v) for v in np.argwhere(bad)[0]) if bad.any() else None
     return first_non_finite(fmt, np.ascontiguousarray(blocks), n_per_row)
+
+
+def non_finite_column(blocks: np.ndarray, qtype, x: np.ndarray) -> tuple[int, int] | None:
+    """Where quantizing ``x`` (n_rows, n_per_row) to ``blocks`` gave a non-finite scale or value:
+    (row, column of the input value that caused it), or None.  A scale covers a block (a row for
+    types with a row scale), so the column is that block's (row's) largest |x|."""
+    bad = find_non_finite(blocks, qtype, x.shape[1])
+    if bad is None:
+        return None
+    row, at = bad
+    t = traits(qtype)
+    fmt = _format(qtype)
+    reports_blocks = fmt is not None and fmt.scale_fields is not None and t.row_meta_size == 0
+    if t.row_meta_size:
+        start, stop = 0, x.shape[1]
+    else:
+        block = at if reports_blocks else at // t.block_size
+        start, stop = block * t.block_size, (block + 1) * t.block_size
+    values = np.abs(x[row, start:stop])
+    with np.errstate(invalid="ignore"):
+        return row, start + int(np.argmax(np.where(np.isnan(values), np.inf, values)))

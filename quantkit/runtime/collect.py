@@ -9,7 +9,15 @@ is kept follows llama-imatrix (specs/ggml-quants.md §3.1):
   the number of tokens, for batches of at least 16 tokens;
 * a routed expert (3-D ``*_exps`` tensors) adds, per expert, the rows of the tokens routed to it and
   their number: an expert that never fires keeps count 0 ("partial data");
-* a per-head product (MLA's ``attn_k_b``/``attn_v_b``) keeps one row of sums per head and one count.
+* a per-head product (MLA's ``attn_k_b``/``attn_v_b``, or the value rows of a fused ``attn_kv_b``)
+  keeps one row of sums per matrix the file stores and one count of tokens: a 3-D tensor
+  [n_in, n_out, n_head] gets one row per head, as llama-imatrix collects it (``i02 = i12 / rk2``),
+  and a tensor stored flat in 2-D (ik_llama.cpp's converter, quantkit's own: attn_k_b
+  [qk_nope, n_head * kv_lora], attn_v_b and attn_kv_b [kv_lora, ...]) one row, the sum over the
+  heads, since llama-quantize gives such a tensor one vector of ne[0] weights.  The key rows of a
+  fused attn_kv_b are used transposed (their input runs along the tensor's rows, not the columns
+  an imatrix weighs) and are not observed; llama-quantize gives attn_kv_b the weights of
+  attn_v_b and vice versa when one of them is missing.
 """
 from __future__ import annotations
 
@@ -77,12 +85,17 @@ class ActivationStats:
             e.counts[expert] += x.shape[0]
             _check_finite(name, e.sums[expert])
 
-    def add_heads(self, name: str, x: np.ndarray) -> None:
-        """x (n_tokens, n_head, d_in): one row of sums per head, one count of tokens."""
-        if self.wanted(name) and x.shape[0] >= MIN_ROWS:
-            e = self._entry(name, x.shape[1], x.shape[2], 1)
-            e.sums += np.square(x, dtype=np.float32).sum(axis=0, dtype=np.float64)
-            e.counts[0] += x.shape[0]
+    def add_heads(self, name: str, x: np.ndarray, n_mat: int) -> None:
+        """x (n_tokens, n_head, d_in) through a tensor that stores n_mat matrices (n_head or 1):
+        head h adds to row h * n_mat // n_head of the sums; one count of tokens."""
+        n_tokens, n_head, d_in = x.shape
+        if n_head % n_mat:
+            raise QuantkitError(f"tensor {name}: {n_mat} matrices for {n_head} heads")
+        if self.wanted(name) and n_tokens >= MIN_ROWS:
+            e = self._entry(name, n_mat, d_in, 1)
+            sums = np.square(x, dtype=np.float32).sum(axis=0, dtype=np.float64)       # (n_head, d_in)
+            e.sums += sums.reshape(n_mat, n_head // n_mat, d_in).sum(axis=1)
+            e.counts[0] += n_tokens
             _check_finite(name, e.sums)
 
 
@@ -117,7 +130,11 @@ class ObservingOps:
         return self._ops.matmul_q(w, x, fused)
 
     def matmul_q_heads(self, ws, x, transposed: bool = False):
-        self.stats.add_heads(ws[0].name.split("[")[0], self._ops.host(x))   # heads: row slices "name[r0:r1]"
+        if not transposed:                      # transposed: the input runs along the rows (see above)
+            name = ws[0].name.split("[")[0]     # heads: row slices "name[r0:r1]"
+            shape = self._shapes.get(name, ())
+            n_mat = int(np.prod(shape[2:])) if len(shape) > 2 else 1
+            self.stats.add_heads(name, self._ops.host(x), n_mat)
         return self._ops.matmul_q_heads(ws, x, transposed)
 
     def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps):
