@@ -149,7 +149,7 @@ def test_cli_torch_cpu_generates_what_cpu_does(v3):
     (["--device", "tpu"], "unknown device 'tpu'"),
     (["-ot", "exps"], "expected REGEX=cpu"),
     (["-ot", "exps=cuda"], "expected REGEX=cpu"),
-    (["-ot", "(=cpu"], "bad regex"),
+    (["-ot", "(=cpu"], "invalid regex"),
 ] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "torch sees no CUDA device")]))
 def test_device_errors_are_one_line(v3, args, message):
     p = quantkit_cli("run", v3, "-p", "abc", "-n", "2", *args)
