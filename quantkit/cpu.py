@@ -123,11 +123,12 @@ def target() -> Target:
 _I16, _I32, _F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
 
 
-def half_to_float(builder: ir.IRBuilder, h: ir.Value) -> ir.Value:
+def half_to_float(builder: ir.IRBuilder, h: ir.Value, hardware: bool | None = None) -> ir.Value:
     """float16 values as float32: h a half or <n x half>, or their bits as i16 / <n x i16>.
 
-    One ``fpext`` where the target widens halves itself (F16C); elsewhere exactly the same bits in
-    integer arithmetic, with the bits u = s eeeee mmmmmmmmmm:
+    One ``fpext`` where the target widens halves itself (F16C; ``hardware``: the target's answer
+    unless given); elsewhere exactly the same bits in integer arithmetic, with the bits
+    u = s eeeee mmmmmmmmmm:
 
         normal      e != 0, 31   (u & 0x7fff) << 13 moves exponent and mantissa into place; the
                                  exponent's bias 15 becomes 127: + (127 - 15) << 23
@@ -145,7 +146,9 @@ def half_to_float(builder: ir.IRBuilder, h: ir.Value) -> ir.Value:
     def const(t, v):
         return ir.Constant(like(t), [v] * n if vec else v)
     elt = h.type.element if vec else h.type
-    if target().f16c:
+    if hardware is None:
+        hardware = target().f16c
+    if hardware:
         half = h if isinstance(elt, ir.HalfType) else builder.bitcast(h, like(ir.HalfType()))
         return builder.fpext(half, like(_F32))
     bits = builder.bitcast(h, like(_I16)) if isinstance(elt, ir.HalfType) else h
