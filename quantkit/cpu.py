@@ -13,6 +13,9 @@ code generator was created with: ``magic_tuple``, also the key of numba's on-dis
 cached kernel always matches the choice made here): a few functions in plain IR are compiled to
 assembly, and the instructions LLVM selects for them say what the target has.  No table of CPU
 names, and nothing is read from the host's cpuid.
+
+Like an edit of dot.py's IR, an edit here does not invalidate the kernels numba has cached (its
+cache checks the source file of the cached function only): delete the __pycache__/*.nb* files.
 """
 from __future__ import annotations
 
@@ -31,12 +34,17 @@ class Target:
     ssse3: bool         # pshufb, pmaddubsw, psignb on 128 bits (x86)
     avx2: bool          # the same, and integer ops, on 256 bits (x86)
     f16c: bool          # float16 -> float32 in hardware (vcvtph2ps on x86; native elsewhere)
-    fma: bool           # fused multiply-add instructions
+    fma: bool           # fused multiply-add instructions (no kernel's result depends on it: the
+                        # fused products never fuse, kt's fma32 is exact with or without)
     avx512: bool        # 512-bit registers (AVX-512F)
 
     @property
     def x86(self) -> bool:
-        return self.triple.split("-")[0] in ("x86_64", "i386", "i686")
+        return _is_x86(self.triple)
+
+
+def _is_x86(triple: str) -> bool:
+    return triple.split("-")[0] in ("x86_64", "i386", "i686")
 
 
 # One probe function per feature, in plain IR that every target compiles; the instruction LLVM
@@ -95,7 +103,7 @@ def _features(triple: str, cpu: str, features: str) -> Target:
     module = llb.parse_assembly(_PROBES)
     module.triple = tm.triple
     fn = _functions(tm.emit_assembly(module))
-    x86 = triple.split("-")[0] in ("x86_64", "i386", "i686")
+    x86 = _is_x86(triple)
 
     def uses(name, *needles):
         return any(all(n in line for n in needles) for line in fn[name])
@@ -106,7 +114,7 @@ def _features(triple: str, cpu: str, features: str) -> Target:
                   ssse3=x86 and uses("ssse3", "pshufb"),
                   avx2=x86 and uses("avx2", "vpaddd", "%ymm"),
                   f16c=f16_native,
-                  fma=uses("fma", "fmadd") or uses("fma", "fmla"),
+                  fma=uses("fma", "fmadd"),
                   avx512=x86 and uses("avx512", "%zmm"))
 
 
