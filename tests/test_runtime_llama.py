@@ -125,7 +125,7 @@ def test_quantized_logits_close_to_ik_quantized_path(files, prompt, name):
 # (OpenBLAS: Haswell, SkylakeX, Zen, Sandybridge kernels; MKL: AVX2, AVX-512 or compatible paths),
 # while quantkit's own kernels compute the same bits on every x86 (quantkit/cpu.py, runtime/dot.py:
 # the numba backend's Q4_K logits here are bit-identical compiled for an AVX-512 CPU and for
-# NUMBA_CPU_NAME=generic, and with numpy's AVX-512 loops disabled).
+# NUMBA_CPU_NAME=generic).
 #   * One product of n terms in another order moves by about sqrt(n) 2^-24 of Σ|w x| (at most
 #     n 2^-24): ~2e-6 for n = 1536.  Alone that would not show.
 #   * But the KV cache, the f16 copy of the query and the probabilities are rounded to float16;
