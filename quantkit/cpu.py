@@ -31,11 +31,12 @@ class Target:
     """The features of the target that numba compiles for, as the kernels use them."""
     triple: str
     cpu: str
+    sse2: bool          # pmaddwd on 128 bits (x86; all of x86-64)
     ssse3: bool         # pshufb, pmaddubsw, psignb on 128 bits (x86)
     avx2: bool          # the same, and integer ops, on 256 bits (x86)
     f16c: bool          # float16 -> float32 in hardware (vcvtph2ps on x86; native elsewhere)
     fma: bool           # fused multiply-add instructions (no kernel's result depends on it: the
-                        # fused products never fuse, kt's fma32 is exact with or without)
+                        # kernels' multiply-adds are llvm.fma, libm's exact fmaf without FMA)
     avx512: bool        # 512-bit registers (AVX-512F)
 
     @property
@@ -68,6 +69,13 @@ define void @probe_avx512(<16 x i32>* %p, <16 x i32>* %q) {
   %b = load <16 x i32>, <16 x i32>* %q, align 4
   %s = add <16 x i32> %a, %b
   store <16 x i32> %s, <16 x i32>* %p, align 4
+  ret void
+}
+define void @probe_sse2(<4 x i32>* %p, <4 x i32>* %q) {
+  %a = load <4 x i32>, <4 x i32>* %p, align 4
+  %b = load <4 x i32>, <4 x i32>* %q, align 4
+  %s = add <4 x i32> %a, %b
+  store <4 x i32> %s, <4 x i32>* %p, align 4
   ret void
 }
 define void @probe_ssse3(<16 x i8>* %p) {
@@ -111,6 +119,7 @@ def _features(triple: str, cpu: str, features: str) -> Target:
     # __gnu_h2f_ieee before LLVM 15): x86 without F16C
     f16_native = not any(h in line for line in fn["f16c"] for h in ("__extendhfsf2", "__gnu_h2f_ieee", "call"))
     return Target(triple=triple, cpu=cpu,
+                  sse2=x86 and uses("sse2", "paddd", "%xmm"),
                   ssse3=x86 and uses("ssse3", "pshufb"),
                   avx2=x86 and uses("avx2", "vpaddd", "%ymm"),
                   f16c=f16_native,

@@ -43,12 +43,12 @@ from quantkit import cpu
 from quantkit.cli import main as quantkit_main
 from quantkit.runtime import dot, kernels, matvec
 from quantkit.types import QuantType, type_name
-from test_runtime_matvec import check_fused_product, product_cases, rows_of
+from test_runtime_matvec import _chunks, check_chunk, check_fused_product, product_cases, rows_of
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = "QUANTKIT_TEST_GENERIC_ROWS"             # the child's matrices (.npz), quantized by the parent
 IN_CHILD = ROWS in os.environ
-FEATURES = ("ssse3", "avx2", "f16c", "fma", "avx512")
+FEATURES = ("sse2", "ssse3", "avx2", "f16c", "fma", "avx512")
 # one type per fused kernel, and an interleaved one (regrouped into plain rows first)
 KERNEL_TYPES = [*matvec.KIND, QuantType.IQ4_K_R4]
 # the fast path's checks, run again on the generic target
@@ -73,14 +73,14 @@ def _on(t: cpu.Target) -> set[str]:
 
 @pytest.mark.skipif(not cpu.target().x86, reason="x86 CPU models")
 @pytest.mark.parametrize("name,features,want", [
-    ("generic", "", set()),
-    ("x86-64", "", set()),
-    ("nehalem", "", {"ssse3"}),
-    ("sandybridge", "", {"ssse3"}),                         # AVX, but neither AVX2 nor F16C
-    ("haswell", "", {"ssse3", "avx2", "f16c", "fma"}),
-    ("skylake-avx512", "", {"ssse3", "avx2", "f16c", "fma", "avx512"}),
-    ("x86-64", "+avx2,-f16c", {"ssse3", "avx2"}),           # explicit features over the model's
-    ("haswell", "-avx", {"ssse3"}),                         # and what they imply (-avx: no AVX2)
+    ("generic", "", {"sse2"}),
+    ("x86-64", "", {"sse2"}),
+    ("nehalem", "", {"sse2", "ssse3"}),
+    ("sandybridge", "", {"sse2", "ssse3"}),                 # AVX, but neither AVX2 nor F16C
+    ("haswell", "", {"sse2", "ssse3", "avx2", "f16c", "fma"}),
+    ("skylake-avx512", "", {"sse2", "ssse3", "avx2", "f16c", "fma", "avx512"}),
+    ("x86-64", "+avx2,-f16c", {"sse2", "ssse3", "avx2"}),   # explicit features over the model's
+    ("haswell", "-avx", {"sse2", "ssse3"}),                 # and what they imply (-avx: no AVX2)
 ])
 def test_features_are_what_llvm_selects_for_the_cpu(name, features, want):
     assert _on(cpu._features(cpu.target().triple, name, features)) == want
@@ -93,7 +93,7 @@ def test_the_child_compiles_for_the_generic_cpu():
     assert t.cpu == "generic"
     assert not (t.ssse3 or t.avx2 or dot._AVX2 or dot._SSSE3)
     if t.x86:
-        assert _on(t) == set()
+        assert _on(t) == {"sse2"}
 
 
 @njit(cache=True)
@@ -177,6 +177,28 @@ def test_half_widening_is_exact_for_every_half():
     out = np.empty((n_rows, width), np.float32)
     _widen_rows(rows.reshape(n_rows, 1, width), out)
     np.testing.assert_array_equal(out.reshape(-1)[:bits.size].view(np.uint32), want)
+
+
+# chunks that take every path of the byte products: a legacy block's 32-lane grid lookup and folded
+# bias (IQ4_NL), a paired grid lookup (IQ4_K), signed codes (Q6_K), a run's mins (Q2_K), a 64-entry
+# grid (IQ6_K)
+TIER_CHUNKS = ("iq4_nlx8", "iq4_k", "q6_K", "q2_K", "iq6_k")
+
+
+@pytest.mark.parametrize("tier", ["ssse3", "sse2", "plain"])
+def test_byte_products_of_every_instruction_tier(tier, monkeypatch):
+    """The chunk dots built for the tiers below the host's, compiled and run here: SSSE3 (128-bit
+    halves: Nehalem, Sandybridge), SSE2 (x86-64's baseline: the generic target, also run whole in
+    test_generic_cpu_target) and plain IR (no x86 instruction at all: other architectures), each
+    against its numpy twin on random bytes."""
+    monkeypatch.setattr(dot, "_AVX2", False)
+    monkeypatch.setattr(dot, "_SSSE3", tier == "ssse3")
+    monkeypatch.setattr(dot, "_SSE2", tier in ("ssse3", "sse2"))
+    chunks = {name: (chunk, n_bytes, tab) for name, chunk, n_bytes, tab in _chunks()}
+    for name in TIER_CHUNKS:
+        chunk, n_bytes, tab = chunks[name]
+        fresh = dot.chunk_dot(chunk.runs, table=chunk.table, sup=chunk.sup)      # compiled on the tier's IR
+        check_chunk(name, fresh, n_bytes, tab)
 
 
 def _key(qtype, n, seed) -> str:

@@ -136,6 +136,10 @@ def _chunks():
 
 @pytest.mark.parametrize("name,chunk,n_bytes,tab", _chunks(), ids=[c[0] for c in _chunks()])
 def test_chunk_dot_equals_its_twin_on_random_bytes(name, chunk, n_bytes, tab):
+    check_chunk(name, chunk, n_bytes, tab)
+
+
+def check_chunk(name, chunk, n_bytes, tab):
     """Any bytes (not only what a quantizer writes), at an offset inside a longer row: random
     codes, packed scales, mins and grid bits; float16 fields hold random finite values."""
     rng = np.random.default_rng(len(name))

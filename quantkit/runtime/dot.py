@@ -17,13 +17,14 @@ activations rounded to 8 bits per 32 as ggml's q8_0 does:
     32-group sum       Σ_j code_j * xq_j over the group's runs  bytes times bytes added in pairs
                        (times each run's integer scale)         (pmaddubsw), then in pairs into
                                                                 32-bit lanes (pmaddwd)
-    chunk              Σ_g float(group sum_g) * scale_g * xd_g  float multiplies and adds in
-                       + Σ_g (min_g - bias * d_g) * xsum_g      one vector (legacy blocks too)
+    chunk              Σ_g float(group sum_g) * scale_g * xd_g  one float multiply-add of 8
+                       + Σ_g (min_g - bias * d_g) * xsum_g      lanes (legacy blocks too)
 
-Float products and sums are never fused (no llvm.fmuladd): a fused multiply-add rounds once where
-the multiply and the add round twice, so the results would depend on whether the CPU numba
-compiles for has FMA; written as fmul and fadd, and LLVM contracts nothing without fast-math
-flags, they are the same bits on every x86 (and elsewhere).  The integer sums are exact anyway.
+A multiply-add is always fused (llvm.fma, never llvm.fmuladd, which fuses only where the CPU has
+FMA): one rounding on every target, an FMA instruction where numba's target has one and libm's
+correctly rounded fmaf where not (NUMBA_CPU_NAME=generic), so the results are the same bits on
+every CPU; other multiplies and adds are plain fmul / fadd, which LLVM never contracts without
+fast-math flags.  The integer sums are exact anyway.
 
 numba's cache checks the source file of the cached function only: after editing this module,
 delete quantkit/runtime/__pycache__/*.nb* (kernels compiled from the old IR stay cached otherwise).
@@ -45,9 +46,11 @@ from ..cpu import half_to_float, target
 # which x86 intrinsics the byte products may emit: those of the target numba compiles for
 # (quantkit.cpu), never more: LLVM aborts the process on an instruction it cannot select.
 # AVX2: 256-bit pshufb / pmaddubsw / pmaddwd / psignb; SSSE3: the same on two 128-bit halves;
-# neither (NUMBA_CPU_NAME=generic, other architectures): plain vector IR, the same integers
+# neither (NUMBA_CPU_NAME=generic, other architectures): plain vector IR, the same integers, with
+# SSE2's pmaddwd where there is SSE2 (x86-64's baseline)
 _AVX2 = target().avx2
 _SSSE3 = target().ssse3
+_SSE2 = target().sse2
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 
@@ -84,27 +87,30 @@ def _pshufb(builder, table, idx):
     if n == 32 and _AVX2:
         return _x86(builder, "llvm.x86.avx2.pshuf.b", table.type, table, idx)
     if _SSSE3:
-        return _on_halves(builder, lambda t, i: _x86(builder, "llvm.x86.ssse3.pshuf.b.128", t.type, t, i), table, idx)
-    out = ir.Constant(table.type, ir.Undefined)
-    for j in range(n):
-        k = builder.add(builder.extract_element(idx, ir.Constant(_I32, j)), ir.Constant(_I8, 16 * (j // 16)))
-        out = builder.insert_element(out, builder.extract_element(table, k), ir.Constant(_I32, j))
+        return _on_128(builder, lambda t, i: _x86(builder, "llvm.x86.ssse3.pshuf.b.128", t.type, t, i), table, idx)
+    # plain IR: for each of the 16 entries, where idx is k take entry k of the lane's table (a
+    # lane-by-lane lookup through memory ran 6x slower on SSE2)
+    out = ir.Constant(table.type, [0] * n)
+    for k in range(16):
+        entry = builder.shuffle_vector(table, table, ir.Constant(ir.VectorType(_I32, n), [16 * (j // 16) + k for j in range(n)]))
+        out = builder.select(builder.icmp_unsigned("==", idx, ir.Constant(idx.type, [k] * n)), entry, out)
     return out
 
 
-def _halves(builder, v):
-    """A 256-bit vector as its two 128-bit halves (a 128-bit one as itself)."""
+def _pieces(builder, v):
+    """A vector of 128, 256 or 512 bits as its 128-bit pieces."""
     n = v.type.count
-    if n * v.type.element.width == 128:
+    m = 128 // v.type.element.width
+    if n == m:
         return [v]
-    return [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n // 2), list(range(h, h + n // 2))))
-            for h in (0, n // 2)]
+    return [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, m), list(range(h, h + m))))
+            for h in range(0, n, m)]
 
 
-def _on_halves(builder, op, *vs):
-    """op (a 128-bit instruction) on each 128-bit half of the operands (256 or 128 bits), the
-    results joined: a 256-bit instruction's lanes without AVX2."""
-    return _concat(builder, [op(*parts) for parts in zip(*(_halves(builder, v) for v in vs))])
+def _on_128(builder, op, *vs):
+    """op (a 128-bit instruction) on each 128-bit piece of the operands, the results joined: a
+    256-bit instruction's lanes without AVX2."""
+    return _concat(builder, [op(*parts) for parts in zip(*(_pieces(builder, v) for v in vs))])
 
 
 def _lookup(builder, table16, idx, n):
@@ -251,6 +257,13 @@ class Super(NamedTuple):
     grid_step: int = 0              # of the grid by grid_step entries where set
 
 
+def _fma(builder, a, b, c):
+    """a * b + c rounded once (<n x float>): llvm.fma, on every target (module docstring)."""
+    vt = a.type
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt] * 3), f"llvm.fma.v{vt.count}f32")
+    return builder.call(fn, [a, b, c])
+
+
 def _fold(builder, v, n, to):
     """Add the halves of v (<n x float> or <n x i32>) until ``to`` lanes are left."""
     add = builder.fadd if isinstance(v.type.element, ir.FloatType) else builder.add
@@ -304,7 +317,7 @@ def _abs_sign(builder, w, x):
     if _AVX2:
         return absolute, _x86(builder, "llvm.x86.avx2.psign.b", w.type, x, w)
     if _SSSE3:
-        return absolute, _on_halves(builder, lambda a, b: _x86(builder, "llvm.x86.ssse3.psign.b.128", a.type, a, b), x, w)
+        return absolute, _on_128(builder, lambda a, b: _x86(builder, "llvm.x86.ssse3.psign.b.128", a.type, a, b), x, w)
     zero = ir.Constant(w.type, [0] * 32)
     neg = builder.icmp_signed("<", w, zero)
     return absolute, builder.select(neg, builder.sub(zero, x), builder.select(builder.icmp_signed("==", w, zero), zero, x))
@@ -316,10 +329,14 @@ def _maddubs(builder, u, s):
     if _AVX2:
         return _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), u, s)
     if _SSSE3:
-        return _on_halves(builder, lambda a, b: _x86(builder, "llvm.x86.ssse3.pmadd.ub.sw.128", ir.VectorType(_I16, 8), a, b), u, s)
+        return _on_128(builder, lambda a, b: _x86(builder, "llvm.x86.ssse3.pmadd.ub.sw.128", ir.VectorType(_I16, 8), a, b), u, s)
     v32 = ir.VectorType(_I16, 32)
-    prod = builder.mul(builder.zext(u, v32), builder.sext(s, v32))
-    return _pairs(builder, prod, 32)
+    u16, s16 = builder.zext(u, v32), builder.sext(s, v32)
+    if _SSE2:
+        # the pairs in 32-bit lanes (pmaddwd, on x86-64's baseline), then narrowed: they fit
+        pairs = _on_128(builder, lambda a, b: _x86(builder, "llvm.x86.sse2.pmadd.wd", ir.VectorType(_I32, 4), a, b), u16, s16)
+        return builder.trunc(pairs, ir.VectorType(_I16, 16))
+    return _pairs(builder, builder.mul(u16, s16), 32)
 
 
 def _pairs(builder, v, n):
@@ -332,8 +349,8 @@ def _madd(builder, p16, s16):
     """<8 x i32>: p16[2i] * s16[2i] + p16[2i+1] * s16[2i+1] (<16 x i16> operands; pmaddwd)."""
     if _AVX2:
         return _x86(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), p16, s16)
-    if _SSSE3:
-        return _on_halves(builder, lambda a, b: _x86(builder, "llvm.x86.sse2.pmadd.wd", ir.VectorType(_I32, 4), a, b), p16, s16)
+    if _SSE2:
+        return _on_128(builder, lambda a, b: _x86(builder, "llvm.x86.sse2.pmadd.wd", ir.VectorType(_I32, 4), a, b), p16, s16)
     v32 = ir.VectorType(_I32, 16)
     return _pairs(builder, builder.mul(builder.sext(p16, v32), builder.sext(s16, v32)), 16)
 
@@ -615,10 +632,9 @@ def chunk_dot(runs, table=False, sup=None):
                 run_left = builder.fmul(builder.fmul(builder.sitofp(_lane_sums(builder, msums), vf8),
                                                      _load8(builder, xdb, xblock, n_groups)), dmin)
                 left_out = run_left if left_out is None else builder.fadd(left_out, run_left)
-            # lane g: group g's sum; one conversion, multiply and add for the chunk
-            acc = builder.fmul(builder.sitofp(_lane_sums(builder, isums), vf8), group_scales)
-            if left_out is not None:
-                acc = builder.fadd(acc, left_out)
+            # lane g: group g's sum; one conversion and one multiply-add for the chunk
+            total = builder.sitofp(_lane_sums(builder, isums), vf8)
+            acc = builder.fmul(total, group_scales) if left_out is None else _fma(builder, total, group_scales, left_out)
             return builder.extract_element(_fold(builder, acc, 8, 1), ir.Constant(_I32, 0))
         return nbt.float32(a, o, tab, xq, xd, xsum, xo), codegen
     dot.runs, dot.table, dot.sup = runs, table, sup         # for the twin in tests
@@ -699,8 +715,8 @@ def half_row_axpy(n):
 @intrinsic
 def half_dot(typingctx, a, i, h, x, n):
     """Σ_d half(a[i, h, d]) * x[d] over d < n // 8 * 8 (the last n % 8: the caller's), a uint16
-    3-D (float16 bits, last axis contiguous): 32 values per step into 4 chains of 8 (multiply,
-    then add: not fused, see the module's docstring), then 8 per step, folded once at the end."""
+    3-D (float16 bits, last axis contiguous): 32 values per step into 4 chains of 8 fused
+    multiply-adds (llvm.fma, see the module's docstring), then 8 per step, folded once at the end."""
     def codegen(context, builder, sig, args):
         a_v, i_v, h_v, x_v, n_v = args
         i64 = ir.IntType(64)
@@ -715,8 +731,7 @@ def half_dot(typingctx, a, i, h, x, n):
 
         def step(width, d):
             w = half_to_float(builder, _load(builder, row, d, width, ir.HalfType()))
-            product = builder.fmul(w, _load(builder, xb, d, width, _F32))
-            builder.store(builder.fadd(builder.load(acc[width]), product), acc[width])
+            builder.store(_fma(builder, w, _load(builder, xb, d, width, _F32), builder.load(acc[width])), acc[width])
         n32 = builder.udiv(n, ir.Constant(i64, 32))
         with cgutils.for_range(builder, n32) as loop:
             step(32, builder.mul(loop.index, ir.Constant(i64, 32)))
