@@ -49,7 +49,8 @@ def _is_x86(triple: str) -> bool:
 
 
 # One probe function per feature, in plain IR that every target compiles; the instruction LLVM
-# selects for it shows whether the target has the feature (see _features).
+# selects for it shows whether the target has the feature (see _features).  The byte permutation
+# is one that SSE2's word shuffles cannot do: pshufb where there is SSSE3.
 _PROBES = r"""
 define void @probe_f16c(<8 x half>* %p, <8 x float>* %q) {
   %h = load <8 x half>, <8 x half>* %p, align 2
@@ -80,7 +81,7 @@ define void @probe_sse2(<4 x i32>* %p, <4 x i32>* %q) {
 }
 define void @probe_ssse3(<16 x i8>* %p) {
   %v = load <16 x i8>, <16 x i8>* %p, align 1
-  %w = shufflevector <16 x i8> %v, <16 x i8> undef, <16 x i32> <i32 15, i32 3, i32 14, i32 2, i32 13, i32 1, i32 12, i32 0, i32 11, i32 7, i32 10, i32 6, i32 9, i32 5, i32 8, i32 4>
+  %w = shufflevector <16 x i8> %v, <16 x i8> undef, <16 x i32> <BYTE_PERMUTATION>
   store <16 x i8> %w, <16 x i8>* %p, align 1
   ret void
 }
@@ -89,7 +90,7 @@ define float @probe_fma(float %a, float %b, float %c) {
   %r = call float @llvm.fma.f32(float %a, float %b, float %c)
   ret float %r
 }
-"""
+""".replace("BYTE_PERMUTATION", ", ".join(f"i32 {i}" for i in (15, 3, 14, 2, 13, 1, 12, 0, 11, 7, 10, 6, 9, 5, 8, 4)))
 
 
 def _functions(asm: str) -> dict[str, list[str]]:
