@@ -71,19 +71,32 @@ def _widths(qtype):
     return (480, 1024) if traits(qtype).block_size == 32 else (768,)
 
 
-@pytest.mark.parametrize("qtype", FUSED, ids=type_name)
-def test_fused_product_equals_decoded_rows_times_rounded_activations(qtype):
+def product_cases(qtype):
+    """(n, n_rows, seed) of the matrices check_fused_product multiplies for qtype."""
     group = traits(qtype).interleave_rows
-    for n in _widths(qtype):
-        blocks = rows_of(qtype, 8 * group, n, seed=int(qtype) + n)
-        w = Weight("w", qtype, (n, 8 * group), blocks)
+    return [(n, 8 * group, int(qtype) + n) for n in _widths(qtype)]
+
+
+def check_fused_product(qtype, rows=rows_of):
+    """The fused product of each of qtype's product_cases (``rows(qtype, n_rows, n, seed)``: its
+    blocks) against the decoded rows times the rounded activations, for 1 and FUSED_TOKENS tokens
+    (also run by test_generic_cpu on the generic CPU target)."""
+    for n, n_rows, seed in product_cases(qtype):
+        blocks = rows(qtype, n_rows, n, seed)
+        w = Weight("w", qtype, (n, n_rows), blocks)
         ref_rows = decoded(blocks, qtype, n)
         for n_tok in (1, ops_cpu.FUSED_TOKENS):
             x = np.random.default_rng(n_tok).standard_normal((n_tok, n)).astype(np.float32) * 3
             got = ops_cpu.matmul_q(w, x)
             ref = rounded(x, qtype).astype(np.float64) @ ref_rows.T
-            assert got.shape == (n_tok, 8 * group) and got.dtype == np.float32
-            np.testing.assert_allclose(got, ref, rtol=0, atol=3e-6 * np.abs(ref).max(), err_msg=f"n={n} tokens={n_tok}")
+            assert got.shape == (n_tok, n_rows) and got.dtype == np.float32
+            np.testing.assert_allclose(got, ref, rtol=0, atol=3e-6 * np.abs(ref).max(),
+                                       err_msg=f"{type_name(qtype)} n={n} tokens={n_tok}")
+
+
+@pytest.mark.parametrize("qtype", FUSED, ids=type_name)
+def test_fused_product_equals_decoded_rows_times_rounded_activations(qtype):
+    check_fused_product(qtype)
 
 
 def test_batches_keep_float_activations():
@@ -123,6 +136,10 @@ def _chunks():
 
 @pytest.mark.parametrize("name,chunk,n_bytes,tab", _chunks(), ids=[c[0] for c in _chunks()])
 def test_chunk_dot_equals_its_twin_on_random_bytes(name, chunk, n_bytes, tab):
+    check_chunk(name, chunk, n_bytes, tab)
+
+
+def check_chunk(name, chunk, n_bytes, tab):
     """Any bytes (not only what a quantizer writes), at an offset inside a longer row: random
     codes, packed scales, mins and grid bits; float16 fields hold random finite values."""
     rng = np.random.default_rng(len(name))

@@ -8,7 +8,8 @@ cluster's members are one contiguous run:
     vt       uint16 (group, total)   value k of the code at each position, as float16 bits (row
                                      k contiguous, so the search reads each value dimension as
                                      one stream; values are integers in [-126, 126], exact in
-                                     float16, which the CPU widens in one instruction)
+                                     float16, which the CPU widens in one instruction: F16C; the
+                                     same floats in integer steps without it, quantkit.cpu)
     vt_all   uint16 (group, 2^bits)  every code's values (searched when a cluster is empty)
     values   float32 (2^bits, group)
 
@@ -24,6 +25,7 @@ from numba.core import cgutils
 from numba.core import types as nbt
 from numba.extending import intrinsic
 
+from ..cpu import half_to_float
 from ..formats._iqk import IQ4K_VALUES
 from .iqk import IQ4_LUT, IQ4_THR, IQ4_V, OVERFLOW, nearest, store_f32
 from .kquants import nint
@@ -120,7 +122,7 @@ def _nearest_code(typingctx, tab, start, n, v, w):
         builder.position_at_end(body)
         t = []
         for k in range(g):
-            q = builder.fpext(builder.load(builder.bitcast(builder.gep(rows[k], [i]), vh_ptr), align=2), vf)
+            q = half_to_float(builder, builder.load(builder.bitcast(builder.gep(rows[k], [i]), vh_ptr), align=2))
             e = builder.fsub(q, vx[k])
             t.append(builder.fmul(vw[k], builder.fmul(e, e)))
         if g == 8:

@@ -17,8 +17,14 @@ activations rounded to 8 bits per 32 as ggml's q8_0 does:
     32-group sum       Σ_j code_j * xq_j over the group's runs  bytes times bytes added in pairs
                        (times each run's integer scale)         (pmaddubsw), then in pairs into
                                                                 32-bit lanes (pmaddwd)
-    chunk              Σ_g float(group sum_g) * scale_g * xd_g  float FMAs, 4 accumulators
-                       + Σ_g (min_g - bias * d_g) * xsum_g      (legacy blocks: one vector)
+    chunk              Σ_g float(group sum_g) * scale_g * xd_g  one float multiply-add of 8
+                       + Σ_g (min_g - bias * d_g) * xsum_g      lanes (legacy blocks too)
+
+A multiply-add is always fused (llvm.fma, never llvm.fmuladd, which fuses only where the CPU has
+FMA): one rounding on every target, an FMA instruction where numba's target has one and libm's
+correctly rounded fmaf where not (NUMBA_CPU_NAME=generic), so the results are the same bits on
+every CPU; other multiplies and adds are plain fmul / fadd, which LLVM never contracts without
+fast-math flags.  The integer sums are exact anyway.
 
 numba's cache checks the source file of the cached function only: after editing this module,
 delete quantkit/runtime/__pycache__/*.nb* (kernels compiled from the old IR stay cached otherwise).
@@ -29,14 +35,22 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import llvmlite.binding as llb
 import numpy as np
 from llvmlite import ir
 from numba.core import cgutils
 from numba.core import types as nbt
 from numba.extending import intrinsic
 
-_X86 = llb.get_process_triple().split("-")[0] in ("x86_64", "i386", "i686")
+from ..cpu import half_to_float, target
+
+# which x86 intrinsics the byte products may emit: those of the target numba compiles for
+# (quantkit.cpu), never more: LLVM aborts the process on an instruction it cannot select.
+# AVX2: 256-bit pshufb / pmaddubsw / pmaddwd / psignb; SSSE3: the same on two 128-bit halves;
+# neither (NUMBA_CPU_NAME=generic, other architectures): plain vector IR, the same integers, with
+# SSE2's pmaddwd where there is SSE2 (x86-64's baseline)
+_AVX2 = target().avx2
+_SSSE3 = target().ssse3
+_SSE2 = target().sse2
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 
@@ -70,13 +84,33 @@ def _pshufb(builder, table, idx):
     """lane j: table[16 (j // 16) + idx[j]] (idx < 16), table and idx 16 or 32 bytes: each 16-byte
     half looked up in its own table (x86's pshufb, 128 or 256 bits)."""
     n = idx.type.count
-    if _X86:
-        return _x86(builder, "llvm.x86.ssse3.pshuf.b.128" if n == 16 else "llvm.x86.avx2.pshuf.b", table.type, table, idx)
-    out = ir.Constant(table.type, ir.Undefined)
-    for j in range(n):
-        k = builder.add(builder.extract_element(idx, ir.Constant(_I32, j)), ir.Constant(_I8, 16 * (j // 16)))
-        out = builder.insert_element(out, builder.extract_element(table, k), ir.Constant(_I32, j))
+    if n == 32 and _AVX2:
+        return _x86(builder, "llvm.x86.avx2.pshuf.b", table.type, table, idx)
+    if _SSSE3:
+        return _on_128(builder, lambda t, i: _x86(builder, "llvm.x86.ssse3.pshuf.b.128", t.type, t, i), table, idx)
+    # plain IR: for each of the 16 entries, where idx is k take entry k of the lane's table (a
+    # lane-by-lane lookup through memory ran 6x slower on SSE2)
+    out = ir.Constant(table.type, [0] * n)
+    for k in range(16):
+        entry = builder.shuffle_vector(table, table, ir.Constant(ir.VectorType(_I32, n), [16 * (j // 16) + k for j in range(n)]))
+        out = builder.select(builder.icmp_unsigned("==", idx, ir.Constant(idx.type, [k] * n)), entry, out)
     return out
+
+
+def _pieces(builder, v):
+    """A vector of 128, 256 or 512 bits as its 128-bit pieces."""
+    n = v.type.count
+    m = 128 // v.type.element.width
+    if n == m:
+        return [v]
+    return [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, m), list(range(h, h + m))))
+            for h in range(0, n, m)]
+
+
+def _on_128(builder, op, *vs):
+    """op (a 128-bit instruction) on each 128-bit piece of the operands, the results joined: a
+    256-bit instruction's lanes without AVX2."""
+    return _concat(builder, [op(*parts) for parts in zip(*(_pieces(builder, v) for v in vs))])
 
 
 def _lookup(builder, table16, idx, n):
@@ -98,7 +132,7 @@ def _widen(builder, w, fmt):
     def like_w(t):
         return ir.VectorType(t, w.type.count) if vec else t
     if fmt == "f16":
-        return builder.fpext(w, like_w(_F32))
+        return half_to_float(builder, w)
     if fmt == "bf16":                       # the top 16 bits of a float32
         sixteen = ir.Constant(like_w(_I32), [16] * w.type.count if vec else 16)
         return builder.bitcast(builder.shl(builder.zext(w, like_w(_I32)), sixteen), like_w(_F32))
@@ -223,6 +257,13 @@ class Super(NamedTuple):
     grid_step: int = 0              # of the grid by grid_step entries where set
 
 
+def _fma(builder, a, b, c):
+    """a * b + c rounded once (<n x float>): llvm.fma, on every target (module docstring)."""
+    vt = a.type
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt] * 3), f"llvm.fma.v{vt.count}f32")
+    return builder.call(fn, [a, b, c])
+
+
 def _fold(builder, v, n, to):
     """Add the halves of v (<n x float> or <n x i32>) until ``to`` lanes are left."""
     add = builder.fadd if isinstance(v.type.element, ir.FloatType) else builder.add
@@ -243,7 +284,7 @@ def _half_vector(builder, base, o, offsets):
     for lane, off in enumerate(offsets):
         ptr = builder.bitcast(builder.gep(base, [builder.add(o, ir.Constant(ir.IntType(64), off))]), _I16.as_pointer())
         vec = builder.insert_element(vec, builder.load(ptr, align=1), ir.Constant(_I32, lane))
-    return builder.fpext(builder.bitcast(vec, ir.VectorType(ir.HalfType(), 8)), ir.VectorType(_F32, 8))
+    return half_to_float(builder, vec)
 
 
 def _load8(builder, base, off, n):
@@ -272,23 +313,30 @@ def _concat(builder, parts):
 def _abs_sign(builder, w, x):
     """(|w| as unsigned bytes, x with w's sign, 0 where w is 0): w * x = |w| * sign(x, w), which
     lets signed codes take the unsigned-by-signed byte product (<32 x i8> operands)."""
-    if _X86:
-        return (_x86(builder, "llvm.abs.v32i8", w.type, w, ir.Constant(ir.IntType(1), 0)),
-                _x86(builder, "llvm.x86.avx2.psign.b", w.type, x, w))
+    absolute = _x86(builder, "llvm.abs.v32i8", w.type, w, ir.Constant(ir.IntType(1), 0))    # any target
+    if _AVX2:
+        return absolute, _x86(builder, "llvm.x86.avx2.psign.b", w.type, x, w)
+    if _SSSE3:
+        return absolute, _on_128(builder, lambda a, b: _x86(builder, "llvm.x86.ssse3.psign.b.128", a.type, a, b), x, w)
     zero = ir.Constant(w.type, [0] * 32)
     neg = builder.icmp_signed("<", w, zero)
-    return (builder.select(neg, builder.sub(zero, w), w),
-            builder.select(neg, builder.sub(zero, x), builder.select(builder.icmp_signed("==", w, zero), zero, x)))
+    return absolute, builder.select(neg, builder.sub(zero, x), builder.select(builder.icmp_signed("==", w, zero), zero, x))
 
 
 def _maddubs(builder, u, s):
     """<16 x i16>: u[2i] * s[2i] + u[2i+1] * s[2i+1], u unsigned and s signed <32 x i8>
     (pmaddubsw; its saturation never happens here: u <= 128, |s| <= 127)."""
-    if _X86:
+    if _AVX2:
         return _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_I16, 16), u, s)
+    if _SSSE3:
+        return _on_128(builder, lambda a, b: _x86(builder, "llvm.x86.ssse3.pmadd.ub.sw.128", ir.VectorType(_I16, 8), a, b), u, s)
     v32 = ir.VectorType(_I16, 32)
-    prod = builder.mul(builder.zext(u, v32), builder.sext(s, v32))
-    return _pairs(builder, prod, 32)
+    u16, s16 = builder.zext(u, v32), builder.sext(s, v32)
+    if _SSE2:
+        # the pairs in 32-bit lanes (pmaddwd, on x86-64's baseline), then narrowed: they fit
+        pairs = _on_128(builder, lambda a, b: _x86(builder, "llvm.x86.sse2.pmadd.wd", ir.VectorType(_I32, 4), a, b), u16, s16)
+        return builder.trunc(pairs, ir.VectorType(_I16, 16))
+    return _pairs(builder, builder.mul(u16, s16), 32)
 
 
 def _pairs(builder, v, n):
@@ -299,8 +347,10 @@ def _pairs(builder, v, n):
 
 def _madd(builder, p16, s16):
     """<8 x i32>: p16[2i] * s16[2i] + p16[2i+1] * s16[2i+1] (<16 x i16> operands; pmaddwd)."""
-    if _X86:
+    if _AVX2:
         return _x86(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, 8), p16, s16)
+    if _SSE2:
+        return _on_128(builder, lambda a, b: _x86(builder, "llvm.x86.sse2.pmadd.wd", ir.VectorType(_I32, 4), a, b), p16, s16)
     v32 = ir.VectorType(_I32, 16)
     return _pairs(builder, builder.mul(builder.sext(p16, v32), builder.sext(s16, v32)), 16)
 
@@ -439,8 +489,6 @@ def chunk_dot(runs, table=False, sup=None):
             a_v, o_v, tab_v, xq_v, xd_v, xs_v, xo_v = args
             i64 = ir.IntType(64)
             vf8 = ir.VectorType(_F32, 8)
-            fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf8, [vf8, vf8, vf8]),
-                                                     "llvm.fmuladd.v8f32")
             base = _data(context, builder, sig.args[0], a_v)
             tb = _data(context, builder, sig.args[2], tab_v)
             xqb = _data(context, builder, sig.args[3], xq_v)
@@ -453,7 +501,7 @@ def chunk_dot(runs, table=False, sup=None):
 
             def half(at):
                 ptr = builder.bitcast(builder.gep(base, [builder.add(o_v, c(at))]), ir.HalfType().as_pointer())
-                return builder.fpext(builder.load(ptr, align=1), _F32)
+                return half_to_float(builder, builder.load(ptr, align=1))
 
             def grid_bits(k, mask):
                 """Run k's grid bit (mask 1), or with the next run's above it (mask 3)."""
@@ -584,10 +632,9 @@ def chunk_dot(runs, table=False, sup=None):
                 run_left = builder.fmul(builder.fmul(builder.sitofp(_lane_sums(builder, msums), vf8),
                                                      _load8(builder, xdb, xblock, n_groups)), dmin)
                 left_out = run_left if left_out is None else builder.fadd(left_out, run_left)
-            # lane g: group g's sum; one conversion and one FMA for the chunk
-            total = _lane_sums(builder, isums)
-            zero = ir.Constant(vf8, [0.0] * 8)
-            acc = builder.call(fmuladd, [builder.sitofp(total, vf8), group_scales, zero if left_out is None else left_out])
+            # lane g: group g's sum; one conversion and one multiply-add for the chunk
+            total = builder.sitofp(_lane_sums(builder, isums), vf8)
+            acc = builder.fmul(total, group_scales) if left_out is None else _fma(builder, total, group_scales, left_out)
             return builder.extract_element(_fold(builder, acc, 8, 1), ir.Constant(_I32, 0))
         return nbt.float32(a, o, tab, xq, xd, xsum, xo), codegen
     dot.runs, dot.table, dot.sup = runs, table, sup         # for the twin in tests
@@ -656,8 +703,7 @@ def half_row_axpy(n):
     def axpy(typingctx, a, i, h, d, p, y, yo):
         def codegen(context, builder, sig, args):
             a_v, i_v, h_v, d_v, p_v, y_v, yo_v = args
-            w = builder.fpext(builder.load(_half_ptr(context, builder, sig.args[0], a_v, i_v, h_v, d_v, n), align=2),
-                              ir.VectorType(_F32, n))
+            w = half_to_float(builder, builder.load(_half_ptr(context, builder, sig.args[0], a_v, i_v, h_v, d_v, n), align=2))
             yp = builder.bitcast(builder.gep(_data(context, builder, sig.args[5], y_v), [yo_v]),
                                  ir.VectorType(_F32, n).as_pointer())
             builder.store(builder.fadd(builder.load(yp, align=4), builder.fmul(w, _splat(builder, p_v, n))), yp, align=4)
@@ -669,8 +715,8 @@ def half_row_axpy(n):
 @intrinsic
 def half_dot(typingctx, a, i, h, x, n):
     """Σ_d half(a[i, h, d]) * x[d] over d < n // 8 * 8 (the last n % 8: the caller's), a uint16
-    3-D (float16 bits, last axis contiguous): 32 values per step into 4 FMA chains, then 8 per
-    step, folded once at the end."""
+    3-D (float16 bits, last axis contiguous): 32 values per step into 4 chains of 8 fused
+    multiply-adds (llvm.fma, see the module's docstring), then 8 per step, folded once at the end."""
     def codegen(context, builder, sig, args):
         a_v, i_v, h_v, x_v, n_v = args
         i64 = ir.IntType(64)
@@ -682,12 +728,10 @@ def half_dot(typingctx, a, i, h, x, n):
         for width in (32, 8):
             vt = ir.VectorType(_F32, width)
             acc[width] = cgutils.alloca_once_value(builder, ir.Constant(vt, [0.0] * width))
-        fma = {w: cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VectorType(_F32, w), [ir.VectorType(_F32, w)] * 3),
-                                                 f"llvm.fmuladd.v{w}f32") for w in (32, 8)}
 
         def step(width, d):
-            w = builder.fpext(_load(builder, row, d, width, ir.HalfType()), ir.VectorType(_F32, width))
-            builder.store(builder.call(fma[width], [w, _load(builder, xb, d, width, _F32), builder.load(acc[width])]), acc[width])
+            w = half_to_float(builder, _load(builder, row, d, width, ir.HalfType()))
+            builder.store(_fma(builder, w, _load(builder, xb, d, width, _F32), builder.load(acc[width])), acc[width])
         n32 = builder.udiv(n, ir.Constant(i64, 32))
         with cgutils.for_range(builder, n32) as loop:
             step(32, builder.mul(loop.index, ir.Constant(i64, 32)))
@@ -703,7 +747,7 @@ def half_dot(typingctx, a, i, h, x, n):
 def half_bits(typingctx, u):
     """The float16 whose bits are the uint16 u, as float32."""
     def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(_as(builder, args[0], ir.IntType(16)), ir.HalfType()), _F32)
+        return half_to_float(builder, _as(builder, args[0], ir.IntType(16)))
     return nbt.float32(u), codegen
 
 
