@@ -23,6 +23,7 @@ from .gguf_io.constants import KEY_FILE_TYPE, KEY_QUANT_VERSION, MetaValue, Valu
 from .gguf_io.reader import GGUFModel, TensorInfo
 from .gguf_io.writer import GGUFWriter, TensorSpec, plan_shards, shard_paths
 from .outputs import check_outputs
+from .formats.limits import row_extent
 from .plan import Plan, TensorPlan
 from .types import QuantType, traits, type_name
 
@@ -115,19 +116,12 @@ def _row_chunks(n_rows_per_matrix: int, n_matrices: int, n_per_row: int, group: 
             yield m, slice(base + r, base + min(r + rows, n_rows_per_matrix))
 
 
-def _check_finite(x: np.ndarray, what: str, name: str, first_row: int) -> None:
-    """x: (n_rows, n_per_row) rows starting at ``first_row`` of the tensor."""
-    ok = np.isfinite(x)
-    if not ok.all():
-        row, col = np.argwhere(~ok)[0]
-        raise QuantkitError(f"tensor '{name}': {what} holds a non-finite value ({x[row, col]}) at row "
-                            f"{first_row + row}, column {col}")
-
-
 def quantize_rows(x: np.ndarray, qtype, imatrix: np.ndarray | None, flavor: str, name: str,
                   first_row: int = 0) -> np.ndarray:
     """``formats.quantize`` of rows starting at ``first_row`` of tensor ``name``, refusing what the
     quantizer cannot represent with a QuantkitError naming the row and column, never zeros:
+
+    * a NaN or an infinity in the input;
 
     * values (and imatrix products) whose float32 scale search would overflow (and zero the
       block without a sign of it) are refused before quantizing (formats/limits.py derives the
@@ -135,7 +129,14 @@ def quantize_rows(x: np.ndarray, qtype, imatrix: np.ndarray | None, flavor: str,
     * a scale or value that overflowed its storage (an fp16 scale, an f16 value above 65504)
       decodes to Inf/NaN: llama-quantize's ggml_validate_row_data refuses such output, and so do
       we, naming the largest value of the block that scale covers."""
-    over = formats.first_excess(x, qtype, imatrix)
+    extent = row_extent(x, imatrix)
+    bad_rows = np.flatnonzero(np.isinf(extent[:, 0]))
+    if bad_rows.size:
+        row = int(bad_rows[0])
+        col = int(np.flatnonzero(~np.isfinite(x[row]))[0])
+        raise QuantkitError(f"tensor '{name}': the input holds a non-finite value ({x[row, col]}) at row "
+                            f"{first_row + row}, column {col}")
+    over = formats.first_excess(x, qtype, imatrix, extent)
     if over is not None:
         raise QuantkitError(f"tensor '{name}': row {first_row + over.row}, column {over.column}: {over.what}")
     q = formats.quantize(x, qtype, imatrix, flavor)
@@ -157,7 +158,6 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
     group = traits(tp.dst_type).interleave_rows
     for m, rows in _row_chunks(n_rows_per_matrix, n_matrices, n_per_row, group):
         x = to_float32(info, rows)
-        _check_finite(x, "the input", info.name, rows.start)
         w = imatrix[m] if imatrix is not None else None
         yield quantize_rows(x, tp.dst_type, w, flavor, info.name, rows.start)
 

@@ -154,6 +154,26 @@ def test_imatrix_products_past_the_bound_are_refused(qt):
     assert refused_at(e.value, 0, COL) and "imatrix weight" in str(e.value)
 
 
+def test_row_extent_equals_numpy_and_flags_every_non_finite_row():
+    """The one-pass input scan (kernels.floats.row_extent) against numpy: max |x| and max |x|·w per
+    row, +inf wherever a NaN or an infinity stands, in any column (the first, the last, a vector
+    tail of the 70-wide rows)."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((40, 70)) * 10.0 ** rng.integers(-30, 30, (40, 1))).astype(np.float32)
+    w = rng.random(70).astype(np.float32) * 1e3
+    planted = {3: (0, np.nan), 9: (69, np.inf), 17: (33, -np.inf), 25: (65, np.nan)}
+    for r, (c, v) in planted.items():
+        x[r, c] = v
+    got = limits.row_extent(x, w)
+    finite = np.isfinite(x).all(axis=1)
+    assert np.array_equal(np.flatnonzero(~finite), sorted(planted))
+    assert np.isinf(got[~finite, 0]).all()
+    a = np.abs(x[finite])
+    np.testing.assert_array_equal(got[finite, 0], a.max(axis=1))
+    np.testing.assert_array_equal(got[finite, 1], (a * w).max(axis=1))
+    assert (limits.row_extent(x[finite])[:, 1] == 0).all()
+
+
 def test_a_huge_weight_in_a_model_is_refused_naming_tensor_row_column(tmp_path):
     """Through the CLI, as a user meets it: rc 1, one line, no output file, the input unchanged."""
     model = write_llama(tmp_path / "m.gguf", n_layer=1, n_embd=256, n_ff=256, vocab=False)

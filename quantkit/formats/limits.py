@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..kernels.floats import row_extent as row_extent_kernel
 from ..types import QK_K, QuantType, traits, type_name
 
 T = QuantType
@@ -116,22 +117,33 @@ class Excess:
     what: str
 
 
-def first_excess(x: np.ndarray, qtype, imatrix: np.ndarray | None = None) -> Excess | None:
+def row_extent(x: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """Per row of ``x`` (n_rows, n_per_row) float32: (max |x|, max |x|·imatrix) as (n_rows, 2)
+    float32, max |x| = +inf for a row holding a NaN or an infinity; one pass (kernels.floats)."""
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty((x.shape[0], 2), np.float32)
+    qw = np.zeros(0, np.float32) if imatrix is None else np.ascontiguousarray(imatrix, np.float32)
+    row_extent_kernel(x, qw, imatrix is not None, out)
+    return out
+
+
+def first_excess(x: np.ndarray, qtype, imatrix: np.ndarray | None = None,
+                 extent: np.ndarray | None = None) -> Excess | None:
     """The first row of ``x`` (n_rows, n_per_row) whose values (with ``imatrix``, (n_per_row,)) would
-    overflow the quantizer's float32 arithmetic, or None.  The bounds are compared in float64."""
+    overflow the quantizer's float32 arithmetic, or None.  ``extent``: :func:`row_extent` of the
+    same rows and imatrix, where the caller has it.  The bounds are compared in float64."""
     n_rows, n = x.shape
     k = sum_factor(qtype, n, imatrix is not None)
     if not k:
         return None
-    a = np.abs(x)
-    big = a.max(axis=1).astype(np.float64)              # X per row (exact)
+    if extent is None:
+        extent = row_extent(x, imatrix)
+    big = extent[:, 0].astype(np.float64)               # X per row (exact)
     limit = largest_value(qtype, n, imatrix is not None)
     over = big > limit
     if imatrix is not None:
         qw = np.asarray(imatrix, np.float32)
-        with np.errstate(over="ignore"):                # an Inf product is over the bound too
-            prod = (a * qw[None, :]).max(axis=1).astype(np.float64)
-        over_prod = k * big * prod > SUM_LIMIT
+        over_prod = k * big * extent[:, 1].astype(np.float64) > SUM_LIMIT    # an inf product is over too
         over_weight = big * float(qw.max()) > WEIGHT_LIMIT
     else:
         over_prod = over_weight = np.zeros(n_rows, bool)
@@ -140,14 +152,15 @@ def first_excess(x: np.ndarray, qtype, imatrix: np.ndarray | None = None) -> Exc
         return None
     r = int(np.argmax(bad))
     name = type_name(qtype)
+    a = np.abs(x[r])
     if over[r]:
-        c = int(np.argmax(a[r]))
+        c = int(np.argmax(a))
         return Excess(r, c, f"|x| = {x[r, c]:.6g} is beyond the largest value {name} can quantize in a row of "
                             f"{n} ({limit:.4g}: its float32 scale search would overflow)")
     if over_prod[r]:
         with np.errstate(over="ignore"):
-            c = int(np.argmax(a[r] * qw))
-        return Excess(r, c, f"imatrix weight {qw[c]:.6g} times |x| = {a[r, c]:.6g} (the row's largest |x| "
+            c = int(np.argmax(a * qw))
+        return Excess(r, c, f"imatrix weight {qw[c]:.6g} times |x| = {a[c]:.6g} (the row's largest |x| "
                             f"{big[r]:.6g}) is beyond what {name}'s float32 scale search can sum "
                             f"({SUM_LIMIT / k:.4g} for |x| · weight · |x|)")
     c = int(np.argmax(qw))

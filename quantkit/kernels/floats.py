@@ -60,3 +60,26 @@ def fp8_blocks_to_bf16_rows(q, scale, row_index, table, out):
                 out[r, c] = np.uint16((u >> np.uint32(16)) | np.uint32(64))
             else:
                 out[r, c] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@njit(cache=True, parallel=True)
+def row_extent(x, qw, has_qw, out):
+    """Per float32 row of ``x`` (n_rows, n), in one pass: ``out[r, 0]`` = max |x| (+inf when the
+    row holds a NaN or an infinity), ``out[r, 1]`` = max |x|·qw (0 without ``has_qw``).
+
+    What the quantizer's input checks need (quantize.quantize_rows, formats/limits.py), without the
+    |x| copy and the separate isfinite pass numpy would make.  ``a - a`` is 0 for a finite value
+    and NaN for NaN or inf, so the NaN test is one sum a row (it vectorizes; a branch would not)."""
+    n_rows, n = x.shape
+    for r in prange(n_rows):
+        big = np.float32(0)
+        prod = np.float32(0)
+        nan = np.float32(0)
+        for i in range(n):
+            a = abs(x[r, i])
+            nan += a - a
+            big = max(big, a)
+            if has_qw:
+                prod = max(prod, a * qw[i])
+        out[r, 0] = big if nan == 0 else np.inf
+        out[r, 1] = prod
