@@ -17,13 +17,13 @@ from typing import Callable
 
 import numpy as np
 
-from . import __version__, formats
+from . import __version__, formats, signals
 from .errors import QuantkitError
 from .gguf_io.constants import KEY_FILE_TYPE, KEY_QUANT_VERSION, MetaValue, ValueType
 from .gguf_io.reader import GGUFModel, TensorInfo
 from .gguf_io.writer import GGUFWriter, TensorSpec, plan_shards, shard_paths
-from .outputs import check_outputs
 from .formats.limits import row_extent
+from .outputs import check_outputs
 from .plan import Plan, TensorPlan
 from .types import QuantType, traits, type_name
 
@@ -157,6 +157,7 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
     n_matrices = info.n_rows // n_rows_per_matrix
     group = traits(tp.dst_type).interleave_rows
     for m, rows in _row_chunks(n_rows_per_matrix, n_matrices, n_per_row, group):
+        signals.check()
         x = to_float32(info, rows)
         w = imatrix[m] if imatrix is not None else None
         yield quantize_rows(x, tp.dst_type, w, flavor, info.name, rows.start)
@@ -243,6 +244,7 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
     buffers = ThreadBuffers()
     with GGUFWriter(paths, shards, workers=workers) as writer:
         for tp in plan.tensors:
+            signals.check()
             ts = time.perf_counter()
             info = model.by_name[tp.name]
             if tp.action == "copy":

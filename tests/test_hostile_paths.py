@@ -6,6 +6,7 @@ status of a signalled process is what is tested.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import signal
@@ -299,6 +300,49 @@ def test_sigterm_and_sighup_clean_up_like_ctrl_c(tmp_path, inputs, sig, monkeypa
     assert len(lines) == 1 and signal.Signals(sig).name in lines[0], err
     assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(sig) == before         # main() puts the previous handler back
+
+
+def _signal_in_a_ctypes_callback(sig):
+    """Send ``sig`` to this process from inside a ctypes callback, where Python runs its handler
+    and drops the handler's exception ("Exception ignored on calling ctypes callback function"):
+    what happens when a signal arrives while llvmlite calls back into Python, as numba does
+    whenever it compiles or loads a cached kernel."""
+    def callback():
+        os.kill(os.getpid(), sig)
+        for _ in range(10000):              # bytecodes: the handler runs among them
+            pass
+    ctypes.CFUNCTYPE(None)(callback)()
+
+
+def test_an_interrupt_lost_in_a_callback_is_raised_at_the_next_progress_point(capsys):
+    from quantkit import signals
+    reached = []
+    with pytest.raises(signals.Terminated):
+        with signals.terminate_on_signals():
+            _signal_in_a_ctypes_callback(signal.SIGTERM)
+            reached.append("after the callback")        # the handler's exception was dropped
+            signals.check()
+    assert reached and signals._pending == []
+    assert "Exception ignored" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_quantize_whose_interrupt_was_lost_still_stops_and_cleans_up(tmp_path, inputs, sig, monkeypatch,
+                                                                        capsys):
+    """The run stops at its next chunk, exits as interrupted with one line, and leaves no file (it
+    used to finish and write its output with exit status 0)."""
+    real, calls = formats.quantize, {"n": 0}
+
+    def quantize(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            _signal_in_a_ctypes_callback(sig)
+        return real(*a, **k)
+    monkeypatch.setattr(formats, "quantize", quantize)
+    rc, out, err = cli(capsys, "quantize", inputs / "m.gguf", tmp_path / "o.gguf", "q8_0")
+    assert rc == 128 + sig
+    assert len([line for line in err.splitlines() if line.strip()]) == 1 and "Exception" not in err, err
+    assert calls["n"] == 2 and list(tmp_path.iterdir()) == []
 
 
 _SLOW_QUANTKIT = """

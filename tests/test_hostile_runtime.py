@@ -397,6 +397,28 @@ def test_run_seed_minus_one_is_random(base, capsys):
     assert len(json.loads(out)["tokens"]) <= 3
 
 
+def test_generation_stops_at_an_interrupt_lost_in_a_callback(base, capsys, monkeypatch):
+    """A SIGTERM whose handler ran inside a ctypes callback (numba compiling: its exception is
+    dropped) still ends `run` at the next forward pass, with one line and exit status 143."""
+    import ctypes
+    import os
+    import signal
+
+    from quantkit.runtime import generate as gen
+    real = gen.Sampler.__call__
+
+    def sample(self, logits):
+        def callback():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10000):          # the handler runs among these bytecodes
+                pass
+        ctypes.CFUNCTYPE(None)(callback)()
+        return real(self, logits)
+    monkeypatch.setattr(gen.Sampler, "__call__", sample)
+    rc, out, err = run_main(capsys, "run", base["llama"], "-p", "hi", "-n", "8", "--temp", "0", "--threads", "1")
+    assert rc == 143 and "SIGTERM" in err and len(err.strip().splitlines()) == 1, err
+
+
 # ---- --kl-divergence-base files ----
 
 def write_base(path, n_ctx=8, n_vocab=320, n_chunk=2, tokens=None, rows=None, tail=b""):

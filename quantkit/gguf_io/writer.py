@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import signals
 from ..errors import QuantkitError
 from ..outputs import AtomicOutput
 from ..types import QuantType, tensor_nbytes
@@ -241,6 +242,7 @@ class GGUFWriter:
         pending = deque()
         try:
             for nbytes, make in parts:
+                signals.check()
                 if len(pending) >= 2 * self.workers:
                     pending.popleft().result()
                 pending.append(self._pool.submit(self._make_and_write, fh, make, nbytes, self._pos + n))

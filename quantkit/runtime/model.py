@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import signals
 from ..errors import QuantkitError
 from ..gguf_io.reader import GGUFModel
 from . import deepseek2, ops_cpu
@@ -99,6 +100,7 @@ class Model:
         tokens from index ``logits_from`` on (the last one only: ``logits_from=len(tokens) - 1``).
         Logits that are not finite raise :class:`NonFiniteLogits`: nothing computed from them
         (a sampled token, a perplexity) would mean anything."""
+        signals.check()         # an interrupt lost in a callback (signals.py) ends the run here
         c, ops = self.config, self.ops
         tokens = np.asarray(tokens, np.int64)
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.tok_embd.n_out):
