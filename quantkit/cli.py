@@ -387,11 +387,10 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
     `llama-quantize --repack` and the runtime repack (-rtr).  OUT is written as by quantize: whole
     or not at all, never over an input, through a symlink."""
     from .formats import interleave
-    from .gguf_io.constants import KEY_FILE_TYPE
     from .gguf_io.reader import open_model
     from .outputs import check_outputs
     from .quantize import WriteOptions, run_plan
-    from .repack import RepackOptions, make_repack_plan
+    from .repack import RepackOptions, make_repack_plan, repack_metadata
 
     if split_max_size and keep_split:
         raise QuantkitError("--split-max-size and --keep-split cannot be used together")
@@ -400,8 +399,7 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
     split = tuple(p for arg in patterns for p in arg.split(",") if p)
     opts = RepackOptions(patterns=split, undo=undo, bf16=bf16)
     with open_model(model_in) as model:
-        ftype = model.get(KEY_FILE_TYPE)
-        plan = make_repack_plan(model.tensors, ftype, opts, interleave.supports)
+        plan = make_repack_plan(model.tensors, model.metadata, opts, interleave.supports)
         n_moved = sum(t.action == "repack" for t in plan.tensors)
         doc = {"plan": plan.to_json(), "dry_run": dry_run}
         if not as_json:
@@ -413,7 +411,9 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
             if as_json:
                 _print_json(doc)
             return
-        wopts = WriteOptions(split_max_size=max_size, keep_split=keep_split, keep_provenance=True)
+        # the first shard's own metadata: split.* keys keep their places in a split output
+        wopts = WriteOptions(split_max_size=max_size, keep_split=keep_split,
+                             metadata=repack_metadata(model.files[0].metadata, plan, undo))
         if as_json:
             result = run_plan(model, plan, model_out, wopts)
         else:

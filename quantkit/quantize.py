@@ -42,7 +42,7 @@ class WriteOptions:
     imatrix_info: dict | None = None    # file, dataset, entries_count, chunks_count
     recipe_text: str | None = None
     threads: int | None = None
-    keep_provenance: bool = False       # repack: keep the input's quantize.imatrix.* and quantkit.* keys
+    metadata: dict | None = None        # the output's metadata, written as given (repack: the input's own)
     inputs: tuple = ()                  # other files the run reads (imatrix, recipes): never written
 
 
@@ -79,14 +79,15 @@ def to_float32(info: TensorInfo, rows: slice) -> np.ndarray:
 
 
 def output_metadata(model: GGUFModel, plan: Plan, opts: WriteOptions) -> dict[str, MetaValue]:
-    """Input metadata, then file type, quantization version and how the file was made."""
+    """Input metadata, then file type, quantization version and how the file was made (or
+    ``opts.metadata`` as given)."""
+    if opts.metadata is not None:
+        return opts.metadata
     drop = {KEY_FILE_TYPE, KEY_QUANT_VERSION}
-    meta = {k: v for k, v in model.metadata.items() if k not in drop and (
-            opts.keep_provenance or not (k.startswith("quantize.imatrix.") or k.startswith("quantkit.")))}
+    meta = {k: v for k, v in model.metadata.items()
+            if k not in drop and not (k.startswith("quantize.imatrix.") or k.startswith("quantkit."))}
     meta[KEY_QUANT_VERSION] = MetaValue(ValueType.UINT32, QUANT_VERSION)
     meta[KEY_FILE_TYPE] = MetaValue(ValueType.UINT32, plan.file_type)
-    if opts.keep_provenance:
-        return meta
     if opts.imatrix_info:
         info = opts.imatrix_info
         meta["quantize.imatrix.file"] = MetaValue(ValueType.STRING, str(info["file"])[:127])

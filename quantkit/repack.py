@@ -8,12 +8,21 @@ Which tensors are repacked follows ik's ``iqk_repacked_type``: a type with an in
 not a token embedding, with a row count per matrix that is a multiple of the variant's row group,
 and (with ``--pattern``) a name one of the regexes finds.  The file type becomes the repacked mix's
 (``repacked_ftype``: Q4_K_M -> Q4_K_R4, IQ4_K -> IQ4_K_R4, ...).
+
+The metadata is the input's, in its order (ik's ``gguf_set_val`` replaces a value where the key
+stands), with only ``general.file_type`` changed, so that ``--undo`` can give back the input file
+byte for byte.  Most repacked mixes come from one plain mix and undo derives it; Q3_K_S/M/L, Q4_K_S/M
+and Q5_K_S/M share one repacked type each, so for those repack also records the input's file type
+in ``quantkit.plain_file_type`` (appended; ik's loaders ignore keys they do not know), which undo
+restores and removes.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
+from .errors import QuantkitError
+from .gguf_io.constants import KEY_FILE_TYPE, MetaValue, ValueType
 from .plan import Plan, TensorPlan, TOKEN_EMBD_NAMES
 from .presets import PRESETS
 from .tensor_regex import compile_bounded
@@ -49,6 +58,10 @@ REPACKED_FTYPE = {PRESETS[a].ftypes["ik"]: PRESETS[b].ftypes["ik"] for a, b in _
 UNDONE_FTYPE: dict[int, int] = {}
 for _plain, _packed in REPACKED_FTYPE.items():
     UNDONE_FTYPE.setdefault(_packed, _plain)
+# the input's file type, where undo could not derive it from the repacked one (Q4_K_M -> Q4_K_R4)
+KEY_PLAIN_FILE_TYPE = "quantkit.plain_file_type"
+_INTEGER_TYPES = (ValueType.UINT8, ValueType.INT8, ValueType.UINT16, ValueType.INT16, ValueType.UINT32,
+                  ValueType.INT32, ValueType.UINT64, ValueType.INT64)
 
 
 @dataclass
@@ -62,7 +75,58 @@ def _compile(patterns) -> list[re.Pattern]:
     return [compile_bounded(p, "--pattern") for p in patterns]
 
 
-def make_repack_plan(tensors, file_type: int | None, opts: RepackOptions, can_shuffle) -> Plan:
+def file_type_of(metadata: dict[str, MetaValue]) -> int | None:
+    """``general.file_type`` (None when absent); a value ik's loader would refuse is an error."""
+    mv = metadata.get(KEY_FILE_TYPE)
+    if mv is None:
+        return None
+    if mv.vtype not in _INTEGER_TYPES or not 0 <= mv.value < 2**32:
+        raise QuantkitError(f"{KEY_FILE_TYPE} is not a file type: a {mv.vtype.name.lower()} "
+                            f"{str(mv.value)[:40]!r}")
+    return int(mv.value)
+
+
+def _recorded_plain_type(metadata: dict[str, MetaValue], file_type: int | None) -> int | None:
+    """The file type repack recorded, when this file's type is its repacked form (a key left over
+    from another file is not trusted)."""
+    mv = metadata.get(KEY_PLAIN_FILE_TYPE)
+    if mv is None or mv.vtype != ValueType.UINT32 or file_type is None:
+        return None
+    return int(mv.value) if REPACKED_FTYPE.get(int(mv.value)) == file_type else None
+
+
+def output_file_type(metadata: dict[str, MetaValue], undo: bool) -> int | None:
+    """The file type of the output when any tensor moves: ik's ``repacked_ftype`` of the input's,
+    or with undo the plain type recorded or, without a record, the first plain mix of it."""
+    ftype = file_type_of(metadata)
+    if ftype is None:
+        return None
+    if not undo:
+        return REPACKED_FTYPE.get(ftype, ftype)
+    recorded = _recorded_plain_type(metadata, ftype)
+    return recorded if recorded is not None else UNDONE_FTYPE.get(ftype, ftype)
+
+
+def repack_metadata(metadata: dict[str, MetaValue], plan: Plan, undo: bool) -> dict[str, MetaValue]:
+    """The output's metadata: the input's keys in their order, ``general.file_type`` set in place
+    (ik's ``llama-quantize --repack`` does so, and the input's other keys, provenance included,
+    stay), plus or minus ``quantkit.plain_file_type``.  A file without a file type keeps none (ik
+    would write a guessed one), and ``general.quantization_version`` stays what it was: repack
+    changes no quantization."""
+    meta = dict(metadata)
+    ftype = file_type_of(metadata)
+    if ftype is None or not any(t.repack for t in plan.tensors):
+        return meta
+    meta[KEY_FILE_TYPE] = MetaValue(ValueType.UINT32, plan.file_type)
+    if undo:
+        if _recorded_plain_type(metadata, ftype) == plan.file_type:
+            del meta[KEY_PLAIN_FILE_TYPE]
+    elif plan.file_type != ftype and UNDONE_FTYPE.get(plan.file_type) != ftype:
+        meta[KEY_PLAIN_FILE_TYPE] = MetaValue(ValueType.UINT32, ftype)
+    return meta
+
+
+def make_repack_plan(tensors, metadata: dict[str, MetaValue], opts: RepackOptions, can_shuffle) -> Plan:
     """One TensorPlan per tensor: a byte shuffle to the interleaved (or, with undo, plain) layout, or
     a copy with the reason.  ``can_shuffle(qtype)`` says whether quantkit has the layout."""
     patterns = _compile(opts.patterns)
@@ -90,7 +154,5 @@ def make_repack_plan(tensors, file_type: int | None, opts: RepackOptions, can_sh
             plans.append(TensorPlan(name, shape, src, src, f"kept: {why}"))
         else:
             plans.append(TensorPlan(name, shape, src, dst, "undo" if opts.undo else "repack", repack=True))
-    ftype = file_type
-    if ftype is not None and any(p.repack for p in plans):
-        ftype = (UNDONE_FTYPE if opts.undo else REPACKED_FTYPE).get(ftype, ftype)
+    ftype = output_file_type(metadata, opts.undo) if any(p.repack for p in plans) else file_type_of(metadata)
     return Plan(plans, None, ftype if ftype is not None else 0, "ik")

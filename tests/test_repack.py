@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 import peers
+from hostile import Snapshot, assert_refused, digest, run_cli
 from models import write_deepseek2, write_llama
 from quantkit.formats import interleave
 from quantkit.gguf_io.reader import open_model
+from quantkit.repack import REPACKED_FTYPE
 
 needs_wheel = pytest.mark.skipif(peers.llama_quantize_bin() is None, reason="ik-llama-cpp-python not installed")
 
@@ -81,6 +83,8 @@ def test_repack_equals_llama_quantize_and_undo_restores(plain, tag):
         assert qtype == s[name][0], name
         np.testing.assert_array_equal(raw, s[name][2], err_msg=name)
     assert file_type(back) == file_type(src)
+    # the files themselves: q8_0 -> q8_0_r8 needs no record, so ours is llama-quantize's file
+    assert digest(back) == digest(src) and digest(ours) == digest(theirs)
 
 
 @needs_wheel
@@ -136,3 +140,157 @@ def test_expert_tensors_repack_per_expert(tmp_path):
     np.testing.assert_array_equal(b["blk.1.ffn_gate_exps.weight"][2].reshape(per_expert.shape), per_expert)
     for name in a:
         np.testing.assert_array_equal(c[name][2], a[name][2])
+
+
+# ---- round trips: `repack` then `repack --undo` gives back the input file, byte for byte --------------
+
+# preset -> whether undo needs the recorded file type (several plain mixes share the repacked one)
+ROUND_TRIP = {"Q4_K_M": True, "Q3_K_L": True, "Q4_0": False}
+
+
+def qk(*args) -> int:
+    """The CLI in-process (no interpreter start, no recompile): its exit status."""
+    from quantkit.cli import main
+    return main([str(a) for a in args])
+
+
+def metadata(path) -> dict:
+    from quantkit.gguf_io.reader import GGUFFile
+    with GGUFFile(path) as f:
+        return {k: v.to_python() for k, v in f.metadata.items()}
+
+
+@pytest.fixture(scope="module")
+def presets(tmp_path_factory):
+    """A tiny llama quantized with presets (file types 15, 13 and 2) and each one repacked."""
+    d = tmp_path_factory.mktemp("roundtrip")
+    f32 = write_llama(d / "f32.gguf", n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=512,
+                      vocab=True)
+    files = {}
+    for preset in ROUND_TRIP:
+        src, packed = d / f"{preset}.gguf", d / f"{preset}-r.gguf"
+        assert qk("quantize", f32, src, preset) == 0
+        assert qk("repack", src, packed) == 0
+        files[preset] = src, packed
+    return d, files
+
+
+@pytest.mark.parametrize("preset", ROUND_TRIP)
+def test_undo_of_repack_is_the_input_file(presets, preset, tmp_path):
+    """The issue: the metadata came back reordered (file type and quantization version moved to the
+    end) and Q4_K_M came back as file type 14 (Q4_K_S)."""
+    _, files = presets
+    src, packed = files[preset]
+    back = tmp_path / "back.gguf"
+    assert qk("repack", packed, back, "--undo") == 0
+    assert digest(back) == digest(src)
+    a, b = metadata(src), metadata(packed)
+    recorded = ROUND_TRIP[preset]
+    # the input's keys in the input's order, the file type changed in place, the record appended
+    assert list(b) == list(a) + (["quantkit.plain_file_type"] if recorded else [])
+    assert b["general.file_type"] == REPACKED_FTYPE[a["general.file_type"]] != a["general.file_type"]
+    assert b.get("quantkit.plain_file_type") == (a["general.file_type"] if recorded else None)
+    assert {k: v for k, v in b.items() if k not in ("general.file_type", "quantkit.plain_file_type")} == \
+        {k: v for k, v in a.items() if k != "general.file_type"}
+
+
+@needs_wheel
+@pytest.mark.parametrize("preset", ROUND_TRIP)
+def test_repack_writes_what_llama_quantize_repack_writes(presets, preset):
+    """Same metadata in the same order (general.file_type too), same tensors; the whole file is the
+    same where undo needs no record."""
+    d, files = presets
+    src, packed = files[preset]
+    theirs = d / f"{preset}-lq.gguf"
+    p = subprocess.run([str(peers.llama_quantize_bin()), "--repack", str(src), str(theirs), "Q8_0", "2"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    ours = metadata(packed)
+    ours.pop("quantkit.plain_file_type", None)
+    assert list(ours.items()) == list(metadata(theirs).items())
+    a, b = tensors(packed), tensors(theirs)
+    assert list(a) == list(b)
+    for name, (qtype, shape, raw) in a.items():
+        assert (qtype, shape) == b[name][:2], name
+        np.testing.assert_array_equal(raw, b[name][2], err_msg=name)
+    assert (digest(packed) == digest(theirs)) == (not ROUND_TRIP[preset])
+
+
+@needs_wheel
+def test_recorded_file_type_loads_in_ik(presets):
+    _, files = presets
+    packed = files["Q4_K_M"][1]
+    assert "quantkit.plain_file_type" in metadata(packed)
+    assert np.isfinite(peers.ik_logits(packed, [5, 6, 7])).all()
+
+
+def test_split_round_trips(presets, tmp_path):
+    """A repack cut into shards undoes to the single input; a split input repacked and undone shard
+    for shard (--keep-split) gives back every shard."""
+    _, files = presets
+    src = files["Q4_K_M"][0]
+    assert qk("repack", src, tmp_path / "r.gguf", "--split-max-size", "400K") == 0
+    shards = sorted(tmp_path.glob("r-0000*-of-*.gguf"))
+    assert len(shards) >= 3
+    assert qk("repack", shards[0], tmp_path / "back.gguf", "--undo") == 0
+    assert digest(tmp_path / "back.gguf") == digest(src)
+    # a split plain model: the undo of the shards above, one per shard
+    assert qk("repack", shards[0], tmp_path / "x.gguf", "--undo", "--keep-split") == 0
+    x = sorted(tmp_path.glob("x-0000*.gguf"))
+    assert len(x) == len(shards)
+    assert qk("repack", x[0], tmp_path / "y.gguf", "--keep-split") == 0
+    assert qk("repack", tmp_path / f"y-00001-of-{len(x):05d}.gguf", tmp_path / "z.gguf", "--undo",
+              "--keep-split") == 0
+    z = sorted(tmp_path.glob("z-0000*.gguf"))
+    assert [digest(p) for p in z] == [digest(p) for p in x]
+
+
+def test_split_keys_keep_their_places():
+    """llama-quantize --keep-split sets split.* where the first shard has them; a model without them
+    gets them after its metadata."""
+    from quantkit.gguf_io.constants import MetaValue, ValueType
+    from quantkit.gguf_io.writer import TensorSpec, plan_shards
+    from quantkit.types import QuantType
+    u32 = lambda v: MetaValue(ValueType.UINT32, v)      # noqa: E731
+    meta = {"general.architecture": MetaValue(ValueType.STRING, "llama"), "split.no": MetaValue(ValueType.UINT16, 0),
+            "split.count": MetaValue(ValueType.UINT16, 5), "split.tensors.count": MetaValue(ValueType.INT32, 9),
+            "general.file_type": u32(15)}
+    specs = [TensorSpec(f"t{i}", (256,), QuantType.F32) for i in range(3)]
+    shards = plan_shards(meta, specs, groups=[0, 1, 1])
+    assert list(shards[0][0]) == list(meta)
+    assert shards[0][0]["split.count"].value == 2 and shards[0][0]["split.tensors.count"].value == 3
+    plain = {k: v for k, v in meta.items() if not k.startswith("split.")}
+    assert list(plan_shards(plain, specs, groups=[0, 1, 1])[0][0]) == [*plain, "split.no", "split.count",
+                                                                        "split.tensors.count"]
+    assert list(plan_shards(meta, specs)[0][0]) == list(plain)      # one file: no split keys
+
+
+def with_metadata(src, dst, **changes):
+    """A copy of ``src`` with some metadata values changed in place (or added)."""
+    from quantkit.gguf_io.reader import GGUFFile
+    from quantkit.gguf_io.writer import GGUFWriter, TensorSpec
+    with GGUFFile(src) as f:
+        specs = [TensorSpec(t.name, t.shape, t.qtype) for t in f.tensors]
+        with GGUFWriter([dst], [({**f.metadata, **changes}, specs)]) as w:
+            for t in f.tensors:
+                w.write_tensor(t.name, f.read(t.offset, t.nbytes))
+    return dst
+
+
+def test_file_type_record_and_refusals(presets, tmp_path):
+    """A record that does not belong to the file is not trusted (and stays); a file type that is
+    no number is refused in one line, the input unchanged."""
+    from quantkit.gguf_io.constants import MetaValue, ValueType
+    _, files = presets
+    src = files["Q4_0"][0]
+    # a plain Q4_0 file carrying a stray record: repack derives the plain type, undo ignores the stray
+    stray = with_metadata(src, tmp_path / "stray.gguf", **{"quantkit.plain_file_type": MetaValue(ValueType.UINT32, 15)})
+    assert qk("repack", stray, tmp_path / "s-r.gguf") == 0
+    assert metadata(tmp_path / "s-r.gguf")["general.file_type"] == 202
+    assert qk("repack", tmp_path / "s-r.gguf", tmp_path / "s-back.gguf", "--undo") == 0
+    assert digest(tmp_path / "s-back.gguf") == digest(stray)
+    bad = with_metadata(src, tmp_path / "bad.gguf", **{"general.file_type": MetaValue(ValueType.STRING, "15")})
+    snap = Snapshot(tmp_path)
+    rc, out, err = run_cli("repack", bad, tmp_path / "o.gguf")
+    assert_refused(rc, out, err, "general.file_type", "not a file type")
+    snap.assert_unchanged()

@@ -295,7 +295,9 @@ def plan_shards(metadata: dict[str, MetaValue], tensors: list[TensorSpec], max_b
                  KEY_SPLIT_TENSORS: MetaValue(ValueType.INT32, len(tensors))}
         if i > 0 and KEY_ALIGNMENT in base:
             split[KEY_ALIGNMENT] = base[KEY_ALIGNMENT]
-        out.append(({**base, **split} if i == 0 else split, specs))
+        # the first shard: split.* where the metadata has them (llama-quantize --keep-split sets
+        # them in place), else after it
+        out.append(({**metadata, **split} if i == 0 else split, specs))
     return out
 
 
