@@ -439,9 +439,9 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
 def inspect(path, as_json, no_tensors):
     """Show a GGUF file's metadata, tensors and totals per type (a long metadata value in part, with
     its length; --json has it whole)."""
-    from .describe import describe
+    from .describe import describe, value_text
     from .gguf_io.reader import open_model
-    with open_model(path) as model:
+    with open_model(path, nested_arrays=True) as model:
         doc = describe(model)
     if as_json:
         _print_json(doc)
@@ -453,7 +453,7 @@ def inspect(path, as_json, no_tensors):
     for kv in doc["metadata"]:
         # a long value (a chat template, a vocabulary) shown in part: laying out a 5 MB cell takes
         # rich most of a minute; --json has it whole
-        _add_row(t, kv["key"], kv["type"], kv["value"], limit=INSPECT_CELL_CHARS)
+        _add_row(t, kv["key"], kv["type"], value_text(kv), limit=INSPECT_CELL_CHARS)
     out.print(t)
     if not no_tensors:
         t = Table(title="tensors", header_style="bold")

@@ -1,14 +1,39 @@
-"""A plain description of a GGUF model (metadata, tensors, totals per type) for `quantkit inspect`."""
+"""A plain description of a GGUF model (metadata, tensors, totals per type) for `quantkit inspect`.
+
+Each metadata entry is ``{"key", "type", "value"}`` with the value in its own JSON type (30, 1e-05,
+false, a string whole); an array entry also has ``"length"`` (its item count) and ``"truncated"``:
+its ``"value"`` holds the first ``JSON_ARRAY_ITEMS`` items (of each array, in a nested one), and
+``"truncated"`` says whether any were left out."""
 from __future__ import annotations
 
 from collections import defaultdict
 
-from .gguf_io.constants import ValueType
+from .gguf_io.constants import MetaValue, ValueType
 from .gguf_io.reader import GGUFModel
 from .types import type_name
 
-_PREVIEW = 8            # items of an array shown
-_ITEM_CHARS = 200       # of each string item shown: a preview, not the data
+_PREVIEW = 8                # items of an array shown in the table
+_ITEM_CHARS = 200           # of each string item shown there: a preview, not the data
+JSON_ARRAY_ITEMS = 1024     # items of an array in the JSON (a per-layer array is whole, a vocabulary cut)
+
+
+def json_value(mv: MetaValue, limit: int = JSON_ARRAY_ITEMS) -> tuple[object, bool]:
+    """A metadata value as JSON types (ints, floats, booleans, strings, lists) and whether an array
+    in it (at any depth) was cut to its first ``limit`` items.  Strings are whole."""
+    if mv.vtype != ValueType.ARRAY:
+        return mv.value, False
+    items = mv.value[:limit]
+    cut = len(mv.value) > limit
+    if mv.elem_type == ValueType.ARRAY:
+        inner = [json_value(x, limit) for x in items]
+        return [v for v, _ in inner], cut or any(c for _, c in inner)
+    return (list(items) if mv.elem_type == ValueType.STRING else items.tolist()), cut
+
+
+def _type_text(mv: MetaValue) -> str:
+    if mv.vtype == ValueType.ARRAY:
+        return f"array[{mv.elem_type.name.lower()}]"
+    return mv.vtype.name.lower()
 
 
 def _item_text(x) -> str:
@@ -17,23 +42,25 @@ def _item_text(x) -> str:
     return repr(x)
 
 
-def _value_text(mv) -> str:
-    """A scalar whole (a chat template: the JSON output keeps it); an array as its first items."""
-    if mv.vtype != ValueType.ARRAY:
-        return str(mv.value)
-    items = list(mv.value[:_PREVIEW]) if mv.elem_type == ValueType.STRING else mv.value[:_PREVIEW].tolist()
-    more = f", … ({len(mv.value)} items)" if len(mv.value) > _PREVIEW else ""
-    return "[" + ", ".join(_item_text(x) for x in items) + more + "]"
+def value_text(entry: dict) -> str:
+    """A metadata entry of :func:`describe` as the table shows it: a scalar whole (the table cuts
+    long ones), an array as its first items and its length."""
+    value = entry["value"]
+    if "length" not in entry:
+        return str(value)
+    more = f", … ({entry['length']} items)" if entry["length"] > _PREVIEW else ""
+    return "[" + ", ".join(_item_text(x) for x in value[:_PREVIEW]) + more + "]"
 
 
 def describe(model: GGUFModel) -> dict:
     meta = []
     for f in model.files[:1]:
         for key, mv in f.metadata.items():
-            vtype = mv.vtype.name.lower()
+            value, cut = json_value(mv)
+            entry = {"key": key, "type": _type_text(mv), "value": value}
             if mv.vtype == ValueType.ARRAY:
-                vtype = f"array[{mv.elem_type.name.lower()}]"
-            meta.append({"key": key, "type": vtype, "value": _value_text(mv)})
+                entry.update(length=len(mv.value), truncated=cut)
+            meta.append(entry)
     tensors, acc = [], defaultdict(lambda: [0, 0, 0])
     for t in model.tensors:
         tensors.append({"name": t.name, "shape": list(t.shape), "type": type_name(t.qtype),

@@ -68,6 +68,8 @@ class MetaValue:
     elem_type: ValueType | None = None
 
     def to_python(self):
+        if self.vtype == ValueType.ARRAY and self.elem_type == ValueType.ARRAY:
+            return [v.to_python() for v in self.value]
         if self.vtype == ValueType.ARRAY and self.elem_type != ValueType.STRING:
             return self.value.tolist()
         return self.value

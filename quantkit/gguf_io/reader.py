@@ -60,11 +60,19 @@ class TensorInfo:
 _U64 = struct.Struct("<Q")
 
 
-class _Cursor:
-    """Sequential little-endian reader over a buffer that raises GGUFFormatError past its end."""
+# arrays of arrays: deeper ones are refused (each level is a Python call)
+MAX_ARRAY_DEPTH = 8
 
-    def __init__(self, buf, path):
+
+class _Cursor:
+    """Sequential little-endian reader over a buffer that raises GGUFFormatError past its end.
+
+    ``nested_arrays``: read arrays of arrays (gguf-py writes them; the C loaders refuse or abort on
+    them, so only ``inspect`` asks for them)."""
+
+    def __init__(self, buf, path, nested_arrays: bool = False):
         self.buf, self.path, self.pos = buf, path, 0
+        self.nested_arrays = nested_arrays
 
     def fail(self, msg: str, at: int | None = None):
         raise GGUFFormatError(self.path, self.pos if at is None else at, msg)
@@ -112,7 +120,7 @@ class _Cursor:
         self.pos = pos
         return out
 
-    def value(self, vtype: int, what: str) -> MetaValue:
+    def value(self, vtype: int, what: str, depth: int = 0) -> MetaValue:
         at = self.pos
         try:
             vtype = ValueType(vtype)
@@ -129,7 +137,15 @@ class _Cursor:
         except ValueError:
             self.fail(f"{what}: unknown array element type {elem}", at)
         if elem == ValueType.ARRAY:
-            self.fail(f"{what}: nested arrays are not supported", at)
+            if not self.nested_arrays:
+                self.fail(f"{what}: nested arrays are not supported (llama.cpp cannot load them either)", at)
+            if depth + 1 >= MAX_ARRAY_DEPTH:
+                self.fail(f"{what}: arrays nested more than {MAX_ARRAY_DEPTH} deep", at)
+            if n > (len(self.buf) - self.pos) // 12:    # each array takes at least its type and length
+                self.fail(f"truncated file: {what} claims {n} arrays, the rest of the file holds at most "
+                          f"{(len(self.buf) - self.pos) // 12}")
+            items = [self.value(ValueType.ARRAY, f"{what}[{i}]", depth + 1) for i in range(n)]
+            return MetaValue(vtype, items, elem)
         if elem == ValueType.STRING:
             if n > (len(self.buf) - self.pos) // 8:     # each string takes at least its 8-byte length
                 self.fail(f"truncated file: {what} claims {n} strings, the rest of the file holds at most "
@@ -146,8 +162,9 @@ class _Cursor:
 class GGUFFile:
     """One GGUF file, memory-mapped read-only."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, nested_arrays: bool = False):
         self.path = Path(path)
+        self.nested_arrays = nested_arrays
         self._fh = open_regular(self.path)
         size = os.fstat(self._fh.fileno()).st_size
         if size == 0:
@@ -165,7 +182,7 @@ class GGUFFile:
 
     # ---- parsing ----
     def _parse(self) -> None:
-        c = _Cursor(self._mm, self.path)
+        c = _Cursor(self._mm, self.path, self.nested_arrays)
         start = c.take(4, "magic")
         if bytes(self._mm[start:start + 4]) != GGUF_MAGIC:
             c.fail(f"bad magic {bytes(self._mm[start:start + 4])!r}, not a GGUF file", 0)
@@ -349,14 +366,15 @@ class GGUFModel(ModelView):
             f.close()
 
 
-def open_model(path: str | os.PathLike) -> GGUFModel:
-    """Open a GGUF model; a path named like ``x-00001-of-00003.gguf`` opens all its shards."""
+def open_model(path: str | os.PathLike, nested_arrays: bool = False) -> GGUFModel:
+    """Open a GGUF model; a path named like ``x-00001-of-00003.gguf`` opens all its shards.
+    ``nested_arrays``: read arrays of arrays (for ``inspect``) rather than refuse them."""
     path = Path(path)
     if not path.exists():
         raise QuantkitError(f"{path}: no such file")
     m = SPLIT_NAME_RE.match(path.name)
     if not m:
-        f = GGUFFile(path)
+        f = GGUFFile(path, nested_arrays)
         try:
             if _split_key(f, KEY_SPLIT_COUNT, 1) > 1:
                 raise QuantkitError(f"{path}: is shard of a split model but not named "
@@ -376,7 +394,7 @@ def open_model(path: str | os.PathLike) -> GGUFModel:
             shard = path.with_name(split_shard_name(prefix, i, count))
             if not shard.exists():
                 raise QuantkitError(f"{shard}: missing shard {i + 1} of {count}")
-            files.append(GGUFFile(shard))
+            files.append(GGUFFile(shard, nested_arrays))
         _check_shards_belong_together(files)
         return GGUFModel(files)
     except BaseException:
@@ -445,4 +463,6 @@ def _same_value(a: MetaValue, b: MetaValue) -> bool:
         return False
     if isinstance(a.value, np.ndarray):
         return bool(np.array_equal(a.value, b.value))
+    if a.elem_type == ValueType.ARRAY:
+        return len(a.value) == len(b.value) and all(_same_value(x, y) for x, y in zip(a.value, b.value))
     return a.value == b.value
