@@ -1,9 +1,9 @@
 """A plain description of a GGUF model (metadata, tensors, totals per type) for `quantkit inspect`.
 
-Each metadata entry is ``{"key", "type", "value"}`` with the value in its own JSON type (30, 1e-05,
-false, a string whole); an array entry also has ``"length"`` (its item count) and ``"truncated"``:
-its ``"value"`` holds the first ``JSON_ARRAY_ITEMS`` items (of each array, in a nested one), and
-``"truncated"`` says whether any were left out."""
+Each metadata entry is ``{"key", "type", "value"}`` with the value in its own JSON type (30, false,
+a float32 as the value stored, a string whole); an array entry also has ``"length"`` (its item
+count) and ``"truncated"``: its ``"value"`` holds the first ``JSON_ARRAY_ITEMS`` items (of each
+array, in a nested one), and ``"truncated"`` says whether any were left out."""
 from __future__ import annotations
 
 from collections import defaultdict
