@@ -29,7 +29,7 @@ from rich.text import Text
 
 from . import __version__
 from .errors import QuantkitError
-from .types import QuantType, type_from_name, type_name
+from .types import QuantType, type_from_name, type_name, type_name_suggestion
 
 out = Console(highlight=False, markup=False, emoji=False)
 err = Console(stderr=True, highlight=False, markup=False, emoji=False, soft_wrap=True)
@@ -94,23 +94,14 @@ def _parse_type(value: str | None, what: str) -> QuantType | None:
     try:
         return type_from_name(value)
     except ValueError:
-        raise QuantkitError(f"{what}: unknown type '{value}'") from None
+        raise QuantkitError(f"{what}: unknown type '{value}'{type_name_suggestion(value)}") from None
 
 
 def _parse_preset_or_type(value: str | None, flavor: str):
     """TYPE: a preset of the flavor (Q4_K_M, IQ4_K, 15, …) or a ggml type; presets win, as in
     llama-quantize.  Returns (preset, default type)."""
-    from .presets import find_preset
-    if value is None:
-        return None, None
-    preset = find_preset(value, flavor)
-    if preset is not None:
-        return preset, preset.default_type
-    try:
-        return None, type_from_name(value)
-    except ValueError:
-        raise QuantkitError(f"TYPE: unknown type '{value}' (neither a ggml type nor a {flavor} preset such as "
-                            f"Q4_K_M)") from None
+    from .presets import preset_or_type
+    return (None, None) if value is None else preset_or_type(value, flavor)
 
 
 def _type_label(text: str, flavor: str) -> str | None:
