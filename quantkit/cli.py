@@ -464,6 +464,47 @@ def inspect(path, as_json, no_tensors):
                       f"{_fmt_bytes(tot['bytes'])}, {tot['bpw']:.3f} bpw, {doc['shards']} file(s)"))
 
 
+@cli.command("types")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def types_(as_json):
+    """Every ggml type a GGUF file can hold and every llama-quantize preset of both flavors: bits
+    per weight, block size, the --flavor values quantkit writes it with, whose llama.cpp loads it
+    (mainline llama.cpp, ik_llama.cpp) and whether quantkit's own runtime computes with it."""
+    from rich import box
+
+    from .catalog import catalog
+    doc = catalog()
+    if as_json:
+        _print_json(doc)
+        return
+    mark = {True: "yes", False: "-"}
+
+    def table(title, columns):
+        t = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD)
+        for col in columns:
+            t.add_column(col, justify="right" if col in ("id", "ftype", "bpw", "block") else "left", no_wrap=True)
+        return t
+
+    def tail(r):
+        return (" ".join(r["quantkit_writes"]) or "-", *(mark[v] for v in r["loaded_by"].values()),
+                mark[r["quantkit_runs"]])
+    t = table("types", ("type", "id", "bpw", "block", "writes", "llama.cpp", "ik_llama.cpp", "runs"))
+    for r in doc["types"]:
+        _add_row(t, r["name"], r["id"], f"{r['bits_per_weight']:g}", r["block_size"], *tail(r))
+    out.print(t)
+    t = table("presets", ("preset", "ftype", "flavors", "default type", "bpw", "writes", "llama.cpp", "ik_llama.cpp",
+                          "runs"))
+    for r in doc["presets"]:
+        ftype = " / ".join(dict.fromkeys(str(n) for n in r["ftype"].values()))
+        _add_row(t, r["name"], ftype, " ".join(r["ftype"]), r["default_type"], f"{r['bits_per_weight']:g}", *tail(r))
+    out.print(t)
+    out.print("aliases: " + ", ".join(f"{a} = {b}" for a, b in doc["aliases"].items()))
+    out.print("bpw: bits per weight of the type's blocks (a preset: of its default type; the mix gives some "
+              "tensors more). writes: the --flavor values quantkit quantizes it with. llama.cpp, ik_llama.cpp: "
+              "whose llama.cpp loads the file (a preset in llama.cpp: written with --flavor mainline). runs: "
+              "quantkit run, perplexity and imatrix compute with it.")
+
+
 # --------------------------------------------------------------------------- runtime
 def _threads_option(f):
     return click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
