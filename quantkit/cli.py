@@ -477,32 +477,33 @@ def types_(as_json):
     if as_json:
         _print_json(doc)
         return
-    mark = {True: "yes", False: "-"}
+    # narrow enough for 80 columns: "both" stands for both flavors / both projects
+    def both(names) -> str:
+        return "both" if len(names) == 2 else " ".join(names) or "-"
 
     def table(title, columns):
-        t = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD)
+        t = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False)
         for col in columns:
             t.add_column(col, justify="right" if col in ("id", "ftype", "bpw", "block") else "left", no_wrap=True)
         return t
 
     def tail(r):
-        return (" ".join(r["quantkit_writes"]) or "-", *(mark[v] for v in r["loaded_by"].values()),
-                mark[r["quantkit_runs"]])
-    t = table("types", ("type", "id", "bpw", "block", "writes", "llama.cpp", "ik_llama.cpp", "runs"))
+        return (both([p for p, yes in r["loaded_by"].items() if yes]), both(r["quantkit_writes"]),
+                "yes" if r["quantkit_runs"] else "-")
+    t = table("types", ("type", "id", "bpw", "block", "loaded by", "writes", "runs"))
     for r in doc["types"]:
         _add_row(t, r["name"], r["id"], f"{r['bits_per_weight']:g}", r["block_size"], *tail(r))
     out.print(t)
-    t = table("presets", ("preset", "ftype", "flavors", "default type", "bpw", "writes", "llama.cpp", "ik_llama.cpp",
-                          "runs"))
+    t = table("presets", ("preset", "ftype", "flavors", "type", "bpw", "loaded by", "writes", "runs"))
     for r in doc["presets"]:
-        ftype = " / ".join(dict.fromkeys(str(n) for n in r["ftype"].values()))
-        _add_row(t, r["name"], ftype, " ".join(r["ftype"]), r["default_type"], f"{r['bits_per_weight']:g}", *tail(r))
+        ftype = "/".join(dict.fromkeys(str(n) for n in r["ftype"].values()))
+        _add_row(t, r["name"], ftype, both(list(r["ftype"])), r["default_type"], f"{r['bits_per_weight']:g}", *tail(r))
     out.print(t)
     out.print("aliases: " + ", ".join(f"{a} = {b}" for a, b in doc["aliases"].items()))
-    out.print("bpw: bits per weight of the type's blocks (a preset: of its default type; the mix gives some "
-              "tensors more). writes: the --flavor values quantkit quantizes it with. llama.cpp, ik_llama.cpp: "
-              "whose llama.cpp loads the file (a preset in llama.cpp: written with --flavor mainline). runs: "
-              "quantkit run, perplexity and imatrix compute with it.")
+    out.print("bpw: bits per weight of the type's blocks (a preset: of its default type; the mix gives some tensors "
+              "more). loaded by: whose llama.cpp loads a file with it (both: llama.cpp and ik_llama.cpp; a preset in "
+              "llama.cpp: written with --flavor mainline). writes: the --flavor values quantkit quantizes it with "
+              "(both: ik and mainline). runs: quantkit run, perplexity and imatrix compute with it.")
 
 
 # --------------------------------------------------------------------------- runtime
