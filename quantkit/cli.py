@@ -233,7 +233,7 @@ def cli():
 @click.option("--ignore-imatrix-rules", is_flag=True,
               help="Quantize very-low-bit types (IQ1_*, IQ2_XXS/XS/S, IQ1_KT, IQ2_KT…) without an imatrix.")
 @click.option("--flavor", type=click.Choice(["ik", "mainline"]), default="ik", show_default=True,
-              help="Whose quantizer bytes to reproduce.")
+              help="Whose quantizer bytes to reproduce; mainline writes only types mainline llama.cpp loads.")
 @click.option("--split-max-size", help="Split the output into shards of at most SIZE (e.g. 4G).")
 @click.option("--keep-split", is_flag=True, help="One output shard per input shard.")
 @click.option("--threads", "-t", type=click.IntRange(1, 1024), help="Threads for quantization.")
@@ -249,7 +249,8 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
     BF16 weights), converted as convert_hf_to_gguf.py would and quantized in one streaming pass.
 
     TYPE is a llama-quantize preset (Q4_K_M, Q6_K, IQ4_XS, IQ4_K, …: the C tool's per-tensor mix for
-    every tensor no recipe rule matches) or a ggml type name (that type for all of them, as --pure).
+    every tensor no recipe rule matches) or a ggml type name (that type for all of them, as --pure);
+    `quantkit types` lists both, with the flavors that have them.
     Omit it to keep unmatched tensors as they are: with --custom-q, --token-embedding-type,
     --output-tensor-type, --split-max-size or a model directory (a plain conversion); with none of
     them there is nothing to do, which is an error, while TYPE COPY copies every tensor on purpose.

@@ -30,6 +30,7 @@ from enum import IntEnum
 from .suggest import did_you_mean
 
 QK_K = 256          # super-block size of the k-quants and of the IQK family
+K_SCALE_SIZE = 12   # packed 6-bit scales/mins of q4_K/q5_K
 
 # who loads a type (TypeTraits.loads): flavor -> the project whose llama.cpp it is
 PROJECTS = {"mainline": "llama.cpp", "ik": "ik_llama.cpp"}
@@ -37,7 +38,6 @@ BOTH = ("ik", "mainline")
 IK = ("ik",)
 MAINLINE = ("mainline",)
 NONE = ()
-K_SCALE_SIZE = 12   # packed 6-bit scales/mins of q4_K/q5_K
 
 
 class QuantType(IntEnum):
