@@ -29,7 +29,7 @@ from rich.text import Text
 
 from . import __version__
 from .errors import QuantkitError
-from .types import QuantType, type_from_name, type_name
+from .types import QuantType, type_from_name, type_name, type_name_suggestion
 
 out = Console(highlight=False, markup=False, emoji=False)
 err = Console(stderr=True, highlight=False, markup=False, emoji=False, soft_wrap=True)
@@ -94,23 +94,14 @@ def _parse_type(value: str | None, what: str) -> QuantType | None:
     try:
         return type_from_name(value)
     except ValueError:
-        raise QuantkitError(f"{what}: unknown type '{value}'") from None
+        raise QuantkitError(f"{what}: unknown type '{value}'{type_name_suggestion(value)}") from None
 
 
 def _parse_preset_or_type(value: str | None, flavor: str):
     """TYPE: a preset of the flavor (Q4_K_M, IQ4_K, 15, …) or a ggml type; presets win, as in
     llama-quantize.  Returns (preset, default type)."""
-    from .presets import find_preset
-    if value is None:
-        return None, None
-    preset = find_preset(value, flavor)
-    if preset is not None:
-        return preset, preset.default_type
-    try:
-        return None, type_from_name(value)
-    except ValueError:
-        raise QuantkitError(f"TYPE: unknown type '{value}' (neither a ggml type nor a {flavor} preset such as "
-                            f"Q4_K_M)") from None
+    from .presets import preset_or_type
+    return (None, None) if value is None else preset_or_type(value, flavor)
 
 
 def _type_label(text: str, flavor: str) -> str | None:
@@ -242,7 +233,7 @@ def cli():
 @click.option("--ignore-imatrix-rules", is_flag=True,
               help="Quantize very-low-bit types (IQ1_*, IQ2_XXS/XS/S, IQ1_KT, IQ2_KT…) without an imatrix.")
 @click.option("--flavor", type=click.Choice(["ik", "mainline"]), default="ik", show_default=True,
-              help="Whose quantizer bytes to reproduce.")
+              help="Whose quantizer bytes to reproduce; mainline writes only types mainline llama.cpp loads.")
 @click.option("--split-max-size", help="Split the output into shards of at most SIZE (e.g. 4G).")
 @click.option("--keep-split", is_flag=True, help="One output shard per input shard.")
 @click.option("--threads", "-t", type=click.IntRange(1, 1024), help="Threads for quantization.")
@@ -258,7 +249,8 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
     BF16 weights), converted as convert_hf_to_gguf.py would and quantized in one streaming pass.
 
     TYPE is a llama-quantize preset (Q4_K_M, Q6_K, IQ4_XS, IQ4_K, …: the C tool's per-tensor mix for
-    every tensor no recipe rule matches) or a ggml type name (that type for all of them, as --pure).
+    every tensor no recipe rule matches) or a ggml type name (that type for all of them, as --pure);
+    `quantkit types` lists both, with the flavors that have them.
     Omit it to keep unmatched tensors as they are: with --custom-q, --token-embedding-type,
     --output-tensor-type, --split-max-size or a model directory (a plain conversion); with none of
     them there is nothing to do, which is an error, while TYPE COPY copies every tensor on purpose.
@@ -471,6 +463,48 @@ def inspect(path, as_json, no_tensors):
     tot = doc["totals"]
     out.print(_styled(("total", "bold"), f": {tot['tensors']} tensors, {tot['elements']:,} weights, "
                       f"{_fmt_bytes(tot['bytes'])}, {tot['bpw']:.3f} bpw, {doc['shards']} file(s)"))
+
+
+@cli.command("types")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def types_(as_json):
+    """Every ggml type a GGUF file can hold and every llama-quantize preset of both flavors: bits
+    per weight, block size, the --flavor values quantkit writes it with, whose llama.cpp loads it
+    (mainline llama.cpp, ik_llama.cpp) and whether quantkit's own runtime computes with it."""
+    from rich import box
+
+    from .catalog import catalog
+    doc = catalog()
+    if as_json:
+        _print_json(doc)
+        return
+    # narrow enough for 80 columns: "both" stands for both flavors / both projects
+    def both(names) -> str:
+        return "both" if len(names) == 2 else " ".join(names) or "-"
+
+    def table(title, columns):
+        t = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False)
+        for col in columns:
+            t.add_column(col, justify="right" if col in ("id", "ftype", "bpw", "block") else "left", no_wrap=True)
+        return t
+
+    def tail(r):
+        return (both([p for p, yes in r["loaded_by"].items() if yes]), both(r["quantkit_writes"]),
+                "yes" if r["quantkit_runs"] else "-")
+    t = table("types", ("type", "id", "bpw", "block", "loaded by", "writes", "runs"))
+    for r in doc["types"]:
+        _add_row(t, r["name"], r["id"], f"{r['bits_per_weight']:g}", r["block_size"], *tail(r))
+    out.print(t)
+    t = table("presets", ("preset", "ftype", "flavors", "type", "bpw", "loaded by", "writes", "runs"))
+    for r in doc["presets"]:
+        ftype = "/".join(dict.fromkeys(str(n) for n in r["ftype"].values()))
+        _add_row(t, r["name"], ftype, both(list(r["ftype"])), r["default_type"], f"{r['bits_per_weight']:g}", *tail(r))
+    out.print(t)
+    out.print("aliases: " + ", ".join(f"{a} = {b}" for a, b in doc["aliases"].items()))
+    out.print("bpw: bits per weight of the type's blocks (a preset: of its default type; the mix gives some tensors "
+              "more). loaded by: whose llama.cpp loads a file with it (both: llama.cpp and ik_llama.cpp; a preset in "
+              "llama.cpp: written with --flavor mainline). writes: the --flavor values quantkit quantizes it with "
+              "(both: ik and mainline). runs: quantkit run, perplexity and imatrix compute with it.")
 
 
 # --------------------------------------------------------------------------- runtime

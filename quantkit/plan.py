@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from .errors import QuantkitError
 from .presets import ModelInfo, Preset, imatrix_problem, mainline_order, mix_types
 from .recipes import Recipe
-from .types import QuantType, TYPE_TRAITS, tensor_nbytes, traits, type_name
+from .types import PROJECTS, QuantType, TYPE_TRAITS, loads, tensor_nbytes, traits, type_name
 
 T = QuantType
 
@@ -327,6 +327,7 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
                                 f"quantized or claimed by earlier rules")
             else:
                 warnings.append(f"{r.source}: rule '{r}' matches no tensor")
+    _check_flavor_loads(plans, opts.flavor, recipe)
     fallbacks = [p for p in plans if p.fallback]
     if fallbacks:
         if opts.strict:
@@ -337,6 +338,38 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
         warnings.append(f"{len(fallbacks)} tensor(s) use a fallback type (see the plan)")
     return Plan(plans, default_type, _file_type(default_type, plans, opts.preset, opts.flavor), opts.flavor,
                 warnings, opts.preset)
+
+
+def _check_flavor_loads(plans: list[TensorPlan], flavor: str, recipe: Recipe | None) -> None:
+    """Each flavor writes files its own llama.cpp loads: a tensor converted to (or asked for as) a
+    type that project does not define (iq4_k, any _r4/_r8, trellis, q6_0 for mainline) is an error
+    before anything is written.  Kept tensors are the input's own and are not judged."""
+    bad: dict[QuantType, list[TensorPlan]] = defaultdict(list)
+    for tp in plans:
+        if tp.action == "copy":
+            continue
+        for qtype in dict.fromkeys(q for q in (tp.requested, tp.dst_type) if q is not None):
+            if not loads(qtype, flavor):
+                bad[qtype].append(tp)
+    if not bad:
+        return
+
+    def chosen_by(tp: TensorPlan) -> str:
+        if tp.rule == "default":
+            return "TYPE"
+        if tp.rule_index is not None and recipe:
+            return f"rule '{tp.rule}' ({recipe.rules[tp.rule_index].source})"
+        return tp.rule
+
+    parts = []
+    for qtype, tps in bad.items():
+        names = ", ".join(t.name for t in tps[:3]) + (f" and {len(tps) - 3} more" if len(tps) > 3 else "")
+        parts.append(f"{type_name(qtype)} ({names}; from {', '.join(dict.fromkeys(map(chosen_by, tps)))})")
+    project = "mainline llama.cpp" if flavor == "mainline" else PROJECTS[flavor]
+    other = next((f for f in PROJECTS if f != flavor and all(loads(q, f) for q in bad)), None)
+    hint = (f"use --flavor {other} ({PROJECTS[other]} loads {'it' if len(bad) == 1 else 'them'}) or a type "
+            f"{project} loads" if other else f"use a type {project} loads (quantkit types lists them)")
+    raise QuantkitError(f"--flavor {flavor}: {project} cannot load " + "; ".join(parts) + f": {hint}")
 
 
 def check_imatrix(plan: Plan, imatrix_given: bool, has_entry) -> None:

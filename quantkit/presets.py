@@ -19,7 +19,8 @@ import re
 from dataclasses import dataclass, field
 
 from .errors import QuantkitError
-from .types import QuantType, traits, type_name
+from .suggest import did_you_mean
+from .types import QuantType, file_types, traits, type_from_name, type_name
 
 T = QuantType
 FLAVORS = ("ik", "mainline")
@@ -151,6 +152,37 @@ def find_preset(text: str, flavor: str = "ik") -> Preset | None:
 
 def preset_names(flavor: str) -> list[str]:
     return [p.name for p in PRESETS.values() if flavor in p.ftypes] + list(ALIASES)
+
+
+def flavor_article(flavor: str) -> str:
+    """'an ik', 'a mainline'."""
+    return f"{'an' if flavor[:1] in 'aeiou' else 'a'} {flavor}"
+
+
+def preset_or_type(text: str, flavor: str) -> tuple[Preset | None, QuantType]:
+    """What quantize's TYPE names in ``flavor``: a preset (which wins, as in llama-quantize) and its
+    default type, or (None, a ggml type).  Anything else is an error naming the nearest names, or
+    the flavor that has the preset."""
+    preset = find_preset(text, flavor)
+    if preset is not None:
+        return preset, preset.default_type
+    try:
+        return None, type_from_name(text)
+    except ValueError:
+        pass
+    for other in FLAVORS:
+        theirs = find_preset(text, other) if other != flavor else None
+        if theirs is not None:
+            what = theirs.name if text.strip().upper() == theirs.name else f"'{text}' names {theirs.name}, which"
+            raise QuantkitError(f"TYPE: {what} is {flavor_article(other)} preset, not {flavor_article(flavor)} "
+                                f"one: add --flavor {other}")
+    # presets first: a name that is both (Q4_0) is shown as the preset; an alias as what it stands for;
+    # only types the flavor's llama.cpp loads
+    names = {name: ALIASES.get(name, name) for name in preset_names(flavor)}
+    names.update((t.name, t.name) for t in file_types() if flavor in t.loads)
+    hint = did_you_mean(text, names)
+    raise QuantkitError(f"TYPE: unknown type '{text}': neither a ggml type nor {flavor_article(flavor)} preset"
+                        + (f"; {hint}" if hint else "") + " (quantkit types lists them all)")
 
 
 # ---------------------------------------------------------------------------------- model facts
@@ -785,5 +817,5 @@ def imatrix_problem(preset: Preset | None, flavor: str, tensors, imatrix_given: 
     return None
 
 
-__all__ = ["Preset", "PRESETS", "ALIASES", "FLAVORS", "ModelInfo", "find_preset", "preset_names", "mix_types",
-           "tensor_requires_imatrix", "imatrix_problem", "layer_of"]
+__all__ = ["Preset", "PRESETS", "ALIASES", "FLAVORS", "ModelInfo", "find_preset", "preset_names", "preset_or_type",
+           "flavor_article", "mix_types", "tensor_requires_imatrix", "imatrix_problem", "layer_of"]

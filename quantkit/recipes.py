@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from .errors import QuantkitError
 from .tensor_regex import compile_bounded
 from .inputs import read_text
-from .types import QuantType, type_from_name, type_name
+from .types import QuantType, type_from_name, type_name, type_name_suggestion
 
 MAX_RECIPE_BYTES = 1 << 20     # published recipes are a few KB
 
@@ -67,7 +67,8 @@ def _parse_rule(item: str, source: str) -> Rule:
     try:
         qtype = type_from_name(tname)
     except ValueError:
-        raise QuantkitError(f"{source}: unknown type '{tname}' in rule '{item.strip()}'") from None
+        raise QuantkitError(f"{source}: unknown type '{tname}' in rule '{item.strip()}'"
+                            f"{type_name_suggestion(tname)}") from None
     return Rule(pattern, qtype, source, compile_bounded(pattern, source))
 
 

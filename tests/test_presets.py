@@ -431,9 +431,12 @@ def test_cli_presets_win_over_type_names(tmp_path):
     assert plan["preset"] == "Q4_0" and by["output.weight"] == "q6_K" and by["blk.0.attn_q.weight"] == "q4_0"
     plan = quantkit_plan(src, "q4_0", "--pure")
     assert {t["name"]: t["target"] for t in plan["tensors"]}["output.weight"] == "q4_0"
-    # not a preset in mainline: a plain type, every tensor gets it
-    plan = quantkit_plan(src, "q6_0", "--flavor", "mainline")
-    assert plan["preset"] is None and {t["target"] for t in plan["tensors"] if t["action"] != "copy"} == {"q6_0"}
+    # not a preset in mainline (ik's MXFP4 is mainline's MXFP4_MOE): a plain type, every tensor gets it
+    plan = quantkit_plan(src, "mxfp4", "--flavor", "mainline")
+    assert plan["preset"] is None and {t["target"] for t in plan["tensors"] if t["action"] != "copy"} == {"mxfp4"}
+    # a type mainline llama.cpp does not define is refused (tests/test_types_cli.py has the cases)
+    rc, o, e = quantkit("quantize", src, tmp_path / "o.gguf", "q6_0", "--flavor", "mainline", "--dry-run")
+    assert rc == 1 and "mainline llama.cpp cannot load q6_0" in e and "Traceback" not in e
     plan = quantkit_plan(src, "Q4_K", "--flavor", "mainline")
     assert plan["preset"] == "Q4_K_M" and plan["file_type"] == 15
     rc, o, e = quantkit("quantize", src, tmp_path / "o.gguf", "Q4_K_Z")

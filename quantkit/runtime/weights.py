@@ -96,9 +96,15 @@ class Weight:
         return self.rows(0, self.blocks.shape[0]).reshape(-1)
 
 
+def computes_with(qtype: QuantType) -> bool:
+    """Whether the runtime (run, perplexity, imatrix) can use a tensor of ``qtype``: it decodes
+    rows, so every type quantkit can read."""
+    return qtype in PLAIN_DTYPE or formats.can_dequantize(qtype)
+
+
 def load_weight(info: TensorInfo) -> Weight:
     qt = QuantType(info.qtype)
-    if qt not in PLAIN_DTYPE and not formats.can_dequantize(qt):
+    if not computes_with(qt):
         raise QuantkitError(f"tensor {info.name}: the runtime cannot compute with {type_name(qt)}")
     t = traits(qt)
     if t.interleave_rows > 1 and info.n_rows % t.interleave_rows:
