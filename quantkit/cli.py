@@ -429,8 +429,8 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
     else:
         rate = result.bytes_written / result.seconds / 1e9 if result.seconds else 0
         out.print(_styled(("wrote", "green"), f" {', '.join(str(p) for p in result.paths)}: "
-                          f"{counted(n_moved, 'tensor')} {'restored' if undo else 'repacked'}, {_fmt_bytes(result.bytes_written)} in "
-                          f"{result.seconds:.1f} s ({rate:.2f} GB/s)"))
+                          f"{counted(n_moved, 'tensor')} {'restored' if undo else 'repacked'}, "
+                          f"{_fmt_bytes(result.bytes_written)} in {result.seconds:.1f} s ({rate:.2f} GB/s)"))
 
 
 @cli.command()
