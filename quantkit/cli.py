@@ -30,6 +30,7 @@ from rich.text import Text
 from . import __version__
 from .errors import QuantkitError
 from .types import QuantType, type_from_name, type_name, type_name_suggestion
+from .words import counted
 
 out = Console(highlight=False, markup=False, emoji=False)
 err = Console(stderr=True, highlight=False, markup=False, emoji=False, soft_wrap=True)
@@ -188,7 +189,7 @@ def render_plan(plan, show_tensors: bool = True) -> None:
             _add_row(t, r["group"], r["tensors"], f"{r['elements']:,}", _fmt_bytes(r["bytes"]), f"{r['bpw']:.3f}")
         out.print(t)
     bpw = 8 * plan.bytes_out / plan.n_elements if plan.n_elements else 0
-    out.print(_styled(("total", "bold"), f": {len(plan.tensors)} tensors, {plan.n_elements:,} weights, "
+    out.print(_styled(("total", "bold"), f": {counted(len(plan.tensors), 'tensor')}, {plan.n_elements:,} weights, "
                       f"{plan.bytes_in / GIB:.3f} GiB → {plan.bytes_out / GIB:.3f} GiB, {bpw:.3f} bpw, "
                       + (f"preset {plan.preset.name}, " if plan.preset is not None else "")
                       + f"file type {plan.file_type}, flavor {plan.flavor}"))
@@ -419,9 +420,9 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
         _print_json(doc)
     else:
         rate = result.bytes_written / result.seconds / 1e9 if result.seconds else 0
-        out.print(_styled(("wrote", "green"), f" {', '.join(str(p) for p in result.paths)}: {n_moved} tensors "
-                          f"{'restored' if undo else 'repacked'}, {_fmt_bytes(result.bytes_written)} in "
-                          f"{result.seconds:.1f} s ({rate:.2f} GB/s)"))
+        out.print(_styled(("wrote", "green"), f" {', '.join(str(p) for p in result.paths)}: "
+                          f"{counted(n_moved, 'tensor')} {'restored' if undo else 'repacked'}, "
+                          f"{_fmt_bytes(result.bytes_written)} in {result.seconds:.1f} s ({rate:.2f} GB/s)"))
 
 
 @cli.command()
@@ -461,7 +462,7 @@ def inspect(path, as_json, no_tensors):
         _add_row(t, r["type"], r["tensors"], f"{r['elements']:,}", _fmt_bytes(r["bytes"]), f"{r['bpw']:.3f}")
     out.print(t)
     tot = doc["totals"]
-    out.print(_styled(("total", "bold"), f": {tot['tensors']} tensors, {tot['elements']:,} weights, "
+    out.print(_styled(("total", "bold"), f": {counted(tot['tensors'], 'tensor')}, {tot['elements']:,} weights, "
                       f"{_fmt_bytes(tot['bytes'])}, {tot['bpw']:.3f} bpw, {doc['shards']} file(s)"))
 
 
@@ -540,18 +541,19 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
         as_json):
     """Generate text from PROMPT with quantkit's reference runtime, streaming it, then print prompt
     and generation speed (tokens/s)."""
-    from .runtime.generate import GenerationStats, Sampler, SamplerOptions, generate
+    from .runtime.generate import GenerationStats, Sampler, SamplerOptions, context_size, generate
     from .runtime.session import TextStream, open_session, parse_overrides
 
     sampler = Sampler(SamplerOptions(temp=temp, top_k=top_k, top_p=top_p, seed=seed))     # checks the options
     with open_session(model_path, threads, device=device, cpu_tensors=parse_overrides(overrides)) as s:
-        placement = _placement(s)
-        if placement and not as_json:
-            err.print("weights: " + "; ".join(f"{where} {v['tensors']} tensors, {v['MB']:.1f} MB"
-                                               for where, v in placement.items()))
         tok = s.tokenizer
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = tok.encode(text, add_special=True, parse_special=chat)
+        context_size(s.model, ids, n_predict, ctx_size)     # a prompt that does not fit: before it is echoed
+        placement = _placement(s)
+        if placement and not as_json:
+            err.print("weights: " + "; ".join(f"{where} {counted(v['tensors'], 'tensor')}, {v['MB']:.1f} MB"
+                                               for where, v in placement.items()))
         stats = GenerationStats()
         stream = TextStream(tok)
         pieces = []
@@ -571,9 +573,9 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
                          "generation_tokens_per_second": stats.gen_tps})
             return
         out.print(pieces[-1], markup=False, highlight=False)
-        err.print(f"prompt: {stats.n_prompt} tokens in {stats.prompt_seconds:.2f} s "
-                  f"({stats.prompt_tps:.1f} tokens/s); generation: {stats.n_generated} tokens in "
-                  f"{stats.gen_seconds:.2f} s ({stats.gen_tps:.1f} tokens/s); {s.threads} threads")
+        err.print(f"prompt: {counted(stats.n_prompt, 'token')} in {stats.prompt_seconds:.2f} s "
+                  f"({stats.prompt_tps:.1f} tokens/s); generation: {counted(stats.n_generated, 'token')} in "
+                  f"{stats.gen_seconds:.2f} s ({stats.gen_tps:.1f} tokens/s); {counted(s.threads, 'thread')}")
 
 
 def _placement(session) -> dict | None:
@@ -753,8 +755,8 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
         _print_json({"file": str(out_path), "entries": len(stats.entries), "chunks": len(chunk_list),
                      "n_ctx": ctx_size, "ppl": ppl_value, "partial": missing})
     else:
-        out.print(_styled(("wrote", "green"), f" {out_path}: {len(stats.entries)} entries from {len(chunk_list)} "
-                          f"chunks of {ctx_size} tokens (PPL {ppl_value:.4f})"))
+        out.print(_styled(("wrote", "green"), f" {out_path}: {counted(len(stats.entries), 'entry', 'entries')} from "
+                          f"{counted(len(chunk_list), 'chunk')} of {ctx_size} tokens (PPL {ppl_value:.4f})"))
 
 
 _CHUNK_OPTION = click.option(
@@ -773,14 +775,15 @@ def imatrix_convert(in_path, out_path, chunk_size):
     check_outputs([out_path], [in_path])
     raw = RawImatrix.from_file(in_path, chunk_size)
     raw.save(out_path)
-    out.print(_styled(("wrote", "green"), f" {out_path}: {len(raw.sums)} entries, {raw.chunk_count} chunks of "
-                      f"{raw.chunk_size}"))
+    out.print(_styled(("wrote", "green"), f" {out_path}: {counted(len(raw.sums), 'entry', 'entries')}, "
+                      f"{counted(raw.chunk_count, 'chunk')} of {raw.chunk_size}"))
 
 
 @imatrix.command("merge")
 @click.argument("in_paths", metavar="IN...", nargs=-1, required=True,
                 type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-o", "--output", "out_path", required=True, type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out_path", required=True, type=click.Path(path_type=Path),
+              help="Merged output file: .dat writes the legacy format (what ik_llama.cpp reads), anything else GGUF.")
 @_CHUNK_OPTION
 def imatrix_merge(in_paths, out_path, chunk_size):
     """Merge imatrix files: sums and token counts added, so each file weighs what it saw."""
@@ -791,8 +794,8 @@ def imatrix_merge(in_paths, out_path, chunk_size):
     for p in in_paths[1:]:
         raw = raw.merged(RawImatrix.from_file(p, chunk_size))
     raw.save(out_path)
-    out.print(_styled(("wrote", "green"), f" {out_path}: {len(raw.sums)} entries from {len(in_paths)} files, "
-                      f"{raw.chunk_count} chunks of {raw.chunk_size}"))
+    out.print(_styled(("wrote", "green"), f" {out_path}: {counted(len(raw.sums), 'entry', 'entries')} from "
+                      f"{counted(len(in_paths), 'file')}, {counted(raw.chunk_count, 'chunk')} of {raw.chunk_size}"))
 
 
 @imatrix.command("stats")

@@ -230,3 +230,62 @@ def test_full_disk_fails_before_writing(tmp_path, llama, monkeypatch, capsys):
     assert main(["quantize", str(llama), str(out), "q8_0"]) == 1
     assert "not enough disk space" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- words (issue 23, item 10) ----
+
+def _walk(command, path):
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _walk(sub, [*path, name])
+
+
+def test_every_command_and_option_has_help():
+    """`--help` explains every option of every command (imatrix merge's -o had none)."""
+    import click
+
+    from quantkit.cli import cli
+    missing = []
+    for path, command in _walk(cli, ["quantkit"]):
+        if not (command.help or "").strip():
+            missing.append(" ".join(path))
+        ctx = click.Context(command, info_name=path[-1])
+        missing += [f"{' '.join(path)} {'/'.join(p.opts)}" for p in command.get_params(ctx)
+                    if isinstance(p, click.Option) and not (p.help or "").strip()]
+    assert len(list(_walk(cli, ["quantkit"]))) > 8         # the walk reached the subcommands
+    assert missing == []
+
+
+def test_counted_nouns():
+    from quantkit.words import counted
+    assert [counted(n, "token") for n in (0, 1, 2)] == ["0 tokens", "1 token", "2 tokens"]
+    assert counted(1, "entry", "entries") == "1 entry" and counted(3, "entry", "entries") == "3 entries"
+
+
+@pytest.fixture(scope="module")
+def llama_vocab(tmp_path_factory):
+    return write_llama(tmp_path_factory.mktemp("m") / "llama-vocab.gguf", n_layer=1, n_embd=64, n_ff=128,
+                       n_vocab=320, vocab=True)
+
+
+def _main(capsys, *args):
+    rc = main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_run_says_1_token_and_1_thread(llama_vocab, capsys):
+    rc, out, err = _main(capsys, "run", llama_vocab, "-p", "hi", "-n", "1", "--temp", "0", "--threads", "1")
+    assert rc == 0, err
+    line = err.strip().splitlines()[-1]
+    assert "generation: 1 token in" in line and line.endswith("; 1 thread"), line
+
+
+def test_run_context_too_small_is_one_line_without_the_prompt(llama_vocab, capsys):
+    """`run -c 3` used to echo the prompt on stdout before the error, so a terminal showed the prompt
+    glued to the error line."""
+    prompt = "a prompt that does not fit"
+    rc, out, err = _main(capsys, "run", llama_vocab, "-p", prompt, "-n", "4", "-c", "3", "--threads", "1")
+    assert rc == 1 and out == "", out
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "tokens to generate exceed the context of 3 tokens" in err and prompt not in err, err

@@ -20,6 +20,8 @@ Perplexity on the shipped file reproduces mainline llama-perplexity's published 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -222,15 +224,23 @@ def test_cli_run_streams_text_and_speeds(files):
     assert "tokens/s" in p.stderr and "generation" in p.stderr
 
 
-def test_perplexity_matches_llama_perplexity(smollm2_path, shared_dir):
+def test_perplexity_matches_llama_perplexity(smollm2_path, shared_dir, repo_root):
     """README of golden/imatrix: llama-perplexity -c 256 on the shipped file printed
-    'Final estimate: PPL = 20.8256 +/- 0.99026'."""
-    p = quantkit_cli("perplexity", smollm2_path, "-f", shared_dir / "golden" / "imatrix" / "calib-gpl3.txt",
-                     "-c", "256", "--threads", "2", "--json")
-    doc = json.loads(p.stdout)
-    print(f"\n  PPL = {doc['ppl']:.4f} +/- {doc['ppl_error']:.5f} over {doc['chunks']} chunks")
-    assert abs(doc["ppl"] / 20.8256 - 1) < 0.005
-    assert abs(doc["ppl_error"] / 0.99026 - 1) < 0.05
+    'Final estimate: PPL = 20.8256 +/- 0.99026'.  Our README quotes the command and what it prints
+    over the whole text; this runs that command (its arguments as README writes them) and checks
+    the quote to the printed digits, so the figure cannot drift from the code."""
+    readme = (repo_root / "README.md").read_text()
+    m = re.search(r'`(quantkit perplexity "\$SMOLLM2" [^`]*)`\s+prints\s+`(Final estimate: PPL = [^`]*)`', readme)
+    assert m, "README quotes no whole-text perplexity command and figure"
+    args = [str(smollm2_path) if a == "$SMOLLM2" else a for a in shlex.split(m[1])[1:]]
+    p = subprocess.run([sys.executable, "-m", "quantkit", *args], capture_output=True, text=True, cwd=repo_root)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(l for l in p.stdout.splitlines() if l.startswith("Final estimate:"))
+    print(f"\n  {line}")
+    assert line == m[2]
+    ppl, err = map(float, re.fullmatch(r"Final estimate: PPL = (\S+) \+/- (\S+)", line).groups())
+    assert abs(ppl / 20.8256 - 1) < 0.005
+    assert abs(err / 0.99026 - 1) < 0.05
 
 
 def test_kl_divergence_cli(files, shared_dir, tmp_path):

@@ -10,6 +10,7 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import QuantkitError
+from ..words import counted
 from .model import NonFiniteLogits
 
 
@@ -76,15 +77,24 @@ class GenerationStats:
         return self.n_generated / self.gen_seconds if self.gen_seconds else 0.0
 
 
-def generate(model, prompt: list[int], n_predict: int, sampler: Sampler, stop_ids=(),
-             n_ctx: int | None = None, stats: GenerationStats | None = None) -> Iterator[int]:
-    """Yield up to ``n_predict`` sampled tokens after ``prompt``; stops early at a token of
-    ``stop_ids`` (not yielded).  ``stats`` is filled as it goes."""
+def context_size(model, prompt: list[int], n_predict: int, n_ctx: int | None = None) -> int:
+    """The context a generation of ``n_predict`` tokens after ``prompt`` uses, or an error when they
+    do not fit in ``n_ctx``.  A caller checks this before it shows anything (``generate`` itself
+    runs only when first iterated)."""
     if not prompt:
         raise QuantkitError("the prompt is empty (no tokens)")
     n_ctx = n_ctx or min(model.config.n_ctx_train, len(prompt) + n_predict)
     if len(prompt) + n_predict > n_ctx:
-        raise QuantkitError(f"prompt ({len(prompt)} tokens) + {n_predict} exceeds the context of {n_ctx}")
+        raise QuantkitError(f"the prompt ({counted(len(prompt), 'token')}) and {counted(n_predict, 'token')} to "
+                            f"generate exceed the context of {counted(n_ctx, 'token')}")
+    return n_ctx
+
+
+def generate(model, prompt: list[int], n_predict: int, sampler: Sampler, stop_ids=(),
+             n_ctx: int | None = None, stats: GenerationStats | None = None) -> Iterator[int]:
+    """Yield up to ``n_predict`` sampled tokens after ``prompt``; stops early at a token of
+    ``stop_ids`` (not yielded).  ``stats`` is filled as it goes."""
+    n_ctx = context_size(model, prompt, n_predict, n_ctx)
     stats = stats if stats is not None else GenerationStats()
     stats.n_prompt = len(prompt)
     cache = model.new_cache(n_ctx)

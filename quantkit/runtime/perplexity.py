@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import QuantkitError
+from ..words import counted
 from ..inputs import open_regular
 from ..outputs import AtomicOutput
 from . import kernels, ops_cpu
@@ -40,7 +41,7 @@ _BAD_MODEL = "the model's weights or activations are out of range"
 def chunk_tokens(tokens: list[int], n_ctx: int, n_chunks: int | None, bos: int | None) -> list[np.ndarray]:
     """The chunks llama-perplexity evaluates."""
     if len(tokens) < 2 * n_ctx:
-        raise QuantkitError(f"the text has {len(tokens)} tokens: at least 2 * n_ctx = {2 * n_ctx} are needed")
+        raise QuantkitError(f"the text has {counted(len(tokens), 'token')}: at least 2 * n_ctx = {2 * n_ctx} are needed")
     n = len(tokens) // n_ctx
     if n_chunks is not None and n_chunks > 0:
         n = min(n, n_chunks)
