@@ -22,6 +22,9 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
 from .console import interactive
 
 LINE = re.compile(r"^[a-z][a-z -]*: \[ *\d+/\d+\] ")
+# the start of every line a long command prints on stderr as it goes (its steps, its notes,
+# perplexity's llama-perplexity lines), never of an error ("quantkit: error: ...") or a warning
+LOG_LINE = re.compile(r"^(?:quantize|repack|imatrix|perplexity|kl-divergence|kl_divergence): ")
 
 
 def clock(seconds: float) -> str:
