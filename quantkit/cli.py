@@ -687,6 +687,7 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
     calibration text (per expert for routed experts), as llama-imatrix does."""
     import math
 
+    from . import signals
     from .imatrix_tools import RawImatrix
     from .outputs import check_outputs
     from .progress import Reporter
@@ -718,8 +719,9 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
                 nonlocal saved
                 reporter.step(f"PPL {math.exp(sum(v) / len(v)):.4f}")
                 if (i + 1) % output_frequency == 0 and i + 1 < len(chunk_list):
-                    stats.to_raw(ctx_size, datasets).save(out_path)     # atomic: a temporary file renamed
-                    saved = i + 1
+                    with signals.deferred():        # an interrupt comes after both: the count is the file's
+                        stats.to_raw(ctx_size, datasets).save(out_path)     # atomic: a temporary file renamed
+                        saved = i + 1
                     reporter.note(_shown(f"saved {out_path} after chunk {skip_chunks + saved}", one_line=True))
             try:
                 nll = collect(s.model, chunk_list, on_chunk, all_logits=process_output)

@@ -285,3 +285,21 @@ def test_imatrix_interrupted_before_its_first_save_says_so(tiny, tmp_path, capsy
     assert err.strip().splitlines()[-1] == ("imatrix: interrupted before the first save (every 10 chunks): no chunk "
                                             "saved, nothing to resume; run the command again")
     assert not out_path.exists()
+
+
+def test_a_save_and_its_count_are_not_split_by_a_signal():
+    """imatrix saves OUT and counts the chunks it holds under signals.deferred: a Ctrl-C between
+    the two would print a resume command that skips the wrong number of chunks."""
+    import os
+    import signal
+
+    from quantkit import signals
+    done = []
+    with signals.terminate_on_signals():
+        with pytest.raises(KeyboardInterrupt):
+            with signals.deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                done.append("save")
+                done.append("count")
+            done.append("after the block")
+    assert done == ["save", "count"]
