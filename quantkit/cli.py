@@ -16,18 +16,17 @@ import logging
 import math
 import os
 import re
+import shlex
 import sys
 import warnings
 from pathlib import Path
 
 import click
-from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                           TransferSpeedColumn)
 from rich.table import Table
 from rich.text import Text
 
 from . import __version__
+from .console import Console
 from .errors import QuantkitError
 from .types import QuantType, type_from_name, type_name, type_name_suggestion
 from .words import counted
@@ -35,8 +34,10 @@ from .words import counted
 out = Console(highlight=False, markup=False, emoji=False)
 err = Console(stderr=True, highlight=False, markup=False, emoji=False, soft_wrap=True)
 GIB = 1024 ** 3
+_DRY_RUN = "dry run: nothing written"
 MAX_TEXT_BYTES = GIB            # calibration / evaluation text (-f): wiki.test.raw is 1.3 MB
 INSPECT_CELL_CHARS = 2000       # of a metadata key or value in inspect's table
+INSPECT_VALUE_WIDTH = 120       # columns of inspect's value column, where a longer value folds
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _CONTROL_OR_NEWLINE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
@@ -171,7 +172,10 @@ def render_plan(plan, show_tensors: bool = True) -> None:
     if show_tensors:
         t = Table(title="plan", show_lines=False, header_style="bold")
         for col in ("tensor", "shape", "source", "target", "size", "rule / note"):
-            t.add_column(col, no_wrap=col != "rule / note", justify="right" if col == "size" else "left")
+            # names and rules fold where the width is short (a narrow terminal, COLUMNS): never cut
+            whole = col in ("tensor", "rule / note")
+            t.add_column(col, no_wrap=not whole, overflow="fold" if whole else "ellipsis",
+                         justify="right" if col == "size" else "left")
         for p in plan.tensors:
             source = _styled(type_name(p.src_type), " ", ("=", "dim") if p.action == "copy" else "→")
             target = type_name(p.dst_type)
@@ -184,7 +188,8 @@ def render_plan(plan, show_tensors: bool = True) -> None:
     for title, rows in (("by type", plan.by_type()), ("by rule", plan.by_rule())):
         t = Table(title=title, header_style="bold")
         for col in (title.split()[1], "tensors", "weights", "size", "bpw"):
-            t.add_column(col, justify="left" if col in ("type", "rule") else "right")
+            t.add_column(col, justify="left" if col in ("type", "rule") else "right",
+                         overflow="fold" if col == "rule" else "ellipsis")
         for r in rows:
             _add_row(t, r["group"], r["tensors"], f"{r['elements']:,}", _fmt_bytes(r["bytes"]), f"{r['bpw']:.3f}")
         out.print(t)
@@ -195,10 +200,20 @@ def render_plan(plan, show_tensors: bool = True) -> None:
                       + f"file type {plan.file_type}, flavor {plan.flavor}"))
 
 
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}", style="cyan", markup=False), BarColumn(), DownloadColumn(),
-                    TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True,
-                    disable=not err.is_terminal)
+def _tensor_progress(what: str, plan, show: bool = True):
+    """A step per tensor of ``plan``, measured in bytes read (quantkit.progress)."""
+    from .progress import Reporter
+    return Reporter(err, what, len(plan.tensors), plan.bytes_in, unit="bytes", show=show)
+
+
+def _tensor_step(reporter, plan):
+    """``run_plan``'s progress callback: a step per tensor, named with its types."""
+    by_name = {p.name: p for p in plan.tensors}
+
+    def progress(name, done, total):
+        p = by_name[name]
+        reporter.step(_shown(f"{name} {type_name(p.src_type)} -> {type_name(p.dst_type)}", one_line=True), done)
+    return progress
 
 
 # --------------------------------------------------------------------------- commands
@@ -336,6 +351,8 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
         if dry_run:
             if as_json:
                 _print_json(doc)
+            else:
+                out.print(_DRY_RUN)
             return
 
         wopts = WriteOptions(split_max_size=max_size, keep_split=keep_split, threads=threads,
@@ -343,15 +360,9 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
         if imat is not None:
             wopts.imatrix_info = {"file": str(imatrix_path), "dataset": (imat.datasets or [None])[0],
                                   "entries_count": len(imat), "chunks_count": imat.chunk_count}
-        if as_json:
-            result = run_plan(model, plan, model_out, wopts, lambda tp: imatrix_of.get(tp.name))
-        else:
-            with _progress() as bar:
-                task = bar.add_task("quantizing", total=plan.bytes_in)
-
-                def progress(name, done, total):
-                    bar.update(task, completed=done, description=_shown(name, one_line=True))
-                result = run_plan(model, plan, model_out, wopts, lambda tp: imatrix_of.get(tp.name), progress)
+        with _tensor_progress("quantize", plan, show=not as_json) as reporter:
+            result = run_plan(model, plan, model_out, wopts, lambda tp: imatrix_of.get(tp.name),
+                              _tensor_step(reporter, plan))
         result.missing_imatrix = missing
     if as_json:
         doc["result"] = result.to_json()
@@ -403,18 +414,14 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
         if dry_run:
             if as_json:
                 _print_json(doc)
+            else:
+                out.print(_DRY_RUN)
             return
         # the first shard's own metadata: split.* keys keep their places in a split output
         wopts = WriteOptions(split_max_size=max_size, keep_split=keep_split,
                              metadata=repack_metadata(model.files[0].metadata, plan, undo))
-        if as_json:
-            result = run_plan(model, plan, model_out, wopts)
-        else:
-            with _progress() as bar:
-                task = bar.add_task("repacking", total=plan.bytes_in)
-                result = run_plan(model, plan, model_out, wopts,
-                                  progress=lambda name, done, total: bar.update(
-                                      task, completed=done, description=_shown(name, one_line=True)))
+        with _tensor_progress("repack", plan, show=not as_json) as reporter:
+            result = run_plan(model, plan, model_out, wopts, progress=_tensor_step(reporter, plan))
     if as_json:
         doc["result"] = result.to_json()
         _print_json(doc)
@@ -440,9 +447,10 @@ def inspect(path, as_json, no_tensors):
         _print_json(doc)
         return
     t = Table(title=_shown(f"{path} — metadata", one_line=True), header_style="bold")
-    t.add_column("key")
+    t.add_column("key", overflow="fold")
     t.add_column("type")
-    t.add_column("value", overflow="fold")
+    # a long value folds into lines of at most INSPECT_VALUE_WIDTH, also in a log (unbounded width)
+    t.add_column("value", overflow="fold", max_width=INSPECT_VALUE_WIDTH)
     for kv in doc["metadata"]:
         # a long value (a chat template, a vocabulary) shown in part: laying out a 5 MB cell takes
         # rich most of a minute; --json has it whole
@@ -451,7 +459,8 @@ def inspect(path, as_json, no_tensors):
     if not no_tensors:
         t = Table(title="tensors", header_style="bold")
         for col in ("tensor", "shape", "type", "size"):
-            t.add_column(col, justify="right" if col == "size" else "left")
+            t.add_column(col, justify="right" if col == "size" else "left",
+                         overflow="fold" if col == "tensor" else "ellipsis")
         for x in doc["tensors"]:
             _add_row(t, x["name"], _shape(x["shape"]), x["type"], _fmt_bytes(x["bytes"]))
         out.print(t)
@@ -609,7 +618,10 @@ def _read_text(path: Path) -> str:
 def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, device, overrides, as_json):
     """Perplexity of MODEL on a text, llama-perplexity's way (chunks of --ctx-size tokens, the
     second half of each scored), or KL divergence against a base model's saved logits."""
+    from .console import interactive
     from .outputs import check_outputs
+    from .perplexity_log import PerplexityLog
+    from .progress import Reporter
     from .runtime import perplexity as ppl
     from .runtime.session import open_session, parse_overrides
 
@@ -629,14 +641,16 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
         else:
             chunk_list = s.chunks(text, ctx_size, chunks)
             total = len(chunk_list)
-        progress = _progress_bar("chunks", total, show=not as_json)
-        with progress as bar:
-            task = bar.add_task("kl-divergence" if kld else "perplexity", total=total)
+        # llama-perplexity's lines are the progress (on stdout); a bar besides only where stdout
+        # is not the terminal the bar is drawn on
+        log = None if as_json else PerplexityLog(out, err, total, ctx_size, kld)
+        with Reporter(err, "kl-divergence" if kld else "perplexity", total, unit="chunks",
+                      show=not as_json and not interactive(out), lines=False) as reporter:
 
             def on_chunk(i, r):
-                now = sum(r.kld) / len(r.kld) if kld else r.ppl
-                bar.update(task, completed=i + 1,
-                           description=f"{'KLD' if kld else 'PPL'} {now:.4f}" if now is not None else "")
+                reporter.step(f"KLD {sum(r.kld) / len(r.kld):.4f}" if kld else f"PPL {r.ppl:.4f}")
+                if log is not None:
+                    log.chunk(i, r, reporter.elapsed)
             if kld:
                 stats = ppl.kl_divergence(s.model, base, on_chunk)
             else:
@@ -650,14 +664,13 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
         if as_json:
             _print_json(doc)
         else:
-            _render_kld(doc)
+            log.final(doc)
         return
     if as_json:
         _print_json({"ppl": res.ppl, "ppl_error": res.ppl_error, "chunks": len(chunk_list),
                      "n_ctx": ctx_size, "tokens_scored": len(res.nll), "chunk_ppl": res.chunk_ppl})
     else:
-        out.print(f"[{', '.join(f'{i + 1}]{p:.4f}' for i, p in enumerate(res.chunk_ppl))}")
-        out.print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_error:.5f}")
+        log.final(res)
 
 
 class _DefaultGroup(click.Group):
@@ -710,8 +723,10 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
     calibration text (per expert for routed experts), as llama-imatrix does."""
     import math
 
+    from . import signals
     from .imatrix_tools import RawImatrix
     from .outputs import check_outputs
+    from .progress import Reporter
     from .runtime.activations import MainlineRounding
     from .runtime.collect import ActivationStats, ObservingOps, collect
     from .runtime.session import open_session, parse_overrides
@@ -733,14 +748,26 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
     with open_session(model_path, threads, wrap_ops=observing, device=device,
                       cpu_tensors=parse_overrides(overrides)) as s:
         chunk_list = s.chunks(text, ctx_size, chunks, skip=skip_chunks)
-        with _progress_bar("chunks", len(chunk_list), show=not as_json) as bar:
-            task = bar.add_task("imatrix", total=len(chunk_list))
+        saved = 0                                       # chunks of this run that out_path holds
+        with Reporter(err, "imatrix", len(chunk_list), unit="chunks", show=not as_json) as reporter:
 
             def on_chunk(i, v):
-                bar.update(task, completed=i + 1, description=f"PPL {math.exp(sum(v) / len(v)):.4f}")
+                nonlocal saved
+                reporter.step(f"PPL {math.exp(sum(v) / len(v)):.4f}")
                 if (i + 1) % output_frequency == 0 and i + 1 < len(chunk_list):
-                    stats.to_raw(ctx_size, datasets).save(out_path)     # atomic: a temporary file renamed
-            nll = collect(s.model, chunk_list, on_chunk, all_logits=process_output)
+                    with signals.deferred():        # an interrupt comes after both: the count is the file's
+                        stats.to_raw(ctx_size, datasets).save(out_path)     # atomic: a temporary file renamed
+                        saved = i + 1
+                    reporter.note(_shown(f"saved {out_path} after chunk {skip_chunks + saved}", one_line=True))
+            try:
+                nll = collect(s.model, chunk_list, on_chunk, all_logits=process_output)
+            except KeyboardInterrupt as e:      # Ctrl-C, SIGTERM, SIGHUP: say how to go on from the last save
+                resume = dict(model_path=model_path, text_path=text_path, ctx_size=ctx_size,
+                              chunks=None if chunks is None else chunks - saved, skip=skip_chunks + saved,
+                              process_output=process_output, output_frequency=output_frequency,
+                              activations=activations, threads=threads, device=device, overrides=overrides)
+                e.add_note(_imatrix_resume(out_path, saved, output_frequency, len(chunk_list), resume))
+                raise
     if not stats.entries:
         raise QuantkitError(f"{model_path}: no matrix product was observed (no blk.* weights?)")
     raw = stats.to_raw(ctx_size, datasets)
@@ -757,6 +784,30 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
     else:
         out.print(_styled(("wrote", "green"), f" {out_path}: {counted(len(stats.entries), 'entry', 'entries')} from "
                           f"{counted(len(chunk_list), 'chunk')} of {ctx_size} tokens (PPL {ppl_value:.4f})"))
+
+
+def _imatrix_resume(out_path: Path, saved: int, frequency: int, n_chunks: int, o: dict) -> str:
+    """What an interrupted ``imatrix collect`` says: how many chunks OUT holds, and the command
+    that goes on from there (OUT as --in-file, its chunks skipped, written to a new file: a command
+    never writes over its input)."""
+    if saved == 0:
+        return (f"imatrix: interrupted before the first save (every {frequency} chunks): no chunk saved, nothing "
+                "to resume; run the command again")
+    new_out = out_path.with_name(f"{out_path.stem}-resumed{out_path.suffix}")
+    n = 2
+    while os.path.lexists(new_out):
+        new_out = out_path.with_name(f"{out_path.stem}-resumed-{n}{out_path.suffix}")
+        n += 1
+    args = ["quantkit", "imatrix", "collect", o["model_path"], "-f", o["text_path"], "-o", new_out,
+            "--in-file", out_path, "--chunk", o["skip"], "-c", o["ctx_size"],
+            *(["--chunks", o["chunks"]] if o["chunks"] is not None else []),
+            *(["--process-output"] if o["process_output"] else []),
+            "--output-frequency", o["output_frequency"], "--activations", o["activations"],
+            *(["--threads", o["threads"]] if o["threads"] is not None else []),
+            *(["--device", o["device"]] if o["device"] != "cpu" else []),
+            *(a for regex in o["overrides"] for a in ("-ot", regex))]
+    return (f"imatrix: {out_path} holds chunks 1-{o['skip']} of the text ({saved} of this run's {n_chunks}, "
+            f"saved every {frequency}); to resume from there:\n{shlex.join(map(str, args))}")
 
 
 _CHUNK_OPTION = click.option(
@@ -817,7 +868,8 @@ def imatrix_stats(path, chunk_size, top, as_json):
               header_style="bold")
     for col in ("entry", "values", "matrices", "no data", "Σ importance", "mean", "σ", "active %", "entropy",
                 "E norm %", "ZD %", "cos prev", "max/mean", "top columns"):
-        t.add_column(col, justify="left" if col in ("entry", "no data", "top columns") else "right")
+        t.add_column(col, justify="left" if col in ("entry", "no data", "top columns") else "right",
+                     overflow="fold" if col in ("entry", "top columns") else "ellipsis")
     for r in rows:
         _add_row(t, r["name"], r["values"], r["matrices"],
                  _styled((str(len(r["no_data"])), "yellow")) if r["no_data"] else "", f"{r['sum']:.4g}",
@@ -828,37 +880,6 @@ def imatrix_stats(path, chunk_size, top, as_json):
     out.print(t)
     for name, experts in missing.items():
         out.print(_styled((name, "yellow"), f": experts without data: {', '.join(map(str, experts))}"))
-
-
-def _progress_bar(unit: str, total: int, show: bool = True) -> Progress:
-    return Progress(TextColumn("{task.description}", style="cyan", markup=False), BarColumn(),
-                    TextColumn(f"{{task.completed}}/{{task.total}} {unit}"), TimeRemainingColumn(),
-                    console=err, transient=True, disable=not (show and err.is_terminal))
-
-
-def _render_kld(doc: dict) -> None:
-    """The statistics llama-perplexity --kl-divergence prints, in its order."""
-    pm = lambda v, scale=1.0, d=6: f"{v[0] * scale:.{d}f} ± {v[1] * scale:.{d}f}"     # noqa: E731
-    out.print("====== Perplexity statistics ======")
-    out.print(f"Mean PPL(Q)                   : {pm(doc['ppl'])}")
-    out.print(f"Mean PPL(base)                : {pm(doc['ppl_base'])}")
-    out.print(f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * doc['cor_ln_ppl']:.2f}%")
-    out.print(f"Mean ln(PPL(Q)/PPL(base))     : {pm(doc['ln_ppl_ratio'])}")
-    out.print(f"Mean PPL(Q)/PPL(base)         : {pm(doc['ppl_ratio'])}")
-    out.print(f"Mean PPL(Q)-PPL(base)         : {pm(doc['ppl_diff'])}")
-    out.print("\n====== KL divergence statistics ======")
-    k = doc["kld"]
-    out.print(f"Mean    KLD: {pm(k['mean'])}")
-    for key in ("max", "99.9%", "99.0%", "95.0%", "90.0%", "median", "10.0%", "5.0%", "1.0%", "0.1%", "min"):
-        out.print(f"{key.replace('.0%', '%'):>7} KLD: {k[key]:10.6f}")
-    out.print("\n====== Token probability statistics ======")
-    d = doc["delta_p"]
-    out.print(f"Mean    Δp: {pm(d['mean'], d=3)} %")
-    for key in ("max", "99.9%", "99.0%", "95.0%", "90.0%", "75.0%", "median", "25.0%", "10.0%", "5.0%", "1.0%",
-                "0.1%", "min"):
-        out.print(f"{key.replace('.0%', '%'):>7} Δp: {d[key]:7.3f}%")
-    out.print(f"RMS Δp    : {pm(d['rms'], d=3)} %")
-    out.print(f"Same top p: {pm(doc['same_top_p'], d=3)} %")
 
 
 def main(argv=None) -> int:
@@ -872,11 +893,14 @@ def main(argv=None) -> int:
         return 0
     except (click.exceptions.Abort, Terminated) as e:
         cause = e if isinstance(e, Terminated) else e.__cause__     # click turns interrupts into Abort
+        notes = getattr(cause, "__notes__", ())       # what the command says about going on
         if isinstance(cause, Terminated):
             err.print(f"quantkit: terminated by {cause.name}; no partial output file was left behind")
-            return 128 + cause.signum
-        err.print("quantkit: interrupted")
-        return 130
+        else:
+            err.print("quantkit: interrupted")
+        for note in notes:
+            err.print(_shown(note))
+        return 128 + cause.signum if isinstance(cause, Terminated) else 130
     except KeyboardInterrupt:
         err.print("quantkit: interrupted; no partial output file was left behind")
         return 130

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _pending: list[int] = []        # the signal that arrived inside terminate_on_signals, if any
+_deferring: list[bool] = []     # inside deferred(): the handler records the signal, raises nothing
 
 
 class Terminated(KeyboardInterrupt):
@@ -63,6 +64,8 @@ def terminate_on_signals(signums=HANDLED):
             return              # a second SIGTERM / SIGHUP: the first one's cleanup is running
         if not _pending:
             _pending.append(signum)
+        if _deferring:
+            return              # raised by check() at the end of the deferred() block
         raise _interrupt(signum)
 
     def unraisable(info):
@@ -84,3 +87,18 @@ def terminate_on_signals(signums=HANDLED):
             signal.signal(s, h)
         sys.unraisablehook = previous_hook
         _pending.clear()
+
+
+@contextmanager
+def deferred():
+    """Within the block an interrupt waits, and is raised at its end: for a few statements that
+    must happen together or not at all, such as a save and the count of what it saved, which an
+    interrupt between them would make disagree.  (Blocking the signal would not do: the kernel
+    hands a process's signal to any thread that does not block it, numba's included.)"""
+    _deferring.append(True)
+    try:
+        yield
+    finally:
+        _deferring.pop()
+    if not _deferring:
+        check()

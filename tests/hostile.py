@@ -21,12 +21,21 @@ def run_cli(*args, cwd=None, env=None, timeout=600, input=None):
     return p.returncode, p.stdout, p.stderr
 
 
+def without_progress(err: str) -> str:
+    """stderr less the progress lines a piped run prints before it stops (quantkit.progress):
+    the error, warnings, notes."""
+    from quantkit.progress import LOG_LINE
+    return "\n".join(line for line in err.splitlines() if not LOG_LINE.match(line)).strip()
+
+
 def assert_refused(rc: int, out: str, err: str, *needles: str) -> str:
-    """rc 1, one line on stderr naming every needle, no traceback and no internal error; the line."""
+    """rc 1, one line on stderr naming every needle, no traceback and no internal error; the line.
+    Progress lines before it (a piped run prints a line per tensor or chunk: quantkit.progress)
+    are not part of the refusal."""
     assert rc == 1, f"rc {rc} (a negative rc is a crash signal)\nstdout: {out[-2000:]}\nstderr: {err[-2000:]}"
     assert "Traceback" not in err + out, err
     assert "internal error" not in err, err
-    lines = [line for line in err.strip().splitlines() if line.strip()]
+    lines = [line for line in without_progress(err).splitlines() if line.strip()]
     assert len(lines) == 1, err
     for n in needles:
         assert n in lines[0], lines[0]

@@ -25,7 +25,7 @@ import gguf
 import numpy as np
 import pytest
 
-from hostile import Snapshot, assert_refused, run_cli
+from hostile import Snapshot, assert_refused, run_cli, without_progress
 from models import write_llama
 from quantkit import formats
 from quantkit.cli import main
@@ -197,7 +197,7 @@ def test_a_huge_weight_is_refused_in_process(tmp_path, capsys, qtype):
     r.data.flush()
     del r
     assert main(["quantize", str(model), str(tmp_path / "q.gguf"), qtype]) == 1
-    line = capsys.readouterr().err.strip()
+    line = without_progress(capsys.readouterr().err)
     assert "blk.0.attn_q.weight" in line and "row 5, column 200" in line and "\n" not in line
     assert not (tmp_path / "q.gguf").exists()
 
@@ -255,7 +255,7 @@ def test_quantize_refuses_an_imatrix_near_float_max(tmp_path, capsys):
     model = write_llama(tmp_path / "m.gguf", n_layer=1, n_embd=256, n_ff=256, vocab=False)
     imat = imatrix_dat(tmp_path / "i.dat", {"blk.0.attn_k.weight": (1, np.full(256, 3e38, np.float32))})
     assert main(["quantize", str(model), str(tmp_path / "q.gguf"), "iq4_k", "--imatrix", str(imat)]) == 1
-    line = capsys.readouterr().err.strip()
+    line = without_progress(capsys.readouterr().err)
     assert "'blk.0.attn_k.weight', column 0" in line and "above" in line and "\n" not in line
 
 
@@ -283,7 +283,7 @@ def test_imatrix_from_a_device_or_fifo_is_refused(tmp_path, capsys, argv):
     for bad in ("/dev/zero", str(fifo)):
         args = [a.format(model=model, out=tmp_path / "o.gguf", bad=bad) for a in argv]
         assert main(args) == 1
-        line = capsys.readouterr().err.strip()
+        line = without_progress(capsys.readouterr().err)
         assert f"{bad}:" in line and "not a regular file" in line and "\n" not in line, line
         assert not (tmp_path / "o.gguf").exists()
 
@@ -304,7 +304,7 @@ def test_merge_refuses_entries_of_different_shapes(tmp_path, capsys):
     b = imatrix_gguf(tmp_path / "b.gguf", {"blk.0.ffn_up_exps.weight": (np.ones((4, 128)), [1, 1, 1, 1])})
     snap = Snapshot(tmp_path)
     assert main(["imatrix", "merge", str(a), str(b), "-o", str(tmp_path / "m.gguf")]) == 1
-    line = capsys.readouterr().err.strip()
+    line = without_progress(capsys.readouterr().err)
     assert ("'blk.0.ffn_up_exps.weight': 1 matrix of 512 values in one file, 4 matrices of 128 values in the other"
             in line), line
     snap.assert_unchanged()
@@ -330,7 +330,7 @@ def test_counts_that_do_not_match_the_sums_are_refused(tmp_path, capsys, command
         if command == "merge":
             args = ["imatrix", "merge", str(src), "-o", str(tmp_path / "out.gguf")]
         assert main(args) == 1
-        line = capsys.readouterr().err.strip()
+        line = without_progress(capsys.readouterr().err)
         assert needle in line and "\n" not in line, line
         assert not (tmp_path / "out.gguf").exists()
     # llama-quantize ignores the sums of a matrix without tokens (weight 1): so does quantize
@@ -347,7 +347,7 @@ def test_what_the_output_format_cannot_hold_is_refused(tmp_path, capsys):
     save_gguf(a, {"w.weight": np.full((1, 32), 2.0 ** 40)}, {"w.weight": np.array([2.0 ** 40])}, datasets=["x"],
               chunk_count=1, chunk_size=16)
     assert main(["imatrix", "convert", str(a), str(tmp_path / "a.dat")]) == 1
-    line = capsys.readouterr().err.strip()
+    line = without_progress(capsys.readouterr().err)
     assert f"'w.weight': {2 ** 40} tokens are {2 ** 36} chunks of 16" in line and "int32 ncall" in line, line
     b = tmp_path / "b.gguf"
     save_gguf(b, {"w.weight": np.full((1, 32), 2.0 ** 61)}, {"w.weight": np.array([2.0 ** 61])}, datasets=["x"],

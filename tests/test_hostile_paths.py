@@ -30,7 +30,7 @@ from quantkit.gguf_io.writer import TensorSpec, encode_header
 from quantkit.imatrix import save_dat
 from quantkit.types import QuantType
 
-from hostile import Snapshot, assert_refused
+from hostile import Snapshot, assert_refused, without_progress
 from models import write_llama
 
 TINY = dict(n_layer=1, n_embd=64, n_ff=128, n_head=2, n_head_kv=1, n_vocab=64)
@@ -296,7 +296,7 @@ def test_sigterm_and_sighup_clean_up_like_ctrl_c(tmp_path, inputs, sig, monkeypa
     rc, out, err = cli(capsys, "quantize", inputs / "m.gguf", tmp_path / "o.gguf", "q8_0")
     assert time.perf_counter() - t0 < 20
     assert rc == 128 + sig
-    lines = [line for line in err.splitlines() if line.strip()]
+    lines = [line for line in without_progress(err).splitlines() if line.strip()]
     assert len(lines) == 1 and signal.Signals(sig).name in lines[0], err
     assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(sig) == before         # main() puts the previous handler back
@@ -341,7 +341,7 @@ def test_a_quantize_whose_interrupt_was_lost_still_stops_and_cleans_up(tmp_path,
     monkeypatch.setattr(formats, "quantize", quantize)
     rc, out, err = cli(capsys, "quantize", inputs / "m.gguf", tmp_path / "o.gguf", "q8_0")
     assert rc == 128 + sig
-    assert len([line for line in err.splitlines() if line.strip()]) == 1 and "Exception" not in err, err
+    assert len([line for line in without_progress(err).splitlines() if line.strip()]) == 1 and "Exception" not in err, err
     assert calls["n"] == 2 and list(tmp_path.iterdir()) == []
 
 
@@ -377,7 +377,7 @@ def test_killed_process_leaves_nothing_and_stale_partials_are_removed(tmp_path, 
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 143, err
-    lines = [line for line in err.splitlines() if line.strip()]
+    lines = [line for line in without_progress(err).splitlines() if line.strip()]
     assert len(lines) == 1 and "SIGTERM" in lines[0] and "Traceback" not in err, err
     assert list(tmp_path.iterdir()) == []
     # SIGKILL cannot be handled: the preallocated partial stays, and the next run removes it

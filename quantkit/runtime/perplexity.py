@@ -268,6 +268,24 @@ class KldStats:
         self.dp.append(math.exp(-self.nll[-1]) - math.exp(-self.nll_base[-1]))
         self.same_top += int(np.argmax(logits) == np.argmax(base_lp))
 
+    def running(self) -> dict:
+        """The statistics llama-perplexity --kl-divergence prints after each chunk, of the
+        positions so far: PPL(Q), ln(PPL(Q)/PPL(base)), mean KLD, RMS Δp (%) and same top p (%),
+        each (value, uncertainty); uncertainties are 0 below 11 positions, as there."""
+        n = len(self.kld)
+        a, b, kld, dp = (np.array(v) for v in (self.nll, self.nll_base, self.kld, self.dp))
+        m1, u1 = _mean_unc(a.sum(), (a * a).sum(), n)
+        m2, u2 = _mean_unc(b.sum(), (b * b).sum(), n)
+        cov = ((a * b).sum() / n - m1 * m2) / (n - 1) if n >= 10 else 0.0
+        ppl = math.exp(m1) if m1 <= MAX_NLL else math.inf
+        mse, mse_unc = _mean_unc((dp * dp).sum(), (dp ** 4).sum(), n)
+        rms = math.sqrt(max(mse, 0.0))
+        p_same = self.same_top / n
+        return {"ppl": (ppl, ppl * u1), "ln_ppl_ratio": (m1 - m2, math.sqrt(max(u1 * u1 + u2 * u2 - 2 * cov, 0.0))),
+                "kld": _mean_unc(kld.sum(), (kld * kld).sum(), n),
+                "dp_rms": (100 * rms, 100 * 0.5 / rms * mse_unc if rms > 0 else 0.0),
+                "same_top_p": (100 * p_same, 100 * math.sqrt(p_same * (1 - p_same) / (n - 1)) if n > 1 else 0.0)}
+
     def summary(self) -> dict:
         n = len(self.kld)
         if n < 2:
