@@ -412,9 +412,10 @@ def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_ty
         if result.kept:
             out.print(_styled(("kept", "green"), f" {', '.join(str(p) for p in result.kept)}: already complete "
                               f"(--partial-requant)"))
-        files = ", ".join(str(p) for p in result.paths if p not in result.kept) or "nothing new"
-        out.print(_styled(("wrote", "green"), f" {files}: {_fmt_bytes(result.bytes_written)} in "
-                          f"{result.seconds:.1f} s ({rate:.1f} M weights/s)"))
+        files = ", ".join(str(p) for p in result.paths if p not in result.kept)
+        if files:
+            out.print(_styled(("wrote", "green"), f" {files}: {_fmt_bytes(result.bytes_written)} in "
+                              f"{result.seconds:.1f} s ({rate:.1f} M weights/s)"))
 
 
 @cli.command()

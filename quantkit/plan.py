@@ -129,7 +129,8 @@ class TensorPlan:
                 "target": type_name(self.dst_type), "action": self.action, "rule": self.rule,
                 "bytes_in": self.nbytes_in, "bytes_out": self.nbytes_out,
                 "requested": type_name(self.requested) if self.requested is not None else None,
-                "imatrix": self.imatrix, "notes": self.notes}
+                "imatrix": self.imatrix, "notes": self.notes,
+                **({"input_name": self.source_name} if self.source_name else {})}
 
 
 @dataclass
@@ -304,7 +305,8 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
             for i, r in enumerate(recipe.rules):
                 if r.matches(name):
                     rule_names[i] += 1
-        source_name = getattr(t, "input_name", "")   # a renamed (pruned) tensor's input name
+        source_name = getattr(t, "input_name", name)    # a renamed (pruned) tensor's input name
+        source_name = "" if source_name == name else source_name
         reason = why_not_quantizable(name, shape, src)
         if reason is None and opts.leave_output_tensor and name == OUTPUT_NAME:
             reason = "--leave-output-tensor"

@@ -298,5 +298,6 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
             if progress:
                 progress(tp.name, done, total)
         written = writer.bytes_written
-    return Result(paths, written, time.perf_counter() - t0, plan.n_elements, per_tensor,
+    n_weights = sum(tp.n_elements for tp in plan.tensors if shard_of[tp.name] not in keep)
+    return Result(paths, written, time.perf_counter() - t0, n_weights, per_tensor,
                   kept=[p for i, p in enumerate(paths) if i in keep])

@@ -242,21 +242,35 @@ def test_override_kv_written_and_seen_by_the_mix(llama, tmp_path, capsys):
     assert not (tmp_path / "x.gguf").exists()
 
 
+EXPERTS = ("--override-kv", "llama.expert_count=int:4", "--override-kv", "llama.expert_used_count=int:2")
+
+
+def test_override_kv_moves_the_mix(llama, capsys):
+    """ik's Q4_K_M gives attn_v q8_0 in a model of 4 experts or more: overriding the expert count
+    of a dense model moves it there, as the C loader applies the overrides before the mix."""
+    base = targets(dry_plan(capsys, llama, "out.gguf", "Q4_K_M"))
+    moved = targets(dry_plan(capsys, llama, "out.gguf", "Q4_K_M", *EXPERTS))
+    assert base["blk.1.attn_v.weight"] != "q8_0"
+    assert all(v == "q8_0" for n, v in moved.items() if "attn_v" in n)
+
+
 @needs_wheel
 def test_override_kv_matches_llama_quantize(llama, tmp_path):
-    """Keys, value types, values and places as ik's llama-quantize writes them."""
+    """Keys, value types, values and places as ik's llama-quantize writes them, and the tensor types
+    of the mix it chose with the overridden expert count."""
     kv = ["general.name=str:peer", "my.int=int:-3", "my.float=float:1.5", "my.bool=bool:true"]
-    args = [a for x in kv for a in ("--override-kv", x)]
+    args = [a for x in kv for a in ("--override-kv", x)] + list(EXPERTS)
     theirs = tmp_path / "theirs.gguf"
-    p = subprocess.run([str(peers.llama_quantize_bin()), *args, str(llama), str(theirs), "q8_0", "2"],
+    p = subprocess.run([str(peers.llama_quantize_bin()), *args, str(llama), str(theirs), "Q4_K_M", "2"],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     ours = tmp_path / "ours.gguf"
-    assert main(["quantize", str(llama), str(ours), "q8_0", *args]) == 0
+    assert main(["quantize", str(llama), str(ours), "Q4_K_M", *args]) == 0
     with open_model(theirs) as a, open_model(ours) as b:
-        for key in ("general.name", "my.int", "my.float", "my.bool"):
+        for key in ("general.name", "my.int", "my.float", "my.bool", "llama.expert_count"):
             assert a.metadata[key] == b.metadata[key], key
         assert list(a.metadata).index("general.name") == list(b.metadata).index("general.name")
+        assert {t.name: t.qtype for t in a.tensors} == {t.name: t.qtype for t in b.tensors}
 
 
 # ------------------------------------------------------------------------- --prune-layers
