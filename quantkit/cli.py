@@ -217,7 +217,9 @@ def render_plan(plan, show_tensors: bool = True) -> None:
     out.print(_styled(("total", "bold"), f": {len(plan.tensors)} tensors, {plan.n_elements:,} weights, "
                       f"{plan.bytes_in / GIB:.3f} GiB → {plan.bytes_out / GIB:.3f} GiB, {bpw:.3f} bpw, "
                       + (f"preset {plan.preset.name}, " if plan.preset is not None else "")
-                      + f"file type {plan.file_type}, flavor {plan.flavor}"))
+                      + f"file type {plan.file_type}, flavor {plan.flavor}"
+                      + (f", blocks {','.join(map(str, plan.pruned_layers))} pruned ({plan.block_count} left)"
+                         if plan.pruned_layers else "")))
 
 
 def _progress() -> Progress:

@@ -7,6 +7,9 @@ first pruned one keep their number, every later block takes the next free number
 its old one less the pruned blocks below it.  Importance weights are looked up under the old
 names (remap_imatrix).
 
+The preset's mix sees the renamed tensors but the input's hyper-parameters (mainline loads them
+before pruning): its per-layer rules still count the original number of blocks.
+
 llama-quant.cpp changes nothing else.  quantkit refuses, before anything is written, the inputs
 where that gives a model that does not hold together:
 
