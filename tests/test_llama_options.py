@@ -29,6 +29,7 @@ from quantkit.plan import PlanOptions, attach_imatrix, make_plan
 from quantkit.presets import ModelInfo, find_preset
 from quantkit.prune import parse_prune_layers
 from quantkit.recipes import combined, load_recipe, load_tensor_types
+from quantkit.runtime.hparams import ModelConfig
 from quantkit.types import QuantType as T
 
 needs_wheel = pytest.mark.skipif(peers.llama_quantize_bin() is None, reason="ik-llama-cpp-python not installed")
@@ -280,6 +281,7 @@ def test_prune_layers_renumbers_and_sets_block_count(llama, tmp_path, capsys):
     rc, _, err = quantize(capsys, llama, pruned, "q8_0", "--prune-layers", "5,2,2")
     assert rc == 0, err
     with open_model(full) as a, open_model(pruned) as b:
+        assert ModelConfig.from_gguf(b).n_layer == 6       # the runtime's checks of keys against tensors
         assert b.get("llama.block_count") == 6
         assert b.metadata["llama.block_count"].vtype == ValueType.UINT32
         blocks = sorted({int(t.name.split(".")[1]) for t in b.tensors if t.name.startswith("blk.")})
@@ -321,6 +323,11 @@ def test_prune_layers_refused(llama, deepseek, tmp_path, capsys):
     per_layer = rewrite_gguf(llama, tmp_path / "arr.gguf", keys={"llama.feed_forward_length": [256] * 8})
     rc, out, err = quantize(capsys, per_layer, tmp_path / "o.gguf", "q8_0", "--prune-layers", "3")
     assert_refused(rc, out, err, "llama.feed_forward_length has one value per block")
+    for keys, needle in (({"llama.nextn_predict_layers": 2}, "NextN/MTP"),
+                         ({"llama.attention.sliding_window_pattern": 4}, "sliding_window_pattern")):
+        odd = rewrite_gguf(llama, tmp_path / "odd.gguf", keys=keys)
+        rc, out, err = quantize(capsys, odd, tmp_path / "o.gguf", "q8_0", "--prune-layers", "6")
+        assert_refused(rc, out, err, needle)
     gap = rewrite_gguf(llama, tmp_path / "gap.gguf", keys={"llama.block_count": 9})
     rc, out, err = quantize(capsys, gap, tmp_path / "o.gguf", "q8_0", "--prune-layers", "3")
     assert_refused(rc, out, err, "block 8 has no tensors")
