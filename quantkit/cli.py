@@ -220,6 +220,8 @@ def render_plan(plan, show_tensors: bool = True) -> None:
                       + f"file type {plan.file_type}, flavor {plan.flavor}"
                       + (f", blocks {','.join(map(str, plan.pruned_layers))} pruned ({plan.block_count} left)"
                          if plan.pruned_layers else "")))
+    for key, mv in plan.kv_overrides:
+        out.print(_styled(("metadata", "bold"), f": {key} = {mv.value!r} ({mv.vtype.name.lower()}, --override-kv)"))
 
 
 def _progress() -> Progress:

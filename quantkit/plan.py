@@ -194,6 +194,8 @@ class Plan:
             "fallbacks": len(self.fallbacks), "warnings": self.warnings,
             **({"pruned_layers": list(self.pruned_layers), "block_count": self.block_count}
                if self.pruned_layers else {}),
+            **({"kv_overrides": [{"key": k, "type": mv.vtype.name.lower(), "value": mv.value}
+                                 for k, mv in self.kv_overrides]} if self.kv_overrides else {}),
         }
 
 

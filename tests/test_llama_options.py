@@ -238,6 +238,8 @@ def test_override_kv_written_and_seen_by_the_mix(llama, tmp_path, capsys):
         # the mix sees the overridden hyper-parameters, as the C loader applies the overrides
         info = ModelInfo.from_metadata(overridden_getter(get, [parse_kv_override("llama.expert_count=int:8")]))
         assert info.n_expert == 8 and ModelInfo.from_metadata(get).n_expert == 0
+    plan = dry_plan(capsys, llama, "out.gguf", "q8_0", "--flavor", "mainline", "--override-kv", "my.n=int:5")
+    assert plan["kv_overrides"] == [{"key": "my.n", "type": "uint32", "value": 5}]
     rc, o, e = quantize(capsys, llama, tmp_path / "x.gguf", "q8_0", "--override-kv", "general.architecture=int:3")
     assert_refused(rc, o, e, "general.architecture", "is a str")
     assert not (tmp_path / "x.gguf").exists()
