@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from .errors import QuantkitError
 from .kv_override import resolve as resolve_overrides
 from .presets import ModelInfo, Preset, imatrix_problem, mainline_order, mix_types
+from .prune import check_prunable, prune_tensors
 from .recipes import Recipe
 from .types import QuantType, TYPE_TRAITS, tensor_nbytes, traits, type_name
 
@@ -291,7 +292,6 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
     kv_values = resolve_overrides(opts.kv_overrides, opts.metadata or {}, opts.flavor)
     block_count = None
     if opts.prune_layers:
-        from .prune import check_prunable, prune_tensors
         block_count = check_prunable(opts.metadata or {}, opts.prune_layers, [t.name for t in tensors])
         tensors = prune_tensors(tensors, opts.prune_layers)
     if opts.flavor == "mainline" and not opts.keep_input_order:
