@@ -125,19 +125,36 @@ def _type_label(text: str, flavor: str) -> str | None:
     return key
 
 
-def _output_and_type(model_in: Path, out_arg: str, type_arg: str | None, flavor: str) -> tuple[Path, str | None]:
-    """llama-quantize's positionals: ``IN OUT TYPE``, or ``IN TYPE``, which writes
-    ``ggml-model-TYPE.gguf`` next to IN.  A file is never named like a type."""
+def _output_and_type(model_in: Path, out_arg: str, type_arg: str | None, flavor: str,
+                     threads_arg: str | None = None) -> tuple[Path, str | None, str | None]:
+    """llama-quantize's positionals: ``IN OUT TYPE [NTHREADS]``, or ``IN TYPE [NTHREADS]``, which
+    writes ``ggml-model-TYPE.gguf`` next to IN.  A file is never named like a type."""
     label = _type_label(out_arg, flavor)
     if label is None:
-        return Path(out_arg), type_arg
+        return Path(out_arg), type_arg, threads_arg
+    if type_arg is not None and threads_arg is None and type_arg.isdigit():
+        threads_arg, type_arg = type_arg, None          # IN TYPE NTHREADS
     if type_arg is not None:
         raise QuantkitError(f"OUT '{out_arg}' names a type, and TYPE '{type_arg}' follows it: give IN OUT TYPE, "
                             f"or IN TYPE to write ggml-model-{label}.gguf next to IN "
                             f"(./{out_arg} names a file called {out_arg})")
     derived = model_in.parent / f"ggml-model-{label}.gguf"
     _warn(f"no OUT given: writing {derived} (llama-quantize's name for IN TYPE)", "note:")
-    return derived, out_arg
+    return derived, out_arg, threads_arg
+
+
+def _trailing_threads(text: str | None, threads: int | None) -> int | None:
+    """llama-quantize's last positional, the thread count (0: every core, as there), reconciled
+    with --threads."""
+    if text is None:
+        return threads
+    if not (text.isascii() and text.isdigit()) or int(text) > 1024:
+        raise QuantkitError(f"NTHREADS: '{text}' is not a thread count (0 to 1024; 0 uses every core, as in "
+                            f"llama-quantize)")
+    n = int(text) or None
+    if threads is not None and n != threads:
+        raise QuantkitError(f"NTHREADS {text} and --threads {threads} differ: give one of them")
+    return n
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
@@ -197,7 +214,11 @@ def render_plan(plan, show_tensors: bool = True) -> None:
     out.print(_styled(("total", "bold"), f": {counted(len(plan.tensors), 'tensor')}, {plan.n_elements:,} weights, "
                       f"{plan.bytes_in / GIB:.3f} GiB → {plan.bytes_out / GIB:.3f} GiB, {bpw:.3f} bpw, "
                       + (f"preset {plan.preset.name}, " if plan.preset is not None else "")
-                      + f"file type {plan.file_type}, flavor {plan.flavor}"))
+                      + f"file type {plan.file_type}, flavor {plan.flavor}"
+                      + (f", blocks {','.join(map(str, plan.pruned_layers))} pruned ({plan.block_count} left)"
+                         if plan.pruned_layers else "")))
+    for key, mv in plan.kv_overrides:
+        out.print(_styled(("metadata", "bold"), f": {key} = {mv.value!r} ({mv.vtype.name.lower()}, --override-kv)"))
 
 
 def _tensor_progress(what: str, plan, show: bool = True):
@@ -228,9 +249,24 @@ def cli():
 # outputs are checked by quantkit.outputs (one line, exit 1), not by click.Path (a usage error)
 @click.argument("model_out", metavar="OUT", type=click.Path(path_type=str))
 @click.argument("default_type", metavar="[TYPE]", required=False)
+@click.argument("threads_arg", metavar="[NTHREADS]", required=False)
 @click.option("--custom-q", "custom_q", multiple=True, metavar="RECIPE",
               help="Recipe file (regex=type per line) or inline rules: 're1=t1,re2=t2', or lines in the file syntax; "
                    "repeatable; first match wins.")
+@click.option("--tensor-type", "tensor_types", multiple=True, metavar="REGEX=TYPE",
+              help="Mainline llama-quantize's rule: the lower-cased REGEX searched in tensor names, with a quantized "
+                   "TYPE only; claimed tensors skip the mix heuristics; repeatable, after --custom-q's rules.")
+@click.option("--tensor-type-file", "tensor_type_files", multiple=True, metavar="FILE",
+              help="--tensor-type rules from FILE, REGEX=TYPE items separated by spaces or newlines (mainline's format).")
+@click.option("--ffn-gate-inp-type", metavar="TYPE",
+              help="Type for the MoE routers (ffn_gate_inp, otherwise never quantized), as ik's llama-quantize.")
+@click.option("--override-kv", "override_kv", multiple=True, metavar="KEY=TYPE:VALUE",
+              help="Set a metadata value in OUT (TYPE int, float, bool or str); repeatable.")
+@click.option("--prune-layers", metavar="L0,L1,...",
+              help="Remove these blocks and renumber the rest (mainline llama-quantize); refused where the model "
+                   "would not hold together.")
+@click.option("--partial-requant", is_flag=True,
+              help="Keep the output files (shards) that are already complete, write only the missing ones (ik).")
 @click.option("--imatrix", "imatrix_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Importance matrix (GGUF or legacy .dat).")
 @click.option("--include-weights", multiple=True, help="Use only imatrix entries containing this text.")
@@ -255,7 +291,8 @@ def cli():
 @click.option("--threads", "-t", type=click.IntRange(1, 1024), help="Threads for quantization.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and stop.")
 @click.option("--json", "as_json", is_flag=True, help="Print plan and result as JSON on stdout.")
-def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_weights, exclude_weights, missing_expert,
+def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_types, tensor_type_files, ffn_gate_inp_type,
+             override_kv, prune_layers, partial_requant, imatrix_path, include_weights, exclude_weights, missing_expert,
              token_embedding_type, output_tensor_type, leave_output_tensor, pure, allow_requantize,
              strict, ignore_imatrix_rules, flavor, split_max_size, keep_split, threads, dry_run, as_json):
     """Quantize IN to OUT with a per-tensor recipe.
@@ -270,7 +307,8 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
     Omit it to keep unmatched tensors as they are: with --custom-q, --token-embedding-type,
     --output-tensor-type, --split-max-size or a model directory (a plain conversion); with none of
     them there is nothing to do, which is an error, while TYPE COPY copies every tensor on purpose.
-    As in llama-quantize, `quantize IN TYPE` writes ggml-model-TYPE.gguf next to IN.
+    As in llama-quantize, `quantize IN TYPE` writes ggml-model-TYPE.gguf next to IN, and a last
+    NTHREADS positional is the thread count (`quantize IN OUT Q4_K_M 8`; it must agree with --threads).
 
     OUT is written whole or not at all, never over an input; if it is a symlink, its target is
     replaced (the link stays).
@@ -282,31 +320,38 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
     from .plan import PlanOptions, attach_imatrix, check_imatrix, check_implemented, make_plan
     from .presets import ModelInfo
     from .quantize import WriteOptions, run_plan
-    from .recipes import load_recipe
+    from .kv_override import overridden_getter, parse_kv_overrides
+    from .prune import parse_prune_layers
+    from .recipes import combined, load_recipe, load_tensor_types
 
     if split_max_size and keep_split:
         raise QuantkitError("--split-max-size and --keep-split cannot be used together")
     max_size = parse_size(split_max_size) if split_max_size else None
     if include_weights and exclude_weights:
         raise QuantkitError("--include-weights and --exclude-weights cannot be used together")
-    model_out, default_type = _output_and_type(model_in, model_out, default_type, flavor)
+    model_out, default_type, threads_arg = _output_and_type(model_in, model_out, default_type, flavor, threads_arg)
+    threads = _trailing_threads(threads_arg, threads)
     only_copy = default_type is not None and default_type.upper() == "COPY"
-    if only_copy and (custom_q or token_embedding_type or output_tensor_type):
-        raise QuantkitError("TYPE COPY copies every tensor unchanged: it takes no --custom-q, "
-                            "--token-embedding-type or --output-tensor-type")
-    if default_type is None and not (custom_q or token_embedding_type or output_tensor_type or split_max_size
-                                     or model_in.is_dir()):
+    typed = custom_q or tensor_types or tensor_type_files or token_embedding_type or output_tensor_type or ffn_gate_inp_type
+    if only_copy and typed:
+        raise QuantkitError("TYPE COPY copies every tensor unchanged: it takes no --custom-q, --tensor-type(-file), "
+                            "--token-embedding-type, --output-tensor-type or --ffn-gate-inp-type")
+    if default_type is None and not (typed or split_max_size or override_kv or prune_layers or model_in.is_dir()):
         raise QuantkitError(f"nothing to do: with no TYPE and no --custom-q every tensor of {model_in} would be "
                             f"copied unchanged; give a TYPE (Q4_K_M, q8_0, ...) or a recipe, or TYPE COPY to copy "
                             f"on purpose")
-    read = (imatrix_path, *(p for p in custom_q if os.path.isfile(p)))      # besides IN
+    read = (imatrix_path, *(p for p in custom_q if os.path.isfile(p)), *tensor_type_files)      # besides IN
     check_outputs([model_out], [model_in, *read])
     preset, default = (None, None) if only_copy else _parse_preset_or_type(default_type, flavor)
     opts = PlanOptions(
         default_type=default, preset=preset,
-        recipe=load_recipe(list(custom_q)) if custom_q else None,
+        recipe=combined(load_recipe(list(custom_q)) if custom_q else None,
+                        load_tensor_types(list(tensor_types), list(tensor_type_files))),
         token_embedding_type=_parse_type(token_embedding_type, "--token-embedding-type"),
         output_tensor_type=_parse_type(output_tensor_type, "--output-tensor-type"),
+        ffn_gate_inp_type=_parse_type(ffn_gate_inp_type, "--ffn-gate-inp-type"),
+        kv_overrides=parse_kv_overrides(override_kv),
+        prune_layers=parse_prune_layers(prune_layers) if prune_layers is not None else (),
         pure=pure, leave_output_tensor=leave_output_tensor, allow_requantize=allow_requantize,
         strict=strict, flavor=flavor, keep_input_order=keep_split)
     imat = None
@@ -324,7 +369,9 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
     if model_in.is_dir() and keep_split:
         raise QuantkitError("--keep-split needs a split GGUF input; use --split-max-size with a model directory")
     with (open_hf(model_in) if model_in.is_dir() else open_model(model_in)) as model:
-        opts.model = ModelInfo.from_metadata(model.get)
+        # the C tools load the model with the overrides: an overridden hyper-parameter moves the mix
+        opts.model = ModelInfo.from_metadata(overridden_getter(model.get, opts.kv_overrides))
+        opts.metadata = model.metadata
         plan = make_plan(model.tensors, opts)
         imatrix_of, missing = attach_imatrix(plan, imat) if imat is not None else ({}, [])
         problems = []
@@ -356,7 +403,8 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
             return
 
         wopts = WriteOptions(split_max_size=max_size, keep_split=keep_split, threads=threads,
-                             recipe_text=opts.recipe.text if opts.recipe else None, inputs=read)
+                             recipe_text=opts.recipe.text if opts.recipe else None, inputs=read,
+                             partial_requant=partial_requant)
         if imat is not None:
             wopts.imatrix_info = {"file": str(imatrix_path), "dataset": (imat.datasets or [None])[0],
                                   "entries_count": len(imat), "chunks_count": imat.chunk_count}
@@ -369,9 +417,13 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
         _print_json(doc)
     else:
         rate = result.n_weights / result.seconds / 1e6 if result.seconds else 0
-        files = ", ".join(str(p) for p in result.paths)
-        out.print(_styled(("wrote", "green"), f" {files}: {_fmt_bytes(result.bytes_written)} in "
-                          f"{result.seconds:.1f} s ({rate:.1f} M weights/s)"))
+        if result.kept:
+            out.print(_styled(("kept", "green"), f" {', '.join(str(p) for p in result.kept)}: already complete "
+                              f"(--partial-requant)"))
+        files = ", ".join(str(p) for p in result.paths if p not in result.kept)
+        if files:
+            out.print(_styled(("wrote", "green"), f" {files}: {_fmt_bytes(result.bytes_written)} in "
+                              f"{result.seconds:.1f} s ({rate:.1f} M weights/s)"))
 
 
 @cli.command()

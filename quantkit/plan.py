@@ -6,7 +6,8 @@ Type selection follows ik_llama.cpp's llama-quantize (specs/ik-quants.md §11):
 2. the first recipe rule whose regex is found in the name, else the preset's choice for the tensor
    (presets.py: the mix heuristics of the flavor's llama_tensor_get_type, skipped with --pure and for
    float presets), else the default TYPE;
-3. ``--token-embedding-type`` / ``--output-tensor-type`` win for their tensors;
+3. ``--token-embedding-type`` / ``--output-tensor-type`` win for their tensors, and
+   ``--ffn-gate-inp-type`` for the MoE router (ik: the only way to quantize it);
 4. a row length the type's block does not divide falls back (ROW_FALLBACK), flagged;
 5. token embeddings are never row-interleaved, and an interleaved type whose row count is not a
    multiple of its row group falls back to its base layout, flagged.
@@ -17,7 +18,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .errors import QuantkitError
+from .kv_override import resolve as resolve_overrides
 from .presets import ModelInfo, Preset, imatrix_problem, mainline_order, mix_types
+from .prune import check_prunable, prune_tensors
 from .recipes import Recipe
 from .types import PROJECTS, QuantType, TYPE_TRAITS, loads, tensor_nbytes, traits, type_name
 
@@ -58,6 +61,7 @@ _NEVER_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_tid2eid.wei
                     "position_embd", "pos_embd", "token_types.weight", "time_mix_", "channel_mix_",
                     "ssm_x.weight", "ssm_dt.weight", "indexer.k_proj.weight", "indexer.q_proj.weight",
                     ".rel_pos", ".patch_embd", ".patch_merger")
+_GATE_INP_REASON = "'ffn_gate_inp.weight' tensors are never quantized"
 _FLOAT_TYPES = {T.F32, T.F16, T.BF16}
 _INT_TYPES = {T.I8, T.I16, T.I32, T.I64}
 
@@ -88,6 +92,11 @@ class TensorPlan:
     notes: list[str] = field(default_factory=list)
     imatrix: bool = False       # quantized with importance weights
     repack: bool = False        # a byte shuffle between plain and row-interleaved layouts
+    source_name: str = ""       # the input's name for it, where --prune-layers renamed it
+
+    @property
+    def input_name(self) -> str:
+        return self.source_name or self.name
 
     @property
     def action(self) -> str:
@@ -121,7 +130,8 @@ class TensorPlan:
                 "target": type_name(self.dst_type), "action": self.action, "rule": self.rule,
                 "bytes_in": self.nbytes_in, "bytes_out": self.nbytes_out,
                 "requested": type_name(self.requested) if self.requested is not None else None,
-                "imatrix": self.imatrix, "notes": self.notes}
+                "imatrix": self.imatrix, "notes": self.notes,
+                **({"input_name": self.source_name} if self.source_name else {})}
 
 
 @dataclass
@@ -132,6 +142,9 @@ class Plan:
     flavor: str
     warnings: list[str] = field(default_factory=list)
     preset: Preset | None = None
+    block_count: int | None = None      # blocks left after --prune-layers
+    pruned_layers: tuple[int, ...] = ()
+    kv_overrides: list = field(default_factory=list)    # (key, MetaValue) written over the metadata
 
     @property
     def bytes_in(self) -> int:
@@ -180,6 +193,10 @@ class Plan:
                        "bpw": 8 * self.bytes_out / self.n_elements if self.n_elements else 0.0},
             "by_type": self.by_type(), "by_rule": self.by_rule(),
             "fallbacks": len(self.fallbacks), "warnings": self.warnings,
+            **({"pruned_layers": list(self.pruned_layers), "block_count": self.block_count}
+               if self.pruned_layers else {}),
+            **({"kv_overrides": [{"key": k, "type": mv.vtype.name.lower(), "value": mv.value}
+                                 for k, mv in self.kv_overrides]} if self.kv_overrides else {}),
         }
 
 
@@ -198,6 +215,11 @@ class PlanOptions:
     model: ModelInfo | None = None      # hyper-parameters the mix rules look at (from the metadata)
     has_imatrix: bool = False           # some mix rules change with an imatrix
     keep_input_order: bool = False      # mainline sorts tensors unless it keeps the input shards
+    ffn_gate_inp_type: QuantType | None = None  # ik's --ffn-gate-inp-type: the MoE routers' type
+    prune_layers: tuple[int, ...] = ()  # mainline's --prune-layers: blocks removed, the rest renumbered
+    metadata: dict | None = None        # the input's metadata ({key: MetaValue}): --prune-layers and
+                                        # --override-kv are checked against it
+    kv_overrides: list = field(default_factory=list)    # --override-kv (kv_override.KVOverride)
 
 
 def _row_fallback(qtype: QuantType, n_per_row: int, flavor: str) -> QuantType:
@@ -239,13 +261,19 @@ def _preset_mix(tensors, opts: PlanOptions, default_type: QuantType | None) -> d
         if opts.leave_output_tensor and name == OUTPUT_NAME:
             continue
         # mainline does not run the heuristics for a tensor a --tensor-type rule claims (so its
-        # counters skip it); ik runs them for every tensor and lets the custom rule win afterwards
-        if opts.flavor == "mainline" and opts.recipe and opts.recipe.match(name) is not None:
+        # counters skip it); ik runs them for every tensor and lets the custom rule win afterwards.
+        # --tensor-type rules keep mainline's way in both flavors, --custom-q rules the flavor's.
+        rule = opts.recipe.match(name) if opts.recipe else None
+        if rule is not None and (opts.flavor == "mainline" or rule.tensor_type):
             continue
         visit.append((name, shape))
     return mix_types(visit, [t.name for t in tensors], preset, opts.flavor, opts.model or ModelInfo(),
                      has_imatrix=opts.has_imatrix, token_embedding_type=opts.token_embedding_type,
                      output_tensor_type=opts.output_tensor_type)
+
+
+def _is_gate_inp(name: str) -> bool:
+    return "ffn_gate_inp.weight" in name
 
 
 def make_plan(tensors, opts: PlanOptions) -> Plan:
@@ -254,7 +282,18 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
     default_type = opts.default_type
     if default_type is None and opts.preset is not None:
         default_type = opts.preset.default_type
+    if recipe and default_type is not None and not traits(default_type).quantized:
+        manual = next((r for r in recipe.rules if r.tensor_type), None)
+        if manual is not None:
+            raise QuantkitError(f"{manual.source}: llama-quantize applies --tensor-type rules only with a quantized "
+                                f"TYPE, and {type_name(default_type)} is not one (it would ignore them); give a "
+                                f"quantized TYPE, or none to keep the other tensors as they are")
     tensors = list(tensors)
+    kv_values = resolve_overrides(opts.kv_overrides, opts.metadata or {}, opts.flavor)
+    block_count = None
+    if opts.prune_layers:
+        block_count = check_prunable(opts.metadata or {}, opts.prune_layers, [t.name for t in tensors])
+        tensors = prune_tensors(tensors, opts.prune_layers)
     if opts.flavor == "mainline" and not opts.keep_input_order:
         tensors.sort(key=lambda t: mainline_order(t.name))
     mix = _preset_mix(tensors, opts, default_type)
@@ -268,11 +307,20 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
             for i, r in enumerate(recipe.rules):
                 if r.matches(name):
                     rule_names[i] += 1
+        source_name = getattr(t, "input_name", name)    # a renamed (pruned) tensor's input name
+        source_name = "" if source_name == name else source_name
         reason = why_not_quantizable(name, shape, src)
         if reason is None and opts.leave_output_tensor and name == OUTPUT_NAME:
             reason = "--leave-output-tensor"
+        gate_inp = None
+        if opts.ffn_gate_inp_type is not None and _is_gate_inp(name) and reason == _GATE_INP_REASON:
+            # ik quantizes a router only when the option names another type than it has
+            if opts.ffn_gate_inp_type == src:
+                reason = f"already {type_name(src)} (--ffn-gate-inp-type)"
+            else:
+                reason, gate_inp = None, opts.ffn_gate_inp_type
         if reason is not None:
-            plans.append(TensorPlan(name, shape, src, src, f"kept: {reason}"))
+            plans.append(TensorPlan(name, shape, src, src, f"kept: {reason}", source_name=source_name))
             continue
 
         dst, label, index = default_type, "default", None
@@ -287,11 +335,14 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
             dst, label, index = opts.token_embedding_type, "--token-embedding-type", None
         elif name == OUTPUT_NAME and opts.output_tensor_type is not None:
             dst, label, index = opts.output_tensor_type, "--output-tensor-type", None
+        if gate_inp is not None:
+            dst, label, index = gate_inp, "--ffn-gate-inp-type", None
         if dst is None:
-            plans.append(TensorPlan(name, shape, src, src, "kept: no rule and no default type"))
+            plans.append(TensorPlan(name, shape, src, src, "kept: no rule and no default type",
+                                    source_name=source_name))
             continue
 
-        tp = TensorPlan(name, shape, src, dst, label, index)
+        tp = TensorPlan(name, shape, src, dst, label, index, source_name=source_name)
         # (4) row length not divisible by the block size
         fixed = _row_fallback(dst, shape[0], opts.flavor)
         if fixed != dst:
@@ -337,7 +388,7 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
                                                     if len(fallbacks) > 1 else ""))
         warnings.append(f"{len(fallbacks)} tensor(s) use a fallback type (see the plan)")
     return Plan(plans, default_type, _file_type(default_type, plans, opts.preset, opts.flavor), opts.flavor,
-                warnings, opts.preset)
+                warnings, opts.preset, block_count, tuple(opts.prune_layers), kv_values)
 
 
 def _check_flavor_loads(plans: list[TensorPlan], flavor: str, recipe: Recipe | None) -> None:
@@ -394,7 +445,8 @@ def attach_imatrix(plan: Plan, imat) -> tuple[dict, list[str]]:
         if tp.action != "quantize":
             continue
         n_matrices = tp.shape[2] if len(tp.shape) > 2 else 1
-        w = imat.weights_for(tp.name, tp.shape[0], n_matrices)
+        # under the input's name: --prune-layers renames blocks, the imatrix knows the old names
+        w = imat.weights_for(tp.input_name, tp.shape[0], n_matrices)
         if w is None:
             missing.append(tp.name)
         else:

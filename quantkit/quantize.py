@@ -21,10 +21,13 @@ from . import __version__, formats, signals
 from .errors import QuantkitError
 from .gguf_io.constants import KEY_FILE_TYPE, KEY_QUANT_VERSION, MetaValue, ValueType
 from .gguf_io.reader import GGUFModel, TensorInfo
-from .gguf_io.writer import GGUFWriter, TensorSpec, plan_shards, shard_paths
+from .gguf_io.writer import GGUFWriter, TensorSpec, encode_shard, plan_shards, shard_paths
 from .formats.limits import row_extent
 from .outputs import check_outputs
+from .inputs import open_regular
+from .kv_override import apply_overrides
 from .plan import Plan, TensorPlan
+from .prune import block_count_key
 from .types import QuantType, traits, type_name
 
 CHUNK_BYTES = 4 * 1024 * 1024         # float32 rows converted per step (cache-friendly)
@@ -44,6 +47,10 @@ class WriteOptions:
     threads: int | None = None
     metadata: dict | None = None        # the output's metadata, written as given (repack: the input's own)
     inputs: tuple = ()                  # other files the run reads (imatrix, recipes): never written
+    # ik's --partial-requant: an output file (shard) that is already there, whole and as this run
+    # would write it, is kept; only the missing ones are written, each renamed into place as soon
+    # as it is complete (so that an interrupted run leaves whole shards for the next one)
+    partial_requant: bool = False
 
 
 @dataclass
@@ -54,9 +61,11 @@ class Result:
     n_weights: int
     tensor_seconds: dict[str, float] = field(default_factory=dict)
     missing_imatrix: list[str] = field(default_factory=list)
+    kept: list[Path] = field(default_factory=list)      # --partial-requant: files already complete
 
     def to_json(self) -> dict:
-        return {"files": [str(p) for p in self.paths], "bytes_written": self.bytes_written,
+        return {"files": [str(p) for p in self.paths], "kept": [str(p) for p in self.kept],
+                "bytes_written": self.bytes_written,
                 "seconds": self.seconds,
                 "weights_per_second": self.n_weights / self.seconds if self.seconds else None,
                 "missing_imatrix": self.missing_imatrix}
@@ -88,6 +97,9 @@ def output_metadata(model: GGUFModel, plan: Plan, opts: WriteOptions) -> dict[st
             if k not in drop and not (k.startswith("quantize.imatrix.") or k.startswith("quantkit."))}
     meta[KEY_QUANT_VERSION] = MetaValue(ValueType.UINT32, QUANT_VERSION)
     meta[KEY_FILE_TYPE] = MetaValue(ValueType.UINT32, plan.file_type)
+    # --override-kv, then the importance matrix's keys (the C tools pass both as overrides, the
+    # user's first), then --prune-layers' block count (llama-quant.cpp sets it last)
+    meta = apply_overrides(meta, plan.kv_overrides, plan.flavor)
     if opts.imatrix_info:
         info = opts.imatrix_info
         meta["quantize.imatrix.file"] = MetaValue(ValueType.STRING, str(info["file"])[:127])
@@ -96,6 +108,9 @@ def output_metadata(model: GGUFModel, plan: Plan, opts: WriteOptions) -> dict[st
         meta["quantize.imatrix.entries_count"] = MetaValue(ValueType.UINT32, int(info["entries_count"]))
         if info.get("chunks_count"):
             meta["quantize.imatrix.chunks_count"] = MetaValue(ValueType.UINT32, int(info["chunks_count"]))
+    if plan.block_count is not None:
+        meta = apply_overrides(meta, [(block_count_key(model.metadata), MetaValue(ValueType.UINT32, plan.block_count))],
+                               plan.flavor)
     meta["quantkit.version"] = MetaValue(ValueType.STRING, __version__)
     meta["quantkit.flavor"] = MetaValue(ValueType.STRING, plan.flavor)
     if opts.recipe_text:
@@ -215,6 +230,24 @@ class ThreadBuffers:
         return bufs
 
 
+def complete_output(path: Path, metadata: dict[str, MetaValue], specs: list[TensorSpec]) -> bool:
+    """--partial-requant: whether ``path`` already holds the file this run writes there (its header
+    byte for byte and its size).  False where nothing is there; a QuantkitError where something
+    else is (another TYPE, recipe, imatrix, quantkit version, or a file cut short)."""
+    if not os.path.lexists(path):
+        return False
+    header, size = encode_shard(metadata, specs)
+    with open_regular(path, "--partial-requant: OUT") as f:
+        actual_size = os.fstat(f.fileno()).st_size
+        head = f.read(len(header))
+    if head != header or actual_size != size:
+        why = "its header differs (another TYPE, recipe, imatrix, option or quantkit version)" if head != header \
+            else f"it has {actual_size:,} bytes, not {size:,}"
+        raise QuantkitError(f"--partial-requant: '{path}' exists but is not the file this run writes: {why}; "
+                            f"remove it to have it written again")
+    return True
+
+
 def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
              imatrix_for: Callable[[TensorPlan], np.ndarray | None] = lambda tp: None,
              progress: Callable[[str, int, int], None] | None = None) -> Result:
@@ -226,14 +259,18 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
     specs = [TensorSpec(t.name, t.shape, t.dst_type) for t in plan.tensors]
     groups = None
     if opts.keep_split:
-        shard_of = {id(f): i for i, f in enumerate(model.files)}
-        groups = [shard_of[id(model.by_name[t.name].source)] for t in plan.tensors]
+        file_index = {id(f): i for i, f in enumerate(model.files)}
+        groups = [file_index[id(model.by_name[t.input_name].source)] for t in plan.tensors]
     shards = plan_shards(meta, specs, opts.split_max_size, groups)
     paths = shard_paths(out, len(shards))
     # every shard name against every file read (all input shards, a model directory's files, the
     # imatrix, recipes) before anything is written: --keep-split of A-0000N-of-M.gguf to A.gguf
     # would otherwise write over its input set
     check_outputs(paths, [model.path, *(f.path for f in getattr(model, "files", ())), *opts.inputs])
+    keep = set()
+    if opts.partial_requant:
+        keep = {i for i, (p, (m, s)) in enumerate(zip(paths, shards)) if complete_output(p, m, s)}
+    shard_of = {s.name: i for i, (_, specs_i) in enumerate(shards) for s in specs_i}
     total = plan.bytes_in
     done = 0
     t0 = time.perf_counter()
@@ -243,11 +280,14 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
     # quantization runs its numba kernels on all threads itself, with one writer thread overlapping.
     workers = max(1, opts.threads or os.cpu_count() or 1)
     buffers = ThreadBuffers()
-    with GGUFWriter(paths, shards, workers=workers) as writer:
+    with GGUFWriter(paths, shards, workers=workers, keep=keep, commit_each=opts.partial_requant) as writer:
         for tp in plan.tensors:
             signals.check()
+            if shard_of[tp.name] in keep:
+                done += tp.nbytes_in
+                continue
             ts = time.perf_counter()
-            info = model.by_name[tp.name]
+            info = model.by_name[tp.input_name]
             if tp.action == "copy":
                 writer.write_tensor_parts(tp.name, copy_parts(info, buffers))
             elif tp.action == "repack":
@@ -259,4 +299,6 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
             if progress:
                 progress(tp.name, done, total)
         written = writer.bytes_written
-    return Result(paths, written, time.perf_counter() - t0, plan.n_elements, per_tensor)
+    n_weights = sum(tp.n_elements for tp in plan.tensors if shard_of[tp.name] not in keep)
+    return Result(paths, written, time.perf_counter() - t0, n_weights, per_tensor,
+                  kept=[p for i, p in enumerate(paths) if i in keep])

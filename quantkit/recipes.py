@@ -12,10 +12,19 @@ or inline, as ik's comma-separated form ``re1=type1,re2=type2`` (a pattern canno
 there), or inline in the file syntax: the published scripts pass ``--custom-q "$custom"`` with the
 rules (and comments) one a line.  Each rule splits at its first ``=``.  Type names are
 case-insensitive.  Patterns must have bounded matching work (see tensor_regex).
+
+Mainline llama-quantize's ``--tensor-type REGEX=TYPE`` and ``--tensor-type-file F`` give rules too
+(:func:`load_tensor_types`), with mainline's semantics: the pattern is lower-cased, then searched in
+the name; the first matching rule wins; a tensor a rule claims skips the preset's mix heuristics
+(and their layer counters); the rules apply only with a quantized TYPE (llama_tensor_get_type
+checks ggml_is_quantized(default_type)); ``--token-embedding-type`` and ``--output-tensor-type``
+win over them.  The file holds ``REGEX=TYPE`` items separated by spaces or newlines, nothing else
+(mainline reads it with ``file >> arg``: no comments).
 """
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -36,6 +45,7 @@ class Rule:
     qtype: QuantType
     source: str         # "recipe.txt:12" or "--custom-q #3", for messages
     regex: re.Pattern
+    tensor_type: bool = False   # mainline's --tensor-type semantics (see parse_tensor_type)
 
     def matches(self, tensor_name: str) -> bool:
         return self.regex.search(tensor_name) is not None
@@ -105,6 +115,47 @@ def _recipe_file_text(arg: str, inline: bool) -> str | None:
             raise QuantkitError(f"--custom-q: recipe file '{shown}': {e.strerror}") from None
         raise QuantkitError(f"--custom-q: recipe file '{shown}' not found") from None
     return read_text(arg, "--custom-q", MAX_RECIPE_BYTES)
+
+
+def parse_tensor_type(item: str, source: str) -> Rule:
+    """One mainline ``--tensor-type`` item (tools/quantize parse_tensor_type): split at the first
+    ``=``, the pattern lower-cased (as mainline does, so ``ATTN_Q`` finds ``attn_q``), the type a
+    ggml type name in any case."""
+    pattern, sep, tname = item.partition("=")
+    if not sep:
+        raise QuantkitError(f"{source}: expected 'regex=type', got '{item}'")
+    if not pattern:
+        raise QuantkitError(f"{source}: missing tensor name in '{item}'")
+    if not tname:
+        raise QuantkitError(f"{source}: missing quantization type in '{item}'")
+    try:
+        if tname != tname.strip():
+            raise ValueError
+        qtype = type_from_name(tname)
+    except ValueError:
+        raise QuantkitError(f"{source}: invalid ggml type '{tname}' in '{item}'") from None
+    lowered = pattern.lower()
+    if lowered != pattern:
+        logging.getLogger("quantkit").warning(f"{source}: pattern '{pattern}' lower-cased to '{lowered}', as "
+                                              f"llama-quantize does")
+    return Rule(lowered, qtype, source, compile_bounded(lowered, source), tensor_type=True)
+
+
+def load_tensor_types(items: list[str], files: list[str] = ()) -> list[Rule]:
+    """Rules of ``--tensor-type`` values (each one ``REGEX=TYPE``), then of ``--tensor-type-file``
+    files (items separated by whitespace), in the order given."""
+    rules = [parse_tensor_type(item, f"--tensor-type #{i}") for i, item in enumerate(items, 1)]
+    for path in files:
+        text = read_text(path, "--tensor-type-file", MAX_RECIPE_BYTES)
+        for lineno, line in enumerate(text.splitlines(), 1):
+            rules += [parse_tensor_type(item, f"{path}:{lineno}") for item in line.split()]
+    return rules
+
+
+def combined(recipe: Recipe | None, tensor_types: list[Rule]) -> Recipe | None:
+    """``--custom-q`` rules, then the ``--tensor-type`` rules: the first that matches wins."""
+    rules = (recipe.rules if recipe else []) + list(tensor_types)
+    return Recipe(rules, "\n".join(str(r) for r in rules)) if rules else None
 
 
 def load_recipe(args: list[str]) -> Recipe:

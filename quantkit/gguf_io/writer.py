@@ -98,6 +98,13 @@ def encode_header(metadata: dict[str, MetaValue], tensors: list[TensorSpec],
     return header + bytes(pad_to(len(header), alignment) - len(header)), offsets
 
 
+def encode_shard(metadata: dict[str, MetaValue], tensors: list[TensorSpec]) -> tuple[bytes, int]:
+    """A file's header bytes and the size of the whole file."""
+    header, offsets = encode_header(metadata, tensors)
+    alignment = alignment_of(metadata)
+    return header, len(header) + (offsets[-1] + pad_to(tensors[-1].nbytes, alignment) if tensors else 0)
+
+
 def _as_bytes(chunk) -> memoryview:
     if isinstance(chunk, np.ndarray):
         chunk = np.ascontiguousarray(chunk)
@@ -115,16 +122,21 @@ class GGUFWriter:
 
     Every write is a pwrite at a position known from the header, so helper threads can write
     pieces of a tensor in any order.
+
+    ``keep``: indexes of shards that are not written (``--partial-requant`` keeps them as they
+    are): their tensors are not fed.  ``commit_each``: rename each shard into place as soon as it
+    is complete, not all of them at the end, so that an interrupted run leaves whole shards.
     """
 
     def __init__(self, paths: list[Path], shards: list[tuple[dict[str, MetaValue], list[TensorSpec]]],
-                 workers: int = 1):
+                 workers: int = 1, keep=frozenset(), commit_each: bool = False):
         if len(paths) != len(shards):
             raise ValueError("one path per shard")
         self.paths, self.shards = [Path(p) for p in paths], shards
         self.alignment = DEFAULT_ALIGNMENT      # of the shard being written
         self.workers = max(1, workers)
-        self._order = [(i, t) for i, (_, specs) in enumerate(shards) for t in specs]
+        self.keep, self.commit_each = frozenset(keep), commit_each
+        self._order = [(i, t) for i, (_, specs) in enumerate(shards) if i not in self.keep for t in specs]
         self._next = 0
         self._out = AtomicOutput()
         self._fh = None
@@ -135,7 +147,9 @@ class GGUFWriter:
 
     def __enter__(self):
         try:
-            self._open_shard(0)
+            first = self._next_shard(-1)
+            if first is not None:
+                self._open_shard(first)
         except BaseException:
             self._out.discard()
             raise
@@ -148,6 +162,9 @@ class GGUFWriter:
                     missing = self._order[self._next][1].name
                     raise QuantkitError(f"internal error: tensor '{missing}' was never written")
                 self._close_shard()
+                while (i := self._next_shard(self._shard)) is not None:     # shards without tensors
+                    self._open_shard(i)
+                    self._close_shard()
                 self._out.commit()
                 return False
         except BaseException:
@@ -166,13 +183,15 @@ class GGUFWriter:
             self._fh.close()
             self._fh = None
 
+    def _next_shard(self, after: int) -> int | None:
+        return next((i for i in range(after + 1, len(self.shards)) if i not in self.keep), None)
+
     def _open_shard(self, i: int) -> None:
         self._shard = i
         meta, specs = self.shards[i]
         self.alignment = alignment_of(meta)
-        header, offsets = encode_header(meta, specs)
+        header, size = encode_shard(meta, specs)
         self._fh = self._out.open(self.paths[i])
-        size = len(header) + (offsets[-1] + pad_to(specs[-1].nbytes, self.alignment) if specs else 0)
         self._fh.reserve(size)
         self._fh.pwrite(header, 0)
         self._pos = len(header)
@@ -181,7 +200,10 @@ class GGUFWriter:
     def _close_shard(self) -> None:
         # no fsync: like llama-quantize we leave durability to the OS; the rename at the end still
         # guarantees that no partial file ever carries the output's name
+        was_open = self._fh is not None
         self._close_fh()
+        if was_open and self.commit_each:
+            self._out.commit()
 
     def _begin(self, name: str) -> TensorSpec:
         """The spec of the next tensor, which must be ``name``; opens its shard."""
@@ -192,7 +214,7 @@ class GGUFWriter:
             raise ValueError(f"expected tensor '{spec.name}', got '{name}'")
         while shard != self._shard:
             self._close_shard()
-            self._open_shard(self._shard + 1)
+            self._open_shard(self._next_shard(self._shard))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="gguf-writer")
         return spec
