@@ -133,7 +133,8 @@ def parse_tensor_type(item: str, source: str) -> Rule:
             raise ValueError
         qtype = type_from_name(tname)
     except ValueError:
-        raise QuantkitError(f"{source}: invalid ggml type '{tname}' in '{item}'") from None
+        raise QuantkitError(f"{source}: invalid ggml type '{tname}' in '{item}'"
+                            f"{type_name_suggestion(tname)}") from None
     lowered = pattern.lower()
     if lowered != pattern:
         logging.getLogger("quantkit").warning(f"{source}: pattern '{pattern}' lower-cased to '{lowered}', as "

@@ -124,6 +124,10 @@ def test_type_names_in_rules_and_options_name_the_nearest(tmp_path, capsys):
         assert main(["quantize", str(src), str(tmp_path / "o.gguf"), "q8_0", option, "Q8-0x", "--dry-run"]) == 1
         e = capsys.readouterr().err
         assert f"{option}: unknown type 'Q8-0x' (did you mean q8_0" in e and len(e.strip().splitlines()) == 1
+    for option, value in (("--tensor-type", "attn=q4km"), ("--ffn-gate-inp-type", "q4km")):
+        assert main(["quantize", str(src), str(tmp_path / "o.gguf"), "q8_0", option, value, "--dry-run"]) == 1
+        e = capsys.readouterr().err
+        assert "'q4km'" in e and "did you mean" in e and len(e.strip().splitlines()) == 1, e
 
 
 # ---------------------------------------------------------------------------------- quantkit types
