@@ -92,11 +92,12 @@ def output_metadata(model: GGUFModel, plan: Plan, opts: WriteOptions) -> dict[st
     ``opts.metadata`` as given)."""
     if opts.metadata is not None:
         return opts.metadata
-    drop = {KEY_FILE_TYPE, KEY_QUANT_VERSION}
     meta = {k: v for k, v in model.metadata.items()
-            if k not in drop and not (k.startswith("quantize.imatrix.") or k.startswith("quantkit."))}
-    meta[KEY_QUANT_VERSION] = MetaValue(ValueType.UINT32, QUANT_VERSION)
-    meta[KEY_FILE_TYPE] = MetaValue(ValueType.UINT32, plan.file_type)
+            if not (k.startswith("quantize.imatrix.") or k.startswith("quantkit."))}
+    # llama-quantize copies the input's keys, then sets these two with gguf_set_val_u32: ik's sets
+    # a key where it stands (so a converted model keeps its order), mainline's moves it to the end
+    meta = apply_overrides(meta, [(KEY_QUANT_VERSION, MetaValue(ValueType.UINT32, QUANT_VERSION)),
+                                  (KEY_FILE_TYPE, MetaValue(ValueType.UINT32, plan.file_type))], plan.flavor)
     # --override-kv, then the importance matrix's keys (the C tools pass both as overrides, the
     # user's first), then --prune-layers' block count (llama-quant.cpp sets it last)
     meta = apply_overrides(meta, plan.kv_overrides, plan.flavor)

@@ -273,6 +273,8 @@ def test_override_kv_matches_llama_quantize(llama, tmp_path):
         for key in ("general.name", "my.int", "my.float", "my.bool", "llama.expert_count"):
             assert a.metadata[key] == b.metadata[key], key
         assert list(a.metadata).index("general.name") == list(b.metadata).index("general.name")
+        # every key where llama-quantize puts it (general.file_type and quantization_version set in place)
+        assert list(a.metadata) == [k for k in b.metadata if not k.startswith("quantkit.")]
         assert {t.name: t.qtype for t in a.tensors} == {t.name: t.qtype for t in b.tensors}
 
 
