@@ -366,8 +366,9 @@ def quantize(model_in, model_out, default_type, custom_q, imatrix_path, include_
     else:
         rate = result.n_weights / result.seconds / 1e6 if result.seconds else 0
         files = ", ".join(str(p) for p in result.paths)
+        compiled = f"; compiling kernels took {result.compile_seconds:.1f} s before" if result.compile_seconds else ""
         out.print(_styled(("wrote", "green"), f" {files}: {_fmt_bytes(result.bytes_written)} in "
-                          f"{result.seconds:.1f} s ({rate:.1f} M weights/s)"))
+                          f"{result.seconds:.1f} s ({rate:.1f} M weights/s{compiled})"))
 
 
 @cli.command()
@@ -624,6 +625,32 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
         out.print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_error:.5f}")
 
 
+@cli.command()
+@click.option("--types", "types", multiple=True, metavar="TYPE[,TYPE...]",
+              help="ggml types or presets (Q4_K_M: the types its mix uses); repeatable. Default: every type "
+                   "quantkit quantizes.")
+@click.option("--runtime", is_flag=True, help="Also the kernels run / perplexity / imatrix compute these types with.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was made ready as JSON.")
+def warmup(types, runtime, as_json):
+    """Compile the numba kernels of quantization (and with --runtime of the runtime) now, into
+    numba's cache, so that no later command waits for them: once per install.  Kernels already
+    cached are only loaded (fast)."""
+    from .warmup import warm
+
+    def step(w):
+        if not as_json:
+            how = f"compiled {w.compiles} kernels" if w.compiles else "already cached"
+            out.print(_styled((w.what, "cyan"), f": {how} ({w.seconds:.1f} s)"))
+    steps = warm(list(types), runtime=runtime, on_step=step)
+    total = sum(w.seconds for w in steps)
+    cache = next((w.cache for w in steps if w.cache), None)
+    if as_json:
+        _print_json({"steps": [w.to_json() for w in steps], "seconds": total, "cache": cache})
+    else:
+        out.print(_styled(("ready", "green"), f": {len(steps)} steps, {sum(w.compiles for w in steps)} kernels "
+                          f"compiled in {total:.1f} s" + (f" (cached in {cache})" if cache else "")))
+
+
 class _DefaultGroup(click.Group):
     """A group whose first argument, when it names none of its commands, starts ``default``'s
     arguments (``quantkit imatrix MODEL -f TEXT`` is ``quantkit imatrix collect MODEL -f TEXT``)."""
@@ -829,6 +856,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, handlers=[_WarningsToStderr()])
     # numpy's overflow warnings are noise here: overflowed outputs are caught and reported by name
     warnings.simplefilter("ignore", RuntimeWarning)
+    from . import compiling
+    compiling.notify = lambda line: _warn(line, "note:")       # numba compiling, said once
     try:
         with terminate_on_signals():        # SIGTERM, SIGHUP: cleaned up like Ctrl-C
             cli.main(args=argv, prog_name="quantkit", standalone_mode=False)

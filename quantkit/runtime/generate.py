@@ -9,8 +9,10 @@ from typing import Iterator
 
 import numpy as np
 
+from ..compiling import ready_kernels
 from ..errors import QuantkitError
 from .model import NonFiniteLogits
+from .warmup import warm_up
 
 
 @dataclass
@@ -66,6 +68,8 @@ class GenerationStats:
     n_generated: int = 0
     gen_seconds: float = 0.0
     tokens: list[int] = field(default_factory=list)
+    warm_up_seconds: float = 0.0    # the warm-up run before the timed passes (kernels made ready)
+    kernels_while_timed: int = 0    # kernels compiled or loaded from numba's cache inside the timed passes
 
     @property
     def prompt_tps(self) -> float:
@@ -87,6 +91,11 @@ def generate(model, prompt: list[int], n_predict: int, sampler: Sampler, stop_id
         raise QuantkitError(f"prompt ({len(prompt)} tokens) + {n_predict} exceeds the context of {n_ctx}")
     stats = stats if stats is not None else GenerationStats()
     stats.n_prompt = len(prompt)
+    t0 = time.perf_counter()
+    # as llama.cpp does: a throwaway run first, so the timed ones compute and only compute
+    warm_up(model, (len(prompt), 1) if n_predict else (len(prompt),))
+    stats.warm_up_seconds = time.perf_counter() - t0
+    ready = ready_kernels()
     cache = model.new_cache(n_ctx)
     t0 = time.perf_counter()
     try:
@@ -94,6 +103,7 @@ def generate(model, prompt: list[int], n_predict: int, sampler: Sampler, stop_id
     except NonFiniteLogits as e:
         raise e.at("the prompt (generation step 1)") from None
     stats.prompt_seconds = time.perf_counter() - t0
+    stats.kernels_while_timed = ready_kernels() - ready
     t0 = time.perf_counter()
     for step in range(1, n_predict + 1):
         tok = sampler(logits)
@@ -110,3 +120,4 @@ def generate(model, prompt: list[int], n_predict: int, sampler: Sampler, stop_id
             raise e.at(f"generation step {step + 1}") from None
         stats.gen_seconds = time.perf_counter() - t0
     stats.gen_seconds = time.perf_counter() - t0
+    stats.kernels_while_timed = ready_kernels() - ready
