@@ -639,7 +639,7 @@ def warmup(types, runtime, as_json):
 
     def step(w):
         if not as_json:
-            how = f"compiled {w.compiles} kernels" if w.compiles else "already cached"
+            how = f"compiled {w.compiles} kernel{'s' * (w.compiles != 1)}" if w.compiles else "already cached"
             out.print(_styled((w.what, "cyan"), f": {how} ({w.seconds:.1f} s)"))
     steps = warm(list(types), runtime=runtime, on_step=step)
     total = sum(w.seconds for w in steps)
@@ -647,8 +647,9 @@ def warmup(types, runtime, as_json):
     if as_json:
         _print_json({"steps": [w.to_json() for w in steps], "seconds": total, "cache": cache})
     else:
-        out.print(_styled(("ready", "green"), f": {len(steps)} steps, {sum(w.compiles for w in steps)} kernels "
-                          f"compiled in {total:.1f} s" + (f" (cached in {cache})" if cache else "")))
+        n = sum(w.compiles for w in steps)
+        out.print(_styled(("ready", "green"), f": {len(steps)} step{'s' * (len(steps) != 1)}, {n} "
+                          f"kernel{'s' * (n != 1)} compiled in {total:.1f} s" + (f" (cached in {cache})" if cache else "")))
 
 
 class _DefaultGroup(click.Group):

@@ -277,7 +277,6 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
     check_outputs(paths, [model.path, *(f.path for f in getattr(model, "files", ())), *opts.inputs])
     total = plan.bytes_in
     done = 0
-    compiled = warm_up_plan(model, plan, imatrix_for)      # compiling kernels is no part of the timed run
     t0 = time.perf_counter()
     per_tensor: dict[str, float] = {}
     # Copies and byte shuffles are read, shuffled and written a part at a time by every writer
@@ -286,6 +285,10 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
     workers = max(1, opts.threads or os.cpu_count() or 1)
     buffers = ThreadBuffers()
     with GGUFWriter(paths, shards, workers=workers) as writer:
+        # kernels made ready once the output is reserved (a full disk fails first), untimed
+        tw = time.perf_counter()
+        compiled = warm_up_plan(model, plan, imatrix_for)
+        t0 += time.perf_counter() - tw
         for tp in plan.tensors:
             signals.check()
             ts = time.perf_counter()
