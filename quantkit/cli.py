@@ -520,11 +520,13 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = tok.encode(text, add_special=True, parse_special=chat)
         stats = GenerationStats()
+        # checked and warmed up before the prompt is echoed (a compile notice gets its own line)
+        tokens = generate(s.model, ids, n_predict, sampler, stop_ids=tok.eog_ids, n_ctx=ctx_size, stats=stats)
         stream = TextStream(tok)
         pieces = []
         if not as_json:
             out.print(text, end="", markup=False, highlight=False)
-        for t in generate(s.model, ids, n_predict, sampler, stop_ids=tok.eog_ids, n_ctx=ctx_size, stats=stats):
+        for t in tokens:
             piece = stream.push(t)
             pieces.append(piece)
             if not as_json and piece:

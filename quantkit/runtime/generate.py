@@ -83,7 +83,10 @@ class GenerationStats:
 def generate(model, prompt: list[int], n_predict: int, sampler: Sampler, stop_ids=(),
              n_ctx: int | None = None, stats: GenerationStats | None = None) -> Iterator[int]:
     """Yield up to ``n_predict`` sampled tokens after ``prompt``; stops early at a token of
-    ``stop_ids`` (not yielded).  ``stats`` is filled as it goes."""
+    ``stop_ids`` (not yielded).  ``stats`` is filled as it goes.
+
+    The arguments are checked and the warm-up run made by the call itself, before a caller shows
+    anything (a compile notice gets a line of its own); the tokens are computed as iterated."""
     if not prompt:
         raise QuantkitError("the prompt is empty (no tokens)")
     n_ctx = n_ctx or min(model.config.n_ctx_train, len(prompt) + n_predict)
@@ -95,6 +98,11 @@ def generate(model, prompt: list[int], n_predict: int, sampler: Sampler, stop_id
     # as llama.cpp does: a throwaway run first, so the timed ones compute and only compute
     warm_up(model, (len(prompt), 1) if n_predict else (len(prompt),))
     stats.warm_up_seconds = time.perf_counter() - t0
+    return _generate(model, prompt, n_predict, sampler, stop_ids, n_ctx, stats)
+
+
+def _generate(model, prompt: list[int], n_predict: int, sampler: Sampler, stop_ids, n_ctx: int,
+              stats: GenerationStats) -> Iterator[int]:
     ready = ready_kernels()
     cache = model.new_cache(n_ctx)
     t0 = time.perf_counter()
