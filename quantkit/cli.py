@@ -650,8 +650,9 @@ def warmup(types, runtime, as_json):
         _print_json({"steps": [w.to_json() for w in steps], "seconds": total, "cache": cache})
     else:
         n = sum(w.compiles for w in steps)
+        where = f" (cached in {cache})" if cache else ""
         out.print(_styled(("ready", "green"), f": {len(steps)} step{'s' * (len(steps) != 1)}, {n} "
-                          f"kernel{'s' * (n != 1)} compiled in {total:.1f} s" + (f" (cached in {cache})" if cache else "")))
+                          f"kernel{'s' * (n != 1)} compiled in {total:.1f} s{where}"))
 
 
 class _DefaultGroup(click.Group):

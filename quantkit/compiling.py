@@ -49,8 +49,8 @@ def _cache_place(dispatcher) -> str | None:
         return None             # not cached: compiled in every process
     path = Path(path)
     if path.name == "__pycache__":      # beside the module (numba's in-tree locator)
-        package = Path(__file__).resolve().parent
-        return str(package / "…" / "__pycache__") if package in path.resolve().parents else str(path)
+        package = Path(__file__).resolve().parent       # the kernels live in its subpackages
+        return str(package / "*" / "__pycache__") if package in path.resolve().parents else str(path)
     return str(path.parent)     # NUMBA_CACHE_DIR or numba's user cache dir: one folder per source folder
 
 

@@ -124,8 +124,8 @@ def _tiny_llama(path: Path, qtype: QuantType) -> None:
             "llama.attention.head_count": u32(4), "llama.attention.head_count_kv": u32(2),
             "llama.rope.dimension_count": u32(n // 4),
             "llama.attention.layer_norm_rms_epsilon": MetaValue(ValueType.FLOAT32, 1e-5)}
-    specs = [TensorSpec("token_embd.weight", (n, n_vocab), qtype), TensorSpec("output_norm.weight", (n,), QuantType.F32),
-             TensorSpec("output.weight", (n, n_vocab), qtype)]
+    specs = [TensorSpec("token_embd.weight", (n, n_vocab), qtype),
+             TensorSpec("output_norm.weight", (n,), QuantType.F32), TensorSpec("output.weight", (n, n_vocab), qtype)]
     for i in range(n_layer):
         for name, rows in (("attn_q", n), ("attn_k", n // 2), ("attn_v", n // 2), ("attn_output", n),
                            ("ffn_gate", n), ("ffn_up", n), ("ffn_down", n)):
@@ -134,8 +134,8 @@ def _tiny_llama(path: Path, qtype: QuantType) -> None:
                   TensorSpec(f"blk.{i}.ffn_norm.weight", (n,), QuantType.F32)]
     with GGUFWriter([path], plan_shards(meta, specs)) as w:
         for s in specs:
-            data = np.ones(n, np.float32) if s.qtype == QuantType.F32 and len(s.shape) == 1 else np.zeros(s.nbytes, np.uint8)
-            w.write_tensor(s.name, data)
+            norm = s.qtype == QuantType.F32 and len(s.shape) == 1
+            w.write_tensor(s.name, np.ones(n, np.float32) if norm else np.zeros(s.nbytes, np.uint8))
 
 
 def runtime_types() -> list[QuantType]:
