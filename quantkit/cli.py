@@ -421,9 +421,10 @@ def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_ty
             out.print(_styled(("kept", "green"), f" {', '.join(str(p) for p in result.kept)}: already complete "
                               f"(--partial-requant)"))
         files = ", ".join(str(p) for p in result.paths if p not in result.kept)
+        compiled = f"; compiling kernels took {result.compile_seconds:.1f} s before" if result.compile_seconds else ""
         if files:
             out.print(_styled(("wrote", "green"), f" {files}: {_fmt_bytes(result.bytes_written)} in "
-                              f"{result.seconds:.1f} s ({rate:.1f} M weights/s)"))
+                              f"{result.seconds:.1f} s ({rate:.1f} M weights/s{compiled})"))
 
 
 @cli.command()
@@ -616,11 +617,13 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
             err.print("weights: " + "; ".join(f"{where} {counted(v['tensors'], 'tensor')}, {v['MB']:.1f} MB"
                                                for where, v in placement.items()))
         stats = GenerationStats()
+        # checked and warmed up before the prompt is echoed (a compile notice gets its own line)
+        tokens = generate(s.model, ids, n_predict, sampler, stop_ids=tok.eog_ids, n_ctx=ctx_size, stats=stats)
         stream = TextStream(tok)
         pieces = []
         if not as_json:
             out.print(text, end="", markup=False, highlight=False)
-        for t in generate(s.model, ids, n_predict, sampler, stop_ids=tok.eog_ids, n_ctx=ctx_size, stats=stats):
+        for t in tokens:
             piece = stream.push(t)
             pieces.append(piece)
             if not as_json and piece:
@@ -723,6 +726,34 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
                      "n_ctx": ctx_size, "tokens_scored": len(res.nll), "chunk_ppl": res.chunk_ppl})
     else:
         log.final(res)
+
+
+@cli.command()
+@click.option("--types", "types", multiple=True, metavar="TYPE[,TYPE...]",
+              help="ggml types or presets (Q4_K_M: the types its mix uses); repeatable. Default: every type "
+                   "quantkit quantizes.")
+@click.option("--runtime", is_flag=True, help="Also the kernels run / perplexity / imatrix compute these types with.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was made ready as JSON.")
+def warmup(types, runtime, as_json):
+    """Compile the numba kernels of quantization (and with --runtime of the runtime) now, into
+    numba's cache, so that no later command waits for them: once per install.  Kernels already
+    cached are only loaded (fast)."""
+    from .warmup import warm
+
+    def step(w):
+        if not as_json:
+            how = f"compiled {counted(w.compiles, 'kernel')}" if w.compiles else "already cached"
+            out.print(_styled((w.what, "cyan"), f": {how} ({w.seconds:.1f} s)"))
+    steps = warm(list(types), runtime=runtime, on_step=step)
+    total = sum(w.seconds for w in steps)
+    cache = next((w.cache for w in steps if w.cache), None)
+    if as_json:
+        _print_json({"steps": [w.to_json() for w in steps], "seconds": total, "cache": cache})
+    else:
+        n = sum(w.compiles for w in steps)
+        where = f" (cached in {cache})" if cache else ""
+        out.print(_styled(("ready", "green"), f": {counted(len(steps), 'step')}, {counted(n, 'kernel')} "
+                          f"compiled in {total:.1f} s{where}"))
 
 
 class _DefaultGroup(click.Group):
@@ -939,6 +970,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, handlers=[_WarningsToStderr()])
     # numpy's overflow warnings are noise here: overflowed outputs are caught and reported by name
     warnings.simplefilter("ignore", RuntimeWarning)
+    from . import compiling
+    compiling.notify = lambda line: _warn(line, "note:")       # numba compiling, said once
     try:
         with terminate_on_signals():        # SIGTERM, SIGHUP: cleaned up like Ctrl-C
             cli.main(args=argv, prog_name="quantkit", standalone_mode=False)

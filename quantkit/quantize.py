@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 from . import __version__, formats, signals
+from .compiling import CompileLog, announced
 from .errors import QuantkitError
 from .gguf_io.constants import KEY_FILE_TYPE, KEY_QUANT_VERSION, MetaValue, ValueType
 from .gguf_io.reader import GGUFModel, TensorInfo
@@ -62,12 +63,14 @@ class Result:
     tensor_seconds: dict[str, float] = field(default_factory=dict)
     missing_imatrix: list[str] = field(default_factory=list)
     kept: list[Path] = field(default_factory=list)      # --partial-requant: files already complete
+    compile_seconds: float = 0.0        # numba compiling kernels before ``seconds`` started (warm_up_plan)
 
     def to_json(self) -> dict:
         return {"files": [str(p) for p in self.paths], "kept": [str(p) for p in self.kept],
                 "bytes_written": self.bytes_written,
                 "seconds": self.seconds,
                 "weights_per_second": self.n_weights / self.seconds if self.seconds else None,
+                "compile_seconds": self.compile_seconds,
                 "missing_imatrix": self.missing_imatrix}
 
 
@@ -180,7 +183,7 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
         yield quantize_rows(x, tp.dst_type, w, flavor, info.name, rows.start)
 
 
-def repack_parts(info: TensorInfo, tp: TensorPlan, buffers: "ThreadBuffers"):
+def repack_parts(info: TensorInfo, tp: TensorPlan, buffers: "ThreadBuffers", part_bytes: int = PART_BYTES):
     """(nbytes, make) parts of one tensor regrouped between its plain and row-interleaved layouts,
     for :meth:`GGUFWriter.write_tensor_parts`: each ``make`` reads its rows and shuffles them into
     buffers of the thread that runs it, so parts run side by side on the writer's workers.
@@ -193,7 +196,7 @@ def repack_parts(info: TensorInfo, tp: TensorPlan, buffers: "ThreadBuffers"):
     packed = tp.dst_type if to_packed else tp.src_type
     group = traits(packed).interleave_rows
     row_size = traits(info.qtype).row_size(n_per_row)
-    rows = max(group, PART_BYTES // row_size // group * group)
+    rows = max(group, part_bytes // row_size // group * group)
     shuffle = interleave.interleave if to_packed else interleave.deinterleave
 
     def make(start: int, n: int):
@@ -249,6 +252,45 @@ def complete_output(path: Path, metadata: dict[str, MetaValue], specs: list[Tens
     return True
 
 
+def plan_label(plan: Plan) -> str:
+    """What a plan computes, as the compile notice names it: ``Q4_K_M (q4_K, q6_K)``."""
+    types = sorted({type_name(t.dst_type) for t in plan.tensors if t.action != "copy"})
+    listed = ", ".join(types) or "no type"
+    return f"{plan.preset.name} ({listed})" if getattr(plan, "preset", None) is not None else listed
+
+
+def warm_up_plan(model: GGUFModel, plan: Plan,
+                 imatrix_for: Callable[[TensorPlan], np.ndarray | None] = lambda tp: None) -> CompileLog:
+    """Make ready every kernel the plan's run will call, before it is timed: for each kind of
+    tensor it converts (source type, target type, with or without an imatrix) the first rows of
+    the first such tensor go through the run's own path (read, decode, checks, quantize), and a
+    repack shuffles one row group.  Kernels that compile say so once (compiling.announced).
+
+    An input the run will refuse is left to the run to report, in its order."""
+    seen = set()
+    with announced(plan_label(plan)) as log:
+        for tp in plan.tensors:
+            imatrix = imatrix_for(tp) if tp.action in ("quantize", "convert") else None
+            key = (tp.action, tp.src_type, tp.dst_type, imatrix is not None)
+            if tp.action == "copy" or key in seen:
+                continue
+            seen.add(key)
+            signals.check()
+            info = model.by_name[tp.input_name]
+            if tp.action == "repack":
+                for _, make in repack_parts(info, tp, ThreadBuffers(), part_bytes=1):
+                    make()
+                    break
+                continue
+            rows = math.lcm(traits(tp.src_type).interleave_rows, traits(tp.dst_type).interleave_rows)
+            try:
+                x = to_float32(info, slice(0, min(rows, info.n_rows)))
+                quantize_rows(x, tp.dst_type, None if imatrix is None else imatrix[0], plan.flavor, info.name)
+            except QuantkitError:
+                pass
+    return log
+
+
 def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
              imatrix_for: Callable[[TensorPlan], np.ndarray | None] = lambda tp: None,
              progress: Callable[[str, int, int], None] | None = None) -> Result:
@@ -282,6 +324,10 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
     workers = max(1, opts.threads or os.cpu_count() or 1)
     buffers = ThreadBuffers()
     with GGUFWriter(paths, shards, workers=workers, keep=keep, commit_each=opts.partial_requant) as writer:
+        # kernels made ready once the output is reserved (a full disk fails first), untimed
+        tw = time.perf_counter()
+        compiled = warm_up_plan(model, plan, imatrix_for)
+        t0 += time.perf_counter() - tw
         for tp in plan.tensors:
             signals.check()
             if shard_of[tp.name] in keep:
@@ -302,4 +348,4 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
         written = writer.bytes_written
     n_weights = sum(tp.n_elements for tp in plan.tensors if shard_of[tp.name] not in keep)
     return Result(paths, written, time.perf_counter() - t0, n_weights, per_tensor,
-                  kept=[p for i, p in enumerate(paths) if i in keep])
+                  kept=[p for i, p in enumerate(paths) if i in keep], compile_seconds=compiled.seconds)

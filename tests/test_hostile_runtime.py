@@ -364,7 +364,8 @@ def test_generation_steps_check_their_logits(base):
             return getattr(ops_cpu, name)
 
         def embed(self, w, ids):
-            self.calls += 1
+            if self.calls or list(ids) == [1, 20, 30, 40, 50]:     # from the prompt on, not the warm-up's passes
+                self.calls += 1
             x = ops_cpu.embed(w, ids)
             return x * np.nan if self.calls == 3 else x
 

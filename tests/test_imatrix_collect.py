@@ -112,6 +112,7 @@ def test_expert_counts_are_the_routed_tokens(tmp_path):
         rng = np.random.default_rng(0)
         chunks = [rng.integers(0, 512, 24) for _ in range(2)]
         collect(model, chunks)
+    routed = [ids for ids in routed if len(ids) == 24]     # not the warm-up pass's few tokens (runtime/warmup.py)
     moe_layers = [1, 2]
     assert len(routed) == len(chunks) * len(moe_layers)
     for k, layer in enumerate(moe_layers):

@@ -68,3 +68,8 @@ class MainlineRounding:
 
     def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None):
         return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=matmul or self.matmul_q)
+
+    def warm_up(self, qtypes) -> None:
+        """Make the rounding kernels of ``qtypes`` ready (runtime/warmup.py), on a scratch row."""
+        for qtype in {QuantType(t) for t in qtypes}:
+            round_for(qtype, np.zeros((1, 256), F32))

@@ -140,6 +140,11 @@ class ObservingOps:
     def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps):
         return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=self.matmul_q)
 
+    def warm_up(self, qtypes) -> None:
+        """Make the kernel that sums squares ready (runtime/warmup.py), on scratch rows: the stats
+        are not touched."""
+        kernels.add_square_sums(np.zeros((1, 32), np.float32), np.zeros(32))
+
 
 def collect(model, chunks: list[np.ndarray], on_chunk=None, all_logits: bool = False) -> list[float]:
     """Run every chunk from an empty cache, as llama-imatrix does (its products see the whole
@@ -149,6 +154,8 @@ def collect(model, chunks: list[np.ndarray], on_chunk=None, all_logits: bool = F
     observed then: --process-output)."""
     from .model import NonFiniteLogits
     from .perplexity import check_nll, token_nll
+    from .warmup import warm_up
+    warm_up(model, {len(c) for c in chunks})      # not observed: it adds nothing to the imatrix
     nll: list[float] = []
     for i, chunk in enumerate(chunks):
         n_ctx = len(chunk)

@@ -9,9 +9,11 @@ from typing import Iterator
 
 import numpy as np
 
+from ..compiling import ready_kernels
 from ..errors import QuantkitError
 from ..words import counted
 from .model import NonFiniteLogits
+from .warmup import warm_up
 
 
 @dataclass
@@ -67,6 +69,8 @@ class GenerationStats:
     n_generated: int = 0
     gen_seconds: float = 0.0
     tokens: list[int] = field(default_factory=list)
+    warm_up_seconds: float = 0.0    # the warm-up run before the timed passes (kernels made ready)
+    kernels_while_timed: int = 0    # kernels compiled or loaded from numba's cache inside the timed passes
 
     @property
     def prompt_tps(self) -> float:
@@ -79,8 +83,7 @@ class GenerationStats:
 
 def context_size(model, prompt: list[int], n_predict: int, n_ctx: int | None = None) -> int:
     """The context a generation of ``n_predict`` tokens after ``prompt`` uses, or an error when they
-    do not fit in ``n_ctx``.  A caller checks this before it shows anything (``generate`` itself
-    runs only when first iterated)."""
+    do not fit in ``n_ctx``.  A caller checks this before it shows anything."""
     if not prompt:
         raise QuantkitError("the prompt is empty (no tokens)")
     n_ctx = n_ctx or min(model.config.n_ctx_train, len(prompt) + n_predict)
@@ -93,10 +96,23 @@ def context_size(model, prompt: list[int], n_predict: int, n_ctx: int | None = N
 def generate(model, prompt: list[int], n_predict: int, sampler: Sampler, stop_ids=(),
              n_ctx: int | None = None, stats: GenerationStats | None = None) -> Iterator[int]:
     """Yield up to ``n_predict`` sampled tokens after ``prompt``; stops early at a token of
-    ``stop_ids`` (not yielded).  ``stats`` is filled as it goes."""
+    ``stop_ids`` (not yielded).  ``stats`` is filled as it goes.
+
+    The arguments are checked and the warm-up run made by the call itself, before a caller shows
+    anything (a compile notice gets a line of its own); the tokens are computed as iterated."""
     n_ctx = context_size(model, prompt, n_predict, n_ctx)
     stats = stats if stats is not None else GenerationStats()
     stats.n_prompt = len(prompt)
+    t0 = time.perf_counter()
+    # as llama.cpp does: a throwaway run first, so the timed ones compute and only compute
+    warm_up(model, (len(prompt), 1) if n_predict else (len(prompt),))
+    stats.warm_up_seconds = time.perf_counter() - t0
+    return _generate(model, prompt, n_predict, sampler, stop_ids, n_ctx, stats)
+
+
+def _generate(model, prompt: list[int], n_predict: int, sampler: Sampler, stop_ids, n_ctx: int,
+              stats: GenerationStats) -> Iterator[int]:
+    ready = ready_kernels()
     cache = model.new_cache(n_ctx)
     t0 = time.perf_counter()
     try:
@@ -104,6 +120,7 @@ def generate(model, prompt: list[int], n_predict: int, sampler: Sampler, stop_id
     except NonFiniteLogits as e:
         raise e.at("the prompt (generation step 1)") from None
     stats.prompt_seconds = time.perf_counter() - t0
+    stats.kernels_while_timed = ready_kernels() - ready
     t0 = time.perf_counter()
     for step in range(1, n_predict + 1):
         tok = sampler(logits)
@@ -120,3 +137,4 @@ def generate(model, prompt: list[int], n_predict: int, sampler: Sampler, stop_id
             raise e.at(f"generation step {step + 1}") from None
         stats.gen_seconds = time.perf_counter() - t0
     stats.gen_seconds = time.perf_counter() - t0
+    stats.kernels_while_timed = ready_kernels() - ready

@@ -31,6 +31,7 @@ from ..outputs import AtomicOutput
 from . import kernels, ops_cpu
 from .model import NonFiniteLogits
 from .ops_cpu import log_softmax
+from .warmup import warm_up
 
 MAGIC = b"_logits_"
 MIN_LOG_PROB = -16.0            # logits further than this below the maximum are stored as 0
@@ -112,6 +113,7 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 def perplexity(model, chunks: list[np.ndarray], on_chunk: Callable[[int, PplResult], None] | None = None,
                base_writer: "LogitsWriter | None" = None) -> PplResult:
+    warm_up(model, {len(c) for c in chunks})      # before the first chunk, which would be timed
     res = PplResult()
     for i, chunk in enumerate(chunks):
         n_ctx = len(chunk)
@@ -357,6 +359,7 @@ def percentiles(v: np.ndarray, fractions) -> dict:
 
 def kl_divergence(model, base: LogitsFile, on_chunk: Callable[[int, KldStats], None] | None = None) -> KldStats:
     base.check_model(model)
+    warm_up(model, {len(c) for c in base.chunks})
     stats = KldStats()
     per_chunk = base.n_ctx - 1 - base.n_ctx // 2
     for i, chunk in enumerate(base.chunks):
