@@ -17,7 +17,7 @@ import numpy as np
 
 from .compiling import CompileLog, announced, cache_place
 from .errors import QuantkitError
-from .types import QuantType, traits, type_from_name, type_name, type_name_suggestion
+from .types import QuantType, file_types, traits, type_from_name, type_name
 
 N_PER_ROW = 256                 # a row every block size divides (the largest is 256)
 
@@ -60,7 +60,8 @@ def resolve_types(names, flavor: str = "ik") -> list[QuantType]:
     """Type and preset names -> the types to make ready: a ggml type itself, a preset (Q4_K_M) the
     types its mix uses.  None or empty: every type quantkit quantizes."""
     from . import formats
-    from .presets import find_preset
+    from .presets import ALIASES, find_preset, preset_names
+    from .suggest import did_you_mean
     if not names:
         return sorted((t for t in formats.registered() if formats.registered()[t].quant_paths),
                       key=lambda t: type_name(t))
@@ -80,9 +81,11 @@ def resolve_types(names, flavor: str = "ik") -> list[QuantType]:
             try:
                 found.add(type_from_name(part))
             except ValueError:
-                hint = type_name_suggestion(part)
-                raise QuantkitError(f"--types: unknown type '{part}'" + (hint or " (a ggml type such as q4_K or a "
-                                    "preset such as Q4_K_M)")) from None
+                names = {name: ALIASES.get(name, name) for name in preset_names(flavor)}
+                names.update((t.name, t.name) for t in file_types())
+                hint = did_you_mean(part, names)
+                raise QuantkitError(f"--types: unknown type '{part}': neither a ggml type nor a preset"
+                                    + (f"; {hint}" if hint else "") + " (quantkit types lists them all)") from None
     return sorted(found, key=lambda t: type_name(t))
 
 

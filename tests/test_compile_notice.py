@@ -89,7 +89,7 @@ def test_announced_says_it_once_per_scope_and_only_for_compiles(monkeypatch):
 def test_warmup_refuses_an_unknown_type(capsys):
     rc = main(["warmup", "--types", "q8_0,q4km"])
     captured = capsys.readouterr()
-    assert_refused(rc, captured.out, captured.err, "--types", "'q4km'")
+    assert_refused(rc, captured.out, captured.err, "--types", "'q4km'", "did you mean Q4_K_M")
 
 
 def test_warmup_resolves_presets_to_their_mix():
