@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -564,10 +565,12 @@ def types_(as_json):
         _add_row(t, r["name"], ftype, both(list(r["ftype"])), r["default_type"], f"{r['bits_per_weight']:g}", *tail(r))
     out.print(t)
     out.print("aliases: " + ", ".join(f"{a} = {b}" for a, b in doc["aliases"].items()))
-    out.print("bpw: bits per weight of the type's blocks (a preset: of its default type; the mix gives some tensors "
-              "more). loaded by: whose llama.cpp loads a file with it (both: llama.cpp and ik_llama.cpp; a preset in "
-              "llama.cpp: written with --flavor mainline). writes: the --flavor values quantkit quantizes it with "
-              "(both: ik and mainline). runs: quantkit run, perplexity and imatrix compute with it.")
+    # a legend of fixed text: wrapped here, since a pipe's width is unbounded (console.py)
+    out.print(textwrap.fill(
+        "bpw: bits per weight of the type's blocks (a preset: of its default type; the mix gives some tensors "
+        "more). loaded by: whose llama.cpp loads a file with it (both: llama.cpp and ik_llama.cpp; a preset in "
+        "llama.cpp: written with --flavor mainline). writes: the --flavor values quantkit quantizes it with "
+        "(both: ik and mainline). runs: quantkit run, perplexity and imatrix compute with it.", 80))
 
 
 # --------------------------------------------------------------------------- runtime
