@@ -270,7 +270,7 @@ def test_kl_divergence_cli(files, shared_dir, tmp_path):
     (["perplexity", "{model}", "--kl-divergence-base", "{missing}", "--kl-divergence"], "missing.kld"),
     (["perplexity", "{model}", "-f", "{short}", "-c", "256"], "at least 2 * n_ctx"),
     (["run", "{missing}", "-p", "hi"], "missing.kld"),
-    (["run", "{model}", "-p", "hi", "-n", "50", "-c", "8"], "exceeds the context"),
+    (["run", "{model}", "-p", "hi", "-n", "50", "-c", "8"], "exceed the context of 8 tokens"),
 ])
 def test_runtime_errors_are_one_line(files, tmp_path, args, message):
     short = tmp_path / "short.txt"
