@@ -30,6 +30,7 @@ from numba import njit
 from numba.core import types as nbt
 from numba.extending import intrinsic
 
+from .. import kernel_cache  # noqa: F401  (keys numba's cache on quantkit's sources)
 from ..types import QuantType, traits
 
 T = QuantType

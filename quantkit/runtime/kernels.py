@@ -16,6 +16,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from .. import kernel_cache  # noqa: F401  (keys numba's cache on quantkit's sources)
 from . import dot
 
 F32 = np.float32

@@ -1,0 +1,158 @@
+"""numba's on-disk cache keyed on all of quantkit's sources, so that a stale kernel never runs.
+
+numba keeps a ``cache=True`` kernel under a stamp of the one source file that defines it (a hash of
+its bytes), and the index key adds the function's own bytecode and numba's target (``magic_tuple``:
+the CPU name and features).  An edit anywhere else (an ``@njit`` helper the kernel calls, a constant
+table, the LLVM IR strings of runtime/dot.py, quantkit/cpu.py's feature choice) leaves that stamp
+alone, and the kernel compiled from the old code would keep running.
+
+Here every quantkit kernel's stamp is instead a hash of all of the package's ``.py`` files (paths and
+bytes), computed once per process (~4 ms for ~1 MB).  So any edit in quantkit/ makes every cached
+kernel stale, and the next process recompiles what it uses; the target stays in numba's index key.
+
+How: :func:`install` puts :class:`PackageLocator` first in numba's list of cache locators.  For a
+function defined in quantkit it asks numba's own locators which place they would choose
+(NUMBA_CACHE_DIR where it is set, else ``__pycache__`` beside the module where that is writable,
+else numba's user-wide cache directory) and keeps that place, its file names and everything else;
+only the stamp differs.  Functions outside quantkit get numba's locators unchanged.  (A user who
+sets NUMBA_CACHE_LOCATOR_CLASSES chooses the locators, and this one with them.)
+
+Old entries: numba treats an index whose stamp differs as empty, and the first save after an edit
+rewrites the index with the new stamp and numbers the data files from 1 again, overwriting the old
+ones.  What overwriting misses (an index that names a kernel by a line number that has since moved,
+the extra data files of an index that held more signatures) is pruned: the first save of a process
+into a cache directory deletes the ``.nbi`` indexes there whose numba version or stamp is not the
+current one, and the ``.nbc`` data files that no index there owns any more.  Only quantkit's files
+are in such a directory (it is quantkit's ``__pycache__``, or a folder numba names after the source
+directory), and only ``.nbi`` / ``.nbc`` files are touched.
+
+Every module with ``cache=True`` kernels imports this module before its first decorator (the
+kernels package does so in its ``__init__``); tests/test_kernel_cache.py checks that every cached
+dispatcher in quantkit got this locator.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+import threading
+from pathlib import Path
+
+import numba
+from numba.core.caching import CacheImpl, _CacheLocator
+
+#: the package whose sources key the cache
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+@functools.cache
+def package_stamp() -> str:
+    """A hash of every ``.py`` file of the package (its relative path and bytes), once per process."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in PACKAGE_DIR.rglob("*.py") if "__pycache__" not in p.parts):
+        digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    return "quantkit-sources-" + digest.hexdigest()
+
+
+def _in_package(py_file: str) -> bool:
+    try:
+        return PACKAGE_DIR in Path(py_file).resolve().parents
+    except OSError:
+        return False
+
+
+_pruned: set[str] = set()          # cache directories pruned in this process
+_prune_lock = threading.Lock()
+
+
+def _stale(index: Path) -> bool:
+    """Whether numba's index file ``index`` holds another numba version's or another stamp's entries."""
+    try:
+        with open(index, "rb") as f:
+            if pickle.load(f) != numba.__version__:
+                return True
+            stamp, _ = pickle.loads(f.read())
+    except FileNotFoundError:
+        return False
+    except Exception:           # unreadable: numba could not use it either
+        return True
+    return stamp != package_stamp()
+
+
+def prune(cache_dir: str) -> list[str]:
+    """Delete the stale indexes (:func:`_stale`) in ``cache_dir`` and the data files no index there
+    owns any more; returns the names deleted.  A file another process removes first is skipped."""
+    folder = Path(cache_dir)
+    removed = []
+
+    def unlink(path: Path):
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except FileNotFoundError:
+            pass
+    try:
+        indexes = sorted(folder.glob("*.nbi"))
+        data = sorted(folder.glob("*.nbc"))
+    except OSError:
+        return removed
+    for index in indexes:
+        if _stale(index):
+            unlink(index)
+    # a data file is <base>.<n>.nbc beside its index <base>.nbi
+    for path in data:
+        base = path.name.rsplit(".", 2)[0]
+        if not (folder / f"{base}.nbi").exists():
+            unlink(path)
+    return removed
+
+
+class PackageLocator(_CacheLocator):
+    """numba's choice of place for a quantkit function's cache, stamped with :func:`package_stamp`."""
+
+    def __init__(self, inner: _CacheLocator):
+        self._inner = inner
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if not _in_package(py_file):
+            return None
+        for locator_class in CacheImpl._locator_classes:
+            if locator_class is cls:
+                continue
+            inner = locator_class.from_function(py_func, py_file)
+            if inner is not None:
+                return cls(inner)
+        return None
+
+    def get_cache_path(self):
+        return self._inner.get_cache_path()
+
+    def ensure_cache_path(self):
+        # numba calls this before every save, i.e. after a compile: the moment to prune what
+        # the edit that caused the compile left behind (once per directory and process)
+        self._inner.ensure_cache_path()
+        path = self.get_cache_path()
+        with _prune_lock:
+            if path in _pruned:
+                return
+            _pruned.add(path)
+        prune(path)
+
+    def get_source_stamp(self):
+        return package_stamp()
+
+    def get_disambiguator(self):
+        return self._inner.get_disambiguator()
+
+
+def install() -> None:
+    """Put :class:`PackageLocator` first in numba's cache locators (once)."""
+    if PackageLocator not in CacheImpl._locator_classes:
+        CacheImpl._locator_classes.insert(0, PackageLocator)
+
+
+install()
