@@ -3,8 +3,9 @@ piece of code made ready, so that timings can be kept free of them.
 
 numba compiles a kernel on its first call with a new signature, unless its on-disk cache holds it
 (every quantkit kernel has ``cache=True``): ``__pycache__`` beside the module where that is
-writable, else numba's user cache directory, or NUMBA_CACHE_DIR where it is set.  A compile takes
-seconds (all of a type's kernels: 5-30 s), a load from the cache a few milliseconds.
+writable, else numba's user cache directory, or NUMBA_CACHE_DIR where it is set; its entries are
+keyed on all of quantkit's sources (kernel_cache.py), so an edit of quantkit compiles them again.  A
+compile takes seconds (all of a type's kernels: 5-30 s), a load from the cache a few milliseconds.
 
 Which one happens is known for sure only inside numba's ``Dispatcher.compile``: it tries the cache
 first and returns on a hit; on a miss it broadcasts the ``"numba:compile"`` event (with the

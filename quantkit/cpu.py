@@ -14,8 +14,8 @@ cached kernel always matches the choice made here): a few functions in plain IR 
 assembly, and the instructions LLVM selects for them say what the target has.  No table of CPU
 names, and nothing is read from the host's cpuid.
 
-Like an edit of dot.py's IR, an edit here does not invalidate the kernels numba has cached (its
-cache checks the source file of the cached function only): delete the __pycache__/*.nb* files.
+An edit here, as of dot.py's IR, makes numba recompile the kernels it has cached: their cache is
+keyed on all of quantkit's sources (quantkit/kernel_cache.py).
 """
 from __future__ import annotations
 

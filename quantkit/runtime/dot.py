@@ -26,8 +26,8 @@ correctly rounded fmaf where not (NUMBA_CPU_NAME=generic), so the results are th
 every CPU; other multiplies and adds are plain fmul / fadd, which LLVM never contracts without
 fast-math flags.  The integer sums are exact anyway.
 
-numba's cache checks the source file of the cached function only: after editing this module,
-delete quantkit/runtime/__pycache__/*.nb* (kernels compiled from the old IR stay cached otherwise).
+After an edit of this module numba recompiles the kernels built from its IR: their cache is keyed
+on all of quantkit's sources (quantkit/kernel_cache.py).
 chunk_dot has a numpy twin (``chunk_twin``) that the tests compare it with on any bytes; the float
 and float16 dots are tested through the kernels that use them (F32/F16 products, attention).
 """
