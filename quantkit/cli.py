@@ -27,9 +27,10 @@ from rich.table import Table
 from rich.text import Text
 
 from . import __version__
+from .api import parse_size  # noqa: F401  (the CLI's name for it)
 from .console import Console
 from .errors import QuantkitError
-from .types import QuantType, type_from_name, type_name, type_name_suggestion
+from .types import type_from_name, type_name
 from .words import counted
 
 out = Console(highlight=False, markup=False, emoji=False)
@@ -91,22 +92,6 @@ class _WarningsToStderr(logging.Handler):
         _warn(record.getMessage())
 
 
-def _parse_type(value: str | None, what: str) -> QuantType | None:
-    if value is None:
-        return None
-    try:
-        return type_from_name(value)
-    except ValueError:
-        raise QuantkitError(f"{what}: unknown type '{value}'{type_name_suggestion(value)}") from None
-
-
-def _parse_preset_or_type(value: str | None, flavor: str):
-    """TYPE: a preset of the flavor (Q4_K_M, IQ4_K, 15, …) or a ggml type; presets win, as in
-    llama-quantize.  Returns (preset, default type)."""
-    from .presets import preset_or_type
-    return (None, None) if value is None else preset_or_type(value, flavor)
-
-
 def _type_label(text: str, flavor: str) -> str | None:
     """The name llama-quantize gives the type ``text`` names (a preset as spelled, upper case; a
     preset's ftype number as the preset; a ggml type; COPY), or None when it names no type."""
@@ -155,22 +140,6 @@ def _trailing_threads(text: str | None, threads: int | None) -> int | None:
     n = int(text) or None
     if threads is not None and n != threads:
         raise QuantkitError(f"NTHREADS {text} and --threads {threads} differ: give one of them")
-    return n
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
-
-
-def parse_size(text: str) -> int:
-    """'500M', '2G' (powers of 1000, as gguf-split) or '1GiB' (powers of 1024) to bytes."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise QuantkitError(f"--split-max-size: cannot read size '{text}' (examples: 500M, 4G, 2GiB)")
-    num, unit, binary = float(m[1]), m[2].lower(), m[3].lower().startswith("i")
-    base = 1024 if binary else 1000
-    n = int(num * base ** "_kmgt".index(unit)) if unit else int(num)
-    if n <= 0:
-        raise QuantkitError("--split-max-size must be positive")
     return n
 
 
@@ -314,78 +283,22 @@ def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_ty
     OUT is written whole or not at all, never over an input; if it is a symlink, its target is
     replaced (the link stays).
     """
-    from . import formats
-    from .gguf_io.reader import open_model
-    from .hf import open_hf
-    from .outputs import check_outputs
-    from .plan import PlanOptions, attach_imatrix, check_imatrix, check_implemented, make_plan
-    from .presets import ModelInfo
-    from .quantize import WriteOptions, run_plan
-    from .kv_override import overridden_getter, parse_kv_overrides
-    from .prune import parse_prune_layers
-    from .recipes import combined, load_recipe, load_tensor_types
+    from .api import open_quantization
 
-    if split_max_size and keep_split:
-        raise QuantkitError("--split-max-size and --keep-split cannot be used together")
-    max_size = parse_size(split_max_size) if split_max_size else None
-    if include_weights and exclude_weights:
-        raise QuantkitError("--include-weights and --exclude-weights cannot be used together")
     model_out, default_type, threads_arg = _output_and_type(model_in, model_out, default_type, flavor, threads_arg)
     threads = _trailing_threads(threads_arg, threads)
-    only_copy = default_type is not None and default_type.upper() == "COPY"
-    typed = custom_q or tensor_types or tensor_type_files or token_embedding_type or output_tensor_type or ffn_gate_inp_type
-    if only_copy and typed:
-        raise QuantkitError("TYPE COPY copies every tensor unchanged: it takes no --custom-q, --tensor-type(-file), "
-                            "--token-embedding-type, --output-tensor-type or --ffn-gate-inp-type")
-    if default_type is None and not (typed or split_max_size or override_kv or prune_layers or model_in.is_dir()):
-        raise QuantkitError(f"nothing to do: with no TYPE and no --custom-q every tensor of {model_in} would be "
-                            f"copied unchanged; give a TYPE (Q4_K_M, q8_0, ...) or a recipe, or TYPE COPY to copy "
-                            f"on purpose")
-    read = (imatrix_path, *(p for p in custom_q if os.path.isfile(p)), *tensor_type_files)      # besides IN
-    check_outputs([model_out], [model_in, *read])
-    preset, default = (None, None) if only_copy else _parse_preset_or_type(default_type, flavor)
-    opts = PlanOptions(
-        default_type=default, preset=preset,
-        recipe=combined(load_recipe(list(custom_q)) if custom_q else None,
-                        load_tensor_types(list(tensor_types), list(tensor_type_files))),
-        token_embedding_type=_parse_type(token_embedding_type, "--token-embedding-type"),
-        output_tensor_type=_parse_type(output_tensor_type, "--output-tensor-type"),
-        ffn_gate_inp_type=_parse_type(ffn_gate_inp_type, "--ffn-gate-inp-type"),
-        kv_overrides=parse_kv_overrides(override_kv),
-        prune_layers=parse_prune_layers(prune_layers) if prune_layers is not None else (),
-        pure=pure, leave_output_tensor=leave_output_tensor, allow_requantize=allow_requantize,
-        strict=strict, flavor=flavor, keep_input_order=keep_split)
-    imat = None
-    if imatrix_path is not None:
-        from .imatrix import load_imatrix
-        imat = load_imatrix(imatrix_path, include=list(include_weights), exclude=list(exclude_weights))
-        if imat.partial and missing_expert != "error":
-            logging.getLogger("quantkit").warning(
-                f"{imatrix_path}: {len(imat.partial)} entries have experts without data (partial data), "
-                + ("weight 1 used there" if missing_expert == "unit" else "the other experts' mean used there")
-                + f": {', '.join(imat.partial[:4])}{' ...' if len(imat.partial) > 4 else ''}")
-        imat = imat.with_missing_experts(missing_expert)
-    opts.has_imatrix = imat is not None and len(imat) > 0
-
-    if model_in.is_dir() and keep_split:
-        raise QuantkitError("--keep-split needs a split GGUF input; use --split-max-size with a model directory")
-    with (open_hf(model_in) if model_in.is_dir() else open_model(model_in)) as model:
-        # the C tools load the model with the overrides: an overridden hyper-parameter moves the mix
-        opts.model = ModelInfo.from_metadata(overridden_getter(model.get, opts.kv_overrides))
-        opts.metadata = model.metadata
-        plan = make_plan(model.tensors, opts)
-        imatrix_of, missing = attach_imatrix(plan, imat) if imat is not None else ({}, [])
-        problems = []
-        for check in (lambda: None if ignore_imatrix_rules else
-                      check_imatrix(plan, opts.has_imatrix, lambda tp: tp.name in imatrix_of),
-                      lambda: check_implemented(plan, formats.can_quantize, formats.can_dequantize,
-                                                lambda tp: tp.name in imatrix_of)):
-            try:
-                check()
-            except QuantkitError as e:
-                if not dry_run:
-                    raise
-                problems.append(str(e))
+    with open_quantization(
+            model_in, model_out, default_type, custom_q=custom_q, tensor_type=tensor_types,
+            tensor_type_file=tensor_type_files, ffn_gate_inp_type=ffn_gate_inp_type, override_kv=override_kv,
+            prune_layers=prune_layers, imatrix=imatrix_path, include_weights=include_weights,
+            exclude_weights=exclude_weights, missing_expert=missing_expert,
+            token_embedding_type=token_embedding_type, output_tensor_type=output_tensor_type,
+            leave_output_tensor=leave_output_tensor, pure=pure, allow_requantize=allow_requantize, strict=strict,
+            ignore_imatrix_rules=ignore_imatrix_rules, flavor=flavor, split_max_size=split_max_size,
+            keep_split=keep_split, partial_requant=partial_requant, threads=threads) as q:
+        plan, problems = q.plan, [str(e) for e in q.problems]
+        if not dry_run:
+            q.check()
         if as_json:
             doc = {"plan": plan.to_json(), "dry_run": dry_run}
             if problems:
@@ -402,17 +315,8 @@ def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_ty
             else:
                 out.print(_DRY_RUN)
             return
-
-        wopts = WriteOptions(split_max_size=max_size, keep_split=keep_split, threads=threads,
-                             recipe_text=opts.recipe.text if opts.recipe else None, inputs=read,
-                             partial_requant=partial_requant)
-        if imat is not None:
-            wopts.imatrix_info = {"file": str(imatrix_path), "dataset": (imat.datasets or [None])[0],
-                                  "entries_count": len(imat), "chunks_count": imat.chunk_count}
         with _tensor_progress("quantize", plan, show=not as_json) as reporter:
-            result = run_plan(model, plan, model_out, wopts, lambda tp: imatrix_of.get(tp.name),
-                              _tensor_step(reporter, plan))
-        result.missing_imatrix = missing
+            result = q.write(_tensor_step(reporter, plan))
     if as_json:
         doc["result"] = result.to_json()
         _print_json(doc)
@@ -444,38 +348,23 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
     iq2_k -> iq2_k_r4, ...) without requantizing, or back with --undo.  The bytes equal
     `llama-quantize --repack` and the runtime repack (-rtr).  OUT is written as by quantize: whole
     or not at all, never over an input, through a symlink."""
-    from .formats import interleave
-    from .gguf_io.reader import open_model
-    from .outputs import check_outputs
-    from .quantize import WriteOptions, run_plan
-    from .repack import RepackOptions, make_repack_plan, repack_metadata
+    from .api import open_repack
 
-    if split_max_size and keep_split:
-        raise QuantkitError("--split-max-size and --keep-split cannot be used together")
-    max_size = parse_size(split_max_size) if split_max_size else None
-    check_outputs([model_out], [model_in])
-    split = tuple(p for arg in patterns for p in arg.split(",") if p)
-    opts = RepackOptions(patterns=split, undo=undo, bf16=bf16)
-    with open_model(model_in) as model:
-        plan = make_repack_plan(model.tensors, model.metadata, opts, interleave.supports)
-        n_moved = sum(t.action == "repack" for t in plan.tensors)
+    with open_repack(model_in, model_out, pattern=patterns, undo=undo, bf16=bf16, split_max_size=split_max_size,
+                     keep_split=keep_split) as r:
+        plan, n_moved = r.plan, r.n_moved
         doc = {"plan": plan.to_json(), "dry_run": dry_run}
         if not as_json:
             render_plan(plan)
-        if n_moved == 0:
-            raise QuantkitError(f"{model_in}: nothing to {'undo' if undo else 'repack'} "
-                                f"(no tensor {'is interleaved' if undo else 'qualifies'}; see the plan)")
+        r.check()
         if dry_run:
             if as_json:
                 _print_json(doc)
             else:
                 out.print(_DRY_RUN)
             return
-        # the first shard's own metadata: split.* keys keep their places in a split output
-        wopts = WriteOptions(split_max_size=max_size, keep_split=keep_split,
-                             metadata=repack_metadata(model.files[0].metadata, plan, undo))
         with _tensor_progress("repack", plan, show=not as_json) as reporter:
-            result = run_plan(model, plan, model_out, wopts, progress=_tensor_step(reporter, plan))
+            result = r.write(_tensor_step(reporter, plan))
     if as_json:
         doc["result"] = result.to_json()
         _print_json(doc)
