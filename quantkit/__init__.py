@@ -6,7 +6,8 @@ quantkit (the CLI's start-up) stays cheap."""
 __version__ = "0.1.0"
 
 _API = ("Quantization", "Repacking", "open_quantization", "plan_quantize", "quantize_model", "open_repack",
-        "plan_repack", "repack_model", "QuantkitError")
+        "plan_repack", "repack_model", "perplexity", "kl_divergence", "generate", "Generation",
+        "collect_imatrix", "ImatrixResult", "QuantkitError")
 
 
 def __getattr__(name):

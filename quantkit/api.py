@@ -308,3 +308,208 @@ def repack_model(model_in, model_out, *, progress=None, **options):
     """Repack ``model_in`` to ``model_out``: a ``quantize.Result``."""
     with open_repack(model_in, model_out, **options) as r:
         return r.write(progress)
+
+
+# --------------------------------------------------------------------------- runtime
+MAX_TEXT_BYTES = 1024 ** 3      # calibration / evaluation text (-f): wiki.test.raw is 1.3 MB
+
+
+def read_text_file(path, max_bytes: int = MAX_TEXT_BYTES) -> str:
+    """A calibration / evaluation text (``-f``): a regular file of at most ``max_bytes``."""
+    from .inputs import read_text
+    return read_text(Path(path), "-f", max_bytes, errors="replace")
+
+
+def perplexity(model, text_file, *, ctx_size: int = 512, chunks: int | None = None, kl_divergence_base=None,
+               threads: int | None = None, device: str = "cpu", override_tensor=(), on_start=None,
+               on_chunk=None, max_text_bytes: int = MAX_TEXT_BYTES):
+    """Perplexity of ``model`` on ``text_file``, llama-perplexity's way (chunks of ``ctx_size``
+    tokens, the second half of each scored): a ``runtime.perplexity.PplResult`` (``.ppl``,
+    ``.ppl_error``, ``.chunk_ppl``).  ``kl_divergence_base``: also save the logits there for a
+    later ``kl_divergence``.  ``on_start(n_chunks)`` is called once the text is cut into chunks,
+    ``on_chunk(i, result so far)`` after each chunk."""
+    from .outputs import check_outputs
+    from .runtime import perplexity as ppl
+    from .runtime.session import open_session, parse_overrides
+
+    model, text_file = Path(model), Path(text_file)
+    if kl_divergence_base is not None:
+        kl_divergence_base = Path(kl_divergence_base)
+        check_outputs([kl_divergence_base], [model, text_file], what="--kl-divergence-base")
+    text = read_text_file(text_file, max_text_bytes)        # before the model loads: a bad -f fails fast
+    with open_session(model, threads, device=device, cpu_tensors=parse_overrides(_many(override_tensor))) as s:
+        chunk_list = s.chunks(text, ctx_size, chunks)
+        if on_start is not None:
+            on_start(len(chunk_list))
+        writer = None
+        if kl_divergence_base is not None:
+            writer = ppl.LogitsWriter(kl_divergence_base, ctx_size, s.model.config.n_vocab, chunk_list)
+        with writer if writer is not None else contextlib.nullcontext():
+            return ppl.perplexity(s.model, chunk_list, on_chunk, writer)
+
+
+def kl_divergence(model, kl_divergence_base, *, chunks: int | None = None, threads: int | None = None,
+                  device: str = "cpu", override_tensor=(), on_start=None, on_chunk=None):
+    """KL divergence of ``model`` from the base model whose logits ``perplexity(...,
+    kl_divergence_base=FILE)`` saved (llama-perplexity's --kl-divergence): a
+    ``runtime.perplexity.KldStats`` (``.summary()``: KLD, top-token, Δp statistics)."""
+    from .runtime import perplexity as ppl
+    from .runtime.session import open_session, parse_overrides
+
+    with open_session(Path(model), threads, device=device,
+                      cpu_tensors=parse_overrides(_many(override_tensor))) as s:
+        base = ppl.LogitsFile.read(Path(kl_divergence_base))
+        if chunks:
+            base.chunks = base.chunks[:chunks]
+        if on_start is not None:
+            on_start(len(base.chunks))
+        return ppl.kl_divergence(s.model, base, on_chunk)
+
+
+@dataclass
+class Generation:
+    """What ``generate`` made: the prompt as the model read it (``chat``: in its chat template), its
+    tokens, the generated text and ``runtime.generate.GenerationStats`` (tokens, speeds)."""
+    prompt: str
+    prompt_tokens: list[int]
+    text: str
+    stats: object
+    threads: int
+    placement: dict | None              # where a device backend computes the matrices (None: numba CPU)
+
+
+def _placement(session) -> dict | None:
+    """Where a device backend computes the matrices (None for the all-CPU numba backend)."""
+    summary = getattr(session.model.ops, "placement_summary", None)
+    if summary is None:
+        return None
+    return summary([session.model.w.need(t.name) for t in session.gguf.tensors if t.n_dims >= 2])
+
+
+def generate(model, prompt: str, *, n_predict: int = 128, temp: float = 0.8, top_k: int = 40, top_p: float = 0.95,
+             seed: int | None = None, chat: bool = False, ctx_size: int | None = None, threads: int | None = None,
+             device: str = "cpu", override_tensor=(), on_placement=None, on_prompt=None,
+             on_piece=None) -> Generation:
+    """Generate up to ``n_predict`` tokens after ``prompt`` with quantkit's reference runtime
+    (llama-cli's sampling options; ``temp=0`` is greedy): a ``Generation``.  Callbacks, for a caller
+    that streams: ``on_placement(placement)`` once the model is loaded and the prompt fits,
+    ``on_prompt(text)`` when the first token is about to be computed (kernels ready),
+    ``on_piece(text)`` as each piece of text becomes printable."""
+    from .runtime.generate import GenerationStats, Sampler, SamplerOptions, context_size
+    from .runtime.generate import generate as generate_tokens
+    from .runtime.session import TextStream, open_session, parse_overrides
+
+    sampler = Sampler(SamplerOptions(temp=temp, top_k=top_k, top_p=top_p, seed=seed))     # checks the options
+    with open_session(Path(model), threads, device=device,
+                      cpu_tensors=parse_overrides(_many(override_tensor))) as s:
+        tok = s.tokenizer
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        ids = tok.encode(text, add_special=True, parse_special=chat)
+        context_size(s.model, ids, n_predict, ctx_size)     # a prompt that does not fit: before it is shown
+        placement = _placement(s)
+        if on_placement is not None:
+            on_placement(placement)
+        stats = GenerationStats()
+        # checked and warmed up before the prompt is shown (a compile notice gets its own line)
+        tokens = generate_tokens(s.model, ids, n_predict, sampler, stop_ids=tok.eog_ids, n_ctx=ctx_size, stats=stats)
+        if on_prompt is not None:
+            on_prompt(text)
+        stream = TextStream(tok)
+        pieces = []
+        for t in tokens:
+            pieces.append(stream.push(t))
+            if on_piece is not None and pieces[-1]:
+                on_piece(pieces[-1])
+        pieces.append(stream.flush())
+        if on_piece is not None and pieces[-1]:
+            on_piece(pieces[-1])
+        return Generation(text, ids, "".join(pieces), stats, s.threads, placement)
+
+
+@dataclass
+class ImatrixResult:
+    """What ``collect_imatrix`` wrote: the file, its entries, the chunks of this run, the perplexity
+    over them and the experts that got no token (``{entry: [expert, ...]}``, said in ``warnings``)."""
+    file: Path
+    entries: int
+    chunks: int
+    n_ctx: int
+    ppl: float
+    partial: dict
+    warnings: list[str]                 # one line per entry with experts that got no token
+
+    def to_json(self) -> dict:
+        return {"file": str(self.file), "entries": self.entries, "chunks": self.chunks, "n_ctx": self.n_ctx,
+                "ppl": self.ppl, "partial": self.partial}
+
+
+def collect_imatrix(model, text_file, output="imatrix.gguf", *, ctx_size: int = 512, chunks: int | None = None,
+                    process_output: bool = False, in_file=(), chunk: int = 0, output_frequency: int = 10,
+                    activations: str = "mainline", threads: int | None = None, device: str = "cpu",
+                    override_tensor=(), on_start=None, on_chunk=None, on_save=None,
+                    max_text_bytes: int = MAX_TEXT_BYTES) -> ImatrixResult:
+    """Collect an importance matrix of ``model`` over ``text_file`` as llama-imatrix does and write it
+    to ``output`` (.dat: the legacy format, else GGUF): an ``ImatrixResult``.  ``in_file``: imatrix
+    files to start from, ``chunk``: chunks of the text to skip (those they hold).  The output is
+    saved every ``output_frequency`` chunks; an interrupt (KeyboardInterrupt) carries ``saved`` and
+    ``n_chunks``: how many of this run's chunks the output holds.  Callbacks: ``on_start(n_chunks)``,
+    ``on_chunk(i, nll of the chunk's tokens)``, ``on_save(chunks saved so far)``."""
+    import math
+
+    from . import signals
+    from .imatrix_tools import RawImatrix
+    from .outputs import check_outputs
+    from .runtime.activations import MainlineRounding
+    from .runtime.collect import ActivationStats, ObservingOps, collect
+    from .runtime.session import open_session, parse_overrides
+
+    if activations not in ("mainline", "exact"):
+        raise QuantkitError(f"activations: '{activations}' is none of mainline, exact")
+    model, text_file, output = Path(model), Path(text_file), Path(output)
+    in_files = [Path(p) for p in _many(in_file)]
+    check_outputs([output], [model, text_file, *in_files], what="-o")
+    datasets = []
+    stats = ActivationStats(process_output=process_output)
+    if in_files:
+        raw = RawImatrix.from_file(in_files[0], ctx_size)
+        for p in in_files[1:]:
+            raw = raw.merged(RawImatrix.from_file(p, ctx_size))
+        stats, datasets = ActivationStats.from_raw(raw, process_output), raw.datasets
+    datasets.append(str(text_file))
+    text = read_text_file(text_file, max_text_bytes)        # before the model loads: a bad -f fails fast
+
+    def observing(gguf, ops):
+        ops = MainlineRounding(ops) if activations == "mainline" else ops
+        return ObservingOps(ops, stats, {t.name: tuple(t.shape) for t in gguf.tensors})
+    with open_session(model, threads, wrap_ops=observing, device=device,
+                      cpu_tensors=parse_overrides(_many(override_tensor))) as s:
+        chunk_list = s.chunks(text, ctx_size, chunks, skip=chunk)
+        if on_start is not None:
+            on_start(len(chunk_list))
+        saved = 0                                       # chunks of this run that output holds
+
+        def on_collected(i, v):
+            nonlocal saved
+            if on_chunk is not None:
+                on_chunk(i, v)
+            if (i + 1) % output_frequency == 0 and i + 1 < len(chunk_list):
+                with signals.deferred():        # an interrupt comes after both: the count is the file's
+                    stats.to_raw(ctx_size, datasets).save(output)       # atomic: a temporary file renamed
+                    saved = i + 1
+                if on_save is not None:
+                    on_save(saved)
+        try:
+            nll = collect(s.model, chunk_list, on_collected, all_logits=process_output)
+        except KeyboardInterrupt as e:      # Ctrl-C, SIGTERM, SIGHUP: what the output holds
+            e.saved, e.n_chunks = saved, len(chunk_list)
+            raise
+    if not stats.entries:
+        raise QuantkitError(f"{model}: no matrix product was observed (no blk.* weights?)")
+    raw = stats.to_raw(ctx_size, datasets)
+    missing = raw.never_fired()
+    warnings = [f"{name}: {len(experts)} of {raw.counts[name].size} experts got no token "
+                f"(partial data): {', '.join(map(str, experts[:16]))}{' ...' if len(experts) > 16 else ''}"
+                for name, experts in missing.items()]
+    raw.save(output)
+    return ImatrixResult(output, len(stats.entries), len(chunk_list), ctx_size, math.exp(sum(nll) / len(nll)),
+                         missing, warnings)

@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import __version__
-from .api import parse_size  # noqa: F401  (the CLI's name for it)
+from .api import MAX_TEXT_BYTES, parse_size  # noqa: F401  (the CLI's names for them)
 from .console import Console
 from .errors import QuantkitError
 from .types import type_from_name, type_name
@@ -37,7 +37,6 @@ out = Console(highlight=False, markup=False, emoji=False)
 err = Console(stderr=True, highlight=False, markup=False, emoji=False, soft_wrap=True)
 GIB = 1024 ** 3
 _DRY_RUN = "dry run: nothing written"
-MAX_TEXT_BYTES = GIB            # calibration / evaluation text (-f): wiki.test.raw is 1.3 MB
 INSPECT_CELL_CHARS = 2000       # of a metadata key or value in inspect's table
 INSPECT_VALUE_WIDTH = 120       # columns of inspect's value column, where a longer value folds
 
@@ -495,56 +494,35 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
         as_json):
     """Generate text from PROMPT with quantkit's reference runtime, streaming it, then print prompt
     and generation speed (tokens/s)."""
-    from .runtime.generate import GenerationStats, Sampler, SamplerOptions, context_size, generate
-    from .runtime.session import TextStream, open_session, parse_overrides
+    from .api import generate
 
-    sampler = Sampler(SamplerOptions(temp=temp, top_k=top_k, top_p=top_p, seed=seed))     # checks the options
-    with open_session(model_path, threads, device=device, cpu_tensors=parse_overrides(overrides)) as s:
-        tok = s.tokenizer
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-        ids = tok.encode(text, add_special=True, parse_special=chat)
-        context_size(s.model, ids, n_predict, ctx_size)     # a prompt that does not fit: before it is echoed
-        placement = _placement(s)
+    def on_placement(placement):
         if placement and not as_json:
             err.print("weights: " + "; ".join(f"{where} {counted(v['tensors'], 'tensor')}, {v['MB']:.1f} MB"
                                                for where, v in placement.items()))
-        stats = GenerationStats()
-        # checked and warmed up before the prompt is echoed (a compile notice gets its own line)
-        tokens = generate(s.model, ids, n_predict, sampler, stop_ids=tok.eog_ids, n_ctx=ctx_size, stats=stats)
-        stream = TextStream(tok)
-        pieces = []
+
+    def on_prompt(text):
         if not as_json:
             out.print(text, end="", markup=False, highlight=False)
-        for t in tokens:
-            piece = stream.push(t)
-            pieces.append(piece)
-            if not as_json and piece:
-                out.print(piece, end="", markup=False, highlight=False)
-                out.file.flush()
-        pieces.append(stream.flush())
-        if as_json:
-            _print_json({"prompt": text, "prompt_tokens": ids, "text": "".join(pieces),
-                         "tokens": stats.tokens, "threads": s.threads,
-                         "prompt_tokens_per_second": stats.prompt_tps, "placement": placement,
-                         "generation_tokens_per_second": stats.gen_tps})
-            return
-        out.print(pieces[-1], markup=False, highlight=False)
-        err.print(f"prompt: {counted(stats.n_prompt, 'token')} in {stats.prompt_seconds:.2f} s "
-                  f"({stats.prompt_tps:.1f} tokens/s); generation: {counted(stats.n_generated, 'token')} in "
-                  f"{stats.gen_seconds:.2f} s ({stats.gen_tps:.1f} tokens/s); {counted(s.threads, 'thread')}")
 
-
-def _placement(session) -> dict | None:
-    """Where a device backend computes the matrices (None for the all-CPU numba backend)."""
-    summary = getattr(session.model.ops, "placement_summary", None)
-    if summary is None:
-        return None
-    return summary([session.model.w.need(t.name) for t in session.gguf.tensors if t.n_dims >= 2])
-
-
-def _read_text(path: Path) -> str:
-    from .inputs import read_text
-    return read_text(path, "-f", MAX_TEXT_BYTES, errors="replace")
+    def on_piece(piece):
+        if not as_json:
+            out.print(piece, end="", markup=False, highlight=False)
+            out.file.flush()
+    g = generate(model_path, prompt, n_predict=n_predict, temp=temp, top_k=top_k, top_p=top_p, seed=seed, chat=chat,
+                 ctx_size=ctx_size, threads=threads, device=device, override_tensor=overrides,
+                 on_placement=on_placement, on_prompt=on_prompt, on_piece=on_piece)
+    stats = g.stats
+    if as_json:
+        _print_json({"prompt": g.prompt, "prompt_tokens": g.prompt_tokens, "text": g.text,
+                     "tokens": stats.tokens, "threads": g.threads,
+                     "prompt_tokens_per_second": stats.prompt_tps, "placement": g.placement,
+                     "generation_tokens_per_second": stats.gen_tps})
+        return
+    out.print(markup=False, highlight=False)
+    err.print(f"prompt: {counted(stats.n_prompt, 'token')} in {stats.prompt_seconds:.2f} s "
+              f"({stats.prompt_tps:.1f} tokens/s); generation: {counted(stats.n_generated, 'token')} in "
+              f"{stats.gen_seconds:.2f} s ({stats.gen_tps:.1f} tokens/s); {counted(g.threads, 'thread')}")
 
 
 @cli.command()
@@ -565,47 +543,38 @@ def _read_text(path: Path) -> str:
 def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, device, overrides, as_json):
     """Perplexity of MODEL on a text, llama-perplexity's way (chunks of --ctx-size tokens, the
     second half of each scored), or KL divergence against a base model's saved logits."""
+    from . import api
     from .console import interactive
-    from .outputs import check_outputs
     from .perplexity_log import PerplexityLog
     from .progress import Reporter
-    from .runtime import perplexity as ppl
-    from .runtime.session import open_session, parse_overrides
 
     if kld and kld_base is None:
         raise QuantkitError("--kl-divergence needs --kl-divergence-base FILE (the base model's saved logits)")
     if not kld and text_path is None:
         raise QuantkitError("-f FILE is needed (the text to evaluate)")
-    if kld_base is not None and not kld:
-        check_outputs([kld_base], [model_path, text_path], what="--kl-divergence-base")
-    text = None if kld else _read_text(text_path)       # before the model loads: a bad -f fails fast
-    with open_session(model_path, threads, device=device, cpu_tensors=parse_overrides(overrides)) as s:
-        if kld:
-            base = ppl.LogitsFile.read(kld_base)
-            if chunks:
-                base.chunks = base.chunks[:chunks]
-            total = len(base.chunks)
-        else:
-            chunk_list = s.chunks(text, ctx_size, chunks)
-            total = len(chunk_list)
+    shown = contextlib.ExitStack()      # the progress, from the first chunk to the end of the run
+    log = reporter = total = None
+
+    def on_start(n):
+        nonlocal log, reporter, total
+        total = n
         # llama-perplexity's lines are the progress (on stdout); a bar besides only where stdout
         # is not the terminal the bar is drawn on
         log = None if as_json else PerplexityLog(out, err, total, ctx_size, kld)
-        with Reporter(err, "kl-divergence" if kld else "perplexity", total, unit="chunks",
-                      show=not as_json and not interactive(out), lines=False) as reporter:
+        reporter = shown.enter_context(Reporter(err, "kl-divergence" if kld else "perplexity", total, unit="chunks",
+                                                show=not as_json and not interactive(out), lines=False))
 
-            def on_chunk(i, r):
-                reporter.step(f"KLD {sum(r.kld) / len(r.kld):.4f}" if kld else f"PPL {r.ppl:.4f}")
-                if log is not None:
-                    log.chunk(i, r, reporter.elapsed)
-            if kld:
-                stats = ppl.kl_divergence(s.model, base, on_chunk)
-            else:
-                writer = None
-                if kld_base is not None:
-                    writer = ppl.LogitsWriter(kld_base, ctx_size, s.model.config.n_vocab, chunk_list)
-                with writer if writer is not None else contextlib.nullcontext():
-                    res = ppl.perplexity(s.model, chunk_list, on_chunk, writer)
+    def on_chunk(i, r):
+        reporter.step(f"KLD {sum(r.kld) / len(r.kld):.4f}" if kld else f"PPL {r.ppl:.4f}")
+        if log is not None:
+            log.chunk(i, r, reporter.elapsed)
+    session = dict(threads=threads, device=device, override_tensor=overrides, on_start=on_start, on_chunk=on_chunk)
+    with shown:
+        if kld:
+            stats = api.kl_divergence(model_path, kld_base, chunks=chunks, **session)
+        else:
+            res = api.perplexity(model_path, text_path, ctx_size=ctx_size, chunks=chunks, kl_divergence_base=kld_base,
+                                 max_text_bytes=MAX_TEXT_BYTES, **session)
     if kld:
         doc = stats.summary()
         if as_json:
@@ -614,7 +583,7 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
             log.final(doc)
         return
     if as_json:
-        _print_json({"ppl": res.ppl, "ppl_error": res.ppl_error, "chunks": len(chunk_list),
+        _print_json({"ppl": res.ppl, "ppl_error": res.ppl_error, "chunks": total,
                      "n_ctx": ctx_size, "tokens_scored": len(res.nll), "chunk_ppl": res.chunk_ppl})
     else:
         log.final(res)
@@ -698,67 +667,42 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
     calibration text (per expert for routed experts), as llama-imatrix does."""
     import math
 
-    from . import signals
-    from .imatrix_tools import RawImatrix
-    from .outputs import check_outputs
+    from .api import collect_imatrix
     from .progress import Reporter
-    from .runtime.activations import MainlineRounding
-    from .runtime.collect import ActivationStats, ObservingOps, collect
-    from .runtime.session import open_session, parse_overrides
 
-    check_outputs([out_path], [model_path, text_path, *in_files], what="-o")
-    datasets = []
-    stats = ActivationStats(process_output=process_output)
-    if in_files:
-        raw = RawImatrix.from_file(in_files[0], ctx_size)
-        for p in in_files[1:]:
-            raw = raw.merged(RawImatrix.from_file(p, ctx_size))
-        stats, datasets = ActivationStats.from_raw(raw, process_output), raw.datasets
-    datasets.append(str(text_path))
-    text = _read_text(text_path)                        # before the model loads: a bad -f fails fast
+    shown = contextlib.ExitStack()      # the progress, from the first chunk to the end of the run
+    reporter = None
 
-    def observing(gguf, ops):
-        ops = MainlineRounding(ops) if activations == "mainline" else ops
-        return ObservingOps(ops, stats, {t.name: tuple(t.shape) for t in gguf.tensors})
-    with open_session(model_path, threads, wrap_ops=observing, device=device,
-                      cpu_tensors=parse_overrides(overrides)) as s:
-        chunk_list = s.chunks(text, ctx_size, chunks, skip=skip_chunks)
-        saved = 0                                       # chunks of this run that out_path holds
-        with Reporter(err, "imatrix", len(chunk_list), unit="chunks", show=not as_json) as reporter:
+    def on_start(n):
+        nonlocal reporter
+        reporter = shown.enter_context(Reporter(err, "imatrix", n, unit="chunks", show=not as_json))
 
-            def on_chunk(i, v):
-                nonlocal saved
-                reporter.step(f"PPL {math.exp(sum(v) / len(v)):.4f}")
-                if (i + 1) % output_frequency == 0 and i + 1 < len(chunk_list):
-                    with signals.deferred():        # an interrupt comes after both: the count is the file's
-                        stats.to_raw(ctx_size, datasets).save(out_path)     # atomic: a temporary file renamed
-                        saved = i + 1
-                    reporter.note(_shown(f"saved {out_path} after chunk {skip_chunks + saved}", one_line=True))
-            try:
-                nll = collect(s.model, chunk_list, on_chunk, all_logits=process_output)
-            except KeyboardInterrupt as e:      # Ctrl-C, SIGTERM, SIGHUP: say how to go on from the last save
-                resume = dict(model_path=model_path, text_path=text_path, ctx_size=ctx_size,
-                              chunks=None if chunks is None else chunks - saved, skip=skip_chunks + saved,
-                              process_output=process_output, output_frequency=output_frequency,
-                              activations=activations, threads=threads, device=device, overrides=overrides)
-                e.add_note(_imatrix_resume(out_path, saved, output_frequency, len(chunk_list), resume))
-                raise
-    if not stats.entries:
-        raise QuantkitError(f"{model_path}: no matrix product was observed (no blk.* weights?)")
-    raw = stats.to_raw(ctx_size, datasets)
-    missing = raw.never_fired()
-    for name, experts in missing.items():
-        logging.getLogger("quantkit").warning(
-            f"{name}: {len(experts)} of {raw.counts[name].size} experts got no token "
-            f"(partial data): {', '.join(map(str, experts[:16]))}{' ...' if len(experts) > 16 else ''}")
-    raw.save(out_path)
-    ppl_value = math.exp(sum(nll) / len(nll))
+    def on_save(saved):
+        reporter.note(_shown(f"saved {out_path} after chunk {skip_chunks + saved}", one_line=True))
+    try:
+        with shown:
+            result = collect_imatrix(
+                model_path, text_path, out_path, ctx_size=ctx_size, chunks=chunks, process_output=process_output,
+                in_file=in_files, chunk=skip_chunks, output_frequency=output_frequency, activations=activations,
+                threads=threads, device=device, override_tensor=overrides, on_start=on_start,
+                on_chunk=lambda i, v: reporter.step(f"PPL {math.exp(sum(v) / len(v)):.4f}"), on_save=on_save,
+                max_text_bytes=MAX_TEXT_BYTES)
+    except KeyboardInterrupt as e:      # Ctrl-C, SIGTERM, SIGHUP: say how to go on from the last save
+        if hasattr(e, "saved"):
+            saved = e.saved
+            resume = dict(model_path=model_path, text_path=text_path, ctx_size=ctx_size,
+                          chunks=None if chunks is None else chunks - saved, skip=skip_chunks + saved,
+                          process_output=process_output, output_frequency=output_frequency,
+                          activations=activations, threads=threads, device=device, overrides=overrides)
+            e.add_note(_imatrix_resume(out_path, saved, output_frequency, e.n_chunks, resume))
+        raise
+    for w in result.warnings:
+        _warn(w)
     if as_json:
-        _print_json({"file": str(out_path), "entries": len(stats.entries), "chunks": len(chunk_list),
-                     "n_ctx": ctx_size, "ppl": ppl_value, "partial": missing})
+        _print_json(result.to_json())
     else:
-        out.print(_styled(("wrote", "green"), f" {out_path}: {counted(len(stats.entries), 'entry', 'entries')} from "
-                          f"{counted(len(chunk_list), 'chunk')} of {ctx_size} tokens (PPL {ppl_value:.4f})"))
+        out.print(_styled(("wrote", "green"), f" {out_path}: {counted(result.entries, 'entry', 'entries')} from "
+                          f"{counted(result.chunks, 'chunk')} of {ctx_size} tokens (PPL {result.ppl:.4f})"))
 
 
 def _imatrix_resume(out_path: Path, saved: int, frequency: int, n_chunks: int, o: dict) -> str:

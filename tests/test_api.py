@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import quantkit
-from quantkit.cli import main
+from quantkit.cli import _finite, main
 from quantkit.errors import QuantkitError
 
 from hostile import Snapshot
@@ -121,3 +121,52 @@ def test_a_real_run_stops_where_a_dry_run_reports(llama, tmp_path):
         with pytest.raises(QuantkitError, match="imatrix"):
             q.write()
     assert not (tmp_path / "o.gguf").exists()
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory, repo_root):
+    path = tmp_path_factory.mktemp("text") / "calib.txt"
+    path.write_text((repo_root / "imatrix" / "calib-gpl3.txt").read_text()[:4000])
+    return path
+
+
+def test_perplexity_and_kld_equal_the_clis(capsys, smollm2_path, calib, tmp_path):
+    starts, seen = [], []
+    res = quantkit.perplexity(smollm2_path, calib, ctx_size=64, chunks=2, kl_divergence_base=tmp_path / "api.kld",
+                              on_start=starts.append, on_chunk=lambda i, r: seen.append((i, r.ppl)))
+    doc = _cli_json(capsys, "perplexity", smollm2_path, "-f", calib, "-c", "64", "--chunks", "2",
+                    "--kl-divergence-base", tmp_path / "cli.kld")
+    assert (res.ppl, res.ppl_error, res.chunk_ppl) == (doc["ppl"], doc["ppl_error"], doc["chunk_ppl"])
+    assert starts == [2] and [i for i, _ in seen] == [0, 1] and seen[-1][1] == res.ppl
+    assert (tmp_path / "api.kld").read_bytes() == (tmp_path / "cli.kld").read_bytes()
+    stats = quantkit.kl_divergence(smollm2_path, tmp_path / "api.kld", chunks=1)
+    kld = _cli_json(capsys, "perplexity", smollm2_path, "--kl-divergence-base", tmp_path / "cli.kld",
+                    "--kl-divergence", "--chunks", "1")
+    assert json.loads(json.dumps(_finite(stats.summary()))) == kld       # the CLI writes NaN as null
+    assert kld["kld"]["mean"][0] == pytest.approx(0, abs=1e-3)   # the model against its own logits
+    with pytest.raises(QuantkitError, match="more than"):
+        quantkit.perplexity(smollm2_path, calib, max_text_bytes=100)
+
+
+def test_generate_equals_run_json(capsys, smollm2_path):
+    pieces = []
+    g = quantkit.generate(smollm2_path, "The capital of France is", n_predict=6, temp=0, on_piece=pieces.append)
+    doc = _cli_json(capsys, "run", smollm2_path, "-p", "The capital of France is", "-n", "6", "--temp", "0")
+    assert (g.prompt, g.prompt_tokens, g.text, g.stats.tokens) == \
+        (doc["prompt"], doc["prompt_tokens"], doc["text"], doc["tokens"])
+    assert "".join(pieces) == g.text and len(g.stats.tokens) == 6
+    with pytest.raises(QuantkitError, match="exceed the context"):
+        quantkit.generate(smollm2_path, "The capital of France is", n_predict=6, ctx_size=4)
+
+
+def test_collect_imatrix_equals_the_clis(capsys, smollm2_path, calib, tmp_path):
+    chunks = []
+    result = quantkit.collect_imatrix(smollm2_path, calib, tmp_path / "api.gguf", ctx_size=64, chunks=2,
+                                      on_chunk=lambda i, nll: chunks.append(i))
+    doc = _cli_json(capsys, "imatrix", smollm2_path, "-f", calib, "-o", tmp_path / "cli.gguf", "-c", "64",
+                    "--chunks", "2")
+    assert {**result.to_json(), "file": doc["file"]} == doc
+    assert result.file == tmp_path / "api.gguf" and chunks == [0, 1] and result.entries > 0
+    assert (tmp_path / "api.gguf").read_bytes() == (tmp_path / "cli.gguf").read_bytes()
+    with pytest.raises(QuantkitError, match="-o"):
+        quantkit.collect_imatrix(smollm2_path, calib, calib)
