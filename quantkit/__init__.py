@@ -6,7 +6,7 @@ quantkit (the CLI's start-up) stays cheap."""
 __version__ = "0.1.0"
 
 _API = ("Quantization", "Repacking", "open_quantization", "plan_quantize", "quantize_model", "open_repack",
-        "plan_repack", "repack_model", "perplexity", "kl_divergence", "generate", "Generation",
+        "plan_repack", "repack_model", "inspect_model", "perplexity", "kl_divergence", "generate", "Generation",
         "collect_imatrix", "ImatrixResult", "QuantkitError")
 
 

@@ -12,7 +12,10 @@ and ``open_repack`` give a context that holds the open model and its plan, and w
         print(q.plan.bytes_out)
         result = q.write()
 
-``quantize_model`` / ``repack_model`` do both at once; ``plan_quantize`` / ``plan_repack`` only plan (a dry run).
+``quantize_model`` / ``repack_model`` do both at once; ``plan_quantize`` / ``plan_repack`` only plan
+(a dry run).  ``inspect_model``, ``perplexity``, ``kl_divergence``, ``generate`` and
+``collect_imatrix`` are the other commands; the runtime ones take callbacks for a caller that shows
+progress.  The functions print nothing: warnings go to the ``quantkit`` logger.
 """
 from __future__ import annotations
 
@@ -308,6 +311,16 @@ def repack_model(model_in, model_out, *, progress=None, **options):
     """Repack ``model_in`` to ``model_out``: a ``quantize.Result``."""
     with open_repack(model_in, model_out, **options) as r:
         return r.write(progress)
+
+
+# --------------------------------------------------------------------------- inspect
+def inspect_model(path) -> dict:
+    """A GGUF file's metadata (values whole), tensors and totals per type: what ``inspect --json``
+    prints (``describe.describe``)."""
+    from .describe import describe
+    from .gguf_io.reader import open_model
+    with open_model(Path(path), nested_arrays=True) as model:
+        return describe(model)
 
 
 # --------------------------------------------------------------------------- runtime

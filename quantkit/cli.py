@@ -381,10 +381,9 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
 def inspect(path, as_json, no_tensors):
     """Show a GGUF file's metadata, tensors and totals per type (a long metadata value in part, with
     its length; --json has it whole)."""
-    from .describe import describe, value_text
-    from .gguf_io.reader import open_model
-    with open_model(path, nested_arrays=True) as model:
-        doc = describe(model)
+    from .api import inspect_model
+    from .describe import value_text
+    doc = inspect_model(path)
     if as_json:
         _print_json(doc)
         return

@@ -123,6 +123,14 @@ def test_a_real_run_stops_where_a_dry_run_reports(llama, tmp_path):
     assert not (tmp_path / "o.gguf").exists()
 
 
+def test_inspect_model_equals_inspect_json(capsys, llama):
+    doc = quantkit.inspect_model(llama)
+    assert doc == _cli_json(capsys, "inspect", llama)
+    assert doc["totals"]["tensors"] == len(doc["tensors"]) > 0
+    with pytest.raises(QuantkitError):
+        quantkit.inspect_model(llama.parent / "missing.gguf")
+
+
 @pytest.fixture(scope="module")
 def calib(tmp_path_factory, repo_root):
     path = tmp_path_factory.mktemp("text") / "calib.txt"
