@@ -27,16 +27,16 @@ from rich.table import Table
 from rich.text import Text
 
 from . import __version__
+from .api import MAX_TEXT_BYTES, parse_size  # noqa: F401  (the CLI's names for them)
 from .console import Console
 from .errors import QuantkitError
-from .types import QuantType, type_from_name, type_name, type_name_suggestion
+from .types import type_from_name, type_name
 from .words import counted
 
 out = Console(highlight=False, markup=False, emoji=False)
 err = Console(stderr=True, highlight=False, markup=False, emoji=False, soft_wrap=True)
 GIB = 1024 ** 3
 _DRY_RUN = "dry run: nothing written"
-MAX_TEXT_BYTES = GIB            # calibration / evaluation text (-f): wiki.test.raw is 1.3 MB
 INSPECT_CELL_CHARS = 2000       # of a metadata key or value in inspect's table
 INSPECT_VALUE_WIDTH = 120       # columns of inspect's value column, where a longer value folds
 
@@ -91,22 +91,6 @@ class _WarningsToStderr(logging.Handler):
         _warn(record.getMessage())
 
 
-def _parse_type(value: str | None, what: str) -> QuantType | None:
-    if value is None:
-        return None
-    try:
-        return type_from_name(value)
-    except ValueError:
-        raise QuantkitError(f"{what}: unknown type '{value}'{type_name_suggestion(value)}") from None
-
-
-def _parse_preset_or_type(value: str | None, flavor: str):
-    """TYPE: a preset of the flavor (Q4_K_M, IQ4_K, 15, …) or a ggml type; presets win, as in
-    llama-quantize.  Returns (preset, default type)."""
-    from .presets import preset_or_type
-    return (None, None) if value is None else preset_or_type(value, flavor)
-
-
 def _type_label(text: str, flavor: str) -> str | None:
     """The name llama-quantize gives the type ``text`` names (a preset as spelled, upper case; a
     preset's ftype number as the preset; a ggml type; COPY), or None when it names no type."""
@@ -155,22 +139,6 @@ def _trailing_threads(text: str | None, threads: int | None) -> int | None:
     n = int(text) or None
     if threads is not None and n != threads:
         raise QuantkitError(f"NTHREADS {text} and --threads {threads} differ: give one of them")
-    return n
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
-
-
-def parse_size(text: str) -> int:
-    """'500M', '2G' (powers of 1000, as gguf-split) or '1GiB' (powers of 1024) to bytes."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise QuantkitError(f"--split-max-size: cannot read size '{text}' (examples: 500M, 4G, 2GiB)")
-    num, unit, binary = float(m[1]), m[2].lower(), m[3].lower().startswith("i")
-    base = 1024 if binary else 1000
-    n = int(num * base ** "_kmgt".index(unit)) if unit else int(num)
-    if n <= 0:
-        raise QuantkitError("--split-max-size must be positive")
     return n
 
 
@@ -314,78 +282,22 @@ def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_ty
     OUT is written whole or not at all, never over an input; if it is a symlink, its target is
     replaced (the link stays).
     """
-    from . import formats
-    from .gguf_io.reader import open_model
-    from .hf import open_hf
-    from .outputs import check_outputs
-    from .plan import PlanOptions, attach_imatrix, check_imatrix, check_implemented, make_plan
-    from .presets import ModelInfo
-    from .quantize import WriteOptions, run_plan
-    from .kv_override import overridden_getter, parse_kv_overrides
-    from .prune import parse_prune_layers
-    from .recipes import combined, load_recipe, load_tensor_types
+    from .api import open_quantization
 
-    if split_max_size and keep_split:
-        raise QuantkitError("--split-max-size and --keep-split cannot be used together")
-    max_size = parse_size(split_max_size) if split_max_size else None
-    if include_weights and exclude_weights:
-        raise QuantkitError("--include-weights and --exclude-weights cannot be used together")
     model_out, default_type, threads_arg = _output_and_type(model_in, model_out, default_type, flavor, threads_arg)
     threads = _trailing_threads(threads_arg, threads)
-    only_copy = default_type is not None and default_type.upper() == "COPY"
-    typed = custom_q or tensor_types or tensor_type_files or token_embedding_type or output_tensor_type or ffn_gate_inp_type
-    if only_copy and typed:
-        raise QuantkitError("TYPE COPY copies every tensor unchanged: it takes no --custom-q, --tensor-type(-file), "
-                            "--token-embedding-type, --output-tensor-type or --ffn-gate-inp-type")
-    if default_type is None and not (typed or split_max_size or override_kv or prune_layers or model_in.is_dir()):
-        raise QuantkitError(f"nothing to do: with no TYPE and no --custom-q every tensor of {model_in} would be "
-                            f"copied unchanged; give a TYPE (Q4_K_M, q8_0, ...) or a recipe, or TYPE COPY to copy "
-                            f"on purpose")
-    read = (imatrix_path, *(p for p in custom_q if os.path.isfile(p)), *tensor_type_files)      # besides IN
-    check_outputs([model_out], [model_in, *read])
-    preset, default = (None, None) if only_copy else _parse_preset_or_type(default_type, flavor)
-    opts = PlanOptions(
-        default_type=default, preset=preset,
-        recipe=combined(load_recipe(list(custom_q)) if custom_q else None,
-                        load_tensor_types(list(tensor_types), list(tensor_type_files))),
-        token_embedding_type=_parse_type(token_embedding_type, "--token-embedding-type"),
-        output_tensor_type=_parse_type(output_tensor_type, "--output-tensor-type"),
-        ffn_gate_inp_type=_parse_type(ffn_gate_inp_type, "--ffn-gate-inp-type"),
-        kv_overrides=parse_kv_overrides(override_kv),
-        prune_layers=parse_prune_layers(prune_layers) if prune_layers is not None else (),
-        pure=pure, leave_output_tensor=leave_output_tensor, allow_requantize=allow_requantize,
-        strict=strict, flavor=flavor, keep_input_order=keep_split)
-    imat = None
-    if imatrix_path is not None:
-        from .imatrix import load_imatrix
-        imat = load_imatrix(imatrix_path, include=list(include_weights), exclude=list(exclude_weights))
-        if imat.partial and missing_expert != "error":
-            logging.getLogger("quantkit").warning(
-                f"{imatrix_path}: {len(imat.partial)} entries have experts without data (partial data), "
-                + ("weight 1 used there" if missing_expert == "unit" else "the other experts' mean used there")
-                + f": {', '.join(imat.partial[:4])}{' ...' if len(imat.partial) > 4 else ''}")
-        imat = imat.with_missing_experts(missing_expert)
-    opts.has_imatrix = imat is not None and len(imat) > 0
-
-    if model_in.is_dir() and keep_split:
-        raise QuantkitError("--keep-split needs a split GGUF input; use --split-max-size with a model directory")
-    with (open_hf(model_in) if model_in.is_dir() else open_model(model_in)) as model:
-        # the C tools load the model with the overrides: an overridden hyper-parameter moves the mix
-        opts.model = ModelInfo.from_metadata(overridden_getter(model.get, opts.kv_overrides))
-        opts.metadata = model.metadata
-        plan = make_plan(model.tensors, opts)
-        imatrix_of, missing = attach_imatrix(plan, imat) if imat is not None else ({}, [])
-        problems = []
-        for check in (lambda: None if ignore_imatrix_rules else
-                      check_imatrix(plan, opts.has_imatrix, lambda tp: tp.name in imatrix_of),
-                      lambda: check_implemented(plan, formats.can_quantize, formats.can_dequantize,
-                                                lambda tp: tp.name in imatrix_of)):
-            try:
-                check()
-            except QuantkitError as e:
-                if not dry_run:
-                    raise
-                problems.append(str(e))
+    with open_quantization(
+            model_in, model_out, default_type, custom_q=custom_q, tensor_type=tensor_types,
+            tensor_type_file=tensor_type_files, ffn_gate_inp_type=ffn_gate_inp_type, override_kv=override_kv,
+            prune_layers=prune_layers, imatrix=imatrix_path, include_weights=include_weights,
+            exclude_weights=exclude_weights, missing_expert=missing_expert,
+            token_embedding_type=token_embedding_type, output_tensor_type=output_tensor_type,
+            leave_output_tensor=leave_output_tensor, pure=pure, allow_requantize=allow_requantize, strict=strict,
+            ignore_imatrix_rules=ignore_imatrix_rules, flavor=flavor, split_max_size=split_max_size,
+            keep_split=keep_split, partial_requant=partial_requant, threads=threads) as q:
+        plan, problems = q.plan, [str(e) for e in q.problems]
+        if not dry_run:
+            q.check()
         if as_json:
             doc = {"plan": plan.to_json(), "dry_run": dry_run}
             if problems:
@@ -402,17 +314,8 @@ def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_ty
             else:
                 out.print(_DRY_RUN)
             return
-
-        wopts = WriteOptions(split_max_size=max_size, keep_split=keep_split, threads=threads,
-                             recipe_text=opts.recipe.text if opts.recipe else None, inputs=read,
-                             partial_requant=partial_requant)
-        if imat is not None:
-            wopts.imatrix_info = {"file": str(imatrix_path), "dataset": (imat.datasets or [None])[0],
-                                  "entries_count": len(imat), "chunks_count": imat.chunk_count}
         with _tensor_progress("quantize", plan, show=not as_json) as reporter:
-            result = run_plan(model, plan, model_out, wopts, lambda tp: imatrix_of.get(tp.name),
-                              _tensor_step(reporter, plan))
-        result.missing_imatrix = missing
+            result = q.write(_tensor_step(reporter, plan))
     if as_json:
         doc["result"] = result.to_json()
         _print_json(doc)
@@ -444,38 +347,23 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
     iq2_k -> iq2_k_r4, ...) without requantizing, or back with --undo.  The bytes equal
     `llama-quantize --repack` and the runtime repack (-rtr).  OUT is written as by quantize: whole
     or not at all, never over an input, through a symlink."""
-    from .formats import interleave
-    from .gguf_io.reader import open_model
-    from .outputs import check_outputs
-    from .quantize import WriteOptions, run_plan
-    from .repack import RepackOptions, make_repack_plan, repack_metadata
+    from .api import open_repack
 
-    if split_max_size and keep_split:
-        raise QuantkitError("--split-max-size and --keep-split cannot be used together")
-    max_size = parse_size(split_max_size) if split_max_size else None
-    check_outputs([model_out], [model_in])
-    split = tuple(p for arg in patterns for p in arg.split(",") if p)
-    opts = RepackOptions(patterns=split, undo=undo, bf16=bf16)
-    with open_model(model_in) as model:
-        plan = make_repack_plan(model.tensors, model.metadata, opts, interleave.supports)
-        n_moved = sum(t.action == "repack" for t in plan.tensors)
+    with open_repack(model_in, model_out, pattern=patterns, undo=undo, bf16=bf16, split_max_size=split_max_size,
+                     keep_split=keep_split) as r:
+        plan, n_moved = r.plan, r.n_moved
         doc = {"plan": plan.to_json(), "dry_run": dry_run}
         if not as_json:
             render_plan(plan)
-        if n_moved == 0:
-            raise QuantkitError(f"{model_in}: nothing to {'undo' if undo else 'repack'} "
-                                f"(no tensor {'is interleaved' if undo else 'qualifies'}; see the plan)")
+        r.check()
         if dry_run:
             if as_json:
                 _print_json(doc)
             else:
                 out.print(_DRY_RUN)
             return
-        # the first shard's own metadata: split.* keys keep their places in a split output
-        wopts = WriteOptions(split_max_size=max_size, keep_split=keep_split,
-                             metadata=repack_metadata(model.files[0].metadata, plan, undo))
         with _tensor_progress("repack", plan, show=not as_json) as reporter:
-            result = run_plan(model, plan, model_out, wopts, progress=_tensor_step(reporter, plan))
+            result = r.write(_tensor_step(reporter, plan))
     if as_json:
         doc["result"] = result.to_json()
         _print_json(doc)
@@ -493,10 +381,9 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
 def inspect(path, as_json, no_tensors):
     """Show a GGUF file's metadata, tensors and totals per type (a long metadata value in part, with
     its length; --json has it whole)."""
-    from .describe import describe, value_text
-    from .gguf_io.reader import open_model
-    with open_model(path, nested_arrays=True) as model:
-        doc = describe(model)
+    from .api import inspect_model
+    from .describe import value_text
+    doc = inspect_model(path)
     if as_json:
         _print_json(doc)
         return
@@ -606,56 +493,35 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
         as_json):
     """Generate text from PROMPT with quantkit's reference runtime, streaming it, then print prompt
     and generation speed (tokens/s)."""
-    from .runtime.generate import GenerationStats, Sampler, SamplerOptions, context_size, generate
-    from .runtime.session import TextStream, open_session, parse_overrides
+    from .api import generate
 
-    sampler = Sampler(SamplerOptions(temp=temp, top_k=top_k, top_p=top_p, seed=seed))     # checks the options
-    with open_session(model_path, threads, device=device, cpu_tensors=parse_overrides(overrides)) as s:
-        tok = s.tokenizer
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-        ids = tok.encode(text, add_special=True, parse_special=chat)
-        context_size(s.model, ids, n_predict, ctx_size)     # a prompt that does not fit: before it is echoed
-        placement = _placement(s)
+    def on_placement(placement):
         if placement and not as_json:
             err.print("weights: " + "; ".join(f"{where} {counted(v['tensors'], 'tensor')}, {v['MB']:.1f} MB"
                                                for where, v in placement.items()))
-        stats = GenerationStats()
-        # checked and warmed up before the prompt is echoed (a compile notice gets its own line)
-        tokens = generate(s.model, ids, n_predict, sampler, stop_ids=tok.eog_ids, n_ctx=ctx_size, stats=stats)
-        stream = TextStream(tok)
-        pieces = []
+
+    def on_prompt(text):
         if not as_json:
             out.print(text, end="", markup=False, highlight=False)
-        for t in tokens:
-            piece = stream.push(t)
-            pieces.append(piece)
-            if not as_json and piece:
-                out.print(piece, end="", markup=False, highlight=False)
-                out.file.flush()
-        pieces.append(stream.flush())
-        if as_json:
-            _print_json({"prompt": text, "prompt_tokens": ids, "text": "".join(pieces),
-                         "tokens": stats.tokens, "threads": s.threads,
-                         "prompt_tokens_per_second": stats.prompt_tps, "placement": placement,
-                         "generation_tokens_per_second": stats.gen_tps})
-            return
-        out.print(pieces[-1], markup=False, highlight=False)
-        err.print(f"prompt: {counted(stats.n_prompt, 'token')} in {stats.prompt_seconds:.2f} s "
-                  f"({stats.prompt_tps:.1f} tokens/s); generation: {counted(stats.n_generated, 'token')} in "
-                  f"{stats.gen_seconds:.2f} s ({stats.gen_tps:.1f} tokens/s); {counted(s.threads, 'thread')}")
 
-
-def _placement(session) -> dict | None:
-    """Where a device backend computes the matrices (None for the all-CPU numba backend)."""
-    summary = getattr(session.model.ops, "placement_summary", None)
-    if summary is None:
-        return None
-    return summary([session.model.w.need(t.name) for t in session.gguf.tensors if t.n_dims >= 2])
-
-
-def _read_text(path: Path) -> str:
-    from .inputs import read_text
-    return read_text(path, "-f", MAX_TEXT_BYTES, errors="replace")
+    def on_piece(piece):
+        if not as_json:
+            out.print(piece, end="", markup=False, highlight=False)
+            out.file.flush()
+    g = generate(model_path, prompt, n_predict=n_predict, temp=temp, top_k=top_k, top_p=top_p, seed=seed, chat=chat,
+                 ctx_size=ctx_size, threads=threads, device=device, override_tensor=overrides,
+                 on_placement=on_placement, on_prompt=on_prompt, on_piece=on_piece)
+    stats = g.stats
+    if as_json:
+        _print_json({"prompt": g.prompt, "prompt_tokens": g.prompt_tokens, "text": g.text,
+                     "tokens": stats.tokens, "threads": g.threads,
+                     "prompt_tokens_per_second": stats.prompt_tps, "placement": g.placement,
+                     "generation_tokens_per_second": stats.gen_tps})
+        return
+    out.print(markup=False, highlight=False)
+    err.print(f"prompt: {counted(stats.n_prompt, 'token')} in {stats.prompt_seconds:.2f} s "
+              f"({stats.prompt_tps:.1f} tokens/s); generation: {counted(stats.n_generated, 'token')} in "
+              f"{stats.gen_seconds:.2f} s ({stats.gen_tps:.1f} tokens/s); {counted(g.threads, 'thread')}")
 
 
 @cli.command()
@@ -676,47 +542,38 @@ def _read_text(path: Path) -> str:
 def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, device, overrides, as_json):
     """Perplexity of MODEL on a text, llama-perplexity's way (chunks of --ctx-size tokens, the
     second half of each scored), or KL divergence against a base model's saved logits."""
+    from . import api
     from .console import interactive
-    from .outputs import check_outputs
     from .perplexity_log import PerplexityLog
     from .progress import Reporter
-    from .runtime import perplexity as ppl
-    from .runtime.session import open_session, parse_overrides
 
     if kld and kld_base is None:
         raise QuantkitError("--kl-divergence needs --kl-divergence-base FILE (the base model's saved logits)")
     if not kld and text_path is None:
         raise QuantkitError("-f FILE is needed (the text to evaluate)")
-    if kld_base is not None and not kld:
-        check_outputs([kld_base], [model_path, text_path], what="--kl-divergence-base")
-    text = None if kld else _read_text(text_path)       # before the model loads: a bad -f fails fast
-    with open_session(model_path, threads, device=device, cpu_tensors=parse_overrides(overrides)) as s:
-        if kld:
-            base = ppl.LogitsFile.read(kld_base)
-            if chunks:
-                base.chunks = base.chunks[:chunks]
-            total = len(base.chunks)
-        else:
-            chunk_list = s.chunks(text, ctx_size, chunks)
-            total = len(chunk_list)
+    shown = contextlib.ExitStack()      # the progress, from the first chunk to the end of the run
+    log = reporter = total = None
+
+    def on_start(n):
+        nonlocal log, reporter, total
+        total = n
         # llama-perplexity's lines are the progress (on stdout); a bar besides only where stdout
         # is not the terminal the bar is drawn on
         log = None if as_json else PerplexityLog(out, err, total, ctx_size, kld)
-        with Reporter(err, "kl-divergence" if kld else "perplexity", total, unit="chunks",
-                      show=not as_json and not interactive(out), lines=False) as reporter:
+        reporter = shown.enter_context(Reporter(err, "kl-divergence" if kld else "perplexity", total, unit="chunks",
+                                                show=not as_json and not interactive(out), lines=False))
 
-            def on_chunk(i, r):
-                reporter.step(f"KLD {sum(r.kld) / len(r.kld):.4f}" if kld else f"PPL {r.ppl:.4f}")
-                if log is not None:
-                    log.chunk(i, r, reporter.elapsed)
-            if kld:
-                stats = ppl.kl_divergence(s.model, base, on_chunk)
-            else:
-                writer = None
-                if kld_base is not None:
-                    writer = ppl.LogitsWriter(kld_base, ctx_size, s.model.config.n_vocab, chunk_list)
-                with writer if writer is not None else contextlib.nullcontext():
-                    res = ppl.perplexity(s.model, chunk_list, on_chunk, writer)
+    def on_chunk(i, r):
+        reporter.step(f"KLD {sum(r.kld) / len(r.kld):.4f}" if kld else f"PPL {r.ppl:.4f}")
+        if log is not None:
+            log.chunk(i, r, reporter.elapsed)
+    session = dict(threads=threads, device=device, override_tensor=overrides, on_start=on_start, on_chunk=on_chunk)
+    with shown:
+        if kld:
+            stats = api.kl_divergence(model_path, kld_base, chunks=chunks, **session)
+        else:
+            res = api.perplexity(model_path, text_path, ctx_size=ctx_size, chunks=chunks, kl_divergence_base=kld_base,
+                                 max_text_bytes=MAX_TEXT_BYTES, **session)
     if kld:
         doc = stats.summary()
         if as_json:
@@ -725,7 +582,7 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
             log.final(doc)
         return
     if as_json:
-        _print_json({"ppl": res.ppl, "ppl_error": res.ppl_error, "chunks": len(chunk_list),
+        _print_json({"ppl": res.ppl, "ppl_error": res.ppl_error, "chunks": total,
                      "n_ctx": ctx_size, "tokens_scored": len(res.nll), "chunk_ppl": res.chunk_ppl})
     else:
         log.final(res)
@@ -809,67 +666,42 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
     calibration text (per expert for routed experts), as llama-imatrix does."""
     import math
 
-    from . import signals
-    from .imatrix_tools import RawImatrix
-    from .outputs import check_outputs
+    from .api import collect_imatrix
     from .progress import Reporter
-    from .runtime.activations import MainlineRounding
-    from .runtime.collect import ActivationStats, ObservingOps, collect
-    from .runtime.session import open_session, parse_overrides
 
-    check_outputs([out_path], [model_path, text_path, *in_files], what="-o")
-    datasets = []
-    stats = ActivationStats(process_output=process_output)
-    if in_files:
-        raw = RawImatrix.from_file(in_files[0], ctx_size)
-        for p in in_files[1:]:
-            raw = raw.merged(RawImatrix.from_file(p, ctx_size))
-        stats, datasets = ActivationStats.from_raw(raw, process_output), raw.datasets
-    datasets.append(str(text_path))
-    text = _read_text(text_path)                        # before the model loads: a bad -f fails fast
+    shown = contextlib.ExitStack()      # the progress, from the first chunk to the end of the run
+    reporter = None
 
-    def observing(gguf, ops):
-        ops = MainlineRounding(ops) if activations == "mainline" else ops
-        return ObservingOps(ops, stats, {t.name: tuple(t.shape) for t in gguf.tensors})
-    with open_session(model_path, threads, wrap_ops=observing, device=device,
-                      cpu_tensors=parse_overrides(overrides)) as s:
-        chunk_list = s.chunks(text, ctx_size, chunks, skip=skip_chunks)
-        saved = 0                                       # chunks of this run that out_path holds
-        with Reporter(err, "imatrix", len(chunk_list), unit="chunks", show=not as_json) as reporter:
+    def on_start(n):
+        nonlocal reporter
+        reporter = shown.enter_context(Reporter(err, "imatrix", n, unit="chunks", show=not as_json))
 
-            def on_chunk(i, v):
-                nonlocal saved
-                reporter.step(f"PPL {math.exp(sum(v) / len(v)):.4f}")
-                if (i + 1) % output_frequency == 0 and i + 1 < len(chunk_list):
-                    with signals.deferred():        # an interrupt comes after both: the count is the file's
-                        stats.to_raw(ctx_size, datasets).save(out_path)     # atomic: a temporary file renamed
-                        saved = i + 1
-                    reporter.note(_shown(f"saved {out_path} after chunk {skip_chunks + saved}", one_line=True))
-            try:
-                nll = collect(s.model, chunk_list, on_chunk, all_logits=process_output)
-            except KeyboardInterrupt as e:      # Ctrl-C, SIGTERM, SIGHUP: say how to go on from the last save
-                resume = dict(model_path=model_path, text_path=text_path, ctx_size=ctx_size,
-                              chunks=None if chunks is None else chunks - saved, skip=skip_chunks + saved,
-                              process_output=process_output, output_frequency=output_frequency,
-                              activations=activations, threads=threads, device=device, overrides=overrides)
-                e.add_note(_imatrix_resume(out_path, saved, output_frequency, len(chunk_list), resume))
-                raise
-    if not stats.entries:
-        raise QuantkitError(f"{model_path}: no matrix product was observed (no blk.* weights?)")
-    raw = stats.to_raw(ctx_size, datasets)
-    missing = raw.never_fired()
-    for name, experts in missing.items():
-        logging.getLogger("quantkit").warning(
-            f"{name}: {len(experts)} of {raw.counts[name].size} experts got no token "
-            f"(partial data): {', '.join(map(str, experts[:16]))}{' ...' if len(experts) > 16 else ''}")
-    raw.save(out_path)
-    ppl_value = math.exp(sum(nll) / len(nll))
+    def on_save(saved):
+        reporter.note(_shown(f"saved {out_path} after chunk {skip_chunks + saved}", one_line=True))
+    try:
+        with shown:
+            result = collect_imatrix(
+                model_path, text_path, out_path, ctx_size=ctx_size, chunks=chunks, process_output=process_output,
+                in_file=in_files, chunk=skip_chunks, output_frequency=output_frequency, activations=activations,
+                threads=threads, device=device, override_tensor=overrides, on_start=on_start,
+                on_chunk=lambda i, v: reporter.step(f"PPL {math.exp(sum(v) / len(v)):.4f}"), on_save=on_save,
+                max_text_bytes=MAX_TEXT_BYTES)
+    except KeyboardInterrupt as e:      # Ctrl-C, SIGTERM, SIGHUP: say how to go on from the last save
+        if hasattr(e, "saved"):
+            saved = e.saved
+            resume = dict(model_path=model_path, text_path=text_path, ctx_size=ctx_size,
+                          chunks=None if chunks is None else chunks - saved, skip=skip_chunks + saved,
+                          process_output=process_output, output_frequency=output_frequency,
+                          activations=activations, threads=threads, device=device, overrides=overrides)
+            e.add_note(_imatrix_resume(out_path, saved, output_frequency, e.n_chunks, resume))
+        raise
+    for w in result.warnings:
+        _warn(w)
     if as_json:
-        _print_json({"file": str(out_path), "entries": len(stats.entries), "chunks": len(chunk_list),
-                     "n_ctx": ctx_size, "ppl": ppl_value, "partial": missing})
+        _print_json(result.to_json())
     else:
-        out.print(_styled(("wrote", "green"), f" {out_path}: {counted(len(stats.entries), 'entry', 'entries')} from "
-                          f"{counted(len(chunk_list), 'chunk')} of {ctx_size} tokens (PPL {ppl_value:.4f})"))
+        out.print(_styled(("wrote", "green"), f" {out_path}: {counted(result.entries, 'entry', 'entries')} from "
+                          f"{counted(result.chunks, 'chunk')} of {ctx_size} tokens (PPL {result.ppl:.4f})"))
 
 
 def _imatrix_resume(out_path: Path, saved: int, frequency: int, n_chunks: int, o: dict) -> str:

@@ -18,6 +18,9 @@ line), and each command is one of:
 
 A ```text block that follows a bash block (prose between allowed) holds lines the block's commands
 must print on stdout, so a figure the README quotes is the figure the code prints.
+
+Every ```python block of README.md runs too, in document order, in one interpreter (later blocks
+see earlier ones' names), in a scratch directory like the bash blocks' (the Python API's example).
 """
 from __future__ import annotations
 
@@ -64,6 +67,10 @@ def _documents() -> list[Path]:
 def _fences(text: str) -> list[tuple[str, str]]:
     """(info string, body) of every fenced block, in order."""
     return re.findall(r"^```(\S*)\n(.*?)^```", text, re.M | re.S)
+
+
+def _python_blocks(text):
+    return [body for lang, body in _fences(text) if lang == "python"]
 
 
 def _bash_blocks(text):
@@ -179,11 +186,8 @@ def test_readme_demo_uses_a_recipe_that_exists():
 def test_documents_commands_run_as_written(tmp_path, smollm2_path):
     """The runnable commands, in order, in one shell; the quoted outputs are what they print."""
     plan = _plan()
-    work, logs = tmp_path / "work", tmp_path / "logs"
-    work.mkdir()
+    work, logs = _scratch(tmp_path), tmp_path / "logs"
     logs.mkdir()
-    for name in ("recipes", "imatrix"):
-        (work / name).symlink_to(REPO / name, target_is_directory=True)
     script = ["set -euo pipefail", f"cd {shlex.quote(str(work))}"]
     for i, (_, cmd) in enumerate(plan.run):
         script += [f"echo {i} > {logs}/current", "{ " + cmd, f"}} >{logs}/{i}.out 2>{logs}/{i}.err"]
@@ -206,3 +210,30 @@ def test_documents_commands_run_as_written(tmp_path, smollm2_path):
     repo.assert_unchanged()
     made = {p.name for p in work.iterdir()} - {"recipes", "imatrix"}
     assert made and not ({p.name for p in REPO.iterdir()} - before) & made, "a command wrote into the clone"
+
+
+def _scratch(tmp_path) -> Path:
+    """A working directory holding the clone's recipes/ and imatrix/, as a user's clone has them."""
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in ("recipes", "imatrix"):
+        (work / name).symlink_to(REPO / name, target_is_directory=True)
+    return work
+
+
+def test_readme_python_runs_as_written(tmp_path, smollm2_path):
+    """The README's ```python blocks (the Python API), in one interpreter, in a scratch directory."""
+    blocks = _python_blocks((REPO / "README.md").read_text())
+    assert blocks, "README.md has no ```python block"
+    work = _scratch(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    repo = Snapshot(REPO / "recipes", REPO / "imatrix")
+    before = {p.name for p in REPO.iterdir()}
+    p = subprocess.run([sys.executable, "-c", "\n\n".join(blocks)], cwd=work, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    print(p.stdout)
+    assert "Traceback" not in p.stderr
+    repo.assert_unchanged()
+    made = {p.name for p in work.iterdir()} - {"recipes", "imatrix"}
+    assert made and not ({p.name for p in REPO.iterdir()} - before) & made, "a block wrote into the clone"
