@@ -842,7 +842,7 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
                 reporter.step(f"PPL {math.exp(sum(v) / len(v)):.4f}")
                 if (i + 1) % output_frequency == 0 and i + 1 < len(chunk_list):
                     with signals.deferred():        # an interrupt comes after both: the count is the file's
-                        stats.to_raw(ctx_size, datasets).save(out_path)     # atomic: a temporary file renamed
+                        RawImatrix.from_stats(stats, ctx_size, datasets).save(out_path)     # atomic: a temporary file renamed
                         saved = i + 1
                     reporter.note(_shown(f"saved {out_path} after chunk {skip_chunks + saved}", one_line=True))
             try:
@@ -856,7 +856,7 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
                 raise
     if not stats.entries:
         raise QuantkitError(f"{model_path}: no matrix product was observed (no blk.* weights?)")
-    raw = stats.to_raw(ctx_size, datasets)
+    raw = RawImatrix.from_stats(stats, ctx_size, datasets)
     missing = raw.never_fired()
     for name, experts in missing.items():
         logging.getLogger("quantkit").warning(

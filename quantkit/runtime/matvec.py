@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ..formats._iqk import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
+from ..tables import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
 from ..types import TYPE_TRAITS, QuantType, traits
 from . import dot as D
 from .kernels import _f16_value as half_round
