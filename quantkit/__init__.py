@@ -3,7 +3,7 @@
 The library beneath the command line (quantkit.api) is reachable from here: ``quantkit.quantize_model``,
 ``quantkit.plan_quantize``, ``quantkit.repack_model``, … are loaded on first use, so that importing
 quantkit (the CLI's start-up) stays cheap."""
-__version__ = "0.1.0"
+from .version import __version__
 
 _API = ("Quantization", "Repacking", "open_quantization", "plan_quantize", "quantize_model", "open_repack",
         "plan_repack", "repack_model", "inspect_model", "perplexity", "kl_divergence", "generate", "Generation",

@@ -507,7 +507,7 @@ def collect_imatrix(model, text_file, output="imatrix.gguf", *, ctx_size: int = 
                 on_chunk(i, v)
             if (i + 1) % output_frequency == 0 and i + 1 < len(chunk_list):
                 with signals.deferred():        # an interrupt comes after both: the count is the file's
-                    stats.to_raw(ctx_size, datasets).save(output)       # atomic: a temporary file renamed
+                    RawImatrix.from_stats(stats, ctx_size, datasets).save(output)       # atomic: a temporary file renamed
                     saved = i + 1
                 if on_save is not None:
                     on_save(saved)
@@ -518,7 +518,7 @@ def collect_imatrix(model, text_file, output="imatrix.gguf", *, ctx_size: int = 
             raise
     if not stats.entries:
         raise QuantkitError(f"{model}: no matrix product was observed (no blk.* weights?)")
-    raw = stats.to_raw(ctx_size, datasets)
+    raw = RawImatrix.from_stats(stats, ctx_size, datasets)
     missing = raw.never_fired()
     warnings = [f"{name}: {len(experts)} of {raw.counts[name].size} experts got no token "
                 f"(partial data): {', '.join(map(str, experts[:16]))}{' ...' if len(experts) > 16 else ''}"

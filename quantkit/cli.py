@@ -26,7 +26,7 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__
+from .version import __version__
 from .api import MAX_TEXT_BYTES, parse_size  # noqa: F401  (the CLI's names for them)
 from .console import Console
 from .errors import QuantkitError

@@ -34,6 +34,10 @@ from .errors import GGUFFormatError, QuantkitError
 from .formats.limits import imatrix_excess
 from .inputs import open_regular
 from .outputs import AtomicOutput
+from .gguf_io.constants import MetaValue, ValueType
+from .gguf_io.reader import GGUFFile
+from .gguf_io.writer import GGUFWriter, TensorSpec
+from .types import QuantType
 
 log = logging.getLogger(__name__)
 
@@ -287,9 +291,6 @@ def _lround(x: np.ndarray) -> np.ndarray:
 
 
 def _load_gguf(path: Path) -> ImatrixData:
-    from .gguf_io.constants import ValueType
-    from .gguf_io.reader import GGUFFile
-    from .types import QuantType
 
     try:
         f = GGUFFile(path)
@@ -495,9 +496,6 @@ def save_gguf(path: str | os.PathLike, sums: dict[str, np.ndarray], counts: dict
     one count).  Entries in byte order of their names, each as ``<name>.in_sum2`` F32 [n_per_row,
     n_mat] then ``<name>.counts`` F32 [1, n_mat], trailing 1-dimensions dropped as ggml does;
     ``general.type = imatrix`` and the three ``imatrix.*`` keys llama-quantize needs."""
-    from .gguf_io.constants import MetaValue, ValueType
-    from .gguf_io.writer import GGUFWriter, TensorSpec
-    from .types import QuantType
 
     def shape(ne0, n_mat):
         return (ne0,) if n_mat == 1 else (ne0, n_mat)

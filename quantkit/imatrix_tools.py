@@ -63,6 +63,13 @@ class RawImatrix:
         shapeless = frozenset(sums) if data.format == "dat" else frozenset()
         return cls(sums, counts, size, list(data.datasets), shapeless)
 
+    @classmethod
+    def from_stats(cls, stats, chunk_size: int, datasets: list[str]) -> "RawImatrix":
+        """From what a run observed (:class:`quantkit.runtime.collect.ActivationStats`); built here,
+        not there, so that the runtime does not import the library above it (issue 24 item 5)."""
+        return cls({n: e.sums for n, e in stats.entries.items()},
+                   {n: e.counts for n, e in stats.entries.items()}, chunk_size, list(datasets))
+
     def shape(self, name: str) -> tuple[int, int]:
         """(matrices, values per matrix) of an entry: one matrix per count."""
         c = self.counts[name]

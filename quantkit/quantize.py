@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import __version__, formats, signals
+from . import formats, signals
 from .compiling import CompileLog, announced
 from .errors import QuantkitError
 from .gguf_io.constants import KEY_FILE_TYPE, KEY_QUANT_VERSION, MetaValue, ValueType
@@ -30,6 +30,8 @@ from .kv_override import apply_overrides
 from .plan import Plan, TensorPlan
 from .prune import block_count_key
 from .types import QuantType, traits, type_name
+from .version import __version__
+from .formats import interleave
 
 CHUNK_BYTES = 4 * 1024 * 1024         # float32 rows converted per step (cache-friendly)
 # bytes a copy or shuffle part moves: a part's input and output stay in the core's L2 between the
@@ -190,7 +192,6 @@ def repack_parts(info: TensorInfo, tp: TensorPlan, buffers: "ThreadBuffers", par
 
     Parts are whole row groups; a group never crosses a matrix because the planner only repacks
     tensors whose rows per matrix are a multiple of the group."""
-    from .formats import interleave
     n_per_row = info.shape[0]
     to_packed = traits(tp.dst_type).interleave_rows > 1
     packed = tp.dst_type if to_packed else tp.src_type

@@ -18,6 +18,16 @@ import numpy as np
 from .compiling import CompileLog, announced, cache_place
 from .errors import QuantkitError
 from .types import QuantType, file_types, traits, type_from_name, type_name
+from . import formats
+from .gguf_io.constants import MetaValue, ValueType
+from .gguf_io.reader import open_model
+from .gguf_io.writer import GGUFWriter, TensorSpec, plan_shards
+from .presets import ALIASES, ModelInfo, find_preset, mix_types, preset_names
+from .quantize import quantize_rows
+from .runtime import ops_cpu
+from .runtime.model import Model
+from .runtime.warmup import warm_up
+from .suggest import did_you_mean
 
 N_PER_ROW = 256                 # a row every block size divides (the largest is 256)
 
@@ -42,7 +52,6 @@ def _warmed(log: CompileLog, t0: float) -> Warmed:
 # ---------------------------------------------------------------------------------- which types
 def _representative_mix(preset, flavor: str) -> set[QuantType]:
     """The types a preset's mix gives a 32-layer llama of 4096 columns (its default type included)."""
-    from .presets import ModelInfo, mix_types
     if not traits(preset.default_type).quantized:       # F16, BF16, F32: no mix (plan._preset_mix)
         return {preset.default_type}
     n_embd, n_ff, n_layer = 4096, 14336, 32
@@ -59,9 +68,6 @@ def _representative_mix(preset, flavor: str) -> set[QuantType]:
 def resolve_types(names, flavor: str = "ik") -> list[QuantType]:
     """Type and preset names -> the types to make ready: a ggml type itself, a preset (Q4_K_M) the
     types its mix uses.  None or empty: every type quantkit quantizes."""
-    from . import formats
-    from .presets import ALIASES, find_preset, preset_names
-    from .suggest import did_you_mean
     if not names:
         return sorted((t for t in formats.registered() if formats.registered()[t].quant_paths),
                       key=lambda t: type_name(t))
@@ -93,8 +99,6 @@ def resolve_types(names, flavor: str = "ik") -> list[QuantType]:
 def warm_quantizer(qtype: QuantType) -> Warmed:
     """Quantize a few random rows to ``qtype`` the way ``quantize`` does (checks included), on every
     path the format implements (each flavor, with and without an imatrix), and decode them."""
-    from . import formats
-    from .quantize import quantize_rows
     t0 = time.perf_counter()
     t = traits(qtype)
     rows = np.random.default_rng(0).standard_normal((t.interleave_rows, N_PER_ROW)).astype(np.float32)
@@ -116,8 +120,6 @@ def warm_quantizer(qtype: QuantType) -> Warmed:
 def _tiny_llama(path: Path, qtype: QuantType) -> None:
     """A two-layer llama whose matrices are all ``qtype`` and all zero (every type's zero bytes
     decode to zeros: the logits are finite), for the runtime to run."""
-    from .gguf_io.constants import MetaValue, ValueType
-    from .gguf_io.writer import GGUFWriter, TensorSpec, plan_shards
     n, n_vocab, n_layer = N_PER_ROW, 256, 2
 
     def u32(v):
@@ -144,17 +146,12 @@ def _tiny_llama(path: Path, qtype: QuantType) -> None:
 
 def runtime_types() -> list[QuantType]:
     """The types the runtime computes with (those quantkit or gguf-py decode, and plain floats)."""
-    from . import formats
     return sorted((t for t in QuantType if formats.can_dequantize(t) or t in (QuantType.F32, QuantType.F16)),
                   key=lambda t: type_name(t))
 
 
 def warm_runtime(qtype: QuantType) -> Warmed:
     """Run the runtime's warm-up (a generation step and a batch) on a tiny llama of ``qtype``."""
-    from .gguf_io.reader import open_model
-    from .runtime import ops_cpu
-    from .runtime.model import Model
-    from .runtime.warmup import warm_up
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="quantkit-warmup-") as d:
         path = Path(d) / f"{type_name(qtype)}.gguf"

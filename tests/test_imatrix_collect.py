@@ -20,6 +20,7 @@ import peers
 from models import write_deepseek2
 from quantkit.gguf_io.reader import open_model
 from quantkit.imatrix import load_imatrix
+from quantkit.imatrix_tools import RawImatrix
 from quantkit.runtime import ops_cpu
 from quantkit.runtime.collect import ActivationStats, ObservingOps, collect
 from quantkit.runtime.model import Model
@@ -123,7 +124,7 @@ def test_expert_counts_are_the_routed_tokens(tmp_path):
             assert e.sums.shape == (8, shapes[f"blk.{layer}.ffn_{kind}_exps.weight"][0])
             assert ((e.sums.sum(axis=1) > 0) == (tally > 0)).all()
         expected = np.nonzero(tally == 0)[0].tolist()
-        assert stats.to_raw(24, []).never_fired().get(f"blk.{layer}.ffn_up_exps.weight", []) == expected
+        assert RawImatrix.from_stats(stats, 24, []).never_fired().get(f"blk.{layer}.ffn_up_exps.weight", []) == expected
     # dense and shared-expert products count every token; per-head MLA maps one row per head
     assert stats.entries["blk.0.ffn_down.weight"].counts.tolist() == [48]
     assert stats.entries["blk.1.ffn_up_shexp.weight"].counts.tolist() == [48]

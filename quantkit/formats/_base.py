@@ -23,6 +23,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..types import QuantType, TypeTraits, traits
+from ._iqk import imatrix_cleanup
 
 FLAVORS = ("ik", "mainline")
 ALL_PATHS = frozenset((f, imat) for f in FLAVORS for imat in (False, True))
@@ -127,7 +128,6 @@ class RowwiseReference(BlockFormat):
 
     @classmethod
     def quantize_ref(cls, x, imatrix, flavor):
-        from ._iqk import imatrix_cleanup
         n_rows, n = x.shape
         x = np.ascontiguousarray(x, np.float32)
         w_rows = imatrix_cleanup(x, imatrix, cls.qhelper_block)

@@ -30,6 +30,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..kernels.kt import nearest_clusters
+
 F = np.float32
 KA = np.uint64(0xCBAC1FED)
 MASK32 = np.uint64(0xFFFFFFFF)
@@ -106,7 +108,6 @@ def _dist2(values, centres):
 
 
 def _nearest_numba(values, centres, n_nb):
-    from ..kernels.kt import nearest_clusters
     near = np.empty((values.shape[0], n_nb), np.int64)
     nearest_clusters(values, np.ascontiguousarray(centres), near)
     return near

@@ -20,7 +20,8 @@ import numpy as np
 from ..kernels import iq2k as kernels
 from ..types import QK_K, QuantType
 from ._base import ALL_PATHS, KernelFormat, RowwiseReference
-from ._iqk import IQ2NL_VALUES, nearest_index
+from ..tables import IQ2NL_VALUES
+from ._iqk import nearest_index
 from ._numeric import fp16_bytes, recip_or_zero, seq_sum
 from .kquants import fp16_values, nearest_int
 

@@ -23,7 +23,8 @@ from ..kernels import iq2kl as kernels
 from ..kernels.iq2kl import NEIGHBOURS, PAIR_INDEX, PAIRS
 from ..types import QK_K, QuantType
 from ._base import ALL_PATHS, KernelFormat, RowwiseReference
-from ._iqk import IQ3NL_VALUES, nearest_index
+from ..tables import IQ3NL_VALUES
+from ._iqk import nearest_index
 from ._numeric import first_absmax, fp16_bytes, seq_sum
 from .kquants import fp16_values, nearest_int
 

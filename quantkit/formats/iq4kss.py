@@ -22,7 +22,8 @@ from ..kernels import iq4kss as kernels
 from ..kernels.iq4kss import POPCOUNT, SQUEEZE
 from ..types import QK_K, QuantType
 from ._base import ALL_PATHS, KernelFormat, RowwiseReference
-from ._iqk import IQ4K_VALUES, nearest_index
+from ..tables import IQ4K_VALUES
+from ._iqk import nearest_index
 from ._numeric import first_absmax, seq_sum
 from .kquants import nearest_int
 

@@ -36,8 +36,8 @@ import numpy as np
 from ..kernels import iqk as kernels
 from ..types import QK_K, QuantType
 from ._base import ALL_PATHS, KernelFormat, RowwiseReference
-from ._iqk import (IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES, TWO_POW_31, imatrix_cleanup,
-                   nearest_index)
+from ..tables import IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
+from ._iqk import TWO_POW_31, imatrix_cleanup, nearest_index
 from ._numeric import first_absmax, fp16_bytes, recip_or_zero, seq_sum
 from .kquants import fp16_values, nearest_int
 

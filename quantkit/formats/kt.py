@@ -31,7 +31,8 @@ import numpy as np
 from ..kernels import kt as kernels
 from ..types import QK_K, QuantType
 from ._base import ALL_PATHS, KernelFormat, RowwiseReference
-from ._iqk import IQ4K_VALUES, nearest_index
+from ..tables import IQ4K_VALUES
+from ._iqk import nearest_index
 from ._kt_codebook import IQ4_KT_SECOND_OFFSET, SPECS, cluster_of, codebook, trellis_values
 from ._numeric import seq_sum
 from .kquants import nearest_int

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..formats._iqk import IQ2NL_VALUES
+from ..tables import IQ2NL_VALUES
 from ._iqk import thresholds
 from .iqk import PLAIN_SIGMA, row_weights
 from .kquants import FP16_TABLE, nint, run_rows, store_fp16

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..formats._iqk import IQ3NL_VALUES
+from ..tables import IQ3NL_VALUES
 from ._iqk import thresholds
 from .iqk import IQ3_LUT, IQ3_THR, IQ3_V, OVERFLOW, PLAIN_ABS, lanes_first_absmax, nearest, row_weights
 from .kquants import FP16_TABLE, nint, run_rows, store_fp16

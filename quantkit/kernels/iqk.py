@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..formats._iqk import IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
+from ..tables import IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
 from ._iqk import imatrix_cleanup_row, thresholds
 from .kquants import FP16_TABLE, nint, run_rows, store_fp16
 

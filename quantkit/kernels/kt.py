@@ -26,7 +26,7 @@ from numba.core import types as nbt
 from numba.extending import intrinsic
 
 from ..cpu import half_to_float
-from ..formats._iqk import IQ4K_VALUES
+from ..tables import IQ4K_VALUES
 from .iqk import IQ4_LUT, IQ4_THR, IQ4_V, OVERFLOW, nearest, store_f32
 from .kquants import nint
 

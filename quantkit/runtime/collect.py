@@ -28,6 +28,10 @@ import numpy as np
 
 from ..errors import QuantkitError
 from . import kernels
+from .model import NonFiniteLogits
+from .ops_cpu import token_nll
+from .perplexity import check_nll
+from .warmup import warm_up
 
 MIN_ROWS = 16                       # llama-imatrix ignores dense products of fewer rows
 _EXPERT = re.compile(r"^(.*)\[(\d+)\]$")                # Weight.expert(e) is named "name[e]"
@@ -64,11 +68,6 @@ class ActivationStats:
         """Start from earlier data (a :class:`quantkit.imatrix_tools.RawImatrix`): --in-file."""
         return cls(process_output, {n: Entry(raw.sums[n].astype(np.float64).copy(), raw.counts[n].astype(np.int64).copy())
                                     for n in raw.sums})
-
-    def to_raw(self, chunk_size: int, datasets: list[str]):
-        from ..imatrix_tools import RawImatrix
-        return RawImatrix({n: e.sums for n, e in self.entries.items()},
-                          {n: e.counts for n, e in self.entries.items()}, chunk_size, list(datasets))
 
     def add_dense(self, name: str, x: np.ndarray) -> None:
         if self.wanted(name) and x.shape[0] >= MIN_ROWS:
@@ -152,9 +151,6 @@ def collect(model, chunks: list[np.ndarray], on_chunk=None, all_logits: bool = F
     of each chunk's second half, llama-imatrix's running perplexity; ``on_chunk(i, nll)`` after each
     chunk.  The output matrix is applied to the scored half only, unless ``all_logits`` (it is
     observed then: --process-output)."""
-    from .model import NonFiniteLogits
-    from .perplexity import check_nll, token_nll
-    from .warmup import warm_up
     warm_up(model, {len(c) for c in chunks})      # not observed: it adds nothing to the imatrix
     nll: list[float] = []
     for i, chunk in enumerate(chunks):

@@ -30,7 +30,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .. import kernel_cache  # noqa: F401  (keys numba's cache on quantkit's sources)
-from ..formats._iqk import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
+from ..tables import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
 from ..types import TYPE_TRAITS, QuantType, traits
 from . import dot as D
 from .kernels import _f16_value as half_round

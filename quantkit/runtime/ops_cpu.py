@@ -411,6 +411,16 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
+def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """-log p(target) per row as llama-perplexity computes it: exp of (logit - max) in float, summed
+    in double (only the target's log-probability is formed, not the whole row's)."""
+    logits = np.ascontiguousarray(logits, np.float32)
+    targets = np.ascontiguousarray(targets, np.int64)
+    out = np.empty(len(targets), np.float64)
+    by_rows(lambda r0, r1: kernels.target_nll(logits[r0:r1], targets[r0:r1], out[r0:r1]), len(targets))
+    return out
+
+
 def attention_scale(k_dim: int) -> float:
     return 1.0 / math.sqrt(k_dim)
 

@@ -28,9 +28,8 @@ from ..errors import QuantkitError
 from ..words import counted
 from ..inputs import open_regular
 from ..outputs import AtomicOutput
-from . import kernels, ops_cpu
 from .model import NonFiniteLogits
-from .ops_cpu import log_softmax
+from .ops_cpu import log_softmax, token_nll
 from .warmup import warm_up
 
 MAGIC = b"_logits_"
@@ -99,16 +98,6 @@ class PplResult:
         m = sum(self.nll) / n
         var = sum(v * v for v in self.nll) / n - m * m
         return math.sqrt(var / (n - 1)) * self.ppl if var > 0 else 0.0
-
-
-def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """-log p(target) per row as llama-perplexity computes it: exp of (logit - max) in float, summed
-    in double (only the target's log-probability is formed, not the whole row's)."""
-    logits = np.ascontiguousarray(logits, np.float32)
-    targets = np.ascontiguousarray(targets, np.int64)
-    out = np.empty(len(targets), np.float64)
-    ops_cpu.by_rows(lambda r0, r1: kernels.target_nll(logits[r0:r1], targets[r0:r1], out[r0:r1]), len(targets))
-    return out
 
 
 def perplexity(model, chunks: list[np.ndarray], on_chunk: Callable[[int, PplResult], None] | None = None,

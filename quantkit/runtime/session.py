@@ -20,6 +20,7 @@ from ..tensor_regex import compile_bounded
 from .model import Model
 from .perplexity import chunk_tokens
 from .tokenizer import Tokenizer
+from . import ops_cpu
 
 
 def set_threads(threads: int | None) -> int:
@@ -59,7 +60,6 @@ def make_ops(device: str = "cpu", cpu_tensors=(), threads: int = 1):
     """The ops backend for ``device``: "cpu" the numba backend (ops_cpu); "cuda" / "cuda:N" the
     torch backend on that GPU, with tensors matching ``cpu_tensors`` (regexes) kept on the CPU;
     "torch-cpu" the torch backend on the CPU (the CUDA code path, where no GPU is)."""
-    from . import ops_cpu
     if device == "cpu":
         return ops_cpu
     if not (device in ("cuda", "torch-cpu") or re.fullmatch(r"cuda:\d+", device)):

@@ -23,6 +23,7 @@ import unicodedata
 from functools import lru_cache
 
 from ..errors import QuantkitError
+from ..gguf_io.reader import open_model
 
 log = logging.getLogger(__name__)
 
@@ -707,7 +708,6 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path) -> "Tokenizer":
-        from ..gguf_io.reader import open_model
         with open_model(path) as model:
             return cls(model.metadata)
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..formats._iqk import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
+from ..formats._kt_codebook import IQ4_KT_SECOND_OFFSET, OFFSET, SPECS, trellis_values
 from ..formats.iq2kl import PAIRS
 from ..formats.iq4 import KVALUES
 from ..formats.iq4kss import BASE as IQ4KSS_BASE
 from ..formats.iq4kss import SHIFTED as IQ4KSS_SHIFTED
 from ..formats.iqk import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K
+from ..tables import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
 from ..types import QuantType
 
 T = QuantType
@@ -397,7 +398,6 @@ _TRELLIS_TABLES: dict = {}
 
 
 def _trellis_table(name: str, device, offset: int | None = None) -> torch.Tensor:
-    from ..formats._kt_codebook import OFFSET, SPECS, trellis_values
     key = (name, str(device), offset)
     if key not in _TRELLIS_TABLES:
         spec = SPECS[name]
@@ -451,7 +451,6 @@ def _iq4_kt(b, n_per_row):
     """128 B: 8 uint32 words (bit 0: second table, bits 1-7: scale + 64, bits 8+3j..: code bits
     12-14 of group j) | ql[64] (code bits 0-7) | qh[32] (bits 8-11 of group g in nibble g//32 of
     qh[g%32]); 15-bit codes of 4 values."""
-    from ..formats._kt_codebook import IQ4_KT_SECOND_OFFSET, OFFSET
     d, blk = _kt_scales(b, n_per_row, 128)
     dev = b.device
     head = torch.cat([_u32(blk, 4 * ib) for ib in range(8)], dim=1)                  # (n, 8)

@@ -15,6 +15,7 @@ from ..compiling import CompileLog, announced
 from ..types import type_name
 from . import ops_cpu
 from .model import NonFiniteLogits
+from .ops_cpu import token_nll
 
 _warmed: set = set()        # (ops, weight types, architecture, path) done in this process
 
@@ -50,7 +51,6 @@ def warm_up(model, n_tokens, what: str | None = None) -> CompileLog:
     scores a chunk.  Kernels that compile say so once ("compiling kernels for the runtime (q4_K,
     q6_K) ..."); a second call for the same backend, weight types, architecture and path does
     nothing.  Logits that are not finite are left to the real pass to report."""
-    from .perplexity import token_nll
     types = weight_types(model)
     layers = _layers(model.ops)
     ops = layers[-1]            # the passes go to the backend: an observer must not see them
