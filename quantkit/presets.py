@@ -159,6 +159,15 @@ def flavor_article(flavor: str) -> str:
     return f"{'an' if flavor[:1] in 'aeiou' else 'a'} {flavor}"
 
 
+def preset_or_type_hint(text: str, flavor: str, loaded_only: bool = True) -> str:
+    """'did you mean …?' for a mistyped preset or type name, or ''.  Presets first: a name that is
+    both (Q4_0) is shown as the preset, an alias as what it stands for; with ``loaded_only`` only
+    types the flavor's llama.cpp loads."""
+    names = {name: ALIASES.get(name, name) for name in preset_names(flavor)}
+    names.update((t.name, t.name) for t in file_types() if not loaded_only or flavor in t.loads)
+    return did_you_mean(text, names)
+
+
 def preset_or_type(text: str, flavor: str) -> tuple[Preset | None, QuantType]:
     """What quantize's TYPE names in ``flavor``: a preset (which wins, as in llama-quantize) and its
     default type, or (None, a ggml type).  Anything else is an error naming the nearest names, or
@@ -176,11 +185,7 @@ def preset_or_type(text: str, flavor: str) -> tuple[Preset | None, QuantType]:
             what = theirs.name if text.strip().upper() == theirs.name else f"'{text}' names {theirs.name}, which"
             raise QuantkitError(f"TYPE: {what} is {flavor_article(other)} preset, not {flavor_article(flavor)} "
                                 f"one: add --flavor {other}")
-    # presets first: a name that is both (Q4_0) is shown as the preset; an alias as what it stands for;
-    # only types the flavor's llama.cpp loads
-    names = {name: ALIASES.get(name, name) for name in preset_names(flavor)}
-    names.update((t.name, t.name) for t in file_types() if flavor in t.loads)
-    hint = did_you_mean(text, names)
+    hint = preset_or_type_hint(text, flavor)
     raise QuantkitError(f"TYPE: unknown type '{text}': neither a ggml type nor {flavor_article(flavor)} preset"
                         + (f"; {hint}" if hint else "") + " (quantkit types lists them all)")
 

@@ -17,17 +17,16 @@ import numpy as np
 
 from .compiling import CompileLog, announced, cache_place
 from .errors import QuantkitError
-from .types import QuantType, file_types, traits, type_from_name, type_name
+from .types import QuantType, traits, type_from_name, type_name
 from . import formats
 from .gguf_io.constants import MetaValue, ValueType
 from .gguf_io.reader import open_model
 from .gguf_io.writer import GGUFWriter, TensorSpec, plan_shards
-from .presets import ALIASES, ModelInfo, find_preset, mix_types, preset_names
+from .presets import ModelInfo, find_preset, mix_types, preset_or_type_hint
 from .quantize import quantize_rows
 from .runtime import ops_cpu
 from .runtime.model import Model
 from .runtime.warmup import warm_up
-from .suggest import did_you_mean
 
 N_PER_ROW = 256                 # a row every block size divides (the largest is 256)
 
@@ -87,9 +86,7 @@ def resolve_types(names, flavor: str = "ik") -> list[QuantType]:
             try:
                 found.add(type_from_name(part))
             except ValueError:
-                names = {name: ALIASES.get(name, name) for name in preset_names(flavor)}
-                names.update((t.name, t.name) for t in file_types())
-                hint = did_you_mean(part, names)
+                hint = preset_or_type_hint(part, flavor, loaded_only=False)
                 raise QuantkitError(f"--types: unknown type '{part}': neither a ggml type nor a preset"
                                     + (f"; {hint}" if hint else "") + " (quantkit types lists them all)") from None
     return sorted(found, key=lambda t: type_name(t))
