@@ -44,10 +44,16 @@ def file_type(path):
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory):
+def tiny_f32(tmp_path_factory):
+    """The F32 tiny llama the plain mixes and the presets are quantized from."""
+    return write_llama(tmp_path_factory.mktemp("f32") / "f32.gguf", n_layer=2, n_embd=256, n_ff=512, n_head=4,
+                       n_head_kv=2, n_vocab=512, vocab=True)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, tiny_f32):
     d = tmp_path_factory.mktemp("repack")
-    f32 = write_llama(d / "f32.gguf", n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=512,
-                      vocab=True)
+    f32 = tiny_f32
     out = {}
     for tag, mix in (("k", MIX), ("iqk", MIX_IQK)):
         p = cli("quantize", f32, d / f"{tag}.gguf", "q8_0", "--pure", "--custom-q", mix)
@@ -161,11 +167,10 @@ def metadata(path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def presets(tmp_path_factory):
+def presets(tmp_path_factory, tiny_f32):
     """A tiny llama quantized with presets (file types 15, 13 and 2) and each one repacked."""
     d = tmp_path_factory.mktemp("roundtrip")
-    f32 = write_llama(d / "f32.gguf", n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_vocab=512,
-                      vocab=True)
+    f32 = tiny_f32
     files = {}
     for preset in ROUND_TRIP:
         src, packed = d / f"{preset}.gguf", d / f"{preset}-r.gguf"
