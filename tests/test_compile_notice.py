@@ -110,15 +110,17 @@ _SCENARIO = textwrap.dedent("""
     from quantkit import compiling
     model_path, mode = sys.argv[1], sys.argv[2]
     doc = {}
-    if mode == "quantize":
-        from quantkit import quantize
-        from quantkit.cli import main
-        real = quantize.warm_up_plan
-        def warm_up_plan(*a, **k):
+    def kernels_after(module, name):         # the kernels ready when module.name (a warm-up) returns
+        real = getattr(module, name)
+        def wrapped(*a, **k):
             log = real(*a, **k)
             doc["after_warm_up"] = compiling.ready_kernels()
             return log
-        quantize.warm_up_plan = warm_up_plan
+        setattr(module, name, wrapped)
+    if mode == "quantize":
+        from quantkit import quantize
+        from quantkit.cli import main
+        kernels_after(quantize, "warm_up_plan")
         doc["before"] = compiling.ready_kernels()
         assert main(["quantize", model_path, sys.argv[3], "q8_0"]) == 0
         doc["end"] = compiling.ready_kernels()
@@ -134,12 +136,7 @@ _SCENARIO = textwrap.dedent("""
                 doc.update(while_timed=stats.kernels_while_timed, end=compiling.ready_kernels(),
                            warm_up_seconds=stats.warm_up_seconds)
             else:
-                real = ppl.warm_up
-                def warm_up(*a, **k):
-                    log = real(*a, **k)
-                    doc["after_warm_up"] = compiling.ready_kernels()
-                    return log
-                ppl.warm_up = warm_up
+                kernels_after(ppl, "warm_up")
                 chunks = [np.arange(1, 33, dtype=np.int64), np.arange(33, 65, dtype=np.int64)]
                 doc["after_chunks"] = []
                 ppl.perplexity(s.model, chunks, lambda i, r: doc["after_chunks"].append(compiling.ready_kernels()))
