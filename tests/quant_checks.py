@@ -33,9 +33,9 @@ def assert_same_bytes(got: np.ndarray, want: np.ndarray, qtype, n_per_row: int, 
                            f"blocks differ (rows {rows[:10].tolist()}; first: {first})")
 
 
-def quantize(x, qtype, imatrix, flavor, reference):
+def quantize(x, qtype, imatrix, flavor):
     with np.errstate(all="ignore"):         # C divides by zero in lanes whose result it discards
-        return formats.quantize(x, qtype, imatrix, flavor=flavor, reference=reference)
+        return formats.quantize(x, qtype, imatrix, flavor=flavor)
 
 
 def load_reference(shared_dir, module: str, jit: bool = True):

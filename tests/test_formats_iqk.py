@@ -1,12 +1,14 @@
 """IQ2_K, IQ2_KS, IQ2_KL, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ4_KSS, IQ5_KS, IQ3_KS against real
 references.
 
-Oracles: ../shared/golden/ik (the portable no-FMA C build) for every input, with and without imatrix;
-the executable ports of ../shared/reference/ik_quantize.py (checked against that build) on fresh
-inputs (zero rows and blocks, 1e-30 blocks, heavy tails, ties, huge values, expert-by-expert
-imatrix slices; IQ5_KS/IQ3_KS/IQ2_KL have no port: there the numba kernel must equal the numpy twin); for
-decoding the ports of ik_decode_repack.py and the wheel's C ``to_float``
-(bit for bit, except IQ6_K's cubic, which the FMA-built wheel rounds differently in the last bit).
+The quantizers are the numba kernels (the only implementation).  Oracles: ../shared/golden/ik (the
+portable no-FMA C build) for every input, with and without imatrix (its edge-case rows: zero rows and
+blocks, 1e-30 blocks, a huge outlier; an imatrix with zero columns and outliers); the executable ports
+of ../shared/reference/ik_quantize.py (checked against that build) on fresh inputs (heavy tails,
+ties, huge values, expert-by-expert imatrix slices; IQ5_KS/IQ3_KS/IQ2_KL have no port, so the golden
+vectors are their only oracle); for decoding (numpy and numba decoders both) the ports of
+ik_decode_repack.py and the wheel's C ``to_float`` (bit for bit, except IQ6_K's cubic, which the
+FMA-built wheel rounds differently in the last bit).
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ from quantkit.types import QuantType, traits, type_name
 
 T = QuantType
 TYPES = [T.IQ2_K, T.IQ2_KS, T.IQ2_KL, T.IQ3_K, T.IQ4_K, T.IQ5_K, T.IQ6_K, T.IQ4_KS, T.IQ4_KSS, T.IQ5_KS, T.IQ3_KS]
-SLOW_NUMPY = {T.IQ2_KS}        # its numpy twin runs ~5000 splits per block: golden "gauss" only
 PORTS = {T.IQ2_K: "quantize_iq2_k", T.IQ2_KS: "quantize_iq2_ks", T.IQ3_K: "quantize_iq3_k", T.IQ4_K: "quantize_iq4_k", T.IQ5_K: "quantize_iq5_k",
          T.IQ6_K: "quantize_iq6_k", T.IQ4_KS: "quantize_iq4_ks", T.IQ4_KSS: "quantize_iq4_kss"}
 IMPLS = pytest.mark.parametrize("reference", [True, False], ids=["numpy", "numba"])
@@ -39,19 +40,14 @@ def ik_decoders(shared_dir):
     return load_reference(shared_dir, "ik_decode_repack")
 
 
-@IMPLS
 @pytest.mark.parametrize("use_imatrix", [False, True], ids=["noimat", "imat"])
 @pytest.mark.parametrize("name", ["gauss", "heavy", "wide"])
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)
-def test_golden(shared_dir, qtype, name, use_imatrix, reference):
-    if reference and qtype in SLOW_NUMPY and name != "gauss":
-        pytest.skip("slow numpy twin: one input is enough")
+def test_golden(shared_dir, qtype, name, use_imatrix):
     _, x, imatrix = golden_input(shared_dir, "ik", name)
     want = golden_bytes(shared_dir, "ik", name, qtype, use_imatrix)
-    # ik-only types: one algorithm for both flavors (the slow numpy twin is run for one of them; the
-    # numba kernel covers both)
-    for flavor in ("ik",) if reference and qtype in SLOW_NUMPY else ("ik", "mainline"):
-        got = quantize(x, qtype, imatrix if use_imatrix else None, flavor, reference)
+    for flavor in ("ik", "mainline"):           # ik-only types: one algorithm for both flavors
+        got = quantize(x, qtype, imatrix if use_imatrix else None, flavor)
         assert_same_bytes(got, want, qtype, x.shape[1], f"{type_name(qtype)} {name} {flavor}")
 
 
@@ -61,23 +57,18 @@ def _fresh(seed):
     return x
 
 
-@IMPLS
 @pytest.mark.parametrize("use_imatrix", [False, True], ids=["noimat", "imat"])
-@pytest.mark.parametrize("qtype", TYPES, ids=type_name)
-def test_reference_port_on_fresh_experts(ik_port, qtype, use_imatrix, reference):
+@pytest.mark.parametrize("qtype", list(PORTS), ids=type_name)
+def test_reference_port_on_fresh_experts(ik_port, qtype, use_imatrix):
     """Two 'experts' of a 3-D tensor, each with its own imatrix slice, as llama-quantize does."""
-    if reference and qtype in SLOW_NUMPY:
-        pytest.skip("slow numpy twin: covered by the golden test")
     x = _fresh(int(qtype))
     ims = expert_imatrix(int(qtype) + 1, 2, x.shape[1]) if use_imatrix else [None, None]
-    port = getattr(ik_port, PORTS[qtype]) if qtype in PORTS else None
-    if port is None and reference:
-        pytest.skip("no reference port: the numba kernel is compared with the numpy twin")
+    port = getattr(ik_port, PORTS[qtype])
     for e, im in enumerate(ims):
         xe = x[2 * e:2 * e + 2]
         with np.errstate(all="ignore"):
-            want = np.frombuffer(port(xe, im), np.uint8) if port else quantize(xe, qtype, im, "ik", True)
-        assert_same_bytes(quantize(xe, qtype, im, "ik", reference), want, qtype, x.shape[1], f"expert {e}")
+            want = np.frombuffer(port(xe, im), np.uint8)
+        assert_same_bytes(quantize(xe, qtype, im, "ik"), want, qtype, x.shape[1], f"expert {e}")
 
 
 def _random_blocks(qtype, rows: int, n: int, seed: int) -> np.ndarray:

@@ -10,9 +10,10 @@ Oracles (never quantkit's own earlier output):
 * for decoding, gguf-py's dequantizers and, when the ik-llama-cpp-python wheel is installed, the C
   ``to_float`` of its libggml.so (and its quantizer for ternary Q2_K input, where no FMA is involved).
 
-Every quantizer case runs twice: the numpy reference (``reference=True``) and the numba kernel.
-The mainline ports are numba code; they run here as plain Python (numba's DISABLE_JIT while importing
-them) because compiling them would take longer than this whole file.
+The quantizers are the numba kernels (the only implementation); every decoding case runs twice, the
+numpy decoder (``reference=True``) and the numba one.  The mainline ports are numba code; they run
+here as plain Python (numba's DISABLE_JIT while importing them) because compiling them would take
+longer than this whole file.
 """
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ from quant_checks import (assert_same_bytes, expert_imatrix, fresh_input, golden
 from quantkit import formats
 from quantkit.formats import registered
 from quantkit.formats._base import ALL_PATHS, FLAVORS
-from quantkit.formats import iq4 as iq4_ref
-from quantkit.formats import kquants as kq_ref
+from quantkit.formats import iq4 as iq4_formats
+from quantkit.formats import kquants as kq_formats
 from quantkit.kernels import iq4 as iq4_kernels
+from quantkit.kernels import kquants as kq_kernels
 from quantkit.types import QuantType, traits, type_name
 
 T = QuantType
@@ -100,24 +102,22 @@ def test_registered_paths_and_scale_fields(qtype):
 
 # ---- golden vectors (real C output) ----
 
-@IMPLS
 @IMAT
 @pytest.mark.parametrize("name", INPUTS)
 @pytest.mark.parametrize("flavor", FLAVORS)
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)
-def test_golden(shared_dir, qtype, flavor, name, use_imatrix, reference):
+def test_golden(shared_dir, qtype, flavor, name, use_imatrix):
     folder, x, imatrix = golden_input(shared_dir, flavor, name)
     want = np.fromfile(folder / f"{name}.{type_name(qtype)}.{'imat' if use_imatrix else 'noimat'}.bin", np.uint8)
-    got = quantize(x, qtype, imatrix if use_imatrix else None, flavor, reference)
+    got = quantize(x, qtype, imatrix if use_imatrix else None, flavor)
     assert_same_bytes(got, want, qtype, x.shape[1], f"{flavor} {type_name(qtype)} {name}")
 
 
 # ---- fresh inputs against the executable ports ----
 
-@IMPLS
 @IMAT
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)
-def test_mainline_port(mainline_ports, qtype, use_imatrix, reference):
+def test_mainline_port(mainline_ports, qtype, use_imatrix):
     port = mainline_ports[qtype]
     x = fresh_input(int(qtype))
     ims = expert_imatrix(int(qtype) + 100, 3, x.shape[1]) if use_imatrix else [None]
@@ -125,34 +125,37 @@ def test_mainline_port(mainline_ports, qtype, use_imatrix, reference):
         xe = x if e == 0 else x[::-1] * np.float32(1 + e)
         with np.errstate(over="ignore"):         # the port's fp16 helper wraps uint32 on purpose
             want = port(np.ascontiguousarray(xe), im)
-        assert_same_bytes(quantize(xe, qtype, im, "mainline", reference), want, qtype, x.shape[1],
+        assert_same_bytes(quantize(xe, qtype, im, "mainline"), want, qtype, x.shape[1],
                           f"mainline {type_name(qtype)} expert {e}")
 
 
-@IMPLS
 @IMAT
 @pytest.mark.parametrize("qtype", [T.Q6_K, T.IQ4_NL], ids=type_name)
-def test_ik_port(ik_port, qtype, use_imatrix, reference):
+def test_ik_port(ik_port, qtype, use_imatrix):
     port = ik_port.quantize_q6_K if qtype == T.Q6_K else ik_port.quantize_iq4_nl
     x = fresh_input(int(qtype), n=256)
     ims = expert_imatrix(int(qtype) + 200, 2, x.shape[1]) if use_imatrix else [None]
     for e, im in enumerate(ims):
         xe = np.ascontiguousarray(x if e == 0 else -x[::-1])
         want = np.frombuffer(port(xe, im), np.uint8)
-        assert_same_bytes(quantize(xe, qtype, im, "ik", reference), want, qtype, x.shape[1],
+        assert_same_bytes(quantize(xe, qtype, im, "ik"), want, qtype, x.shape[1],
                           f"ik {type_name(qtype)} expert {e}")
 
 
 @pytest.mark.parametrize("n, nmax", [(16, 4), (16, 32), (32, 8)])
 def test_ik_make_qx_quants(ik_port, n, nmax):
-    """The fork's make_qx_quants (ik Q3_K with imatrix, Q6_K) on random vectors, weights and scales."""
+    """The kernels' make_qx_quants in ik's flavor (ik Q3_K with imatrix, Q6_K, Q4_0/Q5_0 with
+    imatrix, Q6_0), one lane per vector, on random vectors, weights and scales."""
     rng = np.random.default_rng(n + nmax)
     x = (rng.standard_normal((64, n)) * np.exp(rng.standard_normal((64, 1)))).astype(np.float32)
     x[0] = 0
     x[1, ::2] = 0
     w = (rng.random((64, n)) ** 2).astype(np.float32)
     w[2, :8] = 0
-    scale, L = kq_ref.make_qx_quants(x, w, nmax, "ik")
+    scale = np.empty(x.shape[0], np.float32)
+    L = np.empty((n, x.shape[0]), np.int32)
+    kq_kernels.qx_lanes(np.ascontiguousarray(x.T), np.ascontiguousarray(w.T), nmax, True, scale, L)
+    L = L.T
     for i in range(x.shape[0]):
         s_want, l_want = ik_port.make_qx_quants_ggml(n, nmax, x[i], w[i])
         assert scale[i].view(np.uint32) == np.float32(s_want).view(np.uint32), i
@@ -162,19 +165,18 @@ def test_ik_make_qx_quants(ik_port, n, nmax):
 # ---- ternary input: ik's Q2_K TriNet path ----
 
 @needs_wheel
-@IMPLS
-def test_ik_q2_k_trinet(reference):
+def test_ik_q2_k_trinet():
     """ik stores a chunk whose values are all ~{-a, 0, a} as ternary Q2_K.  Its decision and encoding
     involve no fused multiply-add, so the wheel's C quantizer is an oracle here; llama-quantize's
     chunks (ceil(16384/n) rows) are compared chunk by chunk: only the second chunk is ternary."""
     rng = np.random.default_rng(5)
     n = 512
-    rows = kq_ref.chunk_rows(n) + 3
+    rows = kq_formats.chunk_rows(n) + 3
     x = rng.standard_normal((rows, n)).astype(np.float32)
     tern = rng.integers(-1, 2, (3, n)).astype(np.float32) * np.float32(0.02)
     x[-3:] = tern + (rng.standard_normal((3, n)) * 1e-4).astype(np.float32)
-    got = quantize(x, T.Q2_K, None, "ik", reference)
-    cr = kq_ref.chunk_rows(n)
+    got = quantize(x, T.Q2_K, None, "ik")
+    cr = kq_formats.chunk_rows(n)
     want = np.concatenate([np.frombuffer(ggml.quantize_chunk(int(T.Q2_K), x[:cr]), np.uint8).reshape(cr, -1),
                            np.frombuffer(ggml.quantize_chunk(int(T.Q2_K), x[cr:]), np.uint8).reshape(3, -1)])
     assert (want[cr:].reshape(3, -1, 84)[:, :, :16] == 0x11).all()          # it is the ternary path
@@ -228,10 +230,10 @@ def test_dequantize_vs_wheel(qtype, reference):
     np.testing.assert_array_equal(got.view(np.uint32), np.asarray(want, np.float32).view(np.uint32))
 
 
-# ---- internal consistency of the two best_index forms ----
+# ---- best_index: the kernels' thresholds against C's comparison rule ----
 
-def test_iq4_best_index_thresholds():
-    """The kernels count float32 thresholds; the reference follows C's comparison rule (both
+def test_iq4_best_index_thresholds(ik_port):
+    """The kernels count float32 thresholds; the port's best_index follows C's comparison rule (the
     flavors agree off NaN and |x| >= 2^31).  Probe every threshold ± 50 ulps and random values."""
     probes = []
     for thr in iq4_kernels.THR:
@@ -242,8 +244,7 @@ def test_iq4_best_index_thresholds():
             probes.append(v)
             v = np.nextafter(v, np.float32(np.inf))
     rng = np.random.default_rng(0)
-    xs = np.concatenate([np.array(probes, np.float32), iq4_ref.KV,
-                         rng.uniform(-140, 130, 100_000).astype(np.float32)])
+    xs = np.concatenate([np.array(probes, np.float32), iq4_formats.KV,
+                         rng.uniform(-140, 130, 20_000).astype(np.float32)])
     counted = (xs[:, None] >= iq4_kernels.THR[None, :]).sum(axis=1)
-    for flavor in FLAVORS:
-        np.testing.assert_array_equal(counted, iq4_ref.best_index(xs, flavor))
+    np.testing.assert_array_equal(counted, [ik_port.best_index(iq4_formats.KVALUES, v) for v in xs])

@@ -10,7 +10,8 @@ Oracles (never quantkit's own earlier output):
 * for decoding, gguf-py's dequantizers and, when the ik-llama-cpp-python wheel is installed, the C
   ``to_float`` of its libggml.so (also its ``ggml_quantize_chunk`` on awkward no-imatrix blocks).
 
-Every case runs twice: the numpy reference twin (``reference=True``) and the numba kernel.
+The quantizers are the numba kernels (the only implementation); every decoding case runs twice, the
+numpy decoder (``reference=True``) and the numba one.
 """
 from __future__ import annotations
 
@@ -119,11 +120,10 @@ def test_registered_with_every_path(qtype):
 @pytest.mark.parametrize("name", INPUTS)
 @pytest.mark.parametrize("qtype", GOLDEN_TYPES, ids=type_name)
 @pytest.mark.parametrize("with_imatrix", [False, True], ids=["noimat", "imat"])
-@IMPLS
-def test_quantize_matches_golden(golden, flavor, name, qtype, with_imatrix, reference):
+def test_quantize_matches_golden(golden, flavor, name, qtype, with_imatrix):
     want = golden.bytes(flavor, name, qtype, with_imatrix)
     x, imatrix = golden(flavor, name)
-    got = formats.quantize(x, qtype, imatrix if with_imatrix else None, flavor=flavor, reference=reference)
+    got = formats.quantize(x, qtype, imatrix if with_imatrix else None, flavor=flavor)
     assert got.dtype == np.uint8 and got.shape == (x.shape[0], traits(qtype).row_size(x.shape[1]))
     what = f"{flavor} {name}.{type_name(qtype)} imatrix={with_imatrix}"
     assert_same_bytes(got, want, qtype, x.shape[1], what)
@@ -154,27 +154,24 @@ def test_thread_count_does_not_change_bytes(golden):
 
 @pytest.mark.parametrize("qtype", [T.F16, T.BF16, *LEGACY], ids=type_name)
 @pytest.mark.parametrize("flavor", ["ik", "mainline"])
-@IMPLS
-def test_random_rows_match_gguf_py(qtype, flavor, reference):
+def test_random_rows_match_gguf_py(qtype, flavor):
     x = random_rows(1)
-    got = formats.quantize(x, qtype, flavor=flavor, reference=reference)
+    got = formats.quantize(x, qtype, flavor=flavor)
     assert_same_bytes(got, gguf_py_quantize(x, qtype), qtype, x.shape[1], f"{type_name(qtype)} vs gguf-py")
 
 
-@IMPLS
-def test_f32_is_the_input_bytes(reference):
+def test_f32_is_the_input_bytes():
     x = random_rows(2)
-    got = formats.quantize(x, T.F32, random_imatrix(2, x.shape[1]), reference=reference)
+    got = formats.quantize(x, T.F32, random_imatrix(2, x.shape[1]))
     np.testing.assert_array_equal(got, x.view(np.uint8))
 
 
-@IMPLS
-def test_bf16_special_values_match_gguf_py(reference):
+def test_bf16_special_values_match_gguf_py():
     bits = np.array([0x7FC00001, 0xFFA00000, 0x7F800001, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x7F7F8000,
                      0x3F808000, 0x3F818000, 0x3F808001, 0x00000001, 0x80000000, 0x00008000, 0x00018000],
                     dtype=np.uint32)
     x = np.resize(bits, 32).view(np.float32).reshape(1, 32)
-    got = formats.quantize(x, T.BF16, reference=reference)
+    got = formats.quantize(x, T.BF16)
     np.testing.assert_array_equal(got, gguf_py_quantize(x, T.BF16))
 
 
@@ -195,8 +192,7 @@ def awkward_blocks() -> np.ndarray:
 
 @needs_wheel
 @pytest.mark.parametrize("qtype", [T.BF16, *LEGACY], ids=type_name)
-@IMPLS
-def test_awkward_blocks_match_the_wheel(qtype, reference):
+def test_awkward_blocks_match_the_wheel(qtype):
     # the C no-imatrix paths (and Q8_0, BF16 with an imatrix) are plain casts, the same in the wheel's
     # build as in the reference build; gguf-py gets the all -0.0 block of Q4_0/Q5_0 wrong (d = +0)
     x = np.concatenate([awkward_blocks(), random_rows(3, 8, 128)[6:]], axis=1)
@@ -204,7 +200,7 @@ def test_awkward_blocks_match_the_wheel(qtype, reference):
         if imatrix is not None and qtype not in (T.Q8_0, T.BF16):
             continue
         want = np.frombuffer(ggml.quantize_chunk(int(qtype), x, imatrix), np.uint8)
-        got = formats.quantize(x, qtype, imatrix, reference=reference)
+        got = formats.quantize(x, qtype, imatrix)
         assert_same_bytes(got, want, qtype, x.shape[1], f"{type_name(qtype)} awkward blocks")
 
 
@@ -214,13 +210,12 @@ def ik_port(shared_dir):
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q8_0], ids=type_name)
-@IMPLS
-def test_imatrix_rows_match_the_ik_port(ik_port, qtype, reference):
+def test_imatrix_rows_match_the_ik_port(ik_port, qtype):
     x = random_rows(4, 4, 256)          # the port is plain Python: keep it small
     imatrix = random_imatrix(4, 256)
     port = {T.Q4_0: ik_port.quantize_q4_0, T.Q8_0: ik_port.quantize_q8_0}[qtype]
     want = np.frombuffer(port(x, imatrix), np.uint8)
-    got = formats.quantize(x, qtype, imatrix, flavor="ik", reference=reference)
+    got = formats.quantize(x, qtype, imatrix, flavor="ik")
     assert_same_bytes(got, want, qtype, x.shape[1], f"ik {type_name(qtype)} imatrix vs ik_quantize.py")
 
 
@@ -230,13 +225,12 @@ def mainline_port(shared_dir):
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1], ids=type_name)
-@IMPLS
-def test_mainline_imatrix_rows_match_the_mainline_port(mainline_port, qtype, reference):
+def test_mainline_imatrix_rows_match_the_mainline_port(mainline_port, qtype):
     x = random_rows(5, 16, 512)
     imatrix = random_imatrix(5, 512)
     kind = {T.Q4_0: 0, T.Q4_1: 1, T.Q5_0: 2, T.Q5_1: 3}[qtype]
     want = mainline_port.py_legacy(kind, x, imatrix)
-    got = formats.quantize(x, qtype, imatrix, flavor="mainline", reference=reference)
+    got = formats.quantize(x, qtype, imatrix, flavor="mainline")
     what = f"mainline {type_name(qtype)} imatrix vs mainline_more.py"
     assert_same_bytes(got, want, qtype, x.shape[1], what)
 

@@ -53,7 +53,7 @@ def test_quantize_to_interleaved_equals_golden(shared_dir, qtype, use_imatrix):
     for name in ("gauss", "heavy", "wide"):
         _, x, imatrix = golden_input(shared_dir, "ik", name)
         want = golden_bytes(shared_dir, "ik", name, qtype, use_imatrix)
-        got = quantize(x, qtype, imatrix if use_imatrix else None, "ik", False)
+        got = quantize(x, qtype, imatrix if use_imatrix else None, "ik")
         assert_same_bytes(got, want, qtype, x.shape[1], f"{type_name(qtype)} {name}")
 
 

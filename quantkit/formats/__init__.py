@@ -63,8 +63,7 @@ def _check_rows(x: np.ndarray, n_per_row: int, qtype) -> None:
         raise ValueError(f"row size ({n_per_row}) is not a multiple of {t.name} block size ({t.block_size})")
 
 
-def quantize(x: np.ndarray, qtype, imatrix: np.ndarray | None = None, flavor: str = "ik",
-             reference: bool = False) -> np.ndarray:
+def quantize(x: np.ndarray, qtype, imatrix: np.ndarray | None = None, flavor: str = "ik") -> np.ndarray:
     """Quantize float32 rows ``x`` (n_rows, n_per_row) to ``qtype`` blocks."""
     if flavor not in FLAVORS:
         raise ValueError(f"unknown flavor '{flavor}' (expected one of {', '.join(FLAVORS)})")
@@ -85,8 +84,7 @@ def quantize(x: np.ndarray, qtype, imatrix: np.ndarray | None = None, flavor: st
             imatrix = imatrix.copy()
     if not x.flags.writeable:
         x = x.copy()
-    fn = fmt.quantize_ref if reference else fmt.quantize_fast
-    return fn(x, imatrix, flavor)
+    return fmt.quantize(x, imatrix, flavor)
 
 
 def dequantize(blocks: np.ndarray, qtype, n_per_row: int, reference: bool = False) -> np.ndarray:

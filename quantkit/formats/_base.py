@@ -6,11 +6,13 @@ A format converts whole rows.  Shapes and dtypes are fixed:
     imatrix  float32 (n_per_row,) or None       per-column importance (mean of squared activations)
     blocks   uint8   (n_rows, row_size)         row_size = traits.row_size(n_per_row)
 
-Each format has two implementations with the same contract:
+A format quantizes one way, ``quantize``: for every quantized type that is the numba kernel of
+:mod:`quantkit.kernels`, which tests/test_formats_*.py check byte for byte against the C quantizers'
+reference vectors (../shared/golden) and the executable ports of ../shared/reference.  Decoding has
+two paths with the same contract:
 
-* ``*_ref``   plain numpy, written for clarity (vectorised across blocks, sequential where the C
-              code accumulates sequentially).  Tests compare it against the C references.
-* ``*_fast``  a numba kernel from :mod:`quantkit.kernels`; defaults to the reference.
+* ``dequantize_ref``   plain numpy, written for clarity (vectorised across blocks).
+* ``dequantize_fast``  a numba kernel from :mod:`quantkit.kernels`; defaults to the reference.
 
 Quantizers come in flavors: ``"ik"`` reproduces ik_llama.cpp's ggml, ``"mainline"`` llama.cpp's.
 Most paths are the same in both; a format lists the (flavor, with_imatrix) pairs it implements in
@@ -18,12 +20,12 @@ Most paths are the same in both; a format lists the (flavor, with_imatrix) pairs
 """
 from __future__ import annotations
 
+from types import ModuleType
 from typing import ClassVar
 
 import numpy as np
 
 from ..types import QuantType, TypeTraits, traits
-from ._iqk import imatrix_cleanup
 
 FLAVORS = ("ik", "mainline")
 ALL_PATHS = frozenset((f, imat) for f in FLAVORS for imat in (False, True))
@@ -51,16 +53,12 @@ class BlockFormat:
 
     # ---- to implement ----
     @classmethod
-    def quantize_ref(cls, x: np.ndarray, imatrix: np.ndarray | None, flavor: str) -> np.ndarray:
+    def quantize(cls, x: np.ndarray, imatrix: np.ndarray | None, flavor: str) -> np.ndarray:
         raise NotImplementedError
 
     @classmethod
     def dequantize_ref(cls, blocks: np.ndarray, n_per_row: int) -> np.ndarray:
         raise NotImplementedError
-
-    @classmethod
-    def quantize_fast(cls, x: np.ndarray, imatrix: np.ndarray | None, flavor: str) -> np.ndarray:
-        return cls.quantize_ref(x, imatrix, flavor)
 
     @classmethod
     def dequantize_fast(cls, blocks: np.ndarray, n_per_row: int) -> np.ndarray:
@@ -99,17 +97,25 @@ def registered() -> dict[QuantType, type[BlockFormat]]:
 
 
 class KernelFormat(BlockFormat):
-    """``quantize_fast``/``dequantize_fast`` through numba row kernels.  Subclasses set
-    ``_kernel_quantize(x, qw, has_qw, out)`` and ``_kernel_dequantize(blocks, out)`` (staticmethods);
+    """``quantize``/``dequantize_fast`` through numba row kernels.  Subclasses set
+    ``_kernel_quantize(x, qw, has_qw, out)`` (or ``(x, qw, has_qw, ik, out)`` with
+    ``kernel_takes_flavor``) and ``_kernel_dequantize(blocks, out)`` (static- or classmethods);
     without an imatrix the kernels get a dummy ``qw`` and ``has_qw=False``."""
+    #: the quantizer kernel takes ``ik`` (reproduce ik_llama.cpp, else mainline); the types only
+    #: ik_llama.cpp has run one algorithm for both flavors
+    kernel_takes_flavor: ClassVar[bool] = False
 
     @classmethod
-    def quantize_fast(cls, x, imatrix, flavor):
+    def quantize(cls, x, imatrix, flavor):
         n_rows, n = x.shape
         out = cls.empty_blocks(n_rows, n)
         has_qw = imatrix is not None
         qw = np.ascontiguousarray(imatrix, np.float32) if has_qw else np.zeros(n, np.float32)
-        cls._kernel_quantize(np.ascontiguousarray(x, np.float32), qw, has_qw, out)
+        x = np.ascontiguousarray(x, np.float32)
+        if cls.kernel_takes_flavor:
+            cls._kernel_quantize(x, qw, has_qw, flavor == "ik", out)
+        else:
+            cls._kernel_quantize(x, qw, has_qw, out)
         return out
 
     @classmethod
@@ -119,23 +125,34 @@ class KernelFormat(BlockFormat):
         return out
 
 
-class RowwiseReference(BlockFormat):
-    """Numpy references that work a row at a time (row-scaled types, or types whose imatrix goes
-    through ik's QHelper clean-up, which depends on the row): subclasses set ``qhelper_block`` and
-    the staticmethods ``_quantize_row(x_row, weights_or_None) -> bytes`` and
-    ``_dequantize_row(row_bytes, n_per_row) -> values``."""
-    qhelper_block: ClassVar[int] = 32
+class FamilyKernelFormat(KernelFormat):
+    """A family whose kernels module (``kernel_module``) runs each of its types by ggml type id:
+    ``quantize_rows(type_id, <KernelFormat's arguments>)``, ``dequantize_rows(type_id, blocks,
+    FP16_TABLE, out)``."""
+    kernel_module: ClassVar[ModuleType]
 
     @classmethod
-    def quantize_ref(cls, x, imatrix, flavor):
-        n_rows, n = x.shape
-        x = np.ascontiguousarray(x, np.float32)
-        w_rows = imatrix_cleanup(x, imatrix, cls.qhelper_block)
-        out = np.empty((n_rows, cls.traits.row_size(n)), np.uint8)
-        with np.errstate(all="ignore"):
-            for r in range(n_rows):
-                out[r] = cls._quantize_row(x[r], None if w_rows is None else w_rows[r])
-        return out
+    def _kernel_quantize(cls, *args):
+        cls.kernel_module.quantize_rows(int(cls.qtype), *args)
+
+    @classmethod
+    def _kernel_dequantize(cls, blocks, out):
+        cls.kernel_module.dequantize_rows(int(cls.qtype), blocks, cls.kernel_module.FP16_TABLE, out)
+
+
+class BlockwiseReference(BlockFormat):
+    """Numpy decoders that work on whole blocks: subclasses set the staticmethod
+    ``_dequantize_blocks(blocks (n_blocks, type_size) uint8) -> values (n_blocks, block_size)``."""
+
+    @classmethod
+    def dequantize_ref(cls, blocks, n_per_row):
+        b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, cls.traits.type_size)
+        return cls._dequantize_blocks(b).astype(np.float32).reshape(blocks.shape[0], n_per_row)
+
+
+class RowwiseReference(BlockFormat):
+    """Numpy decoders that work a row at a time (row-scaled types): subclasses set the staticmethod
+    ``_dequantize_row(row_bytes, n_per_row) -> values``."""
 
     @classmethod
     def dequantize_ref(cls, blocks, n_per_row):

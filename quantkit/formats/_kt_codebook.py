@@ -77,8 +77,6 @@ def _bin5(v: np.ndarray) -> np.ndarray:
 class Codebook:
     values: np.ndarray        # (2^bits, group) float32
     mid: np.ndarray           # (group,) float32: cluster bit thresholds (groups of 8)
-    members: tuple            # per cluster: int64 array of member codes, in search order
-    member_values: tuple      # per cluster: (n_members, group) float32
     offsets: np.ndarray       # CSR over the concatenated members: cluster c is [offsets[c], offsets[c+1])
     flat_members: np.ndarray  # int32 (total,)
     flat_values_t: np.ndarray  # float32 (group, total): member values, one row per position
@@ -91,14 +89,6 @@ def cluster_of(spec: KTSpec, mid: np.ndarray, v: np.ndarray) -> np.ndarray:
     return (_bin5(v) * 5 ** np.arange(4)).sum(axis=-1)
 
 
-def _nearest_numpy(values, centres, n_nb):
-    """The n_nb nearest centres of every group: stable sort of the float32 distances (C order)."""
-    near = np.empty((values.shape[0], n_nb), np.int64)
-    for a in range(0, values.shape[0], 4096):
-        near[a:a + 4096] = np.argsort(_dist2(values[a:a + 4096], centres), axis=1, kind="stable")[:, :n_nb]
-    return near
-
-
 def _dist2(values, centres):
     d2 = np.zeros((values.shape[0], centres.shape[0]), np.float32)
     for k in range(values.shape[1]):
@@ -107,16 +97,10 @@ def _dist2(values, centres):
     return d2
 
 
-def _nearest_numba(values, centres, n_nb):
-    near = np.empty((values.shape[0], n_nb), np.int64)
-    nearest_clusters(values, np.ascontiguousarray(centres), near)
-    return near
-
-
 @lru_cache(maxsize=None)
-def codebook(name: str, offset: int = OFFSET, reference: bool = False) -> Codebook:
-    """The codebook ik's constructor builds; ``reference`` finds the neighbours with numpy (slow)
-    instead of the numba kernel."""
+def codebook(name: str, offset: int = OFFSET) -> Codebook:
+    """The codebook ik's constructor builds (the neighbour search is the numba kernel
+    kernels.kt.nearest_clusters: a stable sort of the float32 distances, C order)."""
     spec = SPECS[name]
     n_val, g = 1 << spec.num_bits, spec.group
     values = trellis_values(np.arange(n_val), g, spec.is_abs, offset)
@@ -135,11 +119,12 @@ def codebook(name: str, offset: int = OFFSET, reference: bool = False) -> Codebo
     with np.errstate(invalid="ignore", divide="ignore"):
         centres = np.where(counts[:, None] > 0, sums.astype(np.float32) / counts[:, None].astype(np.float32),
                            F(0)).astype(np.float32)
-    near = (_nearest_numpy if reference else _nearest_numba)(values, centres, spec.n_neighbours)
+    near = np.empty((n_val, spec.n_neighbours), np.int64)
+    nearest_clusters(values, np.ascontiguousarray(centres), near)
     # members of each cluster in ascending code order (a stable sort of the ip-major neighbour list)
     by_cluster = np.argsort(near.reshape(-1), kind="stable") // spec.n_neighbours
     bounds = np.searchsorted(np.sort(near.reshape(-1)), np.arange(spec.n_clusters + 1))
-    members, member_values = [], []
+    members = []
     for c in range(spec.n_clusters):
         pts = by_cluster[bounds[c]:bounds[c + 1]]
         if pts.size % 8:
@@ -152,9 +137,7 @@ def codebook(name: str, offset: int = OFFSET, reference: bool = False) -> Codebo
             others, d = others[near_enough], d[near_enough]
             pts = np.concatenate([pts, others[np.lexsort((others, d))[:nadd]]])
         members.append(pts)
-        member_values.append(values[pts])
     sizes = np.array([m.size for m in members])
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     flat = np.concatenate(members).astype(np.int32)
-    return Codebook(values, mid, tuple(members), tuple(member_values), offsets, flat,
-                    np.ascontiguousarray(values[flat].T))
+    return Codebook(values, mid, offsets, flat, np.ascontiguousarray(values[flat].T))

@@ -70,45 +70,37 @@ class _Interleaved(BlockFormat):
     quant_paths = ALL_PATHS
 
     @classmethod
-    def _plain_blocks(cls, x, imatrix, reference):
+    def _plain_blocks(cls, x, imatrix):
         from . import quantize
         base, rule = cls.traits.base, cls.rule
         if rule.truncate_bf16:
             return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype("<u2").view(np.uint8)
         if imatrix is None or not rule.uses_imatrix:
             if rule.rows_one_at_a_time:
-                return np.concatenate([quantize(x[r:r + 1], base, None, "ik", reference) for r in range(len(x))])
-            return quantize(x, base, None, "ik", reference)
+                return np.concatenate([quantize(x[r:r + 1], base, None, "ik") for r in range(len(x))])
+            return quantize(x, base, None, "ik")
         if rule.cleanup_block is None:
             if rule.rows_one_at_a_time:
-                return np.concatenate([quantize(x[r:r + 1], base, imatrix, "ik", reference) for r in range(len(x))])
-            return quantize(x, base, imatrix, "ik", reference)
+                return np.concatenate([quantize(x[r:r + 1], base, imatrix, "ik") for r in range(len(x))])
+            return quantize(x, base, imatrix, "ik")
         w_rows = imatrix_cleanup(x, imatrix, rule.cleanup_block)
         out = np.empty((x.shape[0], traits(base).row_size(x.shape[1])), np.uint8)
         if rule.rows_one_at_a_time:
             for r in range(x.shape[0]):
-                out[r:r + 1] = quantize(x[r:r + 1], base, w_rows[r], "ik", reference)
+                out[r:r + 1] = quantize(x[r:r + 1], base, w_rows[r], "ik")
             return out
         for rows, w in _groups_by_weights(w_rows):
-            out[rows] = quantize(np.ascontiguousarray(x[rows]), base, w, "ik", reference)
+            out[rows] = quantize(np.ascontiguousarray(x[rows]), base, w, "ik")
         return out
 
     @classmethod
-    def _quantize(cls, x, imatrix, reference):
+    def quantize(cls, x, imatrix, flavor):
         n_rows, n = x.shape
         group = cls.traits.interleave_rows
         if n_rows % group:
             raise ValueError(f"{cls.traits.name} needs a multiple of {group} rows, got {n_rows}")
-        plain = cls._plain_blocks(x, imatrix, reference)
+        plain = cls._plain_blocks(x, imatrix)
         return interleave.interleave(plain.reshape(n_rows, -1), cls.qtype, n)
-
-    @classmethod
-    def quantize_ref(cls, x, imatrix, flavor):
-        return cls._quantize(x, imatrix, reference=True)
-
-    @classmethod
-    def quantize_fast(cls, x, imatrix, flavor):
-        return cls._quantize(x, imatrix, reference=False)
 
     @classmethod
     def _dequantize(cls, blocks, n_per_row, reference):

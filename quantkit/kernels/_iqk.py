@@ -1,4 +1,4 @@
-"""numba twins of :mod:`quantkit.formats._iqk`: table lookups and the QHelper imatrix clean-up.
+"""Pieces the IQK kernels share: table lookups and the QHelper imatrix clean-up (formats._iqk).
 
 ``nearest_index`` needs no search: for each pair of neighbours (v[t-1], v[t]) of an ascending table
 the float32 threshold from which C's comparison ``x - v[t-1] < v[t] - x`` picks the upper one is

@@ -1,6 +1,6 @@
 """numba kernels for IQ4_NL and IQ4_XS.
 
-Same contract as the numpy reference in :mod:`quantkit.formats.iq4`.  Rows run in parallel through
+The quantizers of :mod:`quantkit.formats.iq4` (its docstring).  Rows run in parallel through
 the shared driver of :mod:`quantkit.kernels.kquants` (the row kernels have its row signature); within
 a row the 32-value blocks are lanes, ``xt[i, k]`` = value i of block k, so every trial scale is one
 pass over the block with an inner loop over all blocks that LLVM vectorises (each SIMD lane keeps

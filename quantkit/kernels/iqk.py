@@ -1,6 +1,6 @@
 """numba kernels for IQ3_K, IQ4_K, IQ5_K, IQ6_K and IQ4_KS (see :mod:`quantkit.formats.iqk`).
 
-Same contract and arithmetic as the numpy twin; rows run in parallel.  The scale search is what
+Contract and arithmetic: formats.iqk's docstring; rows run in parallel.  The scale search is what
 makes these quantizers cost: every trial scale looks up each value twice.  ``search_lanes`` runs all
 sub-blocks of a row at once as SIMD lanes (each lane keeps its sums in C order) and finds the
 nearest table value by counting the float32 thresholds between neighbours (``_iqk.thresholds``)
@@ -131,7 +131,7 @@ def lanes_first_absmax(xt, amax, mx):
 
 @njit(**_OPTS)
 def search_lanes(x, w, sub, tab, stab, ntry, step, guarded, refit, ovf, scales, shifted):
-    """(scale, shifted) of every sub-block of ``sub`` values in x (formats.iqk.search_scales),
+    """(scale, shifted) of every sub-block of ``sub`` values in x (specs/ik-quants.md §3b),
     all sub-blocks at once as SIMD lanes.  tab/stab: _count_table of the base/shifted half."""
     v, dv, ct = tab
     sv, sdv, sct = stab

@@ -1,6 +1,6 @@
 """numba kernels for the k-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
 
-Same contract as the numpy reference in :mod:`quantkit.formats.kquants`: float32 rows ``x``
+The quantizers of :mod:`quantkit.formats.kquants` (its docstring): float32 rows ``x``
 (n_rows, n_per_row) in, uint8 rows of blocks (n_rows, row_size) out, and the reverse.  Types are
 selected by their ggml type id; ``ik`` selects ik_llama.cpp's algorithms, else mainline's.
 

@@ -262,7 +262,9 @@ def nearest_clusters(values, centres, near):
 
 @njit(**_OPTS)
 def kt_weights(x, qw, has_qw, w):
-    """set_weights (sigma2 scale 2), see formats.kt.kt_weights."""
+    """ik's set_weights with sigma2 scale 2: per 256 block sigma2 = 2*Σx²/256; with an imatrix
+    qw*sqrtf(sigma2 + x²) per 32-block (1e-4 where the block's sums are degenerate), else
+    0.25*sigma2 + x²; an all-(almost)-zero 256 block gets 1e-4."""
     for b in range(x.shape[0] // 256):
         o = 256 * b
         sumx2 = F(0)

@@ -1,6 +1,6 @@
 """numba kernels for the legacy 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
 
-Same contract as the numpy reference in :mod:`quantkit.formats.legacy`: float32 rows
+The quantizers of :mod:`quantkit.formats.legacy` (its docstring): float32 rows
 ``x`` (n_rows, n_per_row) in, uint8 rows of blocks (n_rows, row_size) out, and the reverse.  Formats
 are selected by their ggml type id.  Rows are independent and run in parallel (``prange``; the
 thread count is ``numba.set_num_threads``); within a block everything is scalar and in C order.
