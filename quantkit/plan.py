@@ -8,7 +8,7 @@ Type selection follows ik_llama.cpp's llama-quantize (specs/ik-quants.md §11):
    float presets), else the default TYPE;
 3. ``--token-embedding-type`` / ``--output-tensor-type`` win for their tensors, and
    ``--ffn-gate-inp-type`` for the MoE router (ik: the only way to quantize it);
-4. a row length the type's block does not divide falls back (ROW_FALLBACK), flagged;
+4. a row length the type's block does not divide falls back (types.py's row_fallback), flagged;
 5. token embeddings are never row-interleaved, and an interleaved type whose row count is not a
    multiple of its row group falls back to its base layout, flagged.
 """
@@ -26,31 +26,7 @@ from .types import PROJECTS, QuantType, TYPE_TRAITS, loads, tensor_nbytes, trait
 
 T = QuantType
 
-# Row-length fallbacks (change_type_if_necessary in ik, tensor_type_fallback in mainline): the type
-# to use when ne[0] is not a multiple of the requested type's block size.
-_IK_TO_IQ4_NL = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.Q2_K, T.Q3_K,
-                 T.IQ2_K, T.IQ2_KS, T.IQ2_KL, T.IQ3_K, T.IQ3_KS, T.IQ4_KSS, T.IQ4_KS, T.IQ4_XS,
-                 T.IQ1_KT, T.IQ2_KT, T.IQ3_KT, T.IQ4_KT, T.IQ2_XXS_R4, T.IQ2_XS_R4, T.IQ2_S_R4,
-                 T.IQ3_XXS_R4, T.IQ3_S_R4, T.IQ1_S_R4, T.IQ1_M_R4, T.Q2_K_R4, T.Q3_K_R4, T.IQ2_K_R4,
-                 T.IQ3_K_R4, T.IQ4_KS_R4, T.IQ4_XS_R8]
-ROW_FALLBACK: dict[str, dict[QuantType, QuantType]] = {
-    "ik": {
-        **{t: T.IQ4_NL for t in _IK_TO_IQ4_NL},
-        **{t: T.Q5_0 for t in (T.IQ4_K, T.IQ4_K_R4, T.Q4_K, T.Q4_K_R4, T.IQ5_KS, T.IQ5_KS_R4)},
-        **{t: T.Q6_0 for t in (T.IQ5_K, T.IQ5_K_R4, T.Q5_K, T.Q5_K_R4)},
-        **{t: T.Q8_0 for t in (T.IQ6_K, T.Q6_K, T.Q6_K_R4, T.Q8_K_R8)},
-    },
-    "mainline": {
-        **{t: T.IQ4_NL for t in (T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
-                                 T.IQ4_XS)},
-        **{t: T.Q4_0 for t in (T.Q2_K, T.Q3_K, T.TQ1_0, T.TQ2_0)},
-        T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0,
-    },
-}
-LAST_RESORT = T.F16     # when even the fallback's block does not divide the row
-
-# Interleaved types whose fallback layout is not their own base (ik's interleaved_properties).
-_INTERLEAVE_BASE = {T.Q8_K_R8: T.Q8_0}
+LAST_RESORT = T.F16     # when a type has no row fallback, or even the fallback's block does not divide the row
 
 TOKEN_EMBD_NAMES = ("token_embd.weight", "per_layer_token_embd.weight")
 OUTPUT_NAME = "output.weight"
@@ -225,7 +201,7 @@ class PlanOptions:
 def _row_fallback(qtype: QuantType, n_per_row: int, flavor: str) -> QuantType:
     if n_per_row % traits(qtype).block_size == 0:
         return qtype
-    fb = ROW_FALLBACK[flavor].get(qtype)
+    fb = traits(qtype).row_fallback_for(flavor)
     if fb is not None and n_per_row % traits(fb).block_size == 0:
         return fb
     return LAST_RESORT
@@ -351,7 +327,7 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
                             f"{traits(dst).block_size}: using {type_name(fixed)}")
         # (5) interleaved layouts
         tt = traits(tp.dst_type)
-        base = _INTERLEAVE_BASE.get(tp.dst_type, tt.base)
+        base = tt.group_fallback or tt.base
         if tt.interleave_rows > 1 and base is not None:
             n_rows_per_matrix = shape[1] if len(shape) > 1 else 1
             why = None
@@ -473,4 +449,4 @@ def check_implemented(plan: Plan, can_quantize, can_dequantize, with_imatrix) ->
 
 
 __all__ = ["Plan", "PlanOptions", "TensorPlan", "make_plan", "attach_imatrix", "check_implemented", "check_imatrix",
-           "why_not_quantizable", "ROW_FALLBACK", "TYPE_TRAITS"]
+           "why_not_quantizable", "TYPE_TRAITS"]

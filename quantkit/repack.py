@@ -26,21 +26,12 @@ from .gguf_io.constants import KEY_FILE_TYPE, MetaValue, ValueType
 from .plan import Plan, TensorPlan, TOKEN_EMBD_NAMES
 from .presets import PRESETS
 from .tensor_regex import compile_bounded
-from .types import QuantType, traits, type_name
+from .types import REPACKED_TYPE, QuantType, traits, type_name
 
 T = QuantType
 
-# get_repack_info: plain type -> its interleaved variant (BF16/F16 -> BF16_R16 only in AVX512-BF16
-# builds of ik_llama.cpp, so it is not done by default; MXFP4 -> MXFP4_R8 is left out: the wheel's
-# ggml does not know that type)
-REPACKED_TYPE: dict[QuantType, QuantType] = {
-    T.IQ2_K: T.IQ2_K_R4, T.IQ3_K: T.IQ3_K_R4, T.IQ4_K: T.IQ4_K_R4, T.IQ5_K: T.IQ5_K_R4,
-    T.IQ4_XS: T.IQ4_XS_R8, T.IQ4_KS: T.IQ4_KS_R4, T.IQ5_KS: T.IQ5_KS_R4, T.IQ4_NL: T.IQ4_NL_R4,
-    T.IQ2_BN: T.IQ2_BN_R4, T.IQ2_XXS: T.IQ2_XXS_R4, T.IQ2_XS: T.IQ2_XS_R4, T.IQ2_S: T.IQ2_S_R4,
-    T.IQ3_XXS: T.IQ3_XXS_R4, T.IQ3_S: T.IQ3_S_R4, T.Q2_K: T.Q2_K_R4, T.Q3_K: T.Q3_K_R4,
-    T.Q4_K: T.Q4_K_R4, T.Q5_K: T.Q5_K_R4, T.Q6_K: T.Q6_K_R4, T.Q4_0: T.Q4_0_R8, T.Q5_0: T.Q5_0_R4,
-    T.Q6_0: T.Q6_0_R4, T.Q8_0: T.Q8_0_R8, T.Q8_K: T.Q8_K_R8, T.Q8_KV: T.Q8_KV_R8,
-}
+# REPACKED_TYPE (types.py): plain type -> its interleaved variant, as ik's get_repack_info maps them.
+# BF16/F16 -> BF16_R16 only in AVX512-BF16 builds of ik_llama.cpp, so it is not done by default.
 BF16_REPACK = {T.BF16: T.BF16_R16, T.F16: T.BF16_R16}
 
 # repacked_ftype: the mix a file becomes (names of PRESETS; ftype numbers are ik's)

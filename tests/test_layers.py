@@ -55,10 +55,6 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("quantkit.formats", "quantkit.formats._all"):
         "start-up time: the format modules register on first use; `quantkit repack` needs only the "
         "interleave kernels (formats.registered's docstring)",
-    ("quantkit.formats.repacked", "quantkit.formats"):
-        "a cycle inside formats/: the interleaved wrappers call the package's quantize/dequantize "
-        "dispatcher, which registers them.  Left for issue 24 item 1 (types.py's base= mapping and one "
-        "declaration per type), which decides how a wrapper reaches its base format",
     ("quantkit.runtime.session", "quantkit.runtime.ops_torch"):
         "optional dependency: torch is imported only for --device cuda / torch-cpu",
     ("quantkit.runtime.tokenizer", "quantkit.runtime.chat_template"):

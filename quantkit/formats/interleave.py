@@ -347,31 +347,25 @@ def _iq5_ks_r4(b):
 
 @dataclass(frozen=True)
 class Layout:
-    rows: int                       # N rows per group
+    rows: int                       # N rows per group (types.py's interleave_rows)
     block_values: int               # values per column block
     forward: Callable[[np.ndarray], np.ndarray]
 
 
-LAYOUTS: dict[QuantType, Layout] = {
-    T.IQ4_NL_R4: Layout(4, 32, _iq4_nl_r4),
-    T.Q4_0_R8: Layout(8, 32, _q4_0_r8),
-    T.Q8_0_R8: Layout(8, 32, _q8_0_r8),
-    T.IQ4_KS_R4: Layout(4, 256, _iq4_ks_r4),
-    T.IQ2_K_R4: Layout(4, 256, _iq2_k_r4),
-    T.IQ3_K_R4: Layout(4, 256, _iq3_k_r4),
-    T.IQ4_K_R4: Layout(4, 256, _iq4_k_r4),
-    T.IQ5_K_R4: Layout(4, 256, _iq5_k_r4),
-    T.Q4_K_R4: Layout(4, 256, _q4_k_r4),
-    T.Q6_K_R4: Layout(4, 256, _q6_k_r4),
-    T.BF16_R16: Layout(16, 2, _bf16_r16),
-    T.Q5_0_R4: Layout(4, 32, _q5_0_r4),
-    T.Q6_0_R4: Layout(4, 32, _q6_0_r4),
-    T.Q2_K_R4: Layout(4, 256, _q2_k_r4),
-    T.Q3_K_R4: Layout(4, 256, _q3_k_r4),
-    T.Q5_K_R4: Layout(4, 256, _q5_k_r4),
-    T.IQ4_XS_R8: Layout(8, 256, _iq4_xs_r8),
-    T.IQ5_KS_R4: Layout(4, 256, _iq5_ks_r4),
+_FORWARD: dict[QuantType, Callable[[np.ndarray], np.ndarray]] = {
+    T.IQ4_NL_R4: _iq4_nl_r4, T.Q4_0_R8: _q4_0_r8, T.Q8_0_R8: _q8_0_r8, T.IQ4_KS_R4: _iq4_ks_r4,
+    T.IQ2_K_R4: _iq2_k_r4, T.IQ3_K_R4: _iq3_k_r4, T.IQ4_K_R4: _iq4_k_r4, T.IQ5_K_R4: _iq5_k_r4,
+    T.Q4_K_R4: _q4_k_r4, T.Q6_K_R4: _q6_k_r4, T.BF16_R16: _bf16_r16, T.Q5_0_R4: _q5_0_r4,
+    T.Q6_0_R4: _q6_0_r4, T.Q2_K_R4: _q2_k_r4, T.Q3_K_R4: _q3_k_r4, T.Q5_K_R4: _q5_k_r4,
+    T.IQ4_XS_R8: _iq4_xs_r8, T.IQ5_KS_R4: _iq5_ks_r4,
 }
+# A column block is one block of the base type (types.py's base), except that bf16_r16 interleaves
+# pairs of values (ik needs ne0 % 2 == 0), where bf16's block is one value.
+_COLUMN_BLOCK = {T.BF16_R16: 2}
+LAYOUTS: dict[QuantType, Layout] = {
+    qtype: Layout(traits(qtype).interleave_rows, _COLUMN_BLOCK.get(qtype, traits(traits(qtype).base).block_size),
+                  forward)
+    for qtype, forward in _FORWARD.items()}
 
 
 def supports(qtype) -> bool:

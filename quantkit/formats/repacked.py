@@ -13,7 +13,9 @@ except where the C wrapper changes the quantizer's input:
 * bf16_r16 truncates float32 to bf16 (plain bf16 rounds to nearest even).
 
 These types exist only in ik_llama.cpp, so the flavor is ignored: ik's quantizers are used.
-Decoding regroups the bytes back and decodes the plain type.
+Decoding regroups the bytes back and decodes the plain type.  A wrapper reaches the plain type's
+format (types.py's ``base``) through the registry, not through the package's quantize/dequantize,
+which import this module.
 """
 from __future__ import annotations
 
@@ -65,32 +67,36 @@ def _groups_by_weights(w_rows: np.ndarray):
         yield np.nonzero(inverse == g)[0], w_rows[row]
 
 
+_IK_PATHS = frozenset({("ik", False), ("ik", True)})
+
+
 class _Interleaved(BlockFormat):
     rule: WrapperRule
     quant_paths = ALL_PATHS
 
     @classmethod
     def _plain_blocks(cls, x, imatrix):
-        from . import quantize
-        base, rule = cls.traits.base, cls.rule
+        rule = cls.rule
         if rule.truncate_bf16:
             return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype("<u2").view(np.uint8)
+        base_format = registered()[cls.traits.base]
+        quantize = base_format.quantize
         if imatrix is None or not rule.uses_imatrix:
             if rule.rows_one_at_a_time:
-                return np.concatenate([quantize(x[r:r + 1], base, None, "ik") for r in range(len(x))])
-            return quantize(x, base, None, "ik")
+                return np.concatenate([quantize(x[r:r + 1], None, "ik") for r in range(len(x))])
+            return quantize(x, None, "ik")
         if rule.cleanup_block is None:
             if rule.rows_one_at_a_time:
-                return np.concatenate([quantize(x[r:r + 1], base, imatrix, "ik") for r in range(len(x))])
-            return quantize(x, base, imatrix, "ik")
+                return np.concatenate([quantize(x[r:r + 1], imatrix, "ik") for r in range(len(x))])
+            return quantize(x, imatrix, "ik")
         w_rows = imatrix_cleanup(x, imatrix, rule.cleanup_block)
-        out = np.empty((x.shape[0], traits(base).row_size(x.shape[1])), np.uint8)
+        out = np.empty((x.shape[0], base_format.traits.row_size(x.shape[1])), np.uint8)
         if rule.rows_one_at_a_time:
             for r in range(x.shape[0]):
-                out[r:r + 1] = quantize(x[r:r + 1], base, w_rows[r], "ik")
+                out[r:r + 1] = quantize(x[r:r + 1], w_rows[r], "ik")
             return out
-        for rows, w in _groups_by_weights(w_rows):
-            out[rows] = quantize(np.ascontiguousarray(x[rows]), base, w, "ik")
+        for group, w in _groups_by_weights(w_rows):
+            out[group] = quantize(np.ascontiguousarray(x[group]), w, "ik")
         return out
 
     @classmethod
@@ -104,9 +110,9 @@ class _Interleaved(BlockFormat):
 
     @classmethod
     def _dequantize(cls, blocks, n_per_row, reference):
-        from . import dequantize
+        base_format = registered()[cls.traits.base]
         plain = interleave.deinterleave(blocks, cls.qtype, n_per_row)
-        return dequantize(plain, cls.traits.base, n_per_row, reference=reference)
+        return (base_format.dequantize_ref if reference else base_format.dequantize_fast)(plain, n_per_row)
 
     @classmethod
     def dequantize_ref(cls, blocks, n_per_row):
@@ -118,12 +124,14 @@ class _Interleaved(BlockFormat):
 
 
 def register_available() -> list[QuantType]:
-    """Register a format for every interleaved type whose plain quantizer and byte layout exist."""
+    """Register a format for every interleaved type whose plain quantizer (ik's, with and without an
+    imatrix: the wrappers call it directly) and byte layout exist."""
     done = []
     have = registered()
     for qtype, rule in WRAPPERS.items():
         base = traits(qtype).base
-        if qtype in have or base not in have or not have[base].quant_paths or not interleave.supports(qtype):
+        if (qtype in have or base not in have or not _IK_PATHS <= have[base].quant_paths
+                or not interleave.supports(qtype)):
             continue
         type(f"Interleaved_{traits(qtype).name}", (_Interleaved,), {"rule": rule}, qtype=qtype)
         done.append(qtype)

@@ -17,18 +17,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..types import QuantType
+from ..types import TYPE_TRAITS, QuantType
 from . import kernels, ops_cpu
 
 F32 = np.float32
 T = QuantType
 
-# mainline ggml-cpu's type_traits_cpu[type].vec_dot_type, for the types quantkit writes
-VEC_DOT_TYPE = {
-    T.Q4_0: T.Q8_0, T.Q5_0: T.Q8_0, T.Q8_0: T.Q8_0, T.IQ4_NL: T.Q8_0,
-    T.Q4_1: T.Q8_1, T.Q5_1: T.Q8_1,
-    T.Q2_K: T.Q8_K, T.Q3_K: T.Q8_K, T.Q4_K: T.Q8_K, T.Q5_K: T.Q8_K, T.Q6_K: T.Q8_K, T.IQ4_XS: T.Q8_K,
-}
+# mainline ggml-cpu's type_traits_cpu[type].vec_dot_type, for the types quantkit writes (types.py)
+VEC_DOT_TYPE = {q: t.vec_dot_type for q, t in TYPE_TRAITS.items() if t.vec_dot_type is not None}
 
 
 def round_for(qtype, x: np.ndarray) -> np.ndarray:
