@@ -25,13 +25,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import iq4 as kernels
+from ..tables import IQ4NL_VALUES
 from ..types import QK_K, QuantType
 from ._base import ALL_PATHS, BlockFormat
 from .kquants import GROUP_MAX_EPS, first_absmax, fp16_bytes, fp16_values, nearest_int, recip_or_zero, seq_sum
 
 F = np.float32
 QK4_NL = 32
-KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int64)
+KVALUES = IQ4NL_VALUES.astype(np.int64)
 KV = KVALUES.astype(np.float32)
 
 

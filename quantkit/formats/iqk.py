@@ -36,7 +36,7 @@ import numpy as np
 from ..kernels import iqk as kernels
 from ..types import QK_K, QuantType
 from ._base import ALL_PATHS, KernelFormat, RowwiseReference
-from ..tables import IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
+from ..tables import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
 from ._iqk import TWO_POW_31, imatrix_cleanup, nearest_index
 from ._numeric import first_absmax, fp16_bytes, recip_or_zero, seq_sum
 from .kquants import fp16_values, nearest_int
@@ -461,9 +461,6 @@ def dequantize_iq6_k_table(b):
     extra = b[:, 2:4].copy().view("<u2").reshape(-1).astype(np.int64)
     ls = b[:, 4:20].view(np.int8).astype(np.int32)
     return _scaled(d, ls, IQ6NL_VALUES, iq6_k_codes(b), extra, 64)
-
-
-A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K = F(-127.0), F(6.2568), F(0.11218), F(0.0011972)
 
 
 def dequantize_iq6_k(b):
