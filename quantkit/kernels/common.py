@@ -139,14 +139,14 @@ def weighted_sums(x, w, q, sumqx, sumq2):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def take_trial(sumqx, sumq2, k, d, best):
-    """C's test of a trial scale for lane k: where sumq2 > 0 and sumqx²/sumq2 beats best[k], the
-    trial's scale sumqx/sumq2 becomes d[k] and its score best[k].  Returns whether it did."""
-    if sumq2 > 0 and sumqx * sumqx > best[k] * sumq2:
-        d[k] = sumqx / sumq2
-        best[k] = d[k] * sumqx
-        return True
-    return False
+def take_trial(sumqx, sumq2, d, best):
+    """C's test of a trial scale: if sumq2 > 0 and sumqx²/sumq2 beats ``best``, the trial's scale
+    sumqx/sumq2 and its score replace (d, best).  Returns (taken, d, best); scalars only, so that
+    the callers' loops keep their values in registers."""
+    if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+        d = sumqx / sumq2
+        return True, d, d * sumqx
+    return False, d, best
 
 
 # ---- lanes: value i of sub-block k is xt[i, k] ----

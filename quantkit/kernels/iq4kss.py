@@ -157,8 +157,8 @@ def iq4_kss_row(xr, qw, has_qw, ik, y):
                 dl = F(1) / isc[b]
                 sp, s2p = _sums(xb, wb, cp, b, half == 1, dl, q4)
                 sm, s2m = _sums(xb, wb, cm, b, half == 1, dl, q4)
-                take_trial(sp, s2p, b, scales, best)
-                take_trial(sm, s2m, b, scales, best)
+                _, db, bb = take_trial(sp, s2p, scales[b], best[b])
+                _, scales[b], best[b] = take_trial(sm, s2m, db, bb)
     d, idv = ks_row_scale(scales)
     if d == 0:
         return

@@ -125,10 +125,12 @@ def _trial_lanes(xt, wt, isc, v, dv, ct, ovf, sums, ap, qp, qm):
 
 @njit(cache=True, error_model="numpy", inline="always")
 def take_trials(sums, k, d, best):
-    """The trials at +isc and -isc of lane k (``_trial_lanes``' sums) tested in C order; whether
-    either was taken."""
-    plus = take_trial(sums[0, k], sums[1, k], k, d, best)
-    minus = take_trial(sums[2, k], sums[3, k], k, d, best)
+    """The trials at +isc and -isc of lane k (``_trial_lanes``' sums) tested in C order against
+    (d[k], best[k]), which they update; whether either was taken."""
+    plus, dk, bk = take_trial(sums[0, k], sums[1, k], d[k], best[k])
+    minus, dk, bk = take_trial(sums[2, k], sums[3, k], dk, bk)
+    d[k] = dk
+    best[k] = bk
     return plus or minus
 
 
@@ -136,12 +138,12 @@ def take_trials(sums, k, d, best):
 def first_trials(sums, k, guarded, d0, d, best):
     """The first trial pair of lane k: the + trial's scale unless ``guarded`` and its Σwq² is not
     positive (then d0 with score 0), then the - trial tested against it."""
-    d[k] = d0
-    best[k] = F(0)
+    dk = d0
+    bk = F(0)
     if not guarded or sums[1, k] > 0:
-        d[k] = sums[0, k] / sums[1, k]
-        best[k] = d[k] * sums[0, k]
-    take_trial(sums[2, k], sums[3, k], k, d, best)
+        dk = sums[0, k] / sums[1, k]
+        bk = dk * sums[0, k]
+    _, d[k], best[k] = take_trial(sums[2, k], sums[3, k], dk, bk)
 
 
 @njit(**_OPTS)
