@@ -1,6 +1,6 @@
-"""Value tables that the formats (numpy) and the kernels (numba) both read: a leaf module, so that
-neither layer has to import the other for them (issue 24 item 5: formats import kernels, never the
-reverse).
+"""Value tables that the formats (numpy), the kernels (numba) and the runtime all read: a leaf
+module, so that no layer has to import another for them (issue 24 item 5: formats import kernels,
+never the reverse), and each table is written once.
 
 The non-linear value tables of ik_llama.cpp's IQK types (specs/ik-quants.md §0).  Each has a base
 half and a "shifted" half (the ``extra`` bit of a sub-block selects the second half).
@@ -27,3 +27,13 @@ IQ6NL_VALUES = np.array([
     -50, -46, -43, -39, -36, -33, -30, -27, -24, -21, -18, -15, -12, -10, -7, -4,
     -1, 1, 4, 7, 10, 13, 15, 18, 21, 24, 28, 31, 34, 37, 41, 45,
     48, 52, 56, 60, 64, 69, 73, 78, 83, 88, 93, 99, 104, 110, 116, 122], np.int8)
+
+#: IQ4_NL / IQ4_XS (kvalues_iq4nl): the base half of IQ4_K's table
+IQ4NL_VALUES = IQ4K_VALUES[:16]
+
+#: IQ6_K's values are a cubic in the 6-bit code q, computed in float32:
+#: A + q*(B + q*(-C + q*D)), plus 1 in a shifted sub-block
+A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K = np.float32(-127.0), np.float32(6.2568), np.float32(0.11218), np.float32(0.0011972)
+
+#: fp16 bit pattern -> float32 value, for the decoders (exact: every fp16 is a float32)
+FP16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)

@@ -40,9 +40,11 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("formats (numpy references, registry) and policy", ["quantkit.formats", "quantkit.outputs",
                                                          "quantkit.presets", "quantkit.recipes",
                                                          "quantkit.compiling"]),
-    ("kernels (numba) and small helpers", ["quantkit.kernels", "quantkit.types", "quantkit.inputs",
+    ("kernels (numba) and small helpers", ["quantkit.kernels", "quantkit.inputs",
                                            "quantkit.kv_override", "quantkit.prune",
                                            "quantkit.tensor_regex", "quantkit.progress"]),
+    # the kernels freeze type ids and block sizes from the one table of types
+    ("the type table", ["quantkit.types"]),
     # leaves: they import no quantkit module (test_leaves_import_nothing)
     ("leaves", ["quantkit.errors", "quantkit.kernel_cache", "quantkit.version", "quantkit.tables", "quantkit.cpu", "quantkit.signals",
                 "quantkit.suggest", "quantkit.words", "quantkit.console", "quantkit.perplexity_log",
@@ -213,9 +215,11 @@ def test_kernels_import_no_formats():
     bad = [_where(i) for i in _imports_of("quantkit.kernels")
            if i.target == "quantkit.formats" or i.target.startswith("quantkit.formats.")]
     assert not bad, "\n".join(bad)
-    # what they do import: themselves and leaves (cpu features, value tables)
+    # what they do import: themselves, the type table (ids, block sizes) and leaves (cpu features,
+    # value tables)
     leaves = set(LAYERS[-1][1])
-    assert {unit_of(i.target) for i in _imports_of("quantkit.kernels")} <= {"quantkit.kernels"} | leaves
+    allowed = {"quantkit.kernels", "quantkit.types"} | leaves
+    assert {unit_of(i.target) for i in _imports_of("quantkit.kernels")} <= allowed
 
 
 def test_gguf_io_imports_nothing_above_it():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import floats as kernels
+from ..tables import FP16_TABLE
 from ..types import QuantType
 from ._base import ALL_PATHS, BlockFormat
 
@@ -43,7 +44,7 @@ class F32(BlockFormat, qtype=QuantType.F32):
 
 
 # every float16 bit pattern decoded once; the fast decoder is a parallel table lookup
-_F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+_F16_TO_F32 = FP16_TABLE
 
 
 class F16(BlockFormat, qtype=QuantType.F16):

@@ -28,11 +28,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import iq4 as kernels
+from ..tables import IQ4NL_VALUES
 from ..types import QuantType
 from ._base import ALL_PATHS, BlockwiseReference, FamilyKernelFormat
 from .kquants import fp16_values
 
-KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int64)
+KVALUES = IQ4NL_VALUES.astype(np.int64)
 KV = KVALUES.astype(np.float32)
 
 

@@ -41,7 +41,7 @@ import numpy as np
 from ..kernels import iqk as kernels
 from ..types import QK_K, QuantType
 from ._base import ALL_PATHS, BlockwiseReference, FamilyKernelFormat, RowwiseReference
-from ..tables import IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
+from ..tables import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
 from .kquants import fp16_values, unpack_2bit, unpack_nibbles_k
 
 F = np.float32
@@ -115,7 +115,6 @@ def dequantize_iq6_k_table(b):
     return _scaled(d, ls, IQ6NL_VALUES, iq6_k_codes(b), extra, 64)
 
 
-A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K = F(-127.0), F(6.2568), F(0.11218), F(0.0011972)
 
 
 def dequantize_iq6_k(b):

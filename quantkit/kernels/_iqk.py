@@ -12,7 +12,6 @@ from numba import njit
 
 F = np.float32
 I32 = np.int32
-TWO_POW_31 = F(2.0 ** 31)
 QHELPER_EPS = F(1e-9)
 
 

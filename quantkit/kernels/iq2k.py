@@ -10,15 +10,17 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..tables import IQ2NL_VALUES
+from ..tables import FP16_TABLE, IQ2NL_VALUES
+from ..types import QuantType as T
+from ..types import traits
 from ._iqk import thresholds
+from .common import (F, QK_K, ZERO_EPS, block_bytes, first_absmax, nint, run_rows, store_fp16, store_u16, type_ids,
+                     weighted_sums)
 from .iqk import PLAIN_SIGMA, row_weights
-from .kquants import FP16_TABLE, nint, run_rows, store_fp16
 
-F = np.float32
-QK_K = 256
-IQ2_K, IQ2_KS = 137, 145
-ZERO_EPS = F(1e-16)
+IQ2_K, IQ2_KS = type_ids(T.IQ2_K, T.IQ2_KS)
+IQ2_K_BYTES, IQ2_KS_BYTES = block_bytes(T.IQ2_K, T.IQ2_KS)
+IQ2_KS_META = traits(T.IQ2_KS).row_meta_size        # the fp16 row scale
 BASE = IQ2NL_VALUES[:4].astype(np.float32)
 SHIFTED = IQ2NL_VALUES[4:].astype(np.float32)
 BASE_THR = thresholds(BASE)
@@ -142,9 +144,15 @@ def make_qx_quants_iqk(x, qw, nmax, L):
 
 
 @njit(**_OPTS)
-def _sub_block_scales(xr, qw, has_qw, K, i1_max, i3_min, w, sw, scales, shifted):
+def _sub_block_scales(xr, qw, has_qw, K, i1_max, i3_min):
+    """The first pass of both row kernels: (weights, their sum per sub-block of K, each sub-block's
+    scale and shifted flag from the exhaustive search)."""
     n = xr.shape[0]
     lanes = n // K
+    w = np.empty(n, np.float32)
+    sw = np.empty(lanes, np.float32)
+    scales = np.empty(lanes, np.float32)
+    shifted = np.empty(lanes, np.bool_)
     row_weights(xr, qw, has_qw, K, 1.5, PLAIN_SIGMA, w)
     for k in range(lanes):
         s = F(0)
@@ -156,33 +164,34 @@ def _sub_block_scales(xr, qw, has_qw, K, i1_max, i3_min, w, sw, scales, shifted)
     _prefix_sums(xr, w, K, lanes, sumx, sumw)
     exhaustive_search(sumx, sumw, K, lanes, i1_max, i3_min, scales, shifted)
     for k in range(lanes):
-        amax = F(0)
-        for j in range(K):
-            amax = max(amax, abs(xr[k * K + j]))
-        if amax < ZERO_EPS:
+        if first_absmax(xr[k * K:(k + 1) * K])[0] < ZERO_EPS:
             scales[k] = F(0)
             shifted[k] = False
+    return w, sw, scales, shifted
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _encode(x, w, idl, scale, shifted, L, sumqx, sumq2):
+    """Codes of idl*x (nearest of the base or shifted 4 values) into L, and sumqx, sumq2 advanced in
+    C order by (w*q)*x and (w*q)*q of each decoded q = value*scale.  Returns (sumqx, sumq2)."""
+    for j in range(x.shape[0]):
+        c = _nearest4(idl * x[j], SHIFTED_THR) if shifted else _nearest4(idl * x[j], BASE_THR)
+        L[j] = c
+        sumqx, sumq2 = weighted_sums(x[j], w[j], (SHIFTED[c] if shifted else BASE[c]) * scale, sumqx, sumq2)
+    return sumqx, sumq2
 
 
 @njit(**_OPTS)
 def iq2_k_row(xr, qw, has_qw, ik, y):
     n = xr.shape[0]
-    lanes = n // 16
-    w = np.empty(n, np.float32)
-    sw = np.empty(lanes, np.float32)
-    scales = np.empty(lanes, np.float32)
-    shifted = np.empty(lanes, np.bool_)
-    _sub_block_scales(xr, qw, has_qw, 16, 16, 0, w, sw, scales, shifted)
+    w, sw, scales, shifted = _sub_block_scales(xr, qw, has_qw, 16, 16, 0)
     L = np.empty(16, np.int32)
+    codes = np.empty(16, np.int32)
     for sb in range(n // QK_K):
-        o = 76 * sb
-        for k in range(76):
-            y[o + k] = 0
+        o = IQ2_K_BYTES * sb
+        y[o:o + IQ2_K_BYTES] = 0
         s16 = scales[16 * sb:16 * sb + 16]
-        max_abs = F(0)
-        for ib in range(16):
-            max_abs = max(max_abs, abs(s16[ib]))
-        if max_abs == 0:
+        if first_absmax(s16)[0] == 0:
             continue
         d = make_qx_quants_iqk(s16, sw[16 * sb:16 * sb + 16], 8, L)
         if d == 0:
@@ -200,45 +209,33 @@ def iq2_k_row(xr, qw, has_qw, ik, y):
             dl = d * F(ls)
             if dl == 0:
                 continue
-            idl = F(1) / dl
+            p = QK_K * sb + 16 * ib
+            sumqx, sumq2 = _encode(xr[p:p + 16], w[p:p + 16], F(1) / dl, F(ls), sh, codes, sumqx, sumq2)
             for j in range(16):
-                p = QK_K * sb + 16 * ib + j
-                c = _nearest4(idl * xr[p], SHIFTED_THR) if sh else _nearest4(idl * xr[p], BASE_THR)
                 pp = 16 * ib + j
                 ib32 = pp // 32
-                y[o + 12 + 32 * (ib32 // 4) + pp % 32] |= c << (2 * (ib32 % 4))
-                q = (SHIFTED[c] if sh else BASE[c]) * F(ls)
-                wq = w[p] * q
-                sumqx += wq * xr[p]
-                sumq2 += wq * q
-        dd = sumqx / sumq2 if sumq2 > 0 else d
-        store_fp16(y, o, F(1.030) * dd)
-        y[o + 2] = extra & 0xFF
-        y[o + 3] = extra >> 8
+                y[o + 12 + 32 * (ib32 // 4) + pp % 32] |= codes[j] << (2 * (ib32 % 4))
+        store_fp16(y, o, F(1.030) * (sumqx / sumq2 if sumq2 > 0 else d))
+        store_u16(y, o + 2, extra)
 
 
 @njit(**_OPTS)
 def iq2_ks_row(xr, qw, has_qw, ik, y):
-    n = xr.shape[0]
-    lanes = n // 32
-    w = np.empty(n, np.float32)
-    sw = np.empty(lanes, np.float32)
-    scales = np.empty(lanes, np.float32)
-    shifted = np.empty(lanes, np.bool_)
-    _sub_block_scales(xr, qw, has_qw, 32, 24, 8, w, sw, scales, shifted)
-    for k in range(y.shape[0]):
-        y[k] = 0
+    lanes = xr.shape[0] // 32
+    w, sw, scales, shifted = _sub_block_scales(xr, qw, has_qw, 32, 24, 8)
+    y[:] = 0
     for b in range(lanes):
         if shifted[b]:
-            y[2 + 70 * (b // 8)] |= 1 << (b % 8)
+            y[IQ2_KS_META + IQ2_KS_BYTES * (b // 8)] |= 1 << (b % 8)
     L = np.empty(lanes, np.int32)
+    codes = np.empty(32, np.int32)
     d = make_qx_quants_iqk(scales, sw, 16, L)
     if d == 0:
         return
     sumqx = F(0)
     sumq2 = F(0)
     for b in range(lanes):
-        o = 2 + 70 * (b // 8)
+        o = IQ2_KS_META + IQ2_KS_BYTES * (b // 8)
         ib = b % 8
         y[o + 2 + ib // 2] |= (L[b] & 0xF) << (4 * (ib % 2))
         y[o + 1] |= (L[b] >> 4) << ib
@@ -246,16 +243,10 @@ def iq2_ks_row(xr, qw, has_qw, ik, y):
         dl = d * F(ls)
         if dl == 0:
             continue
-        idl = F(1) / dl
-        sh = shifted[b]
+        sumqx, sumq2 = _encode(xr[32 * b:32 * b + 32], w[32 * b:32 * b + 32], F(1) / dl, F(ls), shifted[b], codes,
+                               sumqx, sumq2)
         for j in range(32):
-            p = 32 * b + j
-            c = _nearest4(idl * xr[p], SHIFTED_THR) if sh else _nearest4(idl * xr[p], BASE_THR)
-            y[o + 6 + 32 * (ib // 4) + j] |= c << (2 * (ib % 4))
-            q = (SHIFTED[c] if sh else BASE[c]) * F(ls)
-            wq = w[p] * q
-            sumqx += wq * xr[p]
-            sumq2 += wq * q
+            y[o + 6 + 32 * (ib // 4) + j] |= codes[j] << (2 * (ib % 4))
     store_fp16(y, 0, F(1.030) * (sumqx / sumq2 if sumq2 > 0 else d))
 
 
@@ -274,7 +265,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
         y = out[r]
         if qtype == IQ2_K:
             for sb in range(n // QK_K):
-                o = 76 * sb
+                o = IQ2_K_BYTES * sb
                 d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
                 extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
                 for p in range(QK_K):
@@ -286,7 +277,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
         else:
             d = fp16_table[np.int64(b[0]) | (np.int64(b[1]) << 8)]
             for sb in range(n // QK_K):
-                o = 2 + 70 * sb
+                o = IQ2_KS_META + IQ2_KS_BYTES * sb
                 extra = np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
                 for p in range(QK_K):
                     ib = p // 32

@@ -12,14 +12,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..tables import IQ3NL_VALUES
+from ..tables import FP16_TABLE, IQ3NL_VALUES
+from ..types import QuantType as T
+from ..types import traits
 from ._iqk import thresholds
-from .iqk import IQ3_LUT, IQ3_THR, IQ3_V, OVERFLOW, PLAIN_ABS, lanes_first_absmax, nearest, row_weights
-from .kquants import FP16_TABLE, nint, run_rows, store_fp16
+from .common import F, FLT_MAX, OVERFLOW, ZERO_EPS, lanes_first_absmax, nint, run_rows, store_fp16
+from .iqk import IQ3_LUT, IQ3_THR, IQ3_V, PLAIN_ABS, first_trials, nearest, row_weights, take_trials
 
-F = np.float32
-ZERO_EPS = F(1e-16)
-FLT_MAX = F(np.finfo(np.float32).max)
+IQ2_KL_META = traits(T.IQ2_KL).row_meta_size        # the fp16 row scale
+IQ2_KL_BYTES = traits(T.IQ2_KL).type_size
 _OPTS = dict(cache=True, error_model="numpy")
 __all__ = ["quantize_rows", "dequantize_rows", "FP16_TABLE", "PAIRS", "PAIR_INDEX", "NEIGHBOURS"]
 
@@ -104,16 +105,11 @@ def _pair_lane(s1, s2, w1, w2, t):
 def _trial_lanes(xt, wt, isc, t, sums):
     """For every lane k (a block of 32), _trial's sums at inverse scale isc[k] (sums[0], sums[1])
     and at -isc[k] (sums[2], sums[3])."""
-    nl = xt.shape[1]
-    for r in range(4):
-        for k in range(nl):
-            sums[r, k] = F(0)
+    sums[:] = F(0)
     for j in range(0, 32, 2):
-        for k in range(nl):
-            x1 = xt[j, k]
-            x2 = xt[j + 1, k]
-            w1 = wt[j, k]
-            w2 = wt[j + 1, k]
+        for k in range(xt.shape[1]):
+            x1, x2 = xt[j, k], xt[j + 1, k]
+            w1, w2 = wt[j, k], wt[j + 1, k]
             s1 = isc[k] * x1
             s2 = isc[k] * x2
             q1, q2 = _pair_lane(s1, s2, w1, w2, t)
@@ -127,15 +123,11 @@ def _trial_lanes(xt, wt, isc, t, sums):
 @njit(**_OPTS)
 def _score_lanes(xt, wt, dl, t, score):
     """For every lane k, the weighted squared error of the block's pair codes at scale dl[k]."""
-    nl = xt.shape[1]
-    for k in range(nl):
-        score[k] = F(0)
+    score[:] = F(0)
     for j in range(0, 32, 2):
-        for k in range(nl):
-            x1 = xt[j, k]
-            x2 = xt[j + 1, k]
-            w1 = wt[j, k]
-            w2 = wt[j + 1, k]
+        for k in range(xt.shape[1]):
+            x1, x2 = xt[j, k], xt[j + 1, k]
+            w1, w2 = wt[j, k], wt[j + 1, k]
             idl = F(1) / dl[k] if dl[k] != 0 else F(0)
             q1, q2 = _pair_lane(idl * x1, idl * x2, w1, w2, t)
             d1 = dl[k] * q1 - x1
@@ -187,24 +179,13 @@ def iq2_kl_row(xr, qw, has_qw, ik, y):
         isc[b] = F(1) / (-mx[b] / v0)
     _trial_lanes(xt, wt, isc, t, sums)
     for b in range(nb):
-        sp, s2p, sm, s2m = sums[0, b], sums[1, b], sums[2, b], sums[3, b]
-        d[b] = sp / s2p
-        best[b] = d[b] * sp
-        if s2m > 0 and sm * sm > best[b] * s2m:
-            d[b] = sm / s2m
-            best[b] = d[b] * sm
+        first_trials(sums, b, False, F(0), d, best)
     for itry in range(-5, 6):
         for b in range(nb):
             isc[b] = F(itry + v0) / mx[b]
         _trial_lanes(xt, wt, isc, t, sums)
         for b in range(nb):
-            sp, s2p, sm, s2m = sums[0, b], sums[1, b], sums[2, b], sums[3, b]
-            if s2p > 0 and sp * sp > best[b] * s2p:
-                d[b] = sp / s2p
-                best[b] = d[b] * sp
-            if s2m > 0 and sm * sm > best[b] * s2m:
-                d[b] = sm / s2m
-                best[b] = d[b] * sm
+            take_trials(sums, b, d, best)
     max_abs = F(0)
     max_scale = F(0)
     for b in range(nb):
@@ -239,7 +220,7 @@ def iq2_kl_row(xr, qw, has_qw, ik, y):
     for b in range(nb):
         xb = xr[32 * b:32 * b + 32]
         wb = w[32 * b:32 * b + 32]
-        o = 2 + 86 * (b // 8)
+        o = IQ2_KL_META + IQ2_KL_BYTES * (b // 8)
         ib = b % 8
         lsb = best_ls[b]
         uls = lsb + 32
@@ -273,7 +254,7 @@ def dequantize_rows(blocks, fp16_table, out):
         b = blocks[r]
         d = fp16_table[np.int64(b[0]) | (np.int64(b[1]) << 8)]
         for blk in range(n // 32):
-            o = 2 + 86 * (blk // 8)
+            o = IQ2_KL_META + IQ2_KL_BYTES * (blk // 8)
             ib = blk % 8
             scales_h = np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
             uls = ((np.int64(b[o + 2 + ib % 4]) >> (4 * (ib // 4))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4)

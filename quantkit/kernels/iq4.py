@@ -1,7 +1,7 @@
 """numba kernels for IQ4_NL and IQ4_XS.
 
 The quantizers of :mod:`quantkit.formats.iq4` (its docstring).  Rows run in parallel through
-the shared driver of :mod:`quantkit.kernels.kquants` (the row kernels have its row signature); within
+the shared driver of :mod:`quantkit.kernels.common` (the row kernels have its row signature); within
 a row the 32-value blocks are lanes, ``xt[i, k]`` = value i of block k, so every trial scale is one
 pass over the block with an inner loop over all blocks that LLVM vectorises (each SIMD lane keeps
 one block's sums in C order).  ik's greedy refinement runs per block.
@@ -16,18 +16,20 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..tables import FP16_TABLE, IQ4NL_VALUES  # noqa: F401  (FP16_TABLE: the decoders' table, which formats pass in)
+from ..types import QuantType as T
+from ..types import traits
 from ._iqk import thresholds
-from .kquants import F, GROUP_MAX_EPS, I32, QK_K, nint, run_rows, store_fp16, superblock_sumsq, to_lanes
+from .common import (F, GROUP_MAX_EPS, I32, OVERFLOW, QK_K, block_bytes, first_absmax, lane_sumsq, lanes_first_absmax,
+                     nint, row_lanes, run_rows, store_fp16, type_ids)
+from .kquants import superblock_sumsq
 
-IQ4_NL, IQ4_XS = 20, 23             # ggml type ids
-QK4_NL = 32
-KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int32)
+IQ4_NL, IQ4_XS = type_ids(T.IQ4_NL, T.IQ4_XS)
+IQ4_NL_BYTES, IQ4_XS_BYTES = block_bytes(T.IQ4_NL, T.IQ4_XS)
+QK4_NL = traits(T.IQ4_NL).block_size
+KVALUES = IQ4NL_VALUES.astype(np.int32)
 KV = KVALUES.astype(np.float32)
 DKV = np.diff(KV).astype(np.float32)            # KV[t] - KV[t-1], t = 1..15
-TWO_POW_31 = F(2.0 ** 31)
-
-#: fp16 bit pattern -> float32 value, for the decoders
-FP16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
 THR = thresholds(KV)           # THR[t-1]: from here on x rounds to KV[t] (ties up)
@@ -40,7 +42,7 @@ def best_index(a, ik):
     idx = I32(0)
     for t in range(15):
         idx += I32(a >= THR[t])
-    if ik and not (a < TWO_POW_31):
+    if ik and not (a < OVERFLOW):
         idx = I32(0)
     return idx
 
@@ -59,7 +61,7 @@ def _trial(xt, wt, isc, ik, sqx, sq2):
             q = KV[0]
             for t in range(15):
                 q += DKV[t] if a >= THR[t] else F(0)
-            if ik and not (a < TWO_POW_31):
+            if ik and not (a < OVERFLOW):
                 q = KV[0]
             wq = wt[i, k] * q
             sqx[k] += wq * v
@@ -75,16 +77,7 @@ def search_lanes(xt, wt, ik, d_out):
     st = np.empty((10, nl), np.float32)
     amax, mx, d, best, bsx, bs2, bid, isc, sqx, sq2 = (st[0], st[1], st[2], st[3], st[4], st[5],
                                                       st[6], st[7], st[8], st[9])
-    for k in range(nl):
-        amax[k] = F(0)
-        mx[k] = F(0)
-    for i in range(n):
-        for k in range(nl):
-            v = xt[i, k]
-            a = abs(v)
-            upd = a > amax[k]
-            amax[k] = a if upd else amax[k]
-            mx[k] = v if upd else mx[k]
+    lanes_first_absmax(xt, amax, mx)
     for k in range(nl):
         isc[k] = F(1) / (-mx[k] / KV[0])
     _trial(xt, wt, isc, ik, sqx, sq2)
@@ -184,53 +177,34 @@ def _pack_block(xt, k, idv, ik, y, off):
 
 @njit(cache=True, error_model="numpy")
 def iq4_nl_row(xr, qw, has_qw, ik, y):
-    n = xr.shape[0]
-    nl = n // QK4_NL
-    xt = np.empty((QK4_NL, nl), np.float32)
-    wt = np.empty((QK4_NL, nl), np.float32)
-    lane = np.empty((2, nl), np.float32)
+    xt, wt, _, lane = row_lanes(xr, QK4_NL, 2)
+    nl = xt.shape[1]
     sigma2, d = lane[0], lane[1]
-    to_lanes(xr, QK4_NL, xt)
-    for k in range(nl):
-        sigma2[k] = F(0)
-    for i in range(QK4_NL):
-        for k in range(nl):
-            sigma2[k] += xt[i, k] * xt[i, k]
+    lane_sumsq(xt, sigma2)
     for k in range(nl):
         sigma2[k] *= F(2) / F(QK4_NL)               # C: sigma2 *= 2.f/super_block_size
     _weights(xt, qw, has_qw, sigma2, 1, wt)
     search_lanes(xt, wt, ik, d)
     for k in range(nl):
-        store_fp16(y, 18 * k, d[k])
+        store_fp16(y, IQ4_NL_BYTES * k, d[k])
         # codes from the unrounded d (C: ``scales[0] ? 1/scales[0] : 0``; a NaN d is truthy)
-        _pack_block(xt, k, F(1) / d[k] if d[k] != 0 else F(0), ik, y, 18 * k + 2)
+        _pack_block(xt, k, F(1) / d[k] if d[k] != 0 else F(0), ik, y, IQ4_NL_BYTES * k + 2)
 
 
 @njit(cache=True, error_model="numpy")
 def iq4_xs_row(xr, qw, has_qw, ik, y):
-    n = xr.shape[0]
-    nl = n // QK4_NL
-    nsb = n // QK_K
-    xt = np.empty((QK4_NL, nl), np.float32)
-    wt = np.empty((QK4_NL, nl), np.float32)
-    scales = np.empty(nl, np.float32)
+    nsb = xr.shape[0] // QK_K
+    xt, wt, _, lane = row_lanes(xr, QK4_NL, 1)
+    scales = lane[0]
     sigma2 = np.empty(nsb, np.float32)
-    to_lanes(xr, QK4_NL, xt)
     superblock_sumsq(xr, sigma2)
     for sb in range(nsb):
         sigma2[sb] *= F(2) / F(QK_K)
     _weights(xt, qw, has_qw, sigma2, QK_K // QK4_NL, wt)
     search_lanes(xt, wt, ik, scales)
     for sb in range(nsb):
-        ob = sb * 136
-        amax_scale = F(0)
-        max_scale = F(0)
-        for ib in range(8):
-            s = scales[8 * sb + ib]
-            if abs(s) > amax_scale:
-                amax_scale = abs(s)
-                max_scale = s
-        d = -max_scale / F(32)
+        ob = sb * IQ4_XS_BYTES
+        d = -first_absmax(scales[8 * sb:8 * sb + 8])[1] / F(32)
         store_fp16(y, ob, d)
         idv = F(1) / d if d != 0 else F(0)
         scales_h = 0
@@ -268,7 +242,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
         y = out[r]
         if qtype == IQ4_NL:
             for ib in range(n // QK4_NL):
-                o = 18 * ib
+                o = IQ4_NL_BYTES * ib
                 d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
                 for j in range(16):
                     q = np.int64(b[o + 2 + j])
@@ -276,7 +250,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
                     y[32 * ib + j + 16] = d * KV[q >> 4]
         else:
             for sb in range(n // QK_K):
-                o = 136 * sb
+                o = IQ4_XS_BYTES * sb
                 d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
                 scales_h = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
                 for ib in range(8):

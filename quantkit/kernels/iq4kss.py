@@ -4,14 +4,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .iqk import (IQ4_LUT, IQ4_SLUT, IQ4_STHR, IQ4_SV, IQ4_THR, IQ4_V, OVERFLOW, PLAIN_X2, nearest, store_f32,
-                  row_weights)
+from ..types import QuantType as T
+from ..types import traits
 from ._iqk import thresholds
-from .kquants import nint, run_rows
+from .common import (F, FLT_MAX, OVERFLOW, ZERO_EPS, first_absmax, run_rows, store_f32, take_trial, to_lanes,
+                     weighted_sums)
+from .iqk import IQ4_SV, IQ4_T, IQ4_V, PLAIN_X2, ks_row_scale, ks_scale_code, nearest_in, row_weights
 
-F = np.float32
-ZERO_EPS = F(1e-16)
-FLT_MAX = F(np.finfo(np.float32).max)
+IQ4_KSS_META = traits(T.IQ4_KSS).row_meta_size      # the float32 row scale
+BLOCK_BYTES = traits(T.IQ4_KSS).type_size * 32 // traits(T.IQ4_KSS).block_size     # one block of 32
 _OPTS = dict(cache=True, error_model="numpy")
 
 #: set bits of every 16-bit value
@@ -42,8 +43,7 @@ def _group_pos(k, j):
 def _codes(xb, k, a_scale, shifted, q4):
     for j in range(4):
         a = a_scale * xb[_group_pos(k, j)]
-        q4[j] = nearest(a, IQ4_SV, IQ4_SLUT, IQ4_STHR, OVERFLOW) if shifted else \
-            nearest(a, IQ4_V, IQ4_LUT, IQ4_THR, OVERFLOW)
+        q4[j] = nearest_in(a, shifted, IQ4_T, OVERFLOW)
 
 
 def _candidate_table() -> np.ndarray:
@@ -116,10 +116,7 @@ def _sums(xb, wb, codes, k_lane, shifted, dl, q4):
         _prune(q4, xb, wb, k, shifted, dl)
         for j in range(4):
             p = _group_pos(k, j)
-            q = IQ4_SV[q4[j]] if shifted else IQ4_V[q4[j]]
-            wq = wb[p] * q
-            sx += wq * xb[p]
-            s2 += wq * q
+            sx, s2 = weighted_sums(xb[p], wb[p], IQ4_SV[q4[j]] if shifted else IQ4_V[q4[j]], sx, s2)
     return sx, s2
 
 
@@ -127,26 +124,21 @@ def _sums(xb, wb, codes, k_lane, shifted, dl, q4):
 def iq4_kss_row(xr, qw, has_qw, ik, y):
     n = xr.shape[0]
     nb = n // 32
+    y[:] = 0
     w = np.empty(n, np.float32)
     row_weights(xr, qw, has_qw, 32, 2.0, PLAIN_X2, w)
     scales = np.empty(nb, np.float32)
     q4 = np.empty(4, np.int64)
     # the scale search: every block of the row is a lane of the code computation
     xt = np.empty((32, nb), np.float32)
-    for b in range(nb):
-        for i in range(32):
-            xt[i, b] = xr[32 * b + i]
+    to_lanes(xr, 32, xt)
     mx = np.zeros(nb, np.float32)
     best = np.zeros(nb, np.float32)
     isc = np.empty(nb, np.float32)
     cp = np.empty((32, nb), np.int32)
     cm = np.empty((32, nb), np.int32)
     for b in range(nb):
-        amax = F(0)
-        for j in range(32):
-            if abs(xr[32 * b + j]) > amax:
-                amax = abs(xr[32 * b + j])
-                mx[b] = xr[32 * b + j]
+        amax, mx[b] = first_absmax(xr[32 * b:32 * b + 32])
         scales[b] = -mx[b] / IQ4_V[0] if amax >= ZERO_EPS else F(0)
     for itry in range(-7, 8):
         for half in range(2):
@@ -165,21 +157,11 @@ def iq4_kss_row(xr, qw, has_qw, ik, y):
                 dl = F(1) / isc[b]
                 sp, s2p = _sums(xb, wb, cp, b, half == 1, dl, q4)
                 sm, s2m = _sums(xb, wb, cm, b, half == 1, dl, q4)
-                if s2p > 0 and sp * sp > best[b] * s2p:
-                    scales[b] = sp / s2p
-                    best[b] = scales[b] * sp
-                if s2m > 0 and sm * sm > best[b] * s2m:
-                    scales[b] = sm / s2m
-                    best[b] = scales[b] * sm
-    amax_scale = F(0)
-    for b in range(nb):
-        amax_scale = max(amax_scale, abs(scales[b]))
-    for k in range(y.shape[0]):
-        y[k] = 0
-    d = amax_scale / F(127)
+                _, db, bb = take_trial(sp, s2p, scales[b], best[b])
+                _, scales[b], best[b] = take_trial(sm, s2m, db, bb)
+    d, idv = ks_row_scale(scales)
     if d == 0:
         return
-    idv = F(1) / d
     sumqx = F(0)
     sumq2 = F(0)
     vp = np.empty((8, 4), np.int64)
@@ -187,8 +169,8 @@ def iq4_kss_row(xr, qw, has_qw, ik, y):
     for b in range(nb):
         xb = xr[32 * b:32 * b + 32]
         wb = w[32 * b:32 * b + 32]
-        l = (max(0, min(127, nint(F(0.5) * (idv * scales[b] + F(127))))) << 1) - 127
-        wo = 4 + 2 * 8 * b
+        l = ks_scale_code(idv, scales[b]) - 127
+        wo = IQ4_KSS_META + BLOCK_BYTES * b
         if l == 0:
             for k in range(8):
                 y[wo + 2 * k] = (127 >> k) & 1
@@ -213,9 +195,7 @@ def iq4_kss_row(xr, qw, has_qw, ik, y):
             for j in range(4):
                 p = _group_pos(k, j)
                 q = (IQ4_SV[vm[k, j]] if use_m else IQ4_V[vp[k, j]]) * F(l)
-                wq = wb[p] * q
-                sumqx += wq * xb[p]
-                sumq2 += wq * q
+                sumqx, sumq2 = weighted_sums(xb[p], wb[p], q, sumqx, sumq2)
         sb = (l + 127) | (1 if use_m else 0)
         for k in range(8):
             c = vm[k] if use_m else vp[k]
@@ -239,7 +219,7 @@ def dequantize_rows(blocks, out):
         b = blocks[r]
         d = b[0:4].copy().view(np.float32)[0]
         for blk in range(n // 32):
-            o = 4 + 16 * blk
+            o = IQ4_KSS_META + BLOCK_BYTES * blk
             ls = 0
             for k in range(8):
                 ls |= (np.int64(b[o + 2 * k]) & 1) << k

@@ -14,17 +14,21 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..tables import IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
+from ..tables import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, FP16_TABLE, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
+from ..types import QuantType as T
+from ..types import traits
 from ._iqk import imatrix_cleanup_row, thresholds
-from .kquants import FP16_TABLE, nint, run_rows, store_fp16
+from .common import (F, OVERFLOW, QK_K, ZERO_EPS, block_bytes, first_absmax, lanes_first_absmax, nint, run_rows,
+                     store_f32, store_fp16, store_u16, take_trial, type_ids, weighted_sums)
 
-F = np.float32
-I32 = np.int32
-QK_K = 256
-IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ5_KS, IQ3_KS = 138, 139, 140, 141, 144, 152, 156    # ggml type ids
-ZERO_EPS = F(1e-16)
-OVERFLOW = F(2.0 ** 31)
-OVERFLOW_IQ6 = F(2.0 ** 31) - F(128)        # IQ6_K's lookup is (int)(x - T[0])
+IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ5_KS, IQ3_KS = type_ids(T.IQ3_K, T.IQ4_K, T.IQ5_K, T.IQ6_K, T.IQ4_KS, T.IQ5_KS,
+                                                            T.IQ3_KS)
+#: bytes of one block (a super-block of QK_K values)
+IQ3_K_BYTES, IQ4_K_BYTES, IQ5_K_BYTES, IQ6_K_BYTES, IQ4_KS_BYTES, IQ5_KS_BYTES, IQ3_KS_BYTES = block_bytes(
+    T.IQ3_K, T.IQ4_K, T.IQ5_K, T.IQ6_K, T.IQ4_KS, T.IQ5_KS, T.IQ3_KS)
+#: the row scale in front of the blocks: float32 (IQ4_KS, IQ5_KS) or fp16 (IQ3_KS)
+IQ4_KS_META, IQ5_KS_META, IQ3_KS_META = (traits(q).row_meta_size for q in (T.IQ4_KS, T.IQ5_KS, T.IQ3_KS))
+OVERFLOW_IQ6 = OVERFLOW - F(128)        # IQ6_K's lookup is (int)(x - T[0])
 
 __all__ = ["quantize_rows", "dequantize_rows", "FP16_TABLE"]
 
@@ -48,6 +52,11 @@ IQ5_V, IQ5_LUT, IQ5_THR = _table(IQ5NL_VALUES[:32])
 IQ5_SV, IQ5_SLUT, IQ5_STHR = _table(IQ5NL_VALUES[32:])
 IQ6_V, IQ6_LUT, IQ6_THR = _table(IQ6NL_VALUES[:64])
 IQ6_SV, IQ6_SLUT, IQ6_STHR = _table(IQ6NL_VALUES[:64].astype(np.float32) + 1)
+#: (values, lut, thresholds) of the base and the shifted half, for ``nearest_in``
+IQ3_T = (IQ3_V, IQ3_LUT, IQ3_THR, IQ3_SV, IQ3_SLUT, IQ3_STHR)
+IQ4_T = (IQ4_V, IQ4_LUT, IQ4_THR, IQ4_SV, IQ4_SLUT, IQ4_STHR)
+IQ5_T = (IQ5_V, IQ5_LUT, IQ5_THR, IQ5_SV, IQ5_SLUT, IQ5_STHR)
+IQ6_T = (IQ6_V, IQ6_LUT, IQ6_THR, IQ6_SV, IQ6_SLUT, IQ6_STHR)
 
 _OPTS = dict(cache=True, error_model="numpy")
 
@@ -115,18 +124,26 @@ def _trial_lanes(xt, wt, isc, v, dv, ct, ovf, sums, ap, qp, qm):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def lanes_first_absmax(xt, amax, mx):
-    """For every lane k (column of xt): the largest |x| and the signed value where it first occurs
-    (C: ``if (amax < fabsf(v)) { amax = fabsf(v); max = v; }``, both starting at +0)."""
-    for k in range(xt.shape[1]):
-        amax[k] = F(0)
-        mx[k] = F(0)
-    for i in range(xt.shape[0]):
-        for k in range(xt.shape[1]):
-            a = abs(xt[i, k])
-            if a > amax[k]:
-                amax[k] = a
-                mx[k] = xt[i, k]
+def take_trials(sums, k, d, best):
+    """The trials at +isc and -isc of lane k (``_trial_lanes``' sums) tested in C order against
+    (d[k], best[k]), which they update; whether either was taken."""
+    plus, dk, bk = take_trial(sums[0, k], sums[1, k], d[k], best[k])
+    minus, dk, bk = take_trial(sums[2, k], sums[3, k], dk, bk)
+    d[k] = dk
+    best[k] = bk
+    return plus or minus
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def first_trials(sums, k, guarded, d0, d, best):
+    """The first trial pair of lane k: the + trial's scale unless ``guarded`` and its Σwq² is not
+    positive (then d0 with score 0), then the - trial tested against it."""
+    dk = d0
+    bk = F(0)
+    if not guarded or sums[1, k] > 0:
+        dk = sums[0, k] / sums[1, k]
+        bk = dk * sums[0, k]
+    _, d[k], best[k] = take_trial(sums[2, k], sums[3, k], dk, bk)
 
 
 @njit(**_OPTS)
@@ -150,17 +167,7 @@ def search_lanes(x, w, sub, tab, stab, ntry, step, guarded, refit, ovf, scales, 
         isc[k] = F(1) / (-mx[k] / v[0])
     _trial_lanes(xt, wt, isc, v, dv, ct, ovf, sums, ap, qp, qm)
     for k in range(nl):
-        sp, s2p, sm, s2m = sums[0, k], sums[1, k], sums[2, k], sums[3, k]
-        b = F(0)
-        dk = -mx[k] / v[0]
-        if not guarded or s2p > 0:
-            dk = sp / s2p
-            b = dk * sp
-        if s2m > 0 and sm * sm > b * s2m:
-            dk = sm / s2m
-            b = dk * sm
-        d[k] = dk
-        best[k] = b
+        first_trials(sums, k, guarded, -mx[k] / v[0], d, best)
         shifted[k] = False
     for itry in range(-ntry, ntry + 1):
         for half in range(2):
@@ -172,14 +179,7 @@ def search_lanes(x, w, sub, tab, stab, ntry, step, guarded, refit, ovf, scales, 
             else:
                 _trial_lanes(xt, wt, isc, sv, sdv, sct, ovf, sums, ap, qp, qm)
             for k in range(nl):
-                sp, s2p, sm, s2m = sums[0, k], sums[1, k], sums[2, k], sums[3, k]
-                if s2p > 0 and sp * sp > best[k] * s2p:
-                    d[k] = sp / s2p
-                    best[k] = d[k] * sp
-                    shifted[k] = half == 1
-                if s2m > 0 and sm * sm > best[k] * s2m:
-                    d[k] = sm / s2m
-                    best[k] = d[k] * sm
+                if take_trials(sums, k, d, best):
                     shifted[k] = half == 1
     for k in range(nl):
         if amax[k] < ZERO_EPS:
@@ -241,13 +241,6 @@ def row_weights(xr, qw, has_qw, block, factor, plain, w):
                  w[sb * QK_K:(sb + 1) * QK_K])
 
 
-@njit(cache=True, error_model="numpy", inline="always")
-def _code(a, shifted, v, lut, thr, sv, slut, sthr, ovf):
-    if shifted:
-        return nearest(a, sv, slut, sthr, ovf)
-    return nearest(a, v, lut, thr, ovf)
-
-
 @njit(**_OPTS)
 def _row_weights(xr, qw, has_qw, block, wrow):
     if has_qw:
@@ -255,88 +248,104 @@ def _row_weights(xr, qw, has_qw, block, wrow):
 
 
 @njit(**_OPTS)
-def iq4_k_row(xr, qw, has_qw, ik, y):
+def search_row(xr, qw, has_qw, sub, factor, plain, tab, stab, ntry, step, guarded, refit, ovf):
+    """The first pass of every IQK row kernel: the weights (``row_weights``, QHelper blocks of
+    ``sub``) and each sub-block's (scale, shifted) from ``search_lanes``."""
     n = xr.shape[0]
     w = np.empty(n, np.float32)
-    all_scales = np.empty(n // 16, np.float32)
-    all_shifted = np.zeros(n // 16, np.bool_)
+    scales = np.empty(n // sub, np.float32)
+    shifted = np.zeros(n // sub, np.bool_)
+    row_weights(xr, qw, has_qw, sub, factor, plain, w)
+    search_lanes(xr, w, sub, tab, stab, ntry, step, guarded, refit, ovf, scales, shifted)
+    return w, scales, shifted
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def nearest_in(a, shifted, tab, ovf):
+    """``nearest`` in the shifted or the base half of ``tab`` (an IQ*_T tuple)."""
+    v, lut, thr, sv, slut, sthr = tab
+    if shifted:
+        return nearest(a, sv, slut, sthr, ovf)
+    return nearest(a, v, lut, thr, ovf)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def encode(x, w, idl, scale, shifted, tab, ovf, L, sumqx, sumq2):
+    """Codes of idl*x into L, and sumqx, sumq2 advanced, in C order, by (w*q)*x and (w*q)*q of each
+    decoded value q = entry * scale.  Returns (sumqx, sumq2)."""
+    for j in range(x.shape[0]):
+        c = nearest_in(idl * x[j], shifted, tab, ovf)
+        L[j] = c
+        sumqx, sumq2 = weighted_sums(x[j], w[j], (tab[3][c] if shifted else tab[0][c]) * scale, sumqx, sumq2)
+    return sumqx, sumq2
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def encode_at(x, w, d, l, shifted, tab, ovf, L, sumqx, sumq2):
+    """``encode`` at the block scale d*l (no codes to speak of where that is 0: all become 0's
+    nearest entry, as C's ``dl ? 1/dl : 0`` makes them)."""
+    dl = d * F(l)
+    return encode(x, w, F(1) / dl if dl != 0 else F(0), F(l), shifted, tab, ovf, L, sumqx, sumq2)
+
+
+@njit(**_OPTS)
+def iq4_k_row(xr, qw, has_qw, ik, y):
+    n = xr.shape[0]
+    w, all_scales, all_shifted = search_row(xr, qw, has_qw, 16, 2.0, PLAIN_X2, IQ4_C, IQ4_SC, 7, 1, False, False,
+                                            OVERFLOW)
     L = np.empty(QK_K, np.int32)
-    row_weights(xr, qw, has_qw, 16, 2.0, PLAIN_X2, w)
-    search_lanes(xr, w, 16, IQ4_C, IQ4_SC, 7, 1, False, False, OVERFLOW, all_scales, all_shifted)
     for sb in range(n // QK_K):
         xs = xr[sb * QK_K:(sb + 1) * QK_K]
         ws = w[sb * QK_K:(sb + 1) * QK_K]
         scales = all_scales[16 * sb:16 * sb + 16]
         shifted = all_shifted[16 * sb:16 * sb + 16]
-        amax_scale = F(0)
-        max_scale = F(0)
-        for ib in range(16):
-            d = scales[ib]
-            if abs(d) > amax_scale:
-                amax_scale = abs(d)
-                max_scale = d
-        d = -max_scale / F(32)
+        d = -first_absmax(scales)[1] / F(32)
         idv = F(1) / d if d != 0 else F(0)
-        o = sb * 144
+        o = sb * IQ4_K_BYTES
         sumqx = F(0)
         sumq2 = F(0)
         extra = 0
-        for k in range(12):
-            y[o + 4 + k] = 0
+        y[o + 4:o + 16] = 0
         for ib in range(16):
             l = max(-32, min(31, nint(idv * scales[ib])))
-            dl = d * F(l)
-            idl = F(1) / dl if dl != 0 else F(0)
-            for j in range(16):
-                p = 16 * ib + j
-                c = _code(idl * xs[p], shifted[ib], IQ4_V, IQ4_LUT, IQ4_THR, IQ4_SV, IQ4_SLUT, IQ4_STHR, OVERFLOW)
-                L[p] = c
-                q = (IQ4_SV[c] if shifted[ib] else IQ4_V[c]) * F(l)
-                wq = ws[p] * q
-                sumqx += wq * xs[p]
-                sumq2 += wq * q
+            e = 16 * ib
+            sumqx, sumq2 = encode_at(xs[e:e + 16], ws[e:e + 16], d, l, shifted[ib], IQ4_T, OVERFLOW, L[e:e + 16],
+                                     sumqx, sumq2)
             if shifted[ib]:
                 extra |= 1 << ib
             ls = l + 32
             y[o + 8 + ib // 2] |= (ls & 0xF) << (4 * (ib % 2))
             y[o + 4 + ib // 4] |= (ls >> 4) << (2 * (ib % 4))
         store_fp16(y, o, sumqx / sumq2 if sumq2 > 0 else d)
-        y[o + 2] = extra & 0xFF
-        y[o + 3] = extra >> 8
+        store_u16(y, o + 2, extra)
         for g in range(8):
             for j in range(16):
                 y[o + 16 + 16 * g + j] = L[32 * g + j] | (L[32 * g + 16 + j] << 4)
 
 
 @njit(**_OPTS)
-def _iq56_row(xr, qw, has_qw, y, six):
+def iq56_k_row(xr, qw, has_qw, ik, y):
+    """IQ5_K and IQ6_K share this kernel (one signature for all row kernels): the output row length
+    says which."""
     n = xr.shape[0]
-    w = np.empty(n, np.float32)
-    all_scales = np.empty(n // 16, np.float32)
-    all_shifted = np.zeros(n // 16, np.bool_)
-    L = np.empty(QK_K, np.int32)
-    bs = 212 if six else 176
-    smax = 127 if six else 32
-    row_weights(xr, qw, has_qw, 16, 2.0, PLAIN_SIGMA, w)
+    six = y.shape[0] == (n // QK_K) * IQ6_K_BYTES
     if six:
-        search_lanes(xr, w, 16, IQ6_C, IQ6_SC, 5, 1, False, True, OVERFLOW_IQ6, all_scales, all_shifted)
+        w, all_scales, all_shifted = search_row(xr, qw, has_qw, 16, 2.0, PLAIN_SIGMA, IQ6_C, IQ6_SC, 5, 1, False,
+                                                True, OVERFLOW_IQ6)
     else:
-        search_lanes(xr, w, 16, IQ5_C, IQ5_SC, 5, 1, False, True, OVERFLOW, all_scales, all_shifted)
+        w, all_scales, all_shifted = search_row(xr, qw, has_qw, 16, 2.0, PLAIN_SIGMA, IQ5_C, IQ5_SC, 5, 1, False,
+                                                True, OVERFLOW)
+    L = np.empty(QK_K, np.int32)
+    bs = IQ6_K_BYTES if six else IQ5_K_BYTES
+    smax = 127 if six else 32
     for sb in range(n // QK_K):
         xs = xr[sb * QK_K:(sb + 1) * QK_K]
         ws = w[sb * QK_K:(sb + 1) * QK_K]
         scales = all_scales[16 * sb:16 * sb + 16]
         shifted = all_shifted[16 * sb:16 * sb + 16]
-        amax_scale = F(0)
-        max_scale = F(0)
-        for ib in range(16):
-            d = scales[ib]
-            if abs(d) > amax_scale:
-                amax_scale = abs(d)
-                max_scale = d
+        amax_scale, max_scale = first_absmax(scales)
         o = sb * bs
-        for k in range(bs):
-            y[o + k] = 0
+        y[o:o + bs] = 0
         if amax_scale == 0:
             continue
         d = -max_scale / F(smax)
@@ -354,28 +363,19 @@ def _iq56_row(xr, qw, has_qw, y, six):
                 y[o + 8 + ib // 2] |= ((l + 32) & 0xF) << (4 * (ib % 2))
                 y[o + 4 + ib // 4] |= ((l + 32) >> 4) << (2 * (ib % 4))
             dl = d * F(l)
-            for j in range(16):
-                L[16 * ib + j] = 0
+            e = 16 * ib
+            L[e:e + 16] = 0
             if dl == 0:
                 continue
             idl = F(1) / dl
-            for j in range(16):
-                p = 16 * ib + j
-                if six:
-                    c = _code(idl * xs[p], shifted[ib], IQ6_V, IQ6_LUT, IQ6_THR, IQ6_SV, IQ6_SLUT, IQ6_STHR,
-                              OVERFLOW_IQ6)
-                    q = (IQ6_SV[c] if shifted[ib] else IQ6_V[c]) * F(l)
-                else:
-                    c = _code(idl * xs[p], shifted[ib], IQ5_V, IQ5_LUT, IQ5_THR, IQ5_SV, IQ5_SLUT, IQ5_STHR,
-                              OVERFLOW)
-                    q = (IQ5_SV[c] if shifted[ib] else IQ5_V[c]) * F(l)
-                L[p] = c
-                wq = ws[p] * q
-                sumqx += wq * xs[p]
-                sumq2 += wq * q
+            if six:
+                sumqx, sumq2 = encode(xs[e:e + 16], ws[e:e + 16], idl, F(l), shifted[ib], IQ6_T, OVERFLOW_IQ6,
+                                      L[e:e + 16], sumqx, sumq2)
+            else:
+                sumqx, sumq2 = encode(xs[e:e + 16], ws[e:e + 16], idl, F(l), shifted[ib], IQ5_T, OVERFLOW,
+                                      L[e:e + 16], sumqx, sumq2)
         store_fp16(y, o, sumqx / sumq2 if sumq2 > 0 else d)
-        y[o + 2] = extra & 0xFF
-        y[o + 3] = extra >> 8
+        store_u16(y, o + 2, extra)
         qs = o + (20 if six else 16)
         qh = o + (148 if six else 144)
         for p in range(QK_K):
@@ -389,23 +389,11 @@ def _iq56_row(xr, qw, has_qw, y, six):
 
 
 @njit(**_OPTS)
-def iq5_k_row(xr, qw, has_qw, ik, y):
-    _iq56_row(xr, qw, has_qw, y, False)
-
-
-@njit(**_OPTS)
-def iq6_k_row(xr, qw, has_qw, ik, y):
-    _iq56_row(xr, qw, has_qw, y, True)
-
-
-@njit(**_OPTS)
 def iq3_k_row(xr, qw, has_qw, ik, y):
     n = xr.shape[0]
-    w = np.empty(n, np.float32)
-    all_scales = np.empty(n // 16, np.float32)
-    all_shifted = np.zeros(n // 16, np.bool_)
-    row_weights(xr, qw, has_qw, 16, 1.5, PLAIN_SIGMA, w)
-    search_lanes(xr, w, 16, IQ3_C, IQ3_SC, 3, 2, True, True, OVERFLOW, all_scales, all_shifted)
+    w, all_scales, all_shifted = search_row(xr, qw, has_qw, 16, 1.5, PLAIN_SIGMA, IQ3_C, IQ3_SC, 3, 2, True, True,
+                                            OVERFLOW)
+    L = np.empty(16, np.int32)
     for sb in range(n // QK_K):
         xs = xr[sb * QK_K:(sb + 1) * QK_K]
         ws = w[sb * QK_K:(sb + 1) * QK_K]
@@ -415,9 +403,8 @@ def iq3_k_row(xr, qw, has_qw, ik, y):
         for ib in range(16):
             shifted[ib] = shifted[ib] and scales[ib] != 0
             max_abs = max(max_abs, abs(scales[ib]))
-        o = sb * 110
-        for k in range(110):
-            y[o + k] = 0
+        o = sb * IQ3_K_BYTES
+        y[o:o + IQ3_K_BYTES] = 0
         if max_abs == 0:
             continue
         d = max_abs / F(31)
@@ -439,61 +426,61 @@ def iq3_k_row(xr, qw, has_qw, ik, y):
             if dl == 0:
                 continue
             idl = F(1) / dl
+            e = 16 * ib
+            sumqx, sumq2 = encode(xs[e:e + 16], ws[e:e + 16], idl, F(sls), shifted[ib], IQ3_T, OVERFLOW, L,
+                                  sumqx, sumq2)
             ib32 = ib // 2
             for j in range(16):
-                p = 16 * ib + j
-                c = _code(idl * xs[p], shifted[ib], IQ3_V, IQ3_LUT, IQ3_THR, IQ3_SV, IQ3_SLUT, IQ3_STHR, OVERFLOW)
-                k = p % 32
-                y[o + 14 + 32 * (ib32 // 4) + k] |= (c & 3) << (2 * (ib32 % 4))
-                y[o + 78 + k] |= (c >> 2) << ib32
-                q = (IQ3_SV[c] if shifted[ib] else IQ3_V[c]) * F(sls)
-                wq = ws[p] * q
-                sumqx += wq * xs[p]
-                sumq2 += wq * q
+                k = (e + j) % 32
+                y[o + 14 + 32 * (ib32 // 4) + k] |= (L[j] & 3) << (2 * (ib32 % 4))
+                y[o + 78 + k] |= (L[j] >> 2) << ib32
         store_fp16(y, o, F(1.01) * (sumqx / sumq2 if sumq2 > 0 else d))
-        y[o + 2] = extra & 0xFF
-        y[o + 3] = extra >> 8
-        y[o + 4] = signs & 0xFF
-        y[o + 5] = signs >> 8
+        store_u16(y, o + 2, extra)
+        store_u16(y, o + 4, signs)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def ks_row_scale(scales):
+    """The row scale d of IQ4_KS, IQ5_KS and IQ4_KSS, max |block scale| / 127, and 1/d."""
+    d = first_absmax(scales)[0] / F(127)
+    return d, F(1) / d
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def ks_scale_code(idv, scale):
+    """The 8-bit block scale of IQ4_KS / IQ5_KS / IQ4_KSS: 2*clamp(nearest((idv*scale + 127)/2), 0, 127);
+    bit 0 is left for the block's shifted flag, the signed scale is the code - 127."""
+    return max(0, min(127, nint(F(0.5) * (idv * scale + F(127))))) << 1
 
 
 @njit(**_OPTS)
 def iq4_ks_row(xr, qw, has_qw, ik, y):
     n = xr.shape[0]
     n_blk = n // 32
-    w = np.empty(n, np.float32)
-    scales = np.empty(n_blk, np.float32)
-    for k in range(y.shape[0]):
-        y[k] = 0
-    amax_scale = F(0)
-    row_weights(xr, qw, has_qw, 32, 2.0, PLAIN_X2, w)
-    shifted = np.zeros(n_blk, np.bool_)
-    search_lanes(xr, w, 32, IQ4_C, IQ4_SC, 7, 1, False, False, OVERFLOW, scales, shifted)
+    w, scales, shifted = search_row(xr, qw, has_qw, 32, 2.0, PLAIN_X2, IQ4_C, IQ4_SC, 7, 1, False, False, OVERFLOW)
+    y[:] = 0
     for b in range(n_blk):
         if shifted[b]:
-            y[4 + 136 * (b // 8) + b % 8] = 1
-        if abs(scales[b]) > amax_scale:
-            amax_scale = abs(scales[b])
-    d = amax_scale / F(127)
+            y[IQ4_KS_META + IQ4_KS_BYTES * (b // 8) + b % 8] = 1
+    d, idv = ks_row_scale(scales)
     if d == 0:
         return
-    idv = F(1) / d
     sumqx = F(0)
     sumq2 = F(0)
     for b in range(n_blk):
-        so = 4 + 136 * (b // 8) + b % 8
+        so = IQ4_KS_META + IQ4_KS_BYTES * (b // 8) + b % 8
         sh = y[so] & 1
-        l = max(0, min(127, nint(F(0.5) * (idv * scales[b] + F(127))))) << 1
+        l = ks_scale_code(idv, scales[b])
         y[so] |= l
         l -= 127
         dl = d * F(l)
         idl = F(1) / dl if dl != 0 else F(0)
-        qo = 4 + 136 * (b // 8) + 8 + 16 * (b % 8)
+        qo = IQ4_KS_META + IQ4_KS_BYTES * (b // 8) + 8 + 16 * (b % 8)
         for j in range(16):
             p1 = 32 * b + j
             p2 = p1 + 16
-            c1 = _code(idl * xr[p1], sh == 1, IQ4_V, IQ4_LUT, IQ4_THR, IQ4_SV, IQ4_SLUT, IQ4_STHR, OVERFLOW)
-            c2 = _code(idl * xr[p2], sh == 1, IQ4_V, IQ4_LUT, IQ4_THR, IQ4_SV, IQ4_SLUT, IQ4_STHR, OVERFLOW)
+            c1 = nearest_in(idl * xr[p1], sh == 1, IQ4_T, OVERFLOW)
+            c2 = nearest_in(idl * xr[p2], sh == 1, IQ4_T, OVERFLOW)
             y[qo + j] = c1 | (c2 << 4)
             q1 = (IQ4_SV[c1] if sh else IQ4_V[c1]) * F(l)
             q2 = (IQ4_SV[c2] if sh else IQ4_V[c2]) * F(l)
@@ -505,117 +492,66 @@ def iq4_ks_row(xr, qw, has_qw, ik, y):
 
 
 @njit(**_OPTS)
-def _row_scaled_pass1(xr, qw, has_qw, five, w, scales, shifted):
-    """IQ5_KS / IQ3_KS: weights (x² or qw*sqrtf(sigma2 + x²)) and the scale search of each 32-block."""
-    row_weights(xr, qw, has_qw, 32, 2.0, PLAIN_X2, w)
-    if five:
-        search_lanes(xr, w, 32, IQ5_C, IQ5_SC, 5, 1, False, False, OVERFLOW, scales, shifted)
+def iq53_ks_row(xr, qw, has_qw, ik, y):
+    """IQ5_KS and IQ3_KS (told apart by the output row length): a row scale d in front (float32 /
+    fp16), then per block of 32 a scale index (7 / 5 bits), the shifted bit and the codes (5 / 3
+    bits)."""
+    n = xr.shape[0]
+    three = y.shape[0] == IQ3_KS_META + (n // QK_K) * IQ3_KS_BYTES
+    if three:
+        w, scales, shifted = search_row(xr, qw, has_qw, 32, 2.0, PLAIN_X2, IQ3_C, IQ3_SC, 5, 1, True, False,
+                                        OVERFLOW)
+        meta, bs = IQ3_KS_META, IQ3_KS_BYTES
     else:
-        search_lanes(xr, w, 32, IQ3_C, IQ3_SC, 5, 1, True, False, OVERFLOW, scales, shifted)
-
-
-@njit(**_OPTS)
-def iq5_ks_row(xr, qw, has_qw, ik, y):
-    n = xr.shape[0]
-    w = np.empty(n, np.float32)
-    scales = np.empty(n // 32, np.float32)
-    shifted = np.zeros(n // 32, np.bool_)
-    _row_scaled_pass1(xr, qw, has_qw, True, w, scales, shifted)
-    for k in range(y.shape[0]):
-        y[k] = 0
-    amax_scale = F(0)
+        w, scales, shifted = search_row(xr, qw, has_qw, 32, 2.0, PLAIN_X2, IQ5_C, IQ5_SC, 5, 1, False, False,
+                                        OVERFLOW)
+        meta, bs = IQ5_KS_META, IQ5_KS_BYTES
+    y[:] = 0
     for b in range(n // 32):
-        if shifted[b]:
-            y[4 + 168 * (b // 8) + b % 8] = 1
-        amax_scale = max(amax_scale, abs(scales[b]))
-    d = amax_scale / F(127)
+        if shifted[b] and three:
+            y[meta + bs * (b // 8) + 1] |= 1 << (b % 8)
+        elif shifted[b]:
+            y[meta + bs * (b // 8) + b % 8] = 1
+    amax_scale, max_scale = first_absmax(scales)
+    if three:
+        d = -max_scale / F(16)
+        store_fp16(y, 0, d)
+    else:
+        d = amax_scale / F(127)
     if d == 0:
         return
     idv = F(1) / d
     sumqx = F(0)
     sumq2 = F(0)
+    L = np.empty(32, np.int32)
     for b in range(n // 32):
-        o = 4 + 168 * (b // 8)
+        o = meta + bs * (b // 8)
         ib = b % 8
-        l = max(0, min(127, nint(F(0.5) * (idv * scales[b] + F(127))))) << 1
-        y[o + ib] |= l
-        l -= 127
-        dl = d * F(l)
-        idl = F(1) / dl if dl != 0 else F(0)
-        sh = shifted[b]
-        for j in range(32):
-            p = 32 * b + j
-            c = _code(idl * xr[p], sh, IQ5_V, IQ5_LUT, IQ5_THR, IQ5_SV, IQ5_SLUT, IQ5_STHR, OVERFLOW)
-            y[o + 8 + 32 * (ib // 2) + j] |= (c & 0xF) << (4 * (ib % 2))
-            y[o + 136 + j] |= (c >> 4) << ib
-            q = (IQ5_SV[c] if sh else IQ5_V[c]) * F(l)
-            wq = w[p] * q
-            sumqx += wq * xr[p]
-            sumq2 += wq * q
-    if sumq2 > 0:
-        d = sumqx / sumq2
-    store_f32(y, 0, d)
-
-
-@njit(**_OPTS)
-def iq3_ks_row(xr, qw, has_qw, ik, y):
-    n = xr.shape[0]
-    w = np.empty(n, np.float32)
-    scales = np.empty(n // 32, np.float32)
-    shifted = np.zeros(n // 32, np.bool_)
-    _row_scaled_pass1(xr, qw, has_qw, False, w, scales, shifted)
-    for k in range(y.shape[0]):
-        y[k] = 0
-    amax_scale = F(0)
-    max_scale = F(0)
-    for b in range(n // 32):
-        if shifted[b]:
-            y[2 + 102 * (b // 8) + 1] |= 1 << (b % 8)
-        if abs(scales[b]) > amax_scale:
-            amax_scale = abs(scales[b])
-            max_scale = scales[b]
-    d = -max_scale / F(16)
-    store_fp16(y, 0, d)
-    if d == 0:
-        return
-    idv = F(1) / d
-    sumqx = F(0)
-    sumq2 = F(0)
-    for b in range(n // 32):
-        o = 2 + 102 * (b // 8)
-        ib = b % 8
-        l = max(-16, min(15, nint(idv * scales[b])))
-        ul = l + 16
-        y[o + 2 + ib % 4] |= (ul & 0xF) << (4 * (ib // 4))
-        y[o] |= (ul >> 4) << ib
-        dl = d * F(l)
-        idl = F(1) / dl if dl != 0 else F(0)
-        sh = shifted[b]
-        for j in range(32):
-            p = 32 * b + j
-            c = _code(idl * xr[p], sh, IQ3_V, IQ3_LUT, IQ3_THR, IQ3_SV, IQ3_SLUT, IQ3_STHR, OVERFLOW)
-            y[o + 6 + 32 * (ib // 4) + j] |= (c & 3) << (2 * (ib % 4))
-            y[o + 70 + j] |= (c >> 2) << ib
-            q = (IQ3_SV[c] if sh else IQ3_V[c]) * F(l)
-            wq = w[p] * q
-            sumqx += wq * xr[p]
-            sumq2 += wq * q
-    if sumq2 > 0:
+        xb = xr[32 * b:32 * b + 32]
+        wb = w[32 * b:32 * b + 32]
+        if three:
+            l = max(-16, min(15, nint(idv * scales[b])))
+            y[o + 2 + ib % 4] |= ((l + 16) & 0xF) << (4 * (ib // 4))
+            y[o] |= ((l + 16) >> 4) << ib
+            sumqx, sumq2 = encode_at(xb, wb, d, l, shifted[b], IQ3_T, OVERFLOW, L, sumqx, sumq2)
+            for j in range(32):
+                y[o + 6 + 32 * (ib // 4) + j] |= (L[j] & 3) << (2 * (ib % 4))
+                y[o + 70 + j] |= (L[j] >> 2) << ib
+        else:
+            code = ks_scale_code(idv, scales[b])
+            y[o + ib] |= code
+            sumqx, sumq2 = encode_at(xb, wb, d, code - 127, shifted[b], IQ5_T, OVERFLOW, L, sumqx, sumq2)
+            for j in range(32):
+                y[o + 8 + 32 * (ib // 2) + j] |= (L[j] & 0xF) << (4 * (ib % 2))
+                y[o + 136 + j] |= (L[j] >> 4) << ib
+    if sumq2 > 0 and three:
         store_fp16(y, 0, sumqx / sumq2)
+    elif not three:
+        store_f32(y, 0, sumqx / sumq2 if sumq2 > 0 else d)
 
 
-@njit(**_OPTS)
-def store_f32(y, off, v):
-    """y[off:off+4] = the little-endian bytes of float32 v."""
-    bits = np.empty(1, np.float32)
-    bits[0] = v
-    b4 = bits.view(np.uint8)
-    for k in range(4):
-        y[off + k] = b4[k]
-
-
-ROW_KERNELS = {IQ3_K: iq3_k_row, IQ4_K: iq4_k_row, IQ5_K: iq5_k_row, IQ6_K: iq6_k_row, IQ4_KS: iq4_ks_row,
-               IQ5_KS: iq5_ks_row, IQ3_KS: iq3_ks_row}
+ROW_KERNELS = {IQ3_K: iq3_k_row, IQ4_K: iq4_k_row, IQ5_K: iq56_k_row, IQ6_K: iq56_k_row, IQ4_KS: iq4_ks_row,
+               IQ5_KS: iq53_ks_row, IQ3_KS: iq53_ks_row}
 
 
 def quantize_rows(qtype, x, qw, has_qw, out):
@@ -624,7 +560,6 @@ def quantize_rows(qtype, x, qw, has_qw, out):
 
 
 # ---- decoding ----
-A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K = F(-127.0), F(6.2568), F(0.11218), F(0.0011972)
 
 
 @njit(**_OPTS)
@@ -642,7 +577,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
         if qtype == IQ5_KS:
             d = b[0:4].copy().view(np.float32)[0]
             for blk in range(n // 32):
-                o = 4 + 168 * (blk // 8)
+                o = IQ5_KS_META + IQ5_KS_BYTES * (blk // 8)
                 ib = blk % 8
                 s = np.int64(b[o + ib])
                 dl = d * F((s & 254) - 127)
@@ -654,7 +589,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
         if qtype == IQ3_KS:
             d = fp16_table[np.int64(b[0]) | (np.int64(b[1]) << 8)]
             for blk in range(n // 32):
-                o = 2 + 102 * (blk // 8)
+                o = IQ3_KS_META + IQ3_KS_BYTES * (blk // 8)
                 ib = blk % 8
                 extra = np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
                 ls = (((np.int64(b[o + 2 + ib % 4]) >> (4 * (ib // 4))) & 0xF) | (((extra >> ib) & 1) << 4)) - 16
@@ -667,7 +602,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
         if qtype == IQ4_KS:
             d = b[0:4].copy().view(np.float32)[0]
             for blk in range(n // 32):
-                o = 4 + 136 * (blk // 8)
+                o = IQ4_KS_META + IQ4_KS_BYTES * (blk // 8)
                 s = np.int64(b[o + blk % 8])
                 dl = d * F((s & 254) - 127)
                 for j in range(16):
@@ -678,7 +613,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
         for sb in range(n // QK_K):
             e = sb * QK_K
             if qtype == IQ3_K:
-                o = sb * 110
+                o = sb * IQ3_K_BYTES
                 d = _fp16(b, o, fp16_table)
                 extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
                 signs = np.int64(b[o + 4]) | (np.int64(b[o + 5]) << 8)
@@ -692,7 +627,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
                         (((np.int64(b[o + 78 + k]) >> ib32) & 1) << 2)
                     y[e + p] = (d * F(ls)) * F(IQ3NL_VALUES[q + 8 * ((extra >> ib) & 1)])
             elif qtype == IQ4_K:
-                o = sb * 144
+                o = sb * IQ4_K_BYTES
                 d = _fp16(b, o, fp16_table)
                 extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
                 for p in range(QK_K):
@@ -705,7 +640,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
                     y[e + p] = (d * F(ls)) * F(IQ4K_VALUES[q + 16 * ((extra >> ib) & 1)])
             else:
                 six = qtype == IQ6_K
-                o = sb * (212 if six else 176)
+                o = sb * (IQ6_K_BYTES if six else IQ5_K_BYTES)
                 d = _fp16(b, o, fp16_table)
                 extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
                 qs = o + (20 if six else 16)

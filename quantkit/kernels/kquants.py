@@ -4,7 +4,7 @@ The quantizers of :mod:`quantkit.formats.kquants` (its docstring): float32 rows 
 (n_rows, n_per_row) in, uint8 rows of blocks (n_rows, row_size) out, and the reverse.  Types are
 selected by their ggml type id; ``ik`` selects ik_llama.cpp's algorithms, else mainline's.
 
-Layout: rows run in parallel (one ``prange`` driver, ``quantize_rows_with``, that calls a per-type
+Layout: rows run in parallel (one ``prange`` driver, ``common.quantize_rows_with``, that calls a per-type
 row kernel).  Within a row the sub-blocks (16 or 32 values) are laid out as "lanes": ``xt[i, k]`` is
 value i of sub-block k.  Every scale search is then a loop over the values of a sub-block
 (sequential, exactly the C order of the float sums) around an inner loop over all sub-blocks of the
@@ -19,91 +19,19 @@ lanes whose result is then discarded); no fastmath, so nothing is reassociated o
 """
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
-from numba import NumbaExperimentalFeatureWarning, njit, prange, types
+from numba import njit, prange
 
-F = np.float32
-D = np.float64
-I32 = np.int32
-QK_K = 256
+from ..tables import FP16_TABLE  # noqa: F401  (the decoders' table, which formats pass in)
+from ..types import QuantType as T
+from .common import (D, F, GROUP_MAX_EPS, I32, QK_K, block_bytes, clampf, first_absmax, fp16_value, lane_sumsq,
+                     lanes_first_absmax, nint, positive_max, row_lanes, run_rows, store_fp16, type_ids)
 
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14         # ggml type ids
-
-GROUP_MAX_EPS = F(1e-15)
-TWO_POW_24 = F(2.0 ** 24)
-TWO_POW_M24 = F(2.0 ** -24)
-
-#: fp16 bit pattern -> float32 value, for the decoders (exact: every fp16 is a float32)
-FP16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = type_ids(T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+#: bytes of one super-block
+Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES = block_bytes(T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 
 _OPTS = dict(cache=True, error_model="numpy")
-
-
-# ---- scalar helpers ----
-
-@njit(**_OPTS)
-def nint(f):
-    """ggml's nearest_int: (bits(f + 12582912.f) & 0x7fffff) - 0x400000, kept in int32."""
-    i = np.float32(f + F(12582912.0)).view(np.int32)
-    return I32(I32(i & I32(0x7FFFFF)) - I32(0x400000))
-
-
-@njit(**_OPTS)
-def clampf(v, lo, hi):
-    """float32(MAX(lo, MIN(hi, v))) for int32 v."""
-    return F(min(I32(hi), max(I32(lo), v)))
-
-
-@njit(**_OPTS)
-def fp16_bits(f):
-    """GGML_FP32_TO_FP16: IEEE round-to-nearest-even float32 -> fp16 bits; NaN -> sign|0x7E00."""
-    u = np.int64(np.float32(f).view(np.uint32))
-    sign = (u >> 16) & 0x8000
-    a = u & 0x7FFFFFFF
-    if a > 0x7F800000:
-        return sign | 0x7E00
-    if a >= 0x477FF000:             # >= 65520 rounds to Inf
-        return sign | 0x7C00
-    if a < 0x38800000:              # fp16 subnormal: a multiple of 2^-24 (the scaling is exact)
-        return sign | np.int64(np.rint(abs(np.float32(f)) * TWO_POW_24))
-    b = a - 0x38000000              # exponent bias 127 -> 15, then drop 13 bits rounding to even
-    return sign | ((b + 0x0FFF + ((b >> 13) & 1)) >> 13)
-
-
-@njit(**_OPTS)
-def fp16_value(h):
-    """fp16 bits -> float32 (GGML_FP16_TO_FP32)."""
-    s = (h >> 15) & 1
-    e = (h >> 10) & 0x1F
-    m = h & 0x3FF
-    if e == 0:
-        v = F(m) * TWO_POW_M24
-    elif e == 31:
-        v = F(np.inf) if m == 0 else F(np.nan)
-    else:
-        v = np.uint32(((e + 112) << 23) | (m << 13)).view(np.float32)
-    return -v if s else v
-
-
-@njit(**_OPTS)
-def store_fp16(y, off, f):
-    """Store fp16(f) little-endian at y[off]; return the stored value as float32."""
-    h = fp16_bits(f)
-    y[off] = h & 0xFF
-    y[off + 1] = h >> 8
-    return fp16_value(h)
-
-
-# ---- lanes: value i of sub-block k is xt[i, k] ----
-
-@njit(**_OPTS)
-def to_lanes(xr, size, xt):
-    nl = xr.shape[0] // size
-    for k in range(nl):
-        for i in range(size):
-            xt[i, k] = xr[k * size + i]
 
 
 @njit(**_OPTS)
@@ -135,6 +63,29 @@ def imatrix_lanes(xt, qw, sumsq, factor, wt, sw):
 
 
 @njit(**_OPTS)
+def affine_start_lanes(xt, fnmax, mn, mx, isc, sc, bis, bmn):
+    """The start of make_qkx2/qkx3_quants for every lane: min (at most 0) and max of the values, the
+    first trial's inverse scale isc = nmax/(max - min) and scale sc = 1/isc, which are also the
+    best so far (bis, bmn: the codes of the best trial are re-derived from these at the end)."""
+    n, nl = xt.shape
+    for k in range(nl):
+        mn[k] = xt[0, k]
+        mx[k] = xt[0, k]
+    for i in range(1, n):
+        for k in range(nl):
+            v = xt[i, k]
+            mn[k] = v if v < mn[k] else mn[k]
+            mx[k] = v if v > mx[k] else mx[k]
+    for k in range(nl):
+        if mn[k] > 0:
+            mn[k] = F(0)
+        isc[k] = fnmax / (mx[k] - mn[k])
+        sc[k] = F(1) / isc[k]
+        bis[k] = isc[k]
+        bmn[k] = mn[k]
+
+
+@njit(**_OPTS)
 def qkx2_lanes(xt, wt, nmax, rmin, rdelta, nstep, use_mad, flat_rule, sc_out, min_out, Lt):
     """make_qkx2_quants (and mainline's make_qkx3_quants) for every lane, float32.
 
@@ -149,31 +100,20 @@ def qkx2_lanes(xt, wt, nmax, rmin, rdelta, nstep, use_mad, flat_rule, sc_out, mi
     laux = np.empty((n, nl), np.float32)
     fnmax = F(nmax)
     for k in range(nl):
-        mn[k] = xt[0, k]
-        mx[k] = xt[0, k]
         sw[k] = wt[0, k]
         sx[k] = wt[0, k] * xt[0, k]
     for i in range(1, n):
         for k in range(nl):
-            v = xt[i, k]
-            w = wt[i, k]
-            mn[k] = v if v < mn[k] else mn[k]
-            mx[k] = v if v > mx[k] else mx[k]
-            sw[k] += w
-            sx[k] += w * v
+            sw[k] += wt[i, k]
+            sx[k] += wt[i, k] * xt[i, k]
+    affine_start_lanes(xt, fnmax, mn, mx, isc, sc, bis, bmn)
     for k in range(nl):
-        if mn[k] > 0:
-            mn[k] = F(0)
         if flat_rule == 0:
             flat[k] = mx[k] == mn[k]
         elif flat_rule == 1:
             flat[k] = mx[k] <= mn[k]
         else:
             flat[k] = (mx[k] - mn[k]) < F(1e-10)
-        isc[k] = fnmax / (mx[k] - mn[k])
-        sc[k] = F(1) / isc[k]
-        bis[k] = isc[k]             # the codes of the best trial are re-derived from these at the end
-        bmn[k] = mn[k]
         best[k] = F(0)
     for i in range(n):
         for k in range(nl):
@@ -184,10 +124,7 @@ def qkx2_lanes(xt, wt, nmax, rmin, rdelta, nstep, use_mad, flat_rule, sc_out, mi
         num = rmin + rdelta * F(s) + fnmax
         for k in range(nl):
             isc[k] = num / (mx[k] - mn[k])      # C uses the min of the best trial so far
-            sl[k] = F(0)
-            sl2[k] = F(0)
-            sxl[k] = F(0)
-            cur[k] = F(0)
+        st[9:13] = F(0)                         # sl, sl2, sxl, cur
         for i in range(n):
             for k in range(nl):
                 l = clampf(nint(isc[k] * (xt[i, k] - mn[k])), 0, nmax)
@@ -259,29 +196,18 @@ def qkx3_ik_lanes(xt, wt, nmax, sc_out, min_out, Lt):
             xd[i, k] = D(xt[i, k])
             wd[i, k] = D(wt[i, k])
     for k in range(nl):
-        v = xt[0, k]
-        mn[k] = v
-        mx[k] = v
         sum_w[k] = wd[0, k]
         sum_x[k] = sum_w[k] * xd[0, k]
         sum_x2[k] = sum_w[k] * xd[0, k] * xd[0, k]
     for i in range(1, n):
         for k in range(nl):
-            v = xt[i, k]
             w = wd[i, k]
-            mn[k] = v if v < mn[k] else mn[k]
-            mx[k] = v if v > mx[k] else mx[k]
             sum_w[k] += w
             sum_x[k] += w * xd[i, k]
             sum_x2[k] += w * xd[i, k] * xd[i, k]
+    affine_start_lanes(xt, fnmax, mn, mx, isc, sc, bis, bmn)
     for k in range(nl):
-        if mn[k] > 0:
-            mn[k] = F(0)
         fl[k] = F(1) if (mx[k] - mn[k]) < F(1e-10) else F(0)          # flat sub-block
-        isc[k] = fnmax / (mx[k] - mn[k])
-        sc[k] = F(1) / isc[k]
-        bis[k] = isc[k]
-        bmn[k] = mn[k]
         best_mad[k] = 0.0
     for i in range(n):
         for k in range(nl):
@@ -418,6 +344,19 @@ def _qx_iscale(t, nmax, mx, ik):
 
 
 @njit(**_OPTS)
+def _take_better_lanes(sx, s2, isc, sc, best, bsx, bs2, bis):
+    """make_qx_quants' test of one trial on every lane: where s2 > 0 and sx²/s2 beats the best, the
+    trial (scale sx/s2, its sums and inverse scale isc) becomes the best."""
+    for k in range(sx.shape[0]):
+        ok = s2[k] > 0 and sx[k] * sx[k] > best[k] * s2[k]
+        sc[k] = sx[k] / s2[k] if ok else sc[k]
+        best[k] = sc[k] * sx[k] if ok else best[k]
+        bsx[k] = sx[k] if ok else bsx[k]
+        bs2[k] = s2[k] if ok else bs2[k]
+        bis[k] = isc[k] if ok else bis[k]
+
+
+@njit(**_OPTS)
 def qx_lanes(xt, wt, nmax, ik, sc_out, Lt):
     """make_qx_quants(n, nmax, x, L, 1, w) for every lane: codes l + nmax, l in -nmax..nmax-1.
     ik adds trials and a greedy refinement.  Lanes with max|x| < 1e-15 get scale 0 and codes 0."""
@@ -426,17 +365,10 @@ def qx_lanes(xt, wt, nmax, ik, sc_out, Lt):
     amax, mx, sc, best, bsx, bs2, bis, isc, sx, s2 = (st[0], st[1], st[2], st[3], st[4], st[5],
                                                        st[6], st[7], st[8], st[9])
     wx = np.empty((n, nl), np.float32)
-    for k in range(nl):
-        amax[k] = F(0)
-        mx[k] = F(0)
+    lanes_first_absmax(xt, amax, mx)
     for i in range(n):
         for k in range(nl):
-            v = xt[i, k]
-            a = abs(v)
-            upd = a > amax[k]
-            amax[k] = a if upd else amax[k]
-            mx[k] = v if upd else mx[k]
-            wx[i, k] = wt[i, k] * v
+            wx[i, k] = wt[i, k] * xt[i, k]
     lo = I32(-nmax)
     hi = I32(nmax - 1)
     n_trials = 39 if ik else 19
@@ -449,10 +381,8 @@ def qx_lanes(xt, wt, nmax, ik, sc_out, Lt):
         for k in range(nl):
             isc[k] = _qx_iscale(t, nmax, mx[k], ik)
             isc2[k] = _qx_iscale(t2, nmax, mx[k], ik)
-            sx[k] = F(0)
-            s2[k] = F(0)
-            sx2[k] = F(0)
-            s22[k] = F(0)
+        st[8:10] = F(0)                         # sx, s2
+        isb[1:3] = F(0)                         # sx2, s22
         for i in range(n):
             for k in range(nl):
                 la = F(min(hi, max(lo, nint(isc[k] * xt[i, k]))))
@@ -469,21 +399,9 @@ def qx_lanes(xt, wt, nmax, ik, sc_out, Lt):
                 bs2[k] = s2[k]
                 bis[k] = isc[k]
         else:
-            for k in range(nl):
-                ok = s2[k] > 0 and sx[k] * sx[k] > best[k] * s2[k]
-                sc[k] = sx[k] / s2[k] if ok else sc[k]
-                best[k] = sc[k] * sx[k] if ok else best[k]
-                bsx[k] = sx[k] if ok else bsx[k]
-                bs2[k] = s2[k] if ok else bs2[k]
-                bis[k] = isc[k] if ok else bis[k]
+            _take_better_lanes(sx, s2, isc, sc, best, bsx, bs2, bis)
         if t2 != t:
-            for k in range(nl):
-                ok = s22[k] > 0 and sx2[k] * sx2[k] > best[k] * s22[k]
-                sc[k] = sx2[k] / s22[k] if ok else sc[k]
-                best[k] = sc[k] * sx2[k] if ok else best[k]
-                bsx[k] = sx2[k] if ok else bsx[k]
-                bs2[k] = s22[k] if ok else bs2[k]
-                bis[k] = isc2[k] if ok else bis[k]
+            _take_better_lanes(sx2, s22, isc2, sc, best, bsx, bs2, bis)
     for i in range(n):
         for k in range(nl):
             Lt[i, k] = min(hi, max(lo, nint(bis[k] * xt[i, k])))
@@ -556,17 +474,9 @@ def q3_lanes(xt, nmax, ik, sc_out, Lt):
     lo = I32(-nmax)
     hi = I32(nmax - 1)
     for k in range(nl):
-        amax[k] = F(0)
-        mx[k] = F(0)
         sumlx[k] = F(0)
         suml2[k] = F(0)
-    for i in range(n):
-        for k in range(nl):
-            v = xt[i, k]
-            a = abs(v)
-            upd = a > amax[k]
-            amax[k] = a if upd else amax[k]
-            mx[k] = v if upd else mx[k]
+    lanes_first_absmax(xt, amax, mx)
     for k in range(nl):
         isc[k] = F(-nmax) / mx[k]
         active[k] = not (amax[k] < GROUP_MAX_EPS)
@@ -680,6 +590,28 @@ def qp_quants(x, nmax, qw, ik, L):
 
 
 @njit(**_OPTS)
+def qp_scales_mins(scales, mins, sw, j0, count, nmax, ik, Ls, Lm):
+    """qp_quants of the ``count`` sub-block scales and mins from j0 against their weight sums:
+    (scale of the scales, scale of the mins), the codes in Ls and Lm."""
+    dm = qp_quants(scales[j0:j0 + count], nmax, sw[j0:j0 + count], ik, Ls)
+    mm = qp_quants(mins[j0:j0 + count], nmax, sw[j0:j0 + count], ik, Lm)
+    return dm, mm
+
+
+@njit(**_OPTS)
+def affine_imatrix_lanes(xr, xt, qw, factor, nmax, ik, wt, sw, scales, mins, Lt):
+    """The imatrix search of Q2_K, Q4_K and Q5_K: weights qw*sqrtf(sigma2 + x²) (imatrix_lanes),
+    then ik's make_qkx3_quants or mainline's make_qkx2_quants(-0.9, 0.05, 36) on every lane."""
+    sumsq = np.empty(xr.shape[0] // QK_K, np.float32)
+    superblock_sumsq(xr, sumsq)
+    imatrix_lanes(xt, qw, sumsq, factor, wt, sw)
+    if ik:
+        qkx3_ik_lanes(xt, wt, nmax, scales, mins, Lt)
+    else:
+        qkx2_lanes(xt, wt, nmax, F(-0.9), F(0.05), 36, False, 1, scales, mins, Lt)
+
+
+@njit(**_OPTS)
 def requantize_lanes(xt, d_sub, dm_sub, lo, hi, offset, multiply, skip_zero, Lt):
     """Final codes from the per-sub-block scale d and min dm: ``clamp(nearest_int((x + dm)/d))``
     (``(x + dm)*(d ? 1/d : 0)`` with ``multiply``) + offset; lanes with d == 0 keep their codes when
@@ -763,34 +695,22 @@ def scale_q3(j, y, off):
 
 @njit(**_OPTS)
 def q2_k_row(xr, qw, has_qw, ik, y):
-    n = xr.shape[0]
-    nl = n // 16
-    nsb = n // QK_K
-    xt = np.empty((16, nl), np.float32)
-    wt = np.empty((16, nl), np.float32)
-    Lt = np.empty((16, nl), np.int32)
-    lane = np.empty((5, nl), np.float32)
+    nsb = xr.shape[0] // QK_K
+    xt, wt, Lt, lane = row_lanes(xr, 16, 5)
     scales, mins, sw, d_sub, dm_sub = lane[0], lane[1], lane[2], lane[3], lane[4]
-    to_lanes(xr, 16, xt)
     L = np.empty(QK_K, np.int64)
     sc = np.empty(16, np.int64)
-    tmp = np.empty((2, 16), np.float32)
     Ls = np.empty(16, np.int64)
     Lm = np.empty(16, np.int64)
     if not has_qw:
         for i in range(16):
-            for k in range(nl):
+            for k in range(xt.shape[1]):
                 wt[i, k] = abs(xt[i, k])
         qkx2_lanes(xt, wt, 3, F(-0.5), F(0.1), 15, True, 2 if ik else 0, scales, mins, Lt)
         for sb in range(nsb):
-            ob = sb * 84
-            max_scale = F(0)
-            max_min = F(0)
-            for j in range(16):
-                s = scales[sb * 16 + j]
-                m = mins[sb * 16 + j]
-                max_scale = s if s > max_scale else max_scale
-                max_min = m if m > max_min else max_min
+            ob = sb * Q2_K_BYTES
+            max_scale = positive_max(scales[sb * 16:sb * 16 + 16])
+            max_min = positive_max(mins[sb * 16:sb * 16 + 16])
             for j in range(16):
                 sc[j] = 0
             if max_scale > 0:
@@ -813,20 +733,10 @@ def q2_k_row(xr, qw, has_qw, ik, y):
                 dm_sub[sb * 16 + j] = dmin * F(sc[j] >> 4)
         requantize_lanes(xt, d_sub, dm_sub, 0, 3, 0, False, True, Lt)
     else:
-        sumsq = np.empty(nsb, np.float32)
-        superblock_sumsq(xr, sumsq)
-        imatrix_lanes(xt, qw, sumsq, F(0.75) if ik else F(1), wt, sw)
-        if ik:
-            qkx3_ik_lanes(xt, wt, 3, scales, mins, Lt)
-        else:
-            qkx2_lanes(xt, wt, 3, F(-0.9), F(0.05), 36, False, 1, scales, mins, Lt)
+        affine_imatrix_lanes(xr, xt, qw, F(0.75) if ik else F(1), 3, ik, wt, sw, scales, mins, Lt)
         for sb in range(nsb):
-            ob = sb * 84
-            for j in range(16):
-                tmp[0, j] = scales[sb * 16 + j]
-                tmp[1, j] = mins[sb * 16 + j]
-            dm = qp_quants(tmp[0], 15, sw[sb * 16:sb * 16 + 16], ik, Ls)
-            mm = qp_quants(tmp[1], 15, sw[sb * 16:sb * 16 + 16], ik, Lm)
+            ob = sb * Q2_K_BYTES
+            dm, mm = qp_scales_mins(scales, mins, sw, sb * 16, 16, 15, ik, Ls, Lm)
             dr = store_fp16(y, ob + 80, dm)
             mr = store_fp16(y, ob + 82, mm)
             for j in range(16):
@@ -841,32 +751,21 @@ def q2_k_row(xr, qw, has_qw, ik, y):
         requantize_lanes(xt, d_sub, dm_sub, 0, 3, 0, ik, not ik, Lt)
     for sb in range(nsb):
         gather_codes(Lt, 16, sb, L)
-        pack_2bit(L, y, sb * 84 + 16)
+        pack_2bit(L, y, sb * Q2_K_BYTES + 16)
 
 
 @njit(**_OPTS)
 def q3_k_row(xr, qw, has_qw, ik, y):
-    n = xr.shape[0]
-    nl = n // 16
-    nsb = n // QK_K
-    xt = np.empty((16, nl), np.float32)
-    Lt = np.empty((16, nl), np.int32)
-    lane = np.empty((4, nl), np.float32)
+    nsb = xr.shape[0] // QK_K
+    xt, wt, Lt, lane = row_lanes(xr, 16, 4)
     scales, sw, d_sub, zeros = lane[0], lane[1], lane[2], lane[3]
-    to_lanes(xr, 16, xt)
     L = np.empty(QK_K, np.int64)
     ls = np.empty(16, np.int64)
     if not has_qw:
         q3_lanes(xt, 4, ik, scales, Lt)
         for sb in range(nsb):
-            ob = sb * 110
-            amax = F(0)
-            max_scale = F(0)
-            for j in range(16):
-                s = scales[sb * 16 + j]
-                if abs(s) > amax:
-                    amax = abs(s)
-                    max_scale = s
+            ob = sb * Q3_K_BYTES
+            max_scale = first_absmax(scales[sb * 16:sb * 16 + 16])[1]
             if max_scale != 0:
                 iscale = F(-32) / max_scale
                 for j in range(16):
@@ -879,7 +778,6 @@ def q3_k_row(xr, qw, has_qw, ik, y):
                     y[ob + 96 + j] = 0
                 store_fp16(y, ob + 108, F(0))
     else:
-        wt = np.empty((16, nl), np.float32)
         sumsq = np.empty(nsb, np.float32)
         superblock_sumsq(xr, sumsq)
         imatrix_lanes(xt, qw, sumsq, F(2), wt, sw)
@@ -898,17 +796,17 @@ def q3_k_row(xr, qw, has_qw, ik, y):
         for sb in range(nsb):
             for j in range(16):
                 ls[j] = Lst[j, sb]
-            pack_scales_q3(ls, y, sb * 110 + 96)
-            store_fp16(y, sb * 110 + 108, d_block[sb])
+            pack_scales_q3(ls, y, sb * Q3_K_BYTES + 96)
+            store_fp16(y, sb * Q3_K_BYTES + 108, d_block[sb])
     for sb in range(nsb):
-        ob = sb * 110
+        ob = sb * Q3_K_BYTES
         d = fp16_value(np.int64(y[ob + 108]) | (np.int64(y[ob + 109]) << 8))
         for j in range(16):
             d_sub[sb * 16 + j] = d * F(scale_q3(j, y, ob + 96))
             zeros[sb * 16 + j] = F(0)
     requantize_lanes(xt, d_sub, zeros, -4, 3, 4, False, True, Lt)
     for sb in range(nsb):
-        ob = sb * 110
+        ob = sb * Q3_K_BYTES
         gather_codes(Lt, 16, sb, L)
         # hmask[m] bit k = bit 2 of the code of value 32k + m; the low 2 bits go to qs
         for m in range(32):
@@ -924,28 +822,19 @@ def q3_k_row(xr, qw, has_qw, ik, y):
 @njit(**_OPTS)
 def q45_k_row(xr, qw, has_qw, ik, y):
     """Q4_K and Q5_K share this kernel (one signature for all row kernels): the output row length
-    (144 or 176 bytes per super-block) says which."""
+    (Q4_K_BYTES or Q5_K_BYTES a super-block) says which."""
     n = xr.shape[0]
-    nmax = 15 if y.shape[0] == (n // QK_K) * 144 else 31
-    nl = n // 32
+    nmax = 15 if y.shape[0] == (n // QK_K) * Q4_K_BYTES else 31
     nsb = n // QK_K
-    ts = 144 if nmax == 15 else 176
-    xt = np.empty((32, nl), np.float32)
-    wt = np.empty((32, nl), np.float32)
-    Lt = np.empty((32, nl), np.int32)
-    lane = np.empty((5, nl), np.float32)
+    ts = Q4_K_BYTES if nmax == 15 else Q5_K_BYTES
+    xt, wt, Lt, lane = row_lanes(xr, 32, 5)
+    nl = xt.shape[1]
     scales, mins, sw, d_sub, dm_sub = lane[0], lane[1], lane[2], lane[3], lane[4]
-    to_lanes(xr, 32, xt)
     L = np.empty(QK_K, np.int64)
     ls = np.empty(8, np.int64)
     lm = np.empty(8, np.int64)
-    tmp = np.empty((2, 8), np.float32)
     if not has_qw:
-        for k in range(nl):
-            sw[k] = F(0)
-        for i in range(32):
-            for k in range(nl):
-                sw[k] += xt[i, k] * xt[i, k]
+        lane_sumsq(xt, sw)
         for i in range(32):
             for k in range(nl):
                 wt[i, k] = np.sqrt(sw[k] / F(32)) + abs(xt[i, k])       # av_x + |x|
@@ -955,13 +844,8 @@ def q45_k_row(xr, qw, has_qw, ik, y):
             qkx2_lanes(xt, wt, 31, F(-0.5), F(0.1), 15, False, 2 if ik else 0, scales, mins, Lt)
         for sb in range(nsb):
             ob = sb * ts
-            max_scale = F(0)
-            max_min = F(0)
-            for j in range(8):
-                s = scales[sb * 8 + j]
-                m = mins[sb * 8 + j]
-                max_scale = s if s > max_scale else max_scale
-                max_min = m if m > max_min else max_min
+            max_scale = positive_max(scales[sb * 8:sb * 8 + 8])
+            max_min = positive_max(mins[sb * 8:sb * 8 + 8])
             inv_scale = F(63) / max_scale if max_scale > 0 else F(0)
             inv_min = F(63) / max_min if max_min > 0 else F(0)
             for j in range(8):
@@ -971,20 +855,10 @@ def q45_k_row(xr, qw, has_qw, ik, y):
             store_fp16(y, ob, max_scale / F(63))
             store_fp16(y, ob + 2, max_min / F(63))
     else:
-        sumsq = np.empty(nsb, np.float32)
-        superblock_sumsq(xr, sumsq)
-        imatrix_lanes(xt, qw, sumsq, F(2), wt, sw)
-        if ik:
-            qkx3_ik_lanes(xt, wt, nmax, scales, mins, Lt)
-        else:
-            qkx2_lanes(xt, wt, nmax, F(-0.9), F(0.05), 36, False, 1, scales, mins, Lt)
+        affine_imatrix_lanes(xr, xt, qw, F(2), nmax, ik, wt, sw, scales, mins, Lt)
         for sb in range(nsb):
             ob = sb * ts
-            for j in range(8):
-                tmp[0, j] = scales[sb * 8 + j]
-                tmp[1, j] = mins[sb * 8 + j]
-            d_block = qp_quants(tmp[0], 63, sw[sb * 8:sb * 8 + 8], ik, ls)
-            m_block = qp_quants(tmp[1], 63, sw[sb * 8:sb * 8 + 8], ik, lm)
+            d_block, m_block = qp_scales_mins(scales, mins, sw, sb * 8, 8, 63, ik, ls, lm)
             if nmax == 31:      # only quantize_row_q5_K_impl clamps (a no-op unless L wrapped)
                 for j in range(8):
                     ls[j] = min(63, ls[j])
@@ -1021,15 +895,10 @@ def q45_k_row(xr, qw, has_qw, ik, y):
 
 @njit(**_OPTS)
 def q6_k_row(xr, qw, has_qw, ik, y):
-    n = xr.shape[0]
-    nl = n // 16
-    nsb = n // QK_K
-    xt = np.empty((16, nl), np.float32)
-    wt = np.empty((16, nl), np.float32)
-    Lt = np.empty((16, nl), np.int32)
-    lane = np.empty((3, nl), np.float32)
+    nsb = xr.shape[0] // QK_K
+    xt, wt, Lt, lane = row_lanes(xr, 16, 3)
+    nl = xt.shape[1]
     scales, d_sub, zeros = lane[0], lane[1], lane[2]
-    to_lanes(xr, 16, xt)
     for i in range(16):
         for k in range(nl):
             # the raw imatrix (no sigma2 term) or x²
@@ -1038,14 +907,8 @@ def q6_k_row(xr, qw, has_qw, ik, y):
     L = np.empty(QK_K, np.int64)
     zero_sb = np.empty(nsb, np.bool_)
     for sb in range(nsb):
-        ob = sb * 210
-        amax = F(0)
-        max_scale = F(0)
-        for j in range(16):
-            s = scales[sb * 16 + j]
-            if abs(s) > amax:
-                amax = abs(s)
-                max_scale = s
+        ob = sb * Q6_K_BYTES
+        amax, max_scale = first_absmax(scales[sb * 16:sb * 16 + 16])
         zero_sb[sb] = amax < GROUP_MAX_EPS
         for j in range(16):
             zeros[sb * 16 + j] = F(0)
@@ -1061,9 +924,9 @@ def q6_k_row(xr, qw, has_qw, ik, y):
             d_sub[sb * 16 + j] = d * F(s8)
     requantize_lanes(xt, d_sub, zeros, -32, 31, 32, False, True, Lt)
     for sb in range(nsb):
-        ob = sb * 210
+        ob = sb * Q6_K_BYTES
         if zero_sb[sb]:
-            for j in range(210):
+            for j in range(Q6_K_BYTES):
                 y[ob + j] = 0
             continue
         gather_codes(Lt, 16, sb, L)
@@ -1078,42 +941,7 @@ def q6_k_row(xr, qw, has_qw, ik, y):
                                             | ((L[j + 64] >> 4) << 4) | ((L[j + 96] >> 4) << 6))
 
 
-# ---- the parallel driver ----
-# A row kernel is handed to the prange loop as a first-class function (a pointer): numba re-links
-# and re-optimises, at every level, the whole call tree of a callee it sees statically, and a
-# parallel loop adds several levels, which made compiling the kernels several times slower.  All row
-# kernels share one signature, so one compiled driver serves every type.
-
-ROW_SIG = (types.Array(types.float32, 1, "C"), types.Array(types.float32, 1, "C"), types.boolean,
-           types.boolean, types.Array(types.uint8, 1, "C"))
-
-
-def as_row_function(kernel):
-    """Compile ``kernel`` for ROW_SIG (once) and return it as a 1-tuple, which numba passes to the
-    driver as a function pointer (this needs a dispatcher that can no longer compile)."""
-    if kernel._can_compile:
-        kernel.compile(ROW_SIG)
-        kernel.disable_compile()
-    return (kernel,)
-
-
-@njit(cache=True, parallel=True, error_model="numpy")
-def quantize_rows_with(row_fn, x, qw, has_qw, ik, out):
-    """out[r] = row_fn[0](x[r], ...) for every row, rows in parallel."""
-    for r in prange(x.shape[0]):
-        row_fn[0](x[r], qw, has_qw, ik, out[r])
-
-
 ROW_KERNELS = {Q2_K: q2_k_row, Q3_K: q3_k_row, Q4_K: q45_k_row, Q5_K: q45_k_row, Q6_K: q6_k_row}
-
-
-def run_rows(kernel, x, qw, has_qw, ik, out):
-    """Run a row kernel over all rows in parallel (numba warns that first-class functions are
-    experimental; they have been stable since numba 0.49)."""
-    row_fn = as_row_function(kernel)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
-        quantize_rows_with(row_fn, x, qw, has_qw, ik, out)
 
 
 def quantize_rows(qtype, x, qw, has_qw, ik, out):
@@ -1152,7 +980,7 @@ def q2_k_trinet(x, chunk_rows, out):
         for r in range(r0, r1):
             y = out[r]
             for sb in range(n // QK_K):
-                ob = sb * 84
+                ob = sb * Q2_K_BYTES
                 store_fp16(y, ob + 80, mx)
                 store_fp16(y, ob + 82, mx)
                 for j in range(16):
@@ -1175,7 +1003,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
         for sb in range(n // QK_K):
             e = sb * QK_K
             if qtype == Q2_K:
-                o = sb * 84
+                o = sb * Q2_K_BYTES
                 d = fp16_table[np.int64(b[o + 80]) | (np.int64(b[o + 81]) << 8)]
                 dmin = fp16_table[np.int64(b[o + 82]) | (np.int64(b[o + 83]) << 8)]
                 for s in range(16):
@@ -1187,7 +1015,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
                         q = (np.int64(b[o + 16 + 32 * (v // 128) + v % 32]) >> (2 * ((v % 128) // 32))) & 3
                         y[e + v] = dl * F(q) - ml
             elif qtype == Q3_K:
-                o = sb * 110
+                o = sb * Q3_K_BYTES
                 d = fp16_table[np.int64(b[o + 108]) | (np.int64(b[o + 109]) << 8)]
                 for s in range(16):
                     dl = d * F(scale_q3(s, b, o + 96))
@@ -1197,7 +1025,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
                         h = (np.int64(b[o + v % 32]) >> (v // 32)) & 1
                         y[e + v] = dl * F(q - (0 if h else 4))
             elif qtype == Q4_K or qtype == Q5_K:
-                o = sb * (144 if qtype == Q4_K else 176)
+                o = sb * (Q4_K_BYTES if qtype == Q4_K else Q5_K_BYTES)
                 d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
                 dmin = fp16_table[np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)]
                 qs = o + 16 if qtype == Q4_K else o + 48
@@ -1212,7 +1040,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
                             q += ((np.int64(b[o + 16 + i]) >> s) & 1) << 4
                         y[e + v] = dl * F(q) - ml
             else:
-                o = sb * 210
+                o = sb * Q6_K_BYTES
                 d = fp16_table[np.int64(b[o + 208]) | (np.int64(b[o + 209]) << 8)]
                 for v in range(QK_K):
                     h = v // 128

@@ -26,14 +26,17 @@ from numba.core import types as nbt
 from numba.extending import intrinsic
 
 from ..cpu import half_to_float
-from ..tables import IQ4K_VALUES
-from .iqk import IQ4_LUT, IQ4_THR, IQ4_V, OVERFLOW, nearest, store_f32
-from .kquants import nint
+from ..tables import IQ4NL_VALUES
+from ..types import QuantType as T
+from ..types import traits
+from .common import F, OVERFLOW, QK_K, ZERO_EPS, block_bytes, first_absmax, nint, store_f32, store_u16
+from .iqk import IQ4_LUT, IQ4_THR, IQ4_V, nearest
 
-F = np.float32
 I64 = np.int64
 _OPTS = dict(cache=True, error_model="numpy", nogil=True)
-KV = IQ4K_VALUES[:16].astype(np.float32)
+KV = IQ4NL_VALUES.astype(np.float32)
+IQ1_KT_BYTES, IQ2_KT_BYTES, IQ3_KT_BYTES, IQ4_KT_BYTES = block_bytes(T.IQ1_KT, T.IQ2_KT, T.IQ3_KT, T.IQ4_KT)
+KT_META = traits(T.IQ2_KT).row_meta_size      # every trellis row starts with its float32 scale
 KA = np.uint64(0xCBAC1FED)
 
 
@@ -265,16 +268,16 @@ def kt_weights(x, qw, has_qw, w):
     """ik's set_weights with sigma2 scale 2: per 256 block sigma2 = 2*Σx²/256; with an imatrix
     qw*sqrtf(sigma2 + x²) per 32-block (1e-4 where the block's sums are degenerate), else
     0.25*sigma2 + x²; an all-(almost)-zero 256 block gets 1e-4."""
-    for b in range(x.shape[0] // 256):
-        o = 256 * b
+    for b in range(x.shape[0] // QK_K):
+        o = QK_K * b
         sumx2 = F(0)
-        for j in range(256):
+        for j in range(QK_K):
             sumx2 += x[o + j] * x[o + j]
-        if sumx2 < F(1e-14) * F(256):
-            for j in range(256):
+        if sumx2 < F(1e-14) * F(QK_K):
+            for j in range(QK_K):
                 w[o + j] = F(1e-4)
             continue
-        sigma2 = F(2) * sumx2 / F(256)
+        sigma2 = F(2) * sumx2 / F(QK_K)
         if has_qw:
             for ib in range(8):
                 ob = o + 32 * ib
@@ -292,8 +295,17 @@ def kt_weights(x, qw, has_qw, w):
                     for j in range(32):
                         w[ob + j] = F(1e-4)
         else:
-            for j in range(256):
+            for j in range(QK_K):
                 w[o + j] = F(0.25) * sigma2 + x[o + j] * x[o + j]
+
+
+@njit(**_OPTS)
+def _kt_start(x, qw, has_qw, y):
+    """How every trellis row kernel starts: y zeroed, then (the weights, max |x| of the row)."""
+    y[:] = 0
+    w = np.empty(x.shape[0], np.float32)
+    kt_weights(x, qw, has_qw, w)
+    return w, first_absmax(x)[0]
 
 
 @njit(**_OPTS)
@@ -306,82 +318,94 @@ def _final_sums(x, w, base, codes, cbase, values, ls, sums):
 
 
 @njit(**_OPTS)
+def _signed_trials(a, x, w, base, mid, offsets, members, vt, vt_all, values, tmp):
+    """The codes and fit of block ``base`` at the trial scale +a (codes in tmp[0:4]) and at -a
+    (tmp[4:8]): (scale +, score +, scale -, score -)."""
+    match(a, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
+    dp, sp = fit(x, w, base, tmp, 0, values)
+    match(-a, x, w, base, mid, offsets, members, vt, vt_all, tmp, 4)
+    dm, sm = fit(x, w, base, tmp, 4, values)
+    return dp, sp, dm, sm
+
+
+@njit(**_OPTS)
+def _take_sign(ib, dp, sp, dm, sm, tmp, scales, idx):
+    """Block ib takes the + trial (codes tmp[0:4]) if it scores strictly better, else the - trial
+    (tmp[4:8]); returns the score taken."""
+    plus = sp > sm
+    scales[ib] = dp if plus else dm
+    for j in range(4):
+        idx[4 * ib + j] = tmp[j if plus else 4 + j]
+    return sp if plus else sm
+
+
+@njit(**_OPTS)
+def _block_starts(x, amax_row, lo, slope):
+    """The state of a row's block scale search, per block of 32: (scales, 0 until found; the 4
+    codes of each block; max |x|; the first trial's divisor max(lo, slope * max|x| / max|x| of the
+    row))."""
+    nsub = x.shape[0] // 32
+    amax = np.empty(nsub, np.float32)
+    start = np.empty(nsub, np.float32)
+    for ib in range(nsub):
+        amax[ib] = first_absmax(x[32 * ib:32 * ib + 32])[0]
+        start[ib] = max(lo, slope * amax[ib] / amax_row)
+    return np.zeros(nsub, np.float32), np.zeros(4 * nsub, np.int64), amax, start
+
+
+@njit(**_OPTS)
+def _row_trial(x, w, idx, values, dl, d, best):
+    """One trial of the row scale: the least-squares scale of the row with block ib's values
+    dl[ib] * its codes' values, taken (with its score) if it beats ``best``; returns (d, best)."""
+    sumqx = F(0)
+    sumq2 = F(0)
+    for ib in range(dl.shape[0]):
+        for e in range(32):
+            q = dl[ib] * values[idx[4 * ib + e // 8], e % 8]
+            sumqx += (w[32 * ib + e] * x[32 * ib + e]) * q
+            sumq2 += (w[32 * ib + e] * q) * q
+    if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+        d = sumqx / sumq2
+        best = d * sumqx
+    return d, best
+
+
+@njit(**_OPTS)
 def small_row(x, qw, has_qw, y, one, mid, offsets, members, vt, vt_all, values):
     """IQ1_KT (one=True) or IQ2_KT: one row into y (float32 scale + blocks)."""
-    n = x.shape[0]
-    nsub = n // 32
-    w = np.empty(n, np.float32)
-    kt_weights(x, qw, has_qw, w)
-    for k in range(y.shape[0]):
-        y[k] = 0
-    amax_row = F(0)
-    for j in range(n):
-        amax_row = max(amax_row, abs(x[j]))
-    scales = np.zeros(nsub, np.float32)
-    idx = np.zeros(4 * nsub, np.int64)
+    nsub = x.shape[0] // 32
+    w, amax_row = _kt_start(x, qw, has_qw, y)
+    scales, idx, amaxs, starts = _block_starts(x, amax_row, F(90), F(124))
     tmp = np.empty(8, np.int64)
-    max_scale = F(0)
     for ib in range(nsub):
         base = 32 * ib
-        amax = F(0)
-        for j in range(32):
-            amax = max(amax, abs(x[base + j]))
-        if amax < F(1e-16):
+        amax = amaxs[ib]
+        if amax < ZERO_EPS:
             continue
-        scale_0 = max(F(90), F(124) * amax / amax_row)
-        match(amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
-        dp, sp = fit(x, w, base, tmp, 0, values)
-        match(-amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 4)
-        dm, sm = fit(x, w, base, tmp, 4, values)
-        pick = 0
-        if sp > sm:
-            scales[ib] = dp
-        else:
-            scales[ib] = dm
-            pick = 4
-            sp = sm
-        for j in range(4):
-            idx[4 * ib + j] = tmp[pick + j]
+        dp, sp, dm, sm = _signed_trials(amax / starts[ib], x, w, base, mid, offsets, members, vt, vt_all, values, tmp)
+        score = _take_sign(ib, dp, sp, dm, sm, tmp, scales, idx)
         if one:
-            scale_0 -= F(8)
-            match(amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
-            dp1, sp1 = fit(x, w, base, tmp, 0, values)
-            match(-amax / scale_0, x, w, base, mid, offsets, members, vt, vt_all, tmp, 4)
-            dm1, sm1 = fit(x, w, base, tmp, 4, values)
-            if sp1 > sp or sm1 > sp:
-                pick = 0
-                if sp1 > sm1:
-                    scales[ib] = dp1
-                else:
-                    scales[ib] = dm1
-                    pick = 4
-                for j in range(4):
-                    idx[4 * ib + j] = tmp[pick + j]
-        if abs(scales[ib]) > abs(max_scale):
-            max_scale = scales[ib]
+            dp, sp, dm, sm = _signed_trials(amax / (starts[ib] - F(8)), x, w, base, mid, offsets, members, vt, vt_all,
+                                            values, tmp)
+            if sp > score or sm > score:
+                _take_sign(ib, dp, sp, dm, sm, tmp, scales, idx)
+    max_scale = first_absmax(scales)[1]
     if max_scale == 0:
         return
     d = max_scale / KV[0]
     best = F(0)
+    dl = np.empty(nsub, np.float32)
     for itry in range(-9, 10):
         inv = F(itry - 127) / max_scale
-        sumqx = F(0)
-        sumq2 = F(0)
         for ib in range(nsub):
-            dl = KV[iq4k_index(inv * scales[ib])]
-            for e in range(32):
-                q = dl * values[idx[4 * ib + e // 8], e % 8]
-                sumqx += (w[32 * ib + e] * x[32 * ib + e]) * q
-                sumq2 += (w[32 * ib + e] * q) * q
-        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-            d = sumqx / sumq2
-            best = d * sumqx
+            dl[ib] = KV[iq4k_index(inv * scales[ib])]
+        d, best = _row_trial(x, w, idx, values, dl, d, best)
     inv = F(1) / d if d != 0 else F(0)
-    blk = 56 if one else 68
+    blk = IQ1_KT_BYTES if one else IQ2_KT_BYTES
     ls = np.empty(nsub, np.int64)
     for ib in range(nsub):
         ls[ib] = iq4k_index(inv * scales[ib])
-        o = 4 + blk * (ib // 8)
+        o = KT_META + blk * (ib // 8)
         if one:
             y[o + ib % 8] = ls[ib]
         else:
@@ -406,7 +430,7 @@ def small_row(x, qw, has_qw, y, one, mid, offsets, members, vt, vt_all, values):
             for j in range(4):
                 idx[4 * ib + j] = tmp[j]
         _final_sums(x, w, base, idx, 4 * ib, values, lv, sums)
-        o = 4 + blk * (ib // 8)
+        o = KT_META + blk * (ib // 8)
         sb = ib % 8
         for j in range(4):
             c = idx[4 * ib + j]
@@ -415,8 +439,7 @@ def small_row(x, qw, has_qw, y, one, mid, offsets, members, vt, vt_all, values):
                 y[o + 40 + 4 * (sb % 4) + j] |= ((c >> 8) & 0xF) << (4 * (sb // 4))
                 y[o + sb] |= (c >> 12) << (4 + j)
             else:
-                y[o + 4 + 8 * sb + 2 * j] = c & 0xFF
-                y[o + 4 + 8 * sb + 2 * j + 1] = c >> 8
+                store_u16(y, o + 4 + 8 * sb + 2 * j, c)
     if sums[1] > 0:
         d = sums[0] / sums[1]
         store_f32(y, 0, d * F(1.07) if one else d)
@@ -424,35 +447,21 @@ def small_row(x, qw, has_qw, y, one, mid, offsets, members, vt, vt_all, values):
 
 @njit(**_OPTS)
 def iq3_row(x, qw, has_qw, y, mid, offsets, members, vt, vt_all, values):
-    n = x.shape[0]
-    nsub = n // 32
-    for k in range(y.shape[0]):
-        y[k] = 0
-    ax = np.empty(n, np.float32)
-    amax_row = F(0)
-    for j in range(n):
-        ax[j] = abs(x[j])
-        amax_row = max(amax_row, ax[j])
+    nsub = x.shape[0] // 32
+    w, amax_row = _kt_start(x, qw, has_qw, y)
     if amax_row == 0:
         return
-    w = np.empty(n, np.float32)
-    kt_weights(x, qw, has_qw, w)
-    scales = np.zeros(nsub, np.float32)
-    idx = np.zeros(4 * nsub, np.int64)
+    ax = np.abs(x)
+    scales, idx, amaxs, starts = _block_starts(ax, amax_row, F(84), F(123))
     tmp = np.empty(4, np.int64)
-    max_scale = F(0)
     for ib in range(nsub):
-        base = 32 * ib
-        amax = F(0)
-        for j in range(32):
-            amax = max(amax, ax[base + j])
-        if amax < F(1e-16):
+        if amaxs[ib] < ZERO_EPS:
             continue
-        scale_0 = max(F(84), F(123) * amax / amax_row)
+        base = 32 * ib
         best = F(0)
         found = False
         for itry in range(-3, 4):
-            match(amax / (scale_0 + F(8 * itry)), ax, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
+            match(amaxs[ib] / (starts[ib] + F(8 * itry)), ax, w, base, mid, offsets, members, vt, vt_all, tmp, 0)
             dd, score = fit(ax, w, base, tmp, 0, values)
             if score > best:
                 best = score
@@ -462,29 +471,21 @@ def iq3_row(x, qw, has_qw, y, mid, offsets, members, vt, vt_all, values):
                     idx[4 * ib + j] = tmp[j]
         if not found:
             raise ValueError("IQ3_KT: no scale found for a block (ik aborts here)")
-        if abs(scales[ib]) > abs(max_scale):
-            max_scale = scales[ib]
+    max_scale = first_absmax(scales)[1]
     d = max_scale / F(15)
     best = F(0)
+    dl = np.empty(nsub, np.float32)
     for itry in range(-9, 10):
         inv = (F(itry) * F(0.2) + F(15)) / max_scale
-        sumqx = F(0)
-        sumq2 = F(0)
         for ib in range(nsub):
-            dl = F(max(0, min(15, nint(inv * scales[ib]))))
-            for e in range(32):
-                q = dl * values[idx[4 * ib + e // 8], e % 8]
-                sumqx += (w[32 * ib + e] * ax[32 * ib + e]) * q
-                sumq2 += (w[32 * ib + e] * q) * q
-        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-            d = sumqx / sumq2
-            best = d * sumqx
+            dl[ib] = F(max(0, min(15, nint(inv * scales[ib]))))
+        d, best = _row_trial(ax, w, idx, values, dl, d, best)
     inv = F(1) / d if d != 0 else F(0)
     store_f32(y, 0, d)
     sums = np.zeros(2, np.float32)
     for ib in range(nsub):
         base = 32 * ib
-        o = 4 + 100 * (ib // 8)
+        o = KT_META + IQ3_KT_BYTES * (ib // 8)
         sb = ib % 8
         ls = max(0, min(15, nint(inv * scales[ib])))
         y[o + sb % 4] |= ls << (4 * (sb // 4))
@@ -494,9 +495,7 @@ def iq3_row(x, qw, has_qw, y, mid, offsets, members, vt, vt_all, values):
         match(d * F(ls), ax, w, base, mid, offsets, members, vt, vt_all, idx, 4 * ib)
         _final_sums(ax, w, base, idx, 4 * ib, values, F(ls), sums)
         for j in range(4):
-            c = idx[4 * ib + j]
-            y[o + 4 + 8 * sb + 2 * j] = c & 0xFF
-            y[o + 4 + 8 * sb + 2 * j + 1] = c >> 8
+            store_u16(y, o + 4 + 8 * sb + 2 * j, idx[4 * ib + j])
     if sums[1] > 0:
         store_f32(y, 0, sums[0] / sums[1])
 
@@ -523,31 +522,21 @@ def _iq4_trials(x, w, base, amax, scale_0, best, cb, tmp):
 
 @njit(**_OPTS)
 def iq4_row(x, qw, has_qw, y, cb1, cb2):
-    n = x.shape[0]
-    nsub = n // 32
-    for k in range(y.shape[0]):
-        y[k] = 0
-    w = np.empty(n, np.float32)
-    kt_weights(x, qw, has_qw, w)
-    amax_row = F(0)
-    for j in range(n):
-        amax_row = max(amax_row, abs(x[j]))
+    nsub = x.shape[0] // 32
+    w, amax_row = _kt_start(x, qw, has_qw, y)
     if amax_row == 0:
         return
     mid1, off1, mem1, vt1, vta1, val1 = cb1
     mid2, off2, mem2, vt2, vta2, val2 = cb2
-    scales = np.zeros(nsub, np.float32)
+    scales, _, amaxs, starts = _block_starts(x, amax_row, F(90), F(124))
     second = np.zeros(nsub, np.bool_)
     tmp = np.empty(8, np.int64)
-    max_scale = F(0)
     for ib in range(nsub):
-        base = 32 * ib
-        amax = F(0)
-        for j in range(32):
-            amax = max(amax, abs(x[base + j]))
-        if amax < F(1e-16):
+        amax = amaxs[ib]
+        scale_0 = starts[ib]
+        if amax < ZERO_EPS:
             continue
-        scale_0 = max(F(90), F(124) * amax / amax_row)
+        base = 32 * ib
         best, scale, better = _iq4_trials(x, w, base, amax, scale_0, F(0), cb1, tmp)
         if better:
             scales[ib] = scale
@@ -560,16 +549,14 @@ def iq4_row(x, qw, has_qw, y, cb1, cb2):
         if better:
             scales[ib] = scale
             second[ib] = True
-        if abs(scales[ib]) > abs(max_scale):
-            max_scale = scales[ib]
-    d = -max_scale / F(64)
+    d = -first_absmax(scales)[1] / F(64)
     if d == 0:
         return
     inv = F(1) / d
     sums = np.zeros(2, np.float32)
     for ib in range(nsub):
         base = 32 * ib
-        o = 4 + 128 * (ib // 8)
+        o = KT_META + IQ4_KT_BYTES * (ib // 8)
         sb = ib % 8
         ls = min(nint(inv * scales[ib]), 63)
         if second[ib]:
@@ -626,15 +613,15 @@ def _group(code, offset, is_abs, g, sl, out, o):
 def dequantize_rows(blocks, kind, out):
     """kind: 1..4 for IQ1_KT..IQ4_KT."""
     n_rows, n = out.shape
-    nbl = n // 256
+    nbl = n // QK_K
     for r in prange(n_rows):
         b = blocks[r]
         d = np.array([b[0], b[1], b[2], b[3]], np.uint8).view(np.float32)[0]
         for bl in range(nbl):
             for ib in range(8):
-                o = 256 * bl + 32 * ib
+                o = QK_K * bl + 32 * ib
                 if kind == 1:
-                    p = 4 + 56 * bl
+                    p = KT_META + IQ1_KT_BYTES * bl
                     sh = I64(b[p + ib])
                     sl = d * KV[sh & 0xF]
                     for ig in range(4):
@@ -642,7 +629,7 @@ def dequantize_rows(blocks, kind, out):
                             | ((sh << (8 - ig)) & 0x1000)
                         _group(c, 4096, False, 8, sl, out[r], o + 8 * ig)
                 elif kind == 2 or kind == 3:
-                    p = 4 + (68 if kind == 2 else 100) * bl
+                    p = KT_META + (IQ2_KT_BYTES if kind == 2 else IQ3_KT_BYTES) * bl
                     nib = (I64(b[p + ib % 4]) >> (4 * (ib // 4))) & 0xF
                     sl = d * (KV[nib] if kind == 2 else F(nib))
                     for ig in range(4):
@@ -653,7 +640,7 @@ def dequantize_rows(blocks, kind, out):
                             if (b[p + 68 + j] >> ib) & 1:
                                 out[r, o + j] = -out[r, o + j]
                 else:
-                    p = 4 + 128 * bl
+                    p = KT_META + IQ4_KT_BYTES * bl
                     head = I64(b[p + 4 * ib]) | (I64(b[p + 4 * ib + 1]) << 8) | (I64(b[p + 4 * ib + 2]) << 16) \
                         | (I64(b[p + 4 * ib + 3]) << 24)
                     offset = 4096 + 32768 if head & 1 else 4096

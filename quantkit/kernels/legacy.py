@@ -15,47 +15,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..tables import FP16_TABLE  # noqa: F401  (the decoders' table, which formats pass in)
+from ..types import QuantType as T
+from ..types import traits
+from .common import D, F, FLT_MAX, block_bytes, store_fp16, type_ids
 from .kquants import qx_lanes
 
-F = np.float32
-D = np.float64
-QK = 32
-
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8          # ggml type ids
-
-GROUP_MAX_EPS = F(1e-15)
-FLT_MAX = F(np.finfo(np.float32).max)
-TWO_POW_24 = F(2.0 ** 24)
-
-#: fp16 bit pattern -> float32 value, for the decoders (exact: every fp16 is a float32)
-FP16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-
-
-# ---- scalar helpers ----
-
-@njit(cache=True)
-def fp32_to_fp16_bits(f):
-    """IEEE round-to-nearest-even float32 -> fp16 bits (GGML_FP32_TO_FP16); NaN -> sign|0x7E00."""
-    u = np.int64(np.float32(f).view(np.uint32))
-    sign = (u >> 16) & 0x8000
-    a = u & 0x7FFFFFFF
-    if a > 0x7F800000:              # NaN
-        return sign | 0x7E00
-    if a >= 0x477FF000:             # >= 65520 rounds to Inf (65504 has an odd mantissa)
-        return sign | 0x7C00
-    if a < 0x38800000:              # below 2^-14: fp16 subnormal in units of 2^-24 (exact scaling)
-        return sign | int(np.rint(abs(f) * TWO_POW_24))
-    # rebias the exponent (127 -> 15) and drop 13 mantissa bits, rounding half to even; a carry
-    # out of the mantissa correctly bumps the exponent
-    b = a - 0x38000000
-    return sign | ((b + 0x0FFF + ((b >> 13) & 1)) >> 13)
-
-
-@njit(cache=True)
-def _store_fp16(y, off, f):
-    h = fp32_to_fp16_bits(f)
-    y[off] = h & 0xFF
-    y[off + 1] = h >> 8
+QK = traits(T.Q4_0).block_size
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_0 = type_ids(T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q6_0)
+Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES, Q6_0_BYTES = block_bytes(
+    T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q6_0)
 
 
 # Block layouts (ggml-common.h), byte offsets within a block; d and m are little-endian fp16:
@@ -72,14 +41,14 @@ def _store_fp16(y, off, f):
 @njit(cache=True)
 def _block_bytes(qtype):
     if qtype == Q4_0:
-        return 18
+        return Q4_0_BYTES
     if qtype == Q4_1:
-        return 20
+        return Q4_1_BYTES
     if qtype == Q5_0:
-        return 22
+        return Q5_0_BYTES
     if qtype == Q5_1:
-        return 24
-    return 34
+        return Q5_1_BYTES
+    return Q8_0_BYTES
 
 
 @njit(cache=True)
@@ -118,7 +87,7 @@ def _absmax(xb):
 def _q8_0_block(xb, y, off):
     d = _absmax(xb) / F(127)
     id_ = F(1) / d if d != 0 else F(0)
-    _store_fp16(y, off, d)
+    store_fp16(y, off, d)
     for j in range(QK):
         # C roundf (halves away from zero): v - trunc(v) is exact in float32
         v = xb[j] * id_
@@ -166,7 +135,7 @@ def _centered_block(xb, y, off, nmax):
         amax = a if bigger else amax
     d = mx / F(-nmax)
     id_ = F(1) / d if d != 0 else F(0)
-    _store_fp16(y, off, d)
+    store_fp16(y, off, d)
     half = F(nmax + 0.5)
     top = 2 * nmax - 1
     five_bit = nmax == 16
@@ -193,8 +162,8 @@ def _affine_block(xb, y, off, nmax):
         mx = v if v > mx else mx
     d = (mx - mn) / F(nmax)
     id_ = F(1) / d if d != 0 else F(0)
-    _store_fp16(y, off, d)
-    _store_fp16(y, off + 2, mn)
+    store_fp16(y, off, d)
+    store_fp16(y, off + 2, mn)
     five_bit = nmax == 31
     qs = off + 8 if five_bit else off + 4
     qh = 0
@@ -289,35 +258,48 @@ def _qkx3_fit_ik(sum_w, sum_x, sum_x2, sum_l, sum_l2, sum_xl):
 
 
 @njit(cache=True)
-def make_qkx3_quants_ik(xb, w, nmax, L, rmin, rdelta, nstep):
-    """ik_llama.cpp's affine search (double sums, error from the sums, greedy refinement).
-    Returns (scale, the_min) with the_min = -min."""
+def _min_max(xb):
+    """(min, max) of the block with C's strict comparisons, the min raised to 0 if positive."""
     mn = xb[0]
     mx = xb[0]
-    sum_w = D(w[0])
-    sum_x = sum_w * D(xb[0])
-    sum_x2 = sum_w * D(xb[0]) * D(xb[0])
     for i in range(1, QK):
         if xb[i] < mn:
             mn = xb[i]
         if xb[i] > mx:
             mx = xb[i]
+    if mn > 0:
+        mn = F(0)
+    return mn, mx
+
+
+@njit(cache=True)
+def _first_trial(xb, nmax, mn, mx, L):
+    """The codes of the first trial, iscale = nmax/(max - min), in L; returns its scale 1/iscale."""
+    iscale = F(nmax) / (mx - mn)
+    _qkx3_codes(xb, nmax, iscale, mn, L)
+    return F(1) / iscale
+
+
+@njit(cache=True)
+def make_qkx3_quants_ik(xb, w, nmax, L, rmin, rdelta, nstep):
+    """ik_llama.cpp's affine search (double sums, error from the sums, greedy refinement).
+    Returns (scale, the_min) with the_min = -min."""
+    sum_w = D(w[0])
+    sum_x = sum_w * D(xb[0])
+    sum_x2 = sum_w * D(xb[0]) * D(xb[0])
+    for i in range(1, QK):
         wi = D(w[i])
         sum_w += wi
         sum_x += wi * D(xb[i])
         sum_x2 += wi * D(xb[i]) * D(xb[i])
-    if mn > 0:
-        mn = F(0)
+    mn, mx = _min_max(xb)
     if mx - mn < F(1e-10):
-        for i in range(QK):
-            L[i] = 0
+        L[:] = 0
         return F(0), -mn
     fnmax = F(nmax)
-    iscale = fnmax / (mx - mn)
-    scale = F(1) / iscale
+    scale = _first_trial(xb, nmax, mn, mx, L)
     best_mad = 0.0
     for i in range(QK):
-        L[i] = max(0, min(nmax, int(np.rint(iscale * (xb[i] - mn)))))
         diff = D(scale) * D(L[i]) + D(mn) - D(xb[i])
         best_mad += D(w[i]) * (diff * diff)
     # Trial s uses iscale = (rmin + rdelta*s + nmax)/(max - min) with the min fitted so far, so
@@ -400,29 +382,19 @@ def make_qkx3_quants_ik(xb, w, nmax, L, rmin, rdelta, nstep):
 def make_qkx3_quants_mainline(xb, w, nmax, L, Laux, rmin, rdelta, nstep):
     """llama.cpp's affine search, all float32, error evaluated value by value.
     Returns (scale, the_min) with the_min = -min."""
-    mn = xb[0]
-    mx = xb[0]
     sum_w = w[0]
     sum_x = sum_w * xb[0]
     for i in range(1, QK):
-        if xb[i] < mn:
-            mn = xb[i]
-        if xb[i] > mx:
-            mx = xb[i]
         sum_w += w[i]
         sum_x += w[i] * xb[i]
-    if mn > 0:
-        mn = F(0)
+    mn, mx = _min_max(xb)
     if mx <= mn:
-        for i in range(QK):
-            L[i] = 0
+        L[:] = 0
         return F(0), -mn
     fnmax = F(nmax)
-    iscale = fnmax / (mx - mn)
-    scale = F(1) / iscale
+    scale = _first_trial(xb, nmax, mn, mx, L)
     best = F(0)
     for i in range(QK):
-        L[i] = max(0, min(nmax, int(np.rint(iscale * (xb[i] - mn)))))
         diff = scale * F(L[i]) + mn - xb[i]
         best += w[i] * (diff * diff)
     for s in range(nstep + 1):
@@ -494,7 +466,7 @@ def quantize_rows_imatrix(qtype, x, qw, ik, out):
             for ib in range(n // QK):
                 for j in range(QK):
                     L[j] = Lt[j, ib]
-                _store_fp16(y, ib * ts, d[ib])
+                store_fp16(y, ib * ts, d[ib])
                 _pack_codes(L, y, ib * ts + 2, qtype == Q5_0)
             continue
         w = np.empty(QK, np.float32)
@@ -509,8 +481,8 @@ def quantize_rows_imatrix(qtype, x, qw, ik, out):
                 d, the_min = make_qkx3_quants_ik(xb, w, nmax, L, F(-0.9), F(0.05), 36)
             else:
                 d, the_min = make_qkx3_quants_mainline(xb, w, nmax, L, Laux, F(-0.9), F(0.05), 36)
-            _store_fp16(y, off, d)
-            _store_fp16(y, off + 2, -the_min)
+            store_fp16(y, off, d)
+            store_fp16(y, off + 2, -the_min)
             _pack_codes(L, y, off + 4, qtype == Q5_1)
 
 
@@ -565,10 +537,6 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
 #   qh byte k (k < 8):  bits 0-1 = code k >> 4,   bits 2-3 = code k+16 >> 4,
 #                       bits 4-5 = code k+8 >> 4, bits 6-7 = code k+24 >> 4
 
-Q6_0 = 133
-Q6_0_BYTES = 26
-
-
 @njit(cache=True)
 def _pack_q6_0(L, y, off):
     for k in range(8):
@@ -601,7 +569,7 @@ def quantize_rows_q6_0(x, qw, has_qw, out):
             for j in range(QK):
                 L[j] = Lt[j, b]
             off = b * Q6_0_BYTES
-            _store_fp16(y, off, d[b])
+            store_fp16(y, off, d[b])
             _pack_q6_0(L, y, off)
 
 

@@ -16,11 +16,9 @@ import torch
 
 from ..formats._kt_codebook import IQ4_KT_SECOND_OFFSET, OFFSET, SPECS, trellis_values
 from ..formats.iq2kl import PAIRS
-from ..formats.iq4 import KVALUES
 from ..formats.iq4kss import BASE as IQ4KSS_BASE
 from ..formats.iq4kss import SHIFTED as IQ4KSS_SHIFTED
-from ..formats.iqk import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K
-from ..tables import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
+from ..tables import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ4NL_VALUES, IQ5NL_VALUES
 from ..types import QuantType
 
 T = QuantType
@@ -179,7 +177,7 @@ def _q6_k(b):
 # ---- non-linear 4-bit ----
 
 def _iq4_table(device):
-    return torch.tensor(KVALUES, dtype=torch.float32, device=device)
+    return torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=device)
 
 
 def _iq4_nl(b):
