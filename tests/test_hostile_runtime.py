@@ -28,6 +28,7 @@ from hostile import Snapshot, assert_refused, run_cli
 from models import rewrite_gguf, write_deepseek2, write_llama
 from quantkit.errors import QuantkitError
 from quantkit.gguf_io.reader import open_model
+from quantkit.runtime import ops_cpu
 from quantkit.runtime.model import Model
 
 T = gguf.GGUFValueType
@@ -52,7 +53,7 @@ def base(tmp_path_factory):
 def refused(path, *needles) -> str:
     with open_model(path) as g:
         with pytest.raises(QuantkitError) as e:
-            Model(g)
+            Model(g, ops_cpu)
     msg = str(e.value)
     assert "\n" not in msg
     for n in needles:
@@ -68,7 +69,7 @@ def test_the_base_models_load(base):
     """The variants below change one thing each in these, which load."""
     for path in base.values():
         with open_model(path) as g:
-            Model(g)
+            Model(g, ops_cpu)
 
 
 # (key, value, words the error must hold besides the key)
@@ -237,7 +238,7 @@ def test_deepseek2_expert_groups(base, tmp_path):
             D + "expert_used_count", "at most 2")
     with open_model(rewrite_gguf(base["deepseek2"], tmp_path / "c.gguf",
                                  {D + "expert_group_count": 2, D + "expert_group_used_count": 1})) as g:
-        assert Model(g).config.moe.n_group_used == 1
+        assert Model(g, ops_cpu).config.moe.n_group_used == 1
 
 
 DS = DEEPSEEK
@@ -325,7 +326,7 @@ def test_non_finite_logits_stop_generation_perplexity_and_imatrix(broken, kind):
     from quantkit.runtime.perplexity import perplexity
     chunks = [np.arange(10, 42, dtype=np.int64), np.arange(50, 82, dtype=np.int64)]
     with open_model(broken[kind]) as g:
-        model = Model(g)
+        model = Model(g, ops_cpu)
         with pytest.raises(QuantkitError, match=r"^the prompt \(generation step 1\): the logits at position 4 "
                                                 r"are NaN or infinite: the model's weights or activations"):
             list(generate(model, [1, 20, 30, 40, 50], 4, Sampler(SamplerOptions(seed=1))))
@@ -353,7 +354,6 @@ def test_perplexity_cli_refuses_nan_model(broken, tmp_path):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_generation_steps_check_their_logits(base):
     """A step after the prompt whose logits are not finite stops generation, naming the step."""
-    from quantkit.runtime import ops_cpu
     from quantkit.runtime.generate import Sampler, SamplerOptions, generate
 
     class NanInThirdForward:
@@ -601,6 +601,6 @@ def test_huge_counts_are_refused_quickly(base, tmp_path):
         path = rewrite_gguf(base["llama"], tmp_path / "huge.gguf", {L + key: (2**64 - 1, T.UINT64)})
         if key == "context_length":     # a context length is only an upper bound
             with open_model(path) as g:
-                assert Model(g).config.n_ctx_train == 2**64 - 1
+                assert Model(g, ops_cpu).config.n_ctx_train == 2**64 - 1
         else:
             refused(path, L + key)

@@ -237,6 +237,18 @@ def test_collect_imports_nothing_from_the_top_level():
     assert [i.target for i in outside] == ["quantkit.errors"], "\n".join(_where(i) for i in outside)
 
 
+def test_the_runtime_computes_through_the_ops_interface():
+    """The model and the passes over it (perplexity, imatrix collection, warm-up, mainline rounding)
+    reach a backend through ``runtime.ops.Ops`` only: session.py chooses one and hands it down, and
+    the torch backend uses the numba one for the tensors it keeps on the CPU."""
+    backends = {"quantkit.runtime.ops_cpu", "quantkit.runtime.ops_torch"}
+    choosers = {"quantkit.runtime.session", "quantkit.runtime.ops_torch"}
+    bad = [_where(i) for i in _imports_of("quantkit.runtime") if i.target in backends and i.importer not in choosers]
+    assert not bad, "\n".join(bad)
+    users = {i.importer for i in _imports_of("quantkit.runtime") if i.target == "quantkit.runtime.ops"}
+    assert {"quantkit.runtime.model", "quantkit.runtime.collect", "quantkit.runtime.activations"} <= users
+
+
 def test_leaves_import_nothing():
     leaves = set(LAYERS[-1][1])
     bad = [_where(i) for i in imports() if unit_of(i.importer) in leaves
