@@ -35,7 +35,7 @@ def smollm2() -> Path:
 
 
 def prompt_tokens(path: Path, n: int) -> list[int]:
-    from quantkit.runtime.tokenizer import Tokenizer
+    from quantkit.text.tokenizer import Tokenizer
     return Tokenizer.from_file(path).encode(TEXT.read_text()[:20000])[:n]
 
 

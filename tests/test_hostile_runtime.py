@@ -513,14 +513,14 @@ SPM = {"tokenizer.ggml.model": "llama",
      "tokenizer.ggml.merges must be an array of strings"),
 ])
 def test_tokenizer_metadata_is_checked(change, words):
-    from quantkit.runtime.tokenizer import Tokenizer
+    from quantkit.text.tokenizer import Tokenizer
     with pytest.raises(QuantkitError, match=re.escape(words)):
         Tokenizer.from_metadata({**SPM, **change})
 
 
 def test_tokenizer_default_special_ids_beyond_a_small_vocabulary():
     """gpt2's default BOS/EOS id 11 in a vocabulary of 5: no such token (an IndexError before)."""
-    from quantkit.runtime.tokenizer import Tokenizer
+    from quantkit.text.tokenizer import Tokenizer
     tok = Tokenizer.from_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
                                    "tokenizer.ggml.tokens": ["a", "b", "c", "d", "e"], "tokenizer.ggml.merges": []})
     assert tok.bos_id is None and tok.eos_id is None and not tok.eog_ids
@@ -556,7 +556,7 @@ def test_tokenizer_default_special_ids_beyond_a_small_vocabulary():
     ("{% for %}", "chat template"),
 ])
 def test_chat_template_is_bounded(template, words):
-    from quantkit.runtime.tokenizer import Tokenizer
+    from quantkit.text.tokenizer import Tokenizer
     tok = Tokenizer.from_metadata({**SPM, "tokenizer.chat_template": template})
     with pytest.raises(QuantkitError, match=re.escape(words)):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
@@ -565,8 +565,8 @@ def test_chat_template_is_bounded(template, words):
 def test_chat_template_loops_and_time_are_bounded(monkeypatch):
     """Empty nested loops make nothing but take hours: loop lengths count as work, and rendering
     has a deadline (both lowered here to keep the test quick)."""
-    from quantkit.runtime import chat_template
-    from quantkit.runtime.tokenizer import Tokenizer
+    from quantkit.text import chat as chat_template
+    from quantkit.text.tokenizer import Tokenizer
     monkeypatch.setattr(chat_template, "MAX_WORK", 1 << 20)
     nested = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     with pytest.raises(QuantkitError, match="characters or items in all"):
@@ -578,7 +578,7 @@ def test_chat_template_loops_and_time_are_bounded(monkeypatch):
 
 
 def test_chat_template_ordinary_work_renders():
-    from quantkit.runtime.tokenizer import Tokenizer
+    from quantkit.text.tokenizer import Tokenizer
     template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content ~ '\n' }}{% endfor %}{{ '=' * 3 }}"
                 "{{ '%s|%5.2f' % ('a', 1.5) }}{{ '{}-{:>4}'.format('b', 7) }}{{ messages|tojson }}"
                 "{{ 'a\nb'|indent(2) }}{{ ['x', 'y']|join(', ') }}{% if add_generation_prompt %}<|assistant|>{% endif %}")

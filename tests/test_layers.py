@@ -30,12 +30,11 @@ LAYERS: list[tuple[str, list[str]]] = [
     # the package's namespace re-exports the library beneath the CLI (quantkit.quantize_model, …)
     ("package namespace", ["quantkit"]),
     ("library API", ["quantkit.api"]),
-    # hf/ reads a checkpoint's vocabulary through runtime/'s tokenizer: it sits above the runtime until
-    # the vocabulary/tokenizer package that both use exists (issue 24 item 5, not done in this round).
-    ("commands over the library", ["quantkit.warmup", "quantkit.catalog", "quantkit.hf",
-                                   "quantkit.imatrix_tools"]),
-    ("runtime and the quantize pipeline", ["quantkit.runtime", "quantkit.quantize", "quantkit.repack",
-                                           "quantkit.imatrix", "quantkit.describe"]),
+    ("commands over the library", ["quantkit.warmup", "quantkit.catalog", "quantkit.imatrix_tools"]),
+    # hf/ (reading HF checkpoints) and runtime/ both tokenize with quantkit.text, below them both
+    ("runtime, HF checkpoints and the quantize pipeline", ["quantkit.runtime", "quantkit.hf", "quantkit.quantize",
+                                                           "quantkit.repack", "quantkit.imatrix", "quantkit.describe"]),
+    ("vocabulary, tokenizer and chat templates", ["quantkit.text"]),
     ("GGUF files and the plan", ["quantkit.gguf_io", "quantkit.plan"]),
     ("formats (numpy references, registry) and policy", ["quantkit.formats", "quantkit.outputs",
                                                          "quantkit.presets", "quantkit.recipes",
@@ -61,8 +60,9 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
         "declaration per type), which decides how a wrapper reaches its base format",
     ("quantkit.runtime.session", "quantkit.runtime.ops_torch"):
         "optional dependency: torch is imported only for --device cuda / torch-cpu",
-    ("quantkit.runtime.tokenizer", "quantkit.runtime.chat_template"):
-        "optional dependency: chat_template.py is built on Jinja2, needed only for chat templates",
+    ("quantkit.text.tokenizer", "quantkit.text.chat"):
+        "start-up time of an optional feature: chat.py is built on Jinja2 (50 ms to import), which only "
+        "chat templates need (`run --chat`); where it is missing, the error says how to install it",
 }
 # The CLI's lazy imports keep `quantkit --help` and every command's start-up cheap (no numba); the
 # library API the CLI calls, and the package namespace that re-exports it, import lazily for the same

@@ -19,7 +19,7 @@ from ..gguf_io.reader import GGUFModel, open_model
 from ..tensor_regex import compile_bounded
 from .model import Model
 from .perplexity import chunk_tokens
-from .tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from . import ops_cpu
 
 
