@@ -2,7 +2,8 @@
 from the GGUF metadata (``hparams.py``).
 
 It computes only through the ops backend it is given (the interface of ``ops.py``: ``ops_cpu`` or
-``ops_torch.TorchOps``, chosen by ``session.make_ops``), so the same code runs on any backend.  Architectures: ``llama`` (SmolLM2, Llama 2/3, Mistral and friends) and ``deepseek2``
+``ops_torch.TorchOps``, chosen by ``session.make_ops``), so the same code runs on any backend.
+Architectures: ``llama`` (SmolLM2, Llama 2/3, Mistral and friends) and ``deepseek2``
 (DeepSeek-V2/V3/R1: latent attention and routed experts, whose blocks live in ``deepseek2.py``).
 Every architecture shares the embedding, the pre-norm residual layer loop and the output head.
 """
