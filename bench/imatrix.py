@@ -79,7 +79,7 @@ def main() -> None:
     args = ap.parse_args()
     from run import smollm2
     from quantkit.runtime import perplexity as ppl
-    from quantkit.runtime.tokenizer import Tokenizer
+    from quantkit.text.tokenizer import Tokenizer
     model = smollm2()
     tok = Tokenizer.from_file(model)
     chunks = [c.tolist() for c in ppl.chunk_tokens(tok.encode(TEXT.read_text()), args.ctx_size, args.chunks,

@@ -35,7 +35,7 @@ def smollm2() -> Path:
 
 
 def prompt_tokens(path: Path, n: int) -> list[int]:
-    from quantkit.runtime.tokenizer import Tokenizer
+    from quantkit.text.tokenizer import Tokenizer
     return Tokenizer.from_file(path).encode(TEXT.read_text()[:20000])[:n]
 
 
@@ -44,6 +44,7 @@ def prompt_tokens(path: Path, n: int) -> list[int]:
 def child_quantkit(path: Path, tokens: list[int], n_gen: int, threads: int) -> dict:
     from quantkit.gguf_io.reader import open_model
     from quantkit.runtime import matvec
+    from quantkit.runtime import ops_cpu
     from quantkit.runtime.model import Model
     from quantkit.runtime.session import set_threads
     set_threads(threads)
@@ -56,7 +57,7 @@ def child_quantkit(path: Path, tokens: list[int], n_gen: int, threads: int) -> d
         in_products[0] += time.perf_counter() - t
         return y
     with open_model(path) as g:
-        model = Model(g)
+        model = Model(g, ops_cpu)
         model.forward(tokens[:4], model.new_cache(8))           # numba kernels loaded before timing
         cache = model.new_cache(len(tokens) + n_gen)
         t0 = time.perf_counter()

@@ -154,7 +154,7 @@ def warm_runtime(qtype: QuantType) -> Warmed:
         path = Path(d) / f"{type_name(qtype)}.gguf"
         _tiny_llama(path, qtype)
         with open_model(path) as gguf:
-            log = warm_up(Model(gguf), (1, ops_cpu.FEW_TOKENS), what=f"the runtime ({type_name(qtype)})")
+            log = warm_up(Model(gguf, ops_cpu), (1, ops_cpu.FEW_TOKENS), what=f"the runtime ({type_name(qtype)})")
     return _warmed(log, t0)
 
 

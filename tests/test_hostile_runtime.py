@@ -28,6 +28,7 @@ from hostile import Snapshot, assert_refused, run_cli
 from models import rewrite_gguf, write_deepseek2, write_llama
 from quantkit.errors import QuantkitError
 from quantkit.gguf_io.reader import open_model
+from quantkit.runtime import ops_cpu
 from quantkit.runtime.model import Model
 
 T = gguf.GGUFValueType
@@ -52,7 +53,7 @@ def base(tmp_path_factory):
 def refused(path, *needles) -> str:
     with open_model(path) as g:
         with pytest.raises(QuantkitError) as e:
-            Model(g)
+            Model(g, ops_cpu)
     msg = str(e.value)
     assert "\n" not in msg
     for n in needles:
@@ -68,7 +69,7 @@ def test_the_base_models_load(base):
     """The variants below change one thing each in these, which load."""
     for path in base.values():
         with open_model(path) as g:
-            Model(g)
+            Model(g, ops_cpu)
 
 
 # (key, value, words the error must hold besides the key)
@@ -237,7 +238,7 @@ def test_deepseek2_expert_groups(base, tmp_path):
             D + "expert_used_count", "at most 2")
     with open_model(rewrite_gguf(base["deepseek2"], tmp_path / "c.gguf",
                                  {D + "expert_group_count": 2, D + "expert_group_used_count": 1})) as g:
-        assert Model(g).config.moe.n_group_used == 1
+        assert Model(g, ops_cpu).config.moe.n_group_used == 1
 
 
 DS = DEEPSEEK
@@ -325,7 +326,7 @@ def test_non_finite_logits_stop_generation_perplexity_and_imatrix(broken, kind):
     from quantkit.runtime.perplexity import perplexity
     chunks = [np.arange(10, 42, dtype=np.int64), np.arange(50, 82, dtype=np.int64)]
     with open_model(broken[kind]) as g:
-        model = Model(g)
+        model = Model(g, ops_cpu)
         with pytest.raises(QuantkitError, match=r"^the prompt \(generation step 1\): the logits at position 4 "
                                                 r"are NaN or infinite: the model's weights or activations"):
             list(generate(model, [1, 20, 30, 40, 50], 4, Sampler(SamplerOptions(seed=1))))
@@ -353,7 +354,6 @@ def test_perplexity_cli_refuses_nan_model(broken, tmp_path):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_generation_steps_check_their_logits(base):
     """A step after the prompt whose logits are not finite stops generation, naming the step."""
-    from quantkit.runtime import ops_cpu
     from quantkit.runtime.generate import Sampler, SamplerOptions, generate
 
     class NanInThirdForward:
@@ -513,14 +513,14 @@ SPM = {"tokenizer.ggml.model": "llama",
      "tokenizer.ggml.merges must be an array of strings"),
 ])
 def test_tokenizer_metadata_is_checked(change, words):
-    from quantkit.runtime.tokenizer import Tokenizer
+    from quantkit.text.tokenizer import Tokenizer
     with pytest.raises(QuantkitError, match=re.escape(words)):
         Tokenizer.from_metadata({**SPM, **change})
 
 
 def test_tokenizer_default_special_ids_beyond_a_small_vocabulary():
     """gpt2's default BOS/EOS id 11 in a vocabulary of 5: no such token (an IndexError before)."""
-    from quantkit.runtime.tokenizer import Tokenizer
+    from quantkit.text.tokenizer import Tokenizer
     tok = Tokenizer.from_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
                                    "tokenizer.ggml.tokens": ["a", "b", "c", "d", "e"], "tokenizer.ggml.merges": []})
     assert tok.bos_id is None and tok.eos_id is None and not tok.eog_ids
@@ -556,7 +556,7 @@ def test_tokenizer_default_special_ids_beyond_a_small_vocabulary():
     ("{% for %}", "chat template"),
 ])
 def test_chat_template_is_bounded(template, words):
-    from quantkit.runtime.tokenizer import Tokenizer
+    from quantkit.text.tokenizer import Tokenizer
     tok = Tokenizer.from_metadata({**SPM, "tokenizer.chat_template": template})
     with pytest.raises(QuantkitError, match=re.escape(words)):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
@@ -565,8 +565,8 @@ def test_chat_template_is_bounded(template, words):
 def test_chat_template_loops_and_time_are_bounded(monkeypatch):
     """Empty nested loops make nothing but take hours: loop lengths count as work, and rendering
     has a deadline (both lowered here to keep the test quick)."""
-    from quantkit.runtime import chat_template
-    from quantkit.runtime.tokenizer import Tokenizer
+    from quantkit.text import chat as chat_template
+    from quantkit.text.tokenizer import Tokenizer
     monkeypatch.setattr(chat_template, "MAX_WORK", 1 << 20)
     nested = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     with pytest.raises(QuantkitError, match="characters or items in all"):
@@ -578,7 +578,7 @@ def test_chat_template_loops_and_time_are_bounded(monkeypatch):
 
 
 def test_chat_template_ordinary_work_renders():
-    from quantkit.runtime.tokenizer import Tokenizer
+    from quantkit.text.tokenizer import Tokenizer
     template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content ~ '\n' }}{% endfor %}{{ '=' * 3 }}"
                 "{{ '%s|%5.2f' % ('a', 1.5) }}{{ '{}-{:>4}'.format('b', 7) }}{{ messages|tojson }}"
                 "{{ 'a\nb'|indent(2) }}{{ ['x', 'y']|join(', ') }}{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -601,6 +601,6 @@ def test_huge_counts_are_refused_quickly(base, tmp_path):
         path = rewrite_gguf(base["llama"], tmp_path / "huge.gguf", {L + key: (2**64 - 1, T.UINT64)})
         if key == "context_length":     # a context length is only an upper bound
             with open_model(path) as g:
-                assert Model(g).config.n_ctx_train == 2**64 - 1
+                assert Model(g, ops_cpu).config.n_ctx_train == 2**64 - 1
         else:
             refused(path, L + key)

@@ -30,12 +30,11 @@ LAYERS: list[tuple[str, list[str]]] = [
     # the package's namespace re-exports the library beneath the CLI (quantkit.quantize_model, …)
     ("package namespace", ["quantkit"]),
     ("library API", ["quantkit.api"]),
-    # hf/ reads a checkpoint's vocabulary through runtime/'s tokenizer: it sits above the runtime until
-    # the vocabulary/tokenizer package that both use exists (issue 24 item 5, not done in this round).
-    ("commands over the library", ["quantkit.warmup", "quantkit.catalog", "quantkit.hf",
-                                   "quantkit.imatrix_tools"]),
-    ("runtime and the quantize pipeline", ["quantkit.runtime", "quantkit.quantize", "quantkit.repack",
-                                           "quantkit.imatrix", "quantkit.describe"]),
+    ("commands over the library", ["quantkit.warmup", "quantkit.catalog", "quantkit.imatrix_tools"]),
+    # hf/ (reading HF checkpoints) and runtime/ both tokenize with quantkit.text, below them both
+    ("runtime, HF checkpoints and the quantize pipeline", ["quantkit.runtime", "quantkit.hf", "quantkit.quantize",
+                                                           "quantkit.repack", "quantkit.imatrix", "quantkit.describe"]),
+    ("vocabulary, tokenizer and chat templates", ["quantkit.text"]),
     ("GGUF files and the plan", ["quantkit.gguf_io", "quantkit.plan"]),
     ("formats (numpy references, registry) and policy", ["quantkit.formats", "quantkit.outputs",
                                                          "quantkit.presets", "quantkit.recipes",
@@ -59,8 +58,9 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
         "interleave kernels (formats.registered's docstring)",
     ("quantkit.runtime.session", "quantkit.runtime.ops_torch"):
         "optional dependency: torch is imported only for --device cuda / torch-cpu",
-    ("quantkit.runtime.tokenizer", "quantkit.runtime.chat_template"):
-        "optional dependency: chat_template.py is built on Jinja2, needed only for chat templates",
+    ("quantkit.text.tokenizer", "quantkit.text.chat"):
+        "start-up time of an optional feature: chat.py is built on Jinja2 (50 ms to import), which only "
+        "chat templates need (`run --chat`); where it is missing, the error says how to install it",
 }
 # The CLI's lazy imports keep `quantkit --help` and every command's start-up cheap (no numba); the
 # library API the CLI calls, and the package namespace that re-exports it, import lazily for the same
@@ -235,6 +235,18 @@ def test_collect_imports_nothing_from_the_top_level():
     (quantkit.imatrix_tools.RawImatrix.from_stats) is built above it."""
     outside = [i for i in _imports_of("quantkit.runtime.collect") if not i.target.startswith("quantkit.runtime.")]
     assert [i.target for i in outside] == ["quantkit.errors"], "\n".join(_where(i) for i in outside)
+
+
+def test_the_runtime_computes_through_the_ops_interface():
+    """The model and the passes over it (perplexity, imatrix collection, warm-up, mainline rounding)
+    reach a backend through ``runtime.ops.Ops`` only: session.py chooses one and hands it down, and
+    the torch backend uses the numba one for the tensors it keeps on the CPU."""
+    backends = {"quantkit.runtime.ops_cpu", "quantkit.runtime.ops_torch"}
+    choosers = {"quantkit.runtime.session", "quantkit.runtime.ops_torch"}
+    bad = [_where(i) for i in _imports_of("quantkit.runtime") if i.target in backends and i.importer not in choosers]
+    assert not bad, "\n".join(bad)
+    users = {i.importer for i in _imports_of("quantkit.runtime") if i.target == "quantkit.runtime.ops"}
+    assert {"quantkit.runtime.model", "quantkit.runtime.collect", "quantkit.runtime.activations"} <= users
 
 
 def test_leaves_import_nothing():

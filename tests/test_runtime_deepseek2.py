@@ -74,7 +74,7 @@ def ik_logits(path, tokens) -> np.ndarray:
 
 def our_logits(path, tokens) -> np.ndarray:
     with open_model(path) as g:
-        model = Model(g)
+        model = Model(g, ops_cpu)
         return model.forward(tokens, model.new_cache(len(tokens)))
 
 
@@ -117,7 +117,7 @@ def test_incremental_decoding_matches_full_forward(v3):
     tokens = tokens_for(512)
     n_prompt = 48
     with open_model(v3) as g:
-        model = Model(g)
+        model = Model(g, ops_cpu)
         full = model.forward(tokens, model.new_cache(N_TOKENS))
         cache = model.new_cache(N_TOKENS)
         steps = [model.forward(tokens[:n_prompt], cache, logits_from=n_prompt - 1)]
@@ -166,6 +166,6 @@ def test_group_metadata_is_read(tmp_path):
     path = write_deepseek2(tmp_path / "groups.gguf", n_layer=2, n_expert=8, n_group=4, n_group_used=2,
                            fused_kv_b=True, **SMALL)
     with open_model(path) as g:
-        model = Model(g)
+        model = Model(g, ops_cpu)
         assert (model.config.moe.n_group, model.config.moe.n_group_used) == (4, 2)
         assert np.isfinite(model.forward(tokens_for(SMALL["n_vocab"])[:8], model.new_cache(8))).all()

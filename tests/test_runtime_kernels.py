@@ -135,7 +135,7 @@ def test_rope_kernel_equals_rotation_formula(neox):
 
 
 def test_square_sums_and_target_nll():
-    from quantkit.runtime.ops_cpu import token_nll
+    from quantkit.runtime.scoring import token_nll
     rng = np.random.default_rng(5)
     x = awkward_values(rng, (40, 24))
     sums = np.full(24, 0.5)

@@ -32,6 +32,7 @@ import pytest
 import peers
 from quantkit.gguf_io.reader import open_model
 from quantkit.runtime.generate import Sampler, SamplerOptions, generate
+from quantkit.runtime import ops_cpu
 from quantkit.runtime.model import Model
 
 pytestmark = pytest.mark.skipif(peers.llama_quantize_bin() is None, reason="ik-llama-cpp-python not installed")
@@ -67,7 +68,7 @@ def prompt(shared_dir, smollm2_path) -> list[int]:
 
 def our_logits(path, tokens) -> np.ndarray:
     with open_model(path) as g:
-        m = Model(g)
+        m = Model(g, ops_cpu)
         return m.forward(tokens, m.new_cache(len(tokens)))
 
 
@@ -167,7 +168,7 @@ def test_torch_backend_matches_numba_backend(files, prompt, name):
 def test_f32_greedy_tokens_match_ik(files, prompt):
     tokens = prompt[:16]
     with open_model(files["f32"]) as g:
-        ours = list(generate(Model(g), tokens, 32, Sampler(SamplerOptions(temp=0))))
+        ours = list(generate(Model(g, ops_cpu), tokens, 32, Sampler(SamplerOptions(temp=0))))
     assert ours == peers.ik_greedy(files["f32"], tokens, 32, n_threads=2)
 
 
@@ -175,7 +176,7 @@ def decode(path, tokens, n_prompt):
     """Logits of the prompt tokens[:n_prompt] in one batch, then of each further token fed alone
     through the KV cache."""
     with open_model(path) as g:
-        m = Model(g)
+        m = Model(g, ops_cpu)
         cache = m.new_cache(len(tokens))
         steps = [m.forward(tokens[:n_prompt], cache)] + [m.forward([t], cache) for t in tokens[n_prompt:]]
     return np.concatenate(steps)

@@ -20,8 +20,9 @@ import peers
 from models import add_spm_vocab
 from quantkit.errors import QuantkitError
 from quantkit.gguf_io.reader import open_model
-from quantkit.runtime import tokenizer as tkmod
-from quantkit.runtime.tokenizer import Tokenizer
+from quantkit.text import pretokenize
+from quantkit.text import vocab as vocab_module
+from quantkit.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.skipif(peers.wheel_dir() is None, reason="ik-llama-cpp-python not installed")
 
@@ -141,7 +142,7 @@ def assert_vocab(ours: Tokenizer, theirs: peers.IkVocab) -> None:
 # ---- vocabulary files ----
 def smollm2_tokenizer_meta(path) -> dict:
     with open_model(path) as m:
-        return {k: tkmod._py(v) for k, v in m.metadata.items() if k.startswith("tokenizer.")}
+        return {k: vocab_module._py(v) for k, v in m.metadata.items() if k.startswith("tokenizer.")}
 
 
 def vocab_file(path, add_vocab, name: str | None = None):
@@ -200,7 +201,7 @@ def spm_vocabulary(smol: Tokenizer, n_pieces: int):
     for t in range(smol.n_vocab):
         if len(tokens) - n_fixed >= n_pieces:
             break
-        if smol.attrs[t] != tkmod.ATTR_NORMAL:
+        if smol.attrs[t] != vocab_module.ATTR_NORMAL:
             continue
         try:
             text = smol.token_piece(t).decode("utf-8").replace(" ", "\u2581")
@@ -297,9 +298,9 @@ def test_unicode_flags_match_ik():
         pytest.skip("unicode_cpt_flags_from_cpt is not exported by this libllama")
     if tuple(map(int, unicodedata.unidata_version.split("."))) > (15, 1, 0):
         pytest.xfail(f"Python's Unicode {unicodedata.unidata_version} is newer than llama.cpp's 15.1 "
-                     "(see quantkit.runtime.tokenizer)")
-    bad = [(hex(c), ik_flags(c) & 0x1FF, tkmod._cpt_flags(c))
-           for c in range(0x110000) if ik_flags(c) & 0x1FF != tkmod._cpt_flags(c)]
+                     "(see quantkit.text.pretokenize)")
+    bad = [(hex(c), ik_flags(c) & 0x1FF, pretokenize._cpt_flags(c))
+           for c in range(0x110000) if ik_flags(c) & 0x1FF != pretokenize._cpt_flags(c)]
     assert not bad, f"{len(bad)} codepoints disagree, first: {bad[:10]}"
 
 

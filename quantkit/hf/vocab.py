@@ -11,7 +11,7 @@ convert_hf_to_gguf.py writes them, so llama.cpp's tokenizer gives the same ids a
   inside a token as U+0120 + 256 offset, i.e. ``chr(ord(" ") + 256)``, as gguf-py does;
 * ``tokenizer.ggml.pre``: which of llama.cpp's pre-tokenizers splits text like this one. The
   converter tells them apart by hashing the tokenization of a probe text; we compare the regexes of
-  the ``pre_tokenizer`` section with the regex sets llama.cpp implements (the runtime's table), and
+  the ``pre_tokenizer`` section with the regex sets llama.cpp implements (quantkit.text.pretokenize's table), and
   refuse a tokenizer that matches none: another split gives other tokens;
 * bos/eos/unk/pad ids from tokenizer_config.json's ``*_token`` (or config.json's ``*_token_id``),
   ``add_bos_token``/``add_eos_token``, and the chat template (tokenizer_config.json or
@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import QuantkitError
 from ..inputs import read_bounded
 from ..gguf_io.constants import MetaValue, ValueType
-from ..runtime import tokenizer as rt
+from ..text import pretokenize
 from .config import MAX_JSON_BYTES, Fields, describe
 
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
@@ -61,19 +61,19 @@ def _split_regexes(pre: Fields) -> tuple[str, ...]:
     if kind == "Sequence":
         return tuple(r for p in pre.objects("pretokenizers") for r in _split_regexes(p))
     if kind == "ByteLevel":
-        return (rt.GPT2_REGEX,) if pre.boolean("use_regex", True) else ()
+        return (pretokenize.GPT2_REGEX,) if pre.boolean("use_regex", True) else ()
     if kind == "Digits":
         return ("\\p{N}",) if pre.boolean("individual_digits", False) else ("\\p{N}+",)
     if kind == "Split":
         pattern = pre.object("pattern")
         regex = pattern.string("Regex") if pattern.has("Regex") else re.escape(pattern.string("String", ""))
-        return (regex.replace(_HF_CONTRACTIONS, rt.CONTRACTIONS_REGEX),)
+        return (regex.replace(_HF_CONTRACTIONS, pretokenize.CONTRACTIONS_REGEX),)
     raise QuantkitError(f"{pre.where}: pre-tokenizer {describe(kind)} is not supported (byte-level BPE tokenizers "
                         "only)")
 
 
 def _pre_name(regexes: tuple[str, ...], clean_spaces: bool | None, where: Path) -> str:
-    candidates = [name for name, flags in rt.pre_tokenizer_names(regexes)
+    candidates = [name for name, flags in pretokenize.pre_tokenizer_names(regexes)
                   if clean_spaces is None or flags.get("clean_spaces", True) == clean_spaces]
     if not candidates:
         raise QuantkitError(f"{where}: its pre-tokenizer ({' | '.join(regexes) or 'none'}) matches none of "

@@ -11,14 +11,16 @@ rounded).  :class:`MainlineRounding` reproduces the rounding for mainline's type
   q8_K         blocks of 256: the value of largest magnitude m, iscale = -127 / m,
                q = min(127, round(iscale * x)), d = 1 / iscale (stored f32)
 
-ik_llama.cpp rounds differently, and per batch size (see ops_cpu), so no rounding imitates it.
+ik_llama.cpp rounds differently, and per batch size (see ops_cpu.py), so no rounding imitates it.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..types import TYPE_TRAITS, QuantType
-from . import kernels, ops_cpu
+from . import kernels
+from .ops import Ops
+from .tiles import by_rows
 
 F32 = np.float32
 T = QuantType
@@ -35,14 +37,14 @@ def round_for(qtype, x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x, F32)
     out = np.empty_like(x)
     kernel = kernels.round_q8_K_rows if vt == T.Q8_K else kernels.round_q8_0_rows
-    ops_cpu.by_rows(lambda r0, r1: kernel(x[r0:r1], out[r0:r1]), x.shape[0])
+    by_rows(lambda r0, r1: kernel(x[r0:r1], out[r0:r1]), x.shape[0])
     return out
 
 
 class MainlineRounding:
     """An ops backend whose quantized products first round their input as mainline ggml does."""
 
-    def __init__(self, ops):
+    def __init__(self, ops: Ops):
         self._ops = ops
         # (input, block size, rounded input) of the last product: attn_q/k/v (and ffn_gate/up)
         # share one input, which is rounded once for them (the input is held, so `is` is safe)

@@ -29,8 +29,9 @@ import numpy as np
 from ..errors import QuantkitError
 from . import kernels
 from .model import NonFiniteLogits
-from .ops_cpu import token_nll
+from .ops import Ops
 from .perplexity import check_nll
+from .scoring import token_nll
 from .warmup import warm_up
 
 MIN_ROWS = 16                       # llama-imatrix ignores dense products of fewer rows
@@ -110,7 +111,7 @@ class ObservingOps:
     """An ops backend that reports every product's input to ``stats`` and then computes it with
     ``ops``.  ``shapes``: tensor name -> ggml shape, to know how many experts a 3-D tensor has."""
 
-    def __init__(self, ops, stats: ActivationStats, shapes: dict[str, tuple[int, ...]]):
+    def __init__(self, ops: Ops, stats: ActivationStats, shapes: dict[str, tuple[int, ...]]):
         self._ops, self.stats, self._shapes = ops, stats, shapes
 
     def __getattr__(self, name):

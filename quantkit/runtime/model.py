@@ -1,8 +1,9 @@
 """One model definition for the runtime: the forward pass over a configuration read and validated
 from the GGUF metadata (``hparams.py``).
 
-It calls only the ops module it is given (``ops_cpu`` by default), so the same code runs on any
-backend.  Architectures: ``llama`` (SmolLM2, Llama 2/3, Mistral and friends) and ``deepseek2``
+It computes only through the ops backend it is given (the interface of ``ops.py``: ``ops_cpu`` or
+``ops_torch.TorchOps``, chosen by ``session.make_ops``), so the same code runs on any backend.
+Architectures: ``llama`` (SmolLM2, Llama 2/3, Mistral and friends) and ``deepseek2``
 (DeepSeek-V2/V3/R1: latent attention and routed experts, whose blocks live in ``deepseek2.py``).
 Every architecture shares the embedding, the pre-norm residual layer loop and the output head.
 """
@@ -13,8 +14,9 @@ import numpy as np
 from .. import signals
 from ..errors import QuantkitError
 from ..gguf_io.reader import GGUFModel
-from . import deepseek2, ops_cpu
+from . import deepseek2
 from .hparams import ModelConfig
+from .ops import Cache, Ops
 from .weights import WeightStore
 
 
@@ -35,7 +37,7 @@ class NonFiniteLogits(QuantkitError):
 class Model:
     """Weights, configuration and the forward pass of one GGUF model."""
 
-    def __init__(self, gguf: GGUFModel, ops=ops_cpu):
+    def __init__(self, gguf: GGUFModel, ops: Ops):
         self.gguf = gguf
         self.config = ModelConfig.from_gguf(gguf)
         self.ops = ops
@@ -55,7 +57,7 @@ class Model:
                              "ffn_gate", "ffn_up", "ffn_down"):
                     self.w.need(f"blk.{i}.{name}.weight")
 
-    def new_cache(self, n_ctx: int) -> ops_cpu.KVCache:
+    def new_cache(self, n_ctx: int) -> Cache:
         c = self.config
         if c.mla:
             return self.ops.MLACache(c.n_layer, n_ctx, c.mla.qk_rope, c.mla.kv_lora_rank)
@@ -95,7 +97,7 @@ class Model:
         a = ops.attention(q, cache, i, cache.n_past, ops.attention_scale(c.head_dim))  # (n, n_head * head_dim)
         return self.linear(p + "attn_output", a)
 
-    def forward(self, tokens, cache: ops_cpu.KVCache, logits_from: int = 0) -> np.ndarray:
+    def forward(self, tokens, cache: Cache, logits_from: int = 0) -> np.ndarray:
         """Run ``tokens`` at the cache's next positions; logits (n, n_vocab), a numpy array, of the
         tokens from index ``logits_from`` on (the last one only: ``logits_from=len(tokens) - 1``).
         Logits that are not finite raise :class:`NonFiniteLogits`: nothing computed from them
@@ -117,7 +119,7 @@ class Model:
         cache.n_past = pos0 + n
         x = ops.rmsnorm(x[logits_from:], self.vector("output_norm.weight"), c.rms_eps)
         # a batch's last logits alone stay a batch's (float activations): fused only for a generation step
-        logits = ops.host(ops.matmul_q(self.output, x, fused=n <= ops_cpu.FUSED_TOKENS))
+        logits = ops.host(ops.matmul_q(self.output, x, fused=n <= ops.FUSED_TOKENS))
         finite = np.isfinite(logits).all(axis=1)
         if not finite.all():
             raise NonFiniteLogits(pos0 + logits_from + int(np.argmin(finite)))

@@ -1,5 +1,6 @@
-"""CPU operations of the runtime (numpy + numba).  ``model.py`` calls only these; a CUDA backend
-provides the same functions with the same signatures.
+"""CPU operations of the runtime (numpy + numba): this module is the CPU backend of the ops interface
+(``ops.Ops``) that ``model.py`` computes with; the torch backend (``ops_torch.TorchOps``) provides the
+same operations with the same signatures.
 
 ggml's CPU graph is followed where it changes numbers that a comparison with llama.cpp would see:
 the KV cache holds float16, and ggml multiplies it with float16 copies of its other operand (the
@@ -19,22 +20,18 @@ from __future__ import annotations
 
 import functools
 import math
-from concurrent.futures import ThreadPoolExecutor
 
-import numba
 import numpy as np
 
 from ..types import QuantType, traits
 from . import kernels, matvec
+from .tiles import FEW_TOKENS, by_rows, pool
 from .weights import Weight
 
 F32 = np.float32
 # float32 values of a decoded weight tile: small enough to stay in L2/L3 between the decoder and
 # the BLAS product that reads it
 TILE_VALUES = 1 << 20
-# below this many tokens a product's tiles run one after the other (generation: 10.0 -> 12.9
-# tokens/s for SmolLM2 Q4_K on 2 threads), from it on side by side (a 128-token prompt: 190 -> 256)
-FEW_TOKENS = 8
 # products of at most this many tokens multiply the packed rows directly (matvec.py) where a
 # fused kernel exists: each row is read once per token, with no decoded float32 copy
 FUSED_TOKENS = 4
@@ -60,56 +57,6 @@ def param(v: np.ndarray) -> np.ndarray:
 
 
 # ---- matrix products ----
-
-class _TilePool:
-    """Threads that decode and multiply the tiles of one product side by side.
-
-    Each tile is decoded and multiplied by one thread, with numba and BLAS both single-threaded
-    there: the threads are ours alone.  Letting numba's parallel decoders and a multi-threaded
-    BLAS take turns instead made each wait for the other's spinning threads: 20x slower per token
-    on 2 cores (1.3 s against 0.07 s for SmolLM2)."""
-
-    def __init__(self):
-        self._pool, self._n = None, 0
-
-    @staticmethod
-    def threads(n_tokens: int) -> int:
-        """Threads a product of ``n_tokens`` rows runs its tiles on.  A few tokens: one, since the
-        product is cheap beside the decoding, which numba's parallel decoders spread over the
-        threads without the pool's per-tile hand-offs."""
-        return numba.get_num_threads() if n_tokens >= FEW_TOKENS else 1
-
-    def map(self, fn, items, n_tokens: int):
-        n = self.threads(n_tokens)
-        if n <= 1 or len(items) <= 1:
-            return [fn(i) for i in items]
-        if self._pool is None or self._n != n:
-            if self._pool is not None:
-                self._pool.shutdown()
-            self._pool = ThreadPoolExecutor(n, thread_name_prefix="quantkit-matmul",
-                                            initializer=numba.set_num_threads, initargs=(1,))
-            self._n = n
-        return list(self._pool.map(fn, items))
-
-
-_tiles = _TilePool()
-
-
-def by_rows(fn, n_rows: int, n_tokens: int | None = None) -> None:
-    """``fn(r0, r1)`` over all rows (of ``n_tokens`` tokens, one row each by default): for a batch split between the tile pool's threads, where
-    numba kernels run single-threaded; for a few rows in one call (numba's own parallel rows).
-
-    Between the products of a batch a numba-parallel kernel must not run on the calling thread:
-    after each parallel region numba's OpenMP threads spin for a while, on the cores the pool's
-    threads need next (a prompt of SmolLM2 Q8_0: 191 -> 289 tokens/s without them)."""
-    n_tokens = n_rows if n_tokens is None else n_tokens
-    n = _tiles.threads(n_tokens)
-    if n <= 1 or n_rows < 2 * n:
-        fn(0, n_rows)
-        return
-    step = -(-n_rows // n)
-    _tiles.map(lambda r0: fn(r0, min(n_rows, r0 + step)), range(0, n_rows, step), n_tokens)
-
 
 def _rows2d(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1])
@@ -145,7 +92,7 @@ def matmul_q(w: Weight, x: np.ndarray, fused: bool | None = None) -> np.ndarray:
             return matvec.matvec(kind, w.plain_layout()[1], x)
     n_out, group = w.n_out * w.n_matrices, traits(w.qtype).interleave_rows
     tile = max(group, TILE_VALUES // w.n_in // group * group)
-    per_thread = -(-n_out // _tiles.threads(x.shape[0]))                 # every thread gets a share
+    per_thread = -(-n_out // pool.threads(x.shape[0]))                 # every thread gets a share
     tile = min(tile, -(-per_thread // group) * group)
     out = np.empty((x.shape[0], n_out), F32)
     plain = w.plain() if w.qtype == QuantType.F32 else None
@@ -154,7 +101,7 @@ def matmul_q(w: Weight, x: np.ndarray, fused: bool | None = None) -> np.ndarray:
         r1 = min(n_out, r0 + tile)
         rows = plain[r0:r1] if plain is not None else w.rows(r0, r1)
         out[:, r0:r1] = x @ rows.T
-    _tiles.map(product, range(0, n_out, tile), x.shape[0])
+    pool.map(product, range(0, n_out, tile), x.shape[0])
     return out
 
 
@@ -375,7 +322,7 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float
         scores = q16[t0:t1, heads].reshape((t1 - t0) * g, k_dim) @ keys[h, :, :n_seen]
         causal_softmax_f16(scores, pos0 + t0, g, scale)
         out[t0:t1, heads] = (scores @ values[h, :n_seen]).reshape(t1 - t0, g, v_dim)
-    _tiles.map(head_block, [(h, t0) for h in range(n_head_kv) for t0 in range(0, n_tok, block)], n_tok)
+    pool.map(head_block, [(h, t0) for h in range(n_head_kv) for t0 in range(0, n_tok, block)], n_tok)
     return out.reshape(n_tok, n_head * v_dim)
 
 
@@ -402,23 +349,6 @@ def attention_mla(q_rope: np.ndarray, q_lat: np.ndarray, cache: MLACache, layer:
 def softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    """In float64, as llama-perplexity sums exp in double."""
-    x = x.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """-log p(target) per row as llama-perplexity computes it: exp of (logit - max) in float, summed
-    in double (only the target's log-probability is formed, not the whole row's)."""
-    logits = np.ascontiguousarray(logits, np.float32)
-    targets = np.ascontiguousarray(targets, np.int64)
-    out = np.empty(len(targets), np.float64)
-    by_rows(lambda r0, r1: kernels.target_nll(logits[r0:r1], targets[r0:r1], out[r0:r1]), len(targets))
-    return out
 
 
 def attention_scale(k_dim: int) -> float:

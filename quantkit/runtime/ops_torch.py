@@ -35,8 +35,12 @@ def _f16_round(x: torch.Tensor) -> torch.Tensor:
 
 
 class TorchOps:
-    """An ops backend (the functions ``Model`` calls) on ``device``; ``cpu_tensors``: regexes of
+    """An ops backend (``ops.Ops``, what ``Model`` calls) on ``device``; ``cpu_tensors``: regexes of
     tensor names to keep on the CPU (searched, as ggml's --override-tensor patterns are)."""
+
+    # the numba backend's: tensors kept on the CPU are computed by it
+    FUSED_TOKENS = ops_cpu.FUSED_TOKENS
+    FEW_TOKENS = ops_cpu.FEW_TOKENS
 
     def __init__(self, device: str = "cuda", cpu_tensors=()):
         self.device = torch.device(device)
@@ -226,7 +230,7 @@ class TorchOps:
         weighted outputs summed in slot order."""
         mm = matmul or self.matmul_q
         n_tok, n_used = ids.shape
-        fused = n_tok <= ops_cpu.FUSED_TOKENS
+        fused = n_tok <= self.FUSED_TOKENS
         out = torch.zeros((n_tok, n_used, down_exps.n_out), dtype=F32, device=self.device)
         w = self.from_host(weights)
         for e in np.unique(ids):

@@ -29,7 +29,7 @@ from ..words import counted
 from ..inputs import open_regular
 from ..outputs import AtomicOutput
 from .model import NonFiniteLogits
-from .ops_cpu import log_softmax, token_nll
+from .scoring import log_softmax, token_nll
 from .warmup import warm_up
 
 MAGIC = b"_logits_"

@@ -19,7 +19,7 @@ from ..gguf_io.reader import GGUFModel, open_model
 from ..tensor_regex import compile_bounded
 from .model import Model
 from .perplexity import chunk_tokens
-from .tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from . import ops_cpu
 
 
@@ -28,7 +28,7 @@ def set_threads(threads: int | None) -> int:
 
     The matrix products split their rows between that many threads of their own, each decoding
     and multiplying single-threaded, so numba's and BLAS's own pools are kept at one thread for
-    them (see ops_cpu._TilePool); numba's count is what the products read."""
+    them (see tiles.TilePool); numba's count is what the products read."""
     import numba
     from threadpoolctl import threadpool_limits
     n = max(1, min(threads or os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS))

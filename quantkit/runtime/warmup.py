@@ -13,9 +13,9 @@ import numpy as np
 
 from ..compiling import CompileLog, announced
 from ..types import type_name
-from . import ops_cpu
 from .model import NonFiniteLogits
-from .ops_cpu import token_nll
+from .ops import Ops
+from .scoring import token_nll
 
 _warmed: set = set()        # (ops, weight types, architecture, path) done in this process
 
@@ -34,14 +34,14 @@ def weight_types(model) -> list[str]:
     return sorted({type_name(t.qtype) for t in model.gguf.tensors if t.n_dims >= 2})
 
 
-def token_counts(n_tokens) -> list[int]:
+def token_counts(ops: Ops, n_tokens) -> list[int]:
     """One pass per path the forward pass takes: up to FUSED_TOKENS tokens the fused products (one
     token computes them as any such count does), from there the decoded tiles (FEW_TOKENS: the
     tile pool's path, which larger batches take)."""
     counts = set()
     for n in n_tokens:
         if n >= 1:
-            counts.add(1 if n <= ops_cpu.FUSED_TOKENS else min(n, ops_cpu.FEW_TOKENS))
+            counts.add(1 if n <= ops.FUSED_TOKENS else min(n, ops.FEW_TOKENS))
     return sorted(counts)
 
 
@@ -56,7 +56,7 @@ def warm_up(model, n_tokens, what: str | None = None) -> CompileLog:
     ops = layers[-1]            # the passes go to the backend: an observer must not see them
     c = model.config
     shape = (id(ops), tuple(types), c.arch, c.mla is not None, c.moe is not None)
-    counts = [n for n in token_counts(n_tokens) if (shape, n) not in _warmed]
+    counts = [n for n in token_counts(ops, n_tokens) if (shape, n) not in _warmed]
     with announced(what or f"the runtime ({', '.join(types)})") as log:
         for layer in layers[:-1]:       # a wrapper's own kernels (rounding, sums of squares)
             warm = getattr(type(layer), "warm_up", None)

@@ -1,0 +1,82 @@
+"""The ops interface: every operation the model (``model.py``, ``deepseek2.py``) and the passes over it
+(``perplexity.py``, ``collect.py``, ``warmup.py``, ``activations.py``) ask of a compute backend.
+
+Two backends implement it: ``ops_cpu`` (a module: numpy + numba) and ``ops_torch.TorchOps`` (torch,
+on a GPU or the CPU).  The backend is chosen once, by ``session.make_ops`` (or by whoever builds a
+:class:`~quantkit.runtime.model.Model`), and handed to the model, which keeps it as ``model.ops``;
+wrappers (imatrix's ``ObservingOps``, ``activations.MainlineRounding``) implement the interface
+around another backend.  Nothing above the backends imports one of them.
+
+Values are the backend's own arrays (numpy arrays on the CPU, torch tensors on a device) except
+where a name says host: ``host``/``from_host`` convert, and the logits ``Model.forward`` returns are
+host arrays.  ``tests/test_runtime_ops.py`` checks that both backends provide every operation with
+these parameters and that the callers use no other.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from .weights import Weight
+
+
+class Cache(Protocol):
+    """A KV cache (or MLA latent cache) of one sequence: ``n_past`` positions filled of ``n_ctx``."""
+    n_ctx: int
+    n_past: int
+
+    def store(self, layer: int, pos0: int, k: Any, v: Any) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+class Ops(Protocol):
+    # products of at most this many tokens are a generation step's (fused 8-bit products where the
+    # backend has them); the warm-up runs one pass per path: FUSED_TOKENS, FEW_TOKENS (ops_cpu's)
+    FUSED_TOKENS: int
+    FEW_TOKENS: int
+
+    # ---- values in and out of the backend ----
+    def host(self, x: Any) -> np.ndarray: ...
+
+    def from_host(self, x: np.ndarray) -> Any: ...
+
+    def param(self, v: np.ndarray) -> Any: ...
+
+    # ---- matrix products ----
+    def matmul_q(self, w: Weight, x: Any, fused: bool | None = None) -> Any: ...
+
+    def matmul_q_heads(self, ws: list[Weight], x: Any, transposed: bool = False) -> Any: ...
+
+    def embed(self, w: Weight, ids: np.ndarray) -> Any: ...
+
+    # ---- elementwise ----
+    def rmsnorm(self, x: Any, weight: Any, eps: float) -> Any: ...
+
+    def silu_mul(self, gate: Any, up: Any) -> Any: ...
+
+    def rope(self, x: Any, pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0,
+             neox: bool = False) -> Any: ...
+
+    def rope_ext(self, x: Any, pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0,
+                 ext_factor: float = 0.0, mscale: float = 1.0, beta_fast: float = 32.0, beta_slow: float = 1.0,
+                 n_ctx_orig: int = 0, neox: bool = False) -> Any: ...
+
+    # ---- attention ----
+    def KVCache(self, n_layer: int, n_ctx: int, n_head_kv: int, k_dim: int, v_dim: int) -> Cache: ...
+
+    def MLACache(self, n_layer: int, n_ctx: int, n_rot: int, kv_lora_rank: int) -> Cache: ...
+
+    def attention(self, q: Any, cache: Cache, layer: int, pos0: int, scale: float) -> Any: ...
+
+    def attention_mla(self, q_rope: Any, q_lat: Any, cache: Cache, layer: int, pos0: int, scale: float) -> Any: ...
+
+    def attention_scale(self, k_dim: int) -> float: ...
+
+    # ---- mixture of experts ----
+    def moe_route(self, logits: Any, n_used: int, gating: str, bias: Any = None, norm: bool = False,
+                  scale: float = 1.0, n_group: int = 1, n_group_used: int = 1) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def moe_ffn(self, x: Any, ids: np.ndarray, weights: np.ndarray, gate_exps: Weight, up_exps: Weight,
+                down_exps: Weight, matmul=None) -> Any: ...
