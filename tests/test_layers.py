@@ -40,9 +40,13 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("formats (numpy references, registry) and policy", ["quantkit.formats", "quantkit.outputs",
                                                          "quantkit.presets", "quantkit.recipes",
                                                          "quantkit.compiling"]),
-    ("kernels (numba) and small helpers", ["quantkit.kernels", "quantkit.types", "quantkit.inputs",
+    ("kernels (numba) and small helpers", ["quantkit.kernels", "quantkit.inputs",
                                            "quantkit.kv_override", "quantkit.prune",
                                            "quantkit.tensor_regex", "quantkit.progress"]),
+    # each type's block layout as data, which formats (the reference decoder), the runtime (fused
+    # products) and kernels may all read; it reads the type table and the value tables only
+    ("block layouts", ["quantkit.layouts"]),
+    ("the type table", ["quantkit.types"]),
     # leaves: they import no quantkit module (test_leaves_import_nothing)
     ("leaves", ["quantkit.errors", "quantkit.kernel_cache", "quantkit.version", "quantkit.tables", "quantkit.cpu", "quantkit.signals",
                 "quantkit.suggest", "quantkit.words", "quantkit.console", "quantkit.perplexity_log",

@@ -122,8 +122,7 @@ class KernelFormat(BlockFormat):
 class RowwiseReference(BlockFormat):
     """Numpy references that work a row at a time (row-scaled types, or types whose imatrix goes
     through ik's QHelper clean-up, which depends on the row): subclasses set ``qhelper_block`` and
-    the staticmethods ``_quantize_row(x_row, weights_or_None) -> bytes`` and
-    ``_dequantize_row(row_bytes, n_per_row) -> values``."""
+    the staticmethod ``_quantize_row(x_row, weights_or_None) -> bytes``."""
     qhelper_block: ClassVar[int] = 32
 
     @classmethod
@@ -136,8 +135,3 @@ class RowwiseReference(BlockFormat):
             for r in range(n_rows):
                 out[r] = cls._quantize_row(x[r], None if w_rows is None else w_rows[r])
         return out
-
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        b = np.ascontiguousarray(blocks, np.uint8)
-        return np.stack([cls._dequantize_row(r, n_per_row) for r in b]).astype(np.float32)

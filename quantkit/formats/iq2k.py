@@ -20,10 +20,11 @@ import numpy as np
 from ..kernels import iq2k as kernels
 from ..types import QK_K, QuantType
 from ._base import ALL_PATHS, KernelFormat, RowwiseReference
+from . import decode
 from ..tables import IQ2NL_VALUES
 from ._iqk import nearest_index
 from ._numeric import fp16_bytes, recip_or_zero, seq_sum
-from .kquants import fp16_values, nearest_int
+from .kquants import nearest_int
 
 F = np.float32
 ZERO_EPS = F(1e-16)
@@ -147,11 +148,6 @@ def _pack_qs(L):
     return (L[:, :, 0] | (L[:, :, 1] << 2) | (L[:, :, 2] << 4) | (L[:, :, 3] << 6)).reshape(-1, 64)
 
 
-def _unpack_qs(qs):
-    q = qs.reshape(-1, 2, 1, 32)
-    return ((q >> (2 * np.arange(4)[None, None, :, None])) & 3).reshape(-1, QK_K)
-
-
 def quantize_iq2_k_row(x, qw):
     n_sb = x.size // QK_K
     out = np.zeros((n_sb, 76), np.uint8)
@@ -198,31 +194,10 @@ def quantize_iq2_ks_row(x, qw):
     return np.concatenate([fp16_bytes(np.float32(F(1.030) * F(dd)).reshape(1))[0], blocks.reshape(-1)])
 
 
-def dequantize_iq2_k(b):
-    d = fp16_values(b[:, 0:2])
-    extra = b[:, 2:4].copy().view("<u2").reshape(-1).astype(np.int64)
-    ib = np.arange(16)
-    ls = ((b[:, 4 + ib // 2] >> (4 * (ib % 2))) & 0xF).astype(np.int32) - 8
-    sh = ((extra[:, None] >> ib) & 1).repeat(16, axis=1)
-    v = IQ2NL_VALUES.astype(np.float32)[_unpack_qs(b[:, 12:76]) + 4 * sh]
-    return (d[:, None] * ls.astype(np.float32)).repeat(16, axis=1) * v
-
-
-def dequantize_iq2_ks_row(row, n):
-    d = fp16_values(row[None, 0:2])[0]
-    b = row[2:].reshape(-1, 70)
-    extra = b[:, 0:2].copy().view("<u2").reshape(-1).astype(np.int64)
-    ib = np.arange(8)
-    lo = (b[:, 2 + ib // 2] >> (4 * (ib % 2))) & 0xF
-    ls = (lo.astype(np.int32) | (((extra[:, None] >> (8 + ib)) & 1) << 4)) - 16
-    sh = ((extra[:, None] >> ib) & 1).repeat(32, axis=1)
-    v = IQ2NL_VALUES.astype(np.float32)[_unpack_qs(b[:, 6:70]) + 4 * sh]
-    return ((d * ls.astype(np.float32)).repeat(32, axis=1) * v).reshape(n)
-
-
 class _IQ2(RowwiseReference, KernelFormat):
     kernel_id: int = 0
     quant_paths = ALL_PATHS
+    dequantize_ref = decode.dequantize_ref
 
     @classmethod
     def _kernel_quantize(cls, x, qw, has_qw, out):
@@ -239,14 +214,8 @@ class IQ2_K(_IQ2, qtype=QuantType.IQ2_K):
     qhelper_block = 16
     _quantize_row = staticmethod(quantize_iq2_k_row)
 
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, 76)
-        return dequantize_iq2_k(b).astype(np.float32).reshape(blocks.shape[0], n_per_row)
-
 
 class IQ2_KS(_IQ2, qtype=QuantType.IQ2_KS):
     kernel_id = kernels.IQ2_KS
     qhelper_block = 32
     _quantize_row = staticmethod(quantize_iq2_ks_row)
-    _dequantize_row = staticmethod(dequantize_iq2_ks_row)

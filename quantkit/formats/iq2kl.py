@@ -23,10 +23,11 @@ from ..kernels import iq2kl as kernels
 from ..kernels.iq2kl import NEIGHBOURS, PAIR_INDEX, PAIRS
 from ..types import QK_K, QuantType
 from ._base import ALL_PATHS, KernelFormat, RowwiseReference
+from . import decode
 from ..tables import IQ3NL_VALUES
 from ._iqk import nearest_index
 from ._numeric import first_absmax, fp16_bytes, seq_sum
-from .kquants import fp16_values, nearest_int
+from .kquants import nearest_int
 
 F = np.float32
 ZERO_EPS = F(1e-16)
@@ -130,26 +131,11 @@ def quantize_iq2_kl_row(x, qw):
     return np.concatenate([fp16_bytes(np.float32(F(1.025) * F(d)).reshape(1))[0], blocks.reshape(-1)])
 
 
-def dequantize_iq2_kl_row(row, n):
-    d = fp16_values(row[None, 0:2])[0]
-    b = row[2:].reshape(-1, 86)
-    ib = np.arange(8)
-    scales_h = b[:, 0:2].copy().view("<u2").reshape(-1, 1).astype(np.int64)
-    uls = ((b[:, 2 + ib % 4] >> (4 * (ib // 4))) & 0xF).astype(np.int64) | (((scales_h >> (2 * ib)) & 3) << 4)
-    qs = b[:, 6:70].reshape(-1, 4, 16).astype(np.int64)
-    lo = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 8, 16)       # sub-block ib = 2*(ib/2) + ib%2
-    hi = (b[:, None, 70:86].astype(np.int64) >> ib[None, :, None]) & 1
-    c = lo | (hi << 4)
-    dl = d * (uls - 32).astype(np.float32)
-    pairs = PAIRS[c]                                                    # (n_sb, 8, 16, 2)
-    return (dl[:, :, None, None] * pairs).reshape(n)
-
-
 class IQ2_KL(RowwiseReference, KernelFormat, qtype=QuantType.IQ2_KL):
     quant_paths = ALL_PATHS
     _quantize_row = staticmethod(quantize_iq2_kl_row)
-    _dequantize_row = staticmethod(dequantize_iq2_kl_row)
     _kernel_quantize = staticmethod(kernels.quantize_rows)
+    dequantize_ref = decode.dequantize_ref
 
     @staticmethod
     def _kernel_dequantize(blocks, out):

@@ -27,7 +27,8 @@ import numpy as np
 from ..kernels import iq4 as kernels
 from ..types import QK_K, QuantType
 from ._base import ALL_PATHS, BlockFormat
-from .kquants import GROUP_MAX_EPS, first_absmax, fp16_bytes, fp16_values, nearest_int, recip_or_zero, seq_sum
+from . import decode
+from .kquants import GROUP_MAX_EPS, first_absmax, fp16_bytes, nearest_int, recip_or_zero, seq_sum
 
 F = np.float32
 QK4_NL = 32
@@ -134,10 +135,6 @@ def pack_nibbles(L: np.ndarray) -> np.ndarray:
     return q[:, :16] | (q[:, 16:] << 4)
 
 
-def unpack_nibbles(qs: np.ndarray) -> np.ndarray:
-    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
-
-
 def quantize_iq4_nl(x, qw, flavor):
     xb = x.reshape(-1, QK4_NL)
     d = _search(xb, _weights(x, qw, QK4_NL), flavor)
@@ -175,23 +172,6 @@ def quantize_iq4_xs(x, qw, flavor):
     return np.concatenate([fp16_bytes(d), sh, scales_l, qs], axis=1)
 
 
-def dequantize_iq4_nl(b):
-    d = fp16_values(b[:, 0:2])[:, None]
-    return d * KV[unpack_nibbles(b[:, 2:18])]
-
-
-def dequantize_iq4_xs(b):
-    n = b.shape[0]
-    d = fp16_values(b[:, 0:2])[:, None]
-    scales_h = b[:, 2:4].copy().view("<u2").astype(np.int64).reshape(n, 1)
-    sl = b[:, 4:8].astype(np.int64)
-    ib = np.arange(8)
-    ls = ((sl[:, ib // 2] >> (4 * (ib % 2))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4)
-    dl = d * (ls - 32).astype(np.float32)                               # (n, 8)
-    q = unpack_nibbles(b[:, 8:136].reshape(n * 8, 16)).reshape(n, 8, 32)
-    return (dl[:, :, None] * KV[q]).reshape(n, 256)
-
-
 class _IQ4(BlockFormat):
     kernel_id: int = 0
     quant_paths = ALL_PATHS
@@ -204,11 +184,7 @@ class _IQ4(BlockFormat):
         out = cls._quantize_blocks(x, qw, flavor)
         return np.ascontiguousarray(out, np.uint8).reshape(n_rows, cls.traits.row_size(n))
 
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        n_rows = blocks.shape[0]
-        b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, cls.traits.type_size)
-        return cls._dequantize_blocks(b).astype(np.float32).reshape(n_rows, n_per_row)
+    dequantize_ref = decode.dequantize_ref
 
     @classmethod
     def quantize_fast(cls, x, imatrix, flavor):
@@ -236,10 +212,6 @@ class IQ4_NL(_IQ4, qtype=QuantType.IQ4_NL):
     def _quantize_blocks(cls, x, qw, flavor):
         return quantize_iq4_nl(x, qw, flavor)
 
-    @classmethod
-    def _dequantize_blocks(cls, b):
-        return dequantize_iq4_nl(b)
-
 
 class IQ4_XS(_IQ4, qtype=QuantType.IQ4_XS):
     kernel_id = kernels.IQ4_XS
@@ -249,7 +221,3 @@ class IQ4_XS(_IQ4, qtype=QuantType.IQ4_XS):
     @classmethod
     def _quantize_blocks(cls, x, qw, flavor):
         return quantize_iq4_xs(x, qw, flavor)
-
-    @classmethod
-    def _dequantize_blocks(cls, b):
-        return dequantize_iq4_xs(b)

@@ -22,6 +22,7 @@ from ..kernels import iq4kss as kernels
 from ..kernels.iq4kss import POPCOUNT, SQUEEZE
 from ..types import QK_K, QuantType
 from ._base import ALL_PATHS, KernelFormat, RowwiseReference
+from . import decode
 from ..tables import IQ4K_VALUES
 from ._iqk import nearest_index
 from ._numeric import first_absmax, seq_sum
@@ -132,22 +133,9 @@ def quantize_iq4_kss_row(x, qw):
     return np.concatenate([np.float32(d).reshape(1).view(np.uint8), words.reshape(-1).astype("<u2").view(np.uint8)])
 
 
-def dequantize_iq4_kss_row(row, n):
-    d = row[:4].copy().view(np.float32)[0]
-    w = row[4:].copy().view("<u2").astype(np.int64).reshape(-1, 8)     # (n_blocks, 8)
-    ls = (w & 1) << np.arange(8)
-    ls = ls.sum(axis=1)
-    a = w & 0xFFFE
-    a ^= a >> 1
-    qs = np.stack([a & 0xFF, a >> 8], axis=-1).reshape(-1, 16)          # qs[2k], qs[2k+1]
-    q = np.concatenate([qs & 0xF, qs >> 4], axis=1)
-    v = np.where((ls & 1)[:, None] == 1, SHIFTED[q], BASE[q])
-    return ((d * ((ls & 254) - 127).astype(np.float32))[:, None] * v).reshape(n)
-
-
 class IQ4_KSS(RowwiseReference, KernelFormat, qtype=QuantType.IQ4_KSS):
     quant_paths = ALL_PATHS
     _quantize_row = staticmethod(quantize_iq4_kss_row)
-    _dequantize_row = staticmethod(dequantize_iq4_kss_row)
     _kernel_quantize = staticmethod(kernels.quantize_rows)
     _kernel_dequantize = staticmethod(kernels.dequantize_rows)
+    dequantize_ref = decode.dequantize_ref

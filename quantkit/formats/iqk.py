@@ -36,10 +36,11 @@ import numpy as np
 from ..kernels import iqk as kernels
 from ..types import QK_K, QuantType
 from ._base import ALL_PATHS, KernelFormat, RowwiseReference
+from . import decode
 from ..tables import IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
 from ._iqk import TWO_POW_31, imatrix_cleanup, nearest_index
 from ._numeric import first_absmax, fp16_bytes, recip_or_zero, seq_sum
-from .kquants import fp16_values, nearest_int
+from .kquants import nearest_int
 
 F = np.float32
 ZERO_EPS = F(1e-16)         # a sub-block whose max |x| is below this is stored as zero
@@ -161,19 +162,10 @@ def _pack_2bit_q2k(L):
     return (L[:, :, 0] | (L[:, :, 1] << 2) | (L[:, :, 2] << 4) | (L[:, :, 3] << 6)).reshape(-1, 64)
 
 
-def _unpack_2bit_q2k(qs):
-    q = qs.reshape(-1, 2, 1, 32)
-    return ((q >> (2 * np.arange(4)[None, None, :, None])) & 3).reshape(-1, QK_K)
-
-
 def _pack_bits(L, nbits_shift):
     """(n_sb, 256) one bit (after >> nbits_shift) per value -> (n_sb, 32): bit ib32 of byte k."""
     b = ((L >> nbits_shift) & 1).reshape(-1, 8, 32).astype(np.uint8)
     return np.bitwise_or.reduce(b << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
-
-
-def _unpack_bits(qh):
-    return ((qh[:, None, :] >> np.arange(8)[None, :, None]) & 1).reshape(-1, QK_K)
 
 
 def _pack_nibbles_64(L):
@@ -183,20 +175,10 @@ def _pack_nibbles_64(L):
     return (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(-1, 128)
 
 
-def _unpack_nibbles_64(qs):
-    q = qs.reshape(-1, 4, 1, 32)
-    return np.concatenate([q & 0xF, q >> 4], axis=2).reshape(-1, QK_K)
-
-
 def _pack_nibbles_32(L):
     """(n, 32k) 4-bit codes -> bytes: per 32 values, byte j = code j | code j+16 << 4 (IQ4_K/IQ4_KS)."""
     L = (L & 0xF).reshape(-1, 2, 16).astype(np.uint8)
     return L[:, 0] | (L[:, 1] << 4)
-
-
-def _unpack_nibbles_32(qs):
-    q = qs.reshape(-1, 16)
-    return np.concatenate([q & 0xF, q >> 4], axis=1)
 
 
 def _pack_6bit_scales(ls6):
@@ -206,13 +188,6 @@ def _pack_6bit_scales(ls6):
     h = (ls6 >> 4).reshape(-1, 4, 4)
     sh = h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4) | (h[:, :, 3] << 6)
     return sh, sl
-
-
-def _unpack_6bit_scales(sh, sl):
-    ib = np.arange(16)
-    lo = (sl[:, ib // 2] >> (4 * (ib % 2))) & 0xF
-    hi = (sh[:, ib // 4] >> (2 * (ib % 4))) & 3
-    return (lo | (hi << 4)).astype(np.int32)
 
 
 def _u16_bytes(v):
@@ -413,104 +388,6 @@ def quantize_iq3_ks_row(x, qw):
     return np.concatenate([fp16_bytes(np.float32(d).reshape(1))[0], blocks.reshape(-1)])
 
 
-# ---------------------------------------------------------------------------------- decoders
-def dequantize_iq3_k(b):
-    d = fp16_values(b[:, 0:2])
-    extra = b[:, 2:4].copy().view("<u2").astype(np.int64)
-    signs = b[:, 4:6].copy().view("<u2").astype(np.int64)
-    ib = np.arange(16)
-    mag = (b[:, 6 + ib // 2] >> (4 * (ib % 2))) & 0xF
-    ls = (2 * mag.astype(np.int32) + 1) * np.where((signs >> ib) & 1, -1, 1)
-    q = _unpack_2bit_q2k(b[:, 14:78]) | (_unpack_bits(b[:, 78:110]) << 2)
-    sh = ((extra >> ib) & 1).repeat(16, axis=1)
-    v = IQ3NL_VALUES.astype(np.float32)[q + 8 * sh]
-    return (d[:, None] * ls.astype(np.float32)).repeat(16, axis=1) * v
-
-
-def _scaled(d, ls, values, q, extra, per_shift):
-    ib = np.arange(16)
-    sh = ((extra[:, None] >> ib) & 1).repeat(16, axis=1)
-    v = values.astype(np.float32)[q + per_shift * sh]
-    return (d[:, None] * ls.astype(np.float32)).repeat(16, axis=1) * v
-
-
-def dequantize_iq4_k(b):
-    d = fp16_values(b[:, 0:2])
-    extra = b[:, 2:4].copy().view("<u2").reshape(-1).astype(np.int64)
-    ls = _unpack_6bit_scales(b[:, 4:8], b[:, 8:16]) - 32
-    q = _unpack_nibbles_32(b[:, 16:144]).reshape(-1, QK_K)
-    return _scaled(d, ls, IQ4K_VALUES, q, extra, 16)
-
-
-def dequantize_iq5_k(b):
-    d = fp16_values(b[:, 0:2])
-    extra = b[:, 2:4].copy().view("<u2").reshape(-1).astype(np.int64)
-    ls = _unpack_6bit_scales(b[:, 4:8], b[:, 8:16]) - 32
-    q = _unpack_nibbles_64(b[:, 16:144]) | (_unpack_bits(b[:, 144:176]) << 4)
-    return _scaled(d, ls, IQ5NL_VALUES, q, extra, 32)
-
-
-def iq6_k_codes(b):
-    """(n_sb, 256) 6-bit codes of IQ6_K blocks."""
-    return _unpack_nibbles_64(b[:, 20:148]) | (_unpack_2bit_q2k(b[:, 148:212]) << 4)
-
-
-def dequantize_iq6_k_table(b):
-    """IQ6_K as the matrix-multiplication kernels decode it: ``d*ls*(iq6nl_values[q] + shift)``."""
-    d = fp16_values(b[:, 0:2])
-    extra = b[:, 2:4].copy().view("<u2").reshape(-1).astype(np.int64)
-    ls = b[:, 4:20].view(np.int8).astype(np.int32)
-    return _scaled(d, ls, IQ6NL_VALUES, iq6_k_codes(b), extra, 64)
-
-
-A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K = F(-127.0), F(6.2568), F(0.11218), F(0.0011972)
-
-
-def dequantize_iq6_k(b):
-    """IQ6_K as the C ``to_float`` decodes it: a cubic in the code instead of the table (they differ
-    by up to 0.49 of a step); ``dl * (A + q*(B + q*(-C + q*D)) + shift)`` in float32."""
-    d = fp16_values(b[:, 0:2])
-    extra = b[:, 2:4].copy().view("<u2").reshape(-1).astype(np.int64)
-    ls = b[:, 4:20].view(np.int8).astype(np.float32)
-    q = iq6_k_codes(b).astype(np.float32)
-    shift = ((extra[:, None] >> np.arange(16)) & 1).astype(np.float32).repeat(16, axis=1)
-    v = (A_IQ6K + q * (B_IQ6K + q * (-C_IQ6K + q * D_IQ6K))) + shift
-    return (d[:, None] * ls).repeat(16, axis=1) * v
-
-
-def dequantize_iq4_ks_row(row, n):
-    d = row[:4].copy().view(np.float32)[0]
-    b = row[4:].reshape(-1, 136)
-    s = b[:, :8].astype(np.int32)
-    dl = d * ((s & 254) - 127).astype(np.float32)                      # (n_sb, 8)
-    q = _unpack_nibbles_32(b[:, 8:]).reshape(-1, 8, 32)
-    v = IQ4K_VALUES.astype(np.float32)[q + 16 * (s & 1)[:, :, None]]
-    return (dl[:, :, None] * v).reshape(n)
-
-
-def dequantize_iq5_ks_row(row, n):
-    d = row[:4].copy().view(np.float32)[0]
-    b = row[4:].reshape(-1, 168)
-    s = b[:, :8].astype(np.int32)
-    dl = d * ((s & 254) - 127).astype(np.float32)
-    q = (_unpack_nibbles_64(b[:, 8:136]) | (_unpack_bits(b[:, 136:168]) << 4)).reshape(-1, 8, 32)
-    v = IQ5NL_VALUES.astype(np.float32)[q + 32 * (s & 1)[:, :, None]]
-    return (dl[:, :, None] * v).reshape(n)
-
-
-def dequantize_iq3_ks_row(row, n):
-    d = fp16_values(row[None, 0:2])[0]
-    b = row[2:].reshape(-1, 102)
-    extra = b[:, 0:2].copy().view("<u2").reshape(-1).astype(np.int64)
-    ib = np.arange(8)
-    lo = (b[:, 2 + ib % 4] >> (4 * (ib // 4))) & 0xF
-    ls = (lo.astype(np.int32) | (((extra[:, None] >> ib) & 1) << 4)) - 16
-    q = (_unpack_2bit_q2k(b[:, 6:70]) | (_unpack_bits(b[:, 70:102]) << 2)).reshape(-1, 8, 32)
-    sh = ((extra[:, None] >> (8 + ib)) & 1)
-    v = IQ3NL_VALUES.astype(np.float32)[q + 8 * sh[:, :, None]]
-    return ((d * ls.astype(np.float32))[:, :, None] * v).reshape(n)
-
-
 # ---------------------------------------------------------------------------------- formats
 class _SuperBlockIQK(KernelFormat):
     kernel_id: int = 0
@@ -532,10 +409,7 @@ class _SuperBlockIQK(KernelFormat):
                     out[r] = cls._quantize(x[r], w_rows[r]).reshape(-1)
         return out
 
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, cls.traits.type_size)
-        return cls._dequantize(b).astype(np.float32).reshape(blocks.shape[0], n_per_row)
+    dequantize_ref = decode.dequantize_ref
 
     @classmethod
     def _kernel_quantize(cls, x, qw, has_qw, out):
@@ -549,25 +423,21 @@ class _SuperBlockIQK(KernelFormat):
 class IQ3_K(_SuperBlockIQK, qtype=QuantType.IQ3_K):
     kernel_id = kernels.IQ3_K
     _quantize = staticmethod(quantize_iq3_k)
-    _dequantize = staticmethod(dequantize_iq3_k)
 
 
 class IQ4_K(_SuperBlockIQK, qtype=QuantType.IQ4_K):
     kernel_id = kernels.IQ4_K
     _quantize = staticmethod(quantize_iq4_k)
-    _dequantize = staticmethod(dequantize_iq4_k)
 
 
 class IQ5_K(_SuperBlockIQK, qtype=QuantType.IQ5_K):
     kernel_id = kernels.IQ5_K
     _quantize = staticmethod(quantize_iq5_k)
-    _dequantize = staticmethod(dequantize_iq5_k)
 
 
 class IQ6_K(_SuperBlockIQK, qtype=QuantType.IQ6_K):
     kernel_id = kernels.IQ6_K
     _quantize = staticmethod(quantize_iq6_k)
-    _dequantize = staticmethod(dequantize_iq6_k)
 
 
 class _RowScaled(RowwiseReference, _SuperBlockIQK):
@@ -579,16 +449,13 @@ class _RowScaled(RowwiseReference, _SuperBlockIQK):
 class IQ5_KS(_RowScaled, qtype=QuantType.IQ5_KS):
     kernel_id = kernels.IQ5_KS
     _quantize_row = staticmethod(quantize_iq5_ks_row)
-    _dequantize_row = staticmethod(dequantize_iq5_ks_row)
 
 
 class IQ3_KS(_RowScaled, qtype=QuantType.IQ3_KS):
     kernel_id = kernels.IQ3_KS
     _quantize_row = staticmethod(quantize_iq3_ks_row)
-    _dequantize_row = staticmethod(dequantize_iq3_ks_row)
 
 
 class IQ4_KS(_RowScaled, qtype=QuantType.IQ4_KS):
     kernel_id = kernels.IQ4_KS
     _quantize_row = staticmethod(quantize_iq4_ks_row)
-    _dequantize_row = staticmethod(dequantize_iq4_ks_row)

@@ -42,6 +42,7 @@ import numpy as np
 from ..kernels import kquants as kernels
 from ..types import QK_K, QuantType
 from ._base import ALL_PATHS, BlockFormat
+from . import decode
 from ._numeric import first_absmax, fp16_bytes, recip_or_zero, seq_sum  # noqa: F401 (re-exported)
 
 F = np.float32
@@ -457,12 +458,6 @@ def pack_2bit(L: np.ndarray) -> np.ndarray:
     return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
 
 
-def unpack_2bit(qs: np.ndarray) -> np.ndarray:
-    """qs[64] -> 256 codes 0..3 (inverse of pack_2bit)."""
-    q = qs.reshape(-1, 2, 1, 32)
-    return ((q >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(-1, 256)
-
-
 def pack_scales_k4(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
     """Eight 6-bit scales and eight 6-bit mins -> scales[12] (Q4_K/Q5_K).
 
@@ -516,11 +511,6 @@ def pack_nibbles_k(L: np.ndarray) -> np.ndarray:
     return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
 
 
-def unpack_nibbles_k(qs: np.ndarray) -> np.ndarray:
-    q = qs.reshape(-1, 4, 1, 32)
-    return np.concatenate([q & 0xF, q >> 4], axis=2).reshape(-1, 256)
-
-
 def pack_q6(L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """256 codes 0..63 -> (ql[128], qh[64]).
 
@@ -535,14 +525,6 @@ def pack_q6(L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ql = np.concatenate([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], axis=2)
     qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
     return ql.reshape(-1, 128), qh.reshape(-1, 64)
-
-
-def unpack_q6(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
-    ql = ql.reshape(-1, 2, 2, 32)
-    qh = qh.reshape(-1, 2, 1, 32)
-    lo = np.stack([ql[:, :, 0] & 0xF, ql[:, :, 1] & 0xF, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)
-    hi = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    return (lo | (hi << 4)).reshape(-1, 256)
 
 
 # ---- per-type quantizers (arrays of super-blocks) ----
@@ -792,52 +774,6 @@ def quantize_q6_k(x, qw, flavor):
     return out
 
 
-# ---- decoders ----
-
-
-def dequantize_q2_k(b):
-    sc = b[:, 0:16].astype(np.int64)
-    q = unpack_2bit(b[:, 16:80]).astype(np.int64).reshape(-1, 16, 16)
-    d = fp16_values(b[:, 80:82])[:, None]
-    dmin = fp16_values(b[:, 82:84])[:, None]
-    dl = (d * (sc & 0xF).astype(np.float32))[:, :, None]
-    ml = (dmin * (sc >> 4).astype(np.float32))[:, :, None]
-    return (dl * q.astype(np.float32) - ml).reshape(-1, 256)
-
-
-def dequantize_q3_k(b):
-    hmask = b[:, 0:32]
-    low = unpack_2bit(b[:, 32:96]).astype(np.int64)
-    hbit = np.unpackbits(hmask[:, None, :], axis=1, count=8, bitorder="little").reshape(-1, 256)
-    q = low - np.where(hbit == 1, 0, 4)
-    sc = unpack_scales_q3(b[:, 96:108])
-    d = fp16_values(b[:, 108:110])[:, None]
-    dl = (d * sc.astype(np.float32))[:, :, None]
-    return (dl * q.reshape(-1, 16, 16).astype(np.float32)).reshape(-1, 256)
-
-
-def dequantize_q45_k(b, nmax):
-    d = fp16_values(b[:, 0:2])[:, None]
-    dmin = fp16_values(b[:, 2:4])[:, None]
-    ls, lm = unpack_scales_k4(b[:, 4:16])
-    if nmax == 15:
-        q = unpack_nibbles_k(b[:, 16:144]).astype(np.int64)
-    else:
-        q = unpack_nibbles_k(b[:, 48:176]).astype(np.int64)
-        hbit = np.unpackbits(b[:, None, 16:48], axis=1, count=8, bitorder="little").reshape(-1, 256)
-        q = q + 16 * hbit
-    dl = (d * ls.astype(np.float32))[:, :, None]
-    ml = (dmin * lm.astype(np.float32))[:, :, None]
-    return (dl * q.reshape(-1, 8, 32).astype(np.float32) - ml).reshape(-1, 256)
-
-
-def dequantize_q6_k(b):
-    q = unpack_q6(b[:, 0:128], b[:, 128:192]).astype(np.int64) - 32
-    sc = b[:, 192:208].view(np.int8).astype(np.float32)
-    d = fp16_values(b[:, 208:210])[:, None]
-    return ((d * sc)[:, :, None] * q.reshape(-1, 16, 16).astype(np.float32)).reshape(-1, 256)
-
-
 # ---- the formats ----
 
 
@@ -850,10 +786,6 @@ class _KQuant(BlockFormat):
         raise NotImplementedError
 
     @classmethod
-    def _dequantize_blocks(cls, b):
-        raise NotImplementedError
-
-    @classmethod
     def quantize_ref(cls, x, imatrix, flavor):
         n_rows, n = x.shape
         x = np.ascontiguousarray(x, np.float32)
@@ -861,11 +793,7 @@ class _KQuant(BlockFormat):
         out = cls._quantize_blocks(x, qw, flavor)
         return np.ascontiguousarray(out, np.uint8).reshape(n_rows, cls.traits.row_size(n))
 
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        n_rows = blocks.shape[0]
-        b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, cls.traits.type_size)
-        return cls._dequantize_blocks(b).astype(np.float32).reshape(n_rows, n_per_row)
+    dequantize_ref = decode.dequantize_ref
 
     @classmethod
     def quantize_fast(cls, x, imatrix, flavor):
@@ -898,10 +826,6 @@ class Q2_K(_KQuant, qtype=QuantType.Q2_K):
     def _quantize_blocks(cls, x, qw, flavor):
         return quantize_q2_k(x, qw, flavor)
 
-    @classmethod
-    def _dequantize_blocks(cls, b):
-        return dequantize_q2_k(b)
-
 
 class Q3_K(_KQuant, qtype=QuantType.Q3_K):
     kernel_id = kernels.Q3_K
@@ -912,10 +836,6 @@ class Q3_K(_KQuant, qtype=QuantType.Q3_K):
     @classmethod
     def _quantize_blocks(cls, x, qw, flavor):
         return quantize_q3_k(x, qw, flavor)
-
-    @classmethod
-    def _dequantize_blocks(cls, b):
-        return dequantize_q3_k(b)
 
 
 class Q4_K(_KQuant, qtype=QuantType.Q4_K):
@@ -928,10 +848,6 @@ class Q4_K(_KQuant, qtype=QuantType.Q4_K):
     def _quantize_blocks(cls, x, qw, flavor):
         return _quantize_q45(x, qw, flavor, 15)
 
-    @classmethod
-    def _dequantize_blocks(cls, b):
-        return dequantize_q45_k(b, 15)
-
 
 class Q5_K(_KQuant, qtype=QuantType.Q5_K):
     kernel_id = kernels.Q5_K
@@ -943,10 +859,6 @@ class Q5_K(_KQuant, qtype=QuantType.Q5_K):
     def _quantize_blocks(cls, x, qw, flavor):
         return _quantize_q45(x, qw, flavor, 31)
 
-    @classmethod
-    def _dequantize_blocks(cls, b):
-        return dequantize_q45_k(b, 31)
-
 
 class Q6_K(_KQuant, qtype=QuantType.Q6_K):
     kernel_id = kernels.Q6_K
@@ -957,7 +869,3 @@ class Q6_K(_KQuant, qtype=QuantType.Q6_K):
     @classmethod
     def _quantize_blocks(cls, x, qw, flavor):
         return quantize_q6_k(x, qw, flavor)
-
-    @classmethod
-    def _dequantize_blocks(cls, b):
-        return dequantize_q6_k(b)

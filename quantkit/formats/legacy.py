@@ -39,6 +39,7 @@ from ..types import QuantType
 from ._numeric import first_absmax as _first_absmax, fp16_bytes as _fp16_bytes
 from ._numeric import recip_or_zero as _recip_or_zero, seq_sum as _seq_sum
 from ._base import BlockFormat, KernelFormat
+from . import decode
 # The weighted scale searches (both flavors) are shared with the k-quants, which use them most.
 from .kquants import make_qkx3_quants, make_qx_quants
 
@@ -46,13 +47,6 @@ QK = 32                     # values per block (QK4_0 = QK4_1 = QK5_0 = QK5_1 = 
 F = np.float32
 
 # ---- float helpers ----
-
-
-
-
-def _fp16_values(b: np.ndarray) -> np.ndarray:
-    """(n, 2) uint8 fp16 bytes -> float32 (n, 1)."""
-    return np.ascontiguousarray(b).view("<f2").astype(np.float32).reshape(-1, 1)
 
 
 
@@ -136,16 +130,6 @@ def _pack_qh(q: np.ndarray) -> np.ndarray:
     return np.packbits(bits, axis=-1, bitorder="little")
 
 
-def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
-    """qs (n_blocks, 16) -> codes (n_blocks, 32) in 0..15."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def _unpack_qh(qh: np.ndarray) -> np.ndarray:
-    """qh (n_blocks, 4) -> (n_blocks, 32) values 0 or 16 to add to the low nibbles."""
-    return np.unpackbits(qh, axis=-1, bitorder="little") << 4
-
-
 class _LegacyFormat(BlockFormat):
     """Shared driver: rows -> (n_blocks, 32) blocks -> per-type block code -> rows of bytes."""
     nmax: int               # Q*_0: codes are l + nmax with l in -nmax..nmax-1; Q*_1: codes 0..nmax
@@ -220,23 +204,7 @@ class _LegacyFormat(BlockFormat):
         d, L = make_qx_quants(xb, w, cls.nmax, flavor)
         return cls._pack(d, None, L)
 
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        n_rows = blocks.shape[0]
-        b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, cls.traits.type_size)
-        d = _fp16_values(b[:, 0:2])
-        off = 2
-        if cls.affine:
-            m = _fp16_values(b[:, 2:4])
-            off = 4
-        q = _unpack_nibbles(b[:, -16:]).astype(np.int32)
-        if cls.high_bits:
-            q = q | _unpack_qh(b[:, off:off + 4]).astype(np.int32)
-        if cls.affine:
-            y = q.astype(np.float32) * d + m
-        else:
-            y = (q - cls.nmax).astype(np.float32) * d
-        return y.reshape(n_rows, n_per_row)
+    dequantize_ref = decode.dequantize_ref
 
 
 # Without an imatrix mainline and ik run the same *_ref code; with one they differ (see above).
@@ -290,13 +258,6 @@ class Q8_0(_LegacyFormat, qtype=QuantType.Q8_0):
             q = _c_int_cast(_roundf(xb * id_[:, None])).astype(np.uint8)     # (int8_t)roundf(x/d)
         return np.concatenate([_fp16_bytes(d), q], axis=-1).reshape(n_rows, cls.traits.row_size(n))
 
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, cls.traits.type_size)
-        d = _fp16_values(b[:, 0:2])
-        y = b[:, 2:].view(np.int8).astype(np.float32) * d
-        return y.reshape(blocks.shape[0], n_per_row)
-
 
 class Q6_0(KernelFormat, _LegacyFormat, qtype=QuantType.Q6_0):
     """ik_llama.cpp's 6-bit block (llama-quantize's fallback for IQ5_K/Q5_K rows that are not a
@@ -329,12 +290,3 @@ class Q6_0(KernelFormat, _LegacyFormat, qtype=QuantType.Q6_0):
         h = (L[:, :16] >> 4) | ((L[:, 16:] >> 4) << 2)           # (n_blocks, 16) 4-bit pairs
         qh = h[:, :8] | (h[:, 8:] << 4)
         return np.concatenate([_fp16_bytes(d), qh, qs], axis=-1).reshape(n_rows, cls.traits.row_size(n))
-
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, cls.traits.type_size)
-        d = _fp16_values(b[:, 0:2])
-        qh, qs = b[:, 2:10].astype(np.int32), b[:, 10:26].astype(np.int32)
-        h = np.concatenate([qh & 0xF, qh >> 4], axis=-1)            # 4-bit pair of qs byte j
-        q = np.concatenate([(qs & 0xF) | ((h << 4) & 0x30), (qs >> 4) | ((h << 2) & 0x30)], axis=-1)
-        return ((q - 32).astype(np.float32) * d).reshape(blocks.shape[0], n_per_row)
