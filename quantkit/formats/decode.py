@@ -1,7 +1,7 @@
 """The reference decoder: stored bytes -> float32 rows, one per type, for numpy and torch alike.
 
-Written once against a small array namespace (:class:`Numpy` here, runtime/torch_decode.py's for
-torch): indexing, slicing, shifts, masks and products are spelled the same in both libraries;
+Written once against a small array namespace (:class:`ArrayNamespace`: ``NUMPY`` here,
+runtime/torch_decode.py's ``TORCH``): indexing, slicing, shifts, masks and products are spelled the same in both libraries;
 what differs (reading a float16 from bytes, concatenating, constants on a device) goes through
 the namespace.  The numba decoders in kernels/ are the fast implementation; the tests hold them
 to this one bit for bit, type by type (formats' ``reference=True``, the torch backend).
@@ -32,53 +32,40 @@ from ._kt_codebook import IQ4_KT_SECOND_OFFSET, OFFSET, SPECS, trellis_values
 T = QuantType
 
 
-class Numpy:
-    """The array namespace of numpy (torch's: runtime/torch_decode.Torch, the same methods)."""
+class ArrayNamespace:
+    """What numpy and torch spell differently, as functions (positional arguments, which both
+    libraries take alike): ``cat(arrays, axis)``, ``stack(arrays, axis)``, ``repeat(a, n, axis)``
+    (each row n times), ``where(cond, a, b)``; ``ints`` / ``floats``: an array as int64 / float32;
+    ``as_f16`` / ``as_f32``: contiguous bytes (n, 2) / (n, 4) read as (n, 1) float16 / float32;
+    ``device(a)`` and ``to_device(numpy_array, a)``: where an array lives, and a constant put there."""
 
-    def __init__(self):
+    def __init__(self, *, ints, floats, as_f16, as_f32, cat, stack, repeat, where, device, to_device):
+        self.ints, self.floats, self.as_f16, self.as_f32 = ints, floats, as_f16, as_f32
+        self.cat, self.stack, self.repeat, self.where = cat, stack, repeat, where
+        self._device, self._to_device = device, to_device
         self._consts: dict = {}
 
     def const(self, like, key, make):
-        """A constant array (an index table, a grid) made once by ``make()`` (numpy), where ``like`` lives."""
-        if key not in self._consts:
-            self._consts[key] = make()
-        return self._consts[key]
+        """The constant ``make()`` (a numpy array: an index table, a grid) where ``like`` lives,
+        made once per device."""
+        full = (key, self._device(like))
+        if full not in self._consts:
+            self._consts[full] = self._to_device(np.ascontiguousarray(make()), like)
+        return self._consts[full]
 
-    @staticmethod
-    def ints(b):
-        return np.asarray(b).astype(np.int64)
-
-    @staticmethod
-    def floats(a):
-        return np.asarray(a).astype(np.float32)
-
-    @staticmethod
-    def f16(b, at):
+    def f16(self, b, at):
         """The float16 at byte ``at`` of every row of b (uint8), as float32 (n, 1)."""
-        return np.ascontiguousarray(b[:, at:at + 2]).view("<f2").astype(np.float32)
+        return self.floats(self.as_f16(b[:, at:at + 2]))
 
-    @staticmethod
-    def f32(b, at):
-        return np.ascontiguousarray(b[:, at:at + 4]).view("<f4").astype(np.float32)
-
-    @staticmethod
-    def cat(arrays, axis):
-        return np.concatenate(arrays, axis=axis)
-
-    @staticmethod
-    def stack(arrays, axis):
-        return np.stack(arrays, axis=axis)
-
-    @staticmethod
-    def repeat(a, n, axis):
-        return np.repeat(a, n, axis=axis)
-
-    @staticmethod
-    def where(cond, a, b):
-        return np.where(cond, a, b)
+    def f32(self, b, at):
+        return self.as_f32(b[:, at:at + 4])
 
 
-NUMPY = Numpy()
+NUMPY = ArrayNamespace(
+    ints=lambda a: np.asarray(a).astype(np.int64), floats=lambda a: np.asarray(a).astype(np.float32),
+    as_f16=lambda b: np.ascontiguousarray(b).view("<f2"), as_f32=lambda b: np.ascontiguousarray(b).view("<f4"),
+    cat=np.concatenate, stack=np.stack, repeat=np.repeat, where=np.where,
+    device=lambda a: "numpy", to_device=lambda a, like: a)
 
 
 # ---- types with a layout ----
