@@ -37,7 +37,8 @@ class ArrayNamespace:
     libraries take alike): ``cat(arrays, axis)``, ``stack(arrays, axis)``, ``repeat(a, n, axis)``
     (each row n times), ``where(cond, a, b)``; ``ints`` / ``floats``: an array as int64 / float32;
     ``as_f16`` / ``as_f32``: contiguous bytes (n, 2) / (n, 4) read as (n, 1) float16 / float32;
-    ``device(a)`` and ``to_device(numpy_array, a)``: where an array lives, and a constant put there."""
+    ``device(a)`` and ``to_device(numpy_array, a)``: where an array lives, and a constant put there.
+    Codes and scales are int32 (half the memory traffic of int64); index tables int64."""
 
     def __init__(self, *, ints, floats, as_f16, as_f32, cat, stack, repeat, where, device, to_device):
         self.ints, self.floats, self.as_f16, self.as_f32 = ints, floats, as_f16, as_f32
@@ -62,7 +63,7 @@ class ArrayNamespace:
 
 
 NUMPY = ArrayNamespace(
-    ints=lambda a: np.asarray(a).astype(np.int64), floats=lambda a: np.asarray(a).astype(np.float32),
+    ints=lambda a: np.asarray(a).astype(np.int32), floats=lambda a: np.asarray(a).astype(np.float32),
     as_f16=lambda b: np.ascontiguousarray(b).view("<f2"), as_f32=lambda b: np.ascontiguousarray(b).view("<f4"),
     cat=np.concatenate, stack=np.stack, repeat=np.repeat, where=np.where,
     device=lambda a: "numpy", to_device=lambda a, like: a)
@@ -84,10 +85,13 @@ class _ValueMap(NamedTuple):
     run: np.ndarray
 
 
+_INDEX_FIELDS = {"low_at", "high_at", "run", "at", "hi_at", "neg_at"}       # int64: they index
+
+
 @lru_cache(maxsize=None)
 def _value_map(qtype: QuantType) -> _ValueMap:
     lay = LAYOUTS[qtype]
-    cols = [np.zeros(lay.block_values, np.int64) for _ in _ValueMap._fields]
+    cols = [np.zeros(lay.block_values, np.int64 if f in _INDEX_FIELDS else np.int32) for f in _ValueMap._fields]
     m = _ValueMap(*cols)
     seen = np.zeros(lay.block_values, bool)
     for k, r in enumerate(lay.runs):
@@ -134,13 +138,14 @@ def _scale_map(specs: tuple) -> tuple[_ScaleMap, bool]:
     """(the fields of ``specs`` as arrays, whether they are int8 bytes)."""
     signed = {sp.signed for sp in specs}
     assert len(signed) == 1
-    col = lambda f: np.array([f(sp) for sp in specs], np.int64)      # noqa: E731
+    col = lambda f: np.array([f(sp) for sp in specs], np.int32)      # noqa: E731
+    idx = lambda f: np.array([f(sp) for sp in specs], np.int64)      # noqa: E731
     return _ScaleMap(
-        at=col(lambda sp: sp.at), shift=col(lambda sp: sp.shift), mask=col(lambda sp: sp.mask),
-        hi_at=col(lambda sp: sp.at if sp.hi_at is None else sp.hi_at), hi_shift=col(lambda sp: sp.hi_shift),
+        at=idx(lambda sp: sp.at), shift=col(lambda sp: sp.shift), mask=col(lambda sp: sp.mask),
+        hi_at=idx(lambda sp: sp.at if sp.hi_at is None else sp.hi_at), hi_shift=col(lambda sp: sp.hi_shift),
         hi_mask=col(lambda sp: 0 if sp.hi_at is None else sp.hi_mask), hi_pos=col(lambda sp: sp.hi_pos),
         bias=col(lambda sp: sp.bias), odd=col(lambda sp: int(sp.odd)),
-        neg_at=col(lambda sp: sp.at if sp.neg_at is None else sp.neg_at),
+        neg_at=idx(lambda sp: sp.at if sp.neg_at is None else sp.neg_at),
         neg_mask=col(lambda sp: int(sp.neg_at is not None)), neg_bit=col(lambda sp: sp.neg_bit)), signed.pop()
 
 
@@ -188,7 +193,7 @@ def _decode_layout(xp, b, lay: Layout, n_per_row: int, products: bool = False):
     grid_bit = 0
     if sup is not None and sup.grid:
         at = xp.const(b, ("grid_at", lay.qtype), lambda: np.array([a for a, _ in sup.grid], np.int64))
-        bit = xp.const(b, ("grid_bit", lay.qtype), lambda: np.array([s for _, s in sup.grid], np.int64))
+        bit = xp.const(b, ("grid_bit", lay.qtype), lambda: np.array([s for _, s in sup.grid], np.int32))
         grid_bit = ((blk[:, at] >> bit) & 1)[:, m.run]
     to_float = None if products else _TO_FLOAT.get(lay.qtype)
     if to_float is not None:

@@ -19,7 +19,7 @@ from ..types import QuantType
 T = QuantType
 
 TORCH = reference.ArrayNamespace(
-    ints=lambda a: a.long(), floats=lambda a: a.float(),
+    ints=lambda a: a.int(), floats=lambda a: a.float(),
     as_f16=lambda b: b.contiguous().view(torch.float16), as_f32=lambda b: b.contiguous().view(torch.float32),
     cat=torch.cat, stack=torch.stack, repeat=torch.repeat_interleave, where=torch.where,
     device=lambda a: str(a.device), to_device=lambda a, like: torch.from_numpy(a).to(like.device))
