@@ -19,7 +19,7 @@ import peers
 from quant_checks import (assert_same_bytes, expert_imatrix, fresh_input, golden_bytes, golden_input,
                           load_reference, quantize)
 from quantkit import formats
-from quantkit.formats import iqk
+from quantkit.formats import decode
 from quantkit.types import QuantType, traits, type_name
 
 T = QuantType
@@ -118,5 +118,7 @@ def test_iq6_k_table_decoder(shared_dir, ik_decoders):
     """The decoder the matrix kernels use (int8 table) differs from to_float's cubic; both exist."""
     b = golden_bytes(shared_dir, "ik", "gauss", T.IQ6_K, False).reshape(-1, 212)
     want = np.concatenate([ik_decoders.deq_iq6_k(bytes(r), 256, poly=False) for r in b])
-    np.testing.assert_array_equal(iqk.dequantize_iq6_k_table(b).reshape(-1), want)
-    assert not np.array_equal(iqk.dequantize_iq6_k(b).reshape(-1), want)
+    n = b.size // 212 * 256
+    table = decode.dequantize(b.reshape(1, -1), T.IQ6_K, n, products=True)
+    np.testing.assert_array_equal(table.reshape(-1), want)
+    assert not np.array_equal(decode.dequantize(b.reshape(1, -1), T.IQ6_K, n).reshape(-1), want)

@@ -42,6 +42,9 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("kernels (numba) and small helpers", ["quantkit.kernels", "quantkit.inputs",
                                            "quantkit.kv_override", "quantkit.prune",
                                            "quantkit.tensor_regex", "quantkit.progress"]),
+    # each type's block layout as data, which formats (the reference decoder), the runtime (fused
+    # products) and kernels may all read; it reads the type table and the value tables only
+    ("block layouts", ["quantkit.layouts"]),
     # the kernels freeze type ids and block sizes from the one table of types
     ("the type table", ["quantkit.types"]),
     # leaves: they import no quantkit module (test_leaves_import_nothing)

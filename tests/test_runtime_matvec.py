@@ -13,7 +13,7 @@ from numba import njit
 
 from quantkit import formats
 from quantkit.formats import interleave
-from quantkit.formats import iqk as iqk_formats
+from quantkit.formats import decode
 from quantkit.runtime import dot, kernels, matvec, ops_cpu
 from quantkit.runtime.weights import Weight
 from quantkit.types import QuantType, traits, type_name
@@ -39,8 +39,7 @@ def decoded(blocks, qtype, n) -> np.ndarray:
         return blocks.view(np.float16).astype(np.float64)
     if qtype == T.IQ6_K:
         # the grid, as ik's matrix products decode IQ6_K (its to_float: a cubic in the code)
-        sb = blocks.reshape(-1, traits(qtype).type_size)
-        return iqk_formats.dequantize_iq6_k_table(sb).reshape(len(blocks), n).astype(np.float64)
+        return decode.dequantize(blocks, qtype, n, products=True).astype(np.float64)
     return formats.dequantize(blocks, qtype, n, reference=True).astype(np.float64)
 
 
@@ -128,9 +127,9 @@ def _chunks():
     out = []
     for q, lay in matvec.LEGACY.items():
         for n_blocks, chunk in zip(matvec.CHUNK_BLOCKS, matvec._LEGACY_CHUNKS[q]):
-            out.append((f"{type_name(q)}x{n_blocks}", chunk, lay.block_bytes * n_blocks, matvec.IQ4_TABLE))
+            out.append((f"{type_name(q)}x{n_blocks}", chunk, lay.block_bytes * n_blocks, matvec.TABLES[q]))
     for q, chunk in matvec.SUPER_CHUNKS.items():
-        out.append((type_name(q), chunk, traits(q).type_size, matvec.SUPER_TABLE.get(q, matvec.NO_TABLE)))
+        out.append((type_name(q), chunk, traits(q).type_size, matvec.TABLES[q]))
     return out
 
 

@@ -49,7 +49,7 @@ def awkward_rows(n_rows: int, n: int, seed: int) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("qtype", [*torch_decode.DECODERS, *torch_decode.ROW_DECODERS, *FLOATS], ids=type_name)
+@pytest.mark.parametrize("qtype", [*torch_decode.DECODERS, *FLOATS], ids=type_name)
 def test_torch_decoder_equals_numba_decoder(qtype):
     x = awkward_rows(6, 512, int(qtype))
     blocks = formats.quantize(x, qtype) if qtype not in FLOATS else _float_blocks(x, qtype)

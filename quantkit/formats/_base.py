@@ -11,7 +11,8 @@ A format quantizes one way, ``quantize``: for every quantized type that is the n
 reference vectors (../shared/golden) and the executable ports of ../shared/reference.  Decoding has
 two paths with the same contract:
 
-* ``dequantize_ref``   plain numpy, written for clarity (vectorised across blocks).
+* ``dequantize_ref``   the reference decoder (formats/decode.py: one per type, for numpy and torch,
+                       derived from the block layouts of quantkit/layouts.py).
 * ``dequantize_fast``  a numba kernel from :mod:`quantkit.kernels`; defaults to the reference.
 
 Quantizers come in flavors: ``"ik"`` reproduces ik_llama.cpp's ggml, ``"mainline"`` llama.cpp's.
@@ -138,23 +139,3 @@ class FamilyKernelFormat(KernelFormat):
     @classmethod
     def _kernel_dequantize(cls, blocks, out):
         cls.kernel_module.dequantize_rows(int(cls.qtype), blocks, cls.kernel_module.FP16_TABLE, out)
-
-
-class BlockwiseReference(BlockFormat):
-    """Numpy decoders that work on whole blocks: subclasses set the staticmethod
-    ``_dequantize_blocks(blocks (n_blocks, type_size) uint8) -> values (n_blocks, block_size)``."""
-
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, cls.traits.type_size)
-        return cls._dequantize_blocks(b).astype(np.float32).reshape(blocks.shape[0], n_per_row)
-
-
-class RowwiseReference(BlockFormat):
-    """Numpy decoders that work a row at a time (row-scaled types): subclasses set the staticmethod
-    ``_dequantize_row(row_bytes, n_per_row) -> values``."""
-
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        b = np.ascontiguousarray(blocks, np.uint8)
-        return np.stack([cls._dequantize_row(r, n_per_row) for r in b]).astype(np.float32)

@@ -13,51 +13,26 @@ negative scale) is a candidate whose weighted least-squares scale comes from pre
 split explaining most of Σw·x² wins (specs/ik-quants.md §3e).  The sub-block scales are then
 quantized together with ik's own ``make_qx_quants`` (§3c) and the codes re-derived.
 
-The quantizers are the numba kernels of :mod:`quantkit.kernels.iq2k`; the numpy decoders below are
-vectorised across super-blocks.
+The quantizers are the numba kernels of :mod:`quantkit.kernels.iq2k`; the reference decoder is
+formats/decode.py's.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..kernels import iq2k as kernels
 from ..types import QuantType
-from ._base import ALL_PATHS, BlockwiseReference, FamilyKernelFormat, RowwiseReference
-from ..tables import IQ2NL_VALUES
-from .kquants import fp16_values, unpack_2bit
-
-
-def dequantize_iq2_k(b):
-    d = fp16_values(b[:, 0:2])
-    extra = b[:, 2:4].copy().view("<u2").reshape(-1).astype(np.int64)
-    ib = np.arange(16)
-    ls = ((b[:, 4 + ib // 2] >> (4 * (ib % 2))) & 0xF).astype(np.int32) - 8
-    sh = ((extra[:, None] >> ib) & 1).repeat(16, axis=1)
-    v = IQ2NL_VALUES.astype(np.float32)[unpack_2bit(b[:, 12:76]) + 4 * sh]
-    return (d[:, None] * ls.astype(np.float32)).repeat(16, axis=1) * v
-
-
-def dequantize_iq2_ks_row(row, n):
-    d = fp16_values(row[None, 0:2])[0]
-    b = row[2:].reshape(-1, 70)
-    extra = b[:, 0:2].copy().view("<u2").reshape(-1).astype(np.int64)
-    ib = np.arange(8)
-    lo = (b[:, 2 + ib // 2] >> (4 * (ib % 2))) & 0xF
-    ls = (lo.astype(np.int32) | (((extra[:, None] >> (8 + ib)) & 1) << 4)) - 16
-    sh = ((extra[:, None] >> ib) & 1).repeat(32, axis=1)
-    v = IQ2NL_VALUES.astype(np.float32)[unpack_2bit(b[:, 6:70]) + 4 * sh]
-    return ((d * ls.astype(np.float32)).repeat(32, axis=1) * v).reshape(n)
+from . import decode
+from ._base import ALL_PATHS, FamilyKernelFormat
 
 
 class _IQ2(FamilyKernelFormat):
     kernel_module = kernels
     quant_paths = ALL_PATHS
+    dequantize_ref = decode.dequantize_ref
 
 
-class IQ2_K(BlockwiseReference, _IQ2, qtype=QuantType.IQ2_K):
+class IQ2_K(_IQ2, qtype=QuantType.IQ2_K):
     scale_fields = ((0, "<f2"),)
-    _dequantize_blocks = staticmethod(dequantize_iq2_k)
 
 
-class IQ2_KS(RowwiseReference, _IQ2, qtype=QuantType.IQ2_KS):
-    _dequantize_row = staticmethod(dequantize_iq2_ks_row)
+class IQ2_KS(_IQ2, qtype=QuantType.IQ2_KS):
+    pass

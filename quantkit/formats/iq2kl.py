@@ -15,38 +15,20 @@ distance) replaces it.  The scale search is IQ3_K-like without the shifted table
 both signs); the row scale then re-picks each sub-block's 6-bit scale among three neighbours by
 weighted error.  Weights: ``qw*sqrtf(sigma2 + x²)`` (sigma2 = 2.25*Σx²/256) or ``|x|``.
 
-The quantizer is the numba kernel of :mod:`quantkit.kernels.iq2kl`; the numpy decoder below works a
-row at a time.
+The quantizer is the numba kernel of :mod:`quantkit.kernels.iq2kl`; the reference decoder is
+formats/decode.py's.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..kernels import iq2kl as kernels
-from ..kernels.iq2kl import PAIRS
 from ..types import QuantType
-from ._base import ALL_PATHS, KernelFormat, RowwiseReference
-from .kquants import fp16_values
+from . import decode
+from ._base import ALL_PATHS, KernelFormat
 
 
-def dequantize_iq2_kl_row(row, n):
-    d = fp16_values(row[None, 0:2])[0]
-    b = row[2:].reshape(-1, 86)
-    ib = np.arange(8)
-    scales_h = b[:, 0:2].copy().view("<u2").reshape(-1, 1).astype(np.int64)
-    uls = ((b[:, 2 + ib % 4] >> (4 * (ib // 4))) & 0xF).astype(np.int64) | (((scales_h >> (2 * ib)) & 3) << 4)
-    qs = b[:, 6:70].reshape(-1, 4, 16).astype(np.int64)
-    lo = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 8, 16)       # sub-block ib = 2*(ib/2) + ib%2
-    hi = (b[:, None, 70:86].astype(np.int64) >> ib[None, :, None]) & 1
-    c = lo | (hi << 4)
-    dl = d * (uls - 32).astype(np.float32)
-    pairs = PAIRS[c]                                                    # (n_sb, 8, 16, 2)
-    return (dl[:, :, None, None] * pairs).reshape(n)
-
-
-class IQ2_KL(RowwiseReference, KernelFormat, qtype=QuantType.IQ2_KL):
+class IQ2_KL(KernelFormat, qtype=QuantType.IQ2_KL):
     quant_paths = ALL_PATHS
-    _dequantize_row = staticmethod(dequantize_iq2_kl_row)
+    dequantize_ref = decode.dequantize_ref
     _kernel_quantize = staticmethod(kernels.quantize_rows)
 
     @staticmethod

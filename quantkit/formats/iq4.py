@@ -20,8 +20,8 @@ binary search, ik with a 241-entry lookup on ``(int)x`` whose entries are either
 to compare (checked against the C table); the two agree except for NaN (mainline 15, ik 0) and for
 |x| >= 2^31, where ik's float-to-int conversion overflows to INT_MIN and gives 0.
 
-The quantizers are the numba kernels of :mod:`quantkit.kernels.iq4`; the numpy decoders below are
-vectorised across blocks.
+The quantizers are the numba kernels of :mod:`quantkit.kernels.iq4`; the reference decoder is
+formats/decode.py's.
 """
 from __future__ import annotations
 
@@ -30,49 +30,26 @@ import numpy as np
 from ..kernels import iq4 as kernels
 from ..tables import IQ4NL_VALUES
 from ..types import QuantType
-from ._base import ALL_PATHS, BlockwiseReference, FamilyKernelFormat
-from .kquants import fp16_values
+from . import decode
+from ._base import ALL_PATHS, FamilyKernelFormat
 
 KVALUES = IQ4NL_VALUES.astype(np.int64)
 KV = KVALUES.astype(np.float32)
 
 
-def unpack_nibbles(qs: np.ndarray) -> np.ndarray:
-    """(n_blocks, 16) -> (n_blocks, 32) codes: byte j = code j (low nibble) | code j+16 (high)."""
-    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
-
-
-def dequantize_iq4_nl(b):
-    d = fp16_values(b[:, 0:2])[:, None]
-    return d * KV[unpack_nibbles(b[:, 2:18])]
-
-
-def dequantize_iq4_xs(b):
-    n = b.shape[0]
-    d = fp16_values(b[:, 0:2])[:, None]
-    scales_h = b[:, 2:4].copy().view("<u2").astype(np.int64).reshape(n, 1)
-    sl = b[:, 4:8].astype(np.int64)
-    ib = np.arange(8)
-    ls = ((sl[:, ib // 2] >> (4 * (ib % 2))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4)
-    dl = d * (ls - 32).astype(np.float32)                               # (n, 8)
-    q = unpack_nibbles(b[:, 8:136].reshape(n * 8, 16)).reshape(n, 8, 32)
-    return (dl[:, :, None] * KV[q]).reshape(n, 256)
-
-
-class _IQ4(BlockwiseReference, FamilyKernelFormat):
-    """The row kernels of kernels/iq4.py; numpy decoding per block."""
+class _IQ4(FamilyKernelFormat):
+    """The row kernels of kernels/iq4.py; the reference decoder of formats/decode.py."""
     kernel_module = kernels
     kernel_takes_flavor = True
     quant_paths = ALL_PATHS
+    dequantize_ref = decode.dequantize_ref
 
 
 class IQ4_NL(_IQ4, qtype=QuantType.IQ4_NL):
     # block_iq4_nl { fp16 d @0; uint8 qs[16] }
     scale_fields = ((0, "<f2"),)
-    _dequantize_blocks = staticmethod(dequantize_iq4_nl)
 
 
 class IQ4_XS(_IQ4, qtype=QuantType.IQ4_XS):
     # block_iq4_xs { fp16 d @0; uint16 scales_h; uint8 scales_l[4]; uint8 qs[128] }
     scale_fields = ((0, "<f2"),)
-    _dequantize_blocks = staticmethod(dequantize_iq4_xs)

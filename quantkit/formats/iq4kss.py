@@ -14,37 +14,19 @@ The squeeze only works for code patterns with an even number of set bits, so the
 error.  Everything else is IQ4_KS's search: pass 1 finds a scale per sub-block, pass 2 quantizes
 the scales against the row scale and picks, per sub-block, the table half with the smaller error.
 
-The quantizer is the numba kernel of :mod:`quantkit.kernels.iq4kss`; the numpy decoder below works
-a row at a time.
+The quantizer is the numba kernel of :mod:`quantkit.kernels.iq4kss`; the reference decoder is
+formats/decode.py's.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..kernels import iq4kss as kernels
 from ..types import QuantType
-from ._base import ALL_PATHS, KernelFormat, RowwiseReference
-from ..tables import IQ4K_VALUES
-
-BASE = IQ4K_VALUES[:16].astype(np.float32)
-SHIFTED = IQ4K_VALUES[16:].astype(np.float32)
+from . import decode
+from ._base import ALL_PATHS, KernelFormat
 
 
-def dequantize_iq4_kss_row(row, n):
-    d = row[:4].copy().view(np.float32)[0]
-    w = row[4:].copy().view("<u2").astype(np.int64).reshape(-1, 8)     # (n_blocks, 8)
-    ls = (w & 1) << np.arange(8)
-    ls = ls.sum(axis=1)
-    a = w & 0xFFFE
-    a ^= a >> 1
-    qs = np.stack([a & 0xFF, a >> 8], axis=-1).reshape(-1, 16)          # qs[2k], qs[2k+1]
-    q = np.concatenate([qs & 0xF, qs >> 4], axis=1)
-    v = np.where((ls & 1)[:, None] == 1, SHIFTED[q], BASE[q])
-    return ((d * ((ls & 254) - 127).astype(np.float32))[:, None] * v).reshape(n)
-
-
-class IQ4_KSS(RowwiseReference, KernelFormat, qtype=QuantType.IQ4_KSS):
+class IQ4_KSS(KernelFormat, qtype=QuantType.IQ4_KSS):
     quant_paths = ALL_PATHS
-    _dequantize_row = staticmethod(dequantize_iq4_kss_row)
+    dequantize_ref = decode.dequantize_ref
     _kernel_quantize = staticmethod(kernels.quantize_rows)
     _kernel_dequantize = staticmethod(kernels.dequantize_rows)

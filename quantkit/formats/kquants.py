@@ -31,18 +31,14 @@ with the legacy types, and ik_llama.cpp changed several of them:
   ``0.75*Σx²/256`` (mainline ``Σx²/256``) and the codes are re-derived from the unrounded float scales.
 
 The quantizers are the numba kernels of :mod:`quantkit.kernels.kquants`, which keep the C
-evaluation order of every float32 (or double) expression; the numpy decoders below are vectorised
-across super-blocks.
+evaluation order of every float32 (or double) expression; the reference decoder is formats/decode.py's.
 """
 from __future__ import annotations
 
-from functools import partial
-
-import numpy as np
-
 from ..kernels import kquants as kernels
 from ..types import QuantType
-from ._base import ALL_PATHS, BlockwiseReference, FamilyKernelFormat
+from . import decode
+from ._base import ALL_PATHS, FamilyKernelFormat
 
 #: llama-quantize hands ggml_quantize_chunk chunks of ceil(16384 / n_per_row) rows (at least one
 #: row); ik's Q2_K TriNet test looks at one chunk at a time (llama-quantize.cpp, min_chunk_size)
@@ -56,134 +52,20 @@ def chunk_rows(n_per_row: int) -> int:
     return (MIN_CHUNK_ELEMENTS + n_per_row - 1) // n_per_row
 
 
-def fp16_values(b: np.ndarray) -> np.ndarray:
-    """(n, 2) uint8 fp16 bytes -> float32 (n,)."""
-    return np.ascontiguousarray(b).view("<f2").astype(np.float32).reshape(-1)
-
-
-# ---- bit unpacking (arrays (n_super_blocks, ...)) ----
-
-
-def unpack_2bit(qs: np.ndarray) -> np.ndarray:
-    """qs[64] -> 256 codes 0..3 (Q2_K, and the low bits of Q3_K).
-
-    For each half h (128 values) byte ``32h + l`` holds, from bit 0 up, the codes of values
-    ``128h + l``, ``+32``, ``+64``, ``+96``::
-
-        qs[32h + l] = L[128h+l] | L[128h+l+32]<<2 | L[128h+l+64]<<4 | L[128h+l+96]<<6
-    """
-    q = qs.reshape(-1, 2, 1, 32)
-    return ((q >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(-1, 256)
-
-
-def unpack_scales_k4(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """scales[12] -> (8 scales, 8 mins) of Q4_K/Q5_K (get_scale_min_k4).
-
-    bytes 0-3:  sc0..sc3 (bits 0-5) | high 2 bits of sc4..sc7 (bits 6-7)
-    bytes 4-7:  m0..m3  (bits 0-5) | high 2 bits of m4..m7  (bits 6-7)
-    bytes 8-11: low 4 bits of sc4..sc7 (bits 0-3) | low 4 bits of m4..m7 (bits 4-7)
-    """
-    sc = sc.astype(np.int64)
-    ls = np.concatenate([sc[:, 0:4] & 63, (sc[:, 8:12] & 0xF) | ((sc[:, 0:4] >> 6) << 4)], axis=1)
-    lm = np.concatenate([sc[:, 4:8] & 63, (sc[:, 8:12] >> 4) | ((sc[:, 4:8] >> 6) << 4)], axis=1)
-    return ls, lm
-
-
-def unpack_scales_q3(sc: np.ndarray) -> np.ndarray:
-    """scales[12] -> sixteen signed scales (ls - 32) of Q3_K as int64; ls is 6 bits:
-
-    bytes 0-7:  low 4 bits of scale j (bits 0-3) | low 4 bits of scale j+8 (bits 4-7)
-    bytes 8-11: byte 8+k holds the high 2 bits of scales k, k+4, k+8, k+12 at bits 0-1, 2-3, 4-5, 6-7
-    """
-    sc = sc.astype(np.int64)
-    low = np.concatenate([sc[:, 0:8] & 0xF, sc[:, 0:8] >> 4], axis=1)
-    j = np.arange(16)
-    high = (sc[:, 8 + j % 4] >> (2 * (j // 4))) & 3
-    return (low | (high << 4)) - 32
-
-
-def unpack_nibbles_k(qs: np.ndarray) -> np.ndarray:
-    """qs[128] -> 256 codes (Q4_K, low 4 bits of Q5_K): ``qs[32c + l] = L[64c+l] | L[64c+32+l]<<4``."""
-    q = qs.reshape(-1, 4, 1, 32)
-    return np.concatenate([q & 0xF, q >> 4], axis=2).reshape(-1, 256)
-
-
-def unpack_q6(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
-    """(ql[128], qh[64]) -> 256 codes 0..63 of Q6_K.
-
-    Per half h (128 values, ql offset 64h, qh offset 32h), l = 0..31::
-
-        ql[64h + l]      = L[128h+l] & 0xF    | (L[128h+l+64] & 0xF) << 4
-        ql[64h + l + 32] = L[128h+l+32] & 0xF | (L[128h+l+96] & 0xF) << 4
-        qh[32h + l]      = L[128h+l]>>4 | (L[128h+l+32]>>4)<<2 | (L[128h+l+64]>>4)<<4 | (L[128h+l+96]>>4)<<6
-    """
-    ql = ql.reshape(-1, 2, 2, 32)
-    qh = qh.reshape(-1, 2, 1, 32)
-    lo = np.stack([ql[:, :, 0] & 0xF, ql[:, :, 1] & 0xF, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)
-    hi = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    return (lo | (hi << 4)).reshape(-1, 256)
-
-
-# ---- decoders ----
-
-
-def dequantize_q2_k(b):
-    sc = b[:, 0:16].astype(np.int64)
-    q = unpack_2bit(b[:, 16:80]).astype(np.int64).reshape(-1, 16, 16)
-    d = fp16_values(b[:, 80:82])[:, None]
-    dmin = fp16_values(b[:, 82:84])[:, None]
-    dl = (d * (sc & 0xF).astype(np.float32))[:, :, None]
-    ml = (dmin * (sc >> 4).astype(np.float32))[:, :, None]
-    return (dl * q.astype(np.float32) - ml).reshape(-1, 256)
-
-
-def dequantize_q3_k(b):
-    hmask = b[:, 0:32]
-    low = unpack_2bit(b[:, 32:96]).astype(np.int64)
-    hbit = np.unpackbits(hmask[:, None, :], axis=1, count=8, bitorder="little").reshape(-1, 256)
-    q = low - np.where(hbit == 1, 0, 4)
-    sc = unpack_scales_q3(b[:, 96:108])
-    d = fp16_values(b[:, 108:110])[:, None]
-    dl = (d * sc.astype(np.float32))[:, :, None]
-    return (dl * q.reshape(-1, 16, 16).astype(np.float32)).reshape(-1, 256)
-
-
-def dequantize_q45_k(b, nmax):
-    d = fp16_values(b[:, 0:2])[:, None]
-    dmin = fp16_values(b[:, 2:4])[:, None]
-    ls, lm = unpack_scales_k4(b[:, 4:16])
-    if nmax == 15:
-        q = unpack_nibbles_k(b[:, 16:144]).astype(np.int64)
-    else:
-        q = unpack_nibbles_k(b[:, 48:176]).astype(np.int64)
-        hbit = np.unpackbits(b[:, None, 16:48], axis=1, count=8, bitorder="little").reshape(-1, 256)
-        q = q + 16 * hbit
-    dl = (d * ls.astype(np.float32))[:, :, None]
-    ml = (dmin * lm.astype(np.float32))[:, :, None]
-    return (dl * q.reshape(-1, 8, 32).astype(np.float32) - ml).reshape(-1, 256)
-
-
-def dequantize_q6_k(b):
-    q = unpack_q6(b[:, 0:128], b[:, 128:192]).astype(np.int64) - 32
-    sc = b[:, 192:208].view(np.int8).astype(np.float32)
-    d = fp16_values(b[:, 208:210])[:, None]
-    return ((d * sc)[:, :, None] * q.reshape(-1, 16, 16).astype(np.float32)).reshape(-1, 256)
-
-
 # ---- the formats ----
 
 
-class _KQuant(BlockwiseReference, FamilyKernelFormat):
-    """The row kernels of kernels/kquants.py; numpy decoding per super-block."""
+class _KQuant(FamilyKernelFormat):
+    """The row kernels of kernels/kquants.py; the reference decoder of formats/decode.py."""
     kernel_module = kernels
     kernel_takes_flavor = True
     quant_paths = ALL_PATHS
+    dequantize_ref = decode.dequantize_ref
 
 
 class Q2_K(_KQuant, qtype=QuantType.Q2_K):
     # block_q2_K { uint8 scales[16]; uint8 qs[64]; fp16 d @80; fp16 dmin @82 }
     scale_fields = ((80, "<f2"), (82, "<f2"))
-    _dequantize_blocks = staticmethod(dequantize_q2_k)
 
     @classmethod
     def _kernel_quantize(cls, x, qw, has_qw, ik, out):
@@ -195,22 +77,18 @@ class Q2_K(_KQuant, qtype=QuantType.Q2_K):
 class Q3_K(_KQuant, qtype=QuantType.Q3_K):
     # block_q3_K { uint8 hmask[32]; uint8 qs[64]; uint8 scales[12]; fp16 d @108 }
     scale_fields = ((108, "<f2"),)
-    _dequantize_blocks = staticmethod(dequantize_q3_k)
 
 
 class Q4_K(_KQuant, qtype=QuantType.Q4_K):
     # block_q4_K { fp16 d @0; fp16 dmin @2; uint8 scales[12]; uint8 qs[128] }
     scale_fields = ((0, "<f2"), (2, "<f2"))
-    _dequantize_blocks = staticmethod(partial(dequantize_q45_k, nmax=15))
 
 
 class Q5_K(_KQuant, qtype=QuantType.Q5_K):
     # block_q5_K { fp16 d @0; fp16 dmin @2; uint8 scales[12]; uint8 qh[32]; uint8 qs[128] }
     scale_fields = ((0, "<f2"), (2, "<f2"))
-    _dequantize_blocks = staticmethod(partial(dequantize_q45_k, nmax=31))
 
 
 class Q6_K(_KQuant, qtype=QuantType.Q6_K):
     # block_q6_K { uint8 ql[128]; uint8 qh[64]; int8 scales[16]; fp16 d @208 }
     scale_fields = ((208, "<f2"),)
-    _dequantize_blocks = staticmethod(dequantize_q6_k)

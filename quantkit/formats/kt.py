@@ -29,60 +29,10 @@ from functools import lru_cache
 import numpy as np
 
 from ..kernels import kt as kernels
-from ..types import QK_K, QuantType
-from ._base import ALL_PATHS, KernelFormat, RowwiseReference
-from ..tables import IQ4K_VALUES
-from ._kt_codebook import IQ4_KT_SECOND_OFFSET, SPECS, codebook, trellis_values
-
-KV = IQ4K_VALUES[:16].astype(np.float32)
-
-
-# ---------------------------------------------------------------- decoders
-def _row_scale(row):
-    return row[:4].copy().view("<f4")[0]
-
-
-def dequantize_kt_row(name, row, n):
-    d = _row_scale(row)
-    nbl = n // QK_K
-    spec = SPECS[name]
-    if name == "iq1_kt":
-        b = row[4:].reshape(nbl, 56).astype(np.int64)
-        ib, j = np.arange(8)[:, None], np.arange(4)[None, :]
-        sh = b[:, :8]
-        codes = (b[:, 8:40].reshape(nbl, 8, 4) | ((b[:, 40 + 4 * (ib % 4) + j] << (8 - 4 * (ib // 4))) & 0xF00)
-                 | ((sh[:, :, None] << (8 - j)) & 0x1000))
-        sl = d * KV[sh & 0xF]
-    elif name == "iq2_kt":
-        b = row[4:].reshape(nbl, 68)
-        codes = b[:, 4:].copy().view("<u2").reshape(nbl, 8, 4).astype(np.int64)
-        s = b[:, :4].astype(np.int64)
-        sl = d * KV[np.concatenate([s & 0xF, s >> 4], axis=1)]
-    elif name == "iq3_kt":
-        b = row[4:].reshape(nbl, 100)
-        codes = b[:, 4:68].copy().view("<u2").reshape(nbl, 8, 4).astype(np.int64)
-        s = b[:, :4].astype(np.int64)
-        sl = d * np.concatenate([s & 0xF, s >> 4], axis=1).astype(np.float32)
-    else:
-        wds = row[4:].copy().view("<u4").reshape(nbl, 32).astype(np.int64)
-        head = wds[:, :8]
-        tail = row[4:].reshape(nbl, 128)[:, 32:].astype(np.int64)
-        g = np.arange(64)
-        flat = tail[:, g] | ((tail[:, 64 + g % 32] << (8 - 4 * (g // 32))) & 0xF00)
-        codes = flat.reshape(nbl, 8, 8) | (((head[:, :, None] >> (8 + 3 * np.arange(8))) & 7) << 12)
-        sl = d * (((head & 0xFF) >> 1) - 64).astype(np.float32)
-        second = (head & 1).astype(bool)
-        v1 = trellis_values(codes.reshape(-1), 4, False).reshape(nbl, 8, 32)
-        v2 = trellis_values(codes.reshape(-1), 4, False, IQ4_KT_SECOND_OFFSET).reshape(nbl, 8, 32)
-        v = np.where(second[:, :, None], v2, v1)
-        return (sl[:, :, None] * v).reshape(n).astype(np.float32)
-    v = trellis_values(codes.reshape(-1), spec.group, spec.is_abs).reshape(nbl, 8, 32)
-    out = sl[:, :, None] * v
-    if name == "iq3_kt":
-        qh = row[4:].reshape(nbl, 100)[:, 68:100].astype(np.int64)
-        neg = ((qh[:, None, :] >> np.arange(8)[None, :, None]) & 1).astype(bool)
-        out = np.where(neg, -out, out)
-    return out.reshape(n).astype(np.float32)
+from ..types import QuantType
+from . import decode
+from ._base import ALL_PATHS, KernelFormat
+from ._kt_codebook import IQ4_KT_SECOND_OFFSET, codebook
 
 
 # ---------------------------------------------------------------- formats
@@ -110,13 +60,10 @@ def _fast_iq4(x, qw, has_qw, out):
                               _kernel_tables("iq4_kt", IQ4_KT_SECOND_OFFSET))
 
 
-class _KT(RowwiseReference, KernelFormat):
+class _KT(KernelFormat):
     """The KT quantizers take the imatrix as it is (no QHelper clean-up)."""
     kind: int = 0
-
-    @classmethod
-    def _dequantize_row(cls, row, n):
-        return dequantize_kt_row(cls.traits.name, row, n)
+    dequantize_ref = decode.dequantize_ref
 
     @classmethod
     def _kernel_dequantize(cls, blocks, out):

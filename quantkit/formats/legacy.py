@@ -27,7 +27,7 @@ comes from a weighted search whose details differ between the projects:
 Q8_0 ignores the imatrix in both projects.
 
 The quantizers are the numba kernels of :mod:`quantkit.kernels.legacy`, which keep the C evaluation
-order of every float32 (or double) expression; the numpy decoders below are vectorised across blocks.
+order of every float32 (or double) expression; the reference decoder is formats/decode.py's.
 """
 from __future__ import annotations
 
@@ -35,28 +35,14 @@ import numpy as np
 
 from ..kernels import legacy as kernels
 from ..types import QuantType
+from . import decode
 from ._base import BlockFormat, KernelFormat
 
 QK = 32                     # values per block (QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK8_0)
 
 
-def _fp16_values(b: np.ndarray) -> np.ndarray:
-    """(n, 2) uint8 fp16 bytes -> float32 (n, 1)."""
-    return np.ascontiguousarray(b).view("<f2").astype(np.float32).reshape(-1, 1)
-
-
-def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
-    """qs (n_blocks, 16) -> codes (n_blocks, 32) in 0..15."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def _unpack_qh(qh: np.ndarray) -> np.ndarray:
-    """qh (n_blocks, 4) -> (n_blocks, 32) values 0 or 16 to add to the low nibbles."""
-    return np.unpackbits(qh, axis=-1, bitorder="little") << 4
-
-
 class _LegacyFormat(BlockFormat):
-    """Shared driver: the row kernels of kernels/legacy.py; numpy decoding per 32-value block."""
+    """Shared driver: the row kernels of kernels/legacy.py; the reference decoder of formats/decode.py."""
     nmax: int               # Q*_0: codes are l + nmax with l in -nmax..nmax-1; Q*_1: codes 0..nmax
     affine: bool = False    # stores an fp16 offset m after d
     high_bits: bool = False  # stores the 5th code bit in qh
@@ -80,23 +66,7 @@ class _LegacyFormat(BlockFormat):
         kernels.dequantize_rows(int(cls.qtype), blocks, kernels.FP16_TABLE, out)
         return out
 
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        n_rows = blocks.shape[0]
-        b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, cls.traits.type_size)
-        d = _fp16_values(b[:, 0:2])
-        off = 2
-        if cls.affine:
-            m = _fp16_values(b[:, 2:4])
-            off = 4
-        q = _unpack_nibbles(b[:, -16:]).astype(np.int32)
-        if cls.high_bits:
-            q = q | _unpack_qh(b[:, off:off + 4]).astype(np.int32)
-        if cls.affine:
-            y = q.astype(np.float32) * d + m
-        else:
-            y = (q - cls.nmax).astype(np.float32) * d
-        return y.reshape(n_rows, n_per_row)
+    dequantize_ref = decode.dequantize_ref
 
 
 # Without an imatrix mainline and ik run the same *_ref code; with one they differ (see above).
@@ -136,13 +106,6 @@ class Q8_0(_LegacyFormat, qtype=QuantType.Q8_0):
     quant_paths = _LEGACY_PATHS
     scale_fields = ((0, "<f2"),)
 
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, cls.traits.type_size)
-        d = _fp16_values(b[:, 0:2])
-        y = b[:, 2:].view(np.int8).astype(np.float32) * d
-        return y.reshape(blocks.shape[0], n_per_row)
-
 
 class Q6_0(KernelFormat, _LegacyFormat, qtype=QuantType.Q6_0):
     """ik_llama.cpp's 6-bit block (llama-quantize's fallback for IQ5_K/Q5_K rows that are not a
@@ -161,12 +124,3 @@ class Q6_0(KernelFormat, _LegacyFormat, qtype=QuantType.Q6_0):
     @staticmethod
     def _kernel_dequantize(blocks, out):
         kernels.dequantize_rows_q6_0(blocks, kernels.FP16_TABLE, out)
-
-    @classmethod
-    def dequantize_ref(cls, blocks, n_per_row):
-        b = np.ascontiguousarray(blocks, np.uint8).reshape(-1, cls.traits.type_size)
-        d = _fp16_values(b[:, 0:2])
-        qh, qs = b[:, 2:10].astype(np.int32), b[:, 10:26].astype(np.int32)
-        h = np.concatenate([qh & 0xF, qh >> 4], axis=-1)            # 4-bit pair of qs byte j
-        q = np.concatenate([(qs & 0xF) | ((h << 4) & 0x30), (qs >> 4) | ((h << 2) & 0x30)], axis=-1)
-        return ((q - 32).astype(np.float32) * d).reshape(blocks.shape[0], n_per_row)

@@ -8,7 +8,8 @@ take the bits apart, multiply and add in SIMD registers, at byte offsets that ar
 the compiled kernel.
 
 The main one, :func:`chunk_dot`, reads a chunk of blocks described by a static list of
-:class:`Run` (where each run's bits sit, how they combine, where its scale is), with the
+:class:`~quantkit.layouts.Run` (where each run's bits sit, how they combine, where its scale is;
+the types' layouts are declared in quantkit/layouts.py), with the
 activations rounded to 8 bits per 32 as ggml's q8_0 does:
 
     code j of a run    (a[off + j] >> shift) & mask            (split: a 16-byte block's low
@@ -33,8 +34,6 @@ and float16 dots are tested through the kernels that use them (F32/F16 products,
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 from llvmlite import ir
 from numba.core import cgutils
@@ -42,6 +41,7 @@ from numba.core import types as nbt
 from numba.extending import intrinsic
 
 from ..cpu import half_to_float, target
+from ..layouts import Run
 
 # which x86 intrinsics the byte products may emit: those of the target numba compiles for
 # (quantkit.cpu), never more: LLVM aborts the process on an instruction it cannot select.
@@ -182,80 +182,6 @@ def _low(a, off, shift, mask, n):
 
 
 # ---- chunks: many runs of codes, each with its own scale, accumulated in one vector ----
-
-class Run(NamedTuple):
-    """One run of codes in a chunk; byte offsets are relative to the chunk's first byte, value
-    offsets to its first value."""
-    n: int                      # values (8, 16 or 32)
-    xoff: int                   # the run's first value
-    off: int                    # first byte of the low bits
-    shift: int | None = None    # low bits (byte >> shift) & mask; None: the bytes are int8 codes
-    mask: int | None = None
-    hoff: int | None = None     # a plane of high bits, ((byte >> hshift) & hmask) << hpos
-    hshift: int = 0
-    hmask: int = 0
-    hpos: int = 4
-    bias: int = 0               # subtracted from the code (ignored with a table)
-    hword: int | None = None    # or high bit j is bit hbase + j of the 32-bit word at hword
-    hbase: int = 0
-    d_at: int | None = None     # the run's scale: the float16 at d_at (legacy), else the Super's
-    m_at: int | None = None     # a float16 min added to every value (Q4_1, Q5_1)
-    split: bool = False         # n/2 bytes at off: codes 0..n/2-1 their low nibbles, then the high
-
-    def moved(self, byte_delta: int, value_delta: int) -> "Run":
-        """The same run in a block byte_delta bytes and value_delta values further on."""
-        def mv(v):
-            return None if v is None else v + byte_delta
-        return self._replace(xoff=self.xoff + value_delta, off=self.off + byte_delta, hoff=mv(self.hoff),
-                             hword=mv(self.hword), d_at=mv(self.d_at), m_at=mv(self.m_at))
-
-
-class Scale(NamedTuple):
-    """A small integer read from a super-block's bytes (a run's scale, a group's min); offsets
-    relative to the super-block's first byte:
-
-        v = ((a[at] >> shift) & mask | ((a[hi_at] >> hi_shift) & hi_mask) << hi_pos) - bias
-        int8(a[at])                                                 (signed)
-        then 2 v + 1 (odd), and -v where bit neg_bit of a[neg_at] is set"""
-    at: int
-    shift: int = 0
-    mask: int = 0xFF
-    hi_at: int | None = None
-    hi_shift: int = 0
-    hi_mask: int = 0
-    hi_pos: int = 4
-    bias: int = 0
-    signed: bool = False
-    odd: bool = False
-    neg_at: int | None = None
-    neg_bit: int = 0
-
-    def value(self, a, o) -> int:
-        if self.signed:
-            v = int(np.int8(a[o + self.at]))
-        else:
-            v = (int(a[o + self.at]) >> self.shift) & self.mask
-            if self.hi_at is not None:
-                v |= ((int(a[o + self.hi_at]) >> self.hi_shift) & self.hi_mask) << self.hi_pos
-            v -= self.bias
-        if self.odd:
-            v = 2 * v + 1
-        if self.neg_at is not None and (int(a[o + self.neg_at]) >> self.neg_bit) & 1:
-            v = -v
-        return v
-
-
-class Super(NamedTuple):
-    """What a super-block chunk reads besides its runs: value = d * scale_k * code (- dmin * m_g)."""
-    d_at: int | None                # the float16 super-block scale (None: 1, and the row's scale
-                                    # multiplies the row: the *_KS types)
-    scales: tuple                   # run k's integer scale (Scale)
-    dmin_at: int | None = None      # a float16 scale of the mins (Q4_K, Q5_K)
-    mins: tuple = ()                # 32-group g's integer min (Scale)
-    run_mins: tuple = ()            # or run k's integer min (Scale; Q2_K: one per 16 values)
-    grid: tuple = ()                # with a table: run k's (byte, bit) moving its 16-entry window
-    grid_step: int = 0              # of the grid by grid_step entries where set
-
 
 def _fma(builder, a, b, c):
     """a * b + c rounded once (<n x float>): llvm.fma, on every target (module docstring)."""

@@ -1,0 +1,368 @@
+"""The reference decoder: stored bytes -> float32 rows, one per type, for numpy and torch alike.
+
+Written once against a small array namespace (:class:`ArrayNamespace`: ``NUMPY`` here,
+runtime/torch_decode.py's ``TORCH``): indexing, slicing, shifts, masks and products are spelled the same in both libraries;
+what differs (reading a float16 from bytes, concatenating, constants on a device) goes through
+the namespace.  The numba decoders in kernels/ are the fast implementation; the tests hold them
+to this one bit for bit, type by type (formats' ``reference=True``, the torch backend).
+
+* Types with a block layout (quantkit/layouts.py: legacy blocks, k-quants, IQ4_XS and ik's IQK
+  types) are decoded from it: per value of a block, where its code bits sit and which scale it
+  takes, derived once per type (:func:`_value_map`); a few gathers decode every block at once.
+* IQ2_KL, IQ4_KSS and the trellis KT types, whose codes the layout records cannot describe (value
+  pairs, xor-folded words, hashed codebooks), have a decoder written by hand below.
+
+The arithmetic follows ggml's dequantize_row_* (products in the same order: (d * scale) * value
+- dmin * min), so every library gives the numba kernels' float32 values exactly.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+
+from ..kernels.iq2kl import PAIRS
+from ..layouts import LAYOUTS, Layout
+from ..tables import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, IQ4K_VALUES
+from ..types import QuantType, traits
+from ._kt_codebook import IQ4_KT_SECOND_OFFSET, OFFSET, SPECS, trellis_values
+
+T = QuantType
+
+
+class ArrayNamespace:
+    """What numpy and torch spell differently, as functions (positional arguments, which both
+    libraries take alike): ``cat(arrays, axis)``, ``stack(arrays, axis)``, ``repeat(a, n, axis)``
+    (each row n times), ``where(cond, a, b)``; ``ints`` / ``floats``: an array as int64 / float32;
+    ``as_f16`` / ``as_f32``: contiguous bytes (n, 2) / (n, 4) read as (n, 1) float16 / float32;
+    ``device(a)`` and ``to_device(numpy_array, a)``: where an array lives, and a constant put there.
+    Codes and scales are int32 (half the memory traffic of int64); index tables int64."""
+
+    def __init__(self, *, ints, floats, as_f16, as_f32, cat, stack, repeat, where, device, to_device):
+        self.ints, self.floats, self.as_f16, self.as_f32 = ints, floats, as_f16, as_f32
+        self.cat, self.stack, self.repeat, self.where = cat, stack, repeat, where
+        self._device, self._to_device = device, to_device
+        self._consts: dict = {}
+
+    def const(self, like, key, make):
+        """The constant ``make()`` (a numpy array: an index table, a grid) where ``like`` lives,
+        made once per device."""
+        full = (key, self._device(like))
+        if full not in self._consts:
+            self._consts[full] = self._to_device(np.ascontiguousarray(make()), like)
+        return self._consts[full]
+
+    def f16(self, b, at):
+        """The float16 at byte ``at`` of every row of b (uint8), as float32 (n, 1)."""
+        return self.floats(self.as_f16(b[:, at:at + 2]))
+
+    def f32(self, b, at):
+        return self.as_f32(b[:, at:at + 4])
+
+
+NUMPY = ArrayNamespace(
+    ints=lambda a: np.asarray(a).astype(np.int32), floats=lambda a: np.asarray(a).astype(np.float32),
+    as_f16=lambda b: np.ascontiguousarray(b).view("<f2"), as_f32=lambda b: np.ascontiguousarray(b).view("<f4"),
+    cat=np.concatenate, stack=np.stack, repeat=np.repeat, where=np.where,
+    device=lambda a: "numpy", to_device=lambda a, like: a)
+
+
+# ---- types with a layout ----
+
+class _ValueMap(NamedTuple):
+    """Per value of a block, from its layout's runs: code = ((byte[low_at] >> low_shift) & low_mask)
+    | ((byte[high_at] >> high_shift) & high_mask) << high_pos; ``run`` the run it belongs to."""
+    low_at: np.ndarray
+    low_shift: np.ndarray
+    low_mask: np.ndarray
+    high_at: np.ndarray
+    high_shift: np.ndarray
+    high_mask: np.ndarray
+    high_pos: np.ndarray
+    bias: np.ndarray
+    run: np.ndarray
+
+
+_INDEX_FIELDS = {"low_at", "high_at", "run", "at", "hi_at", "neg_at"}       # int64: they index
+
+
+@lru_cache(maxsize=None)
+def _value_map(qtype: QuantType) -> _ValueMap:
+    lay = LAYOUTS[qtype]
+    cols = [np.zeros(lay.block_values, np.int64 if f in _INDEX_FIELDS else np.int32) for f in _ValueMap._fields]
+    m = _ValueMap(*cols)
+    seen = np.zeros(lay.block_values, bool)
+    for k, r in enumerate(lay.runs):
+        assert r.hoff is None or r.hword is None
+        for j in range(r.n):
+            v = r.xoff + j
+            assert not seen[v]
+            seen[v] = True
+            m.run[v], m.bias[v] = k, r.bias
+            if r.shift is None:                          # int8 codes: signed by _codes
+                m.low_at[v], m.low_mask[v] = r.off + j, 0xFF
+            elif r.split:                                # low nibbles first, then the high ones
+                m.low_at[v], m.low_shift[v], m.low_mask[v] = r.off + j % (r.n // 2), 4 * (2 * j >= r.n), r.mask
+            else:
+                m.low_at[v], m.low_shift[v], m.low_mask[v] = r.off + j, r.shift, r.mask
+            m.high_at[v] = m.low_at[v]
+            if r.hoff is not None:
+                m.high_at[v], m.high_shift[v], m.high_mask[v], m.high_pos[v] = r.hoff + j, r.hshift, r.hmask, r.hpos
+            elif r.hword is not None:                    # bit hbase + j of a little-endian uint32
+                bit = r.hbase + j
+                m.high_at[v], m.high_shift[v], m.high_mask[v], m.high_pos[v] = r.hword + bit // 8, bit % 8, 1, r.hpos
+    assert seen.all(), f"{qtype!r}: the runs do not tile the block"
+    return m
+
+
+class _ScaleMap(NamedTuple):
+    """The Scale records of one list (layouts.Scale), field by field."""
+    at: np.ndarray
+    shift: np.ndarray
+    mask: np.ndarray
+    hi_at: np.ndarray
+    hi_shift: np.ndarray
+    hi_mask: np.ndarray
+    hi_pos: np.ndarray
+    bias: np.ndarray
+    odd: np.ndarray
+    neg_at: np.ndarray
+    neg_mask: np.ndarray
+    neg_bit: np.ndarray
+
+
+@lru_cache(maxsize=None)
+def _scale_map(specs: tuple) -> tuple[_ScaleMap, bool]:
+    """(the fields of ``specs`` as arrays, whether they are int8 bytes)."""
+    signed = {sp.signed for sp in specs}
+    assert len(signed) == 1
+    col = lambda f: np.array([f(sp) for sp in specs], np.int32)      # noqa: E731
+    idx = lambda f: np.array([f(sp) for sp in specs], np.int64)      # noqa: E731
+    return _ScaleMap(
+        at=idx(lambda sp: sp.at), shift=col(lambda sp: sp.shift), mask=col(lambda sp: sp.mask),
+        hi_at=idx(lambda sp: sp.at if sp.hi_at is None else sp.hi_at), hi_shift=col(lambda sp: sp.hi_shift),
+        hi_mask=col(lambda sp: 0 if sp.hi_at is None else sp.hi_mask), hi_pos=col(lambda sp: sp.hi_pos),
+        bias=col(lambda sp: sp.bias), odd=col(lambda sp: int(sp.odd)),
+        neg_at=idx(lambda sp: sp.at if sp.neg_at is None else sp.neg_at),
+        neg_mask=col(lambda sp: int(sp.neg_at is not None)), neg_bit=col(lambda sp: sp.neg_bit)), signed.pop()
+
+
+def _consts(xp, like, key, arrays: NamedTuple):
+    return type(arrays)(*(xp.const(like, (key, name), lambda a=a: a) for name, a in zip(arrays._fields, arrays)))
+
+
+def _small_ints(xp, blk, specs):
+    """The integers ``specs`` (layouts.Scale) describe, for every block: (n_blocks, len(specs))."""
+    sm, signed = _scale_map(specs)
+    c = _consts(xp, blk, ("scales", specs), sm)
+    if signed:
+        v = (blk[:, c.at] ^ 0x80) - 0x80
+    else:
+        v = ((blk[:, c.at] >> c.shift) & c.mask) | (((blk[:, c.hi_at] >> c.hi_shift) & c.hi_mask) << c.hi_pos)
+        v = v - c.bias
+    if sm.odd.any():
+        v = v * (1 + c.odd) + c.odd                                  # 2 v + 1
+    if sm.neg_mask.any():
+        v = v * (1 - 2 * ((blk[:, c.neg_at] >> c.neg_bit) & c.neg_mask))
+    return v
+
+
+def _cubic_iq6_k(xp, code, grid_bit):
+    """IQ6_K's to_float: a cubic in the 6-bit code, plus the grid bit (its matrix products read the
+    grid of its layout instead; the two differ by up to 0.49 of a step)."""
+    q = xp.floats(code)
+    return (A_IQ6K + q * (B_IQ6K + q * (-C_IQ6K + q * D_IQ6K))) + xp.floats(grid_bit)
+
+
+# types whose to_float does not read their layout's grid
+_TO_FLOAT = {T.IQ6_K: _cubic_iq6_k}
+
+
+def _decode_layout(xp, b, lay: Layout, n_per_row: int, products: bool = False):
+    n_rows = b.shape[0]
+    meta = lay.row_scale_bytes
+    raw = b[:, meta:].reshape(-1, lay.block_bytes)
+    blk = xp.ints(raw)
+    m = _consts(xp, b, ("values", lay.qtype), _value_map(lay.qtype))
+    code = ((blk[:, m.low_at] >> m.low_shift) & m.low_mask) | (((blk[:, m.high_at] >> m.high_shift) & m.high_mask) << m.high_pos)
+    if lay.runs[0].shift is None:
+        code = (code ^ 0x80) - 0x80                                 # int8 codes (Q8_0)
+    sup = lay.sup
+    grid_bit = 0
+    if sup is not None and sup.grid:
+        at = xp.const(b, ("grid_at", lay.qtype), lambda: np.array([a for a, _ in sup.grid], np.int64))
+        bit = xp.const(b, ("grid_bit", lay.qtype), lambda: np.array([s for _, s in sup.grid], np.int32))
+        grid_bit = ((blk[:, at] >> bit) & 1)[:, m.run]
+    to_float = None if products else _TO_FLOAT.get(lay.qtype)
+    if to_float is not None:
+        v = to_float(xp, code, grid_bit)
+    elif lay.grid is not None:
+        grid = xp.const(b, ("grid", lay.qtype), lambda: lay.grid.astype(np.float32))
+        v = grid[code + sup.grid_step * grid_bit] if sup is not None and sup.grid else grid[code]
+    else:
+        v = xp.floats(code - m.bias)
+    if sup is None:                                                 # legacy: a float16 d (and m) per block
+        (d_at,), (m_at,) = {r.d_at for r in lay.runs}, {r.m_at for r in lay.runs}
+        y = v * xp.f16(raw, d_at)
+        if m_at is not None:
+            y = y + xp.f16(raw, m_at)
+        return y.reshape(n_rows, n_per_row)
+    if sup.d_at is not None:
+        d = xp.f16(raw, sup.d_at)
+    else:                                                           # the row's scale, for each block
+        d = xp.repeat(xp.f32(b, 0) if meta == 4 else xp.f16(b, 0), n_per_row // lay.block_values, 0)
+    y = (d * xp.floats(_small_ints(xp, blk, sup.scales)))[:, m.run] * v
+    if sup.mins:
+        group = xp.const(b, ("group", lay.qtype), lambda: np.arange(lay.block_values) // 32)
+        y = y - (xp.f16(raw, sup.dmin_at) * xp.floats(_small_ints(xp, blk, sup.mins)))[:, group]
+    if sup.run_mins:
+        y = y - (xp.f16(raw, sup.dmin_at) * xp.floats(_small_ints(xp, blk, sup.run_mins)))[:, m.run]
+    return y.reshape(n_rows, n_per_row)
+
+
+# ---- hand-written: the row-scaled types the layout records cannot describe ----
+
+def _row_blocks(xp, b, n_per_row, qtype):
+    """Rows that start with a scale: (the scale per block (n_blocks, 1) float32, the blocks as int64
+    (n_blocks, block bytes))."""
+    t = traits(qtype)
+    d = xp.f32(b, 0) if t.row_meta_size == 4 else xp.f16(b, 0)
+    return xp.repeat(d, n_per_row // t.block_size, 0), xp.ints(b[:, t.row_meta_size:].reshape(-1, t.type_size))
+
+
+def _arange(xp, like, n):
+    return xp.const(like, ("arange", n), lambda: np.arange(n))
+
+
+def _table(xp, like, key, values):
+    return xp.const(like, ("table", key), lambda: np.asarray(values, np.float32))
+
+
+def _iq2_kl(xp, b, n_per_row):
+    """An fp16 row scale, then blocks { scales_h u16 @0 (2 bits per 32-group); scales_l[4] @2
+    (group ib: nibble ib // 4 of byte ib % 4); qs[64] @6; qh[16] @70 }: 5-bit codes of value pairs
+    (kernels.iq2kl.PAIRS), group ib's 16 codes from nibble ib % 2 of qs[16 (ib // 2)..], bit 4
+    bit ib of qh[..]."""
+    d, blk = _row_blocks(xp, b, n_per_row, T.IQ2_KL)
+    ib = _arange(xp, b, 8)
+    scales_h = blk[:, 0:1] | (blk[:, 1:2] << 8)
+    uls = ((blk[:, 2 + ib % 4] >> (4 * (ib // 4))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4)
+    qs = blk[:, 6:70].reshape(-1, 4, 16)
+    lo = xp.stack([qs & 0xF, qs >> 4], 2).reshape(-1, 8, 16)
+    hi = (blk[:, None, 70:86] >> ib[None, :, None]) & 1
+    pairs = _table(xp, b, "iq2_kl", PAIRS)[lo | (hi << 4)]                 # (n_blocks, 8, 16, 2)
+    dl = d * xp.floats(uls - 32)
+    return (dl[:, :, None, None] * pairs).reshape(b.shape[0], n_per_row)
+
+
+def _iq4_kss(xp, b, n_per_row):
+    """A float32 row scale, then per 32 values 8 u16 words: bit 0 of word k is bit k of the group's
+    scale byte, bits 1-15 hold the 4-bit codes of 4 values, xor-folded (a ^= a >> 1 undoes it);
+    bit 0 of the scale byte picks the shifted half of IQ4_K's grid, (byte & 254) - 127 the scale."""
+    n_rows = b.shape[0]
+    d = xp.repeat(xp.f32(b, 0), n_per_row // 32, 0)
+    raw = xp.ints(b[:, 4:].reshape(-1, 16))
+    w = raw[:, 0::2] | (raw[:, 1::2] << 8)                           # (n_groups, 8)
+    ls = ((w & 1) << _arange(xp, b, 8)).sum(1)
+    a = w & 0xFFFE
+    a = a ^ (a >> 1)
+    qs = xp.stack([a & 0xFF, a >> 8], -1).reshape(-1, 16)
+    q = xp.cat([qs & 0xF, qs >> 4], 1)
+    grid = _table(xp, b, "iq4_k", IQ4K_VALUES)
+    v = grid[q + 16 * (ls & 1)[:, None]]
+    dl = d.reshape(-1) * xp.floats((ls & 254) - 127)
+    return (dl[:, None] * v).reshape(n_rows, n_per_row)
+
+
+# ---- hand-written: trellis (IQn_KT), a float32 row scale, then 256-value blocks of 8 sub-blocks ----
+#
+# A code selects a group of 8 (IQ4_KT: 4) integer values made by a hash; they are a fixed table
+# per type (2^bits x group, formats._kt_codebook.trellis_values), made once, so decoding is bit
+# extraction, one gather and one product: value = (d * scale) * table[code].
+
+def _trellis(xp, like, name, offset=OFFSET):
+    spec = SPECS[name]
+    return xp.const(like, ("trellis", name, offset),
+                    lambda: trellis_values(np.arange(1 << spec.num_bits), spec.group, spec.is_abs, offset))
+
+
+def _iq1_kt(xp, b, n_per_row):
+    """56 B: sh[8] | ql[32] | qh[16]; code (ib, j) = ql[4 ib + j] | nibble ib // 4 of
+    qh[4 (ib % 4) + j] << 8 | bit 4 + j of sh[ib] << 12; scale: IQ4_NL's grid at sh & 15."""
+    d, blk = _row_blocks(xp, b, n_per_row, T.IQ1_KT)
+    sh, ql = blk[:, :8], blk[:, 8:40].reshape(-1, 8, 4)
+    ib, j = _arange(xp, b, 8)[:, None], _arange(xp, b, 4)[None, :]
+    hi = (blk[:, 40 + 4 * (ib % 4) + j] << (8 - 4 * (ib // 4))) & 0xF00
+    codes = ql | hi | ((sh[:, :, None] << (8 - j)) & 0x1000)
+    sl = d * _table(xp, b, "iq4_nl", IQ4K_VALUES[:16])[sh & 0xF]
+    return (sl[:, :, None, None] * _trellis(xp, b, "iq1_kt")[codes]).reshape(b.shape[0], n_per_row)
+
+
+def _iq23_kt(xp, b, n_per_row, name):
+    """scales[4] | 16-bit codes[32] (| qh[32] signs for IQ3_KT: bit ib of qh[j] negates value j of
+    sub-block ib); sub-block ib's scale nibble ib // 4 of byte ib % 4: IQ2_KT's the IQ4_NL grid
+    entry, IQ3_KT's the nibble itself."""
+    three = name == "iq3_kt"
+    d, blk = _row_blocks(xp, b, n_per_row, T.IQ3_KT if three else T.IQ2_KT)
+    codes = (blk[:, 4:68:2] | (blk[:, 5:68:2] << 8)).reshape(-1, 8, 4)
+    s = blk[:, :4]
+    nib = xp.cat([s & 0xF, s >> 4], 1)
+    sl = d * (xp.floats(nib) if three else _table(xp, b, "iq4_nl", IQ4K_VALUES[:16])[nib])
+    v = (sl[:, :, None, None] * _trellis(xp, b, name)[codes]).reshape(-1, 8, 32)
+    if three:
+        neg = ((blk[:, None, 68:100] >> _arange(xp, b, 8)[None, :, None]) & 1) == 1
+        v = xp.where(neg, -v, v)
+    return v.reshape(b.shape[0], n_per_row)
+
+
+def _iq4_kt(xp, b, n_per_row):
+    """128 B: 8 uint32 words (bit 0: second table, bits 1-7: scale + 64, bits 8 + 3 j..: code bits
+    12-14 of group j) | ql[64] (code bits 0-7) | qh[32] (bits 8-11 of group g in nibble g // 32 of
+    qh[g % 32]); 15-bit codes of 4 values."""
+    d, blk = _row_blocks(xp, b, n_per_row, T.IQ4_KT)
+    head = blk[:, 0:32:4] | (blk[:, 1:32:4] << 8) | (blk[:, 2:32:4] << 16) | (blk[:, 3:32:4] << 24)     # (n, 8)
+    g = _arange(xp, b, 64)
+    low = (blk[:, 32 + g] | ((blk[:, 96 + g % 32] << (8 - 4 * (g // 32))) & 0xF00)).reshape(-1, 8, 8)
+    codes = low | (((head[:, :, None] >> (8 + 3 * _arange(xp, b, 8))) & 7) << 12)
+    first = _trellis(xp, b, "iq4_kt")[codes]
+    second = _trellis(xp, b, "iq4_kt", IQ4_KT_SECOND_OFFSET)[codes]
+    v = xp.where(((head & 1) == 1)[:, :, None, None], second, first)
+    sl = d * xp.floats(((head & 0xFF) >> 1) - 64)
+    return (sl[:, :, None, None] * v).reshape(b.shape[0], n_per_row)
+
+
+_HAND_WRITTEN = {
+    T.IQ2_KL: _iq2_kl, T.IQ4_KSS: _iq4_kss, T.IQ1_KT: _iq1_kt, T.IQ4_KT: _iq4_kt,
+    T.IQ2_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq2_kt"), T.IQ3_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq3_kt"),
+}
+assert not set(_HAND_WRITTEN) & set(LAYOUTS)
+
+
+def can_decode(qtype) -> bool:
+    qtype = QuantType(qtype)
+    return qtype in LAYOUTS or qtype in _HAND_WRITTEN
+
+
+def decode(xp, b, qtype, n_per_row: int, products: bool = False):
+    """uint8 (n_rows, row_size) of ``qtype`` -> float32 (n_rows, n_per_row), in the library of ``xp``
+    (NUMPY, or torch_decode's).  ``products``: IQ6_K's values as its matrix products (the grid), not
+    as its to_float."""
+    qtype = QuantType(qtype)
+    assert b.shape[1] == traits(qtype).row_size(n_per_row)
+    if qtype in LAYOUTS:
+        return _decode_layout(xp, b, LAYOUTS[qtype], n_per_row, products)
+    return _HAND_WRITTEN[qtype](xp, b, n_per_row)
+
+
+def dequantize(blocks: np.ndarray, qtype, n_per_row: int, products: bool = False) -> np.ndarray:
+    """:func:`decode` in numpy."""
+    b = np.ascontiguousarray(blocks, np.uint8)
+    return decode(NUMPY, b.reshape(b.shape[0], -1), qtype, n_per_row, products)
+
+
+@classmethod
+def dequantize_ref(cls, blocks, n_per_row):
+    """``BlockFormat.dequantize_ref`` of every format decoded here (``dequantize_ref =
+    decode.dequantize_ref`` in its class)."""
+    return dequantize(blocks, cls.qtype, n_per_row)

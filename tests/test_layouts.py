@@ -1,0 +1,85 @@
+"""The block layouts (quantkit/layouts.py) and the reference decoder built on them
+(formats/decode.py), on any bytes: numpy and torch decode them alike, and as the numba kernels do.
+
+The quantizer tests decode what quantizers write; here every code, packed scale, grid bit and min
+takes random values, with the float scales random but finite.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from quantkit import formats
+from quantkit.formats import decode
+from quantkit.layouts import LAYOUTS
+from quantkit.types import QuantType, traits, type_name
+
+DECODED = [q for q in QuantType if decode.can_decode(q)]
+N_PER_ROW = 512
+
+
+def random_rows(qtype, n_rows: int, seed: int) -> np.ndarray:
+    """Random bytes for n_rows rows of qtype, each float16 / float32 scale a random finite value."""
+    t = traits(qtype)
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n_rows, t.row_size(N_PER_ROW)), dtype=np.uint8)
+    if t.row_meta_size == 4:
+        b[:, :4] = rng.uniform(-2, 2, (n_rows, 1)).astype("<f4").view(np.uint8)
+    elif t.row_meta_size == 2:
+        b[:, :2] = rng.uniform(-2, 2, (n_rows, 1)).astype("<f2").view(np.uint8)
+    lay = LAYOUTS.get(qtype)
+    if lay is not None:
+        halves = {at for r in lay.runs for at in (r.d_at, r.m_at) if at is not None}
+        if lay.sup is not None:
+            halves |= {at for at in (lay.sup.d_at, lay.sup.dmin_at) if at is not None}
+        blocks = b[:, t.row_meta_size:].reshape(n_rows, -1, t.type_size)
+        for at in halves:
+            blocks[:, :, at:at + 2] = rng.uniform(-2, 2, blocks.shape[:2] + (1,)).astype("<f2").view(np.uint8)
+    return b
+
+
+@pytest.mark.parametrize("qtype", list(LAYOUTS), ids=type_name)
+def test_layout_runs_tile_the_block_inside_its_bytes(qtype):
+    lay = LAYOUTS[qtype]
+    t = traits(qtype)
+    assert (lay.block_bytes, lay.block_values, lay.row_scale_bytes) == (t.type_size, t.block_size, t.row_meta_size)
+    values = sorted(v for r in lay.runs for v in range(r.xoff, r.xoff + r.n))
+    assert values == list(range(t.block_size))
+    for r in lay.runs:
+        low_bytes = r.n // 2 if r.split else r.n
+        reads = [r.off + low_bytes - 1, *(at + 1 for at in (r.d_at, r.m_at) if at is not None)]
+        if r.hoff is not None:
+            reads.append(r.hoff + r.n - 1)
+        if r.hword is not None:
+            reads.append(r.hword + 3)
+        assert max(reads) < t.type_size, r
+    if lay.sup is not None:
+        assert len(lay.sup.scales) == len(lay.runs)
+        assert all(sp.at < t.type_size for sp in (*lay.sup.scales, *lay.sup.mins, *lay.sup.run_mins))
+
+
+@pytest.mark.parametrize("qtype", DECODED, ids=type_name)
+def test_reference_decoder_equals_numba_on_random_bytes(qtype):
+    b = random_rows(qtype, 3, int(qtype))
+    ref = formats.dequantize(b, qtype, N_PER_ROW, reference=True)
+    assert ref.dtype == np.float32 and ref.shape == (3, N_PER_ROW) and np.isfinite(ref).all()
+    np.testing.assert_array_equal(ref, formats.dequantize(b, qtype, N_PER_ROW))
+
+
+@pytest.mark.parametrize("qtype", DECODED, ids=type_name)
+def test_numpy_and_torch_decode_alike_on_random_bytes(qtype):
+    torch = pytest.importorskip("torch")
+    from quantkit.runtime import torch_decode
+    b = random_rows(qtype, 3, 1000 + int(qtype))
+    got = torch_decode.decode(torch.from_numpy(b), qtype, N_PER_ROW).numpy()
+    np.testing.assert_array_equal(got, decode.dequantize(b, qtype, N_PER_ROW))
+
+
+def test_iq6_k_decodes_by_its_cubic_and_multiplies_by_its_grid():
+    """IQ6_K's to_float (the reference decoder) is a cubic in the code; its matrix products (and so
+    runtime/matvec.py) read the grid its layout names, which is not the same."""
+    b = random_rows(QuantType.IQ6_K, 2, 6)
+    cubic = decode.dequantize(b, QuantType.IQ6_K, N_PER_ROW)
+    grid = decode.dequantize(b, QuantType.IQ6_K, N_PER_ROW, products=True)
+    assert np.isfinite(cubic).all() and np.isfinite(grid).all()
+    assert not np.array_equal(cubic, grid)
