@@ -168,6 +168,25 @@ def preset_or_type_hint(text: str, flavor: str, loaded_only: bool = True) -> str
     return did_you_mean(text, names)
 
 
+def type_label(text: str, flavor: str) -> str | None:
+    """The name llama-quantize gives the type ``text`` names (a preset as spelled, upper case; a
+    preset's ftype number as the preset; a ggml type; COPY), or None when it names no type: what
+    ``quantize IN TYPE`` calls its output, ggml-model-<label>.gguf."""
+    if not text or text != text.strip():
+        return None
+    key = text.upper()
+    if key == "COPY":
+        return key
+    preset = find_preset(text, flavor)
+    if preset is not None:
+        return preset.name if key.isdigit() else key
+    try:
+        type_from_name(text)
+    except ValueError:
+        return None
+    return key
+
+
 def preset_or_type(text: str, flavor: str) -> tuple[Preset | None, QuantType]:
     """What quantize's TYPE names in ``flavor``: a preset (which wins, as in llama-quantize) and its
     default type, or (None, a ggml type).  Anything else is an error naming the nearest names, or
@@ -823,4 +842,4 @@ def imatrix_problem(preset: Preset | None, flavor: str, tensors, imatrix_given: 
 
 
 __all__ = ["Preset", "PRESETS", "ALIASES", "FLAVORS", "ModelInfo", "find_preset", "preset_names", "preset_or_type",
-           "flavor_article", "mix_types", "tensor_requires_imatrix", "imatrix_problem", "layer_of"]
+           "type_label", "flavor_article", "mix_types", "tensor_requires_imatrix", "imatrix_problem", "layer_of"]
