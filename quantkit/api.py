@@ -13,9 +13,10 @@ and ``open_repack`` give a context that holds the open model and its plan, and w
         result = q.write()
 
 ``quantize_model`` / ``repack_model`` do both at once; ``plan_quantize`` / ``plan_repack`` only plan
-(a dry run).  ``inspect_model``, ``perplexity``, ``kl_divergence``, ``generate`` and
-``collect_imatrix`` are the other commands; the runtime ones take callbacks for a caller that shows
-progress.  The functions print nothing: warnings go to the ``quantkit`` logger.
+(a dry run).  ``inspect_model``, ``list_types``, ``perplexity``, ``kl_divergence``, ``generate``,
+``collect_imatrix``, ``convert_imatrix``, ``merge_imatrix``, ``imatrix_stats`` and ``warm_kernels``
+are the other commands; the long ones take callbacks for a caller that shows progress.  The
+functions print nothing: warnings go to the ``quantkit`` logger.
 """
 from __future__ import annotations
 
@@ -323,6 +324,14 @@ def inspect_model(path) -> dict:
         return describe(model)
 
 
+def list_types() -> dict:
+    """Every ggml type a GGUF file can hold and every llama-quantize preset of both flavors, with
+    sizes, ftypes, the flavors quantkit writes each in and whose llama.cpp loads it: what ``types
+    --json`` prints (``catalog.catalog``)."""
+    from .catalog import catalog
+    return catalog()
+
+
 # --------------------------------------------------------------------------- runtime
 MAX_TEXT_BYTES = 1024 ** 3      # calibration / evaluation text (-f): wiki.test.raw is 1.3 MB
 
@@ -484,9 +493,7 @@ def collect_imatrix(model, text_file, output="imatrix.gguf", *, ctx_size: int = 
     datasets = []
     stats = ActivationStats(process_output=process_output)
     if in_files:
-        raw = RawImatrix.from_file(in_files[0], ctx_size)
-        for p in in_files[1:]:
-            raw = raw.merged(RawImatrix.from_file(p, ctx_size))
+        raw = _read_imatrices(in_files, ctx_size)
         stats, datasets = ActivationStats.from_raw(raw, process_output), raw.datasets
     datasets.append(str(text_file))
     text = read_text_file(text_file, max_text_bytes)        # before the model loads: a bad -f fails fast
@@ -526,3 +533,108 @@ def collect_imatrix(model, text_file, output="imatrix.gguf", *, ctx_size: int = 
     raw.save(output)
     return ImatrixResult(output, len(stats.entries), len(chunk_list), ctx_size, math.exp(sum(nll) / len(nll)),
                          missing, warnings)
+
+
+# --------------------------------------------------------------------------- imatrix files
+def _read_imatrices(paths, chunk_size: int):
+    """The files' raw sums and counts, merged (``imatrix_tools.RawImatrix``)."""
+    from .imatrix_tools import RawImatrix
+    if not paths:
+        raise QuantkitError("no imatrix file given")
+    raw = RawImatrix.from_file(paths[0], chunk_size)
+    for p in paths[1:]:
+        raw = raw.merged(RawImatrix.from_file(p, chunk_size))
+    return raw
+
+
+@dataclass
+class ImatrixFile:
+    """What ``convert_imatrix`` / ``merge_imatrix`` wrote: the file, its entries, its chunks of
+    ``chunk_size`` tokens and how many files it was made from."""
+    file: Path
+    entries: int
+    chunks: int
+    chunk_size: int
+    inputs: int
+
+    def to_json(self) -> dict:
+        return {"file": str(self.file), "entries": self.entries, "chunks": self.chunks,
+                "chunk_size": self.chunk_size, "inputs": self.inputs}
+
+
+def merge_imatrix(in_files, output, *, chunk_size: int = 512) -> ImatrixFile:
+    """Merge imatrix files into ``output`` (.dat: the legacy format, else GGUF): sums and token
+    counts added, so each file weighs what it saw.  ``chunk_size``: tokens per chunk of the run that
+    made a legacy .dat input (it does not store it; GGUF inputs do)."""
+    from .outputs import check_outputs
+    in_files, output = [Path(p) for p in _many(in_files)], Path(output)
+    check_outputs([output], in_files, what="-o")
+    raw = _read_imatrices(in_files, chunk_size)
+    raw.save(output)
+    return ImatrixFile(output, len(raw.sums), raw.chunk_count, raw.chunk_size, len(in_files))
+
+
+def convert_imatrix(in_file, output, *, chunk_size: int = 512) -> ImatrixFile:
+    """Rewrite an imatrix in the format ``output``'s extension names (.dat legacy, else GGUF)."""
+    from .outputs import check_outputs
+    in_file, output = Path(in_file), Path(output)
+    check_outputs([output], [in_file])
+    raw = _read_imatrices([in_file], chunk_size)
+    raw.save(output)
+    return ImatrixFile(output, len(raw.sums), raw.chunk_count, raw.chunk_size, 1)
+
+
+@dataclass
+class ImatrixStats:
+    """An imatrix file looked inside (``imatrix stats``): per entry a row of statistics
+    (``RawImatrix.stats``) and the experts that got no token (``{entry: [expert, ...]}``)."""
+    file: Path
+    chunk_size: int
+    chunks: int
+    datasets: list[str]
+    entries: list[dict]
+    experts_without_data: dict[str, list[int]]
+
+    def to_json(self) -> dict:
+        return {"file": str(self.file), "chunk_size": self.chunk_size, "chunks": self.chunks,
+                "datasets": self.datasets, "entries": self.entries, "experts_without_data": self.experts_without_data}
+
+
+def imatrix_stats(path, *, chunk_size: int = 512, top: int = 5) -> ImatrixStats:
+    """Per entry of an imatrix: values, experts without data, and the importance of its columns
+    (sum, mean, σ, entropy, …, and the ``top`` most important columns)."""
+    if top < 1:
+        raise QuantkitError(f"top: {top} columns: give 1 or more")
+    path = Path(path)
+    raw = _read_imatrices([path], chunk_size)
+    return ImatrixStats(path, raw.chunk_size, raw.chunk_count, raw.datasets, raw.stats(top), raw.never_fired())
+
+
+# --------------------------------------------------------------------------- warmup
+@dataclass
+class KernelWarmup:
+    """What ``warm_kernels`` made ready: its steps (``warmup.Warmed``: what, kernels compiled,
+    seconds, numba's cache), their totals and where numba's cache is (None: no step said)."""
+    steps: list
+    compiles: int
+    seconds: float
+    cache: str | None
+
+    @classmethod
+    def of(cls, steps: list) -> "KernelWarmup":
+        return cls(steps, sum(w.compiles for w in steps), sum(w.seconds for w in steps),
+                   next((w.cache for w in steps if w.cache), None))
+
+    def to_json(self) -> dict:
+        return {"steps": [w.to_json() for w in self.steps], "seconds": self.seconds, "cache": self.cache}
+
+
+def warm_kernels(types=None, *, runtime: bool = False, flavor: str = "ik", on_step=None) -> KernelWarmup:
+    """Compile the numba kernels that quantize ``types`` (ggml types or presets, comma-separated or
+    a sequence; None: every type quantkit quantizes), and with ``runtime`` those the runtime
+    computes them with, into numba's cache (``quantkit warmup``).  ``on_step(warmup.Warmed)`` after
+    each step."""
+    from .warmup import warm
+    if flavor not in ("ik", "mainline"):
+        raise QuantkitError(f"flavor: '{flavor}' is none of ik, mainline")
+    return KernelWarmup.of(warm(list(_many(types)), runtime=runtime, flavor=flavor, on_step=on_step))

@@ -30,7 +30,7 @@ from .version import __version__
 from .api import MAX_TEXT_BYTES, parse_size  # noqa: F401  (the CLI's names for them)
 from .console import Console
 from .errors import QuantkitError
-from .types import type_from_name, type_name
+from .types import type_name
 from .words import counted
 
 out = Console(highlight=False, markup=False, emoji=False)
@@ -91,30 +91,12 @@ class _WarningsToStderr(logging.Handler):
         _warn(record.getMessage())
 
 
-def _type_label(text: str, flavor: str) -> str | None:
-    """The name llama-quantize gives the type ``text`` names (a preset as spelled, upper case; a
-    preset's ftype number as the preset; a ggml type; COPY), or None when it names no type."""
-    from .presets import find_preset
-    if not text or text != text.strip():
-        return None
-    key = text.upper()
-    if key == "COPY":
-        return key
-    preset = find_preset(text, flavor)
-    if preset is not None:
-        return preset.name if key.isdigit() else key
-    try:
-        type_from_name(text)
-    except ValueError:
-        return None
-    return key
-
-
 def _output_and_type(model_in: Path, out_arg: str, type_arg: str | None, flavor: str,
                      threads_arg: str | None = None) -> tuple[Path, str | None, str | None]:
     """llama-quantize's positionals: ``IN OUT TYPE [NTHREADS]``, or ``IN TYPE [NTHREADS]``, which
     writes ``ggml-model-TYPE.gguf`` next to IN.  A file is never named like a type."""
-    label = _type_label(out_arg, flavor)
+    from .presets import type_label
+    label = type_label(out_arg, flavor)
     if label is None:
         return Path(out_arg), type_arg, threads_arg
     if type_arg is not None and threads_arg is None and type_arg.isdigit():
@@ -298,37 +280,45 @@ def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_ty
         plan, problems = q.plan, [str(e) for e in q.problems]
         if not dry_run:
             q.check()
-        if as_json:
-            doc = {"plan": plan.to_json(), "dry_run": dry_run}
-            if problems:
-                doc["not_implemented"] = problems
-        else:
+        doc = {"plan": plan.to_json(), "dry_run": dry_run}
+        if problems:
+            doc["not_implemented"] = problems
+        if not as_json:
             render_plan(plan)
             for w in plan.warnings:
                 _warn(w)
             for p in problems:
                 _warn(f"a real run would stop here: {p}", "note:")
-        if dry_run:
-            if as_json:
-                _print_json(doc)
-            else:
-                out.print(_DRY_RUN)
-            return
-        with _tensor_progress("quantize", plan, show=not as_json) as reporter:
-            result = q.write(_tensor_step(reporter, plan))
+        result = _dry_run_or_write("quantize", q, doc, dry_run, as_json)
+    if result is None or as_json:
+        return
+    rate = result.n_weights / result.seconds / 1e6 if result.seconds else 0
+    if result.kept:
+        out.print(_styled(("kept", "green"), f" {', '.join(str(p) for p in result.kept)}: already complete "
+                          f"(--partial-requant)"))
+    files = ", ".join(str(p) for p in result.paths if p not in result.kept)
+    compiled = f"; compiling kernels took {result.compile_seconds:.1f} s before" if result.compile_seconds else ""
+    if files:
+        out.print(_styled(("wrote", "green"), f" {files}: {_fmt_bytes(result.bytes_written)} in "
+                          f"{result.seconds:.1f} s ({rate:.1f} M weights/s{compiled})"))
+
+
+def _dry_run_or_write(what: str, job, doc: dict, dry_run: bool, as_json: bool):
+    """The end of quantize and repack, once the plan is shown: a dry run says so (or prints ``doc``)
+    and gives None; a real run writes ``job`` (an api.Quantization or api.Repacking) with a
+    progress step per tensor and gives its Result (with --json: ``doc`` and the result printed)."""
+    if dry_run:
+        if as_json:
+            _print_json(doc)
+        else:
+            out.print(_DRY_RUN)
+        return None
+    with _tensor_progress(what, job.plan, show=not as_json) as reporter:
+        result = job.write(_tensor_step(reporter, job.plan))
     if as_json:
         doc["result"] = result.to_json()
         _print_json(doc)
-    else:
-        rate = result.n_weights / result.seconds / 1e6 if result.seconds else 0
-        if result.kept:
-            out.print(_styled(("kept", "green"), f" {', '.join(str(p) for p in result.kept)}: already complete "
-                              f"(--partial-requant)"))
-        files = ", ".join(str(p) for p in result.paths if p not in result.kept)
-        compiled = f"; compiling kernels took {result.compile_seconds:.1f} s before" if result.compile_seconds else ""
-        if files:
-            out.print(_styled(("wrote", "green"), f" {files}: {_fmt_bytes(result.bytes_written)} in "
-                              f"{result.seconds:.1f} s ({rate:.1f} M weights/s{compiled})"))
+    return result
 
 
 @cli.command()
@@ -356,22 +346,13 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
         if not as_json:
             render_plan(plan)
         r.check()
-        if dry_run:
-            if as_json:
-                _print_json(doc)
-            else:
-                out.print(_DRY_RUN)
-            return
-        with _tensor_progress("repack", plan, show=not as_json) as reporter:
-            result = r.write(_tensor_step(reporter, plan))
-    if as_json:
-        doc["result"] = result.to_json()
-        _print_json(doc)
-    else:
-        rate = result.bytes_written / result.seconds / 1e9 if result.seconds else 0
-        out.print(_styled(("wrote", "green"), f" {', '.join(str(p) for p in result.paths)}: "
-                          f"{counted(n_moved, 'tensor')} {'restored' if undo else 'repacked'}, "
-                          f"{_fmt_bytes(result.bytes_written)} in {result.seconds:.1f} s ({rate:.2f} GB/s)"))
+        result = _dry_run_or_write("repack", r, doc, dry_run, as_json)
+    if result is None or as_json:
+        return
+    rate = result.bytes_written / result.seconds / 1e9 if result.seconds else 0
+    out.print(_styled(("wrote", "green"), f" {', '.join(str(p) for p in result.paths)}: "
+                      f"{counted(n_moved, 'tensor')} {'restored' if undo else 'repacked'}, "
+                      f"{_fmt_bytes(result.bytes_written)} in {result.seconds:.1f} s ({rate:.2f} GB/s)"))
 
 
 @cli.command()
@@ -424,8 +405,8 @@ def types_(as_json):
     (mainline llama.cpp, ik_llama.cpp) and whether quantkit's own runtime computes with it."""
     from rich import box
 
-    from .catalog import catalog
-    doc = catalog()
+    from .api import list_types
+    doc = list_types()
     if as_json:
         _print_json(doc)
         return
@@ -598,22 +579,19 @@ def warmup(types, runtime, as_json):
     """Compile the numba kernels of quantization (and with --runtime of the runtime) now, into
     numba's cache, so that no later command waits for them: once per install.  Kernels already
     cached are only loaded (fast)."""
-    from .warmup import warm
+    from .api import warm_kernels
 
     def step(w):
         if not as_json:
             how = f"compiled {counted(w.compiles, 'kernel')}" if w.compiles else "already cached"
             out.print(_styled((w.what, "cyan"), f": {how} ({w.seconds:.1f} s)"))
-    steps = warm(list(types), runtime=runtime, on_step=step)
-    total = sum(w.seconds for w in steps)
-    cache = next((w.cache for w in steps if w.cache), None)
+    w = warm_kernels(types, runtime=runtime, on_step=step)
     if as_json:
-        _print_json({"steps": [w.to_json() for w in steps], "seconds": total, "cache": cache})
+        _print_json(w.to_json())
     else:
-        n = sum(w.compiles for w in steps)
-        where = f" (cached in {cache})" if cache else ""
-        out.print(_styled(("ready", "green"), f": {counted(len(steps), 'step')}, {counted(n, 'kernel')} "
-                          f"compiled in {total:.1f} s{where}"))
+        where = f" (cached in {w.cache})" if w.cache else ""
+        out.print(_styled(("ready", "green"), f": {counted(len(w.steps), 'step')}, {counted(w.compiles, 'kernel')} "
+                          f"compiled in {w.seconds:.1f} s{where}"))
 
 
 class _DefaultGroup(click.Group):
@@ -711,11 +689,8 @@ def _imatrix_resume(out_path: Path, saved: int, frequency: int, n_chunks: int, o
     if saved == 0:
         return (f"imatrix: interrupted before the first save (every {frequency} chunks): no chunk saved, nothing "
                 "to resume; run the command again")
-    new_out = out_path.with_name(f"{out_path.stem}-resumed{out_path.suffix}")
-    n = 2
-    while os.path.lexists(new_out):
-        new_out = out_path.with_name(f"{out_path.stem}-resumed-{n}{out_path.suffix}")
-        n += 1
+    from .outputs import unused_name
+    new_out = unused_name(out_path, "resumed")
     args = ["quantkit", "imatrix", "collect", o["model_path"], "-f", o["text_path"], "-o", new_out,
             "--in-file", out_path, "--chunk", o["skip"], "-c", o["ctx_size"],
             *(["--chunks", o["chunks"]] if o["chunks"] is not None else []),
@@ -739,13 +714,8 @@ _CHUNK_OPTION = click.option(
 @_CHUNK_OPTION
 def imatrix_convert(in_path, out_path, chunk_size):
     """Rewrite an imatrix in the format OUT's extension names (.dat legacy, else GGUF)."""
-    from .imatrix_tools import RawImatrix
-    from .outputs import check_outputs
-    check_outputs([out_path], [in_path])
-    raw = RawImatrix.from_file(in_path, chunk_size)
-    raw.save(out_path)
-    out.print(_styled(("wrote", "green"), f" {out_path}: {counted(len(raw.sums), 'entry', 'entries')}, "
-                      f"{counted(raw.chunk_count, 'chunk')} of {raw.chunk_size}"))
+    from .api import convert_imatrix
+    _wrote_imatrix(convert_imatrix(in_path, out_path, chunk_size=chunk_size))
 
 
 @imatrix.command("merge")
@@ -756,15 +726,15 @@ def imatrix_convert(in_path, out_path, chunk_size):
 @_CHUNK_OPTION
 def imatrix_merge(in_paths, out_path, chunk_size):
     """Merge imatrix files: sums and token counts added, so each file weighs what it saw."""
-    from .imatrix_tools import RawImatrix
-    from .outputs import check_outputs
-    check_outputs([out_path], in_paths, what="-o")
-    raw = RawImatrix.from_file(in_paths[0], chunk_size)
-    for p in in_paths[1:]:
-        raw = raw.merged(RawImatrix.from_file(p, chunk_size))
-    raw.save(out_path)
-    out.print(_styled(("wrote", "green"), f" {out_path}: {counted(len(raw.sums), 'entry', 'entries')} from "
-                      f"{counted(len(in_paths), 'file')}, {counted(raw.chunk_count, 'chunk')} of {raw.chunk_size}"))
+    from .api import merge_imatrix
+    _wrote_imatrix(merge_imatrix(in_paths, out_path, chunk_size=chunk_size), merged=True)
+
+
+def _wrote_imatrix(r, merged: bool = False) -> None:
+    """convert's and merge's line: an api.ImatrixFile."""
+    source = f" from {counted(r.inputs, 'file')}" if merged else ""
+    out.print(_styled(("wrote", "green"), f" {r.file}: {counted(r.entries, 'entry', 'entries')}{source}, "
+                      f"{counted(r.chunks, 'chunk')} of {r.chunk_size}"))
 
 
 @imatrix.command("stats")
@@ -775,20 +745,18 @@ def imatrix_merge(in_paths, out_path, chunk_size):
 def imatrix_stats(path, chunk_size, top, as_json):
     """Per entry: values, experts without data, and the importance of its columns (sum, mean,
     max/mean ratio, the most important columns)."""
-    from .imatrix_tools import RawImatrix
-    raw = RawImatrix.from_file(path, chunk_size)
-    rows, missing = raw.stats(top), raw.never_fired()
+    from .api import imatrix_stats
+    st = imatrix_stats(path, chunk_size=chunk_size, top=top)
     if as_json:
-        _print_json({"file": str(path), "chunk_size": raw.chunk_size, "chunks": raw.chunk_count,
-                     "datasets": raw.datasets, "entries": rows, "experts_without_data": missing})
+        _print_json(st.to_json())
         return
-    t = Table(title=_shown(f"{path}: {len(rows)} entries, {raw.chunk_count} chunks of {raw.chunk_size}", one_line=True),
+    t = Table(title=_shown(f"{path}: {len(st.entries)} entries, {st.chunks} chunks of {st.chunk_size}", one_line=True),
               header_style="bold")
     for col in ("entry", "values", "matrices", "no data", "Σ importance", "mean", "σ", "active %", "entropy",
                 "E norm %", "ZD %", "cos prev", "max/mean", "top columns"):
         t.add_column(col, justify="left" if col in ("entry", "no data", "top columns") else "right",
                      overflow="fold" if col in ("entry", "top columns") else "ellipsis")
-    for r in rows:
+    for r in st.entries:
         _add_row(t, r["name"], r["values"], r["matrices"],
                  _styled((str(len(r["no_data"])), "yellow")) if r["no_data"] else "", f"{r['sum']:.4g}",
                  f"{r['mean']:.4g}", f"{r['std']:.4g}", f"{r['active_pct']:.1f}", f"{r['entropy']:.3f}",
@@ -796,7 +764,7 @@ def imatrix_stats(path, chunk_size, top, as_json):
                  "" if r["cos_prev"] is None else f"{r['cos_prev']:.3f}", f"{r['max_over_mean']:.1f}",
                  " ".join(map(str, r["top_columns"])))
     out.print(t)
-    for name, experts in missing.items():
+    for name, experts in st.experts_without_data.items():
         out.print(_styled((name, "yellow"), f": experts without data: {', '.join(map(str, experts))}"))
 
 

@@ -50,33 +50,22 @@ def _is_x86(triple: str) -> bool:
 
 # One probe function per feature, in plain IR that every target compiles; the instruction LLVM
 # selects for it shows whether the target has the feature (see _features).  The byte permutation
-# is one that SSE2's word shuffles cannot do: pshufb where there is SSSE3.
+# is one that SSE2's word shuffles cannot do: pshufb where there is SSSE3.  SSE2, AVX2 and AVX-512
+# are probed by one integer add of 128, 256 and 512 bits.
+_VECTOR_ADD = """
+define void @probe_{name}(<{lanes} x i32>* %p, <{lanes} x i32>* %q) {{
+  %a = load <{lanes} x i32>, <{lanes} x i32>* %p, align 4
+  %b = load <{lanes} x i32>, <{lanes} x i32>* %q, align 4
+  %s = add <{lanes} x i32> %a, %b
+  store <{lanes} x i32> %s, <{lanes} x i32>* %p, align 4
+  ret void
+}}
+"""
 _PROBES = r"""
 define void @probe_f16c(<8 x half>* %p, <8 x float>* %q) {
   %h = load <8 x half>, <8 x half>* %p, align 2
   %f = fpext <8 x half> %h to <8 x float>
   store <8 x float> %f, <8 x float>* %q, align 4
-  ret void
-}
-define void @probe_avx2(<8 x i32>* %p, <8 x i32>* %q) {
-  %a = load <8 x i32>, <8 x i32>* %p, align 4
-  %b = load <8 x i32>, <8 x i32>* %q, align 4
-  %s = add <8 x i32> %a, %b
-  store <8 x i32> %s, <8 x i32>* %p, align 4
-  ret void
-}
-define void @probe_avx512(<16 x i32>* %p, <16 x i32>* %q) {
-  %a = load <16 x i32>, <16 x i32>* %p, align 4
-  %b = load <16 x i32>, <16 x i32>* %q, align 4
-  %s = add <16 x i32> %a, %b
-  store <16 x i32> %s, <16 x i32>* %p, align 4
-  ret void
-}
-define void @probe_sse2(<4 x i32>* %p, <4 x i32>* %q) {
-  %a = load <4 x i32>, <4 x i32>* %p, align 4
-  %b = load <4 x i32>, <4 x i32>* %q, align 4
-  %s = add <4 x i32> %a, %b
-  store <4 x i32> %s, <4 x i32>* %p, align 4
   ret void
 }
 define void @probe_ssse3(<16 x i8>* %p) {
@@ -90,7 +79,8 @@ define float @probe_fma(float %a, float %b, float %c) {
   %r = call float @llvm.fma.f32(float %a, float %b, float %c)
   ret float %r
 }
-""".replace("BYTE_PERMUTATION", ", ".join(f"i32 {i}" for i in (15, 3, 14, 2, 13, 1, 12, 0, 11, 7, 10, 6, 9, 5, 8, 4)))
+""".replace("BYTE_PERMUTATION", ", ".join(f"i32 {i}" for i in (15, 3, 14, 2, 13, 1, 12, 0, 11, 7, 10, 6, 9, 5, 8, 4))) \
+    + "".join(_VECTOR_ADD.format(name=name, lanes=lanes) for name, lanes in (("sse2", 4), ("avx2", 8), ("avx512", 16)))
 
 
 def _functions(asm: str) -> dict[str, list[str]]:

@@ -111,6 +111,17 @@ def expand_inputs(inputs: Iterable[str | os.PathLike | None]) -> list[Path]:
     return out
 
 
+def unused_name(path: Path, tag: str) -> Path:
+    """``<stem>-<tag><suffix>`` next to ``path``, or ``<stem>-<tag>-2<suffix>``, … : the first name
+    nothing (not even a dangling link) stands at, for a new output that must not replace one."""
+    path = Path(path)
+    candidate, n = path.with_name(f"{path.stem}-{tag}{path.suffix}"), 2
+    while os.path.lexists(candidate):
+        candidate = path.with_name(f"{path.stem}-{tag}-{n}{path.suffix}")
+        n += 1
+    return candidate
+
+
 def check_outputs(outputs: Iterable[str | os.PathLike], inputs: Iterable[str | os.PathLike | None],
                   what: str = "OUT") -> list[Path]:
     """Check every path a command writes against every path it reads; the files each output

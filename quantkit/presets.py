@@ -37,104 +37,116 @@ class Preset:
         return self.ftypes[flavor]
 
 
-# name, LLAMA_FTYPE in ik (include/llama.h), in mainline (None: not a preset there), default type.
+# name, LLAMA_FTYPE in ik (include/llama.h), in mainline (-: not a preset there), default type.
 # Order and names follow ik's QUANT_OPTIONS (examples/quantize/quantize.cpp), then mainline-only ones.
-_TABLE = [
-    ("Q4_0",       2,   2,    T.Q4_0),
-    ("Q4_1",       3,   3,    T.Q4_1),
-    ("Q5_0",       8,   8,    T.Q5_0),
-    ("Q5_1",       9,   9,    T.Q5_1),
-    ("Q6_0",       135, None, T.Q6_0),
-    ("MXFP4",      38,  None, T.MXFP4),
-    ("IQ2_XXS",    19,  19,   T.IQ2_XXS),
-    ("IQ2_XXS_R4", 219, None, T.IQ2_XXS_R4),
-    ("IQ2_XS",     20,  20,   T.IQ2_XS),
-    ("IQ2_XS_R4",  220, None, T.IQ2_XS_R4),
-    ("IQ2_S",      28,  28,   T.IQ2_XS),       # IQ2_S and IQ2_M are mixes: their default is one size down
-    ("IQ2_M",      29,  29,   T.IQ2_S),
-    ("IQ2_M_R4",   229, None, T.IQ2_S_R4),
-    ("IQ1_S",      24,  24,   T.IQ1_S),
-    ("IQ1_S_R4",   224, None, T.IQ1_S_R4),
-    ("IQ1_M_R4",   231, None, T.IQ1_M_R4),
-    ("IQ1_M",      31,  31,   T.IQ1_M),
-    ("IQ1_BN",     136, None, T.IQ1_BN),
-    ("IQ2_BN",     137, None, T.IQ2_BN),
-    ("IQ2_BN_R4",  337, None, T.IQ2_BN_R4),
-    ("Q2_K",       10,  10,   T.Q2_K),
-    ("Q2_K_R4",    210, None, T.Q2_K_R4),
-    ("Q2_K_S",     21,  21,   T.Q2_K),
-    ("IQ3_XXS",    23,  23,   T.IQ3_XXS),
-    ("IQ3_KT",     152, None, T.IQ3_KT),
-    ("IQ4_KT",     153, None, T.IQ4_KT),
-    ("IQ3_XXS_R4", 223, None, T.IQ3_XXS_R4),
-    ("IQ3_S",      26,  26,   T.IQ3_S),
-    ("IQ3_S_R4",   226, None, T.IQ3_S_R4),
-    ("IQ3_M",      27,  27,   T.IQ3_S),
-    ("Q3_K_R4",    211, None, T.Q3_K_R4),
-    ("IQ3_XS",     22,  22,   T.IQ3_S),
-    ("Q3_K_S",     11,  11,   T.Q3_K),
-    ("Q3_K_M",     12,  12,   T.Q3_K),
-    ("Q3_K_L",     13,  13,   T.Q3_K),
-    ("IQ4_NL",     25,  25,   T.IQ4_NL),
-    ("IQ4_NL_R4",  225, None, T.IQ4_NL_R4),
-    ("IQ4_XS_R8",  230, None, T.IQ4_XS_R8),
-    ("Q4_0_R8",    202, None, T.Q4_0_R8),
-    ("Q5_0_R4",    208, None, T.Q5_0_R4),
-    ("Q6_0_R4",    335, None, T.Q6_0_R4),
-    ("Q8_0_R8",    207, None, T.Q8_0_R8),
-    ("Q8_KV",      149, None, T.Q8_KV),
-    ("IQ4_XS",     30,  30,   T.IQ4_XS),
-    ("IQ4_KS",     145, None, T.IQ4_KS),
-    ("IQ4_KS_R4",  345, None, T.IQ4_KS_R4),
-    ("IQ5_KS_R4",  350, None, T.IQ5_KS_R4),
-    ("IQ4_KSS",    148, None, T.IQ4_KSS),
-    ("IQ5_KS",     150, None, T.IQ5_KS),
-    ("IQ2_K",      138, None, T.IQ2_K),
-    ("IQ2_K_R4",   338, None, T.IQ2_K_R4),
-    ("IQ2_KS",     147, None, T.IQ2_KS),
-    ("IQ1_KT",     156, None, T.IQ1_KT),
-    ("IQ2_KT",     151, None, T.IQ2_KT),
-    ("IQ2_KL",     155, None, T.IQ2_KL),
-    ("IQ3_KS",     154, None, T.IQ3_KS),
-    ("IQ3_K",      139, None, T.IQ3_K),
-    ("IQ3_K_R4",   339, None, T.IQ3_K_R4),
-    ("IQ3_KL",     146, None, T.IQ3_K),         # a mix: IQ3_K with IQ4_KS/IQ5_K bumps
-    ("IQ4_K",      140, None, T.IQ4_K),
-    ("IQ4_K_R4",   340, None, T.IQ4_K_R4),
-    ("IQ5_K",      141, None, T.IQ5_K),
-    ("IQ5_K_R4",   341, None, T.IQ5_K_R4),
-    ("IQ6_K",      142, None, T.IQ6_K),
-    ("Q4_K_R4",    214, None, T.Q4_K_R4),
-    ("Q4_K_S",     14,  14,   T.Q4_K),
-    ("Q4_K_M",     15,  15,   T.Q4_K),
-    ("Q5_K_R4",    216, None, T.Q5_K_R4),
-    ("Q5_K_S",     16,  16,   T.Q5_K),
-    ("Q5_K_M",     17,  17,   T.Q5_K),
-    ("Q6_K",       18,  18,   T.Q6_K),
-    ("Q6_K_R4",    218, None, T.Q6_K_R4),
-    ("Q8_K_R8",    399, None, T.Q8_K_R8),
-    ("Q8_KV_R8",   398, None, T.Q8_KV_R8),
-    ("Q8_0",       7,   7,    T.Q8_0),
-    ("Q4_0_4_4",   33,  None, T.Q4_0_4_4),
-    ("Q4_0_4_8",   34,  None, T.Q4_0_4_8),
-    ("Q4_0_8_8",   35,  None, T.Q4_0_8_8),
-    ("F16",        1,   1,    T.F16),
-    ("BF16",       32,  32,   T.BF16),
-    ("BF16_R16",   232, None, T.BF16_R16),
-    ("F32",        0,   0,    T.F32),
-    # mainline only (mainline's Q1_0 is 40 where ik's Q1_0_G128 is 41; mainline's 38 is MXFP4_MOE)
-    ("TQ1_0",      None, 36,  T.TQ1_0),
-    ("TQ2_0",      None, 37,  T.TQ2_0),
-    ("MXFP4_MOE",  None, 38,  T.MXFP4),
-    ("Q1_0",       None, 40,  T.Q1_0),
-]
+_TABLE = """
+Q4_0        2     2     Q4_0
+Q4_1        3     3     Q4_1
+Q5_0        8     8     Q5_0
+Q5_1        9     9     Q5_1
+Q6_0        135   -     Q6_0
+MXFP4       38    -     MXFP4
+IQ2_XXS     19    19    IQ2_XXS
+IQ2_XXS_R4  219   -     IQ2_XXS_R4
+IQ2_XS      20    20    IQ2_XS
+IQ2_XS_R4   220   -     IQ2_XS_R4
+IQ2_S       28    28    IQ2_XS      # IQ2_S and IQ2_M are mixes: their default is one size down
+IQ2_M       29    29    IQ2_S
+IQ2_M_R4    229   -     IQ2_S_R4
+IQ1_S       24    24    IQ1_S
+IQ1_S_R4    224   -     IQ1_S_R4
+IQ1_M_R4    231   -     IQ1_M_R4
+IQ1_M       31    31    IQ1_M
+IQ1_BN      136   -     IQ1_BN
+IQ2_BN      137   -     IQ2_BN
+IQ2_BN_R4   337   -     IQ2_BN_R4
+Q2_K        10    10    Q2_K
+Q2_K_R4     210   -     Q2_K_R4
+Q2_K_S      21    21    Q2_K
+IQ3_XXS     23    23    IQ3_XXS
+IQ3_KT      152   -     IQ3_KT
+IQ4_KT      153   -     IQ4_KT
+IQ3_XXS_R4  223   -     IQ3_XXS_R4
+IQ3_S       26    26    IQ3_S
+IQ3_S_R4    226   -     IQ3_S_R4
+IQ3_M       27    27    IQ3_S
+Q3_K_R4     211   -     Q3_K_R4
+IQ3_XS      22    22    IQ3_S
+Q3_K_S      11    11    Q3_K
+Q3_K_M      12    12    Q3_K
+Q3_K_L      13    13    Q3_K
+IQ4_NL      25    25    IQ4_NL
+IQ4_NL_R4   225   -     IQ4_NL_R4
+IQ4_XS_R8   230   -     IQ4_XS_R8
+Q4_0_R8     202   -     Q4_0_R8
+Q5_0_R4     208   -     Q5_0_R4
+Q6_0_R4     335   -     Q6_0_R4
+Q8_0_R8     207   -     Q8_0_R8
+Q8_KV       149   -     Q8_KV
+IQ4_XS      30    30    IQ4_XS
+IQ4_KS      145   -     IQ4_KS
+IQ4_KS_R4   345   -     IQ4_KS_R4
+IQ5_KS_R4   350   -     IQ5_KS_R4
+IQ4_KSS     148   -     IQ4_KSS
+IQ5_KS      150   -     IQ5_KS
+IQ2_K       138   -     IQ2_K
+IQ2_K_R4    338   -     IQ2_K_R4
+IQ2_KS      147   -     IQ2_KS
+IQ1_KT      156   -     IQ1_KT
+IQ2_KT      151   -     IQ2_KT
+IQ2_KL      155   -     IQ2_KL
+IQ3_KS      154   -     IQ3_KS
+IQ3_K       139   -     IQ3_K
+IQ3_K_R4    339   -     IQ3_K_R4
+IQ3_KL      146   -     IQ3_K       # a mix: IQ3_K with IQ4_KS/IQ5_K bumps
+IQ4_K       140   -     IQ4_K
+IQ4_K_R4    340   -     IQ4_K_R4
+IQ5_K       141   -     IQ5_K
+IQ5_K_R4    341   -     IQ5_K_R4
+IQ6_K       142   -     IQ6_K
+Q4_K_R4     214   -     Q4_K_R4
+Q4_K_S      14    14    Q4_K
+Q4_K_M      15    15    Q4_K
+Q5_K_R4     216   -     Q5_K_R4
+Q5_K_S      16    16    Q5_K
+Q5_K_M      17    17    Q5_K
+Q6_K        18    18    Q6_K
+Q6_K_R4     218   -     Q6_K_R4
+Q8_K_R8     399   -     Q8_K_R8
+Q8_KV_R8    398   -     Q8_KV_R8
+Q8_0        7     7     Q8_0
+Q4_0_4_4    33    -     Q4_0_4_4
+Q4_0_4_8    34    -     Q4_0_4_8
+Q4_0_8_8    35    -     Q4_0_8_8
+F16         1     1     F16
+BF16        32    32    BF16
+BF16_R16    232   -     BF16_R16
+F32         0     0     F32
+# mainline only (mainline's Q1_0 is 40 where ik's Q1_0_G128 is 41; mainline's 38 is MXFP4_MOE)
+TQ1_0       -     36    TQ1_0
+TQ2_0       -     37    TQ2_0
+MXFP4_MOE   -     38    MXFP4
+Q1_0        -     40    Q1_0
+"""
 # Both tools list these aliases; they write the ftype of the mix they stand for.
 ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}
 
-PRESETS: dict[str, Preset] = {}
-for _name, _ik, _ml, _default in _TABLE:
-    assert _name not in PRESETS, _name
-    PRESETS[_name] = Preset(_name, _default, {f: n for f, n in (("ik", _ik), ("mainline", _ml)) if n is not None})
+
+def _read_table(table: str) -> dict[str, Preset]:
+    """The presets of ``_TABLE``: a row a preset, its columns separated by spaces, # a comment."""
+    presets = {}
+    for line in table.splitlines():
+        fields = line.split("#")[0].split()
+        if not fields:
+            continue
+        name, ik, mainline, default = fields
+        assert name not in presets, name
+        ftypes = {f: int(n) for f, n in (("ik", ik), ("mainline", mainline)) if n != "-"}
+        presets[name] = Preset(name, T[default], ftypes)
+    return presets
+
+
+PRESETS: dict[str, Preset] = _read_table(_TABLE)
 
 
 def find_preset(text: str, flavor: str = "ik") -> Preset | None:
@@ -166,6 +178,25 @@ def preset_or_type_hint(text: str, flavor: str, loaded_only: bool = True) -> str
     names = {name: ALIASES.get(name, name) for name in preset_names(flavor)}
     names.update((t.name, t.name) for t in file_types() if not loaded_only or flavor in t.loads)
     return did_you_mean(text, names)
+
+
+def type_label(text: str, flavor: str) -> str | None:
+    """The name llama-quantize gives the type ``text`` names (a preset as spelled, upper case; a
+    preset's ftype number as the preset; a ggml type; COPY), or None when it names no type: what
+    ``quantize IN TYPE`` calls its output, ggml-model-<label>.gguf."""
+    if not text or text != text.strip():
+        return None
+    key = text.upper()
+    if key == "COPY":
+        return key
+    preset = find_preset(text, flavor)
+    if preset is not None:
+        return preset.name if key.isdigit() else key
+    try:
+        type_from_name(text)
+    except ValueError:
+        return None
+    return key
 
 
 def preset_or_type(text: str, flavor: str) -> tuple[Preset | None, QuantType]:
@@ -382,6 +413,16 @@ def _ik_very_low(s: _State, name: str, new: QuantType, r4: bool) -> QuantType:
     return new
 
 
+def _low_bit_attn_output(s: _State, new: QuantType, many_experts: bool, iq1_type: QuantType) -> QuantType:
+    """attn_output in the IQ1/IQ2 mixes of both flavors, which differ in what counts as many experts
+    (ik: 4 or more, mainline: 8) and in what IQ1_S/IQ1_M give it (ik: iq2_k, mainline: iq2_xxs)."""
+    if many_experts:
+        return T.Q5_K
+    if s.preset in ("IQ1_S", "IQ1_M"):
+        return iq1_type
+    return T.IQ3_S if s.preset in ("IQ2_S", "IQ2_M", "IQ2_M_R4") else new
+
+
 def _ik_iq2_group(s: _State, name: str, new: QuantType) -> QuantType:
     ft, ne = s.preset, s.model.n_expert
     iq2_s_like = ft in ("IQ2_S", "IQ2_M", "IQ2_M_R4")
@@ -403,12 +444,7 @@ def _ik_iq2_group(s: _State, name: str, new: QuantType) -> QuantType:
             new = T.IQ3_S if iq2_s_like else T.Q2_K
         s.i_ffn_down += 1
     elif "attn_output.weight" in name:
-        if ne >= 4:
-            new = T.Q5_K
-        elif ft in ("IQ1_S", "IQ1_M"):
-            new = T.IQ2_K
-        elif iq2_s_like:
-            new = T.IQ3_S
+        new = _low_bit_attn_output(s, new, ne >= 4, T.IQ2_K)
     return new
 
 
@@ -479,8 +515,10 @@ def _ik_attn_v(s: _State, new: QuantType) -> QuantType:
     return new
 
 
-def _ik_ffn_down(s: _State, name: str, new: QuantType) -> QuantType:
-    ft, falcon, imat = s.preset, s.model.arch == "falcon", s.has_imatrix
+def _ffn_down(s: _State, name: str, new: QuantType) -> QuantType:
+    """ffn_down in both flavors' llama_tensor_get_type: the same branches, but for IQ3_M (ik: 4 experts
+    or more and iq4_k; mainline: 8 experts and q4_K); the presets only ik has never reach mainline."""
+    ft, falcon, imat, ik = s.preset, s.model.arch == "falcon", s.has_imatrix, s.flavor == "ik"
     i, n = s.layer_info(s.i_ffn_down, name)
     more = _use_more_bits(i, n)
     if ft == "Q2_K":
@@ -499,8 +537,8 @@ def _ik_ffn_down(s: _State, name: str, new: QuantType) -> QuantType:
         new = T.Q4_K_R4 if i < n // 8 else T.IQ3_K_R4
     elif ft == "Q3_K_M":
         new = T.Q5_K if i < n // 16 else T.Q4_K if not falcon or more else T.Q3_K
-    elif ft == "IQ3_M" and (i < n // 8 or (s.model.n_expert >= 4 and more)):
-        new = T.IQ4_K
+    elif ft == "IQ3_M" and (i < n // 8 or ((s.model.n_expert >= 4 if ik else s.model.n_expert == 8) and more)):
+        new = T.IQ4_K if ik else T.Q4_K
     elif ft == "Q3_K_L":
         new = T.Q4_K if falcon else T.Q5_K
     elif ft == "IQ3_KL":
@@ -590,7 +628,7 @@ def _ik_tensor_type(s: _State, name: str, shape, new: QuantType) -> QuantType:
             return {"Q5_K_S": T.Q4_K, "IQ5_K": T.IQ4_K, "IQ5_KS": T.IQ4_KS}.get(ft, new)
         return new
     if "ffn_down" in name:
-        return _ik_ffn_down(s, name, new)
+        return _ffn_down(s, name, new)
     if "attn_output.weight" in name:
         return _ik_attn_output(s, new)
     if "attn_qkv.weight" in name:
@@ -660,12 +698,7 @@ def _ml_tensor_type(s: _State, name: str, shape, new: QuantType) -> QuantType:
                 new = T.IQ3_S if iq2_s_like else T.Q2_K
             s.i_ffn_down += 1
         elif cat == "attn_output":
-            if ne == 8:
-                new = T.Q5_K
-            elif ft in ("IQ1_S", "IQ1_M"):
-                new = T.IQ2_XXS
-            elif iq2_s_like:
-                new = T.IQ3_S
+            new = _low_bit_attn_output(s, new, ne == 8, T.IQ2_XXS)
         return new
     if cat in _ML_ATTN_V:
         if ft == "Q2_K":
@@ -701,36 +734,7 @@ def _ml_tensor_type(s: _State, name: str, shape, new: QuantType) -> QuantType:
     if cat == "q":
         return {"IQ3_XS": T.IQ3_XXS, "IQ3_XXS": T.IQ2_S}.get(ft, new)
     if cat == "ffn_down":
-        i, n = s.layer_info(s.i_ffn_down, name)
-        more = _use_more_bits(i, n)
-        if ft == "Q2_K":
-            new = T.Q3_K
-        elif ft == "Q2_K_S":
-            if i < n // 8:
-                new = T.Q4_K
-        elif ft == "IQ3_XXS" and not s.has_imatrix:
-            new = T.Q4_K if i < n // 8 else T.Q3_K
-        elif ft == "Q3_K_M":
-            new = T.Q5_K if i < n // 16 else T.Q4_K if not falcon or more else T.Q3_K
-        elif ft == "IQ3_M" and (i < n // 8 or (ne == 8 and more)):
-            new = T.Q4_K
-        elif ft == "Q3_K_L":
-            new = T.Q4_K if falcon else T.Q5_K
-        elif ft == "Q4_K_M":
-            if falcon:
-                new = T.Q6_K if i < n // 16 else T.Q5_K if more else T.Q4_K
-            elif more:
-                new = T.Q6_K
-        elif i < n // 8 and ft in ("IQ4_NL", "IQ4_XS") and not s.has_imatrix:
-            new = T.Q5_K
-        elif ft == "Q5_K_M" and more:
-            new = T.Q6_K
-        elif ft == "Q4_K_S" and not falcon and i < n // 8:
-            new = T.Q5_K
-        elif ft in ("Q4_0", "Q5_0") and s.has_imatrix and i < n // 8:
-            new = T.Q4_1 if ft == "Q4_0" else T.Q5_1
-        s.i_ffn_down += 1
-        return new
+        return _ffn_down(s, name, new)
     if cat == "attn_output":
         if falcon:
             return T.Q4_K if ft == "Q3_K_L" else new
@@ -823,4 +827,4 @@ def imatrix_problem(preset: Preset | None, flavor: str, tensors, imatrix_given: 
 
 
 __all__ = ["Preset", "PRESETS", "ALIASES", "FLAVORS", "ModelInfo", "find_preset", "preset_names", "preset_or_type",
-           "flavor_article", "mix_types", "tensor_requires_imatrix", "imatrix_problem", "layer_of"]
+           "type_label", "flavor_article", "mix_types", "tensor_requires_imatrix", "imatrix_problem", "layer_of"]

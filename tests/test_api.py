@@ -178,3 +178,44 @@ def test_collect_imatrix_equals_the_clis(capsys, smollm2_path, calib, tmp_path):
     assert (tmp_path / "api.gguf").read_bytes() == (tmp_path / "cli.gguf").read_bytes()
     with pytest.raises(QuantkitError, match="-o"):
         quantkit.collect_imatrix(smollm2_path, calib, calib)
+
+
+def test_imatrix_files_equal_the_clis(capsys, shared_dir, tmp_path):
+    """convert / merge / stats: the files the CLI writes, the figures it prints (--json)."""
+    src = shared_dir / "golden" / "imatrix" / "smollm2-q4_1-gpl3.gguf"
+    conv = quantkit.convert_imatrix(src, tmp_path / "api.dat")
+    capsys.readouterr()
+    assert main(["imatrix", "convert", str(src), str(tmp_path / "cli.dat")]) == 0
+    assert f"wrote {tmp_path / 'cli.dat'}: {conv.entries} entries, {conv.chunks} chunks of {conv.chunk_size}" \
+        in capsys.readouterr().out
+    assert (tmp_path / "api.dat").read_bytes() == (tmp_path / "cli.dat").read_bytes()
+    merged = quantkit.merge_imatrix([src, tmp_path / "api.dat"], tmp_path / "m.gguf", chunk_size=256)
+    assert (merged.inputs, merged.chunks, merged.entries) == (2, 2 * conv.chunks, conv.entries)
+    stats = quantkit.imatrix_stats(tmp_path / "m.gguf", top=2)
+    assert json.loads(json.dumps(_finite(stats.to_json()))) == \
+        _cli_json(capsys, "imatrix", "stats", tmp_path / "m.gguf", "--top", "2")
+    assert stats.file == tmp_path / "m.gguf" and all(len(r["top_columns"]) == 2 for r in stats.entries)
+
+
+def test_list_types_equals_types_json(capsys):
+    doc = quantkit.list_types()
+    assert doc == _cli_json(capsys, "types")
+    assert {"q4_K", "iq4_k"} <= {r["name"] for r in doc["types"]} and doc["aliases"]["Q4_K"] == "Q4_K_M"
+
+
+def test_warm_kernels_reports_its_steps(capsys):
+    steps = []
+    w = quantkit.warm_kernels("f16,q8_0", on_step=steps.append)
+    assert [s.what for s in w.steps] == [s.what for s in steps] == ["f16", "q8_0"]
+    assert w.compiles == sum(s.compiles for s in w.steps) and w.seconds == pytest.approx(sum(s.seconds for s in steps))
+    assert w.to_json()["steps"] == [s.to_json() for s in w.steps]
+    with pytest.raises(QuantkitError, match="--types: unknown type 'q4km'.*did you mean Q4_K_M"):
+        quantkit.warm_kernels(["q4km"])
+    with pytest.raises(QuantkitError, match="flavor"):
+        quantkit.warm_kernels("f16", flavor="other")
+
+
+def test_the_namespace_has_every_function():
+    for name in quantkit._API:
+        assert getattr(quantkit, name) is getattr(quantkit.api, name), name
+    assert {"convert_imatrix", "merge_imatrix", "imatrix_stats", "list_types", "warm_kernels"} <= set(dir(quantkit))

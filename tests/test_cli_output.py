@@ -26,7 +26,7 @@ import pytest
 
 from models import deepseek_v3_tensors, write_llama, write_sparse
 from quantkit.cli import main
-from quantkit.imatrix import load_imatrix
+from quantkit.imatrix import load_imatrix, save_gguf
 from quantkit.progress import LINE
 
 # the tiny llama of test_hostile_runtime: a tokenizer, so the runtime commands run it
@@ -166,6 +166,19 @@ def test_piped_imatrix_prints_a_line_per_chunk_and_its_saves(tiny, tmp_path, cap
     for i in range(2):
         for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
             assert f"│ blk.{i}.{name}.weight " in out
+
+
+
+def test_imatrix_stats_table_lists_experts_without_data(tmp_path, capsys):
+    """Under the table, a line per entry whose experts got no token (api.imatrix_stats has them)."""
+    path = tmp_path / "moe.gguf"
+    counts = np.array([3, 0, 2, 0], np.float32)
+    save_gguf(path, {"blk.1.ffn_up_exps.weight": np.ones((4, 32), np.float32) * counts[:, None]},
+              {"blk.1.ffn_up_exps.weight": counts}, datasets=["x"], chunk_count=1,
+              chunk_size=16)
+    rc, out, err = run_main(capsys, "imatrix", "stats", path)
+    assert rc == 0, err
+    assert "blk.1.ffn_up_exps.weight: experts without data: 1, 3" in out
 
 
 # ---- perplexity: llama-perplexity's lines ----

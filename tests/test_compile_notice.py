@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from numba import njit
 
+import quantkit
 from hostile import assert_refused, run_cli
 from models import write_llama
 from quantkit import compiling
@@ -32,7 +33,7 @@ def _notices(err: str) -> list[str]:
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("compile")
     f32 = write_llama(d / "f32.gguf", n_layer=1, n_embd=256, n_ff=256, n_vocab=256, vocab=True)
-    assert main(["quantize", str(f32), str(d / "q8_0.gguf"), "q8_0"]) == 0
+    quantkit.quantize_model(f32, d / "q8_0.gguf", "q8_0")
     return {"f32": f32, "q8_0": d / "q8_0.gguf"}
 
 

@@ -16,13 +16,13 @@ recipe:
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import gguf
 import numpy as np
 import pytest
 
 import peers
+import quantkit
 from models import write_deepseek2
 from quantkit import formats
 from quantkit.gguf_io.reader import open_model
@@ -59,12 +59,6 @@ def read_tensors(path) -> dict[str, tuple[int, tuple, np.ndarray]]:
     """name -> (type id, shape, raw bytes); gguf-py's reader does not know ik's types."""
     with open_model(path) as m:
         return {t.name: (int(t.qtype), tuple(t.shape), t.source.read(t.offset, t.nbytes)) for t in m.tensors}
-
-
-def quantkit_cli(*args):
-    p = subprocess.run([sys.executable, "-m", "quantkit", *map(str, args)], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
-    return p
 
 
 def llama_quantize(*args):
@@ -104,7 +98,7 @@ def both_tools(d, f32, imatrix, recipe_text: str, tag: str):
     recipe = d / f"{tag}.txt"
     recipe.write_text(recipe_text)
     ours, theirs = d / f"{tag}-ours.gguf", d / f"{tag}-theirs.gguf"
-    quantkit_cli("quantize", f32, ours, "q8_0", "--custom-q", recipe, "--imatrix", imatrix, "--threads", "2")
+    quantkit.quantize_model(f32, ours, "q8_0", custom_q=recipe, imatrix=imatrix, threads=2)
     inline = ",".join(load_recipe([str(recipe)]).text.splitlines())
     llama_quantize("--imatrix", imatrix, "--custom-q", inline, f32, theirs, "Q8_0", "2")
     return ours, theirs

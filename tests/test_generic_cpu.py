@@ -39,10 +39,10 @@ from numba import njit
 from numba.core import types as nbt
 from numba.extending import intrinsic
 
+import quantkit
 from hostile import run_cli
 from models import write_llama
 from quantkit import cpu
-from quantkit.cli import main as quantkit_main
 from quantkit.runtime import dot, kernels, matvec
 from quantkit.types import QuantType, type_name
 from test_runtime_matvec import _chunks, check_chunk, check_fused_product, product_cases, rows_of
@@ -247,7 +247,7 @@ def test_generic_cpu_target(tmp_path, shared_dir):
 
     src = write_llama(tmp_path / "tiny-f32.gguf", n_layer=2, vocab=True)
     model = tmp_path / "tiny-q4_k_m.gguf"
-    assert quantkit_main(["quantize", str(src), str(model), "Q4_K_M"]) == 0
+    quantkit.quantize_model(src, model, "Q4_K_M")
     args = ("run", model, "-p", "hello world", "-n", "6", "--temp", "0", "--json")
     start = time.perf_counter()
     rc, out, err = run_cli(*args, env=env)

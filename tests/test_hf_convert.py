@@ -3,7 +3,9 @@
 The references are real: tiny models saved by transformers (their logits computed by transformers),
 ik_llama.cpp's wheel loading and running our files, the shipped SmolLM2 GGUF (made by
 convert_hf_to_gguf.py) for the tokenizer arrays, the tokenizers library for tokenization, and torch
-for the float8 and bfloat16 conversions.
+for the float8 and bfloat16 conversions.  quantkit converts through the library
+(quantkit.quantize_model / plan_quantize, in-process); broken checkpoints are refused in one line
+(a QuantkitError), which the CLI prints.
 """
 from __future__ import annotations
 
@@ -18,12 +20,13 @@ torch = pytest.importorskip("torch")
 
 import hf_models as H  # noqa: E402
 import peers  # noqa: E402
+import quantkit  # noqa: E402
 from conftest import smollm2_file  # noqa: E402
+from quantkit.errors import QuantkitError  # noqa: E402
 from quantkit.gguf_io.reader import open_model  # noqa: E402
 from quantkit.hf import open_hf  # noqa: E402
 from quantkit.formats.floats import fp32_to_bf16_bits  # noqa: E402
 from quantkit.hf.numerics import E4M3FN  # noqa: E402
-from test_cli import assert_clean_failure, run_cli  # noqa: E402
 
 TEXTS = ["The capital of France is Paris.", "  two  spaces, digits 12345 and 3.14159\n\nnew lines\t tabs",
          "naïve café — ünïcödé 日本語 😀", "<|im_start|>user\nHi!<|im_end|>"]
@@ -59,9 +62,8 @@ def deepseek_dir(tmp_path_factory, tok_meta):
     return d
 
 
-def _convert(src, out, *args):
-    rc, so, se = run_cli("quantize", src, out, *args)
-    assert rc == 0, se
+def _convert(src, out, qtype=None, **options):
+    quantkit.quantize_model(src, out, qtype, **options)
     return out
 
 
@@ -139,9 +141,9 @@ def test_llama3_rope_scaling_writes_rope_freqs(tmp_path, tok_meta):
 
 def test_one_step_equals_convert_then_quantize(tmp_path, llama_dir):
     """HF -> mixed quant in one pass gives the bytes of HF -> F32 GGUF -> mixed quant."""
-    one = _convert(llama_dir, tmp_path / "one.gguf", "q4_0", "--custom-q", MIX)
+    one = _convert(llama_dir, tmp_path / "one.gguf", "q4_0", custom_q=MIX)
     f32 = _convert(llama_dir, tmp_path / "f32.gguf", "f32")
-    two = _convert(f32, tmp_path / "two.gguf", "q4_0", "--custom-q", MIX)
+    two = _convert(f32, tmp_path / "two.gguf", "q4_0", custom_q=MIX)
     assert filecmp.cmp(one, two, shallow=False)
     logits = np.asarray(peers.ik_logits(one, PROMPT[:16]))
     assert np.isfinite(logits).all()
@@ -214,9 +216,9 @@ def test_deepseek_v2_lite_matches_transformers_in_ik(tmp_path, tok_meta):
 
 def test_deepseek_v3_recipe_loads_and_computes(tmp_path, deepseek_dir):
     recipe = (H.Path(__file__).parent.parent / "recipes" / "deepseek-v3-iq2_k_r4.txt")
-    one = _convert(deepseek_dir, tmp_path / "one.gguf", "--custom-q", recipe)
+    one = _convert(deepseek_dir, tmp_path / "one.gguf", custom_q=recipe)
     f32 = _convert(deepseek_dir, tmp_path / "f32.gguf", "f32")
-    two = _convert(f32, tmp_path / "two.gguf", "--custom-q", recipe)
+    two = _convert(f32, tmp_path / "two.gguf", custom_q=recipe)
     assert filecmp.cmp(one, two, shallow=False)
     with open_model(one) as g:
         assert g.by_name["blk.1.ffn_up_exps.weight"].qtype.name != "F32"
@@ -232,10 +234,10 @@ def test_fp8_checkpoint_equals_its_bf16_twin(tmp_path, tok_meta):
     H.save_fp8_pair(src, tmp_path / "fp8" / "m", tmp_path / "bf16" / "m")
     with open_hf(tmp_path / "fp8" / "m") as m:
         assert m.by_name["blk.1.ffn_gate_exps.weight"].qtype.name == "BF16"
-    for args in (["f32"], ["q4_0", "--custom-q", MIX]):
-        a = _convert(tmp_path / "fp8" / "m", tmp_path / "a.gguf", *args)
-        b = _convert(tmp_path / "bf16" / "m", tmp_path / "b.gguf", *args)
-        assert filecmp.cmp(a, b, shallow=False), args
+    for qtype, options in (("f32", {}), ("q4_0", {"custom_q": MIX})):
+        a = _convert(tmp_path / "fp8" / "m", tmp_path / "a.gguf", qtype, **options)
+        b = _convert(tmp_path / "bf16" / "m", tmp_path / "b.gguf", qtype, **options)
+        assert filecmp.cmp(a, b, shallow=False), qtype
 
 
 # ---- element conversions against torch ----
@@ -356,7 +358,9 @@ def test_bad_checkpoints_fail_cleanly(tmp_path, llama_dir, breakage, needle):
     d = _copy(llama_dir, tmp_path / "m")
     breakage(d)
     out = tmp_path / "out.gguf"
-    assert_clean_failure(*run_cli("quantize", d, out, "q8_0"), needle)
+    with pytest.raises(QuantkitError) as e:
+        quantkit.quantize_model(d, out, "q8_0")
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["m"]       # no temporary file left behind
 
@@ -375,10 +379,7 @@ def test_lazy_source_serves_any_byte_range(deepseek_dir):
 
 
 def test_dry_run_plans_the_converted_tensors(tmp_path, deepseek_dir):
-    rc, so, se = run_cli("quantize", deepseek_dir, tmp_path / "x.gguf", "--custom-q", "exps=iq4_k", "--dry-run",
-                         "--json")
-    assert rc == 0, se
-    plan = json.loads(so)["plan"]
+    plan = quantkit.plan_quantize(deepseek_dir, custom_q="exps=iq4_k").to_json()
     by_name = {t["name"]: t for t in plan["tensors"]}
     assert by_name["blk.1.ffn_up_exps.weight"]["requested"] == "iq4_k"     # rows of 64: a fallback type
     assert by_name["blk.1.ffn_up_exps.weight"]["shape"] == [64, 32, 4]

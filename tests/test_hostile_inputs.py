@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import hf_models as H
+import quantkit
 from hostile import Snapshot, assert_refused, run_cli
 from models import write_llama
 from quantkit.errors import QuantkitError
@@ -108,9 +109,8 @@ def test_gguf_zero_dimensions_tensor_is_one_element(tmp_path):
         t = m.by_name["a.weight"]
         assert (t.shape, t.n_elements, t.nbytes) == ((1,), 1, 4)
         assert t.raw().view(np.float32)[0, 0] == 2.5
-    from quantkit.cli import main
     out = tmp_path / "out.gguf"
-    assert main(["quantize", str(p), str(out), "f32"]) == 0
+    quantkit.quantize_model(p, out, "f32")
     with open_model(out) as m:
         assert m.by_name["a.weight"].shape == (1,)
         assert m.by_name["a.weight"].raw().view(np.float32)[0, 0] == 2.5

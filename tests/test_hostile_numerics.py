@@ -15,6 +15,10 @@ naming the tensor, row and column; never a block of zeros.  What each type does 
   imatrix (its fp16 scale overflows), and the types whose bound is lower: q3_K/q4_K/q5_K with an
   imatrix (their search over the sub-block scales: 1.0e5, 8.3e4) and the trellis types (their
   row-scale search: 1.3e4 for rows of 256), all refused.
+
+Refusals are checked through the library (quantkit.quantize_model, merge_imatrix, …: a one-line
+QuantkitError, which the CLI prints as its one line) and, for the exit status and the files left,
+through a subprocess of the CLI in a few places.
 """
 from __future__ import annotations
 
@@ -25,10 +29,10 @@ import gguf
 import numpy as np
 import pytest
 
-from hostile import Snapshot, assert_refused, run_cli, without_progress
+import quantkit
+from hostile import Snapshot, assert_refused, run_cli
 from models import write_llama
 from quantkit import formats
-from quantkit.cli import main
 from quantkit.errors import QuantkitError
 from quantkit.formats import limits
 from quantkit.imatrix import load_imatrix, save_gguf
@@ -37,6 +41,16 @@ from quantkit.quantize import quantize_rows
 from quantkit.types import QuantType, traits, type_name
 
 N = 256
+
+
+def refusal(call) -> str:
+    """The one-line QuantkitError ``call()`` raises (the line the CLI prints)."""
+    with pytest.raises(QuantkitError) as e:
+        call()
+    message = str(e.value)
+    assert "\n" not in message, message
+    return message
+
 COL = 37                    # where the hostile value goes (block 1 of 32-value types, 2 of 16-value)
 FLT_MAX = float(np.finfo(np.float32).max)
 BIG = (1e38, 3e38, FLT_MAX, 65504.0 * 2, 65504.0 * 1000)
@@ -189,16 +203,15 @@ def test_a_huge_weight_in_a_model_is_refused_naming_tensor_row_column(tmp_path):
 
 
 @pytest.mark.parametrize("qtype", ["iq2_k", "iq4_xs", "q8_0", "f16"])
-def test_a_huge_weight_is_refused_in_process(tmp_path, capsys, qtype):
+def test_a_huge_weight_is_refused_in_process(tmp_path, qtype):
     model = write_llama(tmp_path / "m.gguf", n_layer=1, n_embd=256, n_ff=256, vocab=False)
     r = gguf.GGUFReader(str(model), "r+")
     t = next(t for t in r.tensors if t.name == "blk.0.attn_q.weight")
     t.data[5, 200] = 3e38
     r.data.flush()
     del r
-    assert main(["quantize", str(model), str(tmp_path / "q.gguf"), qtype]) == 1
-    line = without_progress(capsys.readouterr().err)
-    assert "blk.0.attn_q.weight" in line and "row 5, column 200" in line and "\n" not in line
+    line = refusal(lambda: quantkit.quantize_model(model, tmp_path / "q.gguf", qtype))
+    assert "blk.0.attn_q.weight" in line and "row 5, column 200" in line
     assert not (tmp_path / "q.gguf").exists()
 
 
@@ -251,12 +264,11 @@ def test_largest_imatrix_value_loads(tmp_path):
     assert load_imatrix(f).weights["a.weight"].max() == np.float32(limits.IMATRIX_LIMIT)
 
 
-def test_quantize_refuses_an_imatrix_near_float_max(tmp_path, capsys):
+def test_quantize_refuses_an_imatrix_near_float_max(tmp_path):
     model = write_llama(tmp_path / "m.gguf", n_layer=1, n_embd=256, n_ff=256, vocab=False)
     imat = imatrix_dat(tmp_path / "i.dat", {"blk.0.attn_k.weight": (1, np.full(256, 3e38, np.float32))})
-    assert main(["quantize", str(model), str(tmp_path / "q.gguf"), "iq4_k", "--imatrix", str(imat)]) == 1
-    line = without_progress(capsys.readouterr().err)
-    assert "'blk.0.attn_k.weight', column 0" in line and "above" in line and "\n" not in line
+    line = refusal(lambda: quantkit.quantize_model(model, tmp_path / "q.gguf", "iq4_k", imatrix=imat))
+    assert "'blk.0.attn_k.weight', column 0" in line and "above" in line
 
 
 @pytest.mark.parametrize("counts, needle", [([1, -3], "count -3 of matrix 1"), ([1, np.nan], "count nan of matrix 1"),
@@ -272,19 +284,18 @@ def test_imatrix_counts_must_be_token_counts(tmp_path, counts, needle):
 
 # ---- item 14: imatrix inputs that are not files ----
 
-@pytest.mark.parametrize("argv", [["quantize", "{model}", "{out}", "q8_0", "--imatrix", "{bad}"],
-                                  ["imatrix", "stats", "{bad}"],
-                                  ["imatrix", "convert", "{bad}", "{out}"],
-                                  ["imatrix", "merge", "{bad}", "-o", "{out}"]])
-def test_imatrix_from_a_device_or_fifo_is_refused(tmp_path, capsys, argv):
+@pytest.mark.parametrize("call", [
+    lambda model, out, bad: quantkit.quantize_model(model, out, "q8_0", imatrix=bad),
+    lambda model, out, bad: quantkit.imatrix_stats(bad),
+    lambda model, out, bad: quantkit.convert_imatrix(bad, out),
+    lambda model, out, bad: quantkit.merge_imatrix([bad], out)], ids=["quantize", "stats", "convert", "merge"])
+def test_imatrix_from_a_device_or_fifo_is_refused(tmp_path, call):
     model = write_llama(tmp_path / "m.gguf", n_layer=1, n_embd=64, n_ff=64, vocab=False)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)                 # nothing writes to it: opening it for reading would block
     for bad in ("/dev/zero", str(fifo)):
-        args = [a.format(model=model, out=tmp_path / "o.gguf", bad=bad) for a in argv]
-        assert main(args) == 1
-        line = without_progress(capsys.readouterr().err)
-        assert f"{bad}:" in line and "not a regular file" in line and "\n" not in line, line
+        line = refusal(lambda: call(model, tmp_path / "o.gguf", bad))
+        assert f"{bad}:" in line and "not a regular file" in line, line
         assert not (tmp_path / "o.gguf").exists()
 
 
@@ -298,13 +309,12 @@ def test_imatrix_dev_zero_through_the_cli(tmp_path):
 
 # ---- item 15: merges and conversions ----
 
-def test_merge_refuses_entries_of_different_shapes(tmp_path, capsys):
+def test_merge_refuses_entries_of_different_shapes(tmp_path):
     """1 x 512 and 4 x 128: the same number of values, not the same tensor."""
     a = imatrix_gguf(tmp_path / "a.gguf", {"blk.0.ffn_up_exps.weight": (np.ones((1, 512)), [4])})
     b = imatrix_gguf(tmp_path / "b.gguf", {"blk.0.ffn_up_exps.weight": (np.ones((4, 128)), [1, 1, 1, 1])})
     snap = Snapshot(tmp_path)
-    assert main(["imatrix", "merge", str(a), str(b), "-o", str(tmp_path / "m.gguf")]) == 1
-    line = without_progress(capsys.readouterr().err)
+    line = refusal(lambda: quantkit.merge_imatrix([a, b], tmp_path / "m.gguf"))
     assert ("'blk.0.ffn_up_exps.weight': 1 matrix of 512 values in one file, 4 matrices of 128 values in the other"
             in line), line
     snap.assert_unchanged()
@@ -315,29 +325,26 @@ def test_merge_of_a_legacy_dat_spreads_its_count_over_the_experts(tmp_path):
     d = imatrix_dat(tmp_path / "a.dat", {"blk.0.ffn_up_exps.weight": (2, np.full(512, 3.0))})
     g = imatrix_gguf(tmp_path / "b.gguf", {"blk.0.ffn_up_exps.weight": (np.ones((4, 128)), [1, 2, 3, 4])})
     out = tmp_path / "m.gguf"
-    assert main(["imatrix", "merge", str(d), str(g), "-o", str(out), "-c", "16"]) == 0
+    assert quantkit.merge_imatrix([d, g], out, chunk_size=16).entries == 1
     m = load_imatrix(out)
     assert m.counts["blk.0.ffn_up_exps.weight"].tolist() == [33, 34, 35, 36]
 
 
 @pytest.mark.parametrize("command", ["convert", "merge"])
-def test_counts_that_do_not_match_the_sums_are_refused(tmp_path, capsys, command):
+def test_counts_that_do_not_match_the_sums_are_refused(tmp_path, command):
     orphan = imatrix_gguf(tmp_path / "o.gguf", {"e.weight": (np.ones((2, 32)), [3, 0])})
     no_ncall = imatrix_dat(tmp_path / "n.dat", {"a.weight": (0, np.ones(32))})
+    run = {"convert": quantkit.convert_imatrix, "merge": quantkit.merge_imatrix}[command]
     for src, needle in ((orphan, "'e.weight': matrix 1 has sums but a count of 0"),
                         (no_ncall, "'a.weight' has values but ncall 0")):
-        args = ["imatrix", command, str(src), str(tmp_path / "out.gguf")]
-        if command == "merge":
-            args = ["imatrix", "merge", str(src), "-o", str(tmp_path / "out.gguf")]
-        assert main(args) == 1
-        line = without_progress(capsys.readouterr().err)
-        assert needle in line and "\n" not in line, line
+        line = refusal(lambda: run(src, tmp_path / "out.gguf"))
+        assert needle in line, line
         assert not (tmp_path / "out.gguf").exists()
     # llama-quantize ignores the sums of a matrix without tokens (weight 1): so does quantize
     assert load_imatrix(orphan).weights["e.weight"][32:].tolist() == [1.0] * 32
 
 
-def test_what_the_output_format_cannot_hold_is_refused(tmp_path, capsys):
+def test_what_the_output_format_cannot_hold_is_refused(tmp_path):
     """Sums past 3.4e38 (collected from activations of 1e20: GGUF stores float32 sums), a token
     count whose ncall does not fit the legacy format's int32, merged counts past int64's range."""
     raw = RawImatrix({"w.weight": np.full((1, 32), 1e40)}, {"w.weight": np.array([512])}, 512, ["x"])
@@ -346,12 +353,11 @@ def test_what_the_output_format_cannot_hold_is_refused(tmp_path, capsys):
     a = tmp_path / "a.gguf"
     save_gguf(a, {"w.weight": np.full((1, 32), 2.0 ** 40)}, {"w.weight": np.array([2.0 ** 40])}, datasets=["x"],
               chunk_count=1, chunk_size=16)
-    assert main(["imatrix", "convert", str(a), str(tmp_path / "a.dat")]) == 1
-    line = without_progress(capsys.readouterr().err)
+    line = refusal(lambda: quantkit.convert_imatrix(a, tmp_path / "a.dat"))
     assert f"'w.weight': {2 ** 40} tokens are {2 ** 36} chunks of 16" in line and "int32 ncall" in line, line
     b = tmp_path / "b.gguf"
     save_gguf(b, {"w.weight": np.full((1, 32), 2.0 ** 61)}, {"w.weight": np.array([2.0 ** 61])}, datasets=["x"],
               chunk_count=1, chunk_size=16)
-    assert main(["imatrix", "merge", str(b), str(b), "-o", str(tmp_path / "m.gguf")]) == 1
-    assert "'w.weight': merged token counts pass 2^62" in capsys.readouterr().err
+    line = refusal(lambda: quantkit.merge_imatrix([b, b], tmp_path / "m.gguf"))
+    assert "'w.weight': merged token counts pass 2^62" in line
     assert not (tmp_path / "m.gguf").exists() and not (tmp_path / "a.dat").exists()

@@ -1,8 +1,10 @@
 """The user's files (issue 22, items 2, 4-7 and the path cases of 16): alignments, what OUT may be,
 outputs that are inputs, signals, permissions, long names and full disks.
 
-Most cases run ``quantkit.cli.main`` in-process on a tiny model; a subprocess only where the exit
-status of a signalled process is what is tested.
+What is written runs through the library (quantkit.quantize_model, repack_model, convert_imatrix)
+in-process on a tiny model; refusals and interrupts through ``quantkit.cli.main`` in-process, since
+their contract is the CLI's (exit status 1 or 128+signal, one line on stderr, nothing left behind);
+a subprocess only where the exit status of a signalled process is what is tested.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import gguf
 import numpy as np
 import pytest
 
+import quantkit
 import quantkit.formats as formats
 from quantkit import outputs
 from quantkit.cli import main
@@ -82,8 +85,8 @@ def aligned32(tmp_path_factory):
     alignment must give."""
     d = tmp_path_factory.mktemp("al32")
     src = write_llama(d / "m.gguf", **TINY, seed=3)
-    assert main(["quantize", str(src), str(d / "q.gguf"), "q8_0"]) == 0
-    assert main(["repack", str(d / "q.gguf"), str(d / "r.gguf")]) == 0
+    quantkit.quantize_model(src, d / "q.gguf", "q8_0")
+    quantkit.repack_model(d / "q.gguf", d / "r.gguf")
     return tensor_bytes_quantkit(d / "q.gguf"), tensor_bytes_quantkit(d / "r.gguf")
 
 
@@ -98,27 +101,27 @@ def _assert_aligned(path: Path, alignment: int) -> None:
 
 
 @pytest.mark.parametrize("alignment", [16, 64, 256])
-def test_input_alignment_is_honoured(tmp_path, aligned32, alignment, capsys):
+def test_input_alignment_is_honoured(tmp_path, aligned32, alignment):
     """quantize and repack of a model with general.alignment != 32 write the data at that
     alignment: gguf-py and quantkit read the same tensor bytes as from the 32-aligned output."""
     want_q, want_r = aligned32
     src = write_llama(tmp_path / "m.gguf", **TINY, seed=3, alignment=alignment)
     q, r = tmp_path / "q.gguf", tmp_path / "r.gguf"
-    assert cli(capsys, "quantize", src, q, "q8_0")[0] == 0
-    assert cli(capsys, "repack", q, r)[0] == 0
+    quantkit.quantize_model(src, q, "q8_0")
+    quantkit.repack_model(q, r)
     for path, want in ((q, want_q), (r, want_r)):
         _assert_aligned(path, alignment)
         assert tensor_bytes_quantkit(path) == want
     # gguf-py does not know q8_0_r8: it reads the quantized file and the repack undone
-    assert cli(capsys, "repack", r, tmp_path / "u.gguf", "--undo")[0] == 0
+    quantkit.repack_model(r, tmp_path / "u.gguf", undo=True)
     _assert_aligned(tmp_path / "u.gguf", alignment)
     for path in (q, tmp_path / "u.gguf"):
         assert gguf.GGUFReader(str(path)).alignment == alignment
         assert tensor_bytes_gguf_py(path) == want_q
     # split output: every shard declares the alignment and is aligned to it
-    assert cli(capsys, "quantize", src, tmp_path / "s.gguf", "q8_0", "--split-max-size", "20K")[0] == 0
+    result = quantkit.quantize_model(src, tmp_path / "s.gguf", "q8_0", split_max_size="20K")
     shards = sorted(tmp_path.glob("s-*-of-*.gguf"))
-    assert len(shards) > 1
+    assert len(shards) > 1 and result.paths == shards
     got = {}
     for s in shards:
         _assert_aligned(s, alignment)
@@ -184,21 +187,21 @@ def test_symlink_to_a_fifo_or_a_directory_is_refused(tmp_path, inputs, monkeypat
     snap.assert_unchanged()
 
 
-def test_symlink_out_is_written_through(tmp_path, inputs, capsys):
+def test_symlink_out_is_written_through(tmp_path, inputs):
     """The link's target is replaced by the new file in the target's directory; the link stays."""
     (tmp_path / "real").mkdir()
     target = tmp_path / "real" / "model.gguf"
     target.write_bytes(b"old")
     link = tmp_path / "current.gguf"
     link.symlink_to(Path("real") / "model.gguf")
-    assert cli(capsys, "quantize", inputs / "m.gguf", link, "q8_0")[0] == 0
+    quantkit.quantize_model(inputs / "m.gguf", link, "q8_0")
     assert link.is_symlink() and os.readlink(link) == str(Path("real") / "model.gguf")
     assert tensor_bytes_quantkit(target).keys() == tensor_bytes_quantkit(inputs / "m.gguf").keys()
     assert partials(tmp_path) == partials(tmp_path / "real") == []
     # a dangling link: its target is created
     dangling = tmp_path / "next.gguf"
     dangling.symlink_to(tmp_path / "real" / "new.imatrix.dat")
-    assert cli(capsys, "imatrix", "convert", inputs / "imatrix.dat", dangling)[0] == 0
+    quantkit.convert_imatrix(inputs / "imatrix.dat", dangling)
     assert (tmp_path / "real" / "new.imatrix.dat").is_file() and dangling.is_symlink()
 
 
@@ -207,7 +210,7 @@ def test_symlink_out_is_written_through(tmp_path, inputs, capsys):
 def split_set(tmp_path_factory):
     d = tmp_path_factory.mktemp("split")
     src = write_llama(d / "src.gguf", **TINY, seed=5)
-    assert main(["quantize", str(src), str(d / "A.gguf"), "q8_0", "--split-max-size", "20K"]) == 0
+    quantkit.quantize_model(src, d / "A.gguf", "q8_0", split_max_size="20K")
     src.unlink()
     shards = sorted(d.glob("A-*-of-*.gguf"))
     assert len(shards) > 2
@@ -406,17 +409,17 @@ def test_a_live_partial_is_never_swept(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- item 7: modes
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])
-def test_outputs_honour_the_umask(tmp_path, inputs, umask, mode, capsys):
+def test_outputs_honour_the_umask(tmp_path, inputs, umask, mode):
     old = os.umask(umask)
     try:
-        assert cli(capsys, "quantize", inputs / "m.gguf", tmp_path / "o.gguf", "q8_0")[0] == 0
-        assert cli(capsys, "imatrix", "convert", inputs / "imatrix.dat", tmp_path / "o.dat")[0] == 0
-        assert cli(capsys, "imatrix", "convert", inputs / "imatrix.dat", tmp_path / "o.imatrix.gguf")[0] == 0
+        quantkit.quantize_model(inputs / "m.gguf", tmp_path / "o.gguf", "q8_0")
+        quantkit.convert_imatrix(inputs / "imatrix.dat", tmp_path / "o.dat")
+        quantkit.convert_imatrix(inputs / "imatrix.dat", tmp_path / "o.imatrix.gguf")
         for name in ("o.gguf", "o.dat", "o.imatrix.gguf"):
             assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == mode, name
         # a replaced file keeps its permission bits
         (tmp_path / "o.gguf").chmod(0o640)
-        assert cli(capsys, "quantize", inputs / "m.gguf", tmp_path / "o.gguf", "q8_0")[0] == 0
+        quantkit.quantize_model(inputs / "m.gguf", tmp_path / "o.gguf", "q8_0")
         assert stat.S_IMODE(os.stat(tmp_path / "o.gguf").st_mode) == 0o640
     finally:
         os.umask(old)
@@ -474,8 +477,8 @@ def test_out_names_near_name_max(tmp_path, inputs, capsys):
     """A 255-byte name is written (its temporary name is short); a longer one, or shard names
     that grow past the limit, are refused before any work."""
     name = "m" * 250 + ".gguf"
-    assert cli(capsys, "quantize", inputs / "m.gguf", tmp_path / name, "q8_0")[0] == 0
-    assert cli(capsys, "imatrix", "convert", inputs / "imatrix.dat", tmp_path / ("d" * 251 + ".dat"))[0] == 0
+    quantkit.quantize_model(inputs / "m.gguf", tmp_path / name, "q8_0")
+    quantkit.convert_imatrix(inputs / "imatrix.dat", tmp_path / ("d" * 251 + ".dat"))
     assert sorted(len(p.name) for p in tmp_path.iterdir()) == [255, 255]
     snap = Snapshot(tmp_path)
     assert_refused(*cli(capsys, "quantize", inputs / "m.gguf", tmp_path / ("x" + name), "q8_0"), "256 bytes long")

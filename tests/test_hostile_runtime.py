@@ -13,10 +13,12 @@ QuantkitError that names what is wrong, before any numba kernel runs, never in a
 * sampling options (--temp nan, --top-p 1.5, --seed -1 accepted as random) and
   --kl-divergence-base files whose header disagrees with the file or the model;
 * the tokenizer's metadata, and chat templates that would grow without bound.
+
+Commands are run through the library (quantkit.generate, kl_divergence: a QuantkitError) but for the
+refusal contract itself (the real CLI, above) and an interrupt's exit status (the CLI in-process).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -24,6 +26,7 @@ import gguf
 import numpy as np
 import pytest
 
+import quantkit
 from hostile import Snapshot, assert_refused, run_cli
 from models import rewrite_gguf, write_deepseek2, write_llama
 from quantkit.errors import QuantkitError
@@ -381,21 +384,19 @@ def test_generation_steps_check_their_logits(base):
 # ---- sampling options ----
 
 @pytest.mark.parametrize("option, value, words", [
-    ("--temp", "nan", "--temp nan"), ("--temp", "inf", "--temp inf"), ("--temp", "-0.5", "--temp -0.5"),
-    ("--top-p", "1.5", "--top-p 1.5"), ("--top-p", "-0.1", "--top-p -0.1"), ("--top-p", "nan", "--top-p nan"),
-    ("--top-k", "-3", "--top-k -3"), ("--seed", "-2", "--seed -2"),
+    ("temp", float("nan"), "--temp nan"), ("temp", float("inf"), "--temp inf"), ("temp", -0.5, "--temp -0.5"),
+    ("top_p", 1.5, "--top-p 1.5"), ("top_p", -0.1, "--top-p -0.1"), ("top_p", float("nan"), "--top-p nan"),
+    ("top_k", -3, "--top-k -3"), ("seed", -2, "--seed -2"),
 ])
-def test_run_refuses_bad_sampling_options(base, capsys, option, value, words):
-    rc, out, err = run_main(capsys, "run", base["llama"], "-p", "hi", "-n", "2", option, value, "--threads", "1")
-    assert_refused(rc, out, err, words)
+def test_run_refuses_bad_sampling_options(base, option, value, words):
+    with pytest.raises(QuantkitError) as e:
+        quantkit.generate(base["llama"], "hi", n_predict=2, threads=1, **{option: value})
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_run_seed_minus_one_is_random(base, capsys):
+def test_run_seed_minus_one_is_random(base):
     """llama.cpp's -1 ("random", llama-cli's default) is accepted."""
-    rc, out, err = run_main(capsys, "run", base["llama"], "-p", "hi", "-n", "3", "--seed", "-1", "--json",
-                            "--threads", "1")
-    assert rc == 0, err
-    assert len(json.loads(out)["tokens"]) <= 3
+    assert len(quantkit.generate(base["llama"], "hi", n_predict=3, seed=-1, threads=1).stats.tokens) <= 3
 
 
 def test_generation_stops_at_an_interrupt_lost_in_a_callback(base, capsys, monkeypatch):
@@ -469,25 +470,21 @@ def test_kld_base_header_is_checked_against_the_file(tmp_path):
         LogitsFile.read(fifo)
 
 
-def test_kld_cli_refuses_inconsistent_base(base, tmp_path, capsys):
+def test_kld_refuses_inconsistent_base(base, tmp_path):
     """A base with n_ctx 1 (an internal error before), and one from a model of another vocabulary:
     refused before anything is computed, the base file unchanged."""
     for name, kw, words in (("ctx1.kld", dict(n_ctx=1), "n_ctx must be at least 3"),
                             ("vocab.kld", dict(n_vocab=100), "vocabulary of 100, the model 320")):
         path = write_base(tmp_path / name, **kw)
         snap = Snapshot(path, base["llama"])
-        rc, out, err = run_main(capsys, "perplexity", base["llama"], "--kl-divergence-base", path,
-                                "--kl-divergence", "--threads", "1")
-        assert_refused(rc, out, err, words)
+        with pytest.raises(QuantkitError, match=re.escape(words)):
+            quantkit.kl_divergence(base["llama"], path, threads=1)
         snap.assert_unchanged()
 
 
-def test_kld_runs_on_a_consistent_base(base, tmp_path, capsys):
+def test_kld_runs_on_a_consistent_base(base, tmp_path):
     path = write_base(tmp_path / "ok.kld", n_ctx=16, n_chunk=2)
-    rc, out, err = run_main(capsys, "perplexity", base["llama"], "--kl-divergence-base", path,
-                            "--kl-divergence", "--json", "--threads", "1")
-    assert rc == 0, err
-    assert json.loads(out)["positions"] == 14
+    assert quantkit.kl_divergence(base["llama"], path, threads=1).summary()["positions"] == 14
 
 
 # ---- the tokenizer's metadata ----
@@ -589,10 +586,10 @@ def test_chat_template_ordinary_work_renders():
         '===a| 1.50b-   7[{"role": "user", "content": "' + long + '"}]a\n  b' + "x, y<|assistant|>")
 
 
-def test_run_chat_refuses_a_huge_template(base, tmp_path, capsys):
+def test_run_chat_refuses_a_huge_template(base, tmp_path):
     path = rewrite_gguf(base["llama"], tmp_path / "template.gguf", {"tokenizer.chat_template": "{{ 'x' * 10**10 }}"})
-    rc, out, err = run_main(capsys, "run", path, "-p", "hi", "-n", "2", "--chat", "--threads", "1")
-    assert_refused(rc, out, err, "chat template", "10000000000")
+    with pytest.raises(QuantkitError, match="chat template.*10000000000"):
+        quantkit.generate(path, "hi", n_predict=2, chat=True, threads=1)
 
 
 def test_huge_counts_are_refused_quickly(base, tmp_path):

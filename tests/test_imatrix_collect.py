@@ -6,17 +6,19 @@ must be present and 99% of the values (Σx²/count per column) within 2%: exact 
 expected, since ggml sums in float32 in its own order; with float32 activations (``--activations
 exact``) only ~96% are, because mainline rounds every quantized product's input to 8 bits and the
 later layers see the difference.
+
+quantkit runs through the library (quantkit.collect_imatrix, quantize_model, perplexity,
+kl_divergence) in-process.
 """
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import peers
+import quantkit
 from models import write_deepseek2
 from quantkit.gguf_io.reader import open_model
 from quantkit.imatrix import load_imatrix
@@ -24,13 +26,6 @@ from quantkit.imatrix_tools import RawImatrix
 from quantkit.runtime import ops_cpu
 from quantkit.runtime.collect import ActivationStats, ObservingOps, collect
 from quantkit.runtime.model import Model
-
-
-def quantkit_cli(*args, check=True):
-    p = subprocess.run([sys.executable, "-m", "quantkit", *map(str, args)], capture_output=True, text=True)
-    if check:
-        assert p.returncode == 0, p.stderr[-3000:]
-    return p
 
 
 def agreement(ours, ref) -> float:
@@ -48,10 +43,8 @@ def golden(shared_dir):
 @pytest.fixture(scope="module")
 def ours_dat(tmp_path_factory, smollm2_path, golden):
     out = tmp_path_factory.mktemp("imatrix") / "smollm2.dat"
-    p = quantkit_cli("imatrix", smollm2_path, "-f", golden / "calib-gpl3.txt", "-o", out, "-c", "256",
-                     "--chunks", "8", "--threads", "2", "--json")
-    doc = json.loads(p.stdout)
-    assert doc["chunks"] == 8 and doc["entries"] == 210 and doc["partial"] == {}
+    r = quantkit.collect_imatrix(smollm2_path, golden / "calib-gpl3.txt", out, ctx_size=256, chunks=8, threads=2)
+    assert (r.file, r.chunks, r.entries, r.partial, r.warnings) == (out, 8, 210, {}, [])
     return out
 
 
@@ -66,8 +59,7 @@ def test_dat_matches_llama_imatrix(ours_dat, golden):
 
 def test_gguf_matches_llama_imatrix(tmp_path, smollm2_path, golden):
     out = tmp_path / "smollm2.gguf"
-    quantkit_cli("imatrix", smollm2_path, "-f", golden / "calib-gpl3.txt", "-o", out, "-c", "256",
-                 "--chunks", "8", "--threads", "2")
+    quantkit.collect_imatrix(smollm2_path, golden / "calib-gpl3.txt", out, ctx_size=256, chunks=8, threads=2)
     ours, ref = load_imatrix(out), load_imatrix(golden / "smollm2-q4_1-gpl3.gguf")
     assert ours.format == "gguf" and agreement(ours, ref) >= 0.99
     assert (ours.chunk_count, ours.chunk_size) == (ref.chunk_count, ref.chunk_size) == (8, 256)
@@ -136,16 +128,15 @@ def test_our_imatrix_lowers_iq2_k_kl_divergence(ours_dat, smollm2_path, golden, 
     """SmolLM2 at IQ2_K with and without the imatrix collected above: KL divergence against the F32
     model (quantkit's runtime, llama-perplexity's statistics) must drop with it."""
     f32 = tmp_path / "f32.gguf"
-    quantkit_cli("quantize", smollm2_path, f32, "f32", "--allow-requantize")
+    quantkit.quantize_model(smollm2_path, f32, "f32", allow_requantize=True)
     base = tmp_path / "base.kld"
     text = golden / "calib-gpl3.txt"
-    quantkit_cli("perplexity", f32, "-f", text, "-c", "256", "--chunks", "4", "--kl-divergence-base", base)
+    quantkit.perplexity(f32, text, ctx_size=256, chunks=4, kl_divergence_base=base)
     kld = {}
-    for label, extra in (("without", []), ("with", ["--imatrix", ours_dat])):
+    for label, imatrix in (("without", None), ("with", ours_dat)):
         q = tmp_path / f"iq2_k-{label}.gguf"
-        quantkit_cli("quantize", f32, q, "IQ2_K", "--threads", "2", *extra)
-        p = quantkit_cli("perplexity", q, "--kl-divergence-base", base, "--kl-divergence", "--json")
-        kld[label] = json.loads(p.stdout)["kld"]["mean"][0]
+        quantkit.quantize_model(f32, q, "IQ2_K", threads=2, imatrix=imatrix)
+        kld[label] = quantkit.kl_divergence(q, base).summary()["kld"]["mean"][0]
     print(f"\n  IQ2_K mean KLD vs F32: {kld['without']:.4f} without imatrix, {kld['with']:.4f} with quantkit's")
     assert kld["with"] < 0.9 * kld["without"]
 
@@ -153,13 +144,12 @@ def test_our_imatrix_lowers_iq2_k_kl_divergence(ours_dat, smollm2_path, golden, 
 def test_periodic_saves_and_resume(smollm2_path, golden, tmp_path, monkeypatch):
     """--output-frequency 2 leaves a complete file after chunk 2 when the run is interrupted in
     chunk 3; --in-file that --chunk 2 finishes it with the same data as one uninterrupted run."""
-    from quantkit.cli import main
     from quantkit.runtime import collect as collect_mod
 
-    text = str(golden / "calib-gpl3.txt")
-    common = ["-f", text, "-c", "128", "--threads", "2"]
+    text = golden / "calib-gpl3.txt"
+    common = dict(ctx_size=128, threads=2)
     whole = tmp_path / "whole.gguf"
-    assert main(["imatrix", str(smollm2_path), "-o", str(whole), "--chunks", "4", *common]) == 0
+    quantkit.collect_imatrix(smollm2_path, text, whole, chunks=4, **common)
 
     out = tmp_path / "run.gguf"
     real = collect_mod.ObservingOps.matmul_q
@@ -172,16 +162,16 @@ def test_periodic_saves_and_resume(smollm2_path, golden, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(self, w, x, fused)
     monkeypatch.setattr(collect_mod.ObservingOps, "matmul_q", interrupt_in_chunk_3)
-    assert main(["imatrix", str(smollm2_path), "-o", str(out), "--chunks", "4", "--output-frequency", "2",
-                 *common]) == 130
+    with pytest.raises(KeyboardInterrupt) as e:
+        quantkit.collect_imatrix(smollm2_path, text, out, chunks=4, output_frequency=2, **common)
+    assert (e.value.saved, e.value.n_chunks) == (2, 4)      # what the CLI's resume note is made of
     monkeypatch.setattr(collect_mod.ObservingOps, "matmul_q", real)
     saved = load_imatrix(out)
     assert all(int(c[0]) == 2 * 128 for c in saved.counts.values()) and saved.chunk_count == 2
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []     # no temporary left
 
     resumed = tmp_path / "resumed.gguf"
-    assert main(["imatrix", str(smollm2_path), "-o", str(resumed), "--chunks", "2", "--chunk", "2",
-                 "--in-file", str(out), *common]) == 0
+    quantkit.collect_imatrix(smollm2_path, text, resumed, chunks=2, chunk=2, in_file=out, **common)
     a, b = load_imatrix(whole), load_imatrix(resumed)
     assert a.chunk_count == b.chunk_count == 4
     for n in a.weights:

@@ -13,15 +13,14 @@ attn_kv_b falling back to attn_v_b's entry and back.  The three layouts MLA file
 """
 from __future__ import annotations
 
-import json
 import subprocess
 
 import numpy as np
 import pytest
 
 import peers
+import quantkit
 from models import write_deepseek2
-from quantkit.cli import main
 from quantkit.gguf_io.reader import open_model
 from quantkit.imatrix import load_imatrix
 from quantkit.runtime import ops_cpu
@@ -50,8 +49,7 @@ def made(tmp_path_factory):
         files = {}
         for ext in ("dat", "gguf"):
             files[ext] = d / f"{layout}-imatrix.{ext}"
-            assert main(["imatrix", str(model), "-f", str(text), "-o", str(files[ext]), "-c", "32",
-                         "--chunks", "2", "--threads", "2", "--json"]) == 0
+            quantkit.collect_imatrix(model, text, files[ext], ctx_size=32, chunks=2, threads=2)
         out[layout] = (model, files)
     return out
 
@@ -77,14 +75,13 @@ def test_entries_have_the_size_llama_quantize_wants(made, layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_quantkit_quantizes_with_it(made, layout, capsys, tmp_path):
+def test_quantkit_quantizes_with_it(made, layout, tmp_path):
     model, files = made[layout]
     for ext, path in files.items():
-        capsys.readouterr()
         out = tmp_path / f"q-{ext}.gguf"
-        assert main(["quantize", str(model), str(out), "q4_0", "--imatrix", str(path), "--json"]) == 0
-        plan = json.loads(capsys.readouterr().out)["plan"]["tensors"]
-        used = {t["name"]: t["imatrix"] for t in plan if t["action"] == "quantize"}
+        with quantkit.open_quantization(model, out, "q4_0", imatrix=path) as q:
+            q.write()
+        used = {t.name: t.imatrix for t in q.plan.tensors if t.action == "quantize"}
         assert all(used[n] for n in mla_tensors(model)), used
         assert [n for n, u in used.items() if not u] == ["token_embd.weight", "output.weight"]
 

@@ -1,4 +1,6 @@
-"""`quantkit imatrix convert | merge | stats` and quantize's `--missing-expert` policy.
+"""`quantkit imatrix convert | merge | stats` and quantize's `--missing-expert` policy, through the
+library beneath them (quantkit.convert_imatrix, merge_imatrix, imatrix_stats, quantize_model);
+the stats table's rendering is tested with the CLI's output (test_cli_output.py).
 
 Conversions are checked against llama-imatrix's own pair of files (one run written in both formats,
 ../shared/golden/imatrix), merges against sums and counts added by hand, the expert policy against
@@ -6,14 +8,16 @@ formats.quantize with the weights each policy stands for.
 """
 from __future__ import annotations
 
-import json
+import logging
 
 import numpy as np
 import pytest
 
+import quantkit
+from hostile import Snapshot
 from models import write_deepseek2
 from quantkit import formats
-from quantkit.cli import main
+from quantkit.errors import QuantkitError
 from quantkit.gguf_io.reader import open_model
 from quantkit.imatrix import load_imatrix, save_gguf
 from quantkit.types import QuantType
@@ -32,16 +36,19 @@ def assert_same_weights(a, b, rtol=1e-6):
 
 def test_convert_gguf_to_dat_gives_llama_imatrix_dat(golden, tmp_path):
     out = tmp_path / "x.dat"
-    assert main(["imatrix", "convert", str(golden / "smollm2-q4_1-gpl3.gguf"), str(out)]) == 0
+    r = quantkit.convert_imatrix(golden / "smollm2-q4_1-gpl3.gguf", out)
+    assert (r.file, r.chunks, r.inputs) == (out, 8, 1)
     ours, ref = load_imatrix(out), load_imatrix(golden / "smollm2-q4_1-gpl3.dat")
     assert_same_weights(ours, ref)
     assert {n: c.tolist() for n, c in ours.counts.items()} == {n: c.tolist() for n, c in ref.counts.items()}
     assert ours.chunk_count == ref.chunk_count == 8
+    assert r.entries == len(ref.weights)
 
 
 def test_convert_dat_to_gguf_with_its_chunk_size(golden, tmp_path):
     out = tmp_path / "x.gguf"
-    assert main(["imatrix", "convert", str(golden / "smollm2-q4_1-gpl3.dat"), str(out), "-c", "256"]) == 0
+    r = quantkit.convert_imatrix(golden / "smollm2-q4_1-gpl3.dat", out, chunk_size=256)
+    assert (r.chunks, r.chunk_size) == (8, 256)
     ours, ref = load_imatrix(out), load_imatrix(golden / "smollm2-q4_1-gpl3.gguf")
     assert_same_weights(ours, ref)
     assert (ours.chunk_count, ours.chunk_size) == (8, 256)
@@ -50,8 +57,9 @@ def test_convert_dat_to_gguf_with_its_chunk_size(golden, tmp_path):
 
 def test_merge_adds_sums_and_counts(golden, tmp_path):
     out = tmp_path / "m.gguf"
-    src = str(golden / "smollm2-q4_1-gpl3.gguf")
-    assert main(["imatrix", "merge", src, src, "-o", str(out)]) == 0
+    src = golden / "smollm2-q4_1-gpl3.gguf"
+    r = quantkit.merge_imatrix([src, src], out)
+    assert (r.file, r.inputs, r.chunks) == (out, 2, 16)
     ours, ref = load_imatrix(out), load_imatrix(src)
     assert_same_weights(ours, ref)              # twice the sums over twice the tokens
     assert all(int(c[0]) == 4096 for c in ours.counts.values()) and ours.chunk_count == 16
@@ -72,26 +80,41 @@ def test_merge_spreads_a_single_count_over_experts(tmp_path):
     sa, ca = moe_imatrix(a)
     sb, cb = moe_imatrix(b, counts=(1, 2, 3, 4), seed=1)
     out = tmp_path / "ab.gguf"
-    assert main(["imatrix", "merge", str(a), str(b), "-o", str(out)]) == 0
+    assert quantkit.merge_imatrix([a, b], out).entries == 2
     m = load_imatrix(out)
     np.testing.assert_array_equal(m.counts["blk.1.ffn_up_exps.weight"], (ca + cb).astype(np.int64))
     want = (sa + sb) / (ca + cb)[:, None]
     np.testing.assert_allclose(m.weights["blk.1.ffn_up_exps.weight"], want.reshape(-1), rtol=1e-6)
 
 
-def test_stats_reports_experts_without_data(tmp_path, capsys):
+def test_stats_reports_experts_without_data(tmp_path):
     path = tmp_path / "moe.gguf"
     sums, c = moe_imatrix(path)
-    assert main(["imatrix", "stats", str(path), "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["experts_without_data"] == {"blk.1.ffn_up_exps.weight": [1]}
-    row = next(r for r in doc["entries"] if r["name"] == "blk.1.ffn_up_exps.weight")
+    st = quantkit.imatrix_stats(path, top=3)
+    assert st.experts_without_data == {"blk.1.ffn_up_exps.weight": [1]}
+    assert (st.chunks, st.chunk_size, st.datasets) == (10 // 16, 16, ["synthetic"])    # the busiest expert's
+    row = next(r for r in st.entries if r["name"] == "blk.1.ffn_up_exps.weight")
     imp = np.mean([sums[e] / c[e] for e in (0, 2, 3)], axis=0)
     assert row["matrices"] == 4 and row["no_data"] == [1] and row["tokens"] == 22
-    assert row["top_columns"][0] == int(np.argmax(imp))
+    assert row["top_columns"] == np.argsort(-imp, kind="stable")[:3].tolist()
     assert abs(row["max_over_mean"] - imp.max() / imp.mean()) < 1e-6 * row["max_over_mean"]
-    assert main(["imatrix", "stats", str(path)]) == 0
-    assert "experts without data: 1" in capsys.readouterr().out
+    assert st.to_json()["experts_without_data"] == st.experts_without_data
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda d: quantkit.merge_imatrix([], d / "o.gguf"), "no imatrix file given"),
+    (lambda d: quantkit.merge_imatrix([d / "moe.gguf"], d / "moe.gguf"), "-o"),
+    (lambda d: quantkit.convert_imatrix(d / "moe.gguf", d / "moe.gguf"), "OUT"),
+    (lambda d: quantkit.convert_imatrix(d / "missing.gguf", d / "o.dat"), "missing.gguf"),
+    (lambda d: quantkit.imatrix_stats(d / "moe.gguf", top=0), "top"),
+])
+def test_imatrix_file_errors_raise_quantkit_error(tmp_path, call, needle):
+    moe_imatrix(tmp_path / "moe.gguf")
+    before = Snapshot(tmp_path)
+    with pytest.raises(QuantkitError) as e:
+        call(tmp_path)
+    assert needle in str(e.value)
+    before.assert_unchanged()
 
 
 @pytest.fixture(scope="module")
@@ -111,24 +134,22 @@ def expert_rows(path, name, e):
         return raw[e * n:(e + 1) * n].copy(), t.shape
 
 
-def test_missing_expert_policies(deepseek, tmp_path, capsys, caplog):
+def test_missing_expert_policies(deepseek, tmp_path, caplog):
     model, imat = deepseek
     name = "blk.1.ffn_up_exps.weight"
-    recipe = f"{name}=q4_K"
-    base = ["quantize", str(model), "", "--custom-q", recipe, "--imatrix", str(imat)]
+    options = dict(custom_q=f"{name}=q4_K", imatrix=imat)
 
     out = tmp_path / "err.gguf"
-    base[2] = str(out)
-    assert main(base + ["--missing-expert", "error"]) == 1
-    err = capsys.readouterr().err
-    assert "experts without imatrix data" in err and name in err and not out.exists()
+    with pytest.raises(QuantkitError) as e:
+        quantkit.quantize_model(model, out, missing_expert="error", **options)
+    assert "experts without imatrix data" in str(e.value) and name in str(e.value) and not out.exists()
 
     files = {}
     for policy in ("unit", "fill-mean"):
         files[policy] = tmp_path / f"{policy}.gguf"
-        base[2] = str(files[policy])
         caplog.clear()
-        assert main(base + ["--missing-expert", policy]) == 0
+        with caplog.at_level(logging.WARNING, logger="quantkit"):
+            quantkit.quantize_model(model, files[policy], missing_expert=policy, **options)
         assert "partial data" in caplog.text and name in caplog.text
     f32_rows, shape = expert_rows(model, name, 1)
     x = f32_rows.view(np.float32).reshape(shape[1], shape[0])
@@ -144,7 +165,7 @@ def test_missing_expert_policies(deepseek, tmp_path, capsys, caplog):
         np.testing.assert_array_equal(expert_rows(files["unit"], name, e)[0], expert_rows(files["fill-mean"], name, e)[0])
 
 
-def test_experts_that_never_fire_end_to_end(tmp_path, shared_dir, capsys):
+def test_experts_that_never_fire_end_to_end(tmp_path, shared_dir):
     """A tiny deepseek2 (16 experts, 2 used) through `quantkit imatrix` on a short text: the experts
     that got no token are reported at collection, listed by `stats`, refused by
     `quantize --missing-expert error` and quantized with `fill-mean`."""
@@ -152,23 +173,23 @@ def test_experts_that_never_fire_end_to_end(tmp_path, shared_dir, capsys):
     text = tmp_path / "t.txt"
     text.write_text((shared_dir / "golden" / "imatrix" / "calib-gpl3.txt").read_text()[:3000])
     imat = tmp_path / "ds.imatrix.gguf"
-    assert main(["imatrix", str(model), "-f", str(text), "-o", str(imat), "-c", "32", "--chunks", "2", "--json"]) == 0
-    captured = capsys.readouterr()
-    partial = json.loads(captured.out)["partial"]
-    assert partial and "experts got no token" in captured.err
-    assert main(["imatrix", "stats", str(imat), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["experts_without_data"] == partial
+    collected = quantkit.collect_imatrix(model, text, imat, ctx_size=32, chunks=2)
+    partial = collected.partial
+    assert partial and len(collected.warnings) == len(partial)
+    assert all("experts got no token" in w for w in collected.warnings)
+    assert quantkit.imatrix_stats(imat).experts_without_data == partial
     data = load_imatrix(imat)
     assert {n: np.nonzero(c == 0)[0].tolist() for n, c in data.counts.items() if (c == 0).any()} == partial
-    recipe = ["--custom-q", r"ffn_.*_exps=q4_K", "--imatrix", str(imat)]
+    options = dict(custom_q=r"ffn_.*_exps=q4_K", imatrix=imat)
     out = tmp_path / "q.gguf"
-    assert main(["quantize", str(model), str(out), *recipe, "--missing-expert", "error"]) == 1
-    assert "experts without imatrix data" in capsys.readouterr().err and not out.exists()
-    assert main(["quantize", str(model), str(out), *recipe, "--missing-expert", "fill-mean"]) == 0
-    assert out.exists()
+    with pytest.raises(QuantkitError, match="experts without imatrix data"):
+        quantkit.quantize_model(model, out, missing_expert="error", **options)
+    assert not out.exists()
+    result = quantkit.quantize_model(model, out, missing_expert="fill-mean", **options)
+    assert result.paths == [out] and out.exists()
 
 
-def test_stats_figures(tmp_path, capsys):
+def test_stats_figures(tmp_path):
     """The statistics of two dense entries in consecutive layers, recomputed here by hand."""
     rng = np.random.default_rng(2)
     a = rng.uniform(0, 1, 64) ** 4
@@ -177,8 +198,7 @@ def test_stats_figures(tmp_path, capsys):
     save_gguf(path, {"blk.0.ffn_up.weight": a[None] * 10, "blk.1.ffn_up.weight": b[None] * 10},
               {"blk.0.ffn_up.weight": np.array([10.0]), "blk.1.ffn_up.weight": np.array([10.0])},
               datasets=["x"], chunk_count=1, chunk_size=10)
-    assert main(["imatrix", "stats", str(path), "--json"]) == 0
-    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["entries"]}
+    rows = {r["name"]: r for r in quantkit.imatrix_stats(path).entries}
     r0, r1 = rows["blk.0.ffn_up.weight"], rows["blk.1.ffn_up.weight"]
     a32 = a.astype(np.float32).astype(np.float64)
     b32 = b.astype(np.float32).astype(np.float64)

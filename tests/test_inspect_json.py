@@ -1,6 +1,8 @@
 """`quantkit inspect --json` is for machines: every metadata value in its own JSON type, checked
 against gguf-py's reader for every GGUF value type, arrays of each and arrays of arrays; arrays past
-JSON_ARRAY_ITEMS items are cut with "truncated": true and their "length"."""
+JSON_ARRAY_ITEMS items are cut with "truncated": true and their "length".  Through the library
+(quantkit.inspect_model returns the document); the CLI for what only it does: strict JSON (NaN and
+infinities as null) and the table."""
 from __future__ import annotations
 
 import json
@@ -9,9 +11,10 @@ import gguf
 import numpy as np
 import pytest
 
-from hostile import assert_refused
+import quantkit
 from quantkit.cli import main
 from quantkit.describe import JSON_ARRAY_ITEMS
+from quantkit.errors import QuantkitError
 
 T = gguf.GGUFValueType
 SCALARS = {     # key: (value, type)
@@ -54,19 +57,12 @@ def typed(tmp_path_factory):
     return path
 
 
-def _inspect_json(capsys, path) -> dict:
-    rc = main(["inspect", str(path), "--json"])
-    out, err = capsys.readouterr()
-    assert rc == 0, err
-
-    def refuse(token):
-        raise ValueError(f"non-standard JSON constant {token}")
-    doc = json.loads(out, parse_constant=refuse)
-    return {kv["key"]: kv for kv in doc["metadata"]}
+def _metadata(path) -> dict:
+    return {kv["key"]: kv for kv in quantkit.inspect_model(path)["metadata"]}
 
 
-def test_every_value_type_as_gguf_py_reads_it(typed, capsys):
-    meta = _inspect_json(capsys, typed)
+def test_every_value_type_as_gguf_py_reads_it(typed):
+    meta = _metadata(typed)
     fields = gguf.GGUFReader(str(typed)).fields
     for key in [*SCALARS, *ARRAYS]:
         expected = fields[key].contents()
@@ -82,11 +78,22 @@ def test_every_value_type_as_gguf_py_reads_it(typed, capsys):
     for key, (items, elem) in ARRAYS.items():
         assert meta[key]["type"] == f"array[{elem.name.lower()}]"
         assert (meta[key]["length"], meta[key]["truncated"]) == (len(items), False)
-    assert meta["t.nan"]["value"] is None and meta["a.inf"]["value"] == [None, 1.0]     # strict JSON
 
 
-def test_long_arrays_are_cut_with_their_length(typed, capsys):
-    meta = _inspect_json(capsys, typed)
+def test_json_output_is_strict(typed, capsys):
+    """NaN and infinities, which json.loads of other languages refuse, are written as null."""
+    assert main(["inspect", str(typed), "--json"]) == 0
+
+    def refuse(token):
+        raise ValueError(f"non-standard JSON constant {token}")
+    doc = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    meta = {kv["key"]: kv for kv in doc["metadata"]}
+    assert meta["t.nan"]["value"] is None and meta["a.inf"]["value"] == [None, 1.0]
+    assert meta["t.uint32"]["value"] == 30 and meta["a.long"]["length"] == LONG
+
+
+def test_long_arrays_are_cut_with_their_length(typed):
+    meta = _metadata(typed)
     fields = gguf.GGUFReader(str(typed)).fields
     for key in ("a.long", "a.long_strings"):
         entry = meta[key]
@@ -94,19 +101,19 @@ def test_long_arrays_are_cut_with_their_length(typed, capsys):
         assert entry["value"] == fields[key].contents()[:JSON_ARRAY_ITEMS]
 
 
-def test_nested_arrays(typed, capsys, tmp_path):
+def test_nested_arrays(typed, tmp_path):
     """gguf-py writes arrays of arrays (and reads them back flattened); the C loaders refuse them,
     so only inspect reads them: every other command refuses the file in one line."""
-    meta = _inspect_json(capsys, typed)
+    meta = _metadata(typed)
     entry = meta["a.nested"]
     assert entry["value"] == NESTED and entry["type"] == "array[array]"
     assert (entry["length"], entry["truncated"]) == (len(NESTED), False)
     flat = gguf.GGUFReader(str(typed)).fields["a.nested"].contents()
     assert [x for inner in entry["value"] for x in inner] == flat
-    rc = main(["quantize", str(typed), str(tmp_path / "o.gguf"), "q8_0"])
-    out, err = capsys.readouterr()
-    assert_refused(rc, out, err, "a.nested", "nested arrays are not supported")
-    assert not (tmp_path / "o.gguf").exists()
+    with pytest.raises(QuantkitError) as e:
+        quantkit.quantize_model(typed, tmp_path / "o.gguf", "q8_0")
+    assert "a.nested" in str(e.value) and "nested arrays are not supported" in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "o.gguf").exists()
 
 
 def test_table_still_shows_arrays_in_part(typed, capsys, monkeypatch):
@@ -132,13 +139,12 @@ def _nested_file(path, depth):
     return path
 
 
-def test_nesting_is_bounded(tmp_path, capsys):
+def test_nesting_is_bounded(tmp_path):
     from quantkit.gguf_io.reader import MAX_ARRAY_DEPTH
-    meta = _inspect_json(capsys, _nested_file(tmp_path / "ok.gguf", MAX_ARRAY_DEPTH))
+    meta = _metadata(_nested_file(tmp_path / "ok.gguf", MAX_ARRAY_DEPTH))
     value = meta["a.deep"]["value"]
     for _ in range(MAX_ARRAY_DEPTH - 1):
         value = value[0]
     assert value == [7]
-    rc = main(["inspect", str(_nested_file(tmp_path / "deep.gguf", MAX_ARRAY_DEPTH + 1)), "--json"])
-    out, err = capsys.readouterr()
-    assert_refused(rc, out, err, "nested more than")
+    with pytest.raises(QuantkitError, match="nested more than"):
+        quantkit.inspect_model(_nested_file(tmp_path / "deep.gguf", MAX_ARRAY_DEPTH + 1))

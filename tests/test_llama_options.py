@@ -2,12 +2,13 @@
 count, mainline's --tensor-type / --tensor-type-file / --prune-layers, --override-kv, ik's
 --ffn-gate-inp-type and --partial-requant.
 
-Most cases run in-process (``quantkit.cli.main`` or the library); the wheel's ik ``llama-quantize``
-is the peer where it has the option (--ffn-gate-inp-type, --override-kv).
+The cases run through the library (quantkit.plan_quantize / quantize_model, in-process; a refusal is
+a one-line QuantkitError); the CLI (``quantkit.cli.main`` in-process) only for its positionals (the
+trailing NTHREADS, ``IN TYPE``).  The wheel's ik ``llama-quantize`` is the peer where it has the
+option (--ffn-gate-inp-type, --override-kv).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import peers
+import quantkit
 from hostile import Snapshot, assert_refused
 from models import rewrite_gguf, write_deepseek2, write_llama
 from quantkit.cli import main
@@ -30,7 +32,7 @@ from quantkit.presets import ModelInfo, find_preset
 from quantkit.prune import parse_prune_layers
 from quantkit.recipes import combined, load_recipe, load_tensor_types
 from quantkit.runtime.hparams import ModelConfig
-from quantkit.types import QuantType as T
+from quantkit.types import QuantType as T, type_name
 
 needs_wheel = pytest.mark.skipif(peers.llama_quantize_bin() is None, reason="ik-llama-cpp-python not installed")
 
@@ -42,14 +44,17 @@ def quantize(capsys, *args):
     return rc, cap.out, cap.err
 
 
-def dry_plan(capsys, *args) -> dict:
-    rc, out, err = quantize(capsys, *args, "--dry-run", "--json")
-    assert rc == 0, err
-    return json.loads(out)["plan"]
+def refused(call, *needles) -> str:
+    """The one-line QuantkitError ``call()`` raises, holding every needle (the CLI prints that line)."""
+    with pytest.raises(QuantkitError) as e:
+        call()
+    message = str(e.value)
+    assert "\n" not in message and all(n in message for n in needles), message
+    return message
 
 
-def targets(plan: dict) -> dict[str, str]:
-    return {t["name"]: t["target"] for t in plan["tensors"]}
+def targets(plan) -> dict[str, str]:
+    return {t.name: type_name(t.dst_type) for t in plan.tensors}
 
 
 def plan_of(path, preset: str, flavor: str = "ik", **kw):
@@ -95,9 +100,8 @@ def test_trailing_thread_count_refused(llama, tmp_path, capsys, args, needle):
 
 
 # ------------------------------------------------------------------------- --tensor-type
-def test_tensor_type_is_lower_cased_and_first_match_wins(llama, capsys):
-    plan = dry_plan(capsys, llama, "out.gguf", "q8_0", "--tensor-type", r"BLK\.1\.ATTN_Q=q4_0",
-                    "--tensor-type", "attn_q=q5_0", "--tensor-type", "attn=q4_1")
+def test_tensor_type_is_lower_cased_and_first_match_wins(llama):
+    plan = quantkit.plan_quantize(llama, "q8_0", tensor_type=[r"BLK\.1\.ATTN_Q=q4_0", "attn_q=q5_0", "attn=q4_1"])
     t = targets(plan)
     assert t["blk.1.attn_q.weight"] == "q4_0"
     assert t["blk.2.attn_q.weight"] == "q5_0"
@@ -119,53 +123,51 @@ def test_tensor_type_skips_the_mix_counters_custom_q_does_not(llama):
     assert [i for i in range(1, 8) if manual[i] == T.Q6_K] == [1, 4, 7]
 
 
-def test_tensor_type_precedence(llama, capsys):
+def test_tensor_type_precedence(llama):
     """--custom-q rules come first; --token-embedding-type wins over both; --pure keeps the rules."""
-    plan = dry_plan(capsys, llama, "out.gguf", "Q4_K_M", "--custom-q", "attn_q=q4_1", "--tensor-type", "attn=q5_0",
-                    "--tensor-type", "token_embd=q4_0", "--token-embedding-type", "q8_0", "--pure")
+    plan = quantkit.plan_quantize(llama, "Q4_K_M", custom_q="attn_q=q4_1", tensor_type=["attn=q5_0", "token_embd=q4_0"],
+                                  token_embedding_type="q8_0", pure=True)
     t = targets(plan)
     assert t["blk.0.attn_q.weight"] == "q4_1" and t["blk.0.attn_k.weight"] == "q5_0"
     assert t["token_embd.weight"] == "q8_0"
     assert t["blk.0.ffn_up.weight"] == "q4_K"        # --pure: the default type, no mix
 
 
-def test_tensor_type_file(llama, tmp_path, capsys):
+def test_tensor_type_file(llama, tmp_path):
     f = tmp_path / "types.txt"
     f.write_text("attn_q=q4_0  attn_k=q5_0\n\nffn_down=Q8_0\n")
-    t = targets(dry_plan(capsys, llama, "out.gguf", "q4_1", "--tensor-type-file", f))
+    t = targets(quantkit.plan_quantize(llama, "q4_1", tensor_type_file=f))
     assert (t["blk.3.attn_q.weight"], t["blk.3.attn_k.weight"], t["blk.3.ffn_down.weight"]) == ("q4_0", "q5_0", "q8_0")
     rules = load_tensor_types([], [str(f)])
     assert [r.source for r in rules] == [f"{f}:1", f"{f}:1", f"{f}:3"]
 
 
-@pytest.mark.parametrize("args, needle", [
-    (("q8_0", "--tensor-type", "attn_q"), "expected 'regex=type'"),
-    (("q8_0", "--tensor-type", "=q8_0"), "missing tensor name"),
-    (("q8_0", "--tensor-type", "attn_q="), "missing quantization type"),
-    (("q8_0", "--tensor-type", "attn_q=q9_9"), "invalid ggml type 'q9_9'"),
-    (("q8_0", "--tensor-type", "attn_q=Q4_K_M"), "invalid ggml type 'Q4_K_M'"),    # a preset, not a type
-    (("q8_0", "--tensor-type", "(a+)+=q4_0"), "refused"),
-    (("f16", "--tensor-type", "attn_q=q4_0"), "only with a quantized TYPE"),
-    (("COPY", "--tensor-type", "attn_q=q4_0"), "TYPE COPY"),
+@pytest.mark.parametrize("qtype, rule, needle", [
+    ("q8_0", "attn_q", "expected 'regex=type'"),
+    ("q8_0", "=q8_0", "missing tensor name"),
+    ("q8_0", "attn_q=", "missing quantization type"),
+    ("q8_0", "attn_q=q9_9", "invalid ggml type 'q9_9'"),
+    ("q8_0", "attn_q=Q4_K_M", "invalid ggml type 'Q4_K_M'"),    # a preset, not a type
+    ("q8_0", "(a+)+=q4_0", "refused"),
+    ("f16", "attn_q=q4_0", "only with a quantized TYPE"),
+    ("COPY", "attn_q=q4_0", "TYPE COPY"),
 ])
-def test_tensor_type_refused(llama, tmp_path, capsys, args, needle):
-    rc, out, err = quantize(capsys, llama, tmp_path / "o.gguf", *args)
-    assert_refused(rc, out, err, needle)
+def test_tensor_type_refused(llama, tmp_path, qtype, rule, needle):
+    refused(lambda: quantkit.quantize_model(llama, tmp_path / "o.gguf", qtype, tensor_type=rule), needle)
+    assert not (tmp_path / "o.gguf").exists()
 
 
-def test_tensor_type_file_refused(llama, tmp_path, capsys):
+def test_tensor_type_file_refused(llama, tmp_path):
     f = tmp_path / "types.txt"
     f.write_text("attn_q=q4_0\n# a comment\n")      # mainline's format has no comments
-    rc, out, err = quantize(capsys, llama, tmp_path / "o.gguf", "q8_0", "--tensor-type-file", f)
-    assert_refused(rc, out, err, f"{f}:2", "expected 'regex=type'")
-    rc, out, err = quantize(capsys, llama, tmp_path / "o.gguf", "q8_0", "--tensor-type-file", tmp_path)
-    assert_refused(rc, out, err, "--tensor-type-file", "directory")
+    refused(lambda: quantkit.plan_quantize(llama, "q8_0", tensor_type_file=f), f"{f}:2", "expected 'regex=type'")
+    refused(lambda: quantkit.plan_quantize(llama, "q8_0", tensor_type_file=tmp_path), "--tensor-type-file", "directory")
 
 
-def test_tensor_type_mainline_flavor(llama, capsys):
+def test_tensor_type_mainline_flavor(llama):
     """Mainline: a claimed output.weight takes the rule's type, not the mix's q6_K."""
-    base = targets(dry_plan(capsys, llama, "out.gguf", "Q4_K_M", "--flavor", "mainline"))
-    t = targets(dry_plan(capsys, llama, "out.gguf", "Q4_K_M", "--flavor", "mainline", "--tensor-type", "^output=q8_0"))
+    base = targets(quantkit.plan_quantize(llama, "Q4_K_M", flavor="mainline"))
+    t = targets(quantkit.plan_quantize(llama, "Q4_K_M", flavor="mainline", tensor_type="^output=q8_0"))
     assert base["output.weight"] == "q6_K" and t["output.weight"] == "q8_0"
     assert {k: v for k, v in t.items() if k != "output.weight"} == {k: v for k, v in base.items() if k != "output.weight"}
 
@@ -225,11 +227,10 @@ def test_override_kv_values_as_each_flavor_writes_them():
         assert needle in str(e.value), str(e.value)
 
 
-def test_override_kv_written_and_seen_by_the_mix(llama, tmp_path, capsys):
+def test_override_kv_written_and_seen_by_the_mix(llama, tmp_path):
     out = tmp_path / "o.gguf"
-    rc, _, err = quantize(capsys, llama, out, "q8_0", "--override-kv", "general.name=str:renamed",
-                          "--override-kv", "my.flag=bool:true", "--override-kv", "llama.context_length=int:777")
-    assert rc == 0, err
+    quantkit.quantize_model(llama, out, "q8_0", override_kv=["general.name=str:renamed", "my.flag=bool:true",
+                                                               "llama.context_length=int:777"])
     with open_model(out) as m:
         assert m.metadata["general.name"] == MetaValue(ValueType.STRING, "renamed")
         assert m.metadata["my.flag"] == MetaValue(ValueType.BOOL, True)
@@ -238,21 +239,21 @@ def test_override_kv_written_and_seen_by_the_mix(llama, tmp_path, capsys):
         # the mix sees the overridden hyper-parameters, as the C loader applies the overrides
         info = ModelInfo.from_metadata(overridden_getter(get, [parse_kv_override("llama.expert_count=int:8")]))
         assert info.n_expert == 8 and ModelInfo.from_metadata(get).n_expert == 0
-    plan = dry_plan(capsys, llama, "out.gguf", "q8_0", "--flavor", "mainline", "--override-kv", "my.n=int:5")
-    assert plan["kv_overrides"] == [{"key": "my.n", "type": "uint32", "value": 5}]
-    rc, o, e = quantize(capsys, llama, tmp_path / "x.gguf", "q8_0", "--override-kv", "general.architecture=int:3")
-    assert_refused(rc, o, e, "general.architecture", "is a str")
+    plan = quantkit.plan_quantize(llama, "q8_0", flavor="mainline", override_kv="my.n=int:5")
+    assert plan.to_json()["kv_overrides"] == [{"key": "my.n", "type": "uint32", "value": 5}]
+    refused(lambda: quantkit.quantize_model(llama, tmp_path / "x.gguf", "q8_0", override_kv="general.architecture=int:3"),
+            "general.architecture", "is a str")
     assert not (tmp_path / "x.gguf").exists()
 
 
-EXPERTS = ("--override-kv", "llama.expert_count=int:4", "--override-kv", "llama.expert_used_count=int:2")
+EXPERTS = ("llama.expert_count=int:4", "llama.expert_used_count=int:2")
 
 
-def test_override_kv_moves_the_mix(llama, capsys):
+def test_override_kv_moves_the_mix(llama):
     """ik's Q4_K_M gives attn_v q8_0 in a model of 4 experts or more: overriding the expert count
     of a dense model moves it there, as the C loader applies the overrides before the mix."""
-    base = targets(dry_plan(capsys, llama, "out.gguf", "Q4_K_M"))
-    moved = targets(dry_plan(capsys, llama, "out.gguf", "Q4_K_M", *EXPERTS))
+    base = targets(quantkit.plan_quantize(llama, "Q4_K_M"))
+    moved = targets(quantkit.plan_quantize(llama, "Q4_K_M", override_kv=EXPERTS))
     assert base["blk.1.attn_v.weight"] != "q8_0"
     assert all(v == "q8_0" for n, v in moved.items() if "attn_v" in n)
 
@@ -261,14 +262,14 @@ def test_override_kv_moves_the_mix(llama, capsys):
 def test_override_kv_matches_llama_quantize(llama, tmp_path):
     """Keys, value types, values and places as ik's llama-quantize writes them, and the tensor types
     of the mix it chose with the overridden expert count."""
-    kv = ["general.name=str:peer", "my.int=int:-3", "my.float=float:1.5", "my.bool=bool:true"]
-    args = [a for x in kv for a in ("--override-kv", x)] + list(EXPERTS)
+    kv = ["general.name=str:peer", "my.int=int:-3", "my.float=float:1.5", "my.bool=bool:true", *EXPERTS]
+    args = [a for x in kv for a in ("--override-kv", x)]
     theirs = tmp_path / "theirs.gguf"
     p = subprocess.run([str(peers.llama_quantize_bin()), *args, str(llama), str(theirs), "Q4_K_M", "2"],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     ours = tmp_path / "ours.gguf"
-    assert main(["quantize", str(llama), str(ours), "Q4_K_M", *args]) == 0
+    quantkit.quantize_model(llama, ours, "Q4_K_M", override_kv=kv)
     with open_model(theirs) as a, open_model(ours) as b:
         for key in ("general.name", "my.int", "my.float", "my.bool", "llama.expert_count"):
             assert a.metadata[key] == b.metadata[key], key
@@ -279,11 +280,10 @@ def test_override_kv_matches_llama_quantize(llama, tmp_path):
 
 
 # ------------------------------------------------------------------------- --prune-layers
-def test_prune_layers_renumbers_and_sets_block_count(llama, tmp_path, capsys):
+def test_prune_layers_renumbers_and_sets_block_count(llama, tmp_path):
     full, pruned = tmp_path / "full.gguf", tmp_path / "pruned.gguf"
-    assert quantize(capsys, llama, full, "q8_0")[0] == 0
-    rc, _, err = quantize(capsys, llama, pruned, "q8_0", "--prune-layers", "5,2,2")
-    assert rc == 0, err
+    quantkit.quantize_model(llama, full, "q8_0")
+    quantkit.quantize_model(llama, pruned, "q8_0", prune_layers="5,2,2")
     with open_model(full) as a, open_model(pruned) as b:
         assert ModelConfig.from_gguf(b).n_layer == 6       # the runtime's checks of keys against tensors
         assert b.get("llama.block_count") == 6
@@ -316,52 +316,48 @@ def test_prune_layers_looks_up_the_imatrix_under_the_old_names(llama):
     assert "blk.7.attn_q.weight" in Imat.asked and "blk.0.attn_q.weight" not in Imat.asked
 
 
-def test_prune_layers_refused(llama, deepseek, tmp_path, capsys):
+def test_prune_layers_refused(llama, deepseek, tmp_path):
+    def pruned(model, value):
+        return lambda: quantkit.quantize_model(model, tmp_path / "o.gguf", "q8_0", prune_layers=value)
     for model, value, needles in ((llama, "8", ("blocks 0..7", "no block 8")),
                                   (llama, "0,1,2,3,4,5,6,7", ("all 8 blocks",)),
                                   (llama, "1,x", ("'x' is not a layer number",)),
                                   (llama, "-1", ("'-1' is not a layer number",)),
                                   (deepseek, "0", ("leading_dense_block_count",))):
-        rc, out, err = quantize(capsys, model, tmp_path / "o.gguf", "q8_0", "--prune-layers", value)
-        assert_refused(rc, out, err, "--prune-layers", *needles)
+        refused(pruned(model, value), "--prune-layers", *needles)
     per_layer = rewrite_gguf(llama, tmp_path / "arr.gguf", keys={"llama.feed_forward_length": [256] * 8})
-    rc, out, err = quantize(capsys, per_layer, tmp_path / "o.gguf", "q8_0", "--prune-layers", "3")
-    assert_refused(rc, out, err, "llama.feed_forward_length has one value per block")
+    refused(pruned(per_layer, "3"), "llama.feed_forward_length has one value per block")
     for keys, needle in (({"llama.nextn_predict_layers": 2}, "NextN/MTP"),
                          ({"llama.attention.sliding_window_pattern": 4}, "sliding_window_pattern")):
-        odd = rewrite_gguf(llama, tmp_path / "odd.gguf", keys=keys)
-        rc, out, err = quantize(capsys, odd, tmp_path / "o.gguf", "q8_0", "--prune-layers", "6")
-        assert_refused(rc, out, err, needle)
+        refused(pruned(rewrite_gguf(llama, tmp_path / "odd.gguf", keys=keys), "6"), needle)
     gap = rewrite_gguf(llama, tmp_path / "gap.gguf", keys={"llama.block_count": 9})
-    rc, out, err = quantize(capsys, gap, tmp_path / "o.gguf", "q8_0", "--prune-layers", "3")
-    assert_refused(rc, out, err, "block 8 has no tensors")
+    refused(pruned(gap, "3"), "block 8 has no tensors")
     assert not (tmp_path / "o.gguf").exists()
     assert parse_prune_layers("3, 1,3") == (1, 3)
 
 
 # ------------------------------------------------------------------------- --ffn-gate-inp-type
-def test_ffn_gate_inp_type(deepseek, capsys):
-    base = targets(dry_plan(capsys, deepseek, "out.gguf", "Q4_K_M"))
-    plan = dry_plan(capsys, deepseek, "out.gguf", "Q4_K_M", "--ffn-gate-inp-type", "q8_0", "--custom-q", "gate_inp=q4_0")
+def test_ffn_gate_inp_type(deepseek):
+    base = targets(quantkit.plan_quantize(deepseek, "Q4_K_M"))
+    plan = quantkit.plan_quantize(deepseek, "Q4_K_M", ffn_gate_inp_type="q8_0", custom_q="gate_inp=q4_0")
     t = targets(plan)
     routers = [n for n in t if "ffn_gate_inp.weight" in n]
     assert routers and all(base[n] == "f32" and t[n] == "q8_0" for n in routers)   # wins over --custom-q
     assert {n: v for n, v in t.items() if n not in routers} == {n: v for n, v in base.items() if n not in routers}
-    same = targets(dry_plan(capsys, deepseek, "out.gguf", "Q4_K_M", "--ffn-gate-inp-type", "f32"))
+    same = targets(quantkit.plan_quantize(deepseek, "Q4_K_M", ffn_gate_inp_type="f32"))
     assert same == base         # already that type: kept, as ik does
 
 
 @needs_wheel
 @pytest.mark.parametrize("preset", ["Q4_K_M", "IQ4_K"])
-def test_ffn_gate_inp_type_matches_llama_quantize(deepseek, preset, tmp_path, capsys):
+def test_ffn_gate_inp_type_matches_llama_quantize(deepseek, preset, tmp_path):
     theirs = tmp_path / "theirs.gguf"
     p = subprocess.run([str(peers.llama_quantize_bin()), "--ffn-gate-inp-type", "q8_0", str(deepseek), str(theirs),
                         preset, "2"], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     with open_model(theirs) as m:
         want = {t.name: T(t.qtype).name.lower() for t in m.tensors}
-    got = {n: v.lower() for n, v in targets(dry_plan(capsys, deepseek, "x.gguf", preset,
-                                                     "--ffn-gate-inp-type", "q8_0")).items()}
+    got = {n: v.lower() for n, v in targets(quantkit.plan_quantize(deepseek, preset, ffn_gate_inp_type="q8_0")).items()}
     assert got == want
     assert any("ffn_gate_inp" in n and v == "q8_0" for n, v in want.items())
 
@@ -375,7 +371,7 @@ def test_partial_requant_writes_only_what_is_missing(llama, tmp_path, capsys):
     full_dir, part_dir = tmp_path / "full", tmp_path / "part"
     full_dir.mkdir(), part_dir.mkdir()
     args = ("Q4_K_M", "--split-max-size", "150K")
-    assert quantize(capsys, llama, full_dir / "m.gguf", *args)[0] == 0
+    quantkit.quantize_model(llama, full_dir / "m.gguf", "Q4_K_M", split_max_size="150K")
     full = sorted(full_dir.iterdir())
     assert len(full) >= 3
     for p in full:
@@ -383,22 +379,24 @@ def test_partial_requant_writes_only_what_is_missing(llama, tmp_path, capsys):
     missing = part_dir / full[1].name
     missing.unlink()
     kept = {p.name: os.stat(part_dir / p.name).st_ino for p in full if p != full[1]}
-    rc, out, err = quantize(capsys, llama, part_dir / "m.gguf", *args, "--partial-requant")
-    assert rc == 0, err
-    assert "already complete" in out
+    result = quantkit.quantize_model(llama, part_dir / "m.gguf", "Q4_K_M", split_max_size="150K",
+                                     partial_requant=True)
+    assert sorted(p.name for p in result.kept) == sorted(kept)
     assert _bytes(sorted(part_dir.iterdir())) == _bytes(full)           # as a full run, byte for byte
     assert {n: os.stat(part_dir / n).st_ino for n in kept} == kept       # kept, not written again
-    # everything there: nothing is written
-    rc, out, err = quantize(capsys, llama, part_dir / "m.gguf", *args, "--partial-requant", "--json")
+    # everything there: nothing is written; the CLI says the kept files are complete
+    rc, out, err = quantize(capsys, llama, part_dir / "m.gguf", *args, "--partial-requant")
     assert rc == 0, err
-    assert json.loads(out)["result"]["bytes_written"] == 0
+    assert "already complete (--partial-requant)" in out and "wrote" not in out
+    assert quantkit.quantize_model(llama, part_dir / "m.gguf", "Q4_K_M", split_max_size="150K",
+                                   partial_requant=True).bytes_written == 0
 
 
-def test_partial_requant_resumes_an_interrupted_run(llama, tmp_path, capsys, monkeypatch):
+def test_partial_requant_resumes_an_interrupted_run(llama, tmp_path, monkeypatch):
     import quantkit.formats as formats
-    args = ("q8_0", "--split-max-size", "150K", "--partial-requant")
+    options = dict(split_max_size="150K", partial_requant=True)
     (tmp_path / "ref").mkdir()
-    assert quantize(capsys, llama, tmp_path / "ref" / "m.gguf", *args)[0] == 0
+    quantkit.quantize_model(llama, tmp_path / "ref" / "m.gguf", "q8_0", **options)
     ref = sorted((tmp_path / "ref").iterdir())
     real, calls = formats.quantize, {"n": 0}
 
@@ -410,27 +408,26 @@ def test_partial_requant_resumes_an_interrupted_run(llama, tmp_path, capsys, mon
     monkeypatch.setattr(formats, "quantize", interrupted)
     out = tmp_path / "run" / "m.gguf"
     out.parent.mkdir()
-    assert quantize(capsys, llama, out, *args)[0] == 130
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.quantize_model(llama, out, "q8_0", **options)
     left = sorted(out.parent.iterdir())
     assert left and len(left) < len(ref)                     # whole shards only, no partial file
     assert _bytes(left) == {p.name: p.read_bytes() for p in ref if p.name in {q.name for q in left}}
     monkeypatch.setattr(formats, "quantize", real)
-    assert quantize(capsys, llama, out, *args)[0] == 0
+    quantkit.quantize_model(llama, out, "q8_0", **options)
     assert _bytes(sorted(out.parent.iterdir())) == _bytes(ref)
 
 
-def test_partial_requant_single_file_and_a_different_file(llama, tmp_path, capsys):
+def test_partial_requant_single_file_and_a_different_file(llama, tmp_path):
     out = tmp_path / "m.gguf"
-    assert quantize(capsys, llama, out, "q8_0")[0] == 0
+    quantkit.quantize_model(llama, out, "q8_0")
     ino = os.stat(out).st_ino
-    rc, o, e = quantize(capsys, llama, out, "q8_0", "--partial-requant")
-    assert rc == 0, e
+    assert quantkit.quantize_model(llama, out, "q8_0", partial_requant=True).kept == [out]
     assert os.stat(out).st_ino == ino
     snap = Snapshot(out)
-    rc, o, e = quantize(capsys, llama, out, "q4_0", "--partial-requant")    # another TYPE: not that file
-    assert_refused(rc, o, e, "--partial-requant", "header differs", "remove it")
+    refused(lambda: quantkit.quantize_model(llama, out, "q4_0", partial_requant=True),   # another TYPE: not that file
+            "--partial-requant", "header differs", "remove it")
     snap.assert_unchanged()
     with open(out, "r+b") as f:
         f.truncate(os.path.getsize(out) - 32)
-    rc, o, e = quantize(capsys, llama, out, "q8_0", "--partial-requant")
-    assert_refused(rc, o, e, "--partial-requant", "bytes, not")
+    refused(lambda: quantkit.quantize_model(llama, out, "q8_0", partial_requant=True), "--partial-requant", "bytes, not")

@@ -3,42 +3,37 @@
 ik flavor: checked against the real tool, the wheel's ``llama-quantize`` (ik_llama.cpp @ 55d3c05),
 on SmolLM2 and on tiny synthetic models shaped to reach the architecture-specific rules.
 Mainline flavor: the worked examples of specs/ggml-quants.md §2.3 on in-memory tensor tables.
+quantkit's side is the library (quantkit.plan_quantize / quantize_model) in-process; the CLI only
+where what it prints is tested (a dry run's note of what a real run would stop on).
 """
 from __future__ import annotations
 
-import json
 import random
 import re
 import subprocess
-import sys
 from types import SimpleNamespace as NS
 
 import pytest
 
 import peers
+import quantkit
 from models import deepseek_v3_tensors, write_deepseek2, write_llama, write_llama_sized
+from quantkit.cli import main
 from quantkit.errors import QuantkitError
 from quantkit.gguf_io.reader import open_model
 from quantkit.plan import PlanOptions, check_imatrix, make_plan
 from quantkit.presets import ALIASES, PRESETS, ModelInfo, find_preset
 from quantkit.recipes import load_recipe
-from quantkit.types import QuantType as T, traits, type_from_name
+from quantkit.types import QuantType as T, traits, type_from_name, type_name
 
 needs_wheel = pytest.mark.skipif(peers.llama_quantize_bin() is None, reason="ik-llama-cpp-python not installed")
 
 WHEEL_PRESETS = ["Q4_K_M", "Q3_K_M", "Q5_K_S", "Q6_K", "IQ4_XS", "IQ4_K"]
 
 
-def quantkit(*args):
-    p = subprocess.run([sys.executable, "-m", "quantkit", *map(str, args)], capture_output=True, text=True,
-                       timeout=600)
-    return p.returncode, p.stdout, p.stderr
-
-
-def quantkit_plan(src, preset, *extra) -> dict:
-    rc, out, err = quantkit("quantize", src, src.parent / "never-written.gguf", preset, "--dry-run", "--json", *extra)
-    assert rc == 0, err
-    return json.loads(out)["plan"]
+def targets(plan) -> dict[str, str]:
+    """tensor name -> the name of the type it is planned to get."""
+    return {tp.name: type_name(tp.dst_type) for tp in plan.tensors}
 
 
 def wheel_quantize(src, preset, out, *extra):
@@ -56,12 +51,12 @@ def wheel_types(src, preset, out) -> tuple[dict, int]:
 
 def assert_same_types_as_wheel(src, preset, tmp_path):
     theirs, file_type = wheel_types(src, preset, tmp_path / f"{preset}.gguf")
-    plan = quantkit_plan(src, preset)
-    ours = {t["name"]: type_from_name(t["target"]) for t in plan["tensors"]}
+    plan = quantkit.plan_quantize(src, preset)
+    ours = {tp.name: tp.dst_type for tp in plan.tensors}
     assert ours.keys() == theirs.keys()
     wrong = {n: (ours[n].name, theirs[n].name) for n in ours if ours[n] != theirs[n]}
     assert not wrong, f"{preset}: quantkit vs llama-quantize: {wrong}"
-    assert plan["file_type"] == file_type
+    assert plan.file_type == file_type
     return plan
 
 
@@ -69,8 +64,7 @@ def assert_same_types_as_wheel(src, preset, tmp_path):
 @pytest.fixture(scope="module")
 def smollm2_f32(tmp_path_factory, smollm2_path):
     f32 = tmp_path_factory.mktemp("smol") / "smollm2-f32.gguf"
-    rc, _, err = quantkit("quantize", smollm2_path, f32, "f32", "--allow-requantize")
-    assert rc == 0, err
+    quantkit.quantize_model(smollm2_path, f32, "f32", allow_requantize=True)
     return f32
 
 
@@ -105,11 +99,11 @@ def test_smollm2_types_match_llama_quantize(smollm2_f32, preset, tmp_path):
     """SmolLM2: tied embeddings, 576-wide rows (K-quants fall back), n_gqa = 3, 30 layers."""
     plan = assert_same_types_as_wheel(smollm2_f32, preset, tmp_path)
     if preset == "Q4_K_M":
-        by = {t["name"]: t for t in plan["tensors"]}
-        assert by["token_embd.weight"]["target"] == "q8_0"     # tied and 576 % 256 != 0
-        assert by["blk.0.attn_q.weight"]["target"] == "q5_0"   # q4_K does not fit 576
-        assert by["blk.0.ffn_down.weight"]["target"] == "q6_K"  # rows of 1536: use_more_bits(0, 30)
-        assert by["blk.4.ffn_down.weight"]["target"] == "q4_K"
+        by = targets(plan)
+        assert by["token_embd.weight"] == "q8_0"        # tied and 576 % 256 != 0
+        assert by["blk.0.attn_q.weight"] == "q5_0"      # q4_K does not fit 576
+        assert by["blk.0.ffn_down.weight"] == "q6_K"    # rows of 1536: use_more_bits(0, 30)
+        assert by["blk.4.ffn_down.weight"] == "q4_K"
 
 
 @needs_wheel
@@ -119,7 +113,7 @@ def test_smollm2_types_match_llama_quantize(smollm2_f32, preset, tmp_path):
 def test_deepseek_types_match_llama_quantize(deepseek, preset, tmp_path):
     plan = assert_same_types_as_wheel(deepseek, preset, tmp_path)
     if preset == "Q4_K_M":
-        by = {t["name"]: t["target"] for t in plan["tensors"]}
+        by = targets(plan)
         # ik's substring test "attn_k" also catches attn_k_b and attn_kv_a_mqa: Q8_0 with >= 4 experts
         assert by["blk.3.attn_k_b.weight"] == by["blk.3.attn_kv_a_mqa.weight"] == "q8_0"
         assert by["blk.3.attn_output.weight"] == "q5_K"
@@ -144,7 +138,7 @@ def test_tied_gqa4_llama_types_match_llama_quantize(llama_tied_gqa4, preset, tmp
 def test_8b_class_rules_match_llama_quantize(llama_8b, preset, tensor, target, tmp_path):
     """32 layers and a >= 128K vocabulary make MODEL_8B: Q5_K_S/IQ5_K bump attn_v, lower attn_q."""
     plan = assert_same_types_as_wheel(llama_8b, preset, tmp_path)
-    assert {t["name"]: t["target"] for t in plan["tensors"]}[tensor] == target
+    assert targets(plan)[tensor] == target
 
 
 @needs_wheel
@@ -152,7 +146,7 @@ def test_8b_class_rules_match_llama_quantize(llama_8b, preset, tensor, target, t
 def test_70b_class_rules_match_llama_quantize(llama_70b, preset, target, tmp_path):
     """80 layers with GQA make MODEL_70B: attn_v gets more bits whatever the mix."""
     plan = assert_same_types_as_wheel(llama_70b, preset, tmp_path)
-    assert {t["name"]: t["target"] for t in plan["tensors"]}["blk.5.attn_v.weight"] == target
+    assert targets(plan)["blk.5.attn_v.weight"] == target
 
 
 @needs_wheel
@@ -171,9 +165,10 @@ def test_iq3_xxs_without_imatrix_fails_like_llama_quantize(llama_tied_gqa4, tmp_
     p = wheel_quantize(llama_tied_gqa4, "IQ3_XXS", tmp_path / "w.gguf")
     assert p.returncode != 0 and msg in p.stdout + p.stderr
     out = tmp_path / "q.gguf"
-    rc, o, e = quantkit("quantize", llama_tied_gqa4, out, "IQ3_XXS")
-    assert rc == 1 and not out.exists() and msg in e
-    assert "this quantization requires an imatrix!" in e
+    with pytest.raises(QuantkitError) as e:
+        quantkit.quantize_model(llama_tied_gqa4, out, "IQ3_XXS")
+    assert not out.exists() and msg in str(e.value)
+    assert "this quantization requires an imatrix!" in str(e.value)
 
 
 # ---------------------------------------------------------------------------------- in-memory models
@@ -424,23 +419,23 @@ def test_recipe_overrides_the_preset_and_leave_output():
     assert types["output.weight"] == T.F32
 
 
-def test_cli_presets_win_over_type_names(tmp_path):
+def test_type_argument_presets_win_over_type_names(tmp_path):
     src = write_llama(tmp_path / "m.gguf", n_layer=2)
-    plan = quantkit_plan(src, "q4_0")            # the Q4_0 preset: output.weight gets q6_K, as in llama-quantize
-    by = {t["name"]: t["target"] for t in plan["tensors"]}
-    assert plan["preset"] == "Q4_0" and by["output.weight"] == "q6_K" and by["blk.0.attn_q.weight"] == "q4_0"
-    plan = quantkit_plan(src, "q4_0", "--pure")
-    assert {t["name"]: t["target"] for t in plan["tensors"]}["output.weight"] == "q4_0"
+    plan = quantkit.plan_quantize(src, "q4_0")   # the Q4_0 preset: output.weight gets q6_K, as in llama-quantize
+    by = targets(plan)
+    assert plan.preset.name == "Q4_0" and by["output.weight"] == "q6_K" and by["blk.0.attn_q.weight"] == "q4_0"
+    plan = quantkit.plan_quantize(src, "q4_0", pure=True)
+    assert targets(plan)["output.weight"] == "q4_0"
     # not a preset in mainline (ik's MXFP4 is mainline's MXFP4_MOE): a plain type, every tensor gets it
-    plan = quantkit_plan(src, "mxfp4", "--flavor", "mainline")
-    assert plan["preset"] is None and {t["target"] for t in plan["tensors"] if t["action"] != "copy"} == {"mxfp4"}
+    plan = quantkit.plan_quantize(src, "mxfp4", flavor="mainline")
+    assert plan.preset is None and {type_name(tp.dst_type) for tp in plan.tensors if tp.action != "copy"} == {"mxfp4"}
     # a type mainline llama.cpp does not define is refused (tests/test_types_cli.py has the cases)
-    rc, o, e = quantkit("quantize", src, tmp_path / "o.gguf", "q6_0", "--flavor", "mainline", "--dry-run")
-    assert rc == 1 and "mainline llama.cpp cannot load q6_0" in e and "Traceback" not in e
-    plan = quantkit_plan(src, "Q4_K", "--flavor", "mainline")
-    assert plan["preset"] == "Q4_K_M" and plan["file_type"] == 15
-    rc, o, e = quantkit("quantize", src, tmp_path / "o.gguf", "Q4_K_Z")
-    assert rc == 1 and "unknown type 'Q4_K_Z'" in e and "Traceback" not in e
+    with pytest.raises(QuantkitError, match="mainline llama.cpp cannot load q6_0"):
+        quantkit.plan_quantize(src, "q6_0", flavor="mainline")
+    plan = quantkit.plan_quantize(src, "Q4_K", flavor="mainline")
+    assert plan.preset.name == "Q4_K_M" and plan.file_type == 15
+    with pytest.raises(QuantkitError, match="unknown type 'Q4_K_Z'"):
+        quantkit.quantize_model(src, tmp_path / "o.gguf", "Q4_K_Z")
 
 
 # ---------------------------------------------------------------------------------- (3) imatrix required
@@ -489,23 +484,28 @@ def test_imatrix_not_needed_for_embeddings_output_or_plain_q2_k():
         _imatrix_error("Q4_K_M", "ik", recipe=load_recipe(["ffn_up=iq1_kt"]))
 
 
-def test_cli_imatrix_required_dry_run_notes_real_run_fails(tmp_path):
+def test_imatrix_required_dry_run_notes_real_run_fails(tmp_path, capsys):
     src = write_llama(tmp_path / "m.gguf", n_layer=2)
     out = tmp_path / "o.gguf"
-    rc, o, e = quantkit("quantize", src, out, "iq2_xxs", "--dry-run")
-    assert rc == 0 and "a real run would stop here: this quantization requires an imatrix!" in e
-    rc, o, e = quantkit("quantize", src, out, "iq2_xxs", "--flavor", "mainline")
-    assert rc == 1 and not out.exists() and "Traceback" not in e
-    assert "this quantization requires an imatrix! Missing importance matrix for tensor blk.0.attn_k.weight" in e
+    with quantkit.open_quantization(src, out, "iq2_xxs") as q:
+        assert any("this quantization requires an imatrix!" in str(p) for p in q.problems)
+    # the CLI's dry run shows the plan and notes the problem
+    assert main(["quantize", str(src), str(out), "iq2_xxs", "--dry-run"]) == 0
+    assert "a real run would stop here: this quantization requires an imatrix!" in capsys.readouterr().err
+    with pytest.raises(QuantkitError) as e:
+        quantkit.quantize_model(src, out, "iq2_xxs", flavor="mainline")
+    assert not out.exists()
+    assert ("this quantization requires an imatrix! Missing importance matrix for tensor blk.0.attn_k.weight"
+            in str(e.value))
 
 
-def test_cli_ignore_imatrix_rules(tmp_path):
+def test_ignore_imatrix_rules(tmp_path):
     """--ignore-imatrix-rules (ik's llama-quantize flag) quantizes very-low-bit types without one."""
     src = write_llama(tmp_path / "m.gguf", n_layer=1)
     out = tmp_path / "o.gguf"
-    rc, o, e = quantkit("quantize", src, out, "iq2_kt", "--pure")
-    assert rc == 1 and not out.exists() and "requires an imatrix" in e
-    rc, o, e = quantkit("quantize", src, out, "iq2_kt", "--pure", "--ignore-imatrix-rules")
-    assert rc == 0 and out.exists(), e
+    with pytest.raises(QuantkitError, match="requires an imatrix"):
+        quantkit.quantize_model(src, out, "iq2_kt", pure=True)
+    assert not out.exists()
+    quantkit.quantize_model(src, out, "iq2_kt", pure=True, ignore_imatrix_rules=True)
     with open_model(out) as m:
         assert {t.name: t.qtype for t in m.tensors}["blk.0.ffn_up.weight"] == T.IQ2_KT

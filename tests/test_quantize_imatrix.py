@@ -1,4 +1,5 @@
-"""`quantkit quantize --imatrix` on SmolLM2 with the imatrix llama-imatrix made for it.
+"""`quantkit quantize --imatrix` on SmolLM2 with the imatrix llama-imatrix made for it, through the
+library (quantkit.quantize_model, in-process).
 
 The bytes are checked against the executable reference port of ik_llama.cpp's Q4_0 imatrix
 quantizer (../shared/reference/ik_quantize.py, itself checked against the C build), fed with the
@@ -7,12 +8,13 @@ weights as llama-quantize derives them from the file (in_sum2 / count, in float3
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 
 import gguf
 import numpy as np
 import pytest
+
+import quantkit
 
 
 def _reference(shared_dir):
@@ -40,15 +42,14 @@ def quantized(tmp_path_factory, smollm2_path, shared_dir):
     f32 = d / "f32.gguf"
     out = d / "q4_0-imat.gguf"
     imat = shared_dir / "golden" / "imatrix" / "smollm2-q4_1-gpl3.gguf"
-    for args in (["quantize", smollm2_path, f32, "f32", "--allow-requantize"],
-                 ["quantize", f32, out, "q4_0", "--imatrix", imat, "--token-embedding-type", "q8_0"]):
-        p = subprocess.run([sys.executable, "-m", "quantkit", *map(str, args)], capture_output=True, text=True)
-        assert p.returncode == 0, p.stderr
-    return f32, out, imat, p.stderr
+    quantkit.quantize_model(smollm2_path, f32, "f32", allow_requantize=True)
+    with quantkit.open_quantization(f32, out, "q4_0", imatrix=imat, token_embedding_type="q8_0") as q:
+        result = q.write()
+    return f32, out, imat, q.plan.warnings, result
 
 
 def test_imatrix_rows_equal_reference_port(quantized, shared_dir):
-    f32, out, imat, _ = quantized
+    f32, out, imat, *_ = quantized
     ref = _reference(shared_dir)
     src = {t.name: t for t in gguf.GGUFReader(str(f32)).tensors}
     dst = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
@@ -64,7 +65,7 @@ def test_imatrix_rows_equal_reference_port(quantized, shared_dir):
 
 
 def test_imatrix_metadata_and_missing_entries(quantized):
-    _, out, imat, stderr = quantized
+    _, out, imat, warnings, result = quantized
     r = gguf.GGUFReader(str(out))
     f = r.fields
     assert f["quantize.imatrix.file"].contents() == str(imat)
@@ -72,18 +73,17 @@ def test_imatrix_metadata_and_missing_entries(quantized):
     assert f["quantize.imatrix.entries_count"].contents() == 30 * 7      # every linear layer of 30 blocks
     assert f["quantize.imatrix.chunks_count"].contents() == 8
     assert "calib" in f["quantize.imatrix.dataset"].contents()
-    # token_embd is never in an imatrix: the run says so (a warning, not the progress line that names it)
-    warning = [line for line in stderr.splitlines() if line.startswith("warning: no imatrix data for")]
-    assert len(warning) == 1 and "token_embd.weight" in warning[0], stderr
+    # token_embd is never in an imatrix: the plan says so (a warning the CLI prints) and the result lists it
+    warning = [w for w in warnings if w.startswith("no imatrix data for")]
+    assert len(warning) == 1 and "token_embd.weight" in warning[0], warnings
+    assert result.missing_imatrix == ["token_embd.weight"]
 
 
-def test_k_quant_with_imatrix_from_the_cli(quantized, shared_dir, tmp_path):
+def test_k_quant_with_imatrix(quantized, shared_dir, tmp_path):
     """The numba k-quant kernels get the imatrix as the loader hands it over (read-only views)."""
-    f32, _, imat, _ = quantized
+    f32, _, imat, *_ = quantized
     out = tmp_path / "q6_k-imat.gguf"
-    p = subprocess.run([sys.executable, "-m", "quantkit", "quantize", str(f32), str(out), "q6_K", "--pure",
-                        "--imatrix", str(imat)], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
+    quantkit.quantize_model(f32, out, "q6_K", pure=True, imatrix=imat)
     ref = _reference(shared_dir)
     src = {t.name: t for t in gguf.GGUFReader(str(f32)).tensors}
     dst = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}

@@ -3,19 +3,21 @@
 A llama model with a mix of plain types (written by quantkit) is repacked by both tools: same types,
 same tensor bytes (a byte shuffle does not depend on FMA) and the same file type; `--undo` gives the
 plain bytes back; the repacked file loads in ik_llama.cpp and computes the same logits.
+quantkit's side runs through the library (quantkit.quantize_model, repack_model, plan_repack)
+in-process; one subprocess checks the CLI's refusal contract.
 """
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import peers
+import quantkit
 from hostile import Snapshot, assert_refused, digest, run_cli
 from models import write_deepseek2, write_llama
+from quantkit.errors import QuantkitError
 from quantkit.formats import interleave
 from quantkit.gguf_io.reader import open_model
 from quantkit.repack import REPACKED_FTYPE
@@ -26,10 +28,6 @@ needs_wheel = pytest.mark.skipif(peers.llama_quantize_bin() is None, reason="ik-
 MIX = ("attn_q=q4_0,attn_k=q8_0,attn_v=q5_0,attn_output=iq4_nl,ffn_gate=q4_K,ffn_up=q6_K,ffn_down=iq4_xs,"
        "output=q3_K,token_embd=q2_K")
 MIX_IQK = "attn_q=iq2_k,attn_k=iq3_k,attn_v=iq4_k,attn_output=iq5_k,ffn_gate=iq4_ks,ffn_up=iq5_ks,ffn_down=q6_0"
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "quantkit", *map(str, args)], capture_output=True, text=True)
 
 
 def tensors(path) -> dict[str, tuple[int, tuple, np.ndarray]]:
@@ -56,9 +54,8 @@ def plain(tmp_path_factory, tiny_f32):
     f32 = tiny_f32
     out = {}
     for tag, mix in (("k", MIX), ("iqk", MIX_IQK)):
-        p = cli("quantize", f32, d / f"{tag}.gguf", "q8_0", "--pure", "--custom-q", mix)
-        assert p.returncode == 0, p.stderr
         out[tag] = d / f"{tag}.gguf"
+        quantkit.quantize_model(f32, out[tag], "q8_0", pure=True, custom_q=mix)
     return d, f32, out
 
 
@@ -68,8 +65,7 @@ def test_repack_equals_llama_quantize_and_undo_restores(plain, tag):
     d, _, files = plain
     src = files[tag]
     ours, theirs, back = d / f"{tag}-r.gguf", d / f"{tag}-lq.gguf", d / f"{tag}-back.gguf"
-    p = cli("repack", src, ours)
-    assert p.returncode == 0, p.stderr
+    quantkit.repack_model(src, ours)
     p = subprocess.run([str(peers.llama_quantize_bin()), "--repack", str(src), str(theirs), "Q8_0", "2"],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
@@ -83,8 +79,7 @@ def test_repack_equals_llama_quantize_and_undo_restores(plain, tag):
     assert moved >= 7 and a["token_embd.weight"][0] == s["token_embd.weight"][0]
     assert file_type(ours) == file_type(theirs)
     # and back
-    p = cli("repack", ours, back, "--undo")
-    assert p.returncode == 0, p.stderr
+    quantkit.repack_model(ours, back, undo=True)
     for name, (qtype, _, raw) in tensors(back).items():
         assert qtype == s[name][0], name
         np.testing.assert_array_equal(raw, s[name][2], err_msg=name)
@@ -100,7 +95,7 @@ def test_repacked_file_computes_the_same_logits(plain):
     d, _, files = plain
     src = files["k"]
     out = d / "k-logits.gguf"
-    assert cli("repack", src, out).returncode == 0
+    quantkit.repack_model(src, out)
     tokens = list(range(5, 69))
     la = peers.ik_logits(src, tokens, all_positions=True)
     lb = peers.ik_logits(out, tokens, all_positions=True)
@@ -113,30 +108,28 @@ def test_repacked_file_computes_the_same_logits(plain):
 def test_pattern_dry_run_and_errors(plain, tmp_path):
     _, f32, files = plain
     src = files["k"]
-    p = cli("repack", src, tmp_path / "o.gguf", "--pattern", r"ffn_(gate|up)", "--dry-run", "--json")
-    assert p.returncode == 0, p.stderr
-    plan = json.loads(p.stdout)["plan"]["tensors"]
-    moved = {t["name"] for t in plan if t["action"] == "repack"}
+    plan = quantkit.plan_repack(src, pattern=r"ffn_(gate|up)")
+    moved = {t.name for t in plan.tensors if t.action == "repack"}
     assert moved == {f"blk.{i}.ffn_{k}.weight" for i in range(2) for k in ("gate", "up")}
-    assert not (tmp_path / "o.gguf").exists()
-    # nothing to do: one clean line, no output file
-    for args in ((f32, tmp_path / "f.gguf"), (src, tmp_path / "u.gguf", "--undo"),
-                 (src, tmp_path / "x.gguf", "--pattern", "nothing_matches")):
-        p = cli("repack", *args)
-        assert p.returncode == 1 and "nothing to" in p.stderr and "Traceback" not in p.stderr
-        assert not args[1].exists()
-    p = cli("repack", src, tmp_path / "y.gguf", "--pattern", "(")
-    assert p.returncode == 1 and "invalid regex" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    # nothing to do: one line, no output file
+    for model, out, options in ((f32, tmp_path / "f.gguf", {}), (src, tmp_path / "u.gguf", {"undo": True}),
+                                (src, tmp_path / "x.gguf", {"pattern": "nothing_matches"})):
+        with pytest.raises(QuantkitError, match="nothing to") as e:
+            quantkit.repack_model(model, out, **options)
+        assert "\n" not in str(e.value) and not out.exists()
+    with pytest.raises(QuantkitError, match="invalid regex") as e:
+        quantkit.repack_model(src, tmp_path / "y.gguf", pattern="(")
+    assert "\n" not in str(e.value)
 
 
 def test_expert_tensors_repack_per_expert(tmp_path):
     """3-D expert tensors: row groups never cross an expert; undo restores the bytes."""
     f32 = write_deepseek2(tmp_path / "ds.gguf", n_layer=2, n_dense=1, n_expert=4)
     q = tmp_path / "q.gguf"
-    assert cli("quantize", f32, q, "q8_0", "--pure", "--custom-q", "exps=q4_0").returncode == 0
+    quantkit.quantize_model(f32, q, "q8_0", pure=True, custom_q="exps=q4_0")
     r, back = tmp_path / "r.gguf", tmp_path / "back.gguf"
-    assert cli("repack", q, r).returncode == 0
-    assert cli("repack", r, back, "--undo").returncode == 0
+    quantkit.repack_model(q, r)
+    quantkit.repack_model(r, back, undo=True)
     a, b, c = tensors(q), tensors(r), tensors(back)
     qtype, shape, raw = a["blk.1.ffn_gate_exps.weight"]
     assert b["blk.1.ffn_gate_exps.weight"][0] == 202                    # q4_0_r8
@@ -154,12 +147,6 @@ def test_expert_tensors_repack_per_expert(tmp_path):
 ROUND_TRIP = {"Q4_K_M": True, "Q3_K_L": True, "Q4_0": False}
 
 
-def qk(*args) -> int:
-    """The CLI in-process (no interpreter start, no recompile): its exit status."""
-    from quantkit.cli import main
-    return main([str(a) for a in args])
-
-
 def metadata(path) -> dict:
     from quantkit.gguf_io.reader import GGUFFile
     with GGUFFile(path) as f:
@@ -174,8 +161,8 @@ def presets(tmp_path_factory, tiny_f32):
     files = {}
     for preset in ROUND_TRIP:
         src, packed = d / f"{preset}.gguf", d / f"{preset}-r.gguf"
-        assert qk("quantize", f32, src, preset) == 0
-        assert qk("repack", src, packed) == 0
+        quantkit.quantize_model(f32, src, preset)
+        quantkit.repack_model(src, packed)
         files[preset] = src, packed
     return d, files
 
@@ -187,7 +174,7 @@ def test_undo_of_repack_is_the_input_file(presets, preset, tmp_path):
     _, files = presets
     src, packed = files[preset]
     back = tmp_path / "back.gguf"
-    assert qk("repack", packed, back, "--undo") == 0
+    quantkit.repack_model(packed, back, undo=True)
     assert digest(back) == digest(src)
     a, b = metadata(src), metadata(packed)
     recorded = ROUND_TRIP[preset]
@@ -234,18 +221,17 @@ def test_split_round_trips(presets, tmp_path):
     for shard (--keep-split) gives back every shard."""
     _, files = presets
     src = files["Q4_K_M"][0]
-    assert qk("repack", src, tmp_path / "r.gguf", "--split-max-size", "400K") == 0
+    result = quantkit.repack_model(src, tmp_path / "r.gguf", split_max_size="400K")
     shards = sorted(tmp_path.glob("r-0000*-of-*.gguf"))
-    assert len(shards) >= 3
-    assert qk("repack", shards[0], tmp_path / "back.gguf", "--undo") == 0
+    assert len(shards) >= 3 and result.paths == shards
+    quantkit.repack_model(shards[0], tmp_path / "back.gguf", undo=True)
     assert digest(tmp_path / "back.gguf") == digest(src)
     # a split plain model: the undo of the shards above, one per shard
-    assert qk("repack", shards[0], tmp_path / "x.gguf", "--undo", "--keep-split") == 0
+    quantkit.repack_model(shards[0], tmp_path / "x.gguf", undo=True, keep_split=True)
     x = sorted(tmp_path.glob("x-0000*.gguf"))
     assert len(x) == len(shards)
-    assert qk("repack", x[0], tmp_path / "y.gguf", "--keep-split") == 0
-    assert qk("repack", tmp_path / f"y-00001-of-{len(x):05d}.gguf", tmp_path / "z.gguf", "--undo",
-              "--keep-split") == 0
+    quantkit.repack_model(x[0], tmp_path / "y.gguf", keep_split=True)
+    quantkit.repack_model(tmp_path / f"y-00001-of-{len(x):05d}.gguf", tmp_path / "z.gguf", undo=True, keep_split=True)
     z = sorted(tmp_path.glob("z-0000*.gguf"))
     assert [digest(p) for p in z] == [digest(p) for p in x]
 
@@ -290,9 +276,9 @@ def test_file_type_record_and_refusals(presets, tmp_path):
     src = files["Q4_0"][0]
     # a plain Q4_0 file carrying a stray record: repack derives the plain type, undo ignores the stray
     stray = with_metadata(src, tmp_path / "stray.gguf", **{"quantkit.plain_file_type": MetaValue(ValueType.UINT32, 15)})
-    assert qk("repack", stray, tmp_path / "s-r.gguf") == 0
+    quantkit.repack_model(stray, tmp_path / "s-r.gguf")
     assert metadata(tmp_path / "s-r.gguf")["general.file_type"] == 202
-    assert qk("repack", tmp_path / "s-r.gguf", tmp_path / "s-back.gguf", "--undo") == 0
+    quantkit.repack_model(tmp_path / "s-r.gguf", tmp_path / "s-back.gguf", undo=True)
     assert digest(tmp_path / "s-back.gguf") == digest(stray)
     bad = with_metadata(src, tmp_path / "bad.gguf", **{"general.file_type": MetaValue(ValueType.STRING, "15")})
     snap = Snapshot(tmp_path)

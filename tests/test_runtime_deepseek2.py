@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 import peers
+import quantkit
 from models import write_deepseek2
-from quantkit.cli import main
 from quantkit.gguf_io.reader import open_model
 from quantkit.runtime import ops_cpu
 from quantkit.runtime.model import Model
@@ -106,7 +106,7 @@ def test_f32_logits_match_ik(variant, v3, tmp_path):
 @needs_wheel
 def test_q8_0_logits_match_ik(v3, tmp_path):
     q8 = tmp_path / "v3-q8_0.gguf"
-    assert main(["quantize", str(v3), str(q8), "q8_0"]) == 0
+    quantkit.quantize_model(v3, q8, "q8_0")
     with open_model(q8) as g:       # the test is about quantized weights: make sure they are
         assert g.by_name["blk.1.attn_k_b.weight"].qtype == 8 and g.by_name["blk.1.ffn_up_exps.weight"].qtype == 8
     tokens = tokens_for(512)

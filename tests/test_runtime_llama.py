@@ -15,11 +15,14 @@ and by the wheel on the same 64 tokens, every position compared:
   and the same top token at >= 85% of positions.  The 2e-2 first planned is below the wheel's own
   spread.
 
-Perplexity on the shipped file reproduces mainline llama-perplexity's published figure.
+Perplexity on the shipped file reproduces mainline llama-perplexity's published figure (the
+README's command, run as written).  The files are written, and generation and KL divergence run,
+through the library (quantkit.quantize_model, generate, perplexity, kl_divergence) in-process; the
+CLI in-process where what it prints is tested (streamed text, speeds, the KLD summary, one-line
+errors).
 """
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import subprocess
@@ -30,6 +33,8 @@ import numpy as np
 import pytest
 
 import peers
+import quantkit
+from quantkit.cli import main
 from quantkit.gguf_io.reader import open_model
 from quantkit.runtime.generate import Sampler, SamplerOptions, generate
 from quantkit.runtime import ops_cpu
@@ -40,22 +45,22 @@ pytestmark = pytest.mark.skipif(peers.llama_quantize_bin() is None, reason="ik-l
 N_PROMPT = 64
 
 
-def quantkit_cli(*args, check=True):
-    p = subprocess.run([sys.executable, "-m", "quantkit", *map(str, args)], capture_output=True, text=True)
-    if check:
-        assert p.returncode == 0, p.stderr[-3000:]
-    return p
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, smollm2_path):
     d = tmp_path_factory.mktemp("runtime-smollm2")
     f32 = d / "f32.gguf"
-    quantkit_cli("quantize", smollm2_path, f32, "f32", "--allow-requantize")
+    quantkit.quantize_model(smollm2_path, f32, "f32", allow_requantize=True)
     out = {"f32": f32, "q4_1 (shipped)": Path(smollm2_path)}
     for name, target in (("q8_0", "q8_0"), ("q4_K", "q4_K"), ("iq4_k", "IQ4_K"), ("iq2_k_r4", "IQ2_K_R4")):
         path = d / f"{name}.gguf"
-        quantkit_cli("quantize", f32, path, target, "--threads", "2")
+        quantkit.quantize_model(f32, path, target, threads=2)
         out[name] = path
     return out
 
@@ -104,7 +109,7 @@ def test_f32_logits_match_ik(files, prompt):
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_quantized_logits_match_ik_on_dequantized_file(files, prompt, name, tmp_path):
     dequantized = tmp_path / "dequantized-f32.gguf"
-    quantkit_cli("quantize", files[name], dequantized, "f32", "--allow-requantize")
+    quantkit.quantize_model(files[name], dequantized, "f32", allow_requantize=True)
     ours = our_logits(files[name], prompt)
     theirs = peers.ik_logits(dequantized, prompt, all_positions=True, n_threads=2)
     rel, same = compare(ours, theirs)
@@ -209,20 +214,19 @@ def test_quantized_generation_steps_stay_as_close_to_ik_as_batches(files, prompt
     assert compare(steps, full)[0] <= 0.08
 
 
-def test_cli_run_greedy(files, prompt, smollm2_path):
-    p = quantkit_cli("run", files["f32"], "-p", "The capital of France is", "-n", "8", "--temp", "0",
-                     "--threads", "2", "--json")
-    doc = json.loads(p.stdout)
-    assert doc["prompt_tokens"] == peers.ik_tokenize(smollm2_path, "The capital of France is")
-    assert doc["tokens"] == peers.ik_greedy(files["f32"], doc["prompt_tokens"], 8, n_threads=2)[:len(doc["tokens"])]
-    assert "Paris" in doc["text"]
-    assert doc["prompt_tokens_per_second"] > 0 and doc["generation_tokens_per_second"] > 0
+def test_run_greedy(files, prompt, smollm2_path):
+    g = quantkit.generate(files["f32"], "The capital of France is", n_predict=8, temp=0, threads=2)
+    assert g.prompt_tokens == peers.ik_tokenize(smollm2_path, "The capital of France is")
+    assert g.stats.tokens == peers.ik_greedy(files["f32"], g.prompt_tokens, 8, n_threads=2)[:len(g.stats.tokens)]
+    assert "Paris" in g.text
+    assert g.stats.prompt_tps > 0 and g.stats.gen_tps > 0
 
 
-def test_cli_run_streams_text_and_speeds(files):
-    p = quantkit_cli("run", files["q8_0"], "-p", "Hello", "-n", "4", "--seed", "1", "--chat")
-    assert p.stdout.startswith("<|im_start|>")
-    assert "tokens/s" in p.stderr and "generation" in p.stderr
+def test_cli_run_streams_text_and_speeds(files, capsys):
+    rc, out, err = run_main(capsys, "run", files["q8_0"], "-p", "Hello", "-n", "4", "--seed", "1", "--chat")
+    assert rc == 0, err
+    assert out.startswith("<|im_start|>")
+    assert "tokens/s" in err and "generation" in err
 
 
 def test_perplexity_matches_llama_perplexity(smollm2_path, shared_dir, repo_root):
@@ -244,25 +248,21 @@ def test_perplexity_matches_llama_perplexity(smollm2_path, shared_dir, repo_root
     assert abs(err / 0.99026 - 1) < 0.05
 
 
-def test_kl_divergence_cli(files, shared_dir, tmp_path):
+def test_kl_divergence(files, shared_dir, tmp_path, capsys):
     text = shared_dir / "golden" / "imatrix" / "calib-gpl3.txt"
     base = tmp_path / "base.kld"
-    p = quantkit_cli("perplexity", files["f32"], "-f", text, "-c", "128", "--chunks", "2",
-                     "--kl-divergence-base", base, "--json")
-    ppl_f32 = json.loads(p.stdout)["ppl"]
+    ppl_f32 = quantkit.perplexity(files["f32"], text, ctx_size=128, chunks=2, kl_divergence_base=base).ppl
     # the model against its own logits: nothing lost but the 16-bit storage of the base file
-    p = quantkit_cli("perplexity", files["f32"], "--kl-divergence-base", base, "--kl-divergence", "--json")
-    same = json.loads(p.stdout)
+    same = quantkit.kl_divergence(files["f32"], base).summary()
     assert same["kld"]["mean"][0] < 1e-5 and same["same_top_p"][0] == 100.0
     assert abs(same["ppl_base"][0] / ppl_f32 - 1) < 1e-3
-    p = quantkit_cli("perplexity", files["iq2_k_r4"], "--kl-divergence-base", base, "--kl-divergence", "--json")
-    low = json.loads(p.stdout)
-    p = quantkit_cli("perplexity", files["q8_0"], "--kl-divergence-base", base, "--kl-divergence", "--json")
-    high = json.loads(p.stdout)
+    low = quantkit.kl_divergence(files["iq2_k_r4"], base).summary()
+    high = quantkit.kl_divergence(files["q8_0"], base).summary()
     assert 0 < high["kld"]["mean"][0] < low["kld"]["mean"][0]
     assert high["same_top_p"][0] > low["same_top_p"][0]
-    p = quantkit_cli("perplexity", files["q8_0"], "--kl-divergence-base", base, "--kl-divergence")
-    assert "Mean    KLD:" in p.stdout and "Same top p:" in p.stdout
+    rc, out, err = run_main(capsys, "perplexity", files["q8_0"], "--kl-divergence-base", base, "--kl-divergence")
+    assert rc == 0, err
+    assert "Mean    KLD:" in out and "Same top p:" in out
 
 
 @pytest.mark.parametrize("args, message", [
@@ -273,12 +273,12 @@ def test_kl_divergence_cli(files, shared_dir, tmp_path):
     (["run", "{missing}", "-p", "hi"], "missing.kld"),
     (["run", "{model}", "-p", "hi", "-n", "50", "-c", "8"], "exceed the context of 8 tokens"),
 ])
-def test_runtime_errors_are_one_line(files, tmp_path, args, message):
+def test_runtime_errors_are_one_line(files, tmp_path, capsys, args, message):
     short = tmp_path / "short.txt"
     short.write_text("Just a few words.")
     fill = {"model": files["q8_0"], "missing": tmp_path / "missing.kld", "short": short}
-    p = quantkit_cli(*[a.format(**fill) for a in args], check=False)
-    assert p.returncode != 0
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], p.stderr
-    assert "Traceback" not in p.stderr
+    rc, out, err = run_main(capsys, *[a.format(**fill) for a in args])
+    assert rc == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err

@@ -8,22 +8,19 @@
   within 1e-3 x max |logit|, and the quantized weights are really computed by torch.
 * A split run (routed experts kept on the CPU with --override-tensor exps=cpu) gives the all-CPU
   logits.
-* The CLI: --device torch-cpu generates what --device cpu does; a bad device or override is a
-  one-line error.
+* quantkit.generate (the library beneath `run`): device torch-cpu generates what cpu does; a bad
+  device or override is a one-line error (QuantkitError).
 The same comparisons on SmolLM2 live in test_runtime_llama.py (they reuse its quantized files).
 """
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
+import quantkit
 from models import write_deepseek2
 from quantkit import formats
-from quantkit.cli import main
+from quantkit.errors import QuantkitError
 from quantkit.gguf_io.reader import open_model
 from quantkit.runtime.model import Model
 from quantkit.runtime.session import make_ops
@@ -97,8 +94,8 @@ def test_deepseek2_logits_equal_numba_backend(v3, tmp_path, target, device):
         path = tmp_path / f"v3-{target}.gguf"
         # the trellis types want an imatrix by llama-quantize's rules (the logits do not), and their
         # presets put iq3_s (not written by quantkit) on token_embd: --pure
-        extra = ["--ignore-imatrix-rules", "--pure"] if target.endswith("_kt") else []
-        assert main(["quantize", str(v3), str(path), target, *extra]) == 0
+        extra = dict(ignore_imatrix_rules=True, pure=True) if target.endswith("_kt") else {}
+        quantkit.quantize_model(v3, path, target, **extra)
     with open_model(path) as g:
         # the expert tensors carry the target type (some others take llama-quantize's fallbacks)
         assert type_name(g.by_name["blk.1.ffn_up_exps.weight"].qtype).lower() == target.lower()
@@ -114,7 +111,7 @@ def test_deepseek2_logits_equal_numba_backend(v3, tmp_path, target, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_split_run_equals_all_cpu(v3, tmp_path, device):
     q = tmp_path / "v3-q4_K.gguf"
-    assert main(["quantize", str(v3), str(q), "q4_K"]) == 0
+    quantkit.quantize_model(v3, q, "q4_K")
     ref, _ = logits(q)
     got, ops = logits(q, device, ["exps"])
     assert_close(got, ref)
@@ -125,33 +122,25 @@ def test_split_run_equals_all_cpu(v3, tmp_path, device):
     assert {v for k, v in placed.items() if "exps" not in k} == {f"{ops.device} (torch)"}
 
 
-def quantkit_cli(*args):
-    return subprocess.run([sys.executable, "-m", "quantkit", *map(str, args)], capture_output=True, text=True)
-
-
-def test_cli_torch_cpu_generates_what_cpu_does(v3):
+def test_torch_cpu_generates_what_cpu_does(v3):
     runs = {}
     for device in ("cpu", "torch-cpu"):
-        p = quantkit_cli("run", v3, "-p", "abc", "-n", "8", "--temp", "0", "--json", "--device", device,
-                         "-ot", "ffn_down_exps=cpu")
-        assert p.returncode == 0, p.stderr[-2000:]
-        result = json.loads(p.stdout)
-        runs[device] = result["tokens"]
+        g = quantkit.generate(v3, "abc", n_predict=8, temp=0, device=device, override_tensor="ffn_down_exps=cpu")
+        runs[device] = g.stats.tokens
         if device == "torch-cpu":       # the one routed-expert tensor per MoE layer kept on the CPU
-            placed = result["placement"]
-            assert placed[NUMBA]["tensors"] == 3 and placed["cpu (torch)"]["tensors"] > 20, placed
+            assert g.placement[NUMBA]["tensors"] == 3 and g.placement["cpu (torch)"]["tensors"] > 20, g.placement
         else:
-            assert result["placement"] is None
+            assert g.placement is None
     assert runs["cpu"] == runs["torch-cpu"] and len(runs["cpu"]) == 8
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--device", "tpu"], "unknown device 'tpu'"),
-    (["-ot", "exps"], "expected REGEX=cpu"),
-    (["-ot", "exps=cuda"], "expected REGEX=cpu"),
-    (["-ot", "(=cpu"], "invalid regex"),
-] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "torch sees no CUDA device")]))
-def test_device_errors_are_one_line(v3, args, message):
-    p = quantkit_cli("run", v3, "-p", "abc", "-n", "2", *args)
-    assert p.returncode != 0
-    assert message in p.stderr and "Traceback" not in p.stderr, p.stderr
+@pytest.mark.parametrize("options, message", [
+    ({"device": "tpu"}, "unknown device 'tpu'"),
+    ({"override_tensor": "exps"}, "expected REGEX=cpu"),
+    ({"override_tensor": "exps=cuda"}, "expected REGEX=cpu"),
+    ({"override_tensor": "(=cpu"}, "invalid regex"),
+] + ([] if torch.cuda.is_available() else [({"device": "cuda"}, "torch sees no CUDA device")]))
+def test_device_errors_are_one_line(v3, options, message):
+    with pytest.raises(QuantkitError) as e:
+        quantkit.generate(v3, "abc", n_predict=2, **options)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)

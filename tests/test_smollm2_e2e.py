@@ -11,13 +11,13 @@ From one F32 SmolLM2 file, the mixed recipe in recipes/smollm2-mix.txt applied b
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import gguf
 import numpy as np
 import pytest
 
 import peers
+import quantkit
 from quantkit.gguf_io.reader import open_model
 from quantkit.recipes import load_recipe
 
@@ -31,20 +31,14 @@ def tensor_types(path) -> dict[str, int]:
         return {t.name: int(t.qtype) for t in m.tensors}
 
 
-def quantkit_cli(*args):
-    p = subprocess.run([sys.executable, "-m", "quantkit", *map(str, args)], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
-    return p
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, smollm2_path, repo_root):
     d = tmp_path_factory.mktemp("smollm2")
     f32 = d / "smollm2-f32.gguf"
-    quantkit_cli("quantize", smollm2_path, f32, "f32", "--allow-requantize")
+    quantkit.quantize_model(smollm2_path, f32, "f32", allow_requantize=True)
     recipe_file = repo_root / "recipes" / "smollm2-mix.txt"
     ours, theirs = d / "ours.gguf", d / "theirs.gguf"
-    quantkit_cli("quantize", f32, ours, "q4_0", "--custom-q", recipe_file, "--threads", "2")
+    quantkit.quantize_model(f32, ours, "q4_0", custom_q=recipe_file, threads=2)
     inline = ",".join(load_recipe([str(recipe_file)]).text.splitlines())
     p = subprocess.run([str(peers.llama_quantize_bin()), "--custom-q", inline, str(f32), str(theirs), "Q4_0", "2"],
                        capture_output=True, text=True)
@@ -103,7 +97,7 @@ def test_loads_in_ik_llama_cpp_and_computes_like_llama_quantize(files):
 def test_split_output_loads_in_ik_llama_cpp(files, tmp_path):
     """--split-max-size shards are what the C split loader expects (it opens them from the first)."""
     out = tmp_path / "split.gguf"
-    quantkit_cli("quantize", files["ours"], out, "--split-max-size", "40M")
+    quantkit.quantize_model(files["ours"], out, split_max_size="40M")
     shards = sorted(tmp_path.glob("split-*-of-*.gguf"))
     assert len(shards) == 3 and shards[0].name == "split-00001-of-00003.gguf"
     tokens = peers.ik_tokenize(files["src"], PROMPT)
@@ -115,7 +109,7 @@ def test_preset_loads_in_ik_and_matches_llama_quantize(files, tmp_path, preset):
     """A preset written by quantkit: same tensor types as the wheel's file (the 576-wide rows take the
     fallbacks, q6_0 among them), finite logits close to both the wheel's file and the F32 model."""
     ours, theirs = tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
-    quantkit_cli("quantize", files["f32"], ours, preset, "--threads", "2")
+    quantkit.quantize_model(files["f32"], ours, preset, threads=2)
     p = subprocess.run([str(peers.llama_quantize_bin()), str(files["f32"]), str(theirs), preset, "2"],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]

@@ -1,9 +1,10 @@
 """`quantkit types`, who loads each type (checked against gguf-py's mainline list and the ik wheel),
 the nearest names for a mistyped type or preset, and `quantize --flavor mainline` refusing what
-mainline llama.cpp cannot load.  In-process except one subprocess for the exit-status contract."""
+mainline llama.cpp cannot load.  Through the library (quantkit.list_types, plan_quantize,
+quantize_model); the CLI for the types table's rendering and one subprocess for the exit-status
+contract."""
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace as NS
 
 import gguf
@@ -11,6 +12,7 @@ import pytest
 from gguf.constants import GGML_QUANT_SIZES
 
 import peers
+import quantkit
 from hostile import Snapshot, assert_refused, run_cli
 from models import write_llama
 from quantkit.cli import main
@@ -114,26 +116,26 @@ def test_mainline_suggestions_are_types_mainline_loads():
     assert "iq4_k" not in str(e.value).lower().replace("'iq4k'", "")
 
 
-def test_type_names_in_rules_and_options_name_the_nearest(tmp_path, capsys):
+def test_type_names_in_rules_and_options_name_the_nearest(tmp_path):
     with pytest.raises(ValueError, match=r"unknown tensor type 'q4k_r4' \(did you mean q4_k_r4"):
         type_from_name("q4k_r4")
     with pytest.raises(QuantkitError, match=r"unknown type 'iq4xs' in rule 'ffn=iq4xs' \(did you mean iq4_xs"):
         load_recipe(["ffn=iq4xs"])
     src = write_llama(tmp_path / "m.gguf", n_layer=1)
-    for option in ("--output-tensor-type", "--token-embedding-type"):
-        assert main(["quantize", str(src), str(tmp_path / "o.gguf"), "q8_0", option, "Q8-0x", "--dry-run"]) == 1
-        e = capsys.readouterr().err
-        assert f"{option}: unknown type 'Q8-0x' (did you mean q8_0" in e and len(e.strip().splitlines()) == 1
-    for option, value in (("--tensor-type", "attn=q4km"), ("--ffn-gate-inp-type", "q4km")):
-        assert main(["quantize", str(src), str(tmp_path / "o.gguf"), "q8_0", option, value, "--dry-run"]) == 1
-        e = capsys.readouterr().err
-        assert "'q4km'" in e and "did you mean" in e and len(e.strip().splitlines()) == 1, e
+    for option in ("output_tensor_type", "token_embedding_type"):
+        with pytest.raises(QuantkitError) as e:
+            quantkit.plan_quantize(src, "q8_0", **{option: "Q8-0x"})
+        assert f"--{option.replace('_', '-')}: unknown type 'Q8-0x' (did you mean q8_0" in str(e.value)
+        assert "\n" not in str(e.value)
+    for option, value in (("tensor_type", "attn=q4km"), ("ffn_gate_inp_type", "q4km")):
+        with pytest.raises(QuantkitError) as e:
+            quantkit.plan_quantize(src, "q8_0", **{option: value})
+        assert "'q4km'" in str(e.value) and "did you mean" in str(e.value) and "\n" not in str(e.value)
 
 
 # ---------------------------------------------------------------------------------- quantkit types
-def test_types_json_lists_every_file_type_and_preset(capsys):
-    assert main(["types", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+def test_types_json_lists_every_file_type_and_preset():
+    doc = quantkit.list_types()
     types = {r["name"]: r for r in doc["types"]}
     assert set(types) == {t.name for t in file_types()} and "q8_K" not in types
     q4k, iq4k, nvfp4 = types["q4_K"], types["iq4_k"], types["nvfp4"]
@@ -175,38 +177,38 @@ def llama(tmp_path_factory):
     return write_llama(tmp_path_factory.mktemp("m") / "llama.gguf", n_layer=2)
 
 
-@pytest.mark.parametrize("args,needles", [
-    (["IQ4_K"], ["mainline llama.cpp cannot load iq4_k", "blk.0.attn_k.weight", "from TYPE"]),
-    (["q6_0"], ["cannot load q6_0"]),
-    (["Q4_K_R4"], ["cannot load q4_k_r4"]),
-    (["iq2_kt"], ["cannot load iq2_kt"]),
-    (["Q4_K_M", "--custom-q", "ffn_down=iq4_ks_r4"],
+@pytest.mark.parametrize("qtype,options,needles", [
+    ("IQ4_K", {}, ["mainline llama.cpp cannot load iq4_k", "blk.0.attn_k.weight", "from TYPE"]),
+    ("q6_0", {}, ["cannot load q6_0"]),
+    ("Q4_K_R4", {}, ["cannot load q4_k_r4"]),
+    ("iq2_kt", {}, ["cannot load iq2_kt"]),
+    ("Q4_K_M", {"custom_q": "ffn_down=iq4_ks_r4"},
      ["cannot load iq4_ks_r4 (blk.0.ffn_down.weight, blk.1.ffn_down.weight; from rule 'ffn_down=iq4_ks_r4' "
       "(--custom-q #1 item 1))"]),
-    (["Q4_K_M", "--output-tensor-type", "bf16_r16"], ["cannot load bf16_r16 (output.weight; from --output-tensor-type)"]),
-    (["Q4_K_M", "--token-embedding-type", "iq2_kl"], ["iq2_kl (token_embd.weight; from --token-embedding-type)"]),
+    ("Q4_K_M", {"output_tensor_type": "bf16_r16"}, ["cannot load bf16_r16 (output.weight; from --output-tensor-type)"]),
+    ("Q4_K_M", {"token_embedding_type": "iq2_kl"}, ["iq2_kl (token_embd.weight; from --token-embedding-type)"]),
 ])
-def test_mainline_flavor_refuses_types_mainline_cannot_load(llama, tmp_path, capsys, args, needles):
+def test_mainline_flavor_refuses_types_mainline_cannot_load(llama, tmp_path, qtype, options, needles):
     out = tmp_path / "o.gguf"
     snap = Snapshot(llama, tmp_path)
-    for extra in ([], ["--dry-run"]):
-        assert main(["quantize", str(llama), str(out), *args, "--flavor", "mainline", *extra]) == 1
-        e = capsys.readouterr().err
-        assert len(e.strip().splitlines()) == 1, e
+    for call in (lambda: quantkit.quantize_model(llama, out, qtype, flavor="mainline", **options),
+                 lambda: quantkit.plan_quantize(llama, qtype, flavor="mainline", **options)):       # a dry run
+        with pytest.raises(QuantkitError) as e:
+            call()
+        message = str(e.value)
+        assert "\n" not in message, message
         for n in ("--flavor mainline: mainline llama.cpp cannot load", "use --flavor ik (ik_llama.cpp loads", *needles):
-            assert n in e, e
+            assert n in message, message
     snap.assert_unchanged()
     # the same request with the ik flavor plans
-    assert main(["quantize", str(llama), str(out), *args, "--dry-run", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["plan"]["flavor"] == "ik"
+    assert quantkit.plan_quantize(llama, qtype, **options).flavor == "ik"
 
 
-def test_mainline_flavor_writes_mainline_types(llama, tmp_path, capsys):
-    for args in (["Q4_K_M"], ["q6_K", "--custom-q", "ffn=q8_0", "--output-tensor-type", "q5_K"], ["mxfp4"]):
-        assert main(["quantize", str(llama), str(tmp_path / "o.gguf"), *args, "--flavor", "mainline", "--dry-run",
-                     "--json"]) == 0, capsys.readouterr().err
-        plan = json.loads(capsys.readouterr().out)["plan"]
-        assert all(loads(type_from_name(t["target"]), "mainline") for t in plan["tensors"])
+def test_mainline_flavor_writes_mainline_types(llama):
+    for qtype, options in (("Q4_K_M", {}), ("q6_K", {"custom_q": "ffn=q8_0", "output_tensor_type": "q5_K"}),
+                           ("mxfp4", {})):
+        plan = quantkit.plan_quantize(llama, qtype, flavor="mainline", **options)
+        assert all(loads(tp.dst_type, "mainline") for tp in plan.tensors)
 
 
 def test_mainline_refusal_exit_status_and_files(llama, tmp_path):
