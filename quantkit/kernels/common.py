@@ -229,3 +229,27 @@ def run_rows(kernel, x, qw, has_qw, ik, out):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
         quantize_rows_with(row_fn, x, qw, has_qw, ik, out)
+
+
+# The decoders run the same way: a family's ``decode_row(type_id, block_bytes, values, fp16_table)``
+# decodes one row, and one compiled parallel driver runs it over all rows.
+DECODE_SIG = (types.int64, types.Array(types.uint8, 1, "C"), types.Array(types.float32, 1, "C"),
+              types.Array(types.float32, 1, "C"))
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def decode_rows_with(row_fn, qtype, blocks, fp16_table, out):
+    """row_fn[0](qtype, blocks[r], out[r], fp16_table) for every row, rows in parallel."""
+    for r in prange(out.shape[0]):
+        row_fn[0](qtype, blocks[r], out[r], fp16_table)
+
+
+def decode_rows(decode_row, qtype, blocks, fp16_table, out):
+    """Decode blocks (n_rows, row_size) uint8 into out (n_rows, n_per_row) float32 with a family's
+    row decoder (compiled once for DECODE_SIG and passed as a function pointer, as run_rows does)."""
+    if decode_row._can_compile:
+        decode_row.compile(DECODE_SIG)
+        decode_row.disable_compile()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
+        decode_rows_with((decode_row,), np.int64(qtype), blocks, fp16_table, out)

@@ -8,13 +8,13 @@ operation over 8 sub-blocks; every lane keeps its own best in the order C visits
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ..tables import FP16_TABLE, IQ2NL_VALUES
 from ..types import QuantType as T
 from ..types import traits
 from ._iqk import thresholds
-from .common import (F, QK_K, ZERO_EPS, block_bytes, first_absmax, nint, run_rows, store_fp16, store_u16, type_ids,
+from .common import (decode_rows, F, QK_K, ZERO_EPS, block_bytes, first_absmax, nint, run_rows, store_fp16, store_u16, type_ids,
                      weighted_sums)
 from .iqk import PLAIN_SIGMA, row_weights
 
@@ -257,30 +257,33 @@ def quantize_rows(qtype, x, qw, has_qw, out):
     run_rows(ROW_KERNELS[qtype], x, qw, has_qw, True, out)
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(**_OPTS)
+def decode_row(qtype, b, y, fp16_table):
+    """One row: its bytes b -> its values y."""
+    n = y.shape[0]
+    if qtype == IQ2_K:
+        for sb in range(n // QK_K):
+            o = IQ2_K_BYTES * sb
+            d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+            extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
+            for p in range(QK_K):
+                ib = p // 16
+                ib32 = p // 32
+                ls = ((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) - 8
+                q = (np.int64(b[o + 12 + 32 * (ib32 // 4) + p % 32]) >> (2 * (ib32 % 4))) & 3
+                y[QK_K * sb + p] = (d * F(ls)) * VALUES[q + 4 * ((extra >> ib) & 1)]
+    else:
+        d = fp16_table[np.int64(b[0]) | (np.int64(b[1]) << 8)]
+        for sb in range(n // QK_K):
+            o = IQ2_KS_META + IQ2_KS_BYTES * sb
+            extra = np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
+            for p in range(QK_K):
+                ib = p // 32
+                ls = (((np.int64(b[o + 2 + ib // 2]) >> (4 * (ib % 2))) & 0xF) | (((extra >> (8 + ib)) & 1) << 4)) - 16
+                q = (np.int64(b[o + 6 + 32 * (ib // 4) + p % 32]) >> (2 * (ib % 4))) & 3
+                y[QK_K * sb + p] = (d * F(ls)) * VALUES[q + 4 * ((extra >> ib) & 1)]
+
+
 def dequantize_rows(qtype, blocks, fp16_table, out):
-    n_rows, n = out.shape
-    for r in prange(n_rows):
-        b = blocks[r]
-        y = out[r]
-        if qtype == IQ2_K:
-            for sb in range(n // QK_K):
-                o = IQ2_K_BYTES * sb
-                d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
-                extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
-                for p in range(QK_K):
-                    ib = p // 16
-                    ib32 = p // 32
-                    ls = ((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) - 8
-                    q = (np.int64(b[o + 12 + 32 * (ib32 // 4) + p % 32]) >> (2 * (ib32 % 4))) & 3
-                    y[QK_K * sb + p] = (d * F(ls)) * VALUES[q + 4 * ((extra >> ib) & 1)]
-        else:
-            d = fp16_table[np.int64(b[0]) | (np.int64(b[1]) << 8)]
-            for sb in range(n // QK_K):
-                o = IQ2_KS_META + IQ2_KS_BYTES * sb
-                extra = np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
-                for p in range(QK_K):
-                    ib = p // 32
-                    ls = (((np.int64(b[o + 2 + ib // 2]) >> (4 * (ib % 2))) & 0xF) | (((extra >> (8 + ib)) & 1) << 4)) - 16
-                    q = (np.int64(b[o + 6 + 32 * (ib // 4) + p % 32]) >> (2 * (ib % 4))) & 3
-                    y[QK_K * sb + p] = (d * F(ls)) * VALUES[q + 4 * ((extra >> ib) & 1)]
+    """blocks (n_rows, row_size) uint8 -> out (n_rows, n_per_row) float32."""
+    decode_rows(decode_row, qtype, blocks, fp16_table, out)

@@ -14,13 +14,13 @@ of thresholds <= x.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ..tables import FP16_TABLE, IQ4NL_VALUES  # noqa: F401  (FP16_TABLE: the decoders' table, which formats pass in)
 from ..types import QuantType as T
 from ..types import traits
 from ._iqk import thresholds
-from .common import (F, GROUP_MAX_EPS, I32, OVERFLOW, QK_K, block_bytes, first_absmax, lane_sumsq, lanes_first_absmax,
+from .common import (decode_rows, F, GROUP_MAX_EPS, I32, OVERFLOW, QK_K, block_bytes, first_absmax, lane_sumsq, lanes_first_absmax,
                      nint, row_lanes, run_rows, store_fp16, type_ids)
 from .kquants import superblock_sumsq
 
@@ -233,30 +233,32 @@ def quantize_rows(qtype, x, qw, has_qw, ik, out):
     run_rows(ROW_KERNELS[qtype], x, qw, has_qw, ik, out)
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(cache=True, error_model="numpy")
+def decode_row(qtype, b, y, fp16_table):
+    """One row: its bytes b -> its values y."""
+    n = y.shape[0]
+    if qtype == IQ4_NL:
+        for ib in range(n // QK4_NL):
+            o = IQ4_NL_BYTES * ib
+            d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+            for j in range(16):
+                q = np.int64(b[o + 2 + j])
+                y[32 * ib + j] = d * KV[q & 0xF]
+                y[32 * ib + j + 16] = d * KV[q >> 4]
+    else:
+        for sb in range(n // QK_K):
+            o = IQ4_XS_BYTES * sb
+            d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+            scales_h = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
+            for ib in range(8):
+                ls = ((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4)
+                dl = d * F(ls - 32)
+                for j in range(16):
+                    q = np.int64(b[o + 8 + 16 * ib + j])
+                    y[QK_K * sb + 32 * ib + j] = dl * KV[q & 0xF]
+                    y[QK_K * sb + 32 * ib + j + 16] = dl * KV[q >> 4]
+
+
 def dequantize_rows(qtype, blocks, fp16_table, out):
     """blocks (n_rows, row_size) uint8 -> out (n_rows, n_per_row) float32."""
-    n_rows, n = out.shape
-    for r in prange(n_rows):
-        b = blocks[r]
-        y = out[r]
-        if qtype == IQ4_NL:
-            for ib in range(n // QK4_NL):
-                o = IQ4_NL_BYTES * ib
-                d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
-                for j in range(16):
-                    q = np.int64(b[o + 2 + j])
-                    y[32 * ib + j] = d * KV[q & 0xF]
-                    y[32 * ib + j + 16] = d * KV[q >> 4]
-        else:
-            for sb in range(n // QK_K):
-                o = IQ4_XS_BYTES * sb
-                d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
-                scales_h = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
-                for ib in range(8):
-                    ls = ((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4)
-                    dl = d * F(ls - 32)
-                    for j in range(16):
-                        q = np.int64(b[o + 8 + 16 * ib + j])
-                        y[QK_K * sb + 32 * ib + j] = dl * KV[q & 0xF]
-                        y[QK_K * sb + 32 * ib + j + 16] = dl * KV[q >> 4]
+    decode_rows(decode_row, qtype, blocks, fp16_table, out)

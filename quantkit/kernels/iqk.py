@@ -12,13 +12,13 @@ value and the next decides the nearest, ties going to the upper one.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ..tables import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, FP16_TABLE, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
 from ..types import QuantType as T
 from ..types import traits
 from ._iqk import imatrix_cleanup_row, thresholds
-from .common import (F, OVERFLOW, QK_K, ZERO_EPS, block_bytes, first_absmax, lanes_first_absmax, nint, run_rows,
+from .common import (decode_rows, F, OVERFLOW, QK_K, ZERO_EPS, block_bytes, first_absmax, lanes_first_absmax, nint, run_rows,
                      store_f32, store_fp16, store_u16, take_trial, type_ids, weighted_sums)
 
 IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ5_KS, IQ3_KS = type_ids(T.IQ3_K, T.IQ4_K, T.IQ5_K, T.IQ6_K, T.IQ4_KS, T.IQ5_KS,
@@ -567,97 +567,99 @@ def _fp16(b, o, fp16_table):
     return fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
-def dequantize_rows(qtype, blocks, fp16_table, out):
-    """blocks (n_rows, row_size) uint8 -> out (n_rows, n_per_row) float32 (the C to_float)."""
-    n_rows, n = out.shape
-    for r in prange(n_rows):
-        b = blocks[r]
-        y = out[r]
-        if qtype == IQ5_KS:
-            d = b[0:4].copy().view(np.float32)[0]
-            for blk in range(n // 32):
-                o = IQ5_KS_META + IQ5_KS_BYTES * (blk // 8)
-                ib = blk % 8
-                s = np.int64(b[o + ib])
-                dl = d * F((s & 254) - 127)
-                for j in range(32):
-                    q = ((np.int64(b[o + 8 + 32 * (ib // 2) + j]) >> (4 * (ib % 2))) & 0xF) | \
-                        (((np.int64(b[o + 136 + j]) >> ib) & 1) << 4)
-                    y[32 * blk + j] = dl * F(IQ5NL_VALUES[q + 32 * (s & 1)])
-            continue
-        if qtype == IQ3_KS:
-            d = fp16_table[np.int64(b[0]) | (np.int64(b[1]) << 8)]
-            for blk in range(n // 32):
-                o = IQ3_KS_META + IQ3_KS_BYTES * (blk // 8)
-                ib = blk % 8
-                extra = np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
-                ls = (((np.int64(b[o + 2 + ib % 4]) >> (4 * (ib // 4))) & 0xF) | (((extra >> ib) & 1) << 4)) - 16
-                dl = d * F(ls)
-                for j in range(32):
-                    q = ((np.int64(b[o + 6 + 32 * (ib // 4) + j]) >> (2 * (ib % 4))) & 3) | \
-                        (((np.int64(b[o + 70 + j]) >> ib) & 1) << 2)
-                    y[32 * blk + j] = dl * F(IQ3NL_VALUES[q + 8 * ((extra >> (8 + ib)) & 1)])
-            continue
-        if qtype == IQ4_KS:
-            d = b[0:4].copy().view(np.float32)[0]
-            for blk in range(n // 32):
-                o = IQ4_KS_META + IQ4_KS_BYTES * (blk // 8)
-                s = np.int64(b[o + blk % 8])
-                dl = d * F((s & 254) - 127)
-                for j in range(16):
-                    q = np.int64(b[o + 8 + 16 * (blk % 8) + j])
-                    y[32 * blk + j] = dl * F(IQ4K_VALUES[(q & 0xF) + 16 * (s & 1)])
-                    y[32 * blk + j + 16] = dl * F(IQ4K_VALUES[(q >> 4) + 16 * (s & 1)])
-            continue
-        for sb in range(n // QK_K):
-            e = sb * QK_K
-            if qtype == IQ3_K:
-                o = sb * IQ3_K_BYTES
-                d = _fp16(b, o, fp16_table)
-                extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
-                signs = np.int64(b[o + 4]) | (np.int64(b[o + 5]) << 8)
-                for p in range(QK_K):
-                    ib = p // 16
-                    ib32 = p // 32
-                    k = p % 32
-                    mag = (np.int64(b[o + 6 + ib // 2]) >> (4 * (ib % 2))) & 0xF
-                    ls = (2 * mag + 1) * (-1 if (signs >> ib) & 1 else 1)
-                    q = ((np.int64(b[o + 14 + 32 * (ib32 // 4) + k]) >> (2 * (ib32 % 4))) & 3) | \
-                        (((np.int64(b[o + 78 + k]) >> ib32) & 1) << 2)
-                    y[e + p] = (d * F(ls)) * F(IQ3NL_VALUES[q + 8 * ((extra >> ib) & 1)])
-            elif qtype == IQ4_K:
-                o = sb * IQ4_K_BYTES
-                d = _fp16(b, o, fp16_table)
-                extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
-                for p in range(QK_K):
-                    ib = p // 16
-                    g = p // 32
-                    k = p % 32
+@njit(**_OPTS)
+def decode_row(qtype, b, y, fp16_table):
+    """One row: its bytes b -> its values y (the C to_float)."""
+    n = y.shape[0]
+    if qtype == IQ5_KS:
+        d = b[0:4].copy().view(np.float32)[0]
+        for blk in range(n // 32):
+            o = IQ5_KS_META + IQ5_KS_BYTES * (blk // 8)
+            ib = blk % 8
+            s = np.int64(b[o + ib])
+            dl = d * F((s & 254) - 127)
+            for j in range(32):
+                q = ((np.int64(b[o + 8 + 32 * (ib // 2) + j]) >> (4 * (ib % 2))) & 0xF) | \
+                    (((np.int64(b[o + 136 + j]) >> ib) & 1) << 4)
+                y[32 * blk + j] = dl * F(IQ5NL_VALUES[q + 32 * (s & 1)])
+        return
+    if qtype == IQ3_KS:
+        d = fp16_table[np.int64(b[0]) | (np.int64(b[1]) << 8)]
+        for blk in range(n // 32):
+            o = IQ3_KS_META + IQ3_KS_BYTES * (blk // 8)
+            ib = blk % 8
+            extra = np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
+            ls = (((np.int64(b[o + 2 + ib % 4]) >> (4 * (ib // 4))) & 0xF) | (((extra >> ib) & 1) << 4)) - 16
+            dl = d * F(ls)
+            for j in range(32):
+                q = ((np.int64(b[o + 6 + 32 * (ib // 4) + j]) >> (2 * (ib % 4))) & 3) | \
+                    (((np.int64(b[o + 70 + j]) >> ib) & 1) << 2)
+                y[32 * blk + j] = dl * F(IQ3NL_VALUES[q + 8 * ((extra >> (8 + ib)) & 1)])
+        return
+    if qtype == IQ4_KS:
+        d = b[0:4].copy().view(np.float32)[0]
+        for blk in range(n // 32):
+            o = IQ4_KS_META + IQ4_KS_BYTES * (blk // 8)
+            s = np.int64(b[o + blk % 8])
+            dl = d * F((s & 254) - 127)
+            for j in range(16):
+                q = np.int64(b[o + 8 + 16 * (blk % 8) + j])
+                y[32 * blk + j] = dl * F(IQ4K_VALUES[(q & 0xF) + 16 * (s & 1)])
+                y[32 * blk + j + 16] = dl * F(IQ4K_VALUES[(q >> 4) + 16 * (s & 1)])
+        return
+    for sb in range(n // QK_K):
+        e = sb * QK_K
+        if qtype == IQ3_K:
+            o = sb * IQ3_K_BYTES
+            d = _fp16(b, o, fp16_table)
+            extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
+            signs = np.int64(b[o + 4]) | (np.int64(b[o + 5]) << 8)
+            for p in range(QK_K):
+                ib = p // 16
+                ib32 = p // 32
+                k = p % 32
+                mag = (np.int64(b[o + 6 + ib // 2]) >> (4 * (ib % 2))) & 0xF
+                ls = (2 * mag + 1) * (-1 if (signs >> ib) & 1 else 1)
+                q = ((np.int64(b[o + 14 + 32 * (ib32 // 4) + k]) >> (2 * (ib32 % 4))) & 3) | \
+                    (((np.int64(b[o + 78 + k]) >> ib32) & 1) << 2)
+                y[e + p] = (d * F(ls)) * F(IQ3NL_VALUES[q + 8 * ((extra >> ib) & 1)])
+        elif qtype == IQ4_K:
+            o = sb * IQ4_K_BYTES
+            d = _fp16(b, o, fp16_table)
+            extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
+            for p in range(QK_K):
+                ib = p // 16
+                g = p // 32
+                k = p % 32
+                ls = (((np.int64(b[o + 8 + ib // 2]) >> (4 * (ib % 2))) & 0xF)
+                      | (((np.int64(b[o + 4 + ib // 4]) >> (2 * (ib % 4))) & 3) << 4)) - 32
+                q = (np.int64(b[o + 16 + 16 * g + k % 16]) >> (4 * (k // 16))) & 0xF
+                y[e + p] = (d * F(ls)) * F(IQ4K_VALUES[q + 16 * ((extra >> ib) & 1)])
+        else:
+            six = qtype == IQ6_K
+            o = sb * (IQ6_K_BYTES if six else IQ5_K_BYTES)
+            d = _fp16(b, o, fp16_table)
+            extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
+            qs = o + (20 if six else 16)
+            qh = o + (148 if six else 144)
+            for p in range(QK_K):
+                ib = p // 16
+                ib32 = p // 32
+                k = p % 32
+                lo = (np.int64(b[qs + 32 * (ib32 // 2) + k]) >> (4 * (ib32 % 2))) & 0xF
+                sh = (extra >> ib) & 1
+                if six:
+                    ls = np.int64(np.int8(b[o + 4 + ib]))
+                    q = F(lo | (((np.int64(b[qh + 32 * (ib32 // 4) + k]) >> (2 * (ib32 % 4))) & 3) << 4))
+                    v = (A_IQ6K + q * (B_IQ6K + q * (-C_IQ6K + q * D_IQ6K))) + F(sh)
+                    y[e + p] = (d * F(ls)) * v
+                else:
                     ls = (((np.int64(b[o + 8 + ib // 2]) >> (4 * (ib % 2))) & 0xF)
                           | (((np.int64(b[o + 4 + ib // 4]) >> (2 * (ib % 4))) & 3) << 4)) - 32
-                    q = (np.int64(b[o + 16 + 16 * g + k % 16]) >> (4 * (k // 16))) & 0xF
-                    y[e + p] = (d * F(ls)) * F(IQ4K_VALUES[q + 16 * ((extra >> ib) & 1)])
-            else:
-                six = qtype == IQ6_K
-                o = sb * (IQ6_K_BYTES if six else IQ5_K_BYTES)
-                d = _fp16(b, o, fp16_table)
-                extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
-                qs = o + (20 if six else 16)
-                qh = o + (148 if six else 144)
-                for p in range(QK_K):
-                    ib = p // 16
-                    ib32 = p // 32
-                    k = p % 32
-                    lo = (np.int64(b[qs + 32 * (ib32 // 2) + k]) >> (4 * (ib32 % 2))) & 0xF
-                    sh = (extra >> ib) & 1
-                    if six:
-                        ls = np.int64(np.int8(b[o + 4 + ib]))
-                        q = F(lo | (((np.int64(b[qh + 32 * (ib32 // 4) + k]) >> (2 * (ib32 % 4))) & 3) << 4))
-                        v = (A_IQ6K + q * (B_IQ6K + q * (-C_IQ6K + q * D_IQ6K))) + F(sh)
-                        y[e + p] = (d * F(ls)) * v
-                    else:
-                        ls = (((np.int64(b[o + 8 + ib // 2]) >> (4 * (ib % 2))) & 0xF)
-                              | (((np.int64(b[o + 4 + ib // 4]) >> (2 * (ib % 4))) & 3) << 4)) - 32
-                        q = lo | (((np.int64(b[qh + k]) >> ib32) & 1) << 4)
-                        y[e + p] = (d * F(ls)) * F(IQ5NL_VALUES[q + 32 * sh])
+                    q = lo | (((np.int64(b[qh + k]) >> ib32) & 1) << 4)
+                    y[e + p] = (d * F(ls)) * F(IQ5NL_VALUES[q + 32 * sh])
+
+
+def dequantize_rows(qtype, blocks, fp16_table, out):
+    """blocks (n_rows, row_size) uint8 -> out (n_rows, n_per_row) float32 (the C to_float)."""
+    decode_rows(decode_row, qtype, blocks, fp16_table, out)

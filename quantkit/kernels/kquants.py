@@ -24,7 +24,7 @@ from numba import njit, prange
 
 from ..tables import FP16_TABLE  # noqa: F401  (the decoders' table, which formats pass in)
 from ..types import QuantType as T
-from .common import (D, F, GROUP_MAX_EPS, I32, QK_K, block_bytes, clampf, first_absmax, fp16_value, lane_sumsq,
+from .common import (decode_rows, D, F, GROUP_MAX_EPS, I32, QK_K, block_bytes, clampf, first_absmax, fp16_value, lane_sumsq,
                      lanes_first_absmax, nint, positive_max, row_lanes, run_rows, store_fp16, type_ids)
 
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = type_ids(T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
@@ -993,61 +993,63 @@ def q2_k_trinet(x, chunk_rows, out):
 
 # ---- decoding ----
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(**_OPTS)
+def decode_row(qtype, b, y, fp16_table):
+    """One row: its bytes b -> its values y (dequantize_row_*)."""
+    n = y.shape[0]
+    for sb in range(n // QK_K):
+        e = sb * QK_K
+        if qtype == Q2_K:
+            o = sb * Q2_K_BYTES
+            d = fp16_table[np.int64(b[o + 80]) | (np.int64(b[o + 81]) << 8)]
+            dmin = fp16_table[np.int64(b[o + 82]) | (np.int64(b[o + 83]) << 8)]
+            for s in range(16):
+                sc = np.int64(b[o + s])
+                dl = d * F(sc & 0xF)
+                ml = dmin * F(sc >> 4)
+                for i in range(16):
+                    v = 16 * s + i
+                    q = (np.int64(b[o + 16 + 32 * (v // 128) + v % 32]) >> (2 * ((v % 128) // 32))) & 3
+                    y[e + v] = dl * F(q) - ml
+        elif qtype == Q3_K:
+            o = sb * Q3_K_BYTES
+            d = fp16_table[np.int64(b[o + 108]) | (np.int64(b[o + 109]) << 8)]
+            for s in range(16):
+                dl = d * F(scale_q3(s, b, o + 96))
+                for i in range(16):
+                    v = 16 * s + i
+                    q = (np.int64(b[o + 32 + 32 * (v // 128) + v % 32]) >> (2 * ((v % 128) // 32))) & 3
+                    h = (np.int64(b[o + v % 32]) >> (v // 32)) & 1
+                    y[e + v] = dl * F(q - (0 if h else 4))
+        elif qtype == Q4_K or qtype == Q5_K:
+            o = sb * (Q4_K_BYTES if qtype == Q4_K else Q5_K_BYTES)
+            d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+            dmin = fp16_table[np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)]
+            qs = o + 16 if qtype == Q4_K else o + 48
+            for s in range(8):
+                sc, m = scale_min_k4(s, b, o + 4)
+                dl = d * F(sc)
+                ml = dmin * F(m)
+                for i in range(32):
+                    v = 32 * s + i
+                    q = (np.int64(b[qs + 32 * (s // 2) + i]) >> (4 * (s % 2))) & 0xF
+                    if qtype == Q5_K:
+                        q += ((np.int64(b[o + 16 + i]) >> s) & 1) << 4
+                    y[e + v] = dl * F(q) - ml
+        else:
+            o = sb * Q6_K_BYTES
+            d = fp16_table[np.int64(b[o + 208]) | (np.int64(b[o + 209]) << 8)]
+            for v in range(QK_K):
+                h = v // 128
+                w = v % 128
+                l = w % 32
+                quarter = w // 32
+                lo = (np.int64(b[o + 64 * h + l + 32 * (quarter % 2)]) >> (4 * (quarter // 2))) & 0xF
+                hi = (np.int64(b[o + 128 + 32 * h + l]) >> (2 * quarter)) & 3
+                sc = np.int64(np.int8(b[o + 192 + v // 16]))
+                y[e + v] = d * F(sc) * F((lo | (hi << 4)) - 32)
+
+
 def dequantize_rows(qtype, blocks, fp16_table, out):
     """blocks (n_rows, row_size) uint8 -> out (n_rows, n_per_row) float32 (dequantize_row_*)."""
-    n_rows, n = out.shape
-    for r in prange(n_rows):
-        b = blocks[r]
-        y = out[r]
-        for sb in range(n // QK_K):
-            e = sb * QK_K
-            if qtype == Q2_K:
-                o = sb * Q2_K_BYTES
-                d = fp16_table[np.int64(b[o + 80]) | (np.int64(b[o + 81]) << 8)]
-                dmin = fp16_table[np.int64(b[o + 82]) | (np.int64(b[o + 83]) << 8)]
-                for s in range(16):
-                    sc = np.int64(b[o + s])
-                    dl = d * F(sc & 0xF)
-                    ml = dmin * F(sc >> 4)
-                    for i in range(16):
-                        v = 16 * s + i
-                        q = (np.int64(b[o + 16 + 32 * (v // 128) + v % 32]) >> (2 * ((v % 128) // 32))) & 3
-                        y[e + v] = dl * F(q) - ml
-            elif qtype == Q3_K:
-                o = sb * Q3_K_BYTES
-                d = fp16_table[np.int64(b[o + 108]) | (np.int64(b[o + 109]) << 8)]
-                for s in range(16):
-                    dl = d * F(scale_q3(s, b, o + 96))
-                    for i in range(16):
-                        v = 16 * s + i
-                        q = (np.int64(b[o + 32 + 32 * (v // 128) + v % 32]) >> (2 * ((v % 128) // 32))) & 3
-                        h = (np.int64(b[o + v % 32]) >> (v // 32)) & 1
-                        y[e + v] = dl * F(q - (0 if h else 4))
-            elif qtype == Q4_K or qtype == Q5_K:
-                o = sb * (Q4_K_BYTES if qtype == Q4_K else Q5_K_BYTES)
-                d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
-                dmin = fp16_table[np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)]
-                qs = o + 16 if qtype == Q4_K else o + 48
-                for s in range(8):
-                    sc, m = scale_min_k4(s, b, o + 4)
-                    dl = d * F(sc)
-                    ml = dmin * F(m)
-                    for i in range(32):
-                        v = 32 * s + i
-                        q = (np.int64(b[qs + 32 * (s // 2) + i]) >> (4 * (s % 2))) & 0xF
-                        if qtype == Q5_K:
-                            q += ((np.int64(b[o + 16 + i]) >> s) & 1) << 4
-                        y[e + v] = dl * F(q) - ml
-            else:
-                o = sb * Q6_K_BYTES
-                d = fp16_table[np.int64(b[o + 208]) | (np.int64(b[o + 209]) << 8)]
-                for v in range(QK_K):
-                    h = v // 128
-                    w = v % 128
-                    l = w % 32
-                    quarter = w // 32
-                    lo = (np.int64(b[o + 64 * h + l + 32 * (quarter % 2)]) >> (4 * (quarter // 2))) & 0xF
-                    hi = (np.int64(b[o + 128 + 32 * h + l]) >> (2 * quarter)) & 3
-                    sc = np.int64(np.int8(b[o + 192 + v // 16]))
-                    y[e + v] = d * F(sc) * F((lo | (hi << 4)) - 32)
+    decode_rows(decode_row, qtype, blocks, fp16_table, out)
