@@ -60,7 +60,7 @@ CHILD_CHECKS = [
     "tests/test_generic_cpu.py::test_fused_products_of_every_kernel",
     "tests/test_runtime_matvec.py::test_attention_of_a_few_tokens_equals_the_batched_path",
     "tests/test_runtime_matvec.py::test_latent_attention_of_a_few_tokens_reads_the_value_view",
-    "tests/test_formats_kt.py::test_golden_numba",
+    "tests/test_formats_kt.py::test_golden",
     "tests/test_formats_kt.py::test_fma32_is_exact",
     "tests/test_formats_kt.py::test_search_breaks_ties_as_ik",
 ]

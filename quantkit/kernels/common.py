@@ -233,7 +233,9 @@ def run_rows(kernel, x, qw, has_qw, ik, out):
 
 # The decoders run the same way: a family's ``decode_row(type_id, block_bytes, values, fp16_table)``
 # decodes one row, and one compiled parallel driver runs it over all rows.
-DECODE_SIG = (types.int64, types.Array(types.uint8, 1, "C"), types.Array(types.float32, 1, "C"),
+# The bytes are typed read-only: a memory-mapped model's are, and one signature serves both (the
+# driver hands the row decoder a read-only view of writable blocks).
+DECODE_SIG = (types.int64, types.Array(types.uint8, 1, "C", readonly=True), types.Array(types.float32, 1, "C"),
               types.Array(types.float32, 1, "C"))
 
 
@@ -250,6 +252,9 @@ def decode_rows(decode_row, qtype, blocks, fp16_table, out):
     if decode_row._can_compile:
         decode_row.compile(DECODE_SIG)
         decode_row.disable_compile()
+    if blocks.flags.writeable:
+        blocks = blocks.view()
+        blocks.flags.writeable = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
         decode_rows_with((decode_row,), np.int64(qtype), blocks, fp16_table, out)
