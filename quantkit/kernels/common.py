@@ -5,6 +5,7 @@ few float32 limits that ggml's C code writes out; the fp16 encoder and decoder l
 """
 from __future__ import annotations
 
+import threading
 import warnings
 
 import numpy as np
@@ -206,12 +207,23 @@ ROW_SIG = (types.Array(types.float32, 1, "C"), types.Array(types.float32, 1, "C"
            types.boolean, types.Array(types.uint8, 1, "C"))
 
 
+_COMPILING = threading.Lock()
+
+
+def _compile_once(kernel, signature):
+    """Compile ``kernel`` for its one signature and close it to others.  Under a lock: the runtime
+    decodes tiles from several threads, and a second thread must not find the dispatcher half done
+    (compiling after ``disable_compile`` raises)."""
+    with _COMPILING:
+        if kernel._can_compile:
+            kernel.compile(signature)
+            kernel.disable_compile()
+
+
 def as_row_function(kernel):
     """Compile ``kernel`` for ROW_SIG (once) and return it as a 1-tuple, which numba passes to the
     driver as a function pointer (this needs a dispatcher that can no longer compile)."""
-    if kernel._can_compile:
-        kernel.compile(ROW_SIG)
-        kernel.disable_compile()
+    _compile_once(kernel, ROW_SIG)
     return (kernel,)
 
 
@@ -249,9 +261,7 @@ def decode_rows_with(row_fn, qtype, blocks, fp16_table, out):
 def decode_rows(decode_row, qtype, blocks, fp16_table, out):
     """Decode blocks (n_rows, row_size) uint8 into out (n_rows, n_per_row) float32 with a family's
     row decoder (compiled once for DECODE_SIG and passed as a function pointer, as run_rows does)."""
-    if decode_row._can_compile:
-        decode_row.compile(DECODE_SIG)
-        decode_row.disable_compile()
+    _compile_once(decode_row, DECODE_SIG)
     if blocks.flags.writeable:
         blocks = blocks.view()
         blocks.flags.writeable = False
