@@ -1,4 +1,4 @@
-"""The runtime's numba kernels against their plain-numpy twins (quantkit.runtime.reference_ops), and
+"""The runtime's numba kernels against their plain-numpy twins (tests/runtime_twins.py), and
 the float16 rounding against numpy's own float16 cast."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from quantkit.runtime import kernels, ops_cpu
-from quantkit.runtime import reference_ops as ref
+import runtime_twins as ref
 
 F32 = np.float32
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import runtime_twins
 from numba import njit
 
 from quantkit import formats
@@ -156,7 +157,7 @@ def check_chunk(name, chunk, n_bytes, tab):
     xsum = (xq[:len(xd) * 32].reshape(-1, 32).sum(-1, dtype=np.int64) * xd).astype(np.float32)
     call = njit(lambda a, o, t, q, d, m, x0: chunk(a, o, t, q, d, m, x0))
     got = call(a, o, tab, xq, xd, xsum, xo)
-    ref = dot.chunk_twin(chunk, a, o, tab, xq, xd, xo)
+    ref = runtime_twins.chunk_twin(chunk, a, o, tab, xq, xd, xo)
     assert abs(got - ref) <= 1e-5 * max(1.0, abs(ref)), (got, ref)
 
 

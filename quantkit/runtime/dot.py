@@ -29,7 +29,7 @@ fast-math flags.  The integer sums are exact anyway.
 
 After an edit of this module numba recompiles the kernels built from its IR: their cache is keyed
 on all of quantkit's sources (quantkit/kernel_cache.py).
-chunk_dot has a numpy twin (``chunk_twin``) that the tests compare it with on any bytes; the float
+chunk_dot has a numpy twin (tests/runtime_twins.py ``chunk_twin``) that the tests compare it with on any bytes; the float
 and float16 dots are tested through the kernels that use them (F32/F16 products, attention).
 """
 from __future__ import annotations
@@ -175,10 +175,6 @@ def float_at(fmt):
 FLOAT_FORMATS = ("f32", "f16", "bf16")
 FLOAT_READERS = tuple((float_dot(32, fmt), float_at(fmt)) for fmt in FLOAT_FORMATS)
 f32_at, half_at = FLOAT_READERS[0][1], FLOAT_READERS[1][1]
-
-
-def _low(a, off, shift, mask, n):
-    return (np.asarray(a[off:off + n], np.int64) >> shift) & mask
 
 
 # ---- chunks: many runs of codes, each with its own scale, accumulated in one vector ----
@@ -563,53 +559,8 @@ def chunk_dot(runs, table=False, sup=None):
             acc = builder.fmul(total, group_scales) if left_out is None else _fma(builder, total, group_scales, left_out)
             return builder.extract_element(_fold(builder, acc, 8, 1), ir.Constant(_I32, 0))
         return nbt.float32(a, o, tab, xq, xd, xsum, xo), codegen
-    dot.runs, dot.table, dot.sup = runs, table, sup         # for the twin in tests
+    dot.runs, dot.table, dot.sup = runs, table, sup         # for the twin in tests/runtime_twins.py
     return dot
-
-
-def chunk_twin(dot, a, o, tab, xq, xd, xo):
-    """A chunk dot (``dot``: what chunk_dot made), value by value (float64 sums of value * xq * xd)."""
-    runs, table, sup = dot.runs, dot.table, dot.sup
-    a = np.asarray(a)
-
-    def half(at):
-        return float(a[o + at:o + at + 2].view(np.float16)[0])
-    total = 0.0
-    for k, r in enumerate(runs):
-        n = r.n
-        if r.shift is None:
-            code = a[o + r.off:o + r.off + n].view(np.int8).astype(np.int64)
-        else:
-            if r.split:
-                raw = np.asarray(a[o + r.off:o + r.off + n // 2], np.int64)
-                code = np.concatenate([raw & 15, raw >> 4])
-            else:
-                code = _low(a, o + r.off, r.shift, r.mask, n)
-            if r.hoff is not None:
-                code = code | (_low(a, o + r.hoff, r.hshift, r.hmask, n) << r.hpos)
-            if r.hword is not None:
-                word = int(a[o + r.hword:o + r.hword + 4].view(np.uint32)[0])
-                code = code | (((word >> (r.hbase + np.arange(n))) & 1) << r.hpos)
-            if table:
-                window = 0
-                if sup is not None and sup.grid:
-                    at, b = sup.grid[k]
-                    window = ((int(a[o + at]) >> b) & 1) * sup.grid_step
-                code = np.asarray(tab, np.int64)[window + code]
-            else:
-                code = code - r.bias
-        if sup is None:
-            value = half(r.d_at) * code + (0.0 if r.m_at is None else half(r.m_at))
-        else:
-            value = (1.0 if sup.d_at is None else half(sup.d_at)) * sup.scales[k].value(a, o) * code
-            if sup.mins:
-                value = value - half(sup.dmin_at) * sup.mins[r.xoff // 32].value(a, o)
-            if sup.run_mins:
-                value = value - half(sup.dmin_at) * sup.run_mins[k].value(a, o)
-        i = xo + r.xoff
-        xv = np.asarray(xq[i:i + n], np.float64) * float(xd[i // 32])
-        total += float(value @ xv)
-    return total
 
 
 # ---- float16 rows of a 3-D array (the KV cache): a[i, h, d:d + n], contiguous in d ----

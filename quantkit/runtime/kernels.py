@@ -1,6 +1,6 @@
 """numba kernels of the CPU runtime: the elementwise steps between the matrix products.
 
-Each has a plain-numpy twin in :mod:`quantkit.runtime.reference_ops` that the tests compare it
+Each has a plain-numpy twin in tests/runtime_twins.py that the tests compare it
 with.  None allocates its output: the caller passes it, so the same kernel serves a whole batch of
 tokens or one token.  Rows run in parallel (``prange``); inside the matrix-product thread pool,
 where numba runs single-threaded, they run one after the other, and so do the few rows of a

@@ -1,7 +1,9 @@
-"""Plain-numpy twins of the runtime's numba kernels (:mod:`quantkit.runtime.kernels`).
+"""Plain-numpy twins of the runtime's numba kernels (:mod:`quantkit.runtime.kernels`) and of the
+fused products' chunk dots (:func:`quantkit.runtime.dot.chunk_dot`).
 
-They compute the same numbers with whole-array numpy operations: slower, easier to read, and what
-the tests hold the kernels to.  The runtime itself calls the kernels.
+They compute the same numbers with whole-array numpy operations (the chunk dot value by value, in
+float64): slower, easier to read, and what the tests hold the kernels to.  The runtime itself calls
+only the kernels, so the twins live here, with the tests.
 """
 from __future__ import annotations
 
@@ -64,3 +66,52 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     ms = np.einsum("ij,ij->i", x.astype(np.float64), x.astype(np.float64)) / x.shape[1]
     scale = (1.0 / np.sqrt(ms + eps)).astype(F32)
     return (x * scale[:, None]) * weight
+
+
+def _low(a, off, shift, mask, n):
+    return (np.asarray(a[off:off + n], np.int64) >> shift) & mask
+
+
+def chunk_twin(dot, a, o, tab, xq, xd, xo):
+    """A chunk dot (``dot``: what chunk_dot made), value by value (float64 sums of value * xq * xd)."""
+    runs, table, sup = dot.runs, dot.table, dot.sup
+    a = np.asarray(a)
+
+    def half(at):
+        return float(a[o + at:o + at + 2].view(np.float16)[0])
+    total = 0.0
+    for k, r in enumerate(runs):
+        n = r.n
+        if r.shift is None:
+            code = a[o + r.off:o + r.off + n].view(np.int8).astype(np.int64)
+        else:
+            if r.split:
+                raw = np.asarray(a[o + r.off:o + r.off + n // 2], np.int64)
+                code = np.concatenate([raw & 15, raw >> 4])
+            else:
+                code = _low(a, o + r.off, r.shift, r.mask, n)
+            if r.hoff is not None:
+                code = code | (_low(a, o + r.hoff, r.hshift, r.hmask, n) << r.hpos)
+            if r.hword is not None:
+                word = int(a[o + r.hword:o + r.hword + 4].view(np.uint32)[0])
+                code = code | (((word >> (r.hbase + np.arange(n))) & 1) << r.hpos)
+            if table:
+                window = 0
+                if sup is not None and sup.grid:
+                    at, b = sup.grid[k]
+                    window = ((int(a[o + at]) >> b) & 1) * sup.grid_step
+                code = np.asarray(tab, np.int64)[window + code]
+            else:
+                code = code - r.bias
+        if sup is None:
+            value = half(r.d_at) * code + (0.0 if r.m_at is None else half(r.m_at))
+        else:
+            value = (1.0 if sup.d_at is None else half(sup.d_at)) * sup.scales[k].value(a, o) * code
+            if sup.mins:
+                value = value - half(sup.dmin_at) * sup.mins[r.xoff // 32].value(a, o)
+            if sup.run_mins:
+                value = value - half(sup.dmin_at) * sup.run_mins[k].value(a, o)
+        i = xo + r.xoff
+        xv = np.asarray(xq[i:i + n], np.float64) * float(xd[i // 32])
+        total += float(value @ xv)
+    return total
