@@ -83,6 +83,12 @@ def fp16_value(h):
     return -v if s else v
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def fp16_at(b, o, fp16_table):
+    """The little-endian float16 at byte o of b, as float32 (through the decoders' table)."""
+    return fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+
+
 @njit(**_OPTS)
 def store_fp16(y, off, f):
     """Store fp16(f) little-endian at y[off]; return the stored value as float32."""

@@ -14,7 +14,7 @@ from ..tables import FP16_TABLE, IQ2NL_VALUES
 from ..types import QuantType as T
 from ..types import traits
 from ._iqk import thresholds
-from .common import (decode_rows, F, QK_K, ZERO_EPS, block_bytes, first_absmax, nint, run_rows, store_fp16, store_u16, type_ids,
+from .common import (fp16_at, decode_rows, F, QK_K, ZERO_EPS, block_bytes, first_absmax, nint, run_rows, store_fp16, store_u16, type_ids,
                      weighted_sums)
 from .iqk import PLAIN_SIGMA, row_weights
 
@@ -264,7 +264,7 @@ def decode_row(qtype, b, y, fp16_table):
     if qtype == IQ2_K:
         for sb in range(n // QK_K):
             o = IQ2_K_BYTES * sb
-            d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+            d = fp16_at(b, o, fp16_table)
             extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
             for p in range(QK_K):
                 ib = p // 16
@@ -273,7 +273,7 @@ def decode_row(qtype, b, y, fp16_table):
                 q = (np.int64(b[o + 12 + 32 * (ib32 // 4) + p % 32]) >> (2 * (ib32 % 4))) & 3
                 y[QK_K * sb + p] = (d * F(ls)) * VALUES[q + 4 * ((extra >> ib) & 1)]
     else:
-        d = fp16_table[np.int64(b[0]) | (np.int64(b[1]) << 8)]
+        d = fp16_at(b, 0, fp16_table)
         for sb in range(n // QK_K):
             o = IQ2_KS_META + IQ2_KS_BYTES * sb
             extra = np.int64(b[o]) | (np.int64(b[o + 1]) << 8)

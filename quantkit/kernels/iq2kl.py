@@ -16,7 +16,7 @@ from ..tables import FP16_TABLE, IQ3NL_VALUES
 from ..types import QuantType as T
 from ..types import traits
 from ._iqk import thresholds
-from .common import F, FLT_MAX, OVERFLOW, ZERO_EPS, lanes_first_absmax, nint, run_rows, store_fp16
+from .common import fp16_at, F, FLT_MAX, OVERFLOW, ZERO_EPS, lanes_first_absmax, nint, run_rows, store_fp16
 from .iqk import IQ3_LUT, IQ3_THR, IQ3_V, PLAIN_ABS, first_trials, nearest, row_weights, take_trials
 
 IQ2_KL_META = traits(T.IQ2_KL).row_meta_size        # the fp16 row scale
@@ -252,7 +252,7 @@ def dequantize_rows(blocks, fp16_table, out):
     n_rows, n = out.shape
     for r in prange(n_rows):
         b = blocks[r]
-        d = fp16_table[np.int64(b[0]) | (np.int64(b[1]) << 8)]
+        d = fp16_at(b, 0, fp16_table)
         for blk in range(n // 32):
             o = IQ2_KL_META + IQ2_KL_BYTES * (blk // 8)
             ib = blk % 8

@@ -20,7 +20,7 @@ from ..tables import FP16_TABLE, IQ4NL_VALUES  # noqa: F401  (FP16_TABLE: the de
 from ..types import QuantType as T
 from ..types import traits
 from ._iqk import thresholds
-from .common import (decode_rows, F, GROUP_MAX_EPS, I32, OVERFLOW, QK_K, block_bytes, first_absmax, lane_sumsq, lanes_first_absmax,
+from .common import (fp16_at, decode_rows, F, GROUP_MAX_EPS, I32, OVERFLOW, QK_K, block_bytes, first_absmax, lane_sumsq, lanes_first_absmax,
                      nint, row_lanes, run_rows, store_fp16, type_ids)
 from .kquants import superblock_sumsq
 
@@ -240,7 +240,7 @@ def decode_row(qtype, b, y, fp16_table):
     if qtype == IQ4_NL:
         for ib in range(n // QK4_NL):
             o = IQ4_NL_BYTES * ib
-            d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+            d = fp16_at(b, o, fp16_table)
             for j in range(16):
                 q = np.int64(b[o + 2 + j])
                 y[32 * ib + j] = d * KV[q & 0xF]
@@ -248,7 +248,7 @@ def decode_row(qtype, b, y, fp16_table):
     else:
         for sb in range(n // QK_K):
             o = IQ4_XS_BYTES * sb
-            d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+            d = fp16_at(b, o, fp16_table)
             scales_h = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
             for ib in range(8):
                 ls = ((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4)

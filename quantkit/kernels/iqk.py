@@ -18,7 +18,7 @@ from ..tables import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, FP16_TABLE, IQ3NL_VALUES, I
 from ..types import QuantType as T
 from ..types import traits
 from ._iqk import imatrix_cleanup_row, thresholds
-from .common import (decode_rows, F, OVERFLOW, QK_K, ZERO_EPS, block_bytes, first_absmax, lanes_first_absmax, nint, run_rows,
+from .common import (fp16_at, decode_rows, F, OVERFLOW, QK_K, ZERO_EPS, block_bytes, first_absmax, lanes_first_absmax, nint, run_rows,
                      store_f32, store_fp16, store_u16, take_trial, type_ids, weighted_sums)
 
 IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, IQ5_KS, IQ3_KS = type_ids(T.IQ3_K, T.IQ4_K, T.IQ5_K, T.IQ6_K, T.IQ4_KS, T.IQ5_KS,
@@ -563,11 +563,6 @@ def quantize_rows(qtype, x, qw, has_qw, out):
 
 
 @njit(**_OPTS)
-def _fp16(b, o, fp16_table):
-    return fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
-
-
-@njit(**_OPTS)
 def decode_row(qtype, b, y, fp16_table):
     """One row: its bytes b -> its values y (the C to_float)."""
     n = y.shape[0]
@@ -584,7 +579,7 @@ def decode_row(qtype, b, y, fp16_table):
                 y[32 * blk + j] = dl * F(IQ5NL_VALUES[q + 32 * (s & 1)])
         return
     if qtype == IQ3_KS:
-        d = fp16_table[np.int64(b[0]) | (np.int64(b[1]) << 8)]
+        d = fp16_at(b, 0, fp16_table)
         for blk in range(n // 32):
             o = IQ3_KS_META + IQ3_KS_BYTES * (blk // 8)
             ib = blk % 8
@@ -611,7 +606,7 @@ def decode_row(qtype, b, y, fp16_table):
         e = sb * QK_K
         if qtype == IQ3_K:
             o = sb * IQ3_K_BYTES
-            d = _fp16(b, o, fp16_table)
+            d = fp16_at(b, o, fp16_table)
             extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
             signs = np.int64(b[o + 4]) | (np.int64(b[o + 5]) << 8)
             for p in range(QK_K):
@@ -625,7 +620,7 @@ def decode_row(qtype, b, y, fp16_table):
                 y[e + p] = (d * F(ls)) * F(IQ3NL_VALUES[q + 8 * ((extra >> ib) & 1)])
         elif qtype == IQ4_K:
             o = sb * IQ4_K_BYTES
-            d = _fp16(b, o, fp16_table)
+            d = fp16_at(b, o, fp16_table)
             extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
             for p in range(QK_K):
                 ib = p // 16
@@ -638,7 +633,7 @@ def decode_row(qtype, b, y, fp16_table):
         else:
             six = qtype == IQ6_K
             o = sb * (IQ6_K_BYTES if six else IQ5_K_BYTES)
-            d = _fp16(b, o, fp16_table)
+            d = fp16_at(b, o, fp16_table)
             extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
             qs = o + (20 if six else 16)
             qh = o + (148 if six else 144)

@@ -24,7 +24,7 @@ from numba import njit, prange
 
 from ..tables import FP16_TABLE  # noqa: F401  (the decoders' table, which formats pass in)
 from ..types import QuantType as T
-from .common import (decode_rows, D, F, GROUP_MAX_EPS, I32, QK_K, block_bytes, clampf, first_absmax, fp16_value, lane_sumsq,
+from .common import (fp16_at, decode_rows, D, F, GROUP_MAX_EPS, I32, QK_K, block_bytes, clampf, first_absmax, fp16_value, lane_sumsq,
                      lanes_first_absmax, nint, positive_max, row_lanes, run_rows, store_fp16, type_ids)
 
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = type_ids(T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
@@ -1001,8 +1001,8 @@ def decode_row(qtype, b, y, fp16_table):
         e = sb * QK_K
         if qtype == Q2_K:
             o = sb * Q2_K_BYTES
-            d = fp16_table[np.int64(b[o + 80]) | (np.int64(b[o + 81]) << 8)]
-            dmin = fp16_table[np.int64(b[o + 82]) | (np.int64(b[o + 83]) << 8)]
+            d = fp16_at(b, o + 80, fp16_table)
+            dmin = fp16_at(b, o + 82, fp16_table)
             for s in range(16):
                 sc = np.int64(b[o + s])
                 dl = d * F(sc & 0xF)
@@ -1013,7 +1013,7 @@ def decode_row(qtype, b, y, fp16_table):
                     y[e + v] = dl * F(q) - ml
         elif qtype == Q3_K:
             o = sb * Q3_K_BYTES
-            d = fp16_table[np.int64(b[o + 108]) | (np.int64(b[o + 109]) << 8)]
+            d = fp16_at(b, o + 108, fp16_table)
             for s in range(16):
                 dl = d * F(scale_q3(s, b, o + 96))
                 for i in range(16):
@@ -1023,8 +1023,8 @@ def decode_row(qtype, b, y, fp16_table):
                     y[e + v] = dl * F(q - (0 if h else 4))
         elif qtype == Q4_K or qtype == Q5_K:
             o = sb * (Q4_K_BYTES if qtype == Q4_K else Q5_K_BYTES)
-            d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
-            dmin = fp16_table[np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)]
+            d = fp16_at(b, o, fp16_table)
+            dmin = fp16_at(b, o + 2, fp16_table)
             qs = o + 16 if qtype == Q4_K else o + 48
             for s in range(8):
                 sc, m = scale_min_k4(s, b, o + 4)
@@ -1038,7 +1038,7 @@ def decode_row(qtype, b, y, fp16_table):
                     y[e + v] = dl * F(q) - ml
         else:
             o = sb * Q6_K_BYTES
-            d = fp16_table[np.int64(b[o + 208]) | (np.int64(b[o + 209]) << 8)]
+            d = fp16_at(b, o + 208, fp16_table)
             for v in range(QK_K):
                 h = v // 128
                 w = v % 128

@@ -18,7 +18,7 @@ from numba import njit, prange
 from ..tables import FP16_TABLE  # noqa: F401  (the decoders' table, which formats pass in)
 from ..types import QuantType as T
 from ..types import traits
-from .common import D, F, FLT_MAX, block_bytes, store_fp16, type_ids
+from .common import fp16_at, D, F, FLT_MAX, block_bytes, store_fp16, type_ids
 from .kquants import qx_lanes
 
 QK = traits(T.Q4_0).block_size
@@ -498,7 +498,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
         for ib in range(n // QK):
             o = ib * ts
             e = ib * QK
-            d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+            d = fp16_at(b, o, fp16_table)
             if qtype == Q8_0:
                 for j in range(QK):
                     q = np.int64(b[o + 2 + j])
@@ -507,7 +507,7 @@ def dequantize_rows(qtype, blocks, fp16_table, out):
             m = F(0)
             qs = o + 2
             if qtype == Q4_1 or qtype == Q5_1:
-                m = fp16_table[np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)]
+                m = fp16_at(b, o + 2, fp16_table)
                 qs += 2
             qh = 0
             if qtype == Q5_0 or qtype == Q5_1:
@@ -580,7 +580,7 @@ def dequantize_rows_q6_0(blocks, fp16_table, out):
         b = blocks[r]
         for ib in range(n // QK):
             o = ib * Q6_0_BYTES
-            d = fp16_table[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+            d = fp16_at(b, o, fp16_table)
             for j in range(16):
                 h = np.int64(b[o + 2 + j % 8]) >> (4 * (j // 8))
                 q = np.int64(b[o + 10 + j])
