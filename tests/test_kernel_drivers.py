@@ -6,10 +6,15 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 from numba import njit
 
+from quantkit.kernels import kquants
 from quantkit.kernels.common import decode_rows
 from quantkit.tables import FP16_TABLE
+from quantkit.types import QuantType
+
+Q8_0 = int(QuantType.Q8_0)       # a row of 32 values is 34 bytes
 
 
 def test_a_row_decoder_compiles_once_when_threads_decode_at_once():
@@ -21,18 +26,18 @@ def test_a_row_decoder_compiles_once_when_threads_decode_at_once():
         for j in range(y.shape[0]):
             y[j] = fp16_table[b[j]] * qtype
 
-    blocks = np.arange(4 * 16, dtype=np.uint8).reshape(4, 16)
+    blocks = np.arange(4 * 34, dtype=np.uint8).reshape(4, 34)
     start = threading.Barrier(8)
 
     def decode(_):
-        out = np.empty((4, 16), np.float32)
+        out = np.empty((4, 32), np.float32)
         start.wait()
-        decode_rows(decode_row, 3, blocks, FP16_TABLE, out)
+        decode_rows(decode_row, Q8_0, blocks, FP16_TABLE, out)
         return out
 
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(decode, range(8)))
-    want = FP16_TABLE[blocks] * np.float32(3)
+    want = FP16_TABLE[blocks[:, :32]] * np.float32(Q8_0)
     for got in results:
         np.testing.assert_array_equal(got, want)
     readonly = blocks.copy()
@@ -41,6 +46,14 @@ def test_a_row_decoder_compiles_once_when_threads_decode_at_once():
 
 
 def _decode_once(decode_row, blocks):
-    out = np.empty(blocks.shape, np.float32)
-    decode_rows(decode_row, 3, blocks, FP16_TABLE, out)
+    out = np.empty((blocks.shape[0], 32), np.float32)
+    decode_rows(decode_row, Q8_0, blocks, FP16_TABLE, out)
     return out
+
+
+def test_blocks_that_do_not_hold_the_rows_are_refused_before_the_kernel():
+    """The row decoders read without bounds checks: bytes short of the rows' values never reach one."""
+    out = np.empty((2, 256), np.float32)
+    for blocks in (np.zeros((2, 143), np.uint8), np.zeros((1, 144), np.uint8), np.zeros(288, np.uint8)):
+        with pytest.raises(ValueError, match="do not hold 2 rows of 256 values"):
+            kquants.dequantize_rows(int(QuantType.Q4_K), blocks, FP16_TABLE, out)

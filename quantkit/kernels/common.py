@@ -267,6 +267,10 @@ def decode_rows_with(row_fn, qtype, blocks, fp16_table, out):
 def decode_rows(decode_row, qtype, blocks, fp16_table, out):
     """Decode blocks (n_rows, row_size) uint8 into out (n_rows, n_per_row) float32 with a family's
     row decoder (compiled once for DECODE_SIG and passed as a function pointer, as run_rows does)."""
+    # the row decoders read the bytes of n_per_row values without bounds checks: the shapes must agree
+    if blocks.ndim != 2 or blocks.shape != (out.shape[0], traits(qtype).row_size(out.shape[1])):
+        raise ValueError(f"{traits(qtype).name} blocks of shape {blocks.shape} do not hold {out.shape[0]} rows "
+                         f"of {out.shape[1]} values")
     _compile_once(decode_row, DECODE_SIG)
     if blocks.flags.writeable:
         blocks = blocks.view()
