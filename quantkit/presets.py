@@ -820,9 +820,12 @@ def imatrix_problem(preset: Preset | None, flavor: str, tensors, imatrix_given: 
         if not tensor_requires_imatrix(name, qtype, preset, flavor) or has_entry(name):
             continue
         what = f"Missing importance matrix for tensor {name} in a very low-bit quantization ({type_name(qtype)})"
-        if not imatrix_given:
-            return f"this quantization requires an imatrix! {what}; pass --imatrix FILE"
-        return what
+        if imatrix_given:
+            return what
+        if flavor == "mainline":
+            # mainline stops in its first pass over the tensors, naming the first that needs one
+            what = f"offending tensor: {name}, target type: {type_name(qtype)}"
+        return f"this quantization requires an imatrix! {what}; pass --imatrix FILE"
     return None
 
 

@@ -13,6 +13,7 @@ import re
 import subprocess
 from types import SimpleNamespace as NS
 
+import numpy as np
 import pytest
 
 import peers
@@ -21,6 +22,7 @@ from models import deepseek_v3_tensors, write_deepseek2, write_llama, write_llam
 from quantkit.cli import main
 from quantkit.errors import QuantkitError
 from quantkit.gguf_io.reader import open_model
+from quantkit.imatrix import save_dat
 from quantkit.plan import PlanOptions, check_imatrix, make_plan
 from quantkit.presets import ALIASES, PRESETS, ModelInfo, find_preset
 from quantkit.recipes import load_recipe
@@ -169,6 +171,117 @@ def test_iq3_xxs_without_imatrix_fails_like_llama_quantize(llama_tied_gqa4, tmp_
         quantkit.quantize_model(llama_tied_gqa4, out, "IQ3_XXS")
     assert not out.exists() and msg in str(e.value)
     assert "this quantization requires an imatrix!" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------- (1b) i-quant, bitnet and mxfp4 mixes
+# Checked against llama-quantize --dry-run: the same type choices as a real run (rules, row and interleave
+# fallbacks, the imatrix checks) at a fraction of the cost; the C i-quant quantizers take seconds per tiny model.
+LOW_BIT_PRESETS = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M",
+                   "IQ1_BN", "IQ2_BN", "MXFP4", "IQ2_XXS_R4", "IQ2_XS_R4", "IQ2_M_R4", "IQ1_S_R4", "IQ1_M_R4",
+                   "IQ3_XXS_R4", "IQ3_S_R4", "IQ2_BN_R4"]
+_DRY_RUN_TENSOR = re.compile(r"^\[\s*\d+/\s*\d+\]\s+(\S+) - \[[^\]]*\], type =\s*(\S+),", re.M)
+
+
+def write_ones_imatrix(src, path):
+    """An imatrix of unit weights for every matrix of ``src`` (per expert for 3-D tensors): the mixes
+    only ask whether there is one, and the very-low-bit types refuse to run without."""
+    with open_model(src) as m:
+        weights = {t.name: np.ones(t.shape[0] * (t.shape[2] if len(t.shape) > 2 else 1), np.float32)
+                   for t in m.tensors if len(t.shape) >= 2}
+    return save_dat(path, weights)
+
+
+@pytest.fixture(scope="module")
+def ones_imatrix(tmp_path_factory):
+    made = {}
+
+    def get(src):
+        if src not in made:
+            made[src] = write_ones_imatrix(src, tmp_path_factory.mktemp("imatrix") / "ones.dat")
+        return made[src]
+    return get
+
+
+def wheel_dry_run(src, preset, imatrix=None) -> tuple[int, dict, str]:
+    """llama-quantize --dry-run: its exit status, {tensor: the type it would write}, its output."""
+    args = ["--imatrix", str(imatrix)] if imatrix is not None else []
+    p = subprocess.run([str(peers.llama_quantize_bin()), "--dry-run", *args, str(src), preset, "2"],
+                       capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    heads = list(_DRY_RUN_TENSOR.finditer(out))
+    types = {}
+    for k, m in enumerate(heads):
+        # a fallback's warning comes between the tensor's line and "converting to <the type written>"
+        rest = out[m.end(): heads[k + 1].start() if k + 1 < len(heads) else len(out)]
+        converted = re.search(r"converting to (\S+) \.\.", rest)
+        types[m[1]] = type_from_name(converted[1] if converted else m[2])
+    return p.returncode, types, out
+
+
+def assert_same_plan_as_wheel_dry_run(src, preset, imatrix=None):
+    rc, theirs, out = wheel_dry_run(src, preset, imatrix)
+    assert rc == 0, out[-3000:]
+    plan = quantkit.plan_quantize(src, preset, imatrix=imatrix)
+    ours = {tp.name: tp.dst_type for tp in plan.tensors}
+    assert ours.keys() == theirs.keys()
+    wrong = {n: (type_name(ours[n]), type_name(theirs[n])) for n in ours if ours[n] != theirs[n]}
+    assert not wrong, f"{preset}: quantkit vs llama-quantize --dry-run: {wrong}"
+    # the dry run writes no file: its general.file_type is the preset's number, which
+    # test_preset_table_is_the_wheels_list checks against the wheel's own list
+    assert plan.file_type == PRESETS[preset].ftype("ik")
+    return plan
+
+
+# the model that exercises a mix's rules best: the DeepSeek fixture (4 experts: attn_output, attn_v and the
+# "attn_k" substring rules, layers from names, 384-wide rows), the tied GQA-4 llama (the output rule on the
+# embeddings, n_gqa >= 4), SmolLM2 (n_gqa = 3, 576-wide rows: every 256-block type falls back), the 70B
+# llama (ik's 70B attn_v branch runs before the mix's own)
+LOW_BIT_CASES = ([("deepseek", p) for p in LOW_BIT_PRESETS] + [("llama_tied_gqa4", p) for p in LOW_BIT_PRESETS]
+                 + [("smollm2_f32", p) for p in ("IQ1_S", "IQ2_XXS", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_M", "IQ1_BN",
+                                                 "MXFP4", "IQ1_M_R4", "IQ2_XS_R4", "IQ3_S_R4", "IQ2_BN_R4")]
+                 + [("llama_70b", p) for p in ("IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ2_M")])
+
+
+@needs_wheel
+@pytest.mark.parametrize("model,preset", LOW_BIT_CASES)
+def test_low_bit_mixes_match_llama_quantize(request, ones_imatrix, model, preset):
+    src = request.getfixturevalue(model)
+    plan = assert_same_plan_as_wheel_dry_run(src, preset, ones_imatrix(src))
+    by = targets(plan)
+    if (model, preset) == ("deepseek", "IQ1_S_R4"):
+        # its own table: shared experts iq4_k_r4, attn_output q5_k_r4 with >= 4 experts
+        assert by["blk.3.ffn_up_shexp.weight"] == "iq4_k_r4" and by["blk.3.attn_output.weight"] == "q5_k_r4"
+        assert by["blk.3.ffn_up_exps.weight"] == "iq1_s_r4" and by["token_embd.weight"] == "q2_K"
+    if (model, preset) == ("deepseek", "MXFP4"):
+        assert by["blk.3.attn_kv_a_mqa.weight"] == by["blk.3.attn_k_b.weight"] == "q8_0"   # "attn_k", 4 experts
+        assert by["blk.3.ffn_down_exps.weight"] == "mxfp4" and by["output.weight"] == "q6_K"
+    if (model, preset) == ("llama_tied_gqa4", "IQ2_M_R4"):
+        # the tied embeddings take the output rule; attn_v and attn_output leave the _r4 layout
+        assert by["token_embd.weight"] == "iq4_k" and by["blk.0.attn_v.weight"] == "iq4_k"
+        assert by["blk.0.attn_output.weight"] == "iq3_s" and by["blk.0.ffn_up.weight"] == "iq2_s_r4"
+        assert by["blk.0.ffn_down.weight"] == "iq4_nl"      # iq3_s (first eighth) on 384-wide rows falls back
+    if (model, preset) == ("smollm2_f32", "IQ2_XXS"):
+        assert by["blk.0.attn_q.weight"] == "iq4_nl" and by["blk.0.ffn_down.weight"] == "q2_K"
+        assert by["blk.0.attn_v.weight"] == "iq4_nl"        # iq3_k (n_gqa = 3) does not fit 576 either
+    if (model, preset) == ("llama_70b", "IQ3_S"):
+        assert by["blk.5.attn_v.weight"] == "iq3_s"         # the 70B branch bumps only q3_K/q4_K/iq3_k
+
+
+@needs_wheel
+@pytest.mark.parametrize("preset", ["IQ3_XXS", "IQ3_XXS_R4"])
+def test_iq3_xxs_mixes_without_imatrix_match_llama_quantize(smollm2_f32, ones_imatrix, preset):
+    """Without an imatrix IQ3_XXS gives ffn_down q4_K/q3_K (R4: q4_k_r4/iq3_k_r4); SmolLM2's 576-wide
+    attn_q/attn_k fall back from iq2_s to iq4_nl, so the wheel runs without one."""
+    plan = assert_same_plan_as_wheel_dry_run(smollm2_f32, preset)
+    by = targets(plan)
+    r4 = preset.endswith("_R4")
+    # ik counts ffn_down tensors in file order, and SmolLM2's is blk.0, 1, 10, 11, …: blk.10 is the third
+    # (< 30 / 8), blk.11 the fourth
+    assert by["blk.10.ffn_down.weight"] == ("q4_k_r4" if r4 else "q4_K")
+    assert by["blk.11.ffn_down.weight"] == by["blk.2.ffn_down.weight"] == ("iq3_k_r4" if r4 else "q3_K")
+    # with one, ffn_down keeps the mix's default (checked against the wheel in the test above)
+    with_imatrix = targets(quantkit.plan_quantize(smollm2_f32, preset, imatrix=ones_imatrix(smollm2_f32)))
+    assert with_imatrix["blk.11.ffn_down.weight"] == ("iq3_xxs_r4" if r4 else "iq3_xxs")
 
 
 # ---------------------------------------------------------------------------------- in-memory models
