@@ -490,6 +490,143 @@ def test_mxfp4_moe_mainline():
     assert types["blk.1.attn_q.weight"] == types["output.weight"] == types["token_embd.weight"] == T.Q8_0
 
 
+# mainline's i-quant, ternary and MXFP4_MOE mixes (llama-quant.cpp llama_tensor_get_type_impl and
+# tensor_type_fallback, as written).  A row a preset: the type each kind of tensor gets; "a/b" for ffn_down is
+# (the first eighth of the layers / the rest), for ffn_gate/up (the layers between the first and the last
+# eighth / the others).  Llama, 32 layers, output not tied, with an imatrix:
+_ML_MIXES = """
+#           output token_embd attn_v attn_k  attn_q  attn_output ffn_gate/up    ffn_down
+IQ1_S       q5_K   q2_K       q4_K   iq1_s   iq1_s   iq2_xxs     iq1_s          q2_K/iq1_s
+IQ1_M       q5_K   q2_K       q4_K   iq1_m   iq1_m   iq2_xxs     iq1_m          q2_K/iq1_m
+IQ2_XXS     q5_K   q2_K       q4_K   iq2_xxs iq2_xxs iq2_xxs     iq2_xxs        q2_K/iq2_xxs
+IQ2_XS      q5_K   q2_K       q4_K   iq2_xs  iq2_xs  iq2_xs      iq2_xs         q2_K/iq2_xs
+IQ2_S       q5_K   iq3_s      q4_K   iq2_xs  iq2_xs  iq3_s       iq2_xs         iq3_s/iq2_xs
+IQ2_M       q5_K   iq3_s      q4_K   iq2_s   iq2_s   iq3_s       iq2_s          iq3_s/iq2_s
+IQ3_XXS     q5_K   iq3_s      q4_K   iq2_s   iq2_s   iq3_s       iq3_xxs        iq3_xxs
+IQ3_XS      q6_K   iq3_s      q4_K   iq3_xxs iq3_xxs iq3_s       iq3_xxs/iq3_s  iq3_s
+IQ3_S       q6_K   iq3_s      q4_K   iq3_s   iq3_s   iq3_s       iq3_s          iq3_s
+IQ3_M       q6_K   iq3_s      q4_K   iq3_s   iq3_s   q4_K        iq3_s          q4_K/iq3_s
+TQ1_0       q6_K   q4_K       tq1_0  tq1_0   tq1_0   tq1_0       tq1_0          tq1_0
+TQ2_0       q6_K   q4_K       tq2_0  tq2_0   tq2_0   tq2_0       tq2_0          tq2_0
+MXFP4_MOE   q8_0   q8_0       q8_0   q8_0    q8_0    q8_0        q8_0           q8_0
+"""
+_ML_COLUMNS = ("output", "token_embd", "attn_v", "attn_k", "attn_q", "attn_output", "ffn_gate/up", "ffn_down")
+ML_MIXES = {line.split()[0]: dict(zip(_ML_COLUMNS, line.split()[1:]))
+            for line in _ML_MIXES.splitlines() if line.strip() and not line.startswith("#")}
+
+
+def expected_mainline_types(row: dict, n_layer: int) -> dict[str, str]:
+    def pick(cell, bumped):
+        a, _, b = cell.partition("/")
+        return a if bumped or not b else b
+    want = {"output.weight": row["output"], "token_embd.weight": row["token_embd"]}
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        want.update({p + w + ".weight": row[w] for w in ("attn_v", "attn_k", "attn_q", "attn_output")})
+        want[p + "ffn_down.weight"] = pick(row["ffn_down"], i < n_layer // 8)
+        for w in ("ffn_gate", "ffn_up"):
+            want[p + w + ".weight"] = pick(row["ffn_gate/up"], n_layer // 8 <= i < 7 * n_layer // 8)
+    return want
+
+
+@pytest.mark.parametrize("preset", list(ML_MIXES))
+def test_mainline_low_bit_mixes(preset):
+    plan, types, _ = plan_for(llama_tensors(), preset, has_imatrix=True)        # n_gqa = 32 / 8 = 4
+    assert plan.file_type == PRESETS[preset].ftype("mainline")
+    got = {n: type_name(t) for n, t in types.items() if "norm" not in n}
+    assert got == expected_mainline_types(ML_MIXES[preset], 32)
+
+
+@pytest.mark.parametrize("preset,imatrix,attn_v", [
+    ("IQ1_S", True, "q2_K"), ("IQ2_XXS", True, "q2_K"), ("IQ2_S", True, "iq3_s"), ("IQ2_M", True, "iq3_s"),
+    ("IQ3_XXS", True, "iq3_xxs"), ("IQ3_XXS", False, "iq3_s"), ("IQ3_XS", True, "iq3_s"), ("IQ3_S", True, "iq3_s"),
+    ("IQ3_M", True, "q4_K"), ("TQ1_0", True, "tq1_0")])
+def test_mainline_low_bit_mixes_attn_v_without_gqa(preset, imatrix, attn_v):
+    """n_gqa = 1: the q4_K bumps of attn_v that need n_gqa >= 4 are gone (IQ3_M's is not conditional)."""
+    model = ModelInfo(arch="llama", n_layer=32, n_head=32, n_head_kv=32)
+    _, types, _ = plan_for(llama_tensors(), preset, model=model, has_imatrix=imatrix)
+    assert {type_name(types[f"blk.{i}.attn_v.weight"]) for i in range(32)} == {attn_v}
+    if preset == "IQ3_XXS" and not imatrix:
+        # without an imatrix ffn_down is q4_K in the first eighth, q3_K after
+        assert type_name(types["blk.3.ffn_down.weight"]) == "q4_K" and type_name(types["blk.4.ffn_down.weight"]) == "q3_K"
+
+
+@pytest.mark.parametrize("preset,attn_v,attn_k,attn_output,down", [
+    ("IQ2_XXS", "q4_K", "q4_K", "q5_K", {0: "q2_K", 3: "q2_K", 4: "iq2_xxs", 9: "iq2_xxs", 31: "iq2_xxs"}),
+    ("IQ2_M", "q4_K", "q4_K", "q5_K", {0: "iq3_s", 4: "iq2_s", 31: "iq2_s"}),
+    ("IQ3_XS", "q8_0", "q8_0", "q5_K", {0: "iq3_s", 31: "iq3_s"}),
+    ("IQ3_M", "q8_0", "q8_0", "q5_K", {0: "q4_K", 4: "iq3_s", 6: "q4_K", 7: "iq3_s", 28: "q4_K"}),
+    ("TQ1_0", "q8_0", "q8_0", "tq1_0", {0: "tq1_0", 31: "tq1_0"})])
+def test_mainline_low_bit_mixes_with_8_experts(preset, attn_v, attn_k, attn_output, down):
+    """Mixtral: mainline's expert rules ask for exactly 8 (ik: 4 or more).  The IQ1/IQ2 mixes bump the first
+    n_layer/8 ffn_down tensors by a raw count, the others (IQ3_M) parse the layer from the name."""
+    model = ModelInfo(arch="llama", n_layer=32, n_expert=8, n_head=32, n_head_kv=8)
+    _, types, _ = plan_for(llama_tensors(n_expert=8), preset, model=model, has_imatrix=True)
+    by = {n: type_name(t) for n, t in types.items()}
+    assert (by["blk.5.attn_v.weight"], by["blk.5.attn_k.weight"], by["blk.5.attn_output.weight"]) == \
+        (attn_v, attn_k, attn_output)
+    assert {i: by[f"blk.{i}.ffn_down_exps.weight"] for i in down} == down
+
+
+def test_mainline_low_bit_mixes_70b():
+    """The 70B bump (q3_K/q4_K -> q5_K) follows the attn_v rules in mainline, but not the IQ1/IQ2 mixes' own
+    attn_v branch; ik's 70B branch replaces the mix's rule (checked against the wheel above)."""
+    model = ModelInfo(arch="llama", n_layer=80, n_head=64, n_head_kv=8)
+    tensors = llama_tensors(n_layer=80)
+    for preset, want in (("IQ3_S", T.Q5_K), ("IQ3_M", T.Q5_K), ("IQ3_XXS", T.Q5_K), ("IQ2_XXS", T.Q4_K)):
+        _, types, _ = plan_for(tensors, preset, model=model, has_imatrix=True)
+        assert types["blk.5.attn_v.weight"] == want, preset
+        _, ik, _ = plan_for(tensors, preset, "ik", model=model, has_imatrix=True)
+        assert ik["blk.5.attn_v.weight"] == {"IQ3_S": T.IQ3_S, "IQ3_M": T.IQ3_S, "IQ3_XXS": T.IQ3_XXS,
+                                             "IQ2_XXS": T.IQ4_K}[preset], preset
+
+
+@pytest.mark.parametrize("preset,fallback", [("IQ1_S", "iq4_nl"), ("IQ2_XS", "iq4_nl"), ("IQ3_XXS", "iq4_nl"),
+                                             ("IQ3_S", "iq4_nl"), ("IQ1_M", "iq4_nl"), ("TQ1_0", "q4_0"),
+                                             ("TQ2_0", "q4_0")])
+def test_mainline_low_bit_fallbacks(preset, fallback):
+    """576-wide rows (SmolLM2): tensor_type_fallback takes each 256-block type to its 32-block stand-in;
+    the tied embeddings get the output rule, q8_0 for rows its block does not divide."""
+    model = ModelInfo(arch="llama", n_layer=8, n_head=9, n_head_kv=3)
+    _, types, by = plan_for(llama_tensors(n_layer=8, n_embd=576, n_ff=1536, kv=192, tied=True), preset,
+                            model=model, has_imatrix=True)
+    assert types["token_embd.weight"] == T.Q8_0
+    assert type_name(types["blk.5.ffn_up.weight"]) == fallback
+    assert by["blk.5.ffn_up.weight"].requested == PRESETS[preset].default_type
+    assert types["blk.5.ffn_down.weight"] == PRESETS[preset].default_type     # 1536-wide rows fit
+
+
+def test_mxfp4_moe_mainline_3d_tensors():
+    """MXFP4_MOE gives mxfp4 to every 3-D tensor with more than one matrix (mainline's "experts"), except
+    bailingmoe3's MLA tensors, which only are 3-D; ik's MXFP4 preset is a plain mix (the wheel test above)."""
+    tensors = llama_tensors(n_layer=4, n_expert=8) + [_t(f"blk.{i}.attn_k_b.weight", (128, 512, 4)) for i in range(4)]
+    for arch, attn_k_b in (("llama", T.MXFP4), ("bailingmoe3", T.Q8_0)):
+        model = ModelInfo(arch=arch, n_layer=4, n_expert=8, n_head=32, n_head_kv=8)
+        _, types, _ = plan_for(tensors, "MXFP4_MOE", model=model)
+        assert types["blk.2.attn_k_b.weight"] == attn_k_b, arch
+        assert types["blk.2.ffn_gate_exps.weight"] == T.MXFP4 and types["blk.2.attn_k.weight"] == T.Q8_0
+    assert find_preset("MXFP4", "mainline") is None and find_preset("MXFP4_MOE", "ik") is None
+    assert find_preset("MXFP4").ftype("ik") == find_preset("MXFP4_MOE", "mainline").ftype("mainline") == 38
+
+
+def test_mainline_only_and_ik_only_low_bit_presets(tmp_path):
+    """TQ1_0/TQ2_0 are mainline presets of types ik_llama.cpp cannot load, IQ1_BN/IQ2_BN and the _R4 presets
+    ik ones of types mainline cannot load: each flavor refuses the other's, saying which flavor has it."""
+    src = write_llama(tmp_path / "m.gguf", n_layer=2)
+    for name in ("TQ1_0", "tq2_0"):
+        with pytest.raises(QuantkitError, match=rf"--flavor ik: ik_llama.cpp cannot load {name.lower()} .*"
+                                                rf"use --flavor mainline"):
+            quantkit.plan_quantize(src, name)
+        assert quantkit.plan_quantize(src, name, flavor="mainline").preset.name == name.upper()
+    for name in ("IQ1_BN", "IQ2_BN", "IQ2_BN_R4", "IQ1_S_R4", "IQ3_XXS_R4"):      # also ggml type names
+        with pytest.raises(QuantkitError, match=r"--flavor mainline: mainline llama.cpp cannot load .*use --flavor ik"):
+            quantkit.plan_quantize(src, name, flavor="mainline")
+    for name, other, flavor in (("IQ2_M_R4", "ik", "mainline"), ("MXFP4_MOE", "mainline", "ik")):   # presets only
+        with pytest.raises(QuantkitError, match=rf"TYPE: {name} is an? {other} preset, not an? {flavor} one: "
+                                                rf"add --flavor {other}"):
+            quantkit.plan_quantize(src, name, flavor=flavor)
+
+
 # ---------------------------------------------------------------------------------- presets, TYPE, --pure
 def test_find_preset_names_aliases_numbers_and_flavors():
     assert find_preset("q4_k_m").name == "Q4_K_M"
@@ -567,12 +704,21 @@ def test_ik_presets_that_need_an_imatrix(preset):
 
 
 # mainline visits tensors in its loader's order (by layer, then by name): attn_k comes first
-@pytest.mark.parametrize("preset,tensor", [("IQ2_XXS", "blk.0.attn_k.weight"), ("Q2_K_S", "blk.0.attn_k.weight"),
-                                           ("IQ3_XXS", "blk.0.attn_k.weight")])
-def test_mainline_needs_an_imatrix(preset, tensor):
-    with pytest.raises(QuantkitError, match=rf"this quantization requires an imatrix! Missing importance matrix for "
-                                            rf"tensor {re.escape(tensor)} in a very low-bit quantization"):
+# mainline refuses in its first pass, naming the first tensor that needs one; it has no per-preset refusal
+@pytest.mark.parametrize("preset,target", [("IQ2_XXS", "iq2_xxs"), ("Q2_K_S", "q2_K"), ("IQ3_XXS", "iq2_s"),
+                                           ("IQ1_S", "iq1_s"), ("IQ2_M", "iq2_s"),
+                                           ("IQ3_XS", "iq3_xxs")])       # iq3_xxs needs one in mainline only
+def test_mainline_needs_an_imatrix(preset, target):
+    with pytest.raises(QuantkitError, match=rf"^this quantization requires an imatrix! offending tensor: "
+                                            rf"blk\.0\.attn_k\.weight, target type: {target}; pass --imatrix FILE$"):
         _imatrix_error(preset, "mainline")
+    if preset == "IQ3_XS":
+        _imatrix_error(preset, "ik")
+
+
+@pytest.mark.parametrize("preset", ["IQ3_S", "IQ3_M", "TQ1_0", "TQ2_0", "MXFP4_MOE"])
+def test_mainline_mixes_that_need_no_imatrix(preset):
+    _imatrix_error(preset, "mainline")
 
 
 @pytest.mark.parametrize("flavor", ["ik", "mainline"])
@@ -608,7 +754,7 @@ def test_imatrix_required_dry_run_notes_real_run_fails(tmp_path, capsys):
     with pytest.raises(QuantkitError) as e:
         quantkit.quantize_model(src, out, "iq2_xxs", flavor="mainline")
     assert not out.exists()
-    assert ("this quantization requires an imatrix! Missing importance matrix for tensor blk.0.attn_k.weight"
+    assert ("this quantization requires an imatrix! offending tensor: blk.0.attn_k.weight, target type: iq2_xxs"
             in str(e.value))
 
 
