@@ -411,7 +411,7 @@ def check_imatrix(plan: Plan, imatrix_given: bool, has_entry) -> None:
 
 
 def attach_imatrix(plan: Plan, imat) -> tuple[dict, list[str]]:
-    """Look up every quantized tensor's importance weights (``imat.weights_for``).
+    """Look up every quantized tensor's importance weights (``imat.weights_for``) as the plan's flavor does.
 
     Marks the tensors that get weights, warns about the ones that do not (they are quantized
     without, as llama-quantize does), and returns ({name: (n_matrices, n_per_row) weights}, missing).
@@ -421,8 +421,12 @@ def attach_imatrix(plan: Plan, imat) -> tuple[dict, list[str]]:
         if tp.action != "quantize":
             continue
         n_matrices = tp.shape[2] if len(tp.shape) > 2 else 1
-        # under the input's name: --prune-layers renames blocks, the imatrix knows the old names
-        w = imat.weights_for(tp.input_name, tp.shape[0], n_matrices)
+        # under the input's name: --prune-layers renames blocks, the imatrix knows the old names.  ik
+        # tries other entries where a tensor has none (imatrix.fallback_names); mainline only its own
+        if plan.flavor == "mainline" and tp.input_name not in imat:
+            w = None
+        else:
+            w = imat.weights_for(tp.input_name, tp.shape[0], n_matrices)
         if w is None:
             missing.append(tp.name)
         else:

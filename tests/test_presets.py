@@ -284,6 +284,46 @@ def test_iq3_xxs_mixes_without_imatrix_match_llama_quantize(smollm2_f32, ones_im
     assert with_imatrix["blk.11.ffn_down.weight"] == ("iq3_xxs_r4" if r4 else "iq3_xxs")
 
 
+_WHEEL_IMATRIX_REFUSAL = re.compile(r"Please do not use [^\n]* without an importance matrix"
+                                    r"|Missing importance matrix for tensor \S+ in a very low-bit quantization")
+
+
+@needs_wheel
+@pytest.mark.parametrize("preset", ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_XXS_R4", "IQ2_XS_R4",
+                                    "IQ1_S_R4", "IQ1_M_R4",                     # refused for the preset itself
+                                    "IQ2_M", "IQ2_M_R4", "IQ3_XXS_R4"])         # for their first iq2_s tensor
+def test_low_bit_mixes_without_imatrix_refused_like_llama_quantize(llama_tied_gqa4, preset):
+    rc, _, out = wheel_dry_run(llama_tied_gqa4, preset)
+    theirs = _WHEEL_IMATRIX_REFUSAL.search(out)
+    assert rc != 0 and theirs, out[-3000:]
+    with quantkit.open_quantization(llama_tied_gqa4, None, preset) as q:
+        assert q.problems and theirs[0] in str(q.problems[0]), (theirs[0], q.problems)
+        assert str(q.problems[0]).startswith("this quantization requires an imatrix!")
+
+
+@needs_wheel
+def test_imatrix_without_a_tensors_entry_like_llama_quantize(llama_tied_gqa4, tmp_path):
+    """With an imatrix that lacks a very-low-bit tensor's entry both stop on that tensor.  ik @ 8337e4c (not
+    yet the wheel's 55d3c05: #1805) takes ffn_up's entry for an ffn_gate without one (they see the same
+    input); mainline has no such stand-ins."""
+    with open_model(llama_tied_gqa4) as m:
+        ones = {t.name: np.ones(t.shape[0], np.float32) for t in m.tensors if len(t.shape) >= 2}
+    no_up = save_dat(tmp_path / "no-up.dat", {n: w for n, w in ones.items() if n != "blk.1.ffn_up.weight"})
+    no_gate = save_dat(tmp_path / "no-gate.dat", {n: w for n, w in ones.items() if n != "blk.1.ffn_gate.weight"})
+    rc, _, out = wheel_dry_run(llama_tied_gqa4, "IQ2_XXS", no_up)
+    assert rc != 0 and "Missing importance matrix for tensor blk.1.ffn_up.weight in a very low-bit" in out
+    for flavor in ("ik", "mainline"):
+        with quantkit.open_quantization(llama_tied_gqa4, None, "IQ2_XXS", imatrix=no_up, flavor=flavor) as q:
+            assert str(q.problems[0]).startswith("Missing importance matrix for tensor blk.1.ffn_up.weight in a "
+                                                 "very low-bit quantization (iq2_xxs)"), q.problems
+    with quantkit.open_quantization(llama_tied_gqa4, None, "IQ2_XXS", imatrix=no_gate) as q:
+        assert not [p for p in q.problems if "importance" in str(p)], q.problems
+        assert next(tp for tp in q.plan.tensors if tp.name == "blk.1.ffn_gate.weight").imatrix
+    with quantkit.open_quantization(llama_tied_gqa4, None, "IQ2_XXS", imatrix=no_gate, flavor="mainline") as q:
+        assert str(q.problems[0]).startswith("Missing importance matrix for tensor blk.1.ffn_gate.weight")
+        assert not next(tp for tp in q.plan.tensors if tp.name == "blk.1.ffn_gate.weight").imatrix
+
+
 # ---------------------------------------------------------------------------------- in-memory models
 def _t(name, shape, qtype=T.F32):
     return NS(name=name, shape=tuple(shape), qtype=qtype)
