@@ -207,6 +207,11 @@ def _row_fallback(qtype: QuantType, n_per_row: int, flavor: str) -> QuantType:
     return LAST_RESORT
 
 
+def _row_length_note(n_per_row: int, qtype: QuantType, fixed: QuantType) -> str:
+    return (f"row length {n_per_row} is not a multiple of {type_name(qtype)}'s block {traits(qtype).block_size}: "
+            f"using {type_name(fixed)}")
+
+
 def _file_type(default_type: QuantType | None, tensors: list[TensorPlan], preset: Preset | None,
                flavor: str) -> int:
     if preset is not None:
@@ -323,8 +328,7 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
         fixed = _row_fallback(dst, shape[0], opts.flavor)
         if fixed != dst:
             tp.requested, tp.dst_type = dst, fixed
-            tp.notes.append(f"row length {shape[0]} is not a multiple of {type_name(dst)}'s block "
-                            f"{traits(dst).block_size}: using {type_name(fixed)}")
+            tp.notes.append(_row_length_note(shape[0], dst, fixed))
         # (5) interleaved layouts
         tt = traits(tp.dst_type)
         base = tt.group_fallback or tt.base
@@ -339,6 +343,12 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
                 tp.requested = tp.requested or tp.dst_type
                 tp.notes.append(f"{why}: using {type_name(base)}")
                 tp.dst_type = base
+                # iq1_s_r4/iq1_m_r4 have 32-blocks, their bases 256-blocks: the row may not fit the base
+                # (the C tools do not check again and fail); fall back as for the base itself
+                fixed = _row_fallback(base, shape[0], opts.flavor)
+                if fixed != base:
+                    tp.notes.append(_row_length_note(shape[0], base, fixed))
+                    tp.dst_type = fixed
         if tp.dst_type != src and src not in _FLOAT_TYPES and not opts.allow_requantize:
             raise QuantkitError(f"tensor '{name}' is already {type_name(src)}: requantizing it to "
                                 f"{type_name(tp.dst_type)} needs --allow-requantize")

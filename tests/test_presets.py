@@ -700,6 +700,23 @@ def test_pure_and_float_presets_skip_the_mix():
     assert {types[n] for n in types if "norm" not in n} == {T.F16}
 
 
+def test_iq1_r4_interleave_fallback_rechecks_the_row_length():
+    """iq1_s_r4/iq1_m_r4 have 32-blocks, their plain layouts 256-blocks: where a tensor cannot be interleaved
+    (token embeddings, a row count not a multiple of 4) a 576-wide row does not fit the plain type either,
+    and falls back as that type does (the C tools write iq1_s there and fail)."""
+    tensors = [_t("token_embd.weight", (576, 512)), _t("blk.0.attn_k.weight", (576, 6)),
+               _t("blk.0.attn_q.weight", (576, 8)), _t("blk.0.ffn_up.weight", (512, 6))]
+    for qtype, plain in ((T.IQ1_S_R4, T.IQ1_S), (T.IQ1_M_R4, T.IQ1_M)):
+        plan = make_plan(tensors, PlanOptions(default_type=qtype, pure=True, model=ModelInfo(arch="llama", n_layer=1)))
+        by = {tp.name: tp for tp in plan.tensors}
+        assert by["blk.0.attn_q.weight"].dst_type == qtype
+        for name in ("token_embd.weight", "blk.0.attn_k.weight"):
+            assert by[name].dst_type == T.IQ4_NL and by[name].requested == qtype, name
+            assert by[name].notes[-1] == f"row length 576 is not a multiple of {type_name(plain)}'s block 256: using iq4_nl"
+        assert by["blk.0.ffn_up.weight"].dst_type == plain       # 512 fits the plain type
+        assert all(tp.nbytes_out for tp in plan.tensors)
+
+
 def test_recipe_overrides_the_preset_and_leave_output():
     recipe = load_recipe(["ffn_down=q5_0"])
     plan, types, by = plan_for(llama_tensors(), "Q4_K_M", "ik", recipe=recipe, leave_output_tensor=True)
