@@ -111,7 +111,8 @@ def test_smollm2_types_match_llama_quantize(smollm2_f32, preset, tmp_path):
 @needs_wheel
 @pytest.mark.parametrize("preset", WHEEL_PRESETS + ["Q2_K", "Q3_K_S", "Q3_K_L", "Q4_K_S", "Q5_K_M", "Q4_0", "Q8_0",
                                                     "IQ4_NL", "IQ2_K", "IQ3_K", "IQ3_KL", "IQ4_KS", "IQ4_KSS",
-                                                    "IQ5_K", "IQ6_K", "Q4_K_R4", "IQ4_K_R4", "Q6_0", "BF16"])
+                                                    "IQ5_K", "IQ6_K", "Q4_K_R4", "IQ4_K_R4", "Q6_0", "BF16",
+                                                    "MXFP4", "IQ2_BN"])     # quick in C: a real file_type
 def test_deepseek_types_match_llama_quantize(deepseek, preset, tmp_path):
     plan = assert_same_types_as_wheel(deepseek, preset, tmp_path)
     if preset == "Q4_K_M":
