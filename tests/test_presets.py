@@ -174,7 +174,7 @@ def test_iq3_xxs_without_imatrix_fails_like_llama_quantize(llama_tied_gqa4, tmp_
     assert "this quantization requires an imatrix!" in str(e.value)
 
 
-# ---------------------------------------------------------------------------------- (1b) i-quant, bitnet and mxfp4 mixes
+# ------------------------------------------------------------------------------ (1b) i-quant, bitnet, mxfp4 mixes
 # Checked against llama-quantize --dry-run: the same type choices as a real run (rules, row and interleave
 # fallbacks, the imatrix checks) at a fraction of the cost; the C i-quant quantizers take seconds per tiny model.
 LOW_BIT_PRESETS = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M",
@@ -589,7 +589,7 @@ def test_mainline_low_bit_mixes_attn_v_without_gqa(preset, imatrix, attn_v):
     assert {type_name(types[f"blk.{i}.attn_v.weight"]) for i in range(32)} == {attn_v}
     if preset == "IQ3_XXS" and not imatrix:
         # without an imatrix ffn_down is q4_K in the first eighth, q3_K after
-        assert type_name(types["blk.3.ffn_down.weight"]) == "q4_K" and type_name(types["blk.4.ffn_down.weight"]) == "q3_K"
+        assert types["blk.3.ffn_down.weight"] == T.Q4_K and types["blk.4.ffn_down.weight"] == T.Q3_K
 
 
 @pytest.mark.parametrize("preset,attn_v,attn_k,attn_output,down", [
@@ -713,7 +713,8 @@ def test_iq1_r4_interleave_fallback_rechecks_the_row_length():
         assert by["blk.0.attn_q.weight"].dst_type == qtype
         for name in ("token_embd.weight", "blk.0.attn_k.weight"):
             assert by[name].dst_type == T.IQ4_NL and by[name].requested == qtype, name
-            assert by[name].notes[-1] == f"row length 576 is not a multiple of {type_name(plain)}'s block 256: using iq4_nl"
+            assert by[name].notes[-1] == (f"row length 576 is not a multiple of {type_name(plain)}'s block 256: "
+                                          f"using iq4_nl")
         assert by["blk.0.ffn_up.weight"].dst_type == plain       # 512 fits the plain type
         assert all(tp.nbytes_out for tp in plan.tensors)
 
