@@ -1,8 +1,10 @@
 """Preset mixes (Q4_K_M, IQ4_K, …): the per-tensor types llama-quantize chooses, and its imatrix rules.
 
 ik flavor: checked against the real tool, the wheel's ``llama-quantize`` (ik_llama.cpp @ 55d3c05),
-on SmolLM2 and on tiny synthetic models shaped to reach the architecture-specific rules.
-Mainline flavor: the worked examples of specs/ggml-quants.md §2.3 on in-memory tensor tables.
+on SmolLM2 and on tiny synthetic models shaped to reach the architecture-specific rules (the i-quant,
+bitnet and mxfp4 mixes through its --dry-run, with a unit imatrix: the C quantizers of those are slow).
+Mainline flavor (no binary at hand): the worked examples of specs/ggml-quants.md §2.3 and llama-quant.cpp's
+rules as written (@ 007dbbf) on in-memory tensor tables.
 quantkit's side is the library (quantkit.plan_quantize / quantize_model) in-process; the CLI only
 where what it prints is tested (a dry run's note of what a real run would stop on).
 """
