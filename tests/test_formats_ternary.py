@@ -115,3 +115,19 @@ def test_iq2_bn_repacks_both_ways(shared_dir):
     packed = golden_bytes(shared_dir, "ik", "wide", T.IQ2_BN_R4, False).reshape(x.shape[0], -1)
     np.testing.assert_array_equal(interleave.interleave(plain, T.IQ2_BN_R4, x.shape[1]), packed)
     np.testing.assert_array_equal(interleave.deinterleave(packed, T.IQ2_BN_R4, x.shape[1]), plain)
+
+
+@pytest.mark.parametrize("qtype", [T.IQ1_BN, T.IQ2_BN], ids=type_name)
+def test_output_check_reads_the_row_scale(qtype):
+    """The output check looks at the bn row scales only (scale_fields), and finds what decoding
+    finds: iq1_bn's fp16 max|x| overflows above 65504, a non-finite scale spoils its whole row."""
+    x = np.ones((3, 128), np.float32)
+    x[1, 5] = 1e5
+    blocks = quantize(x, qtype, None, "ik")
+    if qtype == T.IQ2_BN:       # a float32 max|x| of finite input is finite: spoil it by hand
+        blocks[1, :4] = np.array([np.inf], "<f4").view(np.uint8)
+    decoded = formats.dequantize(blocks, qtype, 128)
+    assert tuple(np.argwhere(~np.isfinite(decoded))[0]) == (1, 0)
+    assert formats.find_non_finite(blocks, qtype, 128) == (1, 0)
+    assert formats.non_finite_column(blocks, qtype, x) == (1, 5)
+    assert formats.find_non_finite(blocks[[0, 2]], qtype, 128) is None

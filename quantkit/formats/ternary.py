@@ -37,12 +37,12 @@ class _Ternary(FamilyKernelFormat):
 
 class IQ1_BN(_Ternary, qtype=QuantType.IQ1_BN):
     # fp16 d; block_iq1_bn { uint8 ql[12]; uint8 extra }
-    pass
+    scale_fields = ((0, "<f2"),)            # the row scale: max|x| above 65504 is inf
 
 
 class IQ2_BN(_Ternary, qtype=QuantType.IQ2_BN):
     # float32 d; block_iq2_bn { uint8 qs[16] }
-    pass
+    scale_fields = ((0, "<f4"),)
 
 
 class TQ1_0(_Ternary, qtype=QuantType.TQ1_0):
