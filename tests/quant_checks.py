@@ -96,3 +96,22 @@ def expert_imatrix(seed: int, n_expert: int, n: int) -> np.ndarray:
     im[0, 7] = 5000
     im[1] = 1.0
     return im
+
+
+def random_blocks(qtype, rows: int, n: int, seed: int, d_at: int = 0) -> np.ndarray:
+    """Random row bytes of ``qtype`` with finite, signed scales of any size: the row scale of a
+    row-scaled type (float32 or fp16), else each block's fp16 d at byte ``d_at`` (negative: from
+    the block's end)."""
+    rng = np.random.default_rng(seed)
+    t = traits(qtype)
+    b = rng.integers(0, 256, (rows, t.row_size(n)), dtype=np.uint8)
+    if t.row_meta_size:
+        scale = rng.standard_normal(rows) * 10.0 ** rng.uniform(-6, 2, rows)
+        b[:, :t.row_meta_size] = scale.astype("<f4" if t.row_meta_size == 4 else "<f2").view(np.uint8) \
+            .reshape(rows, t.row_meta_size)
+    else:
+        blk = b.reshape(-1, t.type_size)
+        at = d_at % t.type_size
+        blk[:, at:at + 2] = (rng.standard_normal(blk.shape[0]) * 10.0 ** rng.uniform(-6, 2, blk.shape[0])) \
+            .astype("<f2").view(np.uint8).reshape(-1, 2)
+    return b

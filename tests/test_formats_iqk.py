@@ -17,10 +17,10 @@ import pytest
 
 import peers
 from quant_checks import (assert_same_bytes, expert_imatrix, fresh_input, golden_bytes, golden_input,
-                          load_reference, quantize)
+                          load_reference, quantize, random_blocks)
 from quantkit import formats
 from quantkit.formats import decode
-from quantkit.types import QuantType, traits, type_name
+from quantkit.types import QuantType, type_name
 
 T = QuantType
 TYPES = [T.IQ2_K, T.IQ2_KS, T.IQ2_KL, T.IQ3_K, T.IQ4_K, T.IQ5_K, T.IQ6_K, T.IQ4_KS, T.IQ4_KSS, T.IQ5_KS, T.IQ3_KS]
@@ -71,22 +71,6 @@ def test_reference_port_on_fresh_experts(ik_port, qtype, use_imatrix):
         assert_same_bytes(quantize(xe, qtype, im, "ik"), want, qtype, x.shape[1], f"expert {e}")
 
 
-def _random_blocks(qtype, rows: int, n: int, seed: int) -> np.ndarray:
-    """Random bytes with finite scales (fp16 d per block, or a float32 row scale)."""
-    rng = np.random.default_rng(seed)
-    t = traits(qtype)
-    b = rng.integers(0, 256, (rows, t.row_size(n)), dtype=np.uint8)
-    if t.row_meta_size:
-        scale = rng.standard_normal(rows) * 10.0 ** rng.uniform(-6, 2, rows)
-        b[:, :t.row_meta_size] = scale.astype("<f4" if t.row_meta_size == 4 else "<f2").view(np.uint8) \
-            .reshape(rows, t.row_meta_size)
-    else:
-        blk = b.reshape(-1, t.type_size)
-        blk[:, :2] = (rng.standard_normal(blk.shape[0]) * 10.0 ** rng.uniform(-6, 2, blk.shape[0])) \
-            .astype("<f2").view(np.uint8).reshape(-1, 2)
-    return b
-
-
 _PORT_DECODERS = {T.IQ2_K: "deq_iq2_k", T.IQ2_KS: "deq_iq2_ks", T.IQ3_K: "deq_iq3_k", T.IQ4_K: "deq_iq4_k", T.IQ5_K: "deq_iq5_k", T.IQ6_K: "deq_iq6_k",
                   T.IQ4_KS: "deq_iq4_ks", T.IQ4_KSS: "deq_iq4_kss"}
 
@@ -95,7 +79,7 @@ _PORT_DECODERS = {T.IQ2_K: "deq_iq2_k", T.IQ2_KS: "deq_iq2_ks", T.IQ3_K: "deq_iq
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)
 def test_decoder(shared_dir, ik_decoders, qtype, reference):
     _, x, _ = golden_input(shared_dir, "ik", "heavy")
-    cases = [(_random_blocks(qtype, 3, 512, int(qtype)), 512),
+    cases = [(random_blocks(qtype, 3, 512, int(qtype)), 512),
              (golden_bytes(shared_dir, "ik", "heavy", qtype, True).reshape(x.shape[0], -1), x.shape[1])]
     port = getattr(ik_decoders, _PORT_DECODERS[qtype]) if qtype in _PORT_DECODERS else None
     for blocks, n in cases:

@@ -107,7 +107,7 @@ def test_unrepresentable_values_are_refused_or_kept(qt, flavor, imat):
         assert np.any(y[row, COL // bs * bs:(COL // bs + 1) * bs] != 0)
         outcome[big] = "kept"
     name = type_name(qt)
-    if name == "f32":
+    if name in ("f32", "iq2_bn", "iq2_bn_r4"):     # iq2_bn: a float32 row scale max|x|, no search
         assert set(outcome.values()) == {"kept"}
     elif name == "bf16":            # rounds to nearest even: FLT_MAX rounds up to inf
         assert [b for b, o in outcome.items() if o == "refused"] == [FLT_MAX]
@@ -116,7 +116,8 @@ def test_unrepresentable_values_are_refused_or_kept(qt, flavor, imat):
     else:                   # beyond every fp16 scale and every search bound
         assert all(outcome[b] == "refused" for b in (1e38, 3e38, FLT_MAX, 65504.0 * 1000)), outcome
         q2k_ik_plain = (traits(qt).base or qt) == QuantType.Q2_K and flavor == "ik" and not imat
-        expect = name == "f16" or q2k_ik_plain or limits.largest_value(qt, N, imat) < 131008
+        # f16, and the types whose fp16 scale is max|x| itself (iq1_bn, tq1_0, tq2_0): not above 65504
+        expect = name in ("f16", "iq1_bn", "tq1_0", "tq2_0") or q2k_ik_plain or limits.largest_value(qt, N, imat) < 131008
         assert outcome[65504.0 * 2] == ("refused" if expect else "kept"), outcome
 
 

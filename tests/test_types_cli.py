@@ -164,7 +164,8 @@ def test_types_table_names_every_type_and_preset_whole(capsys):
     for name in PRESETS:
         assert name in rows, name
     assert rows["iq4_k"] == ["iq4_k", "139", "4.5", "256", "ik_llama.cpp", "ik", "yes"]
-    assert rows["tq1_0"] == ["tq1_0", "34", "1.6875", "256", "llama.cpp", "-", "-"]
+    assert rows["tq1_0"] == ["tq1_0", "34", "1.6875", "256", "llama.cpp", "mainline", "yes"]
+    assert rows["nvfp4"] == ["nvfp4", "40", "4.5", "64", "llama.cpp", "-", "-"]
     assert rows["Q4_K_M"] == ["Q4_K_M", "15", "both", "q4_K", "4.5", "both", "both", "yes"]
     assert rows["IQ2_KT"] == ["IQ2_KT", "151", "ik", "iq2_kt", "2.125", "ik_llama.cpp", "ik", "yes"]
     assert "aliases: Q3_K = Q3_K_M" in text

@@ -41,6 +41,7 @@ class BlockFormat:
     quant_paths: ClassVar[frozenset] = frozenset()
     #: (byte offset in the block, numpy dtype) of every float field (scales, mins); lets the output
     #: check look at those instead of decoding whole tensors.  None: decode and check everything.
+    #: A row-scaled type lists its row scale (offset in the row) only where that alone decides.
     scale_fields: ClassVar[tuple[tuple[int, str], ...] | None] = None
 
     def __init_subclass__(cls, qtype: QuantType | None = None, **kwargs):
@@ -74,6 +75,16 @@ class BlockFormat:
 def first_non_finite(fmt: type[BlockFormat], blocks: np.ndarray, n_per_row: int) -> tuple[int, int] | None:
     """(row, element or block index) of the first non-finite value a decoder would produce, or None."""
     t = fmt.traits
+    if fmt.scale_fields is not None and t.row_meta_size:
+        # the row's scale times a small integer is every value (ternary types): a row whose scale is
+        # not finite decodes to inf/NaN from its first value on (0 * inf is NaN), no other row does
+        for off, dtype in fmt.scale_fields:
+            size = np.dtype(dtype).itemsize
+            vals = np.ascontiguousarray(blocks[:, off:off + size]).view(dtype).reshape(-1)
+            bad = ~np.isfinite(vals)
+            if bad.any():
+                return int(np.argmax(bad)), 0
+        return None
     if fmt.scale_fields is not None and t.row_meta_size == 0:
         per_row = n_per_row // t.block_size
         b = blocks.reshape(-1, t.type_size)

@@ -9,8 +9,9 @@ to this one bit for bit, type by type (formats' ``reference=True``, the torch ba
 * Types with a block layout (quantkit/layouts.py: legacy blocks, k-quants, IQ4_XS and ik's IQK
   types) are decoded from it: per value of a block, where its code bits sit and which scale it
   takes, derived once per type (:func:`_value_map`); a few gathers decode every block at once.
-* IQ2_KL, IQ4_KSS and the trellis KT types, whose codes the layout records cannot describe (value
-  pairs, xor-folded words, hashed codebooks), have a decoder written by hand below.
+* IQ2_KL, IQ4_KSS, the trellis KT types and the ternary types, whose codes the layout records cannot
+  describe (value pairs, xor-folded words, hashed codebooks, 5 trits per byte), have a decoder
+  written by hand below.
 
 The arithmetic follows ggml's dequantize_row_* (products in the same order: (d * scale) * value
 - dmin * min), so every library gives the numba kernels' float32 values exactly.
@@ -23,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..kernels.iq2kl import PAIRS
+from ..kernels.ternary import POW3
 from ..layouts import LAYOUTS, Layout
 from ..tables import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, IQ4K_VALUES
 from ..types import QuantType, traits
@@ -332,9 +334,52 @@ def _iq4_kt(xp, b, n_per_row):
     return (sl[:, :, None, None] * v).reshape(b.shape[0], n_per_row)
 
 
+# ---- hand-written: the ternary types, d * (t - 1) with a trit t in {0, 1, 2} per value ----
+#
+# The 1.6-bit types (IQ1_BN, TQ1_0) read trit t of a byte as ((byte * 3^k) & 255) * 3 >> 8 (the 3^5
+# trick, kernels.ternary), the 2-bit ones (IQ2_BN, TQ2_0) as (byte >> shift) & 3.  Per value of a
+# block: the byte it is in, and the power of 3 (or the shift) that reads it.
+
+@lru_cache(maxsize=None)
+def _ternary_map(qtype: QuantType) -> tuple[np.ndarray, np.ndarray]:
+    """(byte, multiplier or shift) of every value of one block of ``qtype``."""
+    n = traits(qtype).block_size
+    at, how = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    for p in range(n):
+        if qtype == T.IQ1_BN:               # per 16: ql[3 i16 + k] digit j for 5k + j, extra digit i16
+            i16, r = divmod(p, 16)
+            at[p], how[p] = (3 * i16 + r // 5, POW3[4 - r % 5]) if r < 15 else (12, POW3[4 - i16])
+        elif qtype == T.TQ1_0:              # qs[m] along 32, qs[32 + m] along 16, qh[j] along 4
+            lo, width, start = (0, 32, 0) if p < 160 else (160, 16, 32) if p < 240 else (240, 4, 48)
+            at[p], how[p] = start + (p - lo) % width, POW3[(p - lo) // width]
+        elif qtype == T.IQ2_BN:             # bits 2l of qs[j] for j + 16 l
+            at[p], how[p] = p % 16, 2 * (p // 16)
+        else:                               # TQ2_0: bits 2n of qs[32 h + m] for 128 h + 32 n + m
+            at[p], how[p] = 32 * (p // 128) + p % 32, 2 * (p % 128 // 32)
+    return at, how
+
+
+def _ternary(xp, b, n_per_row, qtype):
+    t = traits(qtype)
+    if t.row_meta_size:
+        d, blk = _row_blocks(xp, b, n_per_row, qtype)
+    else:                                   # an fp16 d after the codes of each block
+        raw = b.reshape(-1, t.type_size)
+        d, blk = xp.f16(raw, t.type_size - 2), xp.ints(raw)
+    at_np, how_np = _ternary_map(qtype)
+    at = xp.const(b, ("ternary_at", qtype), lambda: at_np)
+    how = xp.const(b, ("ternary_how", qtype), lambda: how_np)
+    if qtype in (T.IQ1_BN, T.TQ1_0):
+        trit = (((blk[:, at] * how) & 0xFF) * 3) >> 8
+    else:
+        trit = (blk[:, at] >> how) & 3
+    return (xp.floats(trit - 1) * d).reshape(b.shape[0], n_per_row)
+
+
 _HAND_WRITTEN = {
     T.IQ2_KL: _iq2_kl, T.IQ4_KSS: _iq4_kss, T.IQ1_KT: _iq1_kt, T.IQ4_KT: _iq4_kt,
     T.IQ2_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq2_kt"), T.IQ3_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq3_kt"),
+    **{q: lambda xp, b, n, q=q: _ternary(xp, b, n, q) for q in (T.IQ1_BN, T.IQ2_BN, T.TQ1_0, T.TQ2_0)},
 }
 assert not set(_HAND_WRITTEN) & set(LAYOUTS)
 

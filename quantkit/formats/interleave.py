@@ -345,6 +345,17 @@ def _iq5_ks_r4(b):
                            .reshape(g, 128)], axis=1)
 
 
+def _iq2_bn_r4(b):
+    """repack_iq2_bn: 2-bit codes; bits 2j..2j+1 of byte 4k + i + 16l = bits 2l..2l+1 of row k's
+    qs[i + 4j] (i, j, l < 4): value i + 4j + 16l of row k."""
+    g = len(b)
+    out = np.zeros((g, 4, 4, 4), U8)                                        # (l, k, i)
+    for l in range(4):
+        for j in range(4):
+            out[:, l] |= ((b[..., 4 * j:4 * j + 4] >> (2 * l)) & 3) << (2 * j)
+    return out.reshape(g, 64)
+
+
 @dataclass(frozen=True)
 class Layout:
     rows: int                       # N rows per group (types.py's interleave_rows)
@@ -358,6 +369,7 @@ _FORWARD: dict[QuantType, Callable[[np.ndarray], np.ndarray]] = {
     T.Q4_K_R4: _q4_k_r4, T.Q6_K_R4: _q6_k_r4, T.BF16_R16: _bf16_r16, T.Q5_0_R4: _q5_0_r4,
     T.Q6_0_R4: _q6_0_r4, T.Q2_K_R4: _q2_k_r4, T.Q3_K_R4: _q3_k_r4, T.Q5_K_R4: _q5_k_r4,
     T.IQ4_XS_R8: _iq4_xs_r8, T.IQ5_KS_R4: _iq5_ks_r4,
+    T.IQ2_BN_R4: _iq2_bn_r4,
 }
 # A column block is one block of the base type (types.py's base), except that bf16_r16 interleaves
 # pairs of values (ik needs ne0 % 2 == 0), where bf16's block is one value.
