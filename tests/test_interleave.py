@@ -22,7 +22,7 @@ T = QuantType
 TYPES = sorted(interleave.LAYOUTS)
 # with an imatrix these quantize differently from repack(plain): QHelper (16-blocks); q2_k_r4 also
 # runs q2_K's "is it ternary" test per row instead of per chunk
-CLEANED = {T.Q6_K_R4, T.Q3_K_R4, T.Q2_K_R4}
+CLEANED = {T.Q6_K_R4, T.Q3_K_R4, T.Q2_K_R4, T.IQ3_S_R4}
 ggml = peers.load_ggml()
 
 

@@ -28,6 +28,7 @@ needs_wheel = pytest.mark.skipif(peers.llama_quantize_bin() is None, reason="ik-
 MIX = ("attn_q=q4_0,attn_k=q8_0,attn_v=q5_0,attn_output=iq4_nl,ffn_gate=q4_K,ffn_up=q6_K,ffn_down=iq4_xs,"
        "output=q3_K,token_embd=q2_K")
 MIX_IQK = "attn_q=iq2_k,attn_k=iq3_k,attn_v=iq4_k,attn_output=iq5_k,ffn_gate=iq4_ks,ffn_up=iq5_ks,ffn_down=q6_0"
+MIX_IQ3 = "attn_q=iq3_xxs,attn_k=iq3_s,attn_v=iq3_xxs,attn_output=iq3_s,ffn_gate=iq3_xxs,ffn_up=iq3_s,ffn_down=iq3_xxs"
 
 
 def tensors(path) -> dict[str, tuple[int, tuple, np.ndarray]]:
@@ -53,14 +54,14 @@ def plain(tmp_path_factory, tiny_f32):
     d = tmp_path_factory.mktemp("repack")
     f32 = tiny_f32
     out = {}
-    for tag, mix in (("k", MIX), ("iqk", MIX_IQK)):
+    for tag, mix in (("k", MIX), ("iqk", MIX_IQK), ("iq3", MIX_IQ3)):
         out[tag] = d / f"{tag}.gguf"
         quantkit.quantize_model(f32, out[tag], "q8_0", pure=True, custom_q=mix)
     return d, f32, out
 
 
 @needs_wheel
-@pytest.mark.parametrize("tag", ["k", "iqk"])
+@pytest.mark.parametrize("tag", ["k", "iqk", "iq3"])
 def test_repack_equals_llama_quantize_and_undo_restores(plain, tag):
     d, _, files = plain
     src = files[tag]

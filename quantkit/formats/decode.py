@@ -9,9 +9,9 @@ to this one bit for bit, type by type (formats' ``reference=True``, the torch ba
 * Types with a block layout (quantkit/layouts.py: legacy blocks, k-quants, IQ4_XS and ik's IQK
   types) are decoded from it: per value of a block, where its code bits sit and which scale it
   takes, derived once per type (:func:`_value_map`); a few gathers decode every block at once.
-* IQ2_KL, IQ4_KSS, the trellis KT types and the ternary types, whose codes the layout records cannot
-  describe (value pairs, xor-folded words, hashed codebooks, 5 trits per byte), have a decoder
-  written by hand below.
+* IQ2_KL, IQ4_KSS, the trellis KT types, the ternary types and the i-quants, whose codes the layout
+  records cannot describe (value pairs, xor-folded words, hashed codebooks, 5 trits per byte, lattice
+  points with sign bits), have a decoder written by hand below.
 
 The arithmetic follows ggml's dequantize_row_* (products in the same order: (d * scale) * value
 - dmin * min), so every library gives the numba kernels' float32 values exactly.
@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..grids import IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS
 from ..kernels.iq2kl import PAIRS
 from ..kernels.ternary import POW3
 from ..layouts import LAYOUTS, Layout
@@ -374,12 +375,57 @@ def _ternary(xp, b, n_per_row, qtype):
     else:
         trit = (blk[:, at] >> how) & 3
     return (xp.floats(trit - 1) * d).reshape(b.shape[0], n_per_row)
+# ---- hand-written: IQ3_XXS, IQ3_S, lattice points of 4 magnitudes with a sign bit per value ----
+
+def _grid_values(xp, like, key, grid):
+    """A uint32 lattice grid as its (n_points, 4) byte values, float32."""
+    return _table(xp, like, key, grid.view(np.uint8).reshape(-1, 4))
+
+
+def _signed(xp, v, sign_bytes):
+    """v (n, 8, 32) times -1 where bit j % 8 of sign_bytes[..., j // 8] (n, 8, 4) is set, else +1
+    (C: ``db * grid[j] * (signs & kmask[j] ? -1.f : 1.f)``, so zeros keep the sign)."""
+    bits = (sign_bytes[:, :, :, None] >> _arange(xp, v, 8)) & 1                      # (n, 8, 4, 8)
+    one = _table(xp, v, "plus_minus_one", [1.0, -1.0])
+    return v * one[bits.reshape(v.shape)]
+
+
+def _iq3_xxs(xp, b, n_per_row):
+    """98 B: fp16 d | qs[64] (a point per 4 values) | sas u32[8]: per 32 values 4 x 7 sign bits
+    (ksigns_iq2xs restores the 8th) and the scale s in bits 28-31: y = d (0.5 + s) 0.5 grid (±1)."""
+    raw = b.reshape(-1, 98)
+    blk = xp.ints(raw)
+    d = xp.f16(raw, 0)
+    v = _grid_values(xp, b, "iq3_xxs", IQ3XXS_GRID)[blk[:, 2:66]].reshape(-1, 8, 32)
+    sas = blk[:, 66:98].reshape(-1, 8, 4)
+    low28 = sas[:, :, 0] | (sas[:, :, 1] << 8) | (sas[:, :, 2] << 16) | ((sas[:, :, 3] & 0xF) << 24)
+    fields = (low28[:, :, None] >> (7 * _arange(xp, b, 4))) & 127                    # (n, 8, 4)
+    signs = xp.const(b, ("ksigns",), lambda: KSIGNS_IQ2XS.astype(np.int64))[fields]
+    db = d * (xp.floats(sas[:, :, 3] >> 4) + 0.5) * 0.5                                # (n, 8)
+    return _signed(xp, db[:, :, None] * v, signs).reshape(b.shape[0], n_per_row)
+
+
+def _iq3_s(xp, b, n_per_row):
+    """110 B: fp16 d | qs[64] | qh[8] | signs[32] | scales[4]: point k of 32-block ib is qs[8ib + k]
+    | bit k of qh[ib] << 8; y = d (1 + 2 s) grid (±1), s nibble ib % 2 of scales[ib / 2]."""
+    raw = b.reshape(-1, 110)
+    blk = xp.ints(raw)
+    d = xp.f16(raw, 0)
+    k = _arange(xp, b, 8)
+    hi = (blk[:, 66:74, None] >> k) & 1                                                # (n, ib, k)
+    points = blk[:, 2:66].reshape(-1, 8, 8) | (hi << 8)
+    v = _grid_values(xp, b, "iq3_s", IQ3S_GRID)[points].reshape(-1, 8, 32)
+    sc = blk[:, 106:110]
+    s = xp.stack([sc & 0xF, sc >> 4], 2).reshape(-1, 8)
+    db = d * xp.floats(1 + 2 * s)
+    return _signed(xp, db[:, :, None] * v, blk[:, 74:106].reshape(-1, 8, 4)).reshape(b.shape[0], n_per_row)
 
 
 _HAND_WRITTEN = {
     T.IQ2_KL: _iq2_kl, T.IQ4_KSS: _iq4_kss, T.IQ1_KT: _iq1_kt, T.IQ4_KT: _iq4_kt,
     T.IQ2_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq2_kt"), T.IQ3_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq3_kt"),
     **{q: lambda xp, b, n, q=q: _ternary(xp, b, n, q) for q in (T.IQ1_BN, T.IQ2_BN, T.TQ1_0, T.TQ2_0)},
+    T.IQ3_XXS: _iq3_xxs, T.IQ3_S: _iq3_s,
 }
 assert not set(_HAND_WRITTEN) & set(LAYOUTS)
 

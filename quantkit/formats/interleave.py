@@ -12,7 +12,8 @@ p sets every input bit whose index has bit p set), checked to be a bijection, an
 straight-line machine code for one column block (see "the kernel" below); the inverse
 (``deinterleave``) is the inverse permutation.  So both directions are exact by
 construction, and only the forward layouts need to be right, which the tests check against the C
-library's own bytes.
+library's own bytes.  One transform is not a bit move: iq3_xxs_r4's sign fields, which ik stores as
+prefix XORs; a pass after the shuffle rewrites them (see "scrambled signs" below).
 
 Notation used in the layouts: ``il32(L)`` puts the 4-bit codes of the 32 values of a block of
 4 rows (k = 0..3) into 64 bytes: byte 4k+i holds codes i, i+8; byte 16+4k+i codes i+16, i+24;
@@ -354,6 +355,30 @@ def _iq2_bn_r4(b):
         for j in range(4):
             out[:, l] |= ((b[..., 4 * j:4 * j + 4] >> (2 * l)) & 3) << (2 * j)
     return out.reshape(g, 64)
+def _iq3_xxs_r4(b):
+    """(ik's scrambled_sign of each 7-bit sign field is applied after the shuffle: _SCRAMBLED_SIGNS)"""
+    g = len(b)
+    w = b[..., 66:98].reshape(g, 4, 8, 4).astype(np.uint32)
+    w = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)             # (G, k, ib)
+    j = np.arange(4, dtype=np.uint32)
+    sas = (((w[..., None] >> (7 * j)) & 127) << 1) | ((w[..., None] >> (28 + j)) & 1)    # (G, k, ib, j)
+    qs = b[..., 2:66].reshape(g, 4, 8, 8).transpose(0, 2, 1, 3).reshape(g, 256)       # 32 ib + 8 k + i
+    return np.concatenate([b[..., :2].reshape(g, 8), sas.transpose(0, 2, 1, 3).reshape(g, 128).astype(U8), qs],
+                          axis=1)
+
+
+def _iq3_s_r4(b):
+    g = len(b)
+    qs = b[..., 2:66].reshape(g, 4, 8, 2, 4).transpose(0, 2, 4, 3, 1).reshape(g, 256)  # 32 ib + 8 i + 4 h + k
+    qh = b[..., 66:74].transpose(0, 2, 1).reshape(g, 32)                                 # 4 ib + k
+    # signs[16 ib + 4 k + i] bit 2 j + h = bit 4 h + i of the plain signs[4 ib + j] of row k
+    bits = (b[..., 74:106, None] >> np.arange(8, dtype=U8)) & 1                          # (G, k, 4 ib + j, 4 h + i)
+    bits = bits.reshape(g, 4, 8, 4, 2, 4).transpose(0, 2, 1, 5, 3, 4)                   # (G, ib, k, i, j, h)
+    signs = _bits_to_bytes(bits.reshape(g, 8, 4, 4, 8)).reshape(g, 128)
+    # scale nibble 8 ib + 4 h + k (byte n % 16, high nibble from n = 16) = nibble h of scales[ib] of row k
+    sc = b[..., 106:110]
+    nib = np.stack([sc & 0xF, sc >> 4], axis=-1).transpose(0, 2, 3, 1).reshape(g, 32)
+    return np.concatenate([b[..., :2].reshape(g, 8), qs, qh, signs, nib[:, :16] | (nib[:, 16:] << 4)], axis=1)
 
 
 @dataclass(frozen=True)
@@ -370,6 +395,7 @@ _FORWARD: dict[QuantType, Callable[[np.ndarray], np.ndarray]] = {
     T.Q6_0_R4: _q6_0_r4, T.Q2_K_R4: _q2_k_r4, T.Q3_K_R4: _q3_k_r4, T.Q5_K_R4: _q5_k_r4,
     T.IQ4_XS_R8: _iq4_xs_r8, T.IQ5_KS_R4: _iq5_ks_r4,
     T.IQ2_BN_R4: _iq2_bn_r4,
+    T.IQ3_XXS_R4: _iq3_xxs_r4, T.IQ3_S_R4: _iq3_s_r4,
 }
 # A column block is one block of the base type (types.py's base), except that bf16_r16 interleaves
 # pairs of values (ik needs ne0 % 2 == 0), where bf16's block is one value.
@@ -567,6 +593,85 @@ def _run_layout(src, dst, n_groups, n, row_size, meta, n_cb, key):
             _column_block(src, dst, base + meta + cb * blk, base + n * meta + cb * n * blk, row_size, key)
 
 
+# ---------------------------------------------------------------------------------- scrambled signs
+# ik stores the 7-bit sign fields of IQ3_XXS (ksigns_iq2xs: the 8th sign is their parity) in the
+# interleaved layout as prefix XORs (``scrambled_sign``: bit j = XOR of signs 0..j; its kernels undo
+# it with s ^ (s >> 1)).  That is no bit permutation, so the shuffle moves the fields as they are and
+# one pass rewrites them: in the interleaved bytes after ``interleave``, in the plain ones after
+# ``deinterleave``.
+
+@dataclass(frozen=True)
+class SignFields:
+    plain_word: int             # byte of a plain block where the first uint32 with four 7-bit fields
+    word_stride: int            # (bits 0-27) starts, and the bytes from one to the next (one per 32 values)
+    packed: tuple[int, int]     # the bytes [start, stop) of an interleaved column block that each hold
+                                # one field in bits 1-7
+
+
+_SCRAMBLED_SIGNS: dict[QuantType, SignFields] = {
+    T.IQ3_XXS_R4: SignFields(66, 4, (8, 136)),
+}
+
+
+def _prefix_xor_table() -> tuple[np.ndarray, np.ndarray]:
+    s = np.arange(128, dtype=np.int64)
+    t = s ^ (s << 1)
+    t ^= t << 2
+    t ^= t << 4
+    scrambled = (t & 127).astype(U8)
+    plain = np.empty(128, U8)
+    plain[scrambled] = np.arange(128, dtype=U8)             # = (t ^ (t << 1)) & 127
+    return scrambled, plain
+
+
+SCRAMBLED_SIGN, PLAIN_SIGN = _prefix_xor_table()
+
+
+@njit(cache=True, nogil=True)
+def _scramble_packed(buf, n_groups, group_bytes, head, n_cb, cb_bytes, start, stop, table):
+    """In every interleaved column block: bits 1-7 of bytes [start, stop) through ``table``."""
+    for g in range(n_groups):
+        for cb in range(n_cb):
+            base = g * group_bytes + head + cb * cb_bytes
+            for j in range(start, stop):
+                v = np.int64(buf[base + j])
+                buf[base + j] = (np.int64(table[v >> 1]) << 1) | (v & 1)
+
+
+@njit(cache=True, nogil=True)
+def _unscramble_plain(buf, n_rows, row_size, meta, n_cb, blk, first, stride, n_words, table):
+    """In every plain block: the four 7-bit fields (bits 0-27) of its sign words through ``table``."""
+    for r in range(n_rows):
+        for cb in range(n_cb):
+            base = r * row_size + meta + cb * blk + first
+            for w in range(n_words):
+                at = base + w * stride
+                word = (np.int64(buf[at]) | (np.int64(buf[at + 1]) << 8) | (np.int64(buf[at + 2]) << 16)
+                        | (np.int64(buf[at + 3]) << 24))
+                out = word & 0xF0000000
+                for f in range(4):
+                    out |= np.int64(table[(word >> (7 * f)) & 127]) << (7 * f)
+                for k in range(4):
+                    buf[at + k] = (out >> (8 * k)) & 0xFF
+
+
+def _fix_signs(dst: np.ndarray, qtype: QuantType, lay: Layout, n_per_row: int, inverse: bool) -> None:
+    fields = _SCRAMBLED_SIGNS.get(qtype)
+    if fields is None:
+        return
+    n_rows, row_size = dst.shape
+    meta = traits(qtype).row_meta_size
+    n_cb = n_per_row // lay.block_values
+    blk = (row_size - meta) // n_cb
+    flat = dst.reshape(-1)
+    if inverse:
+        _unscramble_plain(flat, n_rows, row_size, meta, n_cb, blk, fields.plain_word, fields.word_stride,
+                          lay.block_values // 32, PLAIN_SIGN)
+    else:
+        _scramble_packed(flat, n_rows // lay.rows, lay.rows * row_size, lay.rows * meta, n_cb, lay.rows * blk,
+                         fields.packed[0], fields.packed[1], SCRAMBLED_SIGN)
+
+
 def _check(rows: np.ndarray, qtype, n_per_row: int):
     lay = LAYOUTS.get(QuantType(qtype))
     if lay is None:
@@ -608,6 +713,7 @@ def _regroup(rows: np.ndarray, qtype, n_per_row: int, inverse: bool, out: np.nda
     args = (src.reshape(-1), dst.reshape(-1), src.shape[0] // lay.rows, lay.rows, src.shape[1],
             traits(qtype).row_meta_size, n_per_row // lay.block_values, key)
     _layout_kernel(key)(*args)
+    _fix_signs(dst, qtype, lay, n_per_row, inverse)
     return dst
 
 

@@ -84,6 +84,8 @@ SEARCHES: dict[QuantType, tuple[Search, ...]] = {
     T.IQ2_KS: (Search(32, 31), Search(None, 16)), T.IQ3_KS: (Search(32, 63),), T.IQ4_KS: (Search(32, 127),),
     T.IQ5_KS: (Search(32, 126),), T.IQ4_KSS: (Search(32, 127),), T.IQ2_KL: (Search(32, 63),),
     T.IQ1_KT: _KT, T.IQ2_KT: _KT, T.IQ3_KT: _KT, T.IQ4_KT: _KT,
+    # the i-quants' lattice levels 2l+1 <= 15 per 32-block
+    T.IQ3_XXS: (Search(32, 15),), T.IQ3_S: (Search(32, 15),),
 }
 
 

@@ -56,6 +56,7 @@ WRAPPERS: dict[QuantType, WrapperRule] = {
     T.IQ5_K_R4: WrapperRule(), T.IQ4_KS_R4: WrapperRule(), T.IQ5_KS_R4: WrapperRule(),
     T.BF16_R16: WrapperRule(uses_imatrix=False, truncate_bf16=True),
     T.IQ2_BN_R4: WrapperRule(),             # quantize_iq2_bn ignores the imatrix it is handed
+    T.IQ3_XXS_R4: WrapperRule(cleanup_block=32), T.IQ3_S_R4: WrapperRule(cleanup_block=16),
 }
 
 
