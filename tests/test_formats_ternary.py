@@ -131,3 +131,18 @@ def test_output_check_reads_the_row_scale(qtype):
     assert formats.find_non_finite(blocks, qtype, 128) == (1, 0)
     assert formats.non_finite_column(blocks, qtype, x) == (1, 5)
     assert formats.find_non_finite(blocks[[0, 2]], qtype, 128) is None
+
+
+@pytest.mark.parametrize("qtype", MAINLINE_TYPES, ids=type_name)
+def test_tq_scale_field_is_the_decoders(qtype):
+    """scale_fields names the fp16 d the decoder reads: Inf there spoils that block only."""
+    t = traits(qtype)
+    (off, dtype), = formats.registered()[qtype].scale_fields
+    x = np.random.default_rng(3).standard_normal((2, 512)).astype(np.float32)
+    blocks = quantize(x, qtype, None, "mainline")
+    assert formats.find_non_finite(blocks, qtype, 512) is None
+    blocks.reshape(2, -1, t.type_size)[1, 1, off:off + 2] = np.array([0x00, 0x7C], np.uint8)     # +Inf
+    assert formats.find_non_finite(blocks, qtype, 512) == (1, 1)
+    with np.errstate(invalid="ignore"):
+        y = formats.dequantize(blocks, qtype, 512).reshape(2, -1, t.block_size)
+    assert not np.isfinite(y[1, 1]).all() and np.isfinite(y[1, 0]).all() and np.isfinite(y[0]).all()
