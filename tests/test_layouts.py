@@ -27,6 +27,9 @@ def random_rows(qtype, n_rows: int, seed: int) -> np.ndarray:
         b[:, :4] = rng.uniform(-2, 2, (n_rows, 1)).astype("<f4").view(np.uint8)
     elif t.row_meta_size == 2:
         b[:, :2] = rng.uniform(-2, 2, (n_rows, 1)).astype("<f2").view(np.uint8)
+    if qtype == QuantType.MXFP4:        # an E8M0 exponent byte: 253 and up make d * 12 overflow
+        blocks = b.reshape(n_rows, -1, t.type_size)
+        blocks[:, :, 0] = rng.integers(0, 253, blocks.shape[:2])
     lay = LAYOUTS.get(qtype)
     if lay is not None:
         halves = {at for r in lay.runs for at in (r.d_at, r.m_at) if at is not None}

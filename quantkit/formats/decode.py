@@ -24,7 +24,7 @@ import numpy as np
 
 from ..kernels.iq2kl import PAIRS
 from ..layouts import LAYOUTS, Layout
-from ..tables import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, IQ4K_VALUES
+from ..tables import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, E8M0_HALF, IQ4K_VALUES, MXFP4_VALUES
 from ..types import QuantType, traits
 from ._kt_codebook import IQ4_KT_SECOND_OFFSET, OFFSET, SPECS, trellis_values
 
@@ -332,7 +332,20 @@ def _iq4_kt(xp, b, n_per_row):
     return (sl[:, :, None, None] * v).reshape(b.shape[0], n_per_row)
 
 
+# ---- hand-written: MXFP4, whose scale is an E8M0 byte (a power of two), not a float16 ----
+
+def _mxfp4(xp, b, n_per_row):
+    """17 B: e | qs[16]; value j = E8M0_HALF[e] * MXFP4_VALUES[code j] (code j: low nibble of qs[j],
+    j + 16: high nibble)."""
+    blk = xp.ints(b.reshape(-1, 17))
+    d = _table(xp, b, "e8m0_half", E8M0_HALF)[blk[:, 0:1]]
+    qs = blk[:, 1:17]
+    v = _table(xp, b, "mxfp4", MXFP4_VALUES)[xp.cat([qs & 0xF, qs >> 4], 1)]
+    return (d * v).reshape(b.shape[0], n_per_row)
+
+
 _HAND_WRITTEN = {
+    T.MXFP4: _mxfp4,
     T.IQ2_KL: _iq2_kl, T.IQ4_KSS: _iq4_kss, T.IQ1_KT: _iq1_kt, T.IQ4_KT: _iq4_kt,
     T.IQ2_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq2_kt"), T.IQ3_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq3_kt"),
 }

@@ -9,7 +9,7 @@ except where the C wrapper changes the quantizer's input:
   imatrix.  For the IQK types the plain quantizer does the clean-up itself, so nothing differs.
 * q2_k_r4 calls the q2_K quantizer one row at a time, so ik's "is this chunk ternary" test looks at
   one row, not at llama-quantize's chunk of rows.
-* q8_0_r8 ignores the imatrix (q8_0 has no use for it).
+* q8_0_r8 ignores the imatrix (q8_0 has no use for it); mxfp4_r8 too (mxfp4 does not use one).
 * bf16_r16 truncates float32 to bf16 (plain bf16 rounds to nearest even).
 
 These types exist only in ik_llama.cpp, so the flavor is ignored: ik's quantizers are used.
@@ -55,6 +55,7 @@ WRAPPERS: dict[QuantType, WrapperRule] = {
     T.IQ2_K_R4: WrapperRule(), T.IQ3_K_R4: WrapperRule(), T.IQ4_K_R4: WrapperRule(),
     T.IQ5_K_R4: WrapperRule(), T.IQ4_KS_R4: WrapperRule(), T.IQ5_KS_R4: WrapperRule(),
     T.BF16_R16: WrapperRule(uses_imatrix=False, truncate_bf16=True),
+    T.MXFP4_R8: WrapperRule(uses_imatrix=False),        # quantize_mxfp4_r8: mxfp4's blocks, regrouped
 }
 
 
