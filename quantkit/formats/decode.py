@@ -344,8 +344,16 @@ def _mxfp4(xp, b, n_per_row):
     return (d * v).reshape(b.shape[0], n_per_row)
 
 
+# ---- hand-written: q8_KV, a float32 row scale (and the int32 sum of the codes) before int8 codes ----
+
+def _q8_kv(xp, b, n_per_row):
+    """float32 d | int32 sum | int8 codes[n_per_row]; value j = d * code j."""
+    q = xp.ints(b[:, 8:])
+    return xp.f32(b, 0) * xp.floats((q ^ 0x80) - 0x80)
+
+
 _HAND_WRITTEN = {
-    T.MXFP4: _mxfp4,
+    T.MXFP4: _mxfp4, T.Q8_KV: _q8_kv,
     T.IQ2_KL: _iq2_kl, T.IQ4_KSS: _iq4_kss, T.IQ1_KT: _iq1_kt, T.IQ4_KT: _iq4_kt,
     T.IQ2_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq2_kt"), T.IQ3_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq3_kt"),
 }

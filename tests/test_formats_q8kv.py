@@ -1,0 +1,97 @@
+"""q8_KV, q8_KV_r8 and q8_k_r8 (ik_llama.cpp only) against real references.
+
+Oracles: ../shared/golden/ik (the C quantizers; none reads the imatrix, so both golden files of an
+input are the same bytes) and the wheel's C ``to_float`` for decoding (numpy and numba decoders).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import peers
+from quant_checks import assert_same_bytes, fresh_input, golden_bytes, golden_input, quantize
+from quantkit import formats
+from quantkit.types import QuantType, traits, type_name
+
+T = QuantType
+TYPES = [T.Q8_KV, T.Q8_KV_R8, T.Q8_K_R8]
+IMPLS = pytest.mark.parametrize("reference", [True, False], ids=["numpy", "numba"])
+ggml = peers.load_ggml()
+
+
+@pytest.mark.parametrize("use_imatrix", [False, True], ids=["noimat", "imat"])
+@pytest.mark.parametrize("name", ["gauss", "heavy", "wide"])
+@pytest.mark.parametrize("qtype", TYPES, ids=type_name)
+def test_golden(shared_dir, qtype, name, use_imatrix):
+    _, x, imatrix = golden_input(shared_dir, "ik", name)
+    want = golden_bytes(shared_dir, "ik", name, qtype, use_imatrix)
+    for flavor in ("ik", "mainline"):           # ik-only types: one algorithm for both flavors
+        got = quantize(x, qtype, imatrix if use_imatrix else None, flavor)
+        assert_same_bytes(got, want, qtype, x.shape[1], f"{type_name(qtype)} {name} {flavor}")
+
+
+def _awkward_rows(n_rows=8, n=512):
+    """fresh_input's cases, rows of halves (x/d lands on .5: ties to even), a subnormal row (its d
+    rounds to 0 and C's codes saturate), huge values."""
+    x = np.concatenate([fresh_input(151, 3, n), fresh_input(152, 3, n)])
+    x = np.concatenate([x, np.zeros((n_rows - len(x), n), np.float32)])
+    x[3] = (np.arange(n, dtype=np.float32) % 255 - 127) * np.float32(0.5)
+    x[4, :] = np.float32(1e-45)
+    x[4, ::3] = 0
+    x[6] = np.float32(3e38) * np.sin(np.arange(n, dtype=np.float32))
+    return x
+
+
+@pytest.mark.skipif(ggml is None, reason="ik-llama-cpp-python is not installed")
+@pytest.mark.parametrize("qtype", TYPES, ids=type_name)
+def test_wheel_quantizes_awkward_rows_alike(qtype):
+    """The wheel's (FMA-built) quantizers of these types use no fused product: on rows with ties,
+    subnormals and huge values it gives our bytes."""
+    x = _awkward_rows()
+    want = np.frombuffer(peers.quantize_chunk(int(qtype), x), np.uint8)
+    assert_same_bytes(quantize(x, qtype, None, "ik"), want, qtype, x.shape[1], type_name(qtype))
+
+
+@IMPLS
+@pytest.mark.parametrize("qtype", TYPES, ids=type_name)
+def test_decoder(shared_dir, qtype, reference):
+    """Golden bytes and random bytes (finite scales) decode as the wheel's C to_float, bit for bit."""
+    _, x, _ = golden_input(shared_dir, "ik", "heavy")
+    rng = np.random.default_rng(int(qtype))
+    rnd = rng.integers(0, 256, (16, traits(qtype).row_size(512)), dtype=np.uint8)
+    if qtype == T.Q8_KV:
+        rnd[:, :4] = rng.uniform(-2, 2, (16, 1)).astype("<f4").view(np.uint8)
+    elif qtype == T.Q8_KV_R8:
+        g = rnd.reshape(2, -1)
+        g[:, :32] = rng.uniform(-2, 2, (2, 8)).astype("<f4").view(np.uint8)
+    else:
+        blk = rnd.reshape(2, 2, -1)
+        blk[:, :, :16] = rng.uniform(-2, 2, (2, 2, 8)).astype("<f2").view(np.uint8)
+    cases = [(golden_bytes(shared_dir, "ik", "heavy", qtype, False).reshape(x.shape[0], -1), x.shape[1]), (rnd, 512)]
+    for blocks, n in cases:
+        got = formats.dequantize(blocks, qtype, n, reference=reference)
+        assert got.dtype == np.float32 and got.shape == (blocks.shape[0], n) and np.isfinite(got).all()
+        if ggml is None:
+            pytest.skip("no decoder oracle without the wheel")
+        c = np.asarray(ggml.to_float(int(qtype), blocks.tobytes(), blocks.shape[0] * n, n), np.float32)
+        np.testing.assert_array_equal(got.view(np.uint32), c.reshape(got.shape).view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_KV_R8, T.Q8_K_R8], ids=type_name)
+def test_interleaved_need_groups_of_8_rows(qtype):
+    x = np.ones((4, 256), np.float32)
+    with pytest.raises(ValueError, match="multiple of 8 rows"):
+        formats.quantize(x, qtype)
+    with pytest.raises(ValueError, match="multiple of 8 rows"):
+        formats.dequantize(np.zeros((4, traits(qtype).row_size(256)), np.uint8), qtype, 256)
+
+
+def test_q8_kv_r8_is_q8_kv_regrouped(shared_dir):
+    """ik quantizes q8_KV_r8 as q8_KV and repacks: the same float32 scales and codes, code sums dropped."""
+    _, x, _ = golden_input(shared_dir, "ik", "gauss")
+    plain = formats.quantize(x, T.Q8_KV)
+    packed = formats.quantize(x, T.Q8_KV_R8)
+    np.testing.assert_array_equal(formats.dequantize(packed, T.Q8_KV_R8, x.shape[1]),
+                                  formats.dequantize(plain, T.Q8_KV, x.shape[1]))
+    sums = plain[:, 4:8].copy().view("<i4").reshape(-1)
+    np.testing.assert_array_equal(sums, plain[:, 8:].view(np.int8).sum(axis=1, dtype=np.int32))
