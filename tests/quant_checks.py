@@ -96,3 +96,13 @@ def expert_imatrix(seed: int, n_expert: int, n: int) -> np.ndarray:
     im[0, 7] = 5000
     im[1] = 1.0
     return im
+
+
+def assert_golden(shared_dir, golden_flavor: str, name: str, qtype, use_imatrix: bool, flavors=("ik",)) -> None:
+    """Quantize golden input ``name`` of ``golden_flavor`` as each of ``flavors`` and compare with
+    that folder's bytes (a type only ik has runs one algorithm for both flavors)."""
+    _, x, imatrix = golden_input(shared_dir, golden_flavor, name)
+    want = golden_bytes(shared_dir, golden_flavor, name, qtype, use_imatrix)
+    for flavor in flavors:
+        got = quantize(x, qtype, imatrix if use_imatrix else None, flavor)
+        assert_same_bytes(got, want, qtype, x.shape[1], f"{type_name(qtype)} {name} {flavor}")

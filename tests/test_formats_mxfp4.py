@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import peers
-from quant_checks import assert_same_bytes, fresh_input, golden_bytes, golden_input, quantize
+from quant_checks import assert_golden, assert_same_bytes, fresh_input, golden_bytes, golden_input, quantize
 from quantkit import formats
 from quantkit.formats import decode
 from quantkit.kernels import mxfp4 as kernels
@@ -27,10 +27,7 @@ ggml = peers.load_ggml()
 @pytest.mark.parametrize("name", ["gauss", "heavy", "wide"])
 @pytest.mark.parametrize("flavor", ["ik", "mainline"])
 def test_golden(shared_dir, flavor, name, use_imatrix):
-    _, x, imatrix = golden_input(shared_dir, flavor, name)
-    want = golden_bytes(shared_dir, flavor, name, T.MXFP4, use_imatrix)
-    got = quantize(x, T.MXFP4, imatrix if use_imatrix else None, flavor)
-    assert_same_bytes(got, want, T.MXFP4, x.shape[1], f"mxfp4 {name} {flavor}")
+    assert_golden(shared_dir, flavor, name, T.MXFP4, use_imatrix, flavors=(flavor,))
 
 
 def _awkward_rows():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import peers
-from quant_checks import assert_same_bytes, fresh_input, golden_bytes, golden_input, quantize
+from quant_checks import assert_golden, assert_same_bytes, fresh_input, golden_bytes, golden_input, quantize
 from quantkit import formats
 from quantkit.types import QuantType, traits, type_name
 
@@ -23,11 +23,7 @@ ggml = peers.load_ggml()
 @pytest.mark.parametrize("name", ["gauss", "heavy", "wide"])
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)
 def test_golden(shared_dir, qtype, name, use_imatrix):
-    _, x, imatrix = golden_input(shared_dir, "ik", name)
-    want = golden_bytes(shared_dir, "ik", name, qtype, use_imatrix)
-    for flavor in ("ik", "mainline"):           # ik-only types: one algorithm for both flavors
-        got = quantize(x, qtype, imatrix if use_imatrix else None, flavor)
-        assert_same_bytes(got, want, qtype, x.shape[1], f"{type_name(qtype)} {name} {flavor}")
+    assert_golden(shared_dir, "ik", name, qtype, use_imatrix, flavors=("ik", "mainline"))
 
 
 def _awkward_rows(n_rows=8, n=512):
