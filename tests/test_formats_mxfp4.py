@@ -94,16 +94,19 @@ def test_mxfp4_r8_decodes_as_its_rows(shared_dir):
         np.testing.assert_array_equal(formats.dequantize(packed, T.MXFP4_R8, n, reference=reference), want)
 
 
-def test_nearest_code_is_the_first_of_the_full_table():
-    """The 8-magnitude search equals C's scan over all 16 entries (first index on a tie) for every
-    float32 between two neighbouring table values, both signs, on the subnormal scale too."""
+def test_block_codes_are_the_first_nearest_of_the_full_table():
+    """The 8-magnitude search equals C's scan over all 16 entries (first index on a tie) for floats
+    on and between neighbouring table values, both signs, on the subnormal scale too."""
     kv = kernels.KV
+    scratch = np.empty(32, np.float32), np.empty(32, np.float32), np.empty(32, np.int32)
     for d in (np.float32(1.0), np.float32(2.0 ** -128)):
         xs = np.concatenate([np.arange(-13, 13.25, 0.25, dtype=np.float32),
-                             np.random.default_rng(3).uniform(-14, 14, 2000).astype(np.float32)]) * d
-        for v in xs:
-            want = int(np.argmin(np.abs(np.float32(v) - d * kv)))           # argmin: the first minimum
-            assert kernels.nearest_code(np.float32(v), d) == want, (v, d)
+                             np.random.default_rng(3).uniform(-14, 14, 2000).astype(np.float32)])
+        xs = (xs[:len(xs) // 32 * 32] * d).reshape(-1, 32)
+        for xb in xs:
+            kernels.block_codes(xb, d, *scratch)
+            want = np.argmin(np.abs(xb[:, None] - d * kv[None, :]), axis=1)      # argmin: the first minimum
+            np.testing.assert_array_equal(scratch[2], want, err_msg=str(d))
 
 
 def test_repack_maps_mxfp4_to_mxfp4_r8_as_ik_does():

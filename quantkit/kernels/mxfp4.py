@@ -24,7 +24,7 @@ from numba import njit
 from ..tables import E8M0_HALF, FP16_TABLE, MXFP4_VALUES  # noqa: F401  (FP16_TABLE: the decoders' table, which formats pass in)
 from ..types import QuantType as T
 from ..types import traits
-from .common import F, I32, block_bytes, decode_rows, run_rows, type_ids
+from .common import F, block_bytes, decode_rows, run_rows, type_ids
 
 (MXFP4,) = type_ids(T.MXFP4)
 (MXFP4_BYTES,) = block_bytes(T.MXFP4)
@@ -44,22 +44,31 @@ def shared_exponent(amax):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def nearest_code(x, d):
-    """The index of the nearest d * MXFP4_VALUES[i] to x, the first one on a tie."""
-    a = abs(x)
-    best = a                                    # code 0 (value 0): |x - 0|
-    m = 0
-    for j in range(1, 8):
-        diff = abs(a - d * MAGNITUDES[j])
-        better = diff < best
-        best = diff if better else best
-        m = j if better else m
-    return m + 8 if (x < 0 and m != 0) else m
+def block_codes(xb, d, a, best, m):
+    """The code of each of the 32 values of a block into m: the index of the nearest
+    d * MXFP4_VALUES[i], the first one on a tie (module docstring).  The candidates are the outer
+    loop so that the inner one (over values, with selects) vectorises; a, best: scratch."""
+    for j in range(QK):
+        a[j] = abs(xb[j])
+        best[j] = a[j]
+        m[j] = 0
+    for c in range(1, 8):
+        dv = d * MAGNITUDES[c]
+        for j in range(QK):
+            diff = abs(a[j] - dv)
+            better = diff < best[j]
+            best[j] = diff if better else best[j]
+            m[j] = c if better else m[j]
+    for j in range(QK):
+        m[j] = m[j] + 8 if (xb[j] < 0 and m[j] != 0) else m[j]
 
 
 @njit(cache=True, error_model="numpy")
 def mxfp4_row(x, qw, has_qw, ik, y):
     """One row of MXFP4 blocks (the imatrix and the flavor change nothing)."""
+    a = np.empty(QK, np.float32)
+    best = np.empty(QK, np.float32)
+    m = np.empty(QK, np.int32)
     for ib in range(x.shape[0] // QK):
         o = MXFP4_BYTES * ib
         xb = x[QK * ib:QK * ib + QK]
@@ -71,10 +80,10 @@ def mxfp4_row(x, qw, has_qw, ik, y):
         if amax == 0:
             continue
         e = shared_exponent(amax)
-        d = E8M0_HALF[e]
         y[o] = e
+        block_codes(xb, E8M0_HALF[e], a, best, m)
         for j in range(QK // 2):
-            y[o + 1 + j] = nearest_code(xb[j], d) | (nearest_code(xb[j + QK // 2], d) << 4)
+            y[o + 1 + j] = m[j] | (m[j + QK // 2] << 4)
 
 
 def quantize_rows(qtype, x, qw, has_qw, ik, out):

@@ -22,7 +22,7 @@ from numba import njit, prange
 from ..tables import FP16_TABLE  # noqa: F401  (the decoders' table, which formats pass in)
 from ..types import QuantType as T
 from ..types import traits
-from .common import F, QK_K, decode_rows, fp16_at, run_rows, store_f32, store_fp16, type_ids
+from .common import F, I32, QK_K, decode_rows, fp16_at, run_rows, store_f32, store_fp16, type_ids
 
 Q8_KV, Q8_KV_R8, Q8_K_R8 = type_ids(T.Q8_KV, T.Q8_KV_R8, T.Q8_K_R8)
 Q8_KV_META = traits(T.Q8_KV).row_meta_size              # float32 d, int32 sum of the codes
@@ -53,21 +53,35 @@ def _absmax(x):
 
 
 @njit(cache=True, error_model="numpy")
+def _round_codes(x, mul, amax, y, at):
+    """y[at + j] = int8 code of round(mul * x[j]) as the AVX2 code stores it; returns the int64
+    sum of the int32 values before saturation.  Where no product can reach 2^30 (every row whose
+    scale did not underflow) the plain loop, which vectorises; else C's conversion, value by value."""
+    isum = np.int64(0)
+    if mul * amax < F(2.0 ** 30):
+        for j in range(x.shape[0]):
+            i = np.int32(np.rint(mul * x[j]))
+            isum += i
+            y[at + j] = np.uint8(min(I32(127), max(I32(-128), i)) & 0xFF)
+    else:
+        for j in range(x.shape[0]):
+            i = _cvt_round(mul * x[j])
+            isum += i
+            y[at + j] = np.uint8(_int8_saturated(i) & 0xFF)
+    return isum
+
+
+@njit(cache=True, error_model="numpy")
 def q8_kv_row(x, qw, has_qw, ik, y):
     """One q8_KV row (ik ignores the imatrix)."""
     n = x.shape[0]
     amax = _absmax(x)
-    for j in range(n + Q8_KV_META):
-        y[j] = 0
     if amax == 0:
+        for j in range(n + Q8_KV_META):
+            y[j] = 0
         return
     d = amax / F(127)
-    mul = F(1) / d
-    isum = np.int64(0)
-    for j in range(n):
-        i = _cvt_round(mul * x[j])
-        isum += i
-        y[Q8_KV_META + j] = np.uint8(_int8_saturated(i) & 0xFF)
+    isum = _round_codes(x, F(1) / d, amax, y, Q8_KV_META)
     store_f32(y, 0, d)
     for k in range(4):                              # the int32 sum wraps, as the C lanes do
         y[4 + k] = (isum >> (8 * k)) & 0xFF
@@ -82,9 +96,7 @@ def q8_k_r8_row(x, qw, has_qw, ik, y):
         o = blk * ib
         amax = _absmax(xb)
         store_fp16(y, o, amax / F(127))
-        idv = F(127) / amax if amax != 0 else F(0)
-        for j in range(QK_K):
-            y[o + Q8_K_R8_HEAD + j] = np.uint8(_int8_saturated(_cvt_round(idv * xb[j])) & 0xFF)
+        _round_codes(xb, F(127) / amax if amax != 0 else F(0), amax, y, o + Q8_K_R8_HEAD)
 
 
 ROW_KERNELS = {Q8_KV: q8_kv_row, Q8_K_R8: q8_k_r8_row}
@@ -131,9 +143,10 @@ def pack_groups8(plain, plain_row, packed, packed_row, meta_in, meta_keep, n_blo
 def decode_groups8(packed, packed_row, row_scale, n_per_row, fp16_table, out):
     """Interleaved groups of 8 rows -> float32 rows (out flat, n_per_row each): q8_KV_r8
     (row_scale: 8 float32 d, then the codes) or q8_k_r8 (per 256 values: 8 float16 d, then the
-    codes); value = d * code (dequantize_row_q8_KV_r8 / _q8_k_r8)."""
+    codes); value = d * code (dequantize_row_q8_KV_r8 / _q8_k_r8).  ``packed``: the bytes (flat)."""
     n_blocks = 1 if row_scale else n_per_row // QK_K
     values = n_per_row // n_blocks
+    codes = packed.view(np.int8)
     for g in prange(packed.shape[0] // (GROUP * packed_row)):
         pos = g * GROUP * packed_row
         d = np.empty(GROUP, np.float32)
@@ -146,12 +159,13 @@ def decode_groups8(packed, packed_row, row_scale, n_per_row, fp16_table, out):
                 for k in range(GROUP):
                     d[k] = fp16_at(packed, pos + 2 * k, fp16_table)
                 pos += 2 * GROUP
-            for w in range(values // 4):
-                for k in range(GROUP):
-                    o = (g * GROUP + k) * n_per_row + values * b + 4 * w
+            for k in range(GROUP):
+                dk = d[k]
+                o = (g * GROUP + k) * n_per_row + values * b
+                src = pos + 4 * k
+                for w in range(values // 4):
                     for i in range(4):
-                        q = np.int64(packed[pos + 32 * w + 4 * k + i])
-                        out[o + i] = d[k] * F(q - 256 if q > 127 else q)
+                        out[o + 4 * w + i] = dk * F(codes[src + 32 * w + i])
             pos += GROUP * values
 
 
@@ -159,9 +173,9 @@ def decode_groups8(packed, packed_row, row_scale, n_per_row, fp16_table, out):
 def decode_row(qtype, b, y, fp16_table):
     """One q8_KV row: its bytes b -> its values y (dequantize_row_q8_KV: d * code)."""
     d = b[0:4].copy().view(np.float32)[0]
+    codes = b[Q8_KV_META:].view(np.int8)
     for j in range(y.shape[0]):
-        q = np.int64(b[Q8_KV_META + j])
-        y[j] = d * F(q - 256 if q > 127 else q)
+        y[j] = d * F(codes[j])
 
 
 def dequantize_rows(qtype, blocks, fp16_table, out):
