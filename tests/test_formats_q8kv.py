@@ -91,3 +91,17 @@ def test_q8_kv_r8_is_q8_kv_regrouped(shared_dir):
                                   formats.dequantize(plain, T.Q8_KV, x.shape[1]))
     sums = plain[:, 4:8].copy().view("<i4").reshape(-1)
     np.testing.assert_array_equal(sums, plain[:, 8:].view(np.int8).sum(axis=1, dtype=np.int32))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=type_name)
+def test_values_that_decode_to_inf_are_refused(qtype):
+    """d = amax/127 rounds so that d * 127 overflows for amax = FLT_MAX (q8_k_r8: its float16 d
+    already from ~8.3e6): the output check refuses the row, naming the value, instead of writing it."""
+    from quantkit.errors import QuantkitError
+    from quantkit.quantize import quantize_rows
+    x = np.ones((8, 256), np.float32)
+    x[2, 5] = np.finfo(np.float32).max
+    with pytest.raises(QuantkitError, match=r"row 2, column 5: .* beyond what"):
+        quantize_rows(x, qtype, None, "ik", "blk.0.ffn_up.weight")
+    x[2, 5] = 1e6 if qtype == T.Q8_K_R8 else 1e38
+    assert np.isfinite(formats.dequantize(quantize_rows(x, qtype, None, "ik", "t"), qtype, 256)).all()

@@ -31,6 +31,8 @@ class Q8_KV(FamilyKernelFormat, qtype=T.Q8_KV):
     kernel_takes_flavor = True
     quant_paths = ALL_PATHS                  # ik only: one algorithm for both flavors
     dequantize_ref = decode.dequantize_ref
+    # scale_fields None: d = amax/127 is finite, but d * 127 overflows for amax near FLT_MAX, so the
+    # output check decodes
 
 
 def _check_groups(qtype, n_rows):
@@ -47,15 +49,17 @@ class _Interleaved8(BlockFormat):
     """Quantize by the row kernel, regroup 8 rows (kernels.pack_groups8); decode by
     kernels.decode_groups8, or by the numpy regrouping of ``dequantize_ref``."""
     quant_paths = ALL_PATHS
-    scale_fields = None                      # decode to find a non-finite value (groups, not rows)
+    scale_fields = None                      # decode to find a non-finite value (groups, not rows;
+                                             # q8_k_r8's float16 d overflows from amax ~65520*127 on)
 
     @classmethod
     def dequantize_fast(cls, blocks, n_per_row):
         n_rows = blocks.shape[0]
         _check_groups(cls.qtype, n_rows)
-        packed = np.ascontiguousarray(blocks, np.uint8)
+        packed = np.ascontiguousarray(blocks, np.uint8).reshape(-1)
+        packed.flags.writeable = False          # one compiled signature, writable blocks or mapped
         out = np.empty((n_rows, n_per_row), np.float32)
-        kernels.decode_groups8(packed.reshape(-1), packed.shape[1], cls.qtype == T.Q8_KV_R8, n_per_row,
+        kernels.decode_groups8(packed, blocks.shape[1], cls.qtype == T.Q8_KV_R8, n_per_row,
                                kernels.FP16_TABLE, out.reshape(-1))
         return out
 
