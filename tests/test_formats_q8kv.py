@@ -105,3 +105,33 @@ def test_values_that_decode_to_inf_are_refused(qtype):
         quantize_rows(x, qtype, None, "ik", "blk.0.ffn_up.weight")
     x[2, 5] = 1e6 if qtype == T.Q8_K_R8 else 1e38
     assert np.isfinite(formats.dequantize(quantize_rows(x, qtype, None, "ik", "t"), qtype, 256)).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=type_name)
+def test_output_check_finds_what_a_full_decode_finds(qtype):
+    """The formats' cheap non-finite checks (scales only; q8_KV: decoding the rows whose d * 128
+    overflows) name the same row (and q8_k_r8 block) as decoding everything, on random bytes whose
+    scales are finite, huge or non-finite."""
+    rng = np.random.default_rng(7 + int(qtype))
+    n = 512
+    fmt = formats.registered()[qtype]
+    for trial in range(20):
+        b = rng.integers(0, 256, (16, traits(qtype).row_size(n)), dtype=np.uint8)
+        scales = rng.choice(np.array([1.0, 3e38, np.inf, np.nan, 2e36], np.float32), 64, p=[.8, .05, .05, .05, .05])
+        if qtype == T.Q8_KV:
+            b[:, :4] = scales[:16, None].view(np.uint8)
+        elif qtype == T.Q8_KV_R8:
+            b.reshape(2, -1)[:, :32] = scales[:16].reshape(2, 8).view(np.uint8)
+        else:
+            with np.errstate(over="ignore"):
+                b.reshape(2, 2, -1)[:, :, :16] = scales[:32].astype("<f2").reshape(2, 2, 8).view(np.uint8)
+        with np.errstate(all="ignore"):
+            y = formats.dequantize(b, qtype, n)
+        bad = np.argwhere(~np.isfinite(y))
+        got = fmt.first_non_finite_value(b, n)
+        if not bad.size:
+            assert got is None
+        else:
+            row, col = bad[0]
+            want = (row, col // 256 * 256) if qtype == T.Q8_K_R8 else (row, col)
+            assert got == tuple(int(v) for v in want), trial

@@ -31,8 +31,26 @@ class Q8_KV(FamilyKernelFormat, qtype=T.Q8_KV):
     kernel_takes_flavor = True
     quant_paths = ALL_PATHS                  # ik only: one algorithm for both flavors
     dequantize_ref = decode.dequantize_ref
-    # scale_fields None: d = amax/127 is finite, but d * 127 overflows for amax near FLT_MAX, so the
-    # output check decodes
+
+    @classmethod
+    def first_non_finite_value(cls, blocks, n_per_row):
+        return _first_non_finite_row(cls, blocks, np.ascontiguousarray(blocks[:, :4]).view("<f4")[:, 0], n_per_row)
+
+
+def _first_non_finite_row(fmt, blocks, d, n_per_row):
+    """(row, element) of the first non-finite value of rows whose float32 scales are d (one per
+    row), decoding only the rows where d * 128 (the largest code's value) is not finite; None if
+    no value is."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        suspect = np.flatnonzero(~np.isfinite(d.astype(np.float32) * np.float32(128)))
+    for r in suspect:
+        group = fmt.traits.interleave_rows
+        first = r // group * group
+        y = fmt.dequantize_fast(blocks[first:first + group], n_per_row)[r - first]
+        bad = np.flatnonzero(~np.isfinite(y))
+        if bad.size:
+            return int(r), int(bad[0])
+    return None
 
 
 def _check_groups(qtype, n_rows):
@@ -66,6 +84,12 @@ class _Interleaved8(BlockFormat):
 
 class Q8_KV_R8(_Interleaved8, qtype=T.Q8_KV_R8):
     @classmethod
+    def first_non_finite_value(cls, blocks, n_per_row):
+        _check_groups(cls.qtype, blocks.shape[0])
+        d = np.ascontiguousarray(blocks.reshape(-1, GROUP * blocks.shape[1])[:, :4 * GROUP]).view("<f4").reshape(-1)
+        return _first_non_finite_row(cls, blocks, d, n_per_row)
+
+    @classmethod
     def quantize(cls, x, imatrix, flavor):
         n_rows, n = x.shape
         _check_groups(cls.qtype, n_rows)
@@ -89,6 +113,17 @@ class Q8_KV_R8(_Interleaved8, qtype=T.Q8_KV_R8):
 
 
 class Q8_K_R8(_Interleaved8, qtype=T.Q8_K_R8):
+    @classmethod
+    def first_non_finite_value(cls, blocks, n_per_row):
+        """Only a non-finite float16 d decodes to a non-finite value (65504 * 128 is finite):
+        (row, first element of its 256 values) of the first."""
+        _check_groups(cls.qtype, blocks.shape[0])
+        n_blocks = n_per_row // QK_K
+        g = blocks.reshape(-1, n_blocks, GROUP * (kernels.Q8_K_R8_HEAD + QK_K))
+        d = np.ascontiguousarray(g[:, :, :2 * GROUP]).view("<f2")                 # (groups, block, row)
+        bad = np.argwhere(~np.isfinite(d.transpose(0, 2, 1).reshape(blocks.shape[0], n_blocks)))
+        return (int(bad[0, 0]), int(bad[0, 1]) * QK_K) if bad.size else None
+
     @classmethod
     def quantize(cls, x, imatrix, flavor):
         n_rows, n = x.shape
