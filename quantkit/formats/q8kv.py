@@ -64,7 +64,7 @@ def _unwords(codes, n_groups, n_bytes):
 
 
 class _Interleaved8(BlockFormat):
-    """Quantize by the row kernel, regroup 8 rows (kernels.pack_groups8); decode by
+    """Quantize and regroup 8 rows at a time (kernels.quantize_groups8); decode by
     kernels.decode_groups8, or by the numpy regrouping of ``dequantize_ref``."""
     quant_paths = ALL_PATHS
     scale_fields = None                      # decode to find a non-finite value (groups, not rows;
@@ -93,10 +93,8 @@ class Q8_KV_R8(_Interleaved8, qtype=T.Q8_KV_R8):
     def quantize(cls, x, imatrix, flavor):
         n_rows, n = x.shape
         _check_groups(cls.qtype, n_rows)
-        plain = Q8_KV.quantize(x, None, "ik")
         out = cls.empty_blocks(n_rows, n)
-        meta, keep = kernels.Q8_KV_META, kernels.Q8_KV_R8_META
-        kernels.pack_groups8(plain.reshape(-1), plain.shape[1], out.reshape(-1), out.shape[1], meta, keep, 1, 0, n)
+        kernels.quantize_groups8(np.ascontiguousarray(x, np.float32), True, out)
         return out
 
     @classmethod
@@ -128,13 +126,8 @@ class Q8_K_R8(_Interleaved8, qtype=T.Q8_K_R8):
     def quantize(cls, x, imatrix, flavor):
         n_rows, n = x.shape
         _check_groups(cls.qtype, n_rows)
-        plain = cls.empty_blocks(n_rows, n)
-        qw = np.zeros(n, np.float32)
-        kernels.quantize_rows(int(cls.qtype), np.ascontiguousarray(x, np.float32), qw, False, True, plain)
         out = cls.empty_blocks(n_rows, n)
-        head = kernels.Q8_K_R8_HEAD
-        kernels.pack_groups8(plain.reshape(-1), plain.shape[1], out.reshape(-1), out.shape[1], 0, 0, n // QK_K,
-                             head, QK_K)
+        kernels.quantize_groups8(np.ascontiguousarray(x, np.float32), False, out)
         return out
 
     @classmethod

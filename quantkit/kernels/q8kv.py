@@ -12,7 +12,7 @@ each row, its code sum dropped; q8_k_r8: the 8 float16 ``d`` of each 256-block),
 4 bytes at a time, row after row: byte ``32 w + 4 k + i`` is byte ``4 w + i`` of row k's codes
 (of the block, for q8_k_r8).  The row kernels write a row's plain form (q8_KV: its bytes;
 q8_k_r8: per block the float16 d and the 256 codes, as many bytes as the interleaved row) and
-:func:`pack_groups8` regroups them, as ik's quantizers do.
+:func:`quantize_groups8` regroups them group by group, as ik's quantizers do.
 """
 from __future__ import annotations
 
@@ -99,11 +99,11 @@ def q8_k_r8_row(x, qw, has_qw, ik, y):
         _round_codes(xb, F(127) / amax if amax != 0 else F(0), amax, y, o + Q8_K_R8_HEAD)
 
 
-ROW_KERNELS = {Q8_KV: q8_kv_row, Q8_K_R8: q8_k_r8_row}
+ROW_KERNELS = {Q8_KV: q8_kv_row}
 
 
 def quantize_rows(qtype, x, qw, has_qw, ik, out):
-    """Rows x (n_rows, n_per_row) -> out: q8_KV rows, or q8_k_r8 rows in their plain form."""
+    """Rows x (n_rows, n_per_row) -> q8_KV rows in out (n_rows, row_size)."""
     run_rows(ROW_KERNELS[qtype], x, qw, has_qw, ik, out)
 
 
@@ -117,26 +117,47 @@ def _words8(src, s_at, s_stride, dst, d_at, n_bytes):
                 dst[d_at + 32 * w + 4 * k + i] = src[s_at + k * s_stride + 4 * w + i]
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
-def pack_groups8(plain, plain_row, packed, packed_row, meta_in, meta_keep, n_blocks, head, payload):
-    """Plain rows (flat, plain_row bytes each: meta_in bytes, then n_blocks of head + payload bytes)
-    -> interleaved groups of 8 rows (flat, packed_row bytes per row): the 8 rows' first meta_keep
-    bytes, then per block the 8 heads and the 8 payloads 4 bytes at a time (module docstring)."""
-    for g in prange(plain.shape[0] // (GROUP * plain_row)):
-        src = g * GROUP * plain_row
-        pos = g * GROUP * packed_row
+@njit(cache=True, error_model="numpy", inline="always")
+def _pack_group(plain, plain_row, packed, pos, meta_in, meta_keep, n_blocks, head, payload):
+    """8 plain rows (flat from 0, plain_row bytes each: meta_in bytes, then n_blocks of head +
+    payload bytes) -> one interleaved group at packed[pos]: the 8 rows' first meta_keep bytes, then
+    per block the 8 heads and the 8 payloads 4 bytes at a time (module docstring)."""
+    for k in range(GROUP):
+        for i in range(meta_keep):
+            packed[pos + meta_keep * k + i] = plain[plain_row * k + i]
+    pos += GROUP * meta_keep
+    for b in range(n_blocks):
+        at = meta_in + (head + payload) * b
         for k in range(GROUP):
-            for i in range(meta_keep):
-                packed[pos + meta_keep * k + i] = plain[src + plain_row * k + i]
-        pos += GROUP * meta_keep
-        for b in range(n_blocks):
-            at = src + meta_in + (head + payload) * b
-            for k in range(GROUP):
-                for i in range(head):
-                    packed[pos + head * k + i] = plain[at + plain_row * k + i]
-            pos += GROUP * head
-            _words8(plain, at + head, plain_row, packed, pos, payload)
-            pos += GROUP * payload
+            for i in range(head):
+                packed[pos + head * k + i] = plain[at + plain_row * k + i]
+        pos += GROUP * head
+        _words8(plain, at + head, plain_row, packed, pos, payload)
+        pos += GROUP * payload
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def quantize_groups8(x, kv, out):
+    """Rows x (n_rows, n_per_row), n_rows a multiple of 8 -> out (n_rows, row_size) of q8_KV_r8
+    (kv) or q8_k_r8: each group's rows quantized in their plain form, then regrouped, as ik's
+    quantize_q8_KV_r8 / quantize_q8_k_r8 do."""
+    n = x.shape[1]
+    plain_row = Q8_KV_META + n if kv else out.shape[1]
+    packed = out.reshape(-1)
+    qw = np.zeros(1, np.float32)
+    for g in prange(x.shape[0] // GROUP):
+        plain = np.empty(GROUP * plain_row, np.uint8)
+        for k in range(GROUP):
+            row = plain[plain_row * k:plain_row * (k + 1)]
+            if kv:
+                q8_kv_row(x[GROUP * g + k], qw, False, True, row)
+            else:
+                q8_k_r8_row(x[GROUP * g + k], qw, False, True, row)
+        pos = g * GROUP * out.shape[1]
+        if kv:
+            _pack_group(plain, plain_row, packed, pos, Q8_KV_META, Q8_KV_R8_META, 1, 0, n)
+        else:
+            _pack_group(plain, plain_row, packed, pos, 0, 0, n // QK_K, Q8_K_R8_HEAD, QK_K)
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
