@@ -10,9 +10,8 @@
 Their interleaved layouts regroup 8 rows: the 8 rows' scales first (q8_KV_r8: the float32 ``d`` of
 each row, its code sum dropped; q8_k_r8: the 8 float16 ``d`` of each 256-block), then the codes
 4 bytes at a time, row after row: byte ``32 w + 4 k + i`` is byte ``4 w + i`` of row k's codes
-(of the block, for q8_k_r8).  The row kernels write a row's plain form (q8_KV: its bytes;
-q8_k_r8: per block the float16 d and the 256 codes, as many bytes as the interleaved row) and
-:func:`quantize_groups8` regroups them group by group, as ik's quantizers do.
+(of the block, for q8_k_r8).  :func:`quantize_groups8` writes each row's scales and codes straight
+to those places: the bytes of ik's quantize-then-repack.
 """
 from __future__ import annotations
 
@@ -52,51 +51,62 @@ def _absmax(x):
     return amax
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _code_at(at, j, words8):
+    """Where code j goes: at + j, or with words8 (an interleaved group, ``at`` its row's first
+    byte) at + 32 (j // 4) + j % 4."""
+    return at + 32 * (j >> 2) + (j & 3) if words8 else at + j
+
+
 @njit(cache=True, error_model="numpy")
-def _round_codes(x, mul, amax, y, at):
-    """y[at + j] = int8 code of round(mul * x[j]) as the AVX2 code stores it; returns the int64
-    sum of the int32 values before saturation.  Where no product can reach 2^30 (every row whose
-    scale did not underflow) the plain loop, which vectorises; else C's conversion, value by value."""
+def _round_codes(x, mul, amax, y, at, words8):
+    """The int8 code of round(mul * x[j]) as the AVX2 code stores it, for every j, to y at
+    _code_at(at, j, words8); returns the int64 sum of the int32 values before saturation.  Where
+    no product can reach 2^30 (every row whose scale did not underflow) the plain loop; else C's
+    conversion (INT_MIN out of range), value by value."""
     isum = np.int64(0)
     if mul * amax < F(2.0 ** 30):
         for j in range(x.shape[0]):
             i = np.int32(np.rint(mul * x[j]))
             isum += i
-            y[at + j] = np.uint8(min(I32(127), max(I32(-128), i)) & 0xFF)
+            y[_code_at(at, j, words8)] = np.uint8(min(I32(127), max(I32(-128), i)) & 0xFF)
     else:
         for j in range(x.shape[0]):
             i = _cvt_round(mul * x[j])
             isum += i
-            y[at + j] = np.uint8(_int8_saturated(i) & 0xFF)
+            y[_code_at(at, j, words8)] = np.uint8(_int8_saturated(i) & 0xFF)
     return isum
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _q8_kv_codes(x, y, d_at, codes_at, words8):
+    """A q8_KV row's float32 d to y[d_at] and its codes from codes_at; returns their int64 sum."""
+    amax = _absmax(x)
+    d = amax / F(127)
+    if amax == 0:                                   # all zero bytes
+        for j in range(x.shape[0]):
+            y[_code_at(codes_at, j, words8)] = 0
+        store_f32(y, d_at, F(0))
+        return np.int64(0)
+    store_f32(y, d_at, d)
+    return _round_codes(x, F(1) / d, amax, y, codes_at, words8)
 
 
 @njit(cache=True, error_model="numpy")
 def q8_kv_row(x, qw, has_qw, ik, y):
     """One q8_KV row (ik ignores the imatrix)."""
-    n = x.shape[0]
-    amax = _absmax(x)
-    if amax == 0:
-        for j in range(n + Q8_KV_META):
-            y[j] = 0
-        return
-    d = amax / F(127)
-    isum = _round_codes(x, F(1) / d, amax, y, Q8_KV_META)
-    store_f32(y, 0, d)
+    isum = _q8_kv_codes(x, y, 0, Q8_KV_META, False)
     for k in range(4):                              # the int32 sum wraps, as the C lanes do
         y[4 + k] = (isum >> (8 * k)) & 0xFF
 
 
-@njit(cache=True, error_model="numpy")
-def q8_k_r8_row(x, qw, has_qw, ik, y):
-    """One row of q8_k_r8 in its plain form: per 256 values float16 d, then 256 int8 codes."""
-    blk = Q8_K_R8_HEAD + QK_K
-    for ib in range(x.shape[0] // QK_K):
-        xb = x[QK_K * ib:QK_K * ib + QK_K]
-        o = blk * ib
-        amax = _absmax(xb)
-        store_fp16(y, o, amax / F(127))
-        _round_codes(xb, F(127) / amax if amax != 0 else F(0), amax, y, o + Q8_K_R8_HEAD)
+@njit(cache=True, error_model="numpy", inline="always")
+def _q8_k_block(xb, y, d_at, codes_at):
+    """quantize_row_q8_K32 of 256 values: float16 d = amax/127 to y[d_at], the codes round(x *
+    127/amax) as the 4-byte words of an interleaved group's row from codes_at."""
+    amax = _absmax(xb)
+    store_fp16(y, d_at, amax / F(127))
+    _round_codes(xb, F(127) / amax if amax != 0 else F(0), amax, y, codes_at, True)
 
 
 ROW_KERNELS = {Q8_KV: q8_kv_row}
@@ -107,57 +117,25 @@ def quantize_rows(qtype, x, qw, has_qw, ik, out):
     run_rows(ROW_KERNELS[qtype], x, qw, has_qw, ik, out)
 
 
-@njit(cache=True, error_model="numpy", inline="always")
-def _words8(src, s_at, s_stride, dst, d_at, n_bytes):
-    """The codes of 8 rows (row k's n_bytes at s_at + k s_stride) -> 4-byte words, row after row,
-    at d_at."""
-    for w in range(n_bytes // 4):
-        for k in range(GROUP):
-            for i in range(4):
-                dst[d_at + 32 * w + 4 * k + i] = src[s_at + k * s_stride + 4 * w + i]
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _pack_group(plain, plain_row, packed, pos, meta_in, meta_keep, n_blocks, head, payload):
-    """8 plain rows (flat from 0, plain_row bytes each: meta_in bytes, then n_blocks of head +
-    payload bytes) -> one interleaved group at packed[pos]: the 8 rows' first meta_keep bytes, then
-    per block the 8 heads and the 8 payloads 4 bytes at a time (module docstring)."""
-    for k in range(GROUP):
-        for i in range(meta_keep):
-            packed[pos + meta_keep * k + i] = plain[plain_row * k + i]
-    pos += GROUP * meta_keep
-    for b in range(n_blocks):
-        at = meta_in + (head + payload) * b
-        for k in range(GROUP):
-            for i in range(head):
-                packed[pos + head * k + i] = plain[at + plain_row * k + i]
-        pos += GROUP * head
-        _words8(plain, at + head, plain_row, packed, pos, payload)
-        pos += GROUP * payload
-
-
 @njit(cache=True, parallel=True, error_model="numpy")
 def quantize_groups8(x, kv, out):
     """Rows x (n_rows, n_per_row), n_rows a multiple of 8 -> out (n_rows, row_size) of q8_KV_r8
-    (kv) or q8_k_r8: each group's rows quantized in their plain form, then regrouped, as ik's
-    quantize_q8_KV_r8 / quantize_q8_k_r8 do."""
+    (kv: the 8 rows' float32 d, then their codes) or q8_k_r8 (per 256 values the 8 float16 d,
+    then the codes), each row's codes written straight to its 4-byte words of the group: what ik's
+    quantize_q8_KV_r8 / quantize_q8_k_r8 (quantize, then repack) write."""
     n = x.shape[1]
-    plain_row = Q8_KV_META + n if kv else out.shape[1]
     packed = out.reshape(-1)
-    qw = np.zeros(1, np.float32)
     for g in prange(x.shape[0] // GROUP):
-        plain = np.empty(GROUP * plain_row, np.uint8)
-        for k in range(GROUP):
-            row = plain[plain_row * k:plain_row * (k + 1)]
-            if kv:
-                q8_kv_row(x[GROUP * g + k], qw, False, True, row)
-            else:
-                q8_k_r8_row(x[GROUP * g + k], qw, False, True, row)
         pos = g * GROUP * out.shape[1]
-        if kv:
-            _pack_group(plain, plain_row, packed, pos, Q8_KV_META, Q8_KV_R8_META, 1, 0, n)
-        else:
-            _pack_group(plain, plain_row, packed, pos, 0, 0, n // QK_K, Q8_K_R8_HEAD, QK_K)
+        for k in range(GROUP):
+            xr = x[GROUP * g + k]
+            if kv:
+                _q8_kv_codes(xr, packed, pos + Q8_KV_R8_META * k, pos + GROUP * Q8_KV_R8_META + 4 * k, True)
+            else:
+                for b in range(n // QK_K):
+                    at = pos + b * GROUP * (Q8_K_R8_HEAD + QK_K)
+                    _q8_k_block(xr[QK_K * b:QK_K * (b + 1)], packed, at + Q8_K_R8_HEAD * k,
+                                at + GROUP * Q8_K_R8_HEAD + 4 * k)
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
