@@ -71,6 +71,14 @@ class _Interleaved8(BlockFormat):
                                              # q8_k_r8's float16 d overflows from amax ~65520*127 on)
 
     @classmethod
+    def quantize(cls, x, imatrix, flavor):
+        n_rows, n = x.shape
+        _check_groups(cls.qtype, n_rows)
+        out = cls.empty_blocks(n_rows, n)
+        kernels.quantize_groups8(np.ascontiguousarray(x, np.float32), cls.qtype == T.Q8_KV_R8, out)
+        return out
+
+    @classmethod
     def dequantize_fast(cls, blocks, n_per_row):
         n_rows = blocks.shape[0]
         _check_groups(cls.qtype, n_rows)
@@ -88,14 +96,6 @@ class Q8_KV_R8(_Interleaved8, qtype=T.Q8_KV_R8):
         _check_groups(cls.qtype, blocks.shape[0])
         d = np.ascontiguousarray(blocks.reshape(-1, GROUP * blocks.shape[1])[:, :4 * GROUP]).view("<f4").reshape(-1)
         return _first_non_finite_row(cls, blocks, d, n_per_row)
-
-    @classmethod
-    def quantize(cls, x, imatrix, flavor):
-        n_rows, n = x.shape
-        _check_groups(cls.qtype, n_rows)
-        out = cls.empty_blocks(n_rows, n)
-        kernels.quantize_groups8(np.ascontiguousarray(x, np.float32), True, out)
-        return out
 
     @classmethod
     def dequantize_ref(cls, blocks, n_per_row):
@@ -121,14 +121,6 @@ class Q8_K_R8(_Interleaved8, qtype=T.Q8_K_R8):
         d = np.ascontiguousarray(g[:, :, :2 * GROUP]).view("<f2")                 # (groups, block, row)
         bad = np.argwhere(~np.isfinite(d.transpose(0, 2, 1).reshape(blocks.shape[0], n_blocks)))
         return (int(bad[0, 0]), int(bad[0, 1]) * QK_K) if bad.size else None
-
-    @classmethod
-    def quantize(cls, x, imatrix, flavor):
-        n_rows, n = x.shape
-        _check_groups(cls.qtype, n_rows)
-        out = cls.empty_blocks(n_rows, n)
-        kernels.quantize_groups8(np.ascontiguousarray(x, np.float32), False, out)
-        return out
 
     @classmethod
     def dequantize_ref(cls, blocks, n_per_row):
