@@ -31,6 +31,13 @@ IQ6NL_VALUES = np.array([
 #: IQ4_NL / IQ4_XS (kvalues_iq4nl): the base half of IQ4_K's table
 IQ4NL_VALUES = IQ4K_VALUES[:16]
 
+#: MXFP4 (kvalues_mxfp4): the E2M1 values doubled (the scale is half the E8M0 power of two);
+#: code 8 is -0, stored as 0
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+#: E8M0 byte e -> 2^(e - 128) as float32 (GGML_E8M0_TO_FP32_HALF: bits (e - 1) << 23; e = 0, 1 the
+#: subnormals 0x00200000 << e), the block scale MXFP4's values multiply
+E8M0_HALF = np.array([0x00200000, 0x00400000] + [(e - 1) << 23 for e in range(2, 256)], np.uint32).view(np.float32)
+
 #: IQ6_K's values are a cubic in the 6-bit code q, computed in float32:
 #: A + q*(B + q*(-C + q*D)), plus 1 in a shifted sub-block
 A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K = np.float32(-127.0), np.float32(6.2568), np.float32(0.11218), np.float32(0.0011972)

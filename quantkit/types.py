@@ -133,6 +133,7 @@ class QuantType(IntEnum):
     IQ5_K_R4 = 340
     IQ4_KS_R4 = 344
     IQ5_KS_R4 = 352
+    MXFP4_R8 = 353
     Q8_K_R16 = 397
     Q8_KV_R8 = 398
     Q8_K_R8 = 399
@@ -206,7 +207,7 @@ _TABLE: list[TypeTraits] = [
     _Q(T.Q8_1, "q8_1", 32, 2 + 2 + 32, in_files=False, loads=NONE),
     _Q(T.Q6_0, "q6_0", 32, 2 + 8 + 16, ftype=135, loads=IK),
     _Q(T.IQ4_NL, "iq4_nl", 32, 2 + 16, ftype=25, loads=BOTH, vec_dot_type=T.Q8_0),
-    _Q(T.MXFP4, "mxfp4", 32, 1 + 16, ftype=38, loads=BOTH),
+    _Q(T.MXFP4, "mxfp4", 32, 1 + 16, ftype=38, loads=BOTH, vec_dot_type=T.Q8_0),
     _Q(T.NVFP4, "nvfp4", 64, 4 + 32, loads=MAINLINE),
     _Q(T.Q1_0, "q1_0_g128", 128, 2 + 16, loads=BOTH),
     # ---- k-quants ----
@@ -289,6 +290,7 @@ _TABLE: list[TypeTraits] = [
     _Q(T.IQ5_K_R4, "iq5_k_r4", QK_K, 176, interleave_rows=4, base=T.IQ5_K, ftype=341, loads=IK, row_fallback=fallback(ik=T.Q6_0)),
     _Q(T.IQ4_KS_R4, "iq4_ks_r4", QK_K, 136, row_meta_size=4, interleave_rows=4, base=T.IQ4_KS, ftype=345, loads=IK, row_fallback=fallback(ik=T.IQ4_NL)),
     _Q(T.IQ5_KS_R4, "iq5_ks_r4", QK_K, 168, row_meta_size=4, interleave_rows=4, base=T.IQ5_KS, ftype=350, loads=IK, row_fallback=fallback(ik=T.Q5_0)),
+    _Q(T.MXFP4_R8, "mxfp4_r8", 32, 1 + 16, interleave_rows=8, base=T.MXFP4, ftype=351, loads=IK),
     _Q(T.Q8_K_R16, "q8_k_r16", QK_K, 258, interleave_rows=16, loads=IK),
     _Q(T.Q8_KV_R8, "q8_KV_r8", 32, 32, row_meta_size=4, interleave_rows=8, base=T.Q8_KV, ftype=398, loads=IK),
     _Q(T.Q8_K_R8, "q8_k_r8", QK_K, 258, interleave_rows=8, base=T.Q8_K, group_fallback=T.Q8_0, ftype=399, loads=IK, row_fallback=fallback(ik=T.Q8_0)),
@@ -303,8 +305,10 @@ assert set(TYPE_TRAITS) == set(QuantType), "every QuantType needs a table row"
 
 # plain type -> its interleaved variant, as ik's get_repack_info maps them (llama-quantize --repack, -rtr):
 # every quantized interleaved type whose block is its base's.  bf16_r16 is left to repack.py (ik
-# repacks bf16 and f16 into it only in AVX512-BF16 builds); mxfp4_r8 is not in the table (the
-# wheel's ggml does not know it).
+# repacks bf16 and f16 into it only in AVX512-BF16 builds).  q8_K (activation only, in no file) ->
+# q8_k_r8 and q8_KV -> q8_KV_r8 are ik's too, but neither is a regrouping of the same bytes (the
+# interleaved rows keep an fp16 / a float32 scale where the plain ones keep more): repack.py finds
+# no layout for them (formats/interleave.py) and keeps such tensors.
 REPACKED_TYPE: dict[QuantType, QuantType] = {
     t.base: t.qtype for t in _TABLE
     if t.base is not None and t.quantized and TYPE_TRAITS[t.base].block_size == t.block_size}

@@ -115,3 +115,13 @@ def random_blocks(qtype, rows: int, n: int, seed: int, d_at: int = 0) -> np.ndar
         blk[:, at:at + 2] = (rng.standard_normal(blk.shape[0]) * 10.0 ** rng.uniform(-6, 2, blk.shape[0])) \
             .astype("<f2").view(np.uint8).reshape(-1, 2)
     return b
+
+
+def assert_golden(shared_dir, golden_flavor: str, name: str, qtype, use_imatrix: bool, flavors=("ik",)) -> None:
+    """Quantize golden input ``name`` of ``golden_flavor`` as each of ``flavors`` and compare with
+    that folder's bytes (a type only ik has runs one algorithm for both flavors)."""
+    _, x, imatrix = golden_input(shared_dir, golden_flavor, name)
+    want = golden_bytes(shared_dir, golden_flavor, name, qtype, use_imatrix)
+    for flavor in flavors:
+        got = quantize(x, qtype, imatrix if use_imatrix else None, flavor)
+        assert_same_bytes(got, want, qtype, x.shape[1], f"{type_name(qtype)} {name} {flavor}")

@@ -10,6 +10,8 @@ from quantkit.gguf_io.reader import open_model
 from quantkit.types import TYPE_TRAITS, QuantType, is_known_type_id, tensor_nbytes, type_from_name, type_name
 
 MAINLINE_ONLY = {QuantType.TQ1_0, QuantType.TQ2_0, QuantType.NVFP4}
+# ids of ik_llama.cpp @ 8337e4cd (the golden vectors' commit) that the wheel's older ggml lacks
+NEWER_THAN_THE_WHEEL = {QuantType.MXFP4_R8}
 
 ggml = peers.load_ggml()
 needs_wheel = pytest.mark.skipif(ggml is None, reason="ik-llama-cpp-python is not installed")
@@ -31,7 +33,7 @@ def test_every_table_entry_matches_the_wheel():
             n = k * t.block_size
             assert ggml.row_size(int(qtype), n) == t.row_size(n), (qtype.name, n)
             assert tensor_nbytes(qtype, (n, 3)) == 3 * ggml.row_size(int(qtype), n)
-    assert unknown == MAINLINE_ONLY      # ids the fork does not define (34/35 TQ*, 40 NVFP4)
+    assert unknown == MAINLINE_ONLY | NEWER_THAN_THE_WHEEL  # the fork has no 34/35 TQ*, 40 NVFP4
 
 
 @needs_wheel
@@ -44,7 +46,7 @@ def test_the_wheel_knows_no_type_missing_from_the_table():
 @needs_wheel
 def test_interleaved_types_are_named_after_their_row_group():
     for qtype, t in TYPE_TRAITS.items():
-        if t.interleave_rows > 1:
+        if t.interleave_rows > 1 and qtype not in NEWER_THAN_THE_WHEEL:
             assert ggml.type_name(int(qtype)).endswith(f"_r{t.interleave_rows}"), qtype.name
 
 

@@ -39,6 +39,9 @@ def test_mainline_loads_exactly_the_ids_gguf_py_lists_with_our_layout():
 @needs_wheel
 def test_ik_loads_exactly_the_ids_the_wheels_ggml_defines():
     for t in file_types():
+        if t.qtype == T.MXFP4_R8:       # ik @ 8337e4cd has it (353); the wheel's older ggml does not
+            assert loads(t.qtype, "ik") and ggml.type_traits(int(t.qtype)) is None
+            continue
         assert loads(t.qtype, "ik") == (ggml.type_traits(int(t.qtype)) is not None), t.name
 
 

@@ -74,6 +74,9 @@ class BlockFormat:
 
 def first_non_finite(fmt: type[BlockFormat], blocks: np.ndarray, n_per_row: int) -> tuple[int, int] | None:
     """(row, element or block index) of the first non-finite value a decoder would produce, or None."""
+    own = getattr(fmt, "first_non_finite_value", None)  # a format that finds it without decoding all
+    if own is not None:
+        return own(blocks, n_per_row)
     t = fmt.traits
     if fmt.scale_fields is not None and t.row_meta_size:
         # the row's scale times a small integer is every value (ternary types): a row whose scale is

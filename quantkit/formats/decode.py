@@ -27,7 +27,7 @@ from ..grids import IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS
 from ..kernels.iq2kl import PAIRS
 from ..kernels.ternary import POW3
 from ..layouts import LAYOUTS, Layout
-from ..tables import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, IQ4K_VALUES
+from ..tables import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, E8M0_HALF, IQ4K_VALUES, MXFP4_VALUES
 from ..types import QuantType, traits
 from ._kt_codebook import IQ4_KT_SECOND_OFFSET, OFFSET, SPECS, trellis_values
 
@@ -419,9 +419,28 @@ def _iq3_s(xp, b, n_per_row):
     s = xp.stack([sc & 0xF, sc >> 4], 2).reshape(-1, 8)
     db = d * xp.floats(1 + 2 * s)
     return _signed(xp, db[:, :, None] * v, blk[:, 74:106].reshape(-1, 8, 4)).reshape(b.shape[0], n_per_row)
+# ---- hand-written: MXFP4, whose scale is an E8M0 byte (a power of two), not a float16 ----
+
+def _mxfp4(xp, b, n_per_row):
+    """17 B: e | qs[16]; value j = E8M0_HALF[e] * MXFP4_VALUES[code j] (code j: low nibble of qs[j],
+    j + 16: high nibble)."""
+    blk = xp.ints(b.reshape(-1, 17))
+    d = _table(xp, b, "e8m0_half", E8M0_HALF)[blk[:, 0:1]]
+    qs = blk[:, 1:17]
+    v = _table(xp, b, "mxfp4", MXFP4_VALUES)[xp.cat([qs & 0xF, qs >> 4], 1)]
+    return (d * v).reshape(b.shape[0], n_per_row)
+
+
+# ---- hand-written: q8_KV, a float32 row scale (and the int32 sum of the codes) before int8 codes ----
+
+def _q8_kv(xp, b, n_per_row):
+    """float32 d | int32 sum | int8 codes[n_per_row]; value j = d * code j."""
+    q = xp.ints(b[:, 8:])
+    return xp.f32(b, 0) * xp.floats((q ^ 0x80) - 0x80)
 
 
 _HAND_WRITTEN = {
+    T.MXFP4: _mxfp4, T.Q8_KV: _q8_kv,
     T.IQ2_KL: _iq2_kl, T.IQ4_KSS: _iq4_kss, T.IQ1_KT: _iq1_kt, T.IQ4_KT: _iq4_kt,
     T.IQ2_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq2_kt"), T.IQ3_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq3_kt"),
     **{q: lambda xp, b, n, q=q: _ternary(xp, b, n, q) for q in (T.IQ1_BN, T.IQ2_BN, T.TQ1_0, T.TQ2_0)},

@@ -137,6 +137,12 @@ def _q8_0_r8(b):
     return np.concatenate([b[..., :2].reshape(len(b), 16)] + parts, axis=1)
 
 
+def _mxfp4_r8(b):
+    """block_mxfp4_r8 { e[8]; qs[128] }: qs[32 l + 4 k + i] = row k's qs[4 l + i] (repack_mxfp4)."""
+    qs = b[..., 1:17].reshape(len(b), 8, 4, 4).transpose(0, 2, 1, 3).reshape(len(b), 128)
+    return np.concatenate([b[..., 0], qs], axis=1)
+
+
 def _iq4_ks_r4(b):
     L = _nibbles_lo_hi(b[..., 8:136].reshape(len(b), 4, 8, 16))                  # (G, 4, 8, 32)
     qs = il32(L.transpose(0, 2, 1, 3))                                             # (G, 8, 64)
@@ -396,6 +402,7 @@ _FORWARD: dict[QuantType, Callable[[np.ndarray], np.ndarray]] = {
     T.IQ4_XS_R8: _iq4_xs_r8, T.IQ5_KS_R4: _iq5_ks_r4,
     T.IQ2_BN_R4: _iq2_bn_r4,
     T.IQ3_XXS_R4: _iq3_xxs_r4, T.IQ3_S_R4: _iq3_s_r4,
+    T.MXFP4_R8: _mxfp4_r8,
 }
 # A column block is one block of the base type (types.py's base), except that bf16_r16 interleaves
 # pairs of values (ik needs ne0 % 2 == 0), where bf16's block is one value.

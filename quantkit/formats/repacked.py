@@ -9,7 +9,7 @@ except where the C wrapper changes the quantizer's input:
   imatrix.  For the IQK types the plain quantizer does the clean-up itself, so nothing differs.
 * q2_k_r4 calls the q2_K quantizer one row at a time, so ik's "is this chunk ternary" test looks at
   one row, not at llama-quantize's chunk of rows.
-* q8_0_r8 ignores the imatrix (q8_0 has no use for it).
+* q8_0_r8 ignores the imatrix (q8_0 has no use for it); mxfp4_r8 too (mxfp4 does not use one).
 * bf16_r16 truncates float32 to bf16 (plain bf16 rounds to nearest even).
 
 These types exist only in ik_llama.cpp, so the flavor is ignored: ik's quantizers are used.
@@ -57,6 +57,7 @@ WRAPPERS: dict[QuantType, WrapperRule] = {
     T.BF16_R16: WrapperRule(uses_imatrix=False, truncate_bf16=True),
     T.IQ2_BN_R4: WrapperRule(),             # quantize_iq2_bn ignores the imatrix it is handed
     T.IQ3_XXS_R4: WrapperRule(cleanup_block=32), T.IQ3_S_R4: WrapperRule(cleanup_block=16),
+    T.MXFP4_R8: WrapperRule(uses_imatrix=False),        # quantize_mxfp4_r8: mxfp4's blocks, regrouped
 }
 
 
