@@ -545,11 +545,6 @@ def iq1_m_row_state(xr, qw, has_qw, ik, y, state):
             y[o + 49 + 2 * i] = (sc[i] >> 8) & 0xFF
 
 
-@njit(cache=True, error_model="numpy")
-def iq1_m_row(xr, qw, has_qw, ik, y):
-    iq1_m_row_state(xr, qw, has_qw, ik, y, np.zeros(2 * N_STATE + 1, np.int64))
-
-
 # ---- IQ1_S_R4 / IQ1_M_R4 (ik only): a "row" here is a group of 4 rows, x[k * n + i]; the group's
 #      bytes are 4 fp16 row scales, then per 32 columns one block of the 4 rows ----
 
@@ -708,12 +703,9 @@ def iq1_m_r4_row_state(xg, qw, has_qw, ik, y, state):
             y[o + 24 + k] = ls1 | (ls2 << 4)
 
 
-@njit(cache=True, error_model="numpy")
-def iq1_m_r4_row(xg, qw, has_qw, ik, y):
-    iq1_m_r4_row_state(xg, qw, has_qw, ik, y, np.zeros(2 * N_STATE + 1, np.int64))
-
-
-ROW_KERNELS = {IQ1_S: iq1_s_row, IQ1_M: iq1_m_row, IQ1_S_R4: iq1_s_r4_row, IQ1_M_R4: iq1_m_r4_row}
+# IQ1_S's kernels have the shared row signature; IQ1_M's take the carried state as well (one
+# signature each: mainline's IQ1_M runs the same kernel and never reads a carried shift)
+ROW_KERNELS = {IQ1_S: iq1_s_row, IQ1_S_R4: iq1_s_r4_row}
 STATE_KERNELS = {IQ1_M: iq1_m_row_state, IQ1_M_R4: iq1_m_r4_row_state}
 STATE_SIG = ROW_SIG + (types.Array(types.int64, 1, "C"),)
 
@@ -758,7 +750,7 @@ def quantize_rows(qtype, x, qw, has_qw, ik, out):
         n_rows, n = x.shape
         x = x.reshape(n_rows // 4, 4 * n)
         out = out.reshape(n_rows // 4, -1)
-    if qtype == IQ1_M_R4 or (qtype == IQ1_M and ik):
+    if qtype in STATE_KERNELS:
         _quantize_carrying_shifts(STATE_KERNELS[qtype], x, qw, has_qw, ik, out)
     else:
         run_rows(ROW_KERNELS[qtype], x, qw, has_qw, ik, out)
