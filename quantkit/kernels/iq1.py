@@ -68,14 +68,19 @@ def _lattice():
     codes = (digits << shifts).sum(1)
     off = kmap[codes] < 0
     codes, digits = codes[off], digits[off].astype(np.int16)
-    d2 = np.zeros((codes.shape[0], kg.shape[0]), np.int16)
-    for k in range(8):
-        d2 += (digits[:, k:k + 1] - levels[None, :, k]) ** 2
-    present = np.zeros((codes.shape[0], 33), bool)                            # which distances occur
-    present[np.arange(codes.shape[0])[:, None], d2] = True
-    third = np.argmax(np.cumsum(present, axis=1) >= 3, axis=1)                # the 3rd smallest distance
+    # squared distances |a|² + |b|² - 2 a.b, exact in float32 (small integers), as int8
+    a, g = digits.astype(np.float32), levels.astype(np.float32)
+    d2 = a @ g.T
+    d2 *= -2
+    d2 += (a * a).sum(1)[:, None]
+    d2 += (g * g).sum(1)[None, :]
+    d2 = d2.astype(np.int8)
+    third = d2.min(axis=1)                                                    # the 3rd smallest distance
+    for _ in range(2):
+        third = np.where(d2 > third[:, None], d2, np.int8(127)).min(axis=1)
     row, point = np.nonzero(d2 <= third[:, None])
-    order = np.lexsort((point, d2[row, point], row))
+    # nonzero gives (code, point) in order: a stable sort by (code, distance) keeps points in order
+    order = np.argsort(row * 64 + d2[row, point], kind="stable")
     row, point = row[order], point[order]
     starts = np.searchsorted(row, np.arange(codes.shape[0] + 1)).astype(np.int32)
     kmap[codes] = -1 - np.arange(codes.shape[0], dtype=np.int32)
