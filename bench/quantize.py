@@ -80,6 +80,9 @@ def main() -> None:
     ap.add_argument("--imatrix", choices=("no", "yes", "both"), default="no")
     args = ap.parse_args()
     lq = llama_quantize()
+    sys.path.insert(0, str(REPO))
+    from quantkit import formats
+    from quantkit.types import QuantType, traits
     qk = [sys.executable, "-m", "quantkit", "quantize"]
     with tempfile.TemporaryDirectory(dir=REPO) as d:
         d = Path(d)
@@ -91,6 +94,7 @@ def main() -> None:
                f"p, n, big = make_model(Path({str(d / 'in-f16.gguf')!r}), {args.size_mb})\n"
                f"write_llama(Path({str(d / 'tiny.gguf')!r}), n_layer=1, n_embd=256, n_ff=512, dtype=np.float16)\n"
                f"from quantize import make_imatrix; make_imatrix(p, Path({str(d / 'imatrix.dat')!r}))\n"
+               f"make_imatrix(Path({str(d / 'tiny.gguf')!r}), Path({str(d / 'tiny-imatrix.dat')!r}))\n"
                f"print(n, big)")
         _, _, printed = run([sys.executable, "-c", gen])
         n_weights, largest = map(int, printed.split())
@@ -101,11 +105,19 @@ def main() -> None:
         variants = {"no": [False], "yes": [True], "both": [False, True]}[args.imatrix]
         for t, with_imatrix in ((t, w) for t in args.types.split(",") for w in variants):
             imat = ["--imatrix", str(d / "imatrix.dat")] if with_imatrix else []
+            # token_embd has no imatrix data (llama-imatrix never sees it): both tools refuse the
+            # types that need one there (iq1_s, iq2_xxs, iq2_xs; for an _r4 type token_embd gets its
+            # base type), so it stays q8_0 for those
+            qtype = QuantType[t.upper()]
+            if not all(formats.can_quantize(q, "ik", False) for q in (qtype, traits(qtype).base) if q is not None):
+                imat += ["--token-embedding-type", "q8_0"]
             label = f"{t}{'+imat' if with_imatrix else ''}"
             # numba compile time: empty cache vs warm cache, on a tiny model
             env = dict(os.environ, NUMBA_CACHE_DIR=str(d / f"numba-{t}"))
+            # (types that need an imatrix, iq1_s/iq2_xxs, get the tiny model's own)
+            tiny_imat = ["--imatrix", str(d / "tiny-imatrix.dat")] + imat[2:] if with_imatrix else []
             tiny_run = qk + [str(tiny), str(d / "tiny-out.gguf"), t, "--pure", "--ignore-imatrix-rules", "--threads",
-                             str(args.threads)]
+                             str(args.threads)] + tiny_imat
             cold, _, _ = run(tiny_run, env)
             warm, _, tiny_out = run(tiny_run + ["--json"], env)
             tiny_inner = json.loads(tiny_out[tiny_out.index("{"):])["result"]["seconds"]

@@ -125,3 +125,33 @@ def assert_golden(shared_dir, golden_flavor: str, name: str, qtype, use_imatrix:
     for flavor in flavors:
         got = quantize(x, qtype, imatrix if use_imatrix else None, flavor)
         assert_same_bytes(got, want, qtype, x.shape[1], f"{type_name(qtype)} {name} {flavor}")
+
+
+def iq1_finite_scales(qtype, b: np.ndarray, rng) -> np.ndarray:
+    """Random bytes ``b`` (rows of IQ1_S, IQ1_M, IQ1_S_R4 or IQ1_M_R4; other types are left alone)
+    with every float16 scale a finite value of moderate size: IQ1_S's d at each block's byte 0,
+    IQ1_M's d spread over the top nibbles of its four scale words, the _R4 groups' four row scales
+    in front of the group."""
+    from quantkit.types import QuantType as T
+    name = traits(qtype).name
+    if name not in ("iq1_s", "iq1_m", "iq1_s_r4", "iq1_m_r4"):
+        return b
+
+    def halves(n):
+        return (rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 1, n)).astype("<f2")
+
+    if qtype == T.IQ1_S:
+        blk = b.reshape(-1, 50)
+        blk[:, :2] = halves(blk.shape[0]).view(np.uint8).reshape(-1, 2)
+    elif qtype == T.IQ1_M:
+        blk = b.reshape(-1, 56)
+        bits = halves(blk.shape[0]).view("<u2").astype(np.int64)
+        sc = blk[:, 48:56].copy().view("<u2").astype(np.int64) & 0x0FFF
+        for i in range(4):
+            sc[:, i] |= ((bits >> (4 * i)) & 0xF) << 12
+        blk[:, 48:56] = sc.astype("<u2").view(np.uint8)
+    else:
+        g = b.reshape(b.shape[0] // 4, -1)
+        g[:, :8] = halves(4 * g.shape[0]).view(np.uint8).reshape(-1, 8)
+    return b
+

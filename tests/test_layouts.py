@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from quant_checks import iq1_finite_scales
 from quantkit import formats
 from quantkit.formats import decode
 from quantkit.layouts import LAYOUTS
@@ -38,7 +39,7 @@ def random_rows(qtype, n_rows: int, seed: int) -> np.ndarray:
         blocks = b[:, t.row_meta_size:].reshape(n_rows, -1, t.type_size)
         for at in halves:
             blocks[:, :, at:at + 2] = rng.uniform(-2, 2, blocks.shape[:2] + (1,)).astype("<f2").view(np.uint8)
-    return b
+    return iq1_finite_scales(qtype, b, rng)
 
 
 @pytest.mark.parametrize("qtype", list(LAYOUTS), ids=type_name)
@@ -61,11 +62,16 @@ def test_layout_runs_tile_the_block_inside_its_bytes(qtype):
         assert all(sp.at < t.type_size for sp in (*lay.sup.scales, *lay.sup.mins, *lay.sup.run_mins))
 
 
+def _n_rows(qtype) -> int:
+    """3 rows, or a group of rows of an interleaved type decoded here (iq1_s_r4, iq1_m_r4)."""
+    return max(3, traits(qtype).interleave_rows)
+
+
 @pytest.mark.parametrize("qtype", DECODED, ids=type_name)
 def test_reference_decoder_equals_numba_on_random_bytes(qtype):
-    b = random_rows(qtype, 3, int(qtype))
+    b = random_rows(qtype, _n_rows(qtype), int(qtype))
     ref = formats.dequantize(b, qtype, N_PER_ROW, reference=True)
-    assert ref.dtype == np.float32 and ref.shape == (3, N_PER_ROW) and np.isfinite(ref).all()
+    assert ref.dtype == np.float32 and ref.shape == (b.shape[0], N_PER_ROW) and np.isfinite(ref).all()
     np.testing.assert_array_equal(ref, formats.dequantize(b, qtype, N_PER_ROW))
 
 
@@ -73,7 +79,7 @@ def test_reference_decoder_equals_numba_on_random_bytes(qtype):
 def test_numpy_and_torch_decode_alike_on_random_bytes(qtype):
     torch = pytest.importorskip("torch")
     from quantkit.runtime import torch_decode
-    b = random_rows(qtype, 3, 1000 + int(qtype))
+    b = random_rows(qtype, _n_rows(qtype), 1000 + int(qtype))
     got = torch_decode.decode(torch.from_numpy(b), qtype, N_PER_ROW).numpy()
     np.testing.assert_array_equal(got, decode.dequantize(b, qtype, N_PER_ROW))
 

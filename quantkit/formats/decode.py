@@ -24,10 +24,11 @@ from typing import NamedTuple
 import numpy as np
 
 from ..grids import IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS
+from ..kernels.iq1 import GRID_VALUES as IQ1S_VALUES
 from ..kernels.iq2kl import PAIRS
 from ..kernels.ternary import POW3
 from ..layouts import LAYOUTS, Layout
-from ..tables import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, E8M0_HALF, IQ4K_VALUES, MXFP4_VALUES
+from ..tables import A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, E8M0_HALF, FP16_TABLE, IQ4K_VALUES, MXFP4_VALUES
 from ..types import QuantType, traits
 from ._kt_codebook import IQ4_KT_SECOND_OFFSET, OFFSET, SPECS, trellis_values
 
@@ -437,6 +438,79 @@ def _q8_kv(xp, b, n_per_row):
     """float32 d | int32 sum | int8 codes[n_per_row]; value j = d * code j."""
     q = xp.ints(b[:, 8:])
     return xp.f32(b, 0) * xp.floats((q ^ 0x80) - 0x80)
+# ---- hand-written: IQ1_S, IQ1_M and ik's IQ1_S_R4, IQ1_M_R4 (formats/iq1.py has the layouts) ----
+#
+# A point index selects 8 levels -1/0/+1 of the lattice (kernels.iq1.GRID_VALUES); y = dl*(level +
+# shift), shift +-1/8 by a bit, as ggml's dequantize_row_iq1_*: (float)level + delta first.
+
+def _iq1_shift(xp, bit):
+    """+1/8, or -1/8 where ``bit`` is 1."""
+    return xp.floats(1 - 2 * bit) * 0.125
+
+
+def _iq1_s(xp, b, n_per_row):
+    """50 B: fp16 d | qs[32] | uint16 qh[8]; 32-group ib: points qs[4 ib + l] | bits 3l.. of qh[ib]
+    << 8, scale 2 ((qh >> 12) & 7) + 1, shift bit 15."""
+    raw = b.reshape(-1, 50)
+    blk = xp.ints(raw)
+    qh = blk[:, 34:50:2] | (blk[:, 35:50:2] << 8)                           # (n, 8)
+    l3 = _arange(xp, b, 4) * 3
+    g = blk[:, 2:34].reshape(-1, 8, 4) | (((qh[:, :, None] >> l3) & 7) << 8)
+    dl = xp.f16(raw, 0) * xp.floats(2 * ((qh >> 12) & 7) + 1)
+    v = _table(xp, b, "iq1s", IQ1S_VALUES)[g] + _iq1_shift(xp, (qh >> 15) & 1)[:, :, None, None]
+    return (dl[:, :, None, None] * v).reshape(b.shape[0], n_per_row)
+
+
+def _iq1_m(xp, b, n_per_row):
+    """56 B: qs[32] | qh[16] | uint16 sc[4]; 16-group t: points qs[2t + l] | bits 4l.. of qh[t] << 8,
+    shift bit 3 + 4l of qh[t], scale 2 ((sc[t / 4] >> 3 (t % 4)) & 7) + 1; d the fp16 whose nibbles
+    are the top nibbles of sc[0..3]."""
+    blk = xp.ints(b.reshape(-1, 56))
+    sc = blk[:, 48:56:2] | (blk[:, 49:56:2] << 8)                           # (n, 4)
+    bits = (sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0x00F0) | ((sc[:, 2] >> 4) & 0x0F00) | (sc[:, 3] & 0xF000)
+    d = _table(xp, b, "fp16", FP16_TABLE)[bits][:, None]
+    t = _arange(xp, b, 16)
+    ls = (sc[:, t // 4] >> (3 * (t % 4))) & 7                                # (n, 16)
+    qh = blk[:, 32:48][:, :, None]
+    l4 = _arange(xp, b, 2) * 4
+    g = blk[:, 0:32].reshape(-1, 16, 2) | ((qh << (8 - l4)) & 0x700)
+    v = _table(xp, b, "iq1s", IQ1S_VALUES)[g] + _iq1_shift(xp, (qh >> (3 + l4)) & 1)[..., None]
+    dl = d * xp.floats(2 * ls + 1)
+    return (dl[:, :, None, None] * v).reshape(b.shape[0], n_per_row)
+
+
+def _iq1_r4(xp, b, n_per_row, m):
+    """Groups of 4 rows: fp16 d[4], then per 32 columns a block of the 4 rows (formats/iq1.py)."""
+    n_groups = b.shape[0] // 4
+    bg = b.reshape(n_groups, -1)
+    d = xp.cat([xp.f16(bg, 2 * k) for k in range(4)], 1)[:, :, None]          # (G, 4, 1)
+    raw = xp.ints(bg[:, 8:])
+    nb = n_per_row // 32
+    size = 28 if m else 24
+    grid = _table(xp, b, "iq1s", IQ1S_VALUES)
+
+    def at(name, make):             # byte positions (row k, block ib, ...) in a group's blocks
+        return xp.const(b, ("iq1_r4", m, nb, name), make)
+
+    k = np.arange(4)[:, None, None]
+    ib = np.arange(nb)[None, :, None]
+    if not m:
+        qs = raw[:, at("qs", lambda: ib * size + 4 * np.arange(4) + k)]                 # (G, 4, nb, 4)
+        lo = at("qh", lambda: (ib * size + 16 + 2 * k)[..., 0])
+        qh = raw[:, lo] | (raw[:, lo + 1] << 8)                                         # (G, 4, nb)
+        g = qs | (((qh[..., None] >> (_arange(xp, b, 4) * 3)) & 7) << 8)
+        dl = d * xp.floats(2 * ((qh >> 12) & 7) + 1)
+        v = grid[g] + _iq1_shift(xp, (qh >> 15) & 1)[..., None, None]
+        return (dl[..., None, None] * v).reshape(b.shape[0], n_per_row)
+    i = np.arange(2)
+    qs = raw[:, at("qs", lambda: (ib * size + k)[..., None] + 8 * i[:, None] + 4 * i[None, :])]   # (G, 4, nb, 2, 2)
+    qh = raw[:, at("qh", lambda: ib * size + 16 + 4 * i + k)][..., None]                # (G, 4, nb, 2, 1)
+    sl = raw[:, at("sc", lambda: (ib * size + 24 + k)[..., 0])]                         # (G, 4, nb)
+    l4 = _arange(xp, b, 2) * 4
+    g = qs | ((qh << (8 - l4)) & 0x700)
+    v = grid[g] + _iq1_shift(xp, (qh >> (3 + l4)) & 1)[..., None]
+    dl = d[..., None] * xp.floats((sl[..., None] >> l4) & 0xF)                          # (G, 4, nb, 2)
+    return (dl[..., None, None] * v).reshape(b.shape[0], n_per_row)
 
 
 _HAND_WRITTEN = {
@@ -445,6 +519,8 @@ _HAND_WRITTEN = {
     T.IQ2_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq2_kt"), T.IQ3_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq3_kt"),
     **{q: lambda xp, b, n, q=q: _ternary(xp, b, n, q) for q in (T.IQ1_BN, T.IQ2_BN, T.TQ1_0, T.TQ2_0)},
     T.IQ3_XXS: _iq3_xxs, T.IQ3_S: _iq3_s,
+    T.IQ1_S: _iq1_s, T.IQ1_M: _iq1_m,
+    T.IQ1_S_R4: lambda xp, b, n: _iq1_r4(xp, b, n, False), T.IQ1_M_R4: lambda xp, b, n: _iq1_r4(xp, b, n, True),
 }
 assert not set(_HAND_WRITTEN) & set(LAYOUTS)
 

@@ -264,13 +264,19 @@ def decode_rows_with(row_fn, qtype, blocks, fp16_table, out):
         row_fn[0](qtype, blocks[r], out[r], fp16_table)
 
 
-def decode_rows(decode_row, qtype, blocks, fp16_table, out):
+def decode_rows(decode_row, qtype, blocks, fp16_table, out, interleave=1):
     """Decode blocks (n_rows, row_size) uint8 into out (n_rows, n_per_row) float32 with a family's
-    row decoder (compiled once for DECODE_SIG and passed as a function pointer, as run_rows does)."""
+    row decoder (compiled once for DECODE_SIG and passed as a function pointer, as run_rows does).
+    ``interleave``: the row decoder takes groups of that many rows (bytes and values of the group
+    one after another), for layouts whose rows are stored together (iq1_s_r4's)."""
     # the row decoders read the bytes of n_per_row values without bounds checks: the shapes must agree
-    if blocks.ndim != 2 or blocks.shape != (out.shape[0], traits(qtype).row_size(out.shape[1])):
+    if (blocks.ndim != 2 or blocks.shape != (out.shape[0], traits(qtype).row_size(out.shape[1]))
+            or out.shape[0] % interleave):
         raise ValueError(f"{traits(qtype).name} blocks of shape {blocks.shape} do not hold {out.shape[0]} rows "
                          f"of {out.shape[1]} values")
+    if interleave > 1:
+        blocks = blocks.reshape(out.shape[0] // interleave, -1)
+        out = out.reshape(out.shape[0] // interleave, -1)
     _compile_once(decode_row, DECODE_SIG)
     if blocks.flags.writeable:
         blocks = blocks.view()
