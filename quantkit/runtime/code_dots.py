@@ -1,0 +1,302 @@
+"""Fused generation products of the types whose codes quantkit.layouts cannot describe: the grid
+i-quants (a byte indexes a point of 4 or 8 magnitudes, with sign bits beside), MXFP4 (an E8M0
+block exponent), the ternary types (base-3 digits: TQ1_0, IQ1_BN; 2-bit: TQ2_0, IQ2_BN) and Q8_KV
+(int8 codes under one float32 row scale).
+
+Each block's values are unpacked, as integers times their integer sub-block scales, into a small
+buffer, and multiplied with the activations rounded to 8 bits per 32 (matvec.round_q8) as
+integers; one float per 32 values then scales the group's sum (its xd), one per block the block's
+(``fill``'s return value: d times what the integer scales leave out), and one per row a row scale
+in front of the blocks (Q8_KV, IQ1_BN, IQ2_BN).  The unpacking follows each type's
+``dequantize_row_*`` in ggml-quants.c (ik_llama.cpp and mainline) and iqk_quantize.cpp, where the
+float values are
+
+    IQ2_XXS / IQ2_XS / IQ2_S   d * (0.5 + s) * 0.25 * grid * sign   = d/8 * (2s + 1) * grid * sign
+    IQ3_XXS                    d * (0.5 + s) * 0.5 * grid * sign    = d/4 * (2s + 1) * grid * sign
+    IQ3_S                      d * (1 + 2s) * grid * sign
+    IQ1_S / IQ1_M              d * (2s + 1) * (grid ± 1/8)          = d/8 * (2s + 1) * (8 grid ± 1)
+    MXFP4                      2^(e - 128) * kvalues_mxfp4[code]
+    TQ1_0 / TQ2_0              d * (t - 1)                          t a base-3 digit / 2-bit code
+    IQ1_BN / IQ2_BN            d_row * (t - 1)                      d_row in front of the row
+    Q8_KV                      d_row * q
+
+so every product is exact in integers up to the block's float scale.  Interleaved layouts of these
+types reach here as their plain rows (``Weight.plain_layout``), as matvec's other types do.  The
+numpy twin is the decoded rows times the rounded activations (tests/test_runtime_code_dots.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ..grids import (IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID,
+                     KSIGNS_IQ2XS)
+from ..types import QuantType, traits
+from . import dot as D
+
+F = np.float32
+T = QuantType
+
+# the grids as bytes, point k at 8 k (IQ1S: int8 -1, 0, 1; the others: magnitudes), little-endian
+# as ggml reads a uint64 / uint32 point through a uint8 pointer
+G2XXS = IQ2XXS_GRID.astype("<u8").view(np.uint8)
+G2XS = IQ2XS_GRID.astype("<u8").view(np.uint8)
+G2S = IQ2S_GRID.astype("<u8").view(np.uint8)
+G3XXS = IQ3XXS_GRID.astype("<u4").view(np.uint8)
+G3S = IQ3S_GRID.astype("<u4").view(np.uint8)
+G1S = IQ1S_GRID.astype("<u8").view(np.int8)
+KSIGNS = KSIGNS_IQ2XS.copy()
+
+# ggml-common.h kvalues_mxfp4 (the FP4 E2M1 values, doubled), and ggml_e8m0_to_fp32_half(e):
+# 2^(e - 128), with the two smallest exponents as subnormal bit patterns
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+E8M0_HALF = np.array([0x00200000, 0x00400000] + [(e - 1) << 23 for e in range(2, 256)], np.uint32).view(np.float32)
+POW3 = np.array([1, 3, 9, 27, 81, 243], np.int64)        # tq1_0's pow3
+K_MULT = np.array([81, 27, 9, 3, 1], np.int64)            # IQ1BNQuantizer::k_mult
+
+_INLINE = dict(inline="always", error_model="numpy")
+
+
+@njit(**_INLINE)
+def _u16(b, o):
+    return np.int64(b[o]) | np.int64(b[o + 1]) << 8
+
+
+@njit(**_INLINE)
+def _u32(b, o):
+    return _u16(b, o) | _u16(b, o + 2) << 16
+
+
+@njit(**_INLINE)
+def _signed(g, signs, bit):
+    """g with the sign bit ``bit`` of the byte ``signs``."""
+    return -g if (signs >> bit) & 1 else g
+
+
+# ---- fill(b, o, w): the block at byte o -> w[:values] integers; returns the block's float factor ----
+
+@njit(**_INLINE)
+def _iq2_xxs(b, o, w):
+    # block_iq2_xxs | d | qs[32] u16 |: per 32 values 4 grid bytes, then a u32: 4 x 7 sign bits, scale
+    for ib in range(8):
+        q = o + 2 + 8 * ib
+        aux = _u32(b, q + 4)
+        sc = 2 * (aux >> 28) + 1
+        for l in range(4):
+            g0 = 8 * np.int64(b[q + l])
+            signs = np.int64(KSIGNS[(aux >> 7 * l) & 127])
+            for j in range(8):
+                w[32 * ib + 8 * l + j] = sc * _signed(np.int64(G2XXS[g0 + j]), signs, j)
+    return D.half_at(b, o) * F(0.125)
+
+
+@njit(**_INLINE)
+def _iq2_xs(b, o, w):
+    # block_iq2_xs | d | qs[32] u16: grid index (9 bits), sign index (7) | scales[8]: a nibble per 16 |
+    for ib in range(8):
+        scb = np.int64(b[o + 66 + ib])
+        for l in range(4):
+            qs = _u16(b, o + 2 + 2 * (4 * ib + l))
+            sc = 2 * ((scb >> 4 * (l // 2)) & 15) + 1
+            g0 = 8 * (qs & 511)
+            signs = np.int64(KSIGNS[qs >> 9])
+            for j in range(8):
+                w[32 * ib + 8 * l + j] = sc * _signed(np.int64(G2XS[g0 + j]), signs, j)
+    return D.half_at(b, o) * F(0.125)
+
+
+@njit(**_INLINE)
+def _iq2_s(b, o, w):
+    # block_iq2_s | d | qs[32] grid low bytes | signs[32] | qh[8]: 2 high bits per index | scales[8] |
+    for ib in range(8):
+        qh = np.int64(b[o + 66 + ib])
+        scb = np.int64(b[o + 74 + ib])
+        for l in range(4):
+            sc = 2 * ((scb >> 4 * (l // 2)) & 15) + 1
+            g0 = 8 * (np.int64(b[o + 2 + 4 * ib + l]) | ((qh << (8 - 2 * l)) & 0x300))
+            signs = np.int64(b[o + 34 + 4 * ib + l])
+            for j in range(8):
+                w[32 * ib + 8 * l + j] = sc * _signed(np.int64(G2S[g0 + j]), signs, j)
+    return D.half_at(b, o) * F(0.125)
+
+
+@njit(**_INLINE)
+def _iq3_xxs(b, o, w):
+    # block_iq3_xxs | d | qs[64]: a grid byte per 4 values | 8 u32: 4 x 7 sign bits, scale |
+    for ib in range(8):
+        aux = _u32(b, o + 66 + 4 * ib)
+        sc = 2 * (aux >> 28) + 1
+        for l in range(4):
+            signs = np.int64(KSIGNS[(aux >> 7 * l) & 127])
+            g1 = 4 * np.int64(b[o + 2 + 8 * ib + 2 * l])
+            g2 = 4 * np.int64(b[o + 3 + 8 * ib + 2 * l])
+            for j in range(4):
+                w[32 * ib + 8 * l + j] = sc * _signed(np.int64(G3XXS[g1 + j]), signs, j)
+                w[32 * ib + 8 * l + 4 + j] = sc * _signed(np.int64(G3XXS[g2 + j]), signs, j + 4)
+    return D.half_at(b, o) * F(0.25)
+
+
+@njit(**_INLINE)
+def _iq3_s(b, o, w):
+    # block_iq3_s | d | qs[64] | qh[8]: bit 8 of each index | signs[32] | scales[4]: a nibble per 32 |
+    for ib in range(8):
+        qh = np.int64(b[o + 66 + ib])
+        sc = 2 * ((np.int64(b[o + 106 + ib // 2]) >> 4 * (ib % 2)) & 15) + 1
+        for l in range(4):
+            g1 = 4 * (np.int64(b[o + 2 + 8 * ib + 2 * l]) | ((qh << (8 - 2 * l)) & 256))
+            g2 = 4 * (np.int64(b[o + 3 + 8 * ib + 2 * l]) | ((qh << (7 - 2 * l)) & 256))
+            signs = np.int64(b[o + 74 + 4 * ib + l])
+            for j in range(4):
+                w[32 * ib + 8 * l + j] = sc * _signed(np.int64(G3S[g1 + j]), signs, j)
+                w[32 * ib + 8 * l + 4 + j] = sc * _signed(np.int64(G3S[g2 + j]), signs, j + 4)
+    return D.half_at(b, o)
+
+
+@njit(**_INLINE)
+def _iq1_s(b, o, w):
+    # block_iq1_s | d | qs[32]: grid low bytes | qh[8] u16: 4 x 3 high bits, scale (3), delta sign |
+    for ib in range(8):
+        qh = _u16(b, o + 34 + 2 * ib)
+        sc = 2 * ((qh >> 12) & 7) + 1
+        delta = -1 if qh & 0x8000 else 1
+        for l in range(4):
+            g0 = 8 * (np.int64(b[o + 2 + 4 * ib + l]) | (((qh >> 3 * l) & 7) << 8))
+            for j in range(8):
+                w[32 * ib + 8 * l + j] = sc * (8 * np.int64(G1S[g0 + j]) + delta)
+    return D.half_at(b, o) * F(0.125)
+
+
+@njit(**_INLINE)
+def _iq1_m(b, o, w):
+    # block_iq1_m | qs[32] | qh[16]: 3 high bits + delta sign per 8 | scales[8]: 4 u16, 3 bits per 16
+    # values, the float16 d in their top nibbles |
+    s0, s1, s2, s3 = _u16(b, o + 48), _u16(b, o + 50), _u16(b, o + 52), _u16(b, o + 54)
+    d = D.half_bits((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000))
+    for ib in range(8):
+        s16 = _u16(b, o + 48 + 2 * (ib // 2))
+        for l in range(4):
+            qh = np.int64(b[o + 32 + 2 * ib + l // 2])
+            high = (qh << 8) if l % 2 == 0 else (qh << 4)
+            g0 = 8 * (np.int64(b[o + 4 * ib + l]) | (high & 0x700))
+            delta = -1 if qh & (0x08 << 4 * (l % 2)) else 1
+            sc = 2 * ((s16 >> (6 * (ib % 2) + 3 * (l // 2))) & 7) + 1
+            for j in range(8):
+                w[32 * ib + 8 * l + j] = sc * (8 * np.int64(G1S[g0 + j]) + delta)
+    return d * F(0.125)
+
+
+@njit(**_INLINE)
+def _mxfp4(b, o, w):
+    # block_mxfp4 | e (E8M0) | qs[16]: value j in the low nibble of qs[j], j + 16 in the high |
+    for j in range(16):
+        q = np.int64(b[o + 1 + j])
+        w[j] = MXFP4_VALUES[q & 15]
+        w[j + 16] = MXFP4_VALUES[q >> 4]
+    return E8M0_HALF[b[o]]
+
+
+@njit(**_INLINE)
+def _trit(byte, mult):
+    """The base-3 digit ``mult`` selects from a byte of 5 (tq1_0's and iq1_bn's packing), minus 1."""
+    v = (byte * mult) & 255
+    return ((v * 3) >> 8) - 1
+
+
+@njit(**_INLINE)
+def _tq1_0(b, o, w):
+    # block_tq1_0 | qs[48]: 5 digits a byte | qh[4]: 4 digits a byte | d |: 32 bytes times 5 digits,
+    # then 16 bytes times 5, then the 4 bytes times 4, digit-major
+    k = 0
+    for n in range(5):
+        for m in range(32):
+            w[k] = _trit(np.int64(b[o + m]), POW3[n])
+            k += 1
+    for n in range(5):
+        for m in range(16):
+            w[k] = _trit(np.int64(b[o + 32 + m]), POW3[n])
+            k += 1
+    for n in range(4):
+        for m in range(4):
+            w[k] = _trit(np.int64(b[o + 48 + m]), POW3[n])
+            k += 1
+    return D.half_at(b, o + 52)
+
+
+@njit(**_INLINE)
+def _tq2_0(b, o, w):
+    # block_tq2_0 | qs[64] | d |: value 128 h + 32 l + m: bits 2l..2l+1 of qs[32 h + m], minus 1
+    for h in range(2):
+        for l in range(4):
+            for m in range(32):
+                w[128 * h + 32 * l + m] = ((np.int64(b[o + 32 * h + m]) >> 2 * l) & 3) - 1
+    return D.half_at(b, o + 64)
+
+
+@njit(**_INLINE)
+def _iq1_bn(b, o, w):
+    # block_iq1_bn | ql[12] | extra |: per 16 values, 3 bytes of 5 digits, and digit i16 of extra
+    for i16 in range(4):
+        for k in range(3):
+            byte = np.int64(b[o + 3 * i16 + k])
+            for j in range(5):
+                v = (byte * K_MULT[j]) & 255
+                w[16 * i16 + 5 * k + j] = ((v + (v >> 1)) >> 7) - 1
+        v = (np.int64(b[o + 12]) * K_MULT[i16]) & 255
+        w[16 * i16 + 15] = ((v + (v >> 1)) >> 7) - 1
+    return F(1)
+
+
+@njit(**_INLINE)
+def _iq2_bn(b, o, w):
+    # block_iq2_bn | qs[16] |: value j + 16 k in bits 2k..2k+1 of qs[j], minus 1
+    for j in range(16):
+        q = np.int64(b[o + j])
+        for k in range(4):
+            w[j + 16 * k] = ((q >> 2 * k) & 3) - 1
+    return F(1)
+
+
+@njit(**_INLINE)
+def _q8_kv(b, o, w):
+    for j in range(32):
+        w[j] = np.int64(np.int8(b[o + j]))
+    return F(1)
+
+
+# type -> (fill, values per block); block bytes and the row's scale bytes come from types.py
+FILLS = {
+    T.IQ2_XXS: (_iq2_xxs, 256), T.IQ2_XS: (_iq2_xs, 256), T.IQ2_S: (_iq2_s, 256),
+    T.IQ3_XXS: (_iq3_xxs, 256), T.IQ3_S: (_iq3_s, 256), T.IQ1_S: (_iq1_s, 256), T.IQ1_M: (_iq1_m, 256),
+    T.MXFP4: (_mxfp4, 32), T.TQ1_0: (_tq1_0, 256), T.TQ2_0: (_tq2_0, 256),
+    T.IQ1_BN: (_iq1_bn, 64), T.IQ2_BN: (_iq2_bn, 64), T.Q8_KV: (_q8_kv, 32),
+}
+for _q, (_f, _values) in FILLS.items():
+    assert traits(_q).block_size == _values, _q
+
+
+def coded_row(qtype):
+    """``row(b, bo, xq, xd, xsum, xo, n)``: the row of ``qtype`` at byte bo of b · the rounded
+    activations xq * xd from xo on (matvec's row signature; xsum unused)."""
+    fill, values = FILLS[qtype]
+    block_bytes, meta = traits(qtype).type_size, traits(qtype).row_meta_size
+    # the row's scale: a float16 (IQ1_BN), a float32 (IQ2_BN; Q8_KV: then an int32 sum, unused)
+    assert meta in (0, 2, 4, 8) and values % 32 == 0
+    groups = values // 32
+
+    def row(b, bo, xq, xd, xsum, xo, n):
+        w = np.empty(values, np.int32)
+        s = F(0)
+        for blk in range(n // values):
+            factor = fill(b, bo + meta + block_bytes * blk, w)
+            x0 = xo + values * blk
+            acc = F(0)
+            for g in range(groups):
+                isum = np.int32(0)
+                for j in range(32 * g, 32 * g + 32):
+                    isum += w[j] * np.int32(xq[x0 + j])
+                acc += F(isum) * xd[(x0 >> 5) + g]
+            s += factor * acc
+        if meta == 2:
+            return s * D.half_at(b, bo)
+        return s * D.f32_at(b, bo) if meta else s
+    return njit(row, inline="always", error_model="numpy")
