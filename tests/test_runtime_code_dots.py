@@ -1,5 +1,5 @@
 """The fused generation products of the types runtime/code_dots.py unpacks (grid i-quants, MXFP4,
-ternary, Q8_KV), against the reference implementation's decoder on the reference bytes.
+ternary, Q8_KV, and the interleaved layouts of their own: iq1_s_r4, iq1_m_r4, q8_KV_r8, q8_k_r8), against the reference implementation's decoder on the reference bytes.
 
 The rows are the golden vectors' (../shared/golden: what the C quantizers wrote, edge-case rows
 included), decoded by the wheel's ``to_float`` (ik_llama.cpp) or, for tq1_0/tq2_0 that the wheel
@@ -25,7 +25,7 @@ T = QuantType
 MAINLINE_ONLY = {T.TQ1_0, T.TQ2_0}
 # the interleaved layouts whose rows are their base's, regrouped: they take the base's product
 INTERLEAVED = sorted((q for q, t in TYPE_TRAITS.items() if t.interleave_rows > 1 and t.base in code_dots.FILLS
-                      and matvec.kind_of(q) is not None), key=int)
+                      and matvec.regroups(q) and matvec.kind_of(q) is not None), key=int)
 
 
 def _reference_rows(qtype, blocks: np.ndarray, n: int) -> np.ndarray:
@@ -91,9 +91,11 @@ def test_interleaved_layouts_take_their_base_types_product(shared_dir, qtype):
     np.testing.assert_array_equal(_reference_rows(qtype, blocks, n), _reference_rows(base, plain, n))
 
 
-def test_layouts_of_their_own_take_no_base_product():
-    """iq1_s_r4 / iq1_m_r4 (blocks of 32, quantized on their own) and q8_KV_r8 (a float scale per
-    row) are no regrouping of their base's rows: no fused product reads them as their base."""
-    for q in (T.IQ1_S_R4, T.IQ1_M_R4, T.Q8_KV_R8):
-        assert matvec.kind_of(q) is None, type_name(q)
-    assert matvec.kind_of(T.IQ2_XXS_R4) == matvec.kind_of(T.IQ2_XXS) is not None
+def test_layouts_of_their_own_are_read_as_stored():
+    """iq1_s_r4 / iq1_m_r4 (blocks of 32, quantized on their own), q8_KV_r8 (a float scale per
+    row) and q8_k_r8 (q8_K is no file type) are no regrouping of a base's rows: their products read
+    the interleaved rows in place (their golden rows above); the regrouped ones read plain rows."""
+    for q in (T.IQ1_S_R4, T.IQ1_M_R4, T.Q8_KV_R8, T.Q8_K_R8):
+        assert matvec.kind_of(q) is not None and not matvec.regroups(q), type_name(q)
+    assert matvec.regroups(T.IQ2_XXS_R4) and matvec.kind_of(T.IQ2_XXS_R4) == matvec.kind_of(T.IQ2_XXS)
+    assert not matvec.regroups(T.IQ2_XXS)

@@ -20,9 +20,12 @@ float values are
     IQ1_BN / IQ2_BN            d_row * (t - 1)                      d_row in front of the row
     Q8_KV                      d_row * q
 
-so every product is exact in integers up to the block's float scale.  Interleaved layouts of these
-types reach here as their plain rows (``Weight.plain_layout``), as matvec's other types do.  The
-numpy twin is the decoded rows times the rounded activations (tests/test_runtime_code_dots.py).
+so every product is exact in integers up to the block's float scale.  Interleaved layouts that are
+their base's rows regrouped reach here as those plain rows (``Weight.plain_layout``), as matvec's
+other types do; those with a layout of their own (ik quantizes iq1_s_r4 and iq1_m_r4 on their own,
+in blocks of 32; q8_KV_r8 and q8_k_r8 keep their rows' scales side by side) are read in place: row
+k of a group finds its bytes inside the group's blocks.  The numpy twin is the decoded rows times
+the rounded activations (tests/test_runtime_code_dots.py).
 """
 from __future__ import annotations
 
@@ -73,10 +76,11 @@ def _signed(g, signs, bit):
     return -g if (signs >> bit) & 1 else g
 
 
-# ---- fill(b, o, w): the block at byte o -> w[:values] integers; returns the block's float factor ----
+# ---- fill(b, o, k, w): the block at byte o (of row k of an interleaved group, whose blocks are
+# the group's rows' blocks side by side) -> w[:values] integers; returns the block's float factor ----
 
 @njit(**_INLINE)
-def _iq2_xxs(b, o, w):
+def _iq2_xxs(b, o, k, w):
     # block_iq2_xxs | d | qs[32] u16 |: per 32 values 4 grid bytes, then a u32: 4 x 7 sign bits, scale
     for ib in range(8):
         q = o + 2 + 8 * ib
@@ -91,7 +95,7 @@ def _iq2_xxs(b, o, w):
 
 
 @njit(**_INLINE)
-def _iq2_xs(b, o, w):
+def _iq2_xs(b, o, k, w):
     # block_iq2_xs | d | qs[32] u16: grid index (9 bits), sign index (7) | scales[8]: a nibble per 16 |
     for ib in range(8):
         scb = np.int64(b[o + 66 + ib])
@@ -106,7 +110,7 @@ def _iq2_xs(b, o, w):
 
 
 @njit(**_INLINE)
-def _iq2_s(b, o, w):
+def _iq2_s(b, o, k, w):
     # block_iq2_s | d | qs[32] grid low bytes | signs[32] | qh[8]: 2 high bits per index | scales[8] |
     for ib in range(8):
         qh = np.int64(b[o + 66 + ib])
@@ -121,7 +125,7 @@ def _iq2_s(b, o, w):
 
 
 @njit(**_INLINE)
-def _iq3_xxs(b, o, w):
+def _iq3_xxs(b, o, k, w):
     # block_iq3_xxs | d | qs[64]: a grid byte per 4 values | 8 u32: 4 x 7 sign bits, scale |
     for ib in range(8):
         aux = _u32(b, o + 66 + 4 * ib)
@@ -137,7 +141,7 @@ def _iq3_xxs(b, o, w):
 
 
 @njit(**_INLINE)
-def _iq3_s(b, o, w):
+def _iq3_s(b, o, k, w):
     # block_iq3_s | d | qs[64] | qh[8]: bit 8 of each index | signs[32] | scales[4]: a nibble per 32 |
     for ib in range(8):
         qh = np.int64(b[o + 66 + ib])
@@ -153,7 +157,7 @@ def _iq3_s(b, o, w):
 
 
 @njit(**_INLINE)
-def _iq1_s(b, o, w):
+def _iq1_s(b, o, k, w):
     # block_iq1_s | d | qs[32]: grid low bytes | qh[8] u16: 4 x 3 high bits, scale (3), delta sign |
     for ib in range(8):
         qh = _u16(b, o + 34 + 2 * ib)
@@ -167,7 +171,7 @@ def _iq1_s(b, o, w):
 
 
 @njit(**_INLINE)
-def _iq1_m(b, o, w):
+def _iq1_m(b, o, k, w):
     # block_iq1_m | qs[32] | qh[16]: 3 high bits + delta sign per 8 | scales[8]: 4 u16, 3 bits per 16
     # values, the float16 d in their top nibbles |
     s0, s1, s2, s3 = _u16(b, o + 48), _u16(b, o + 50), _u16(b, o + 52), _u16(b, o + 54)
@@ -186,7 +190,7 @@ def _iq1_m(b, o, w):
 
 
 @njit(**_INLINE)
-def _mxfp4(b, o, w):
+def _mxfp4(b, o, k, w):
     # block_mxfp4 | e (E8M0) | qs[16]: value j in the low nibble of qs[j], j + 16 in the high |
     for j in range(16):
         q = np.int64(b[o + 1 + j])
@@ -203,7 +207,7 @@ def _trit(byte, mult):
 
 
 @njit(**_INLINE)
-def _tq1_0(b, o, w):
+def _tq1_0(b, o, k, w):
     # block_tq1_0 | qs[48]: 5 digits a byte | qh[4]: 4 digits a byte | d |: 32 bytes times 5 digits,
     # then 16 bytes times 5, then the 4 bytes times 4, digit-major
     k = 0
@@ -223,7 +227,7 @@ def _tq1_0(b, o, w):
 
 
 @njit(**_INLINE)
-def _tq2_0(b, o, w):
+def _tq2_0(b, o, k, w):
     # block_tq2_0 | qs[64] | d |: value 128 h + 32 l + m: bits 2l..2l+1 of qs[32 h + m], minus 1
     for h in range(2):
         for l in range(4):
@@ -233,7 +237,7 @@ def _tq2_0(b, o, w):
 
 
 @njit(**_INLINE)
-def _iq1_bn(b, o, w):
+def _iq1_bn(b, o, k, w):
     # block_iq1_bn | ql[12] | extra |: per 16 values, 3 bytes of 5 digits, and digit i16 of extra
     for i16 in range(4):
         for k in range(3):
@@ -247,7 +251,7 @@ def _iq1_bn(b, o, w):
 
 
 @njit(**_INLINE)
-def _iq2_bn(b, o, w):
+def _iq2_bn(b, o, k, w):
     # block_iq2_bn | qs[16] |: value j + 16 k in bits 2k..2k+1 of qs[j], minus 1
     for j in range(16):
         q = np.int64(b[o + j])
@@ -257,10 +261,65 @@ def _iq2_bn(b, o, w):
 
 
 @njit(**_INLINE)
-def _q8_kv(b, o, w):
+def _q8_kv(b, o, k, w):
     for j in range(32):
         w[j] = np.int64(np.int8(b[o + j]))
     return F(1)
+
+
+# ---- interleaved layouts of their own (not their base's rows regrouped), read in place ----
+
+@njit(**_INLINE)
+def _iq1_s_r4(b, o, k, w):
+    # block_iq1_s_r4, 32 values of 4 rows | qs[16]: row k's 8-group i at 4 i + k | qh[4] u16: row k's
+    # 3 high bits per 8, scale, delta sign |; the rows' float16 d in front of the group
+    qh = _u16(b, o + 16 + 2 * k)
+    sc = 2 * ((qh >> 12) & 7) + 1
+    delta = -1 if qh & 0x8000 else 1
+    for i in range(4):
+        g0 = 8 * (np.int64(b[o + 4 * i + k]) | (((qh >> 3 * i) & 7) << 8))
+        for j in range(8):
+            w[8 * i + j] = sc * (8 * np.int64(G1S[g0 + j]) + delta)
+    return F(0.125)
+
+
+@njit(**_INLINE)
+def _iq1_m_r4(b, o, k, w):
+    # block_iq1_m_r4, 32 values of 4 rows | qs[16] | qh[8] | scales[4] |: row k's 16-half i: scale
+    # nibble i of scales[k] (d * scale, not 2 scale + 1), grid bytes qs[8 i + k], qs[8 i + k + 4],
+    # high bits and delta signs in qh[4 i + k]
+    scb = np.int64(b[o + 24 + k])
+    for i in range(2):
+        sc = (scb >> 4 * i) & 15
+        qh = np.int64(b[o + 16 + 4 * i + k])
+        g1 = 8 * (np.int64(b[o + 8 * i + k]) | ((qh & 0x07) << 8))
+        g2 = 8 * (np.int64(b[o + 8 * i + k + 4]) | ((qh & 0x70) << 4))
+        d1 = -1 if qh & 0x08 else 1
+        d2 = -1 if qh & 0x80 else 1
+        for j in range(8):
+            w[16 * i + j] = sc * (8 * np.int64(G1S[g1 + j]) + d1)
+            w[16 * i + 8 + j] = sc * (8 * np.int64(G1S[g2 + j]) + d2)
+    return F(0.125)
+
+
+@njit(**_INLINE)
+def _q8_kv_r8(b, o, k, w):
+    # 32 values of 8 rows: row k's value 16 h + 4 l + i at 128 h + 32 l + 4 k + i; the rows' float32
+    # d in front of the group
+    for h in range(2):
+        for l in range(4):
+            for i in range(4):
+                w[16 * h + 4 * l + i] = np.int64(np.int8(b[o + 128 * h + 32 * l + 4 * k + i]))
+    return F(1)
+
+
+@njit(**_INLINE)
+def _q8_k_r8(b, o, k, w):
+    # block_q8_k_r8, 256 values of 8 rows | d[8] | qs[2048] |: row k's value 4 m + i at qs[32 m + 4 k + i]
+    for m in range(64):
+        for i in range(4):
+            w[4 * m + i] = np.int64(np.int8(b[o + 16 + 32 * m + 4 * k + i]))
+    return D.half_at(b, o + 2 * k)
 
 
 # type -> (fill, values per block); block bytes and the row's scale bytes come from types.py
@@ -269,6 +328,7 @@ FILLS = {
     T.IQ3_XXS: (_iq3_xxs, 256), T.IQ3_S: (_iq3_s, 256), T.IQ1_S: (_iq1_s, 256), T.IQ1_M: (_iq1_m, 256),
     T.MXFP4: (_mxfp4, 32), T.TQ1_0: (_tq1_0, 256), T.TQ2_0: (_tq2_0, 256),
     T.IQ1_BN: (_iq1_bn, 64), T.IQ2_BN: (_iq2_bn, 64), T.Q8_KV: (_q8_kv, 32),
+    T.IQ1_S_R4: (_iq1_s_r4, 32), T.IQ1_M_R4: (_iq1_m_r4, 32), T.Q8_KV_R8: (_q8_kv_r8, 32), T.Q8_K_R8: (_q8_k_r8, 256),
 }
 for _q, (_f, _values) in FILLS.items():
     assert traits(_q).block_size == _values, _q
@@ -276,18 +336,25 @@ for _q, (_f, _values) in FILLS.items():
 
 def coded_row(qtype):
     """``row(b, bo, xq, xd, xsum, xo, n)``: the row of ``qtype`` at byte bo of b · the rounded
-    activations xq * xd from xo on (matvec's row signature; xsum unused)."""
+    activations xq * xd from xo on (matvec's row signature; xsum unused).  An interleaved type's
+    row k of a group of R reads its blocks inside the group's, and its row scale among the R in
+    front of them."""
     fill, values = FILLS[qtype]
-    block_bytes, meta = traits(qtype).type_size, traits(qtype).row_meta_size
-    # the row's scale: a float16 (IQ1_BN), a float32 (IQ2_BN; Q8_KV: then an int32 sum, unused)
+    t = traits(qtype)
+    block_bytes, meta, group = t.type_size, t.row_meta_size, t.interleave_rows
+    # the row's scale: a float16 (IQ1_BN, IQ1_S_R4, IQ1_M_R4), a float32 (IQ2_BN, Q8_KV_R8; Q8_KV:
+    # then an int32 sum, unused)
     assert meta in (0, 2, 4, 8) and values % 32 == 0
     groups = values // 32
 
     def row(b, bo, xq, xd, xsum, xo, n):
+        row_bytes = meta + block_bytes * (n // values)
+        k = bo // row_bytes % group
+        g0 = bo - k * row_bytes
         w = np.empty(values, np.int32)
         s = F(0)
         for blk in range(n // values):
-            factor = fill(b, bo + meta + block_bytes * blk, w)
+            factor = fill(b, g0 + group * (meta + block_bytes * blk), k, w)
             x0 = xo + values * blk
             acc = F(0)
             for g in range(groups):
@@ -297,6 +364,6 @@ def coded_row(qtype):
                 acc += F(isum) * xd[(x0 >> 5) + g]
             s += factor * acc
         if meta == 2:
-            return s * D.half_at(b, bo)
-        return s * D.f32_at(b, bo) if meta else s
+            return s * D.half_at(b, g0 + 2 * k)
+        return s * D.f32_at(b, g0 + meta * k) if meta else s
     return njit(row, inline="always", error_model="numpy")

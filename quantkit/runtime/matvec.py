@@ -20,7 +20,8 @@ the kernel (``_kernel``).  The loop passes byte and value offsets, never views, 
 chunks: a view per row would count a reference up and down on an array both threads share.
 
 Interleaved types (``_r4``/``_r8``) are regrouped into their plain rows once, on first use (see
-``Weight.plain_layout``), and take the plain type's kernel.  The numpy twin is decoding the rows
+``Weight.plain_layout``), and take the plain type's kernel; those with a layout of their own
+(code_dots: iq1_s_r4, iq1_m_r4, q8_KV_r8, q8_k_r8) are read as stored.  The numpy twin is decoding the rows
 and multiplying with the rounded activations (``formats.dequantize(...) @ round_q8(x)``), which
 the tests compare with.
 """
@@ -65,11 +66,10 @@ def _row_shape(t) -> tuple[int, int, int]:
 def _kinds() -> dict[QuantType, int]:
     kinds = {}
     for q, t in TYPE_TRAITS.items():
-        kind = KIND.get(t.base if t.interleave_rows > 1 else q)
-        # an interleaved type is regrouped into its base's rows (Weight.plain_layout) only where its
-        # rows are the base's, regrouped: not iq1_s_r4 / iq1_m_r4 (quantized on their own, in
-        # blocks of 32), nor q8_KV_r8 (a float scale per row, not q8_KV's scale and sum)
-        if t.interleave_rows > 1 and kind is not None and _row_shape(TYPE_TRAITS[t.base]) != _row_shape(t):
+        kind = KIND.get(q, KIND.get(t.base) if t.interleave_rows > 1 else None)
+        # an interleaved type without a kernel of its own is regrouped into its base's rows
+        # (Weight.plain_layout) only where its rows are the base's, regrouped
+        if q not in KIND and t.interleave_rows > 1 and kind is not None and _row_shape(TYPE_TRAITS[t.base]) != _row_shape(t):
             kind = None
         if kind is not None:
             kinds[q] = kind
@@ -77,6 +77,12 @@ def _kinds() -> dict[QuantType, int]:
 
 
 _KIND_OF = _kinds()
+
+
+def regroups(qtype: QuantType) -> bool:
+    """Whether the kernel of ``qtype`` reads its base type's plain rows (``Weight.plain_layout``):
+    the interleaved types that are their base's rows regrouped; the others are read as stored."""
+    return TYPE_TRAITS[QuantType(qtype)].interleave_rows > 1 and QuantType(qtype) not in KIND
 
 
 def kind_of(qtype: QuantType) -> int | None:
