@@ -1,6 +1,6 @@
 """Model files in issue 25's types, written by the reference tools, run by quantkit's runtime.
 
-A tiny llama (random weights, 2 layers, rows of 256 and 512) is quantized by the wheel's
+A tiny llama (random weights, 3 layers, rows of 256 and 512) is quantized by the wheel's
 llama-quantize with a ``--custom-q`` mix that puts each type on some matrices, with an importance
 matrix (iq1_s / iq2_xxs / iq2_xs need one): one file of mainline's i-quants and mxfp4, one of ik's
 ternary, q8_KV and interleaved types.  tq1_0 / tq2_0, which ik cannot load, are written by
@@ -40,16 +40,21 @@ pytestmark = pytest.mark.skipif(peers.llama_quantize_bin() is None, reason="ik-l
 
 T = QuantType
 N_TOKENS, N_PROMPT = 24, 8
-SLOTS = [f"blk.{i}.{m}" for i in range(2)
+N_LAYER = 3
+SLOTS = [f"blk.{i}.{m}" for i in range(N_LAYER)
          for m in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
-# the types of each file, one per slot in SLOTS' order (token_embd and output: q8_0)
+# the types of each file, one per slot in SLOTS' order (token_embd and output: q8_0).  ik's products
+# of iq1_bn / iq2_bn / iq2_bn_r4 need rows of at least 512 (q8_K64's GGML_ASSERT): ffn_down's
 MIXES = {
     "mainline": ["iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m",
-                 "mxfp4", "iq1_m", "iq3_s", "iq2_s", "iq2_xxs", "iq2_xs", "mxfp4"],
-    "ik": ["iq1_bn", "iq2_bn", "q8_KV", "iq2_xxs_r4", "iq2_xs_r4", "iq2_s_r4", "iq3_xxs_r4",
-           "iq3_s_r4", "iq1_s_r4", "iq1_m_r4", "iq2_bn_r4", "q8_KV_r8", "q8_k_r8", "iq1_bn"],
-    "ternary": ["tq1_0", "tq2_0"] * 7,
+                 "mxfp4", "iq1_m", "iq3_s", "iq2_s", "iq2_xxs", "iq2_xs", "mxfp4",
+                 "iq1_s", "iq3_xxs", "mxfp4", "iq2_xs", "iq1_m", "iq3_s", "iq2_xxs"],
+    "ik": ["q8_KV", "iq2_xxs_r4", "iq2_xs_r4", "iq2_s_r4", "iq3_xxs_r4", "iq3_s_r4", "iq1_bn",
+           "iq1_s_r4", "iq1_m_r4", "q8_KV_r8", "q8_k_r8", "iq2_xxs_r4", "q8_KV", "iq2_bn",
+           "iq3_s_r4", "iq1_m_r4", "iq1_s_r4", "q8_k_r8", "q8_KV_r8", "iq2_s_r4", "iq2_bn_r4"],
+    "ternary": ["tq1_0", "tq2_0"] * 10 + ["tq1_0"],
 }
+assert all(len(types) == len(SLOTS) for types in MIXES.values())
 
 
 def _stored(path) -> dict[str, tuple[QuantType, tuple, np.ndarray]]:
@@ -77,7 +82,7 @@ def _reference_decode(qtype, data: np.ndarray, shape) -> np.ndarray:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     d = tmp_path_factory.mktemp("wheel-files")
-    f32 = write_llama(d / "f32.gguf", n_layer=2, n_embd=256, n_ff=512, n_vocab=512, vocab=True, seed=7)
+    f32 = write_llama(d / "f32.gguf", n_layer=N_LAYER, n_embd=256, n_ff=512, n_vocab=512, vocab=True, seed=7)
     rng = np.random.default_rng(8)
     weights = {t.name: (rng.random(int(t.shape[0])) ** 3 * 10 + 0.01).astype(np.float32)
                for t in gguf.GGUFReader(str(f32)).tensors if len(t.shape) == 2 and t.name != "token_embd.weight"}
