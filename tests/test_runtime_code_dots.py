@@ -18,7 +18,9 @@ from test_runtime_matvec import rounded
 
 from quantkit.formats import interleave
 from quantkit.runtime import code_dots, matvec, ops_cpu
-from quantkit.runtime.weights import Weight
+from quantkit.errors import QuantkitError
+from quantkit.gguf_io.reader import TensorInfo
+from quantkit.runtime.weights import Weight, load_weight
 from quantkit.types import TYPE_TRAITS, QuantType, traits, type_name
 
 T = QuantType
@@ -99,3 +101,12 @@ def test_layouts_of_their_own_are_read_as_stored():
         assert matvec.kind_of(q) is not None and not matvec.regroups(q), type_name(q)
     assert matvec.regroups(T.IQ2_XXS_R4) and matvec.kind_of(T.IQ2_XXS_R4) == matvec.kind_of(T.IQ2_XXS)
     assert not matvec.regroups(T.IQ2_XXS)
+
+
+def test_interleaved_matrices_must_hold_whole_groups():
+    """A product reads row k of a group inside the group's bytes: a 3-D tensor whose matrices (an
+    expert's rows) are not whole groups is refused, though its total row count is a multiple."""
+    n = 256
+    info = TensorInfo("blk.0.ffn_up_exps.weight", (n, 6, 2), T.IQ4_K_R4, 0, 12 * traits(T.IQ4_K_R4).row_size(n), None)
+    with pytest.raises(QuantkitError, match=r"ffn_up_exps.weight: 6 rows are not a multiple of 4 \(iq4_k_r4\)"):
+        load_weight(info)

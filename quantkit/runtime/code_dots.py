@@ -49,6 +49,9 @@ G3XXS = IQ3XXS_GRID.astype("<u4").view(np.uint8)
 G3S = IQ3S_GRID.astype("<u4").view(np.uint8)
 G1S = IQ1S_GRID.astype("<u8").view(np.int8)
 KSIGNS = KSIGNS_IQ2XS.copy()
+# the fills index these with masked bits of the block: 8, 9, 10, 8, 9 and 11 bits, and 7 for the signs
+assert [len(g) // 8 for g in (G2XXS, G2XS, G2S)] == [256, 512, 1024] and len(KSIGNS) == 128
+assert [len(g) // 4 for g in (G3XXS, G3S)] == [256, 512] and len(G1S) // 8 == 2048
 
 # ggml-common.h kvalues_mxfp4 (the FP4 E2M1 values, doubled), and ggml_e8m0_to_fp32_half(e):
 # 2^(e - 128), with the two smallest exponents as subnormal bit patterns
