@@ -3,11 +3,12 @@ i-quants (a byte indexes a point of 4 or 8 magnitudes, with sign bits beside), M
 block exponent), the ternary types (base-3 digits: TQ1_0, IQ1_BN; 2-bit: TQ2_0, IQ2_BN) and Q8_KV
 (int8 codes under one float32 row scale).
 
-Each block's values are unpacked, as integers times their integer sub-block scales, into a small
-buffer, and multiplied with the activations rounded to 8 bits per 32 (matvec.round_q8) as
-integers; one float per 32 values then scales the group's sum (its xd), one per block the block's
-(``fill``'s return value: d times what the integer scales leave out), and one per row a row scale
-in front of the blocks (Q8_KV, IQ1_BN, IQ2_BN).  The unpacking follows each type's
+Each block's values are unpacked into a small buffer of int8 codes and their integer scales per 16
+values, and multiplied with the activations rounded to 8 bits per 32 (matvec.round_q8) as
+integers, 32 at a time in vector registers (dot.codes_dot32; a plain numba loop over the values
+ran 30-90x slower than the layout types' chunk_dot); one float per 32 values then scales the
+group's sum (its xd), one per block the block's (``fill``'s return value: d times what the integer
+scales leave out), and one per row a row scale in front of the blocks (Q8_KV, IQ1_BN, IQ2_BN).  The unpacking follows each type's
 ``dequantize_row_*`` in ggml-quants.c (ik_llama.cpp and mainline) and iqk_quantize.cpp, where the
 float values are
 
@@ -79,126 +80,134 @@ def _signed(g, signs, bit):
     return -g if (signs >> bit) & 1 else g
 
 
-# ---- fill(b, o, k, w): the block at byte o (of row k of an interleaved group, whose blocks are
-# the group's rows' blocks side by side) -> w[:values] integers; returns the block's float factor ----
+@njit(**_INLINE)
+def _put_signed(w, at, n, grid, g0, signs, bit0):
+    """w[at:at + n] = grid[g0:g0 + n], value j negated where bit bit0 + j of ``signs`` is set."""
+    for j in range(n):
+        w[at + j] = _signed(np.int64(grid[g0 + j]), signs, bit0 + j)
+
 
 @njit(**_INLINE)
-def _iq2_xxs(b, o, k, w):
+def _put_shifted(w, at, g0, delta):
+    """w[at:at + 8] = 8 G1S[g0:g0 + 8] + delta: an IQ1 grid point moved by delta / 8 (+-1)."""
+    for j in range(8):
+        w[at + j] = 8 * np.int64(G1S[g0 + j]) + delta
+
+
+@njit(**_INLINE)
+def _put_scales(sc, at, n, v):
+    for i in range(at, at + n):
+        sc[i] = v
+
+
+# ---- fill(b, o, k, w, sc): the block at byte o (of row k of an interleaved group, whose blocks are
+# the group's rows' blocks side by side) -> its int8 codes w[:values] and their integer scales per
+# 16 values sc[:values // 16]; returns the block's float factor ----
+
+@njit(**_INLINE)
+def _iq2_xxs(b, o, k, w, sc):
     # block_iq2_xxs | d | qs[32] u16 |: per 32 values 4 grid bytes, then a u32: 4 x 7 sign bits, scale
     for ib in range(8):
         q = o + 2 + 8 * ib
         aux = _u32(b, q + 4)
-        sc = 2 * (aux >> 28) + 1
+        _put_scales(sc, 2 * ib, 2, 2 * (aux >> 28) + 1)
         for l in range(4):
-            g0 = 8 * np.int64(b[q + l])
             signs = np.int64(KSIGNS[(aux >> 7 * l) & 127])
-            for j in range(8):
-                w[32 * ib + 8 * l + j] = sc * _signed(np.int64(G2XXS[g0 + j]), signs, j)
+            _put_signed(w, 32 * ib + 8 * l, 8, G2XXS, 8 * np.int64(b[q + l]), signs, 0)
     return D.half_at(b, o) * F(0.125)
 
 
 @njit(**_INLINE)
-def _iq2_xs(b, o, k, w):
+def _iq2_xs(b, o, k, w, sc):
     # block_iq2_xs | d | qs[32] u16: grid index (9 bits), sign index (7) | scales[8]: a nibble per 16 |
     for ib in range(8):
         scb = np.int64(b[o + 66 + ib])
+        sc[2 * ib], sc[2 * ib + 1] = 2 * (scb & 15) + 1, 2 * (scb >> 4) + 1
         for l in range(4):
             qs = _u16(b, o + 2 + 2 * (4 * ib + l))
-            sc = 2 * ((scb >> 4 * (l // 2)) & 15) + 1
-            g0 = 8 * (qs & 511)
-            signs = np.int64(KSIGNS[qs >> 9])
-            for j in range(8):
-                w[32 * ib + 8 * l + j] = sc * _signed(np.int64(G2XS[g0 + j]), signs, j)
+            _put_signed(w, 32 * ib + 8 * l, 8, G2XS, 8 * (qs & 511), np.int64(KSIGNS[qs >> 9]), 0)
     return D.half_at(b, o) * F(0.125)
 
 
 @njit(**_INLINE)
-def _iq2_s(b, o, k, w):
+def _iq2_s(b, o, k, w, sc):
     # block_iq2_s | d | qs[32] grid low bytes | signs[32] | qh[8]: 2 high bits per index | scales[8] |
     for ib in range(8):
         qh = np.int64(b[o + 66 + ib])
         scb = np.int64(b[o + 74 + ib])
+        sc[2 * ib], sc[2 * ib + 1] = 2 * (scb & 15) + 1, 2 * (scb >> 4) + 1
         for l in range(4):
-            sc = 2 * ((scb >> 4 * (l // 2)) & 15) + 1
             g0 = 8 * (np.int64(b[o + 2 + 4 * ib + l]) | ((qh << (8 - 2 * l)) & 0x300))
-            signs = np.int64(b[o + 34 + 4 * ib + l])
-            for j in range(8):
-                w[32 * ib + 8 * l + j] = sc * _signed(np.int64(G2S[g0 + j]), signs, j)
+            _put_signed(w, 32 * ib + 8 * l, 8, G2S, g0, np.int64(b[o + 34 + 4 * ib + l]), 0)
     return D.half_at(b, o) * F(0.125)
 
 
 @njit(**_INLINE)
-def _iq3_xxs(b, o, k, w):
+def _iq3_xxs(b, o, k, w, sc):
     # block_iq3_xxs | d | qs[64]: a grid byte per 4 values | 8 u32: 4 x 7 sign bits, scale |
     for ib in range(8):
         aux = _u32(b, o + 66 + 4 * ib)
-        sc = 2 * (aux >> 28) + 1
+        _put_scales(sc, 2 * ib, 2, 2 * (aux >> 28) + 1)
         for l in range(4):
             signs = np.int64(KSIGNS[(aux >> 7 * l) & 127])
-            g1 = 4 * np.int64(b[o + 2 + 8 * ib + 2 * l])
-            g2 = 4 * np.int64(b[o + 3 + 8 * ib + 2 * l])
-            for j in range(4):
-                w[32 * ib + 8 * l + j] = sc * _signed(np.int64(G3XXS[g1 + j]), signs, j)
-                w[32 * ib + 8 * l + 4 + j] = sc * _signed(np.int64(G3XXS[g2 + j]), signs, j + 4)
+            _put_signed(w, 32 * ib + 8 * l, 4, G3XXS, 4 * np.int64(b[o + 2 + 8 * ib + 2 * l]), signs, 0)
+            _put_signed(w, 32 * ib + 8 * l + 4, 4, G3XXS, 4 * np.int64(b[o + 3 + 8 * ib + 2 * l]), signs, 4)
     return D.half_at(b, o) * F(0.25)
 
 
 @njit(**_INLINE)
-def _iq3_s(b, o, k, w):
+def _iq3_s(b, o, k, w, sc):
     # block_iq3_s | d | qs[64] | qh[8]: bit 8 of each index | signs[32] | scales[4]: a nibble per 32 |
     for ib in range(8):
         qh = np.int64(b[o + 66 + ib])
-        sc = 2 * ((np.int64(b[o + 106 + ib // 2]) >> 4 * (ib % 2)) & 15) + 1
+        _put_scales(sc, 2 * ib, 2, 2 * ((np.int64(b[o + 106 + ib // 2]) >> 4 * (ib % 2)) & 15) + 1)
         for l in range(4):
             g1 = 4 * (np.int64(b[o + 2 + 8 * ib + 2 * l]) | ((qh << (8 - 2 * l)) & 256))
             g2 = 4 * (np.int64(b[o + 3 + 8 * ib + 2 * l]) | ((qh << (7 - 2 * l)) & 256))
             signs = np.int64(b[o + 74 + 4 * ib + l])
-            for j in range(4):
-                w[32 * ib + 8 * l + j] = sc * _signed(np.int64(G3S[g1 + j]), signs, j)
-                w[32 * ib + 8 * l + 4 + j] = sc * _signed(np.int64(G3S[g2 + j]), signs, j + 4)
+            _put_signed(w, 32 * ib + 8 * l, 4, G3S, g1, signs, 0)
+            _put_signed(w, 32 * ib + 8 * l + 4, 4, G3S, g2, signs, 4)
     return D.half_at(b, o)
 
 
 @njit(**_INLINE)
-def _iq1_s(b, o, k, w):
+def _iq1_s(b, o, k, w, sc):
     # block_iq1_s | d | qs[32]: grid low bytes | qh[8] u16: 4 x 3 high bits, scale (3), delta sign |
     for ib in range(8):
         qh = _u16(b, o + 34 + 2 * ib)
-        sc = 2 * ((qh >> 12) & 7) + 1
+        _put_scales(sc, 2 * ib, 2, 2 * ((qh >> 12) & 7) + 1)
         delta = -1 if qh & 0x8000 else 1
         for l in range(4):
-            g0 = 8 * (np.int64(b[o + 2 + 4 * ib + l]) | (((qh >> 3 * l) & 7) << 8))
-            for j in range(8):
-                w[32 * ib + 8 * l + j] = sc * (8 * np.int64(G1S[g0 + j]) + delta)
+            _put_shifted(w, 32 * ib + 8 * l, 8 * (np.int64(b[o + 2 + 4 * ib + l]) | (((qh >> 3 * l) & 7) << 8)), delta)
     return D.half_at(b, o) * F(0.125)
 
 
 @njit(**_INLINE)
-def _iq1_m(b, o, k, w):
+def _iq1_m(b, o, k, w, sc):
     # block_iq1_m | qs[32] | qh[16]: 3 high bits + delta sign per 8 | scales[8]: 4 u16, 3 bits per 16
     # values, the float16 d in their top nibbles |
     s0, s1, s2, s3 = _u16(b, o + 48), _u16(b, o + 50), _u16(b, o + 52), _u16(b, o + 54)
     d = D.half_bits((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000))
     for ib in range(8):
         s16 = _u16(b, o + 48 + 2 * (ib // 2))
+        for h in range(2):
+            sc[2 * ib + h] = 2 * ((s16 >> (6 * (ib % 2) + 3 * h)) & 7) + 1
         for l in range(4):
             qh = np.int64(b[o + 32 + 2 * ib + l // 2])
             high = (qh << 8) if l % 2 == 0 else (qh << 4)
-            g0 = 8 * (np.int64(b[o + 4 * ib + l]) | (high & 0x700))
             delta = -1 if qh & (0x08 << 4 * (l % 2)) else 1
-            sc = 2 * ((s16 >> (6 * (ib % 2) + 3 * (l // 2))) & 7) + 1
-            for j in range(8):
-                w[32 * ib + 8 * l + j] = sc * (8 * np.int64(G1S[g0 + j]) + delta)
+            _put_shifted(w, 32 * ib + 8 * l, 8 * (np.int64(b[o + 4 * ib + l]) | (high & 0x700)), delta)
     return d * F(0.125)
 
 
 @njit(**_INLINE)
-def _mxfp4(b, o, k, w):
+def _mxfp4(b, o, k, w, sc):
     # block_mxfp4 | e (E8M0) | qs[16]: value j in the low nibble of qs[j], j + 16 in the high |
     for j in range(16):
         q = np.int64(b[o + 1 + j])
         w[j] = MXFP4_VALUES[q & 15]
         w[j + 16] = MXFP4_VALUES[q >> 4]
+    _put_scales(sc, 0, 2, 1)
     return E8M0_HALF[b[o]]
 
 
@@ -210,118 +219,118 @@ def _trit(byte, mult):
 
 
 @njit(**_INLINE)
-def _tq1_0(b, o, k, w):
+def _tq1_0(b, o, k, w, sc):
     # block_tq1_0 | qs[48]: 5 digits a byte | qh[4]: 4 digits a byte | d |: 32 bytes times 5 digits,
     # then 16 bytes times 5, then the 4 bytes times 4, digit-major
-    k = 0
+    at = 0
     for n in range(5):
         for m in range(32):
-            w[k] = _trit(np.int64(b[o + m]), POW3[n])
-            k += 1
+            w[at] = _trit(np.int64(b[o + m]), POW3[n])
+            at += 1
     for n in range(5):
         for m in range(16):
-            w[k] = _trit(np.int64(b[o + 32 + m]), POW3[n])
-            k += 1
+            w[at] = _trit(np.int64(b[o + 32 + m]), POW3[n])
+            at += 1
     for n in range(4):
         for m in range(4):
-            w[k] = _trit(np.int64(b[o + 48 + m]), POW3[n])
-            k += 1
+            w[at] = _trit(np.int64(b[o + 48 + m]), POW3[n])
+            at += 1
+    _put_scales(sc, 0, 16, 1)
     return D.half_at(b, o + 52)
 
 
 @njit(**_INLINE)
-def _tq2_0(b, o, k, w):
+def _tq2_0(b, o, k, w, sc):
     # block_tq2_0 | qs[64] | d |: value 128 h + 32 l + m: bits 2l..2l+1 of qs[32 h + m], minus 1
     for h in range(2):
         for l in range(4):
             for m in range(32):
                 w[128 * h + 32 * l + m] = ((np.int64(b[o + 32 * h + m]) >> 2 * l) & 3) - 1
+    _put_scales(sc, 0, 16, 1)
     return D.half_at(b, o + 64)
 
 
 @njit(**_INLINE)
-def _iq1_bn(b, o, k, w):
+def _iq1_bn(b, o, k, w, sc):
     # block_iq1_bn | ql[12] | extra |: per 16 values, 3 bytes of 5 digits, and digit i16 of extra
     for i16 in range(4):
-        for k in range(3):
-            byte = np.int64(b[o + 3 * i16 + k])
+        for kk in range(3):
+            byte = np.int64(b[o + 3 * i16 + kk])
             for j in range(5):
                 v = (byte * K_MULT[j]) & 255
-                w[16 * i16 + 5 * k + j] = ((v + (v >> 1)) >> 7) - 1
+                w[16 * i16 + 5 * kk + j] = ((v + (v >> 1)) >> 7) - 1
         v = (np.int64(b[o + 12]) * K_MULT[i16]) & 255
         w[16 * i16 + 15] = ((v + (v >> 1)) >> 7) - 1
+    _put_scales(sc, 0, 4, 1)
     return F(1)
 
 
 @njit(**_INLINE)
-def _iq2_bn(b, o, k, w):
-    # block_iq2_bn | qs[16] |: value j + 16 k in bits 2k..2k+1 of qs[j], minus 1
+def _iq2_bn(b, o, k, w, sc):
+    # block_iq2_bn | qs[16] |: value j + 16 l in bits 2l..2l+1 of qs[j], minus 1
     for j in range(16):
         q = np.int64(b[o + j])
-        for k in range(4):
-            w[j + 16 * k] = ((q >> 2 * k) & 3) - 1
+        for l in range(4):
+            w[j + 16 * l] = ((q >> 2 * l) & 3) - 1
+    _put_scales(sc, 0, 4, 1)
     return F(1)
 
 
 @njit(**_INLINE)
-def _q8_kv(b, o, k, w):
+def _q8_kv(b, o, k, w, sc):
     for j in range(32):
-        w[j] = np.int64(np.int8(b[o + j]))
+        w[j] = np.int8(b[o + j])
+    _put_scales(sc, 0, 2, 1)
     return F(1)
 
 
 # ---- interleaved layouts of their own (not their base's rows regrouped), read in place ----
 
 @njit(**_INLINE)
-def _iq1_s_r4(b, o, k, w):
+def _iq1_s_r4(b, o, k, w, sc):
     # block_iq1_s_r4, 32 values of 4 rows | qs[16]: row k's 8-group i at 4 i + k | qh[4] u16: row k's
     # 3 high bits per 8, scale, delta sign |; the rows' float16 d in front of the group
     qh = _u16(b, o + 16 + 2 * k)
-    sc = 2 * ((qh >> 12) & 7) + 1
+    _put_scales(sc, 0, 2, 2 * ((qh >> 12) & 7) + 1)
     delta = -1 if qh & 0x8000 else 1
     for i in range(4):
-        g0 = 8 * (np.int64(b[o + 4 * i + k]) | (((qh >> 3 * i) & 7) << 8))
-        for j in range(8):
-            w[8 * i + j] = sc * (8 * np.int64(G1S[g0 + j]) + delta)
+        _put_shifted(w, 8 * i, 8 * (np.int64(b[o + 4 * i + k]) | (((qh >> 3 * i) & 7) << 8)), delta)
     return F(0.125)
 
 
 @njit(**_INLINE)
-def _iq1_m_r4(b, o, k, w):
+def _iq1_m_r4(b, o, k, w, sc):
     # block_iq1_m_r4, 32 values of 4 rows | qs[16] | qh[8] | scales[4] |: row k's 16-half i: scale
     # nibble i of scales[k] (d * scale, not 2 scale + 1), grid bytes qs[8 i + k], qs[8 i + k + 4],
     # high bits and delta signs in qh[4 i + k]
     scb = np.int64(b[o + 24 + k])
     for i in range(2):
-        sc = (scb >> 4 * i) & 15
+        sc[i] = (scb >> 4 * i) & 15
         qh = np.int64(b[o + 16 + 4 * i + k])
-        g1 = 8 * (np.int64(b[o + 8 * i + k]) | ((qh & 0x07) << 8))
-        g2 = 8 * (np.int64(b[o + 8 * i + k + 4]) | ((qh & 0x70) << 4))
-        d1 = -1 if qh & 0x08 else 1
-        d2 = -1 if qh & 0x80 else 1
-        for j in range(8):
-            w[16 * i + j] = sc * (8 * np.int64(G1S[g1 + j]) + d1)
-            w[16 * i + 8 + j] = sc * (8 * np.int64(G1S[g2 + j]) + d2)
+        _put_shifted(w, 16 * i, 8 * (np.int64(b[o + 8 * i + k]) | ((qh & 0x07) << 8)), -1 if qh & 0x08 else 1)
+        _put_shifted(w, 16 * i + 8, 8 * (np.int64(b[o + 8 * i + k + 4]) | ((qh & 0x70) << 4)), -1 if qh & 0x80 else 1)
     return F(0.125)
 
 
 @njit(**_INLINE)
-def _q8_kv_r8(b, o, k, w):
+def _q8_kv_r8(b, o, k, w, sc):
     # 32 values of 8 rows: row k's value 16 h + 4 l + i at 128 h + 32 l + 4 k + i; the rows' float32
     # d in front of the group
     for h in range(2):
         for l in range(4):
             for i in range(4):
-                w[16 * h + 4 * l + i] = np.int64(np.int8(b[o + 128 * h + 32 * l + 4 * k + i]))
+                w[16 * h + 4 * l + i] = np.int8(b[o + 128 * h + 32 * l + 4 * k + i])
+    _put_scales(sc, 0, 2, 1)
     return F(1)
 
 
 @njit(**_INLINE)
-def _q8_k_r8(b, o, k, w):
+def _q8_k_r8(b, o, k, w, sc):
     # block_q8_k_r8, 256 values of 8 rows | d[8] | qs[2048] |: row k's value 4 m + i at qs[32 m + 4 k + i]
     for m in range(64):
         for i in range(4):
-            w[4 * m + i] = np.int64(np.int8(b[o + 16 + 32 * m + 4 * k + i]))
+            w[4 * m + i] = np.int8(b[o + 16 + 32 * m + 4 * k + i])
+    _put_scales(sc, 0, 16, 1)
     return D.half_at(b, o + 2 * k)
 
 
@@ -354,17 +363,15 @@ def coded_row(qtype):
         row_bytes = meta + block_bytes * (n // values)
         k = bo // row_bytes % group
         g0 = bo - k * row_bytes
-        w = np.empty(values, np.int32)
+        w = np.empty(values, np.int8)
+        sc = np.empty(values // 16, np.int16)
         s = F(0)
         for blk in range(n // values):
-            factor = fill(b, g0 + group * (meta + block_bytes * blk), k, w)
+            factor = fill(b, g0 + group * (meta + block_bytes * blk), k, w, sc)
             x0 = xo + values * blk
             acc = F(0)
             for g in range(groups):
-                isum = np.int32(0)
-                for j in range(32 * g, 32 * g + 32):
-                    isum += w[j] * np.int32(xq[x0 + j])
-                acc += F(isum) * xd[(x0 >> 5) + g]
+                acc += F(D.codes_dot32(w, 32 * g, sc, 2 * g, xq, x0 + 32 * g)) * xd[(x0 >> 5) + g]
             s += factor * acc
         if meta == 2:
             return s * D.half_at(b, g0 + 2 * k)

@@ -629,3 +629,22 @@ def half_bits(typingctx, u):
 
 
 half_axpy8, half_axpy32 = half_row_axpy(8), half_row_axpy(32)
+
+
+@intrinsic
+def codes_dot32(typingctx, w, wo, sc, so, xq, xo):
+    """Σ_j w[wo + j] * xq[xo + j] * sc[so + j // 16] over j < 32, exact in int32: 32 int8 codes
+    (|code| <= 127, or -128), their int16 scales per 16 values and 32 int8 activations; the byte
+    products added in pairs (pmaddubsw), then in pairs times the scales (pmaddwd), as chunk_dot
+    does (runtime/code_dots.py unpacks the blocks it cannot describe into such codes)."""
+    def codegen(context, builder, sig, args):
+        w_v, wo_v, sc_v, so_v, xq_v, xo_v = args
+        i64 = ir.IntType(64)
+        codes = _load(builder, _data(context, builder, sig.args[0], w_v), _as(builder, wo_v, i64), 32, _I8)
+        x = _load(builder, _data(context, builder, sig.args[4], xq_v), _as(builder, xo_v, i64), 32, _I8)
+        two = _load(builder, _data(context, builder, sig.args[2], sc_v), _as(builder, so_v, i64), 2, _I16)
+        scales = builder.shuffle_vector(two, two, ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [1] * 8))
+        u, s = _abs_sign(builder, codes, x)
+        return builder.extract_element(_fold(builder, _madd(builder, _maddubs(builder, u, s), scales), 8, 1),
+                                       ir.Constant(_I32, 0))
+    return nbt.int32(w, wo, sc, so, xq, xo), codegen
