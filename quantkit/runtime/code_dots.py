@@ -41,18 +41,17 @@ from . import dot as D
 F = np.float32
 T = QuantType
 
-# the grids as bytes, point k at 8 k (IQ1S: int8 -1, 0, 1; the others: magnitudes), little-endian
-# as ggml reads a uint64 / uint32 point through a uint8 pointer
-G2XXS = IQ2XXS_GRID.astype("<u8").view(np.uint8)
-G2XS = IQ2XS_GRID.astype("<u8").view(np.uint8)
-G2S = IQ2S_GRID.astype("<u8").view(np.uint8)
-G3XXS = IQ3XXS_GRID.astype("<u4").view(np.uint8)
-G3S = IQ3S_GRID.astype("<u4").view(np.uint8)
-G1S = IQ1S_GRID.astype("<u8").view(np.int8)
+# grid points go into the code buffer whole: a uint64 (uint32) point is its 8 (4) magnitudes in
+# memory order, as ggml reads it through a uint8 pointer (little-endian, as numba's targets are)
+assert np.little_endian
+# IQ1 points (int8 -1, 0, 1) times 8, moved by +1 or -1 (the +-1/8 delta), as words of 8 codes
+_G1S = IQ1S_GRID.view(np.int8).astype(np.int64)
+G1S_UP = (8 * _G1S + 1).astype(np.int8).view(np.uint64)
+G1S_DOWN = (8 * _G1S - 1).astype(np.int8).view(np.uint64)
 KSIGNS = KSIGNS_IQ2XS.copy()
 # the fills index these with masked bits of the block: 8, 9, 10, 8, 9 and 11 bits, and 7 for the signs
-assert [len(g) // 8 for g in (G2XXS, G2XS, G2S)] == [256, 512, 1024] and len(KSIGNS) == 128
-assert [len(g) // 4 for g in (G3XXS, G3S)] == [256, 512] and len(G1S) // 8 == 2048
+assert [len(g) for g in (IQ2XXS_GRID, IQ2XS_GRID, IQ2S_GRID, IQ3XXS_GRID, IQ3S_GRID)] == [256, 512, 1024, 256, 512]
+assert len(G1S_UP) == len(G1S_DOWN) == 2048 and len(KSIGNS) == 128
 
 # ggml-common.h kvalues_mxfp4 (the FP4 E2M1 values, doubled), and ggml_e8m0_to_fp32_half(e):
 # 2^(e - 128), with the two smallest exponents as subnormal bit patterns
@@ -81,109 +80,104 @@ def _signed(g, signs, bit):
 
 
 @njit(**_INLINE)
-def _put_signed(w, at, n, grid, g0, signs, bit0):
-    """w[at:at + n] = grid[g0:g0 + n], value j negated where bit bit0 + j of ``signs`` is set."""
-    for j in range(n):
-        w[at + j] = _signed(np.int64(grid[g0 + j]), signs, bit0 + j)
-
-
-@njit(**_INLINE)
-def _put_shifted(w, at, g0, delta):
-    """w[at:at + 8] = 8 G1S[g0:g0 + 8] + delta: an IQ1 grid point moved by delta / 8 (+-1)."""
-    for j in range(8):
-        w[at + j] = 8 * np.int64(G1S[g0 + j]) + delta
-
-
-@njit(**_INLINE)
 def _put_scales(sc, at, n, v):
     for i in range(at, at + n):
         sc[i] = v
 
 
-# ---- fill(b, o, k, w, sc): the block at byte o (of row k of an interleaved group, whose blocks are
-# the group's rows' blocks side by side) -> its int8 codes w[:values] and their integer scales per
-# 16 values sc[:values // 16]; returns the block's float factor ----
+@njit(**_INLINE)
+def _iq1_word(idx, delta):
+    """The 8 codes 8 grid + delta of IQ1 point idx, as one word."""
+    return G1S_UP[idx] if delta > 0 else G1S_DOWN[idx]
+
+
+# ---- fill(b, o, k, w, sg, sc): the block at byte o (of row k of an interleaved group, whose blocks
+# are the group's rows' blocks side by side) -> its int8 codes in w (a uint64 array: grid points go
+# in whole, 8 codes a word, or 4 in a uint32 view), the sign byte of each 8 codes in sg (bit j
+# negates code j; left 0 by the types without sign bits) and their integer scales per 16 values in
+# sc; returns the block's float factor ----
 
 @njit(**_INLINE)
-def _iq2_xxs(b, o, k, w, sc):
+def _iq2_xxs(b, o, k, w, sg, sc):
     # block_iq2_xxs | d | qs[32] u16 |: per 32 values 4 grid bytes, then a u32: 4 x 7 sign bits, scale
     for ib in range(8):
         q = o + 2 + 8 * ib
         aux = _u32(b, q + 4)
         _put_scales(sc, 2 * ib, 2, 2 * (aux >> 28) + 1)
         for l in range(4):
-            signs = np.int64(KSIGNS[(aux >> 7 * l) & 127])
-            _put_signed(w, 32 * ib + 8 * l, 8, G2XXS, 8 * np.int64(b[q + l]), signs, 0)
+            w[4 * ib + l] = IQ2XXS_GRID[b[q + l]]
+            sg[4 * ib + l] = KSIGNS[(aux >> 7 * l) & 127]
     return D.half_at(b, o) * F(0.125)
 
 
 @njit(**_INLINE)
-def _iq2_xs(b, o, k, w, sc):
+def _iq2_xs(b, o, k, w, sg, sc):
     # block_iq2_xs | d | qs[32] u16: grid index (9 bits), sign index (7) | scales[8]: a nibble per 16 |
     for ib in range(8):
         scb = np.int64(b[o + 66 + ib])
         sc[2 * ib], sc[2 * ib + 1] = 2 * (scb & 15) + 1, 2 * (scb >> 4) + 1
         for l in range(4):
             qs = _u16(b, o + 2 + 2 * (4 * ib + l))
-            _put_signed(w, 32 * ib + 8 * l, 8, G2XS, 8 * (qs & 511), np.int64(KSIGNS[qs >> 9]), 0)
+            w[4 * ib + l] = IQ2XS_GRID[qs & 511]
+            sg[4 * ib + l] = KSIGNS[qs >> 9]
     return D.half_at(b, o) * F(0.125)
 
 
 @njit(**_INLINE)
-def _iq2_s(b, o, k, w, sc):
+def _iq2_s(b, o, k, w, sg, sc):
     # block_iq2_s | d | qs[32] grid low bytes | signs[32] | qh[8]: 2 high bits per index | scales[8] |
     for ib in range(8):
         qh = np.int64(b[o + 66 + ib])
         scb = np.int64(b[o + 74 + ib])
         sc[2 * ib], sc[2 * ib + 1] = 2 * (scb & 15) + 1, 2 * (scb >> 4) + 1
         for l in range(4):
-            g0 = 8 * (np.int64(b[o + 2 + 4 * ib + l]) | ((qh << (8 - 2 * l)) & 0x300))
-            _put_signed(w, 32 * ib + 8 * l, 8, G2S, g0, np.int64(b[o + 34 + 4 * ib + l]), 0)
+            w[4 * ib + l] = IQ2S_GRID[np.int64(b[o + 2 + 4 * ib + l]) | ((qh << (8 - 2 * l)) & 0x300)]
+            sg[4 * ib + l] = b[o + 34 + 4 * ib + l]
     return D.half_at(b, o) * F(0.125)
 
 
 @njit(**_INLINE)
-def _iq3_xxs(b, o, k, w, sc):
+def _iq3_xxs(b, o, k, w, sg, sc):
     # block_iq3_xxs | d | qs[64]: a grid byte per 4 values | 8 u32: 4 x 7 sign bits, scale |
+    w4 = w.view(np.uint32)
     for ib in range(8):
         aux = _u32(b, o + 66 + 4 * ib)
         _put_scales(sc, 2 * ib, 2, 2 * (aux >> 28) + 1)
         for l in range(4):
-            signs = np.int64(KSIGNS[(aux >> 7 * l) & 127])
-            _put_signed(w, 32 * ib + 8 * l, 4, G3XXS, 4 * np.int64(b[o + 2 + 8 * ib + 2 * l]), signs, 0)
-            _put_signed(w, 32 * ib + 8 * l + 4, 4, G3XXS, 4 * np.int64(b[o + 3 + 8 * ib + 2 * l]), signs, 4)
+            w4[8 * ib + 2 * l] = IQ3XXS_GRID[b[o + 2 + 8 * ib + 2 * l]]
+            w4[8 * ib + 2 * l + 1] = IQ3XXS_GRID[b[o + 3 + 8 * ib + 2 * l]]
+            sg[4 * ib + l] = KSIGNS[(aux >> 7 * l) & 127]
     return D.half_at(b, o) * F(0.25)
 
 
 @njit(**_INLINE)
-def _iq3_s(b, o, k, w, sc):
+def _iq3_s(b, o, k, w, sg, sc):
     # block_iq3_s | d | qs[64] | qh[8]: bit 8 of each index | signs[32] | scales[4]: a nibble per 32 |
+    w4 = w.view(np.uint32)
     for ib in range(8):
         qh = np.int64(b[o + 66 + ib])
         _put_scales(sc, 2 * ib, 2, 2 * ((np.int64(b[o + 106 + ib // 2]) >> 4 * (ib % 2)) & 15) + 1)
         for l in range(4):
-            g1 = 4 * (np.int64(b[o + 2 + 8 * ib + 2 * l]) | ((qh << (8 - 2 * l)) & 256))
-            g2 = 4 * (np.int64(b[o + 3 + 8 * ib + 2 * l]) | ((qh << (7 - 2 * l)) & 256))
-            signs = np.int64(b[o + 74 + 4 * ib + l])
-            _put_signed(w, 32 * ib + 8 * l, 4, G3S, g1, signs, 0)
-            _put_signed(w, 32 * ib + 8 * l + 4, 4, G3S, g2, signs, 4)
+            w4[8 * ib + 2 * l] = IQ3S_GRID[np.int64(b[o + 2 + 8 * ib + 2 * l]) | ((qh << (8 - 2 * l)) & 256)]
+            w4[8 * ib + 2 * l + 1] = IQ3S_GRID[np.int64(b[o + 3 + 8 * ib + 2 * l]) | ((qh << (7 - 2 * l)) & 256)]
+            sg[4 * ib + l] = b[o + 74 + 4 * ib + l]
     return D.half_at(b, o)
 
 
 @njit(**_INLINE)
-def _iq1_s(b, o, k, w, sc):
+def _iq1_s(b, o, k, w, sg, sc):
     # block_iq1_s | d | qs[32]: grid low bytes | qh[8] u16: 4 x 3 high bits, scale (3), delta sign |
     for ib in range(8):
         qh = _u16(b, o + 34 + 2 * ib)
         _put_scales(sc, 2 * ib, 2, 2 * ((qh >> 12) & 7) + 1)
         delta = -1 if qh & 0x8000 else 1
         for l in range(4):
-            _put_shifted(w, 32 * ib + 8 * l, 8 * (np.int64(b[o + 2 + 4 * ib + l]) | (((qh >> 3 * l) & 7) << 8)), delta)
+            w[4 * ib + l] = _iq1_word(np.int64(b[o + 2 + 4 * ib + l]) | (((qh >> 3 * l) & 7) << 8), delta)
     return D.half_at(b, o) * F(0.125)
 
 
 @njit(**_INLINE)
-def _iq1_m(b, o, k, w, sc):
+def _iq1_m(b, o, k, w, sg, sc):
     # block_iq1_m | qs[32] | qh[16]: 3 high bits + delta sign per 8 | scales[8]: 4 u16, 3 bits per 16
     # values, the float16 d in their top nibbles |
     s0, s1, s2, s3 = _u16(b, o + 48), _u16(b, o + 50), _u16(b, o + 52), _u16(b, o + 54)
@@ -196,13 +190,14 @@ def _iq1_m(b, o, k, w, sc):
             qh = np.int64(b[o + 32 + 2 * ib + l // 2])
             high = (qh << 8) if l % 2 == 0 else (qh << 4)
             delta = -1 if qh & (0x08 << 4 * (l % 2)) else 1
-            _put_shifted(w, 32 * ib + 8 * l, 8 * (np.int64(b[o + 4 * ib + l]) | (high & 0x700)), delta)
+            w[4 * ib + l] = _iq1_word(np.int64(b[o + 4 * ib + l]) | (high & 0x700), delta)
     return d * F(0.125)
 
 
 @njit(**_INLINE)
-def _mxfp4(b, o, k, w, sc):
+def _mxfp4(b, o, k, words, sg, sc):
     # block_mxfp4 | e (E8M0) | qs[16]: value j in the low nibble of qs[j], j + 16 in the high |
+    w = words.view(np.int8)
     for j in range(16):
         q = np.int64(b[o + 1 + j])
         w[j] = MXFP4_VALUES[q & 15]
@@ -219,9 +214,10 @@ def _trit(byte, mult):
 
 
 @njit(**_INLINE)
-def _tq1_0(b, o, k, w, sc):
+def _tq1_0(b, o, k, words, sg, sc):
     # block_tq1_0 | qs[48]: 5 digits a byte | qh[4]: 4 digits a byte | d |: 32 bytes times 5 digits,
     # then 16 bytes times 5, then the 4 bytes times 4, digit-major
+    w = words.view(np.int8)
     at = 0
     for n in range(5):
         for m in range(32):
@@ -240,8 +236,9 @@ def _tq1_0(b, o, k, w, sc):
 
 
 @njit(**_INLINE)
-def _tq2_0(b, o, k, w, sc):
+def _tq2_0(b, o, k, words, sg, sc):
     # block_tq2_0 | qs[64] | d |: value 128 h + 32 l + m: bits 2l..2l+1 of qs[32 h + m], minus 1
+    w = words.view(np.int8)
     for h in range(2):
         for l in range(4):
             for m in range(32):
@@ -251,8 +248,9 @@ def _tq2_0(b, o, k, w, sc):
 
 
 @njit(**_INLINE)
-def _iq1_bn(b, o, k, w, sc):
+def _iq1_bn(b, o, k, words, sg, sc):
     # block_iq1_bn | ql[12] | extra |: per 16 values, 3 bytes of 5 digits, and digit i16 of extra
+    w = words.view(np.int8)
     for i16 in range(4):
         for kk in range(3):
             byte = np.int64(b[o + 3 * i16 + kk])
@@ -266,8 +264,9 @@ def _iq1_bn(b, o, k, w, sc):
 
 
 @njit(**_INLINE)
-def _iq2_bn(b, o, k, w, sc):
+def _iq2_bn(b, o, k, words, sg, sc):
     # block_iq2_bn | qs[16] |: value j + 16 l in bits 2l..2l+1 of qs[j], minus 1
+    w = words.view(np.int8)
     for j in range(16):
         q = np.int64(b[o + j])
         for l in range(4):
@@ -277,7 +276,8 @@ def _iq2_bn(b, o, k, w, sc):
 
 
 @njit(**_INLINE)
-def _q8_kv(b, o, k, w, sc):
+def _q8_kv(b, o, k, words, sg, sc):
+    w = words.view(np.int8)
     for j in range(32):
         w[j] = np.int8(b[o + j])
     _put_scales(sc, 0, 2, 1)
@@ -287,19 +287,19 @@ def _q8_kv(b, o, k, w, sc):
 # ---- interleaved layouts of their own (not their base's rows regrouped), read in place ----
 
 @njit(**_INLINE)
-def _iq1_s_r4(b, o, k, w, sc):
+def _iq1_s_r4(b, o, k, w, sg, sc):
     # block_iq1_s_r4, 32 values of 4 rows | qs[16]: row k's 8-group i at 4 i + k | qh[4] u16: row k's
     # 3 high bits per 8, scale, delta sign |; the rows' float16 d in front of the group
     qh = _u16(b, o + 16 + 2 * k)
     _put_scales(sc, 0, 2, 2 * ((qh >> 12) & 7) + 1)
     delta = -1 if qh & 0x8000 else 1
     for i in range(4):
-        _put_shifted(w, 8 * i, 8 * (np.int64(b[o + 4 * i + k]) | (((qh >> 3 * i) & 7) << 8)), delta)
+        w[i] = _iq1_word(np.int64(b[o + 4 * i + k]) | (((qh >> 3 * i) & 7) << 8), delta)
     return F(0.125)
 
 
 @njit(**_INLINE)
-def _iq1_m_r4(b, o, k, w, sc):
+def _iq1_m_r4(b, o, k, w, sg, sc):
     # block_iq1_m_r4, 32 values of 4 rows | qs[16] | qh[8] | scales[4] |: row k's 16-half i: scale
     # nibble i of scales[k] (d * scale, not 2 scale + 1), grid bytes qs[8 i + k], qs[8 i + k + 4],
     # high bits and delta signs in qh[4 i + k]
@@ -307,15 +307,16 @@ def _iq1_m_r4(b, o, k, w, sc):
     for i in range(2):
         sc[i] = (scb >> 4 * i) & 15
         qh = np.int64(b[o + 16 + 4 * i + k])
-        _put_shifted(w, 16 * i, 8 * (np.int64(b[o + 8 * i + k]) | ((qh & 0x07) << 8)), -1 if qh & 0x08 else 1)
-        _put_shifted(w, 16 * i + 8, 8 * (np.int64(b[o + 8 * i + k + 4]) | ((qh & 0x70) << 4)), -1 if qh & 0x80 else 1)
+        w[2 * i] = _iq1_word(np.int64(b[o + 8 * i + k]) | ((qh & 0x07) << 8), -1 if qh & 0x08 else 1)
+        w[2 * i + 1] = _iq1_word(np.int64(b[o + 8 * i + k + 4]) | ((qh & 0x70) << 4), -1 if qh & 0x80 else 1)
     return F(0.125)
 
 
 @njit(**_INLINE)
-def _q8_kv_r8(b, o, k, w, sc):
+def _q8_kv_r8(b, o, k, words, sg, sc):
     # 32 values of 8 rows: row k's value 16 h + 4 l + i at 128 h + 32 l + 4 k + i; the rows' float32
     # d in front of the group
+    w = words.view(np.int8)
     for h in range(2):
         for l in range(4):
             for i in range(4):
@@ -325,8 +326,9 @@ def _q8_kv_r8(b, o, k, w, sc):
 
 
 @njit(**_INLINE)
-def _q8_k_r8(b, o, k, w, sc):
+def _q8_k_r8(b, o, k, words, sg, sc):
     # block_q8_k_r8, 256 values of 8 rows | d[8] | qs[2048] |: row k's value 4 m + i at qs[32 m + 4 k + i]
+    w = words.view(np.int8)
     for m in range(64):
         for i in range(4):
             w[4 * m + i] = np.int8(b[o + 16 + 32 * m + 4 * k + i])
@@ -363,15 +365,16 @@ def coded_row(qtype):
         row_bytes = meta + block_bytes * (n // values)
         k = bo // row_bytes % group
         g0 = bo - k * row_bytes
-        w = np.empty(values, np.int8)
+        w = np.empty(values // 8, np.uint64)
+        sg = np.zeros(values // 8, np.uint8)
         sc = np.empty(values // 16, np.int16)
         s = F(0)
         for blk in range(n // values):
-            factor = fill(b, g0 + group * (meta + block_bytes * blk), k, w, sc)
+            factor = fill(b, g0 + group * (meta + block_bytes * blk), k, w, sg, sc)
             x0 = xo + values * blk
             acc = F(0)
             for g in range(groups):
-                acc += F(D.codes_dot32(w, 32 * g, sc, 2 * g, xq, x0 + 32 * g)) * xd[(x0 >> 5) + g]
+                acc += F(D.codes_dot32(w, 32 * g, sg, 4 * g, sc, 2 * g, xq, x0 + 32 * g)) * xd[(x0 >> 5) + g]
             s += factor * acc
         if meta == 2:
             return s * D.half_at(b, g0 + 2 * k)
