@@ -3,12 +3,14 @@ i-quants (a byte indexes a point of 4 or 8 magnitudes, with sign bits beside), M
 block exponent), the ternary types (base-3 digits: TQ1_0, IQ1_BN; 2-bit: TQ2_0, IQ2_BN) and Q8_KV
 (int8 codes under one float32 row scale).
 
-Each block's values are unpacked into a small buffer of int8 codes and their integer scales per 16
-values, and multiplied with the activations rounded to 8 bits per 32 (matvec.round_q8) as
-integers, 32 at a time in vector registers (dot.codes_dot32; a plain numba loop over the values
-ran 30-90x slower than the layout types' chunk_dot); one float per 32 values then scales the
-group's sum (its xd), one per block the block's (``fill``'s return value: d times what the integer
-scales leave out), and one per row a row scale in front of the blocks (Q8_KV, IQ1_BN, IQ2_BN).  The unpacking follows each type's
+Each block's values are unpacked into a small buffer of int8 codes (a grid point whole, as one
+word of 8 or 4 codes, its sign bits beside it) and their integer scales per 16 values, and
+multiplied with the activations rounded to 8 bits per 32 (matvec.round_q8) as integers, 32 at a
+time in vector registers (dot.codes_dot32; a plain numba loop over the values ran 30-90x slower
+than the layout types' chunk_dot, unpacking value by value 3x slower).  One float per 32 values
+then scales the group's sum (its xd), one per block the block's (``fill``'s return value: d times
+what the integer scales leave out), and one per row a row scale in front of the blocks (Q8_KV,
+IQ1_BN, IQ2_BN).  The unpacking follows each type's
 ``dequantize_row_*`` in ggml-quants.c (ik_llama.cpp and mainline) and iqk_quantize.cpp, where the
 float values are
 
@@ -214,23 +216,21 @@ def _trit(byte, mult):
 
 
 @njit(**_INLINE)
+def _trits(w, at, b, o, width, digits):
+    """w[at + width n + m] = digit n of the byte b[o + m], minus 1 (m < width, n < digits)."""
+    for n in range(digits):
+        for m in range(width):
+            w[at + width * n + m] = _trit(np.int64(b[o + m]), POW3[n])
+
+
+@njit(**_INLINE)
 def _tq1_0(b, o, k, words, sg, sc):
     # block_tq1_0 | qs[48]: 5 digits a byte | qh[4]: 4 digits a byte | d |: 32 bytes times 5 digits,
     # then 16 bytes times 5, then the 4 bytes times 4, digit-major
     w = words.view(np.int8)
-    at = 0
-    for n in range(5):
-        for m in range(32):
-            w[at] = _trit(np.int64(b[o + m]), POW3[n])
-            at += 1
-    for n in range(5):
-        for m in range(16):
-            w[at] = _trit(np.int64(b[o + 32 + m]), POW3[n])
-            at += 1
-    for n in range(4):
-        for m in range(4):
-            w[at] = _trit(np.int64(b[o + 48 + m]), POW3[n])
-            at += 1
+    _trits(w, 0, b, o, 32, 5)
+    _trits(w, 160, b, o + 32, 16, 5)
+    _trits(w, 240, b, o + 48, 4, 4)
     _put_scales(sc, 0, 16, 1)
     return D.half_at(b, o + 52)
 
