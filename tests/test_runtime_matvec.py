@@ -15,7 +15,7 @@ from numba import njit
 from quantkit import formats
 from quantkit.formats import interleave
 from quantkit.formats import decode
-from quantkit.runtime import dot, kernels, matvec, ops_cpu
+from quantkit.runtime import code_dots, dot, kernels, matvec, ops_cpu
 from quantkit.runtime.weights import Weight
 from quantkit.types import QuantType, traits, type_name
 
@@ -30,7 +30,10 @@ def rows_of(qtype, n_rows: int, n: int, seed: int) -> np.ndarray:
         return w.view(np.uint8)
     if qtype == T.F16:
         return w.astype(np.float16).view(np.uint8)
-    return formats.quantize(w, qtype, None, "ik")
+    # ik's quantizer where it has one (tq1_0/tq2_0: mainline's); an imatrix where the type needs one
+    flavor = "ik" if formats.can_quantize(qtype, "ik", True) else "mainline"
+    imatrix = None if formats.can_quantize(qtype, flavor) else rng.uniform(0.5, 2.0, n).astype(np.float32)
+    return formats.quantize(w, qtype, imatrix, flavor)
 
 
 def decoded(blocks, qtype, n) -> np.ndarray:
@@ -56,7 +59,9 @@ def rounded(x: np.ndarray, qtype) -> np.ndarray:
 
 
 def test_every_kernel_is_reached():
-    kinds = {matvec.kind_of(q) for q in FUSED}
+    # code_dots' types are checked on the reference bytes (test_runtime_code_dots.py), here too once
+    # their formats are registered
+    kinds = {matvec.kind_of(q) for q in FUSED} | {matvec.kind_of(q) for q in code_dots.FILLS}
     assert kinds == set(matvec.KIND.values())
     names = {type_name(q) for q in FUSED}
     for must in ("q8_0_r8", "q4_0_r8", "iq4_nl_r4", "q4_k_r4", "q6_k_r4", "iq4_k_r4", "iq2_k_r4", "iq4_xs_r8"):

@@ -629,3 +629,30 @@ def half_bits(typingctx, u):
 
 
 half_axpy8, half_axpy32 = half_row_axpy(8), half_row_axpy(32)
+
+
+@intrinsic
+def codes_dot32(typingctx, w, wo, sg, so, sc, sco, xq, xo):
+    """Σ_j ±w[wo + j] * xq[xo + j] * sc[sco + j // 16] over j < 32, exact in int32: 32 int8 codes
+    at byte wo of w (any array: its bytes), negated where bit j % 8 of the byte sg[so + j // 8] is
+    set (the i-quants' sign bits), their int16 scales per 16 values and 32 int8 activations; the
+    byte products added in pairs (pmaddubsw), then in pairs times the scales (pmaddwd), as
+    chunk_dot does (runtime/code_dots.py unpacks the blocks it cannot describe into such codes)."""
+    def codegen(context, builder, sig, args):
+        w_v, wo_v, sg_v, so_v, sc_v, sco_v, xq_v, xo_v = args
+        i64 = ir.IntType(64)
+        v32 = ir.VectorType(_I8, 32)
+        wbase = builder.bitcast(_data(context, builder, sig.args[0], w_v), _I8.as_pointer())
+        codes = _load(builder, wbase, _as(builder, wo_v, i64), 32, _I8)
+        x = _load(builder, _data(context, builder, sig.args[6], xq_v), _as(builder, xo_v, i64), 32, _I8)
+        signs = _load(builder, _data(context, builder, sig.args[2], sg_v), _as(builder, so_v, i64), 4, _I8)
+        spread = builder.shuffle_vector(signs, signs, ir.Constant(ir.VectorType(_I32, 32), [j // 8 for j in range(32)]))
+        neg = builder.icmp_unsigned("!=", builder.and_(spread, ir.Constant(v32, [1 << (j % 8) for j in range(32)])),
+                                    ir.Constant(v32, [0] * 32))
+        x = builder.select(neg, builder.sub(ir.Constant(v32, [0] * 32), x), x)      # |x| <= 127: round_q8
+        two = _load(builder, _data(context, builder, sig.args[4], sc_v), _as(builder, sco_v, i64), 2, _I16)
+        scales = builder.shuffle_vector(two, two, ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [1] * 8))
+        u, s = _abs_sign(builder, codes, x)
+        return builder.extract_element(_fold(builder, _madd(builder, _maddubs(builder, u, s), scales), 8, 1),
+                                       ir.Constant(_I32, 0))
+    return nbt.int32(w, wo, sg, so, sc, sco, xq, xo), codegen

@@ -13,12 +13,15 @@ last blocks in chunks of 4, 2 and 1) the kernel runs one :func:`dot.chunk_dot`, 
 type's layout (quantkit/layouts.py: its runs, where their bits sit); it reads the scales from the
 blocks themselves: float16 block scales (legacy types), or a float16 super-block scale and packed
 integer sub-block scales (and grid choices, mins) whose bit positions the layout's ``Super`` lists
-(k-quants and IQK types).  Each type compiles its own loop: the type is a literal argument of
+(k-quants and IQK types).  The types whose codes the layouts cannot describe (grid i-quants with
+sign bits, MXFP4, the ternary types, Q8_KV) are unpacked block by block into integers instead
+(code_dots.py), then multiplied the same way.  Each type compiles its own loop: the type is a literal argument of
 the kernel (``_kernel``).  The loop passes byte and value offsets, never views, down to the
 chunks: a view per row would count a reference up and down on an array both threads share.
 
 Interleaved types (``_r4``/``_r8``) are regrouped into their plain rows once, on first use (see
-``Weight.plain_layout``), and take the plain type's kernel.  The numpy twin is decoding the rows
+``Weight.plain_layout``), and take the plain type's kernel; those with a layout of their own
+(code_dots: iq1_s_r4, iq1_m_r4, q8_KV_r8, q8_k_r8) are read as stored.  The numpy twin is decoding the rows
 and multiplying with the rounded activations (``formats.dequantize(...) @ round_q8(x)``), which
 the tests compare with.
 """
@@ -32,6 +35,8 @@ from .. import kernel_cache  # noqa: F401  (keys numba's cache on quantkit's sou
 from ..layouts import LAYOUTS
 from ..types import TYPE_TRAITS, QuantType
 from . import dot as D
+from .code_dots import FILLS as CODED
+from .code_dots import coded_row
 from .kernels import _f16_value as half_round
 
 F = np.float32
@@ -49,21 +54,35 @@ def _padded(grid):
 NO_TABLE = np.zeros(16, np.int8)              # the types without a grid
 
 # the kernel selector per stored type (each compiles its own loop: _row_dot): the float rows, then
-# every type whose block layout quantkit.layouts declares
-KIND = {q: k for k, q in enumerate((T.F32, T.F16, T.BF16, *LAYOUTS))}
+# every type whose block layout quantkit.layouts declares, then the types code_dots unpacks
+KIND = {q: k for k, q in enumerate((T.F32, T.F16, T.BF16, *LAYOUTS, *CODED))}
 FLOAT_KINDS = len(D.FLOAT_FORMATS)      # kinds below this multiply float rows with float activations
+
+
+def _row_shape(t) -> tuple[int, int, int]:
+    return t.block_size, t.type_size, t.row_meta_size
 
 
 def _kinds() -> dict[QuantType, int]:
     kinds = {}
     for q, t in TYPE_TRAITS.items():
-        kind = KIND.get(t.base if t.interleave_rows > 1 else q)
+        kind = KIND.get(q, KIND.get(t.base) if t.interleave_rows > 1 else None)
+        # an interleaved type without a kernel of its own is regrouped into its base's rows
+        # (Weight.plain_layout) only where its rows are the base's, regrouped
+        if q not in KIND and t.interleave_rows > 1 and kind is not None and _row_shape(TYPE_TRAITS[t.base]) != _row_shape(t):
+            kind = None
         if kind is not None:
             kinds[q] = kind
     return kinds
 
 
 _KIND_OF = _kinds()
+
+
+def regroups(qtype: QuantType) -> bool:
+    """Whether the kernel of ``qtype`` reads its base type's plain rows (``Weight.plain_layout``):
+    the interleaved types that are their base's rows regrouped; the others are read as stored."""
+    return TYPE_TRAITS[QuantType(qtype)].interleave_rows > 1 and QuantType(qtype) not in KIND
 
 
 def kind_of(qtype: QuantType) -> int | None:
@@ -178,7 +197,10 @@ def _row_dot(kind, b, bo, x, xq, xd, xsum, xo, n):
         frow = _float_row(k)
         return lambda kind, b, bo, x, xq, xd, xsum, xo, n: frow(b, bo, x, xo, n)
     qtype = _TYPE_OF_KIND[k]
-    row = _legacy_row(qtype) if qtype in LEGACY else _super_row(qtype)
+    if qtype in CODED:
+        row = coded_row(qtype)
+    else:
+        row = _legacy_row(qtype) if qtype in LEGACY else _super_row(qtype)
     return lambda kind, b, bo, x, xq, xd, xsum, xo, n: row(b, bo, xq, xd, xsum, xo, n)
 
 

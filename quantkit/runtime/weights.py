@@ -107,8 +107,10 @@ def load_weight(info: TensorInfo) -> Weight:
     if not computes_with(qt):
         raise QuantkitError(f"tensor {info.name}: the runtime cannot compute with {type_name(qt)}")
     t = traits(qt)
-    if t.interleave_rows > 1 and info.n_rows % t.interleave_rows:
-        raise QuantkitError(f"tensor {info.name}: {info.n_rows} rows are not a multiple of "
+    # per matrix (an expert's rows): products read an interleaved row inside its group of rows
+    rows = info.shape[1] if info.n_dims > 1 else info.n_rows
+    if t.interleave_rows > 1 and rows % t.interleave_rows:
+        raise QuantkitError(f"tensor {info.name}: {rows} rows are not a multiple of "
                             f"{t.interleave_rows} ({type_name(qt)})")
     return Weight(info.name, qt, tuple(info.shape), info.raw())
 
