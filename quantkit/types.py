@@ -217,12 +217,12 @@ _TABLE: list[TypeTraits] = [
     _Q(T.Q6_K, "q6_K", QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2, ftype=18, loads=BOTH, vec_dot_type=T.Q8_K, row_fallback=fallback(ik=T.Q8_0, mainline=T.Q8_0)),
     _Q(T.Q8_K, "q8_K", QK_K, 296, in_files=False, loads=NONE),   # fork size; mainline 292 (activation only)
     # ---- mainline i-quants ----
-    _Q(T.IQ2_XXS, "iq2_xxs", QK_K, 2 + QK_K // 4, ftype=19, loads=BOTH, row_fallback=fallback(ik=T.IQ4_NL, mainline=T.IQ4_NL)),
-    _Q(T.IQ2_XS, "iq2_xs", QK_K, 2 + QK_K // 4 + QK_K // 32, ftype=20, loads=BOTH, row_fallback=fallback(ik=T.IQ4_NL, mainline=T.IQ4_NL)),
+    _Q(T.IQ2_XXS, "iq2_xxs", QK_K, 2 + QK_K // 4, ftype=19, loads=BOTH, vec_dot_type=T.Q8_K, row_fallback=fallback(ik=T.IQ4_NL, mainline=T.IQ4_NL)),
+    _Q(T.IQ2_XS, "iq2_xs", QK_K, 2 + QK_K // 4 + QK_K // 32, ftype=20, loads=BOTH, vec_dot_type=T.Q8_K, row_fallback=fallback(ik=T.IQ4_NL, mainline=T.IQ4_NL)),
     _Q(T.IQ3_XXS, "iq3_xxs", QK_K, 2 + QK_K // 4 + QK_K // 8, ftype=23, loads=BOTH, row_fallback=fallback(ik=T.IQ4_NL, mainline=T.IQ4_NL)),
     _Q(T.IQ1_S, "iq1_s", QK_K, 2 + QK_K // 8 + QK_K // 16, ftype=24, loads=BOTH, row_fallback=fallback(ik=T.IQ4_NL, mainline=T.IQ4_NL)),
     _Q(T.IQ3_S, "iq3_s", QK_K, 2 + QK_K // 4 + QK_K // 8 + QK_K // 32 + 4, ftype=26, loads=BOTH, row_fallback=fallback(ik=T.IQ4_NL, mainline=T.IQ4_NL)),
-    _Q(T.IQ2_S, "iq2_s", QK_K, 2 + QK_K // 4 + QK_K // 16, ftype=28, loads=BOTH, row_fallback=fallback(ik=T.IQ4_NL, mainline=T.IQ4_NL)),
+    _Q(T.IQ2_S, "iq2_s", QK_K, 2 + QK_K // 4 + QK_K // 16, ftype=28, loads=BOTH, vec_dot_type=T.Q8_K, row_fallback=fallback(ik=T.IQ4_NL, mainline=T.IQ4_NL)),
     _Q(T.IQ4_XS, "iq4_xs", QK_K, 2 + 2 + QK_K // 64 + QK_K // 2, ftype=30, loads=BOTH, vec_dot_type=T.Q8_K, row_fallback=fallback(ik=T.IQ4_NL, mainline=T.IQ4_NL)),
     _Q(T.IQ1_M, "iq1_m", QK_K, QK_K // 8 + QK_K // 16 + QK_K // 32, ftype=31, loads=BOTH, row_fallback=fallback(ik=T.IQ4_NL, mainline=T.IQ4_NL)),
     _Q(T.TQ1_0, "tq1_0", QK_K, (QK_K - 4 * QK_K // 64) // 5 + QK_K // 64 + 2, ftype=36, loads=MAINLINE, row_fallback=fallback(mainline=T.Q4_0)),

@@ -130,7 +130,8 @@ def register_available() -> list[QuantType]:
     have = registered()
     for qtype, rule in WRAPPERS.items():
         base = traits(qtype).base
-        if (qtype in have or base not in have or not _IK_PATHS <= have[base].quant_paths
+        if (qtype in have or base not in have
+                or not _IK_PATHS <= (have[base].wrapped_paths or have[base].quant_paths)
                 or not interleave.supports(qtype)):
             continue
         type(f"Interleaved_{traits(qtype).name}", (_Interleaved,), {"rule": rule}, qtype=qtype)
