@@ -4,7 +4,9 @@ Quantizers: ../shared/golden/ik and ../shared/golden/mainline (no-FMA C builds) 
 and without imatrix where the C quantizer runs (IQ2_XXS and IQ2_XS need one; ik's _r4 wrappers call
 them without).  The flavors differ for IQ2_XS and for IQ2_S with an imatrix (whose zero columns leave
 a block with no fit: ik writes the previous block's levels there).  Decoders (numba and numpy): equal
-bit for bit to the wheel's ``to_float`` on the golden bytes and on random bytes.
+bit for bit to the wheel's ``to_float`` on the golden bytes and on random bytes.  The _r4 types'
+quantizers and layouts are checked against golden/ik by tests/test_interleave.py (every registered
+interleaved type).
 """
 from __future__ import annotations
 
@@ -14,14 +16,12 @@ import pytest
 import peers
 from quant_checks import assert_same_bytes, golden_bytes, golden_input, quantize
 from quantkit import formats
-from quantkit.formats import interleave
 from quantkit.types import QuantType, traits, type_name
 
 T = QuantType
 PLAIN = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S]
 INTERLEAVED = [T.IQ2_XXS_R4, T.IQ2_XS_R4, T.IQ2_S_R4]
 NAMES = ["gauss", "heavy", "wide"]
-IMAT = pytest.mark.parametrize("use_imatrix", [False, True], ids=["noimat", "imat"])
 ggml = peers.load_ggml()
 
 
@@ -49,24 +49,6 @@ def test_imatrix_required(qtype):
         assert formats.can_quantize(qtype, flavor, with_imatrix=True)
         with pytest.raises(NotImplementedError, match="without imatrix"):
             formats.quantize(x, qtype, None, flavor=flavor)
-
-
-@IMAT
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("qtype", INTERLEAVED, ids=type_name)
-def test_golden_interleaved(shared_dir, qtype, name, use_imatrix):
-    """ik's quantize_iq2_*_r4: QHelper's imatrix clean-up, the plain quantizer (also without an
-    imatrix), then the repack, whose sign bytes are recoded (scrambled_sign)."""
-    _, x, imatrix = golden_input(shared_dir, "ik", name)
-    want = golden_bytes(shared_dir, "ik", name, qtype, use_imatrix)
-    got = quantize(x, qtype, imatrix if use_imatrix else None, "ik")
-    assert_same_bytes(got, want, qtype, x.shape[1], f"{type_name(qtype)} {name}")
-    # repack both ways: the plain golden bytes interleave to the _r4 ones and back
-    base = traits(qtype).base
-    if use_imatrix:
-        plain = golden_bytes(shared_dir, "ik", name, base, True).reshape(x.shape[0], -1)
-        np.testing.assert_array_equal(interleave.interleave(plain, qtype, x.shape[1]), want.reshape(plain.shape))
-        np.testing.assert_array_equal(interleave.deinterleave(want.reshape(plain.shape), qtype, x.shape[1]), plain)
 
 
 def test_zero_weight_block_does_not_abort():
@@ -110,6 +92,9 @@ def test_decoder_equals_wheel(shared_dir, qtype, reference):
 
 @pytest.mark.parametrize("qtype", INTERLEAVED, ids=type_name)
 def test_interleaved_decoder_equals_wheel(shared_dir, qtype):
+    """The C bytes of the _r4 types (quantized without an imatrix, which only the _r4 wrappers do)
+    decode as the wheel decodes them: deinterleave (with the sign recoding) + the plain decoder.
+    Quantizing to them and interleaving are checked by test_interleave.py like every _r4 type."""
     if ggml is None:
         pytest.skip("needs the ik wheel's to_float")
     _, x, _ = golden_input(shared_dir, "ik", "gauss")

@@ -345,6 +345,78 @@ def _iq5_ks_r4(b):
                            .reshape(g, 128)], axis=1)
 
 
+def _iq2_xxs_r4(b):
+    """d[4] | sas[128] | qs[128]: 32-block ib of row k: its 4 grid-index bytes at qs[16ib + 4k..],
+    its sign/scale word as 4 bytes at sas[16ib + 4k..], byte l = the 7 sign bits of group l << 1 |
+    bit l of the 4-bit scale (the sign bits recoded first: _SIGN_RECODE)."""
+    g = len(b)
+    q = b[..., 2:].reshape(g, 4, 8, 8)                                       # (G, k, ib, byte)
+    w = q[..., 4].astype(np.uint32) | (q[..., 5].astype(np.uint32) << 8) | (q[..., 6].astype(np.uint32) << 16) \
+        | (q[..., 7].astype(np.uint32) << 24)
+    sas = np.stack([(((w >> (7 * l)) & 127) << 1) | ((w >> (28 + l)) & 1) for l in range(4)], axis=-1).astype(U8)
+    return np.concatenate([b[..., :2].reshape(g, 8), sas.transpose(0, 2, 1, 3).reshape(g, 128),
+                           q[..., :4].transpose(0, 2, 1, 3).reshape(g, 128)], axis=1)
+
+
+def _iq2_xs_r4(b):
+    """d[4] | u16 qs[128]: group i of 32-block ib of row k at 16ib + 4k + i | scales[32]: 4ib + k."""
+    g = len(b)
+    qs = b[..., 2:66].reshape(g, 4, 8, 8).transpose(0, 2, 1, 3).reshape(g, 256)
+    return np.concatenate([b[..., :2].reshape(g, 8), qs, b[..., 66:74].transpose(0, 2, 1).reshape(g, 32)], axis=1)
+
+
+def _iq2_s_r4(b):
+    """d[4] | qs[128] | qh[32] | signs[128] | scales[32]: byte i of 32-block ib of row k at 16ib + 4k
+    + i (qs, signs), its qh and scale byte at 4ib + k."""
+    g = len(b)
+
+    def by_block(a, n):
+        return a.reshape(g, 4, 8, n).transpose(0, 2, 1, 3).reshape(g, 32 * n)
+    return np.concatenate([b[..., :2].reshape(g, 8), by_block(b[..., 2:34], 4), by_block(b[..., 66:74], 1),
+                           by_block(b[..., 34:66], 4), by_block(b[..., 74:82], 1)], axis=1)
+
+
+# ---------------------------------------------------------------------------------- sign recoding
+# ik's repack of IQ2_XXS and IQ2_XS stores a group's 7 sign bits s as scrambled_sign(s): bit j =
+# s_0 ^ ... ^ s_j (its _r4 decoders' ``a ^= a >> 1`` gives back the 8 signs with the parity bit).
+# That is not a bit permutation, so interleave recodes the sign fields of (a copy of) the plain rows
+# first and then moves bits; deinterleave moves bits and then decodes them.
+
+def _prefix_xor(bits: int) -> np.ndarray:
+    s = np.arange(1 << bits)
+    out = np.zeros_like(s)
+    for j in range(bits):
+        out |= (np.bitwise_xor.reduce([(s >> i) & 1 for i in range(j + 1)], axis=0)) << j
+    return out.astype(np.uint32)
+
+
+_SCRAMBLE = _prefix_xor(7)
+_UNSCRAMBLE = np.argsort(_SCRAMBLE).astype(np.uint32)
+
+
+def _recode_iq2_xxs(rows, table):
+    """The 4 x 7 sign bits of every 32-block's word (bytes 4-7 of its 8) through ``table``."""
+    q = rows.reshape(-1, 66)[:, 2:].reshape(-1, 8, 8)
+    w = q[..., 4].astype(np.uint32) | (q[..., 5].astype(np.uint32) << 8) | (q[..., 6].astype(np.uint32) << 16) \
+        | (q[..., 7].astype(np.uint32) << 24)
+    new = w & np.uint32(0xF0000000)
+    for l in range(4):
+        new |= table[(w >> (7 * l)) & 127] << (7 * l)
+    q[..., 4:8] = (new[..., None] >> np.arange(0, 32, 8, dtype=np.uint32)).astype(U8)
+
+
+def _recode_iq2_xs(rows, table):
+    """The 7 sign bits (bits 9-15) of every uint16 qs entry through ``table``."""
+    q = rows.reshape(-1, 74)[:, 2:66]
+    v = q[:, 0::2].astype(np.uint32) | (q[:, 1::2].astype(np.uint32) << 8)
+    new = (v & 511) | (table[v >> 9] << 9)
+    q[:, 0::2] = (new & 255).astype(U8)
+    q[:, 1::2] = (new >> 8).astype(U8)
+
+
+_SIGN_RECODE = {T.IQ2_XXS_R4: _recode_iq2_xxs, T.IQ2_XS_R4: _recode_iq2_xs}
+
+
 @dataclass(frozen=True)
 class Layout:
     rows: int                       # N rows per group (types.py's interleave_rows)
@@ -358,6 +430,7 @@ _FORWARD: dict[QuantType, Callable[[np.ndarray], np.ndarray]] = {
     T.Q4_K_R4: _q4_k_r4, T.Q6_K_R4: _q6_k_r4, T.BF16_R16: _bf16_r16, T.Q5_0_R4: _q5_0_r4,
     T.Q6_0_R4: _q6_0_r4, T.Q2_K_R4: _q2_k_r4, T.Q3_K_R4: _q3_k_r4, T.Q5_K_R4: _q5_k_r4,
     T.IQ4_XS_R8: _iq4_xs_r8, T.IQ5_KS_R4: _iq5_ks_r4,
+    T.IQ2_XXS_R4: _iq2_xxs_r4, T.IQ2_XS_R4: _iq2_xs_r4, T.IQ2_S_R4: _iq2_s_r4,
 }
 # A column block is one block of the base type (types.py's base), except that bf16_r16 interleaves
 # pairs of values (ik needs ne0 % 2 == 0), where bf16's block is one value.
@@ -587,15 +660,21 @@ def _layout_kernel(key: int) -> Callable:
 
 def _regroup(rows: np.ndarray, qtype, n_per_row: int, inverse: bool, out: np.ndarray | None) -> np.ndarray:
     lay = _check(rows, qtype, n_per_row)
+    qtype = QuantType(qtype)
+    recode = _SIGN_RECODE.get(qtype)
     src = np.ascontiguousarray(rows, U8)
     dst = np.empty_like(src) if out is None else out
     if dst.shape != src.shape or dst.dtype != U8 or not dst.flags.writeable:
         raise ValueError("out must be a writable uint8 array shaped like rows")
-    qtype = QuantType(qtype)
+    if recode is not None and not inverse:
+        src = src.copy()                # the caller's rows stay as they are
+        recode(src, _SCRAMBLE)
     key = _key(qtype, inverse)
     args = (src.reshape(-1), dst.reshape(-1), src.shape[0] // lay.rows, lay.rows, src.shape[1],
             traits(qtype).row_meta_size, n_per_row // lay.block_values, key)
     _layout_kernel(key)(*args)
+    if recode is not None and inverse:
+        recode(dst, _UNSCRAMBLE)
     return dst
 
 

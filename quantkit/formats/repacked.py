@@ -55,6 +55,8 @@ WRAPPERS: dict[QuantType, WrapperRule] = {
     T.IQ2_K_R4: WrapperRule(), T.IQ3_K_R4: WrapperRule(), T.IQ4_K_R4: WrapperRule(),
     T.IQ5_K_R4: WrapperRule(), T.IQ4_KS_R4: WrapperRule(), T.IQ5_KS_R4: WrapperRule(),
     T.BF16_R16: WrapperRule(uses_imatrix=False, truncate_bf16=True),
+    T.IQ2_XXS_R4: WrapperRule(cleanup_block=32), T.IQ2_XS_R4: WrapperRule(cleanup_block=16),
+    T.IQ2_S_R4: WrapperRule(cleanup_block=16),
 }
 
 
