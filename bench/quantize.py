@@ -62,13 +62,15 @@ def make_model(path: Path, size_mb: int) -> tuple[Path, int, int]:
 
 
 def make_imatrix(model: Path, path: Path) -> Path:
-    """A legacy .dat imatrix with a random positive weight per input column of every matrix."""
+    """A legacy .dat imatrix with a random positive weight per input column of every matrix (also
+    token_embd's, which llama-imatrix never sees: --pure quantizes it to the benchmarked type too, and
+    the C quantizers of iq2_xxs, iq2_xs and iq1_s abort without weights)."""
     from quantkit.gguf_io.reader import open_model
     from quantkit.imatrix import save_dat
     rng = np.random.default_rng(2)
     m = open_model(model)
     weights = {t.name: (rng.random(t.shape[0]) ** 2 * 10 + 0.01).astype(np.float32)
-               for t in m.tensors if len(t.shape) >= 2 and t.name != "token_embd.weight"}
+               for t in m.tensors if len(t.shape) >= 2}
     return save_dat(path, weights, ncall=10, chunk_count=10, dataset="synthetic")
 
 
@@ -91,6 +93,7 @@ def main() -> None:
                f"p, n, big = make_model(Path({str(d / 'in-f16.gguf')!r}), {args.size_mb})\n"
                f"write_llama(Path({str(d / 'tiny.gguf')!r}), n_layer=1, n_embd=256, n_ff=512, dtype=np.float16)\n"
                f"from quantize import make_imatrix; make_imatrix(p, Path({str(d / 'imatrix.dat')!r}))\n"
+               f"make_imatrix(Path({str(d / 'tiny.gguf')!r}), Path({str(d / 'tiny-imatrix.dat')!r}))\n"
                f"print(n, big)")
         _, _, printed = run([sys.executable, "-c", gen])
         n_weights, largest = map(int, printed.split())
@@ -105,7 +108,7 @@ def main() -> None:
             # numba compile time: empty cache vs warm cache, on a tiny model
             env = dict(os.environ, NUMBA_CACHE_DIR=str(d / f"numba-{t}"))
             tiny_run = qk + [str(tiny), str(d / "tiny-out.gguf"), t, "--pure", "--ignore-imatrix-rules", "--threads",
-                             str(args.threads)]
+                             str(args.threads)] + (["--imatrix", str(d / "tiny-imatrix.dat")] if with_imatrix else [])
             cold, _, _ = run(tiny_run, env)
             warm, _, tiny_out = run(tiny_run + ["--json"], env)
             tiny_inner = json.loads(tiny_out[tiny_out.index("{"):])["result"]["seconds"]

@@ -29,9 +29,9 @@ KMAP_SIZE = 43692                   # ggml's kmap_size: the largest packed patte
 
 
 def _grid_tables(kgrid: np.ndarray, nwant: int):
-    """(levels (G, 8) int32: the 2-bit level of each element of grid point g; kmap (KMAP_SIZE,) int32:
-    grid index of a packed pattern, or -(start + 1) with neighbours[start] = n followed by the n
-    neighbour indices)."""
+    """(kmap (KMAP_SIZE,) int32: the grid index of a packed level pattern, or -(start + 1) where
+    neighbours[start] = n is followed by the packed patterns of the n neighbour points (uint16; their
+    grid index is kmap's); the longest n)."""
     k = kgrid.astype(np.int64)
     levels = ((k[:, None] >> (2 * np.arange(8))) & 3).astype(np.int32)
     kmap = np.full(KMAP_SIZE, -1, np.int32)
@@ -45,19 +45,22 @@ def _grid_tables(kgrid: np.ndarray, nwant: int):
     order = np.argsort(d2 * len(k) + np.arange(len(k)), axis=1, kind="stable")        # by (d2, index)
     d2_sorted = np.take_along_axis(d2, order, 1)
     neighbours = []
+    longest = 0
     for r, u in enumerate(off):
         shells = np.unique(d2_sorted[r])[:nwant]
         n = int(np.searchsorted(d2_sorted[r], shells[-1], side="right"))
         kmap[u] = -(len(neighbours) + 1)
         neighbours.append(n)
-        neighbours.extend(order[r, :n].tolist())
-    return levels, kmap, np.array(neighbours, np.int32)
+        neighbours.extend(k[order[r, :n]].tolist())
+        longest = max(longest, n)
+    return kmap, np.array(neighbours, np.uint16), longest
 
 
 # nwant: IQ2_S keeps the nearest shell only, IQ2_XXS/IQ2_XS two (ggml's iq2xs_init_impl)
-LEV_XXS, KMAP_XXS, NB_XXS = _grid_tables(KGRID_2BIT_256, 2)
-LEV_XS, KMAP_XS, NB_XS = _grid_tables(KGRID_2BIT_512, 2)
-LEV_S, KMAP_S, NB_S = _grid_tables(KGRID_2BIT_1024, 1)
+KMAP_XXS, NB_XXS, _MAX_XXS = _grid_tables(KGRID_2BIT_256, 2)
+KMAP_XS, NB_XS, _MAX_XS = _grid_tables(KGRID_2BIT_512, 2)
+KMAP_S, NB_S, _MAX_S = _grid_tables(KGRID_2BIT_1024, 1)
+MAX_NEIGHBOURS = max(_MAX_XXS, _MAX_XS, _MAX_S)
 # the decoders' grids: 8 magnitudes (8, 25 or 43) per point, as float32; signs: +-1 per bit pattern
 GRID_XXS = IQ2XXS_GRID.view(np.uint8).reshape(-1, 8).astype(np.float32)
 GRID_XS = IQ2XS_GRID.view(np.uint8).reshape(-1, 8).astype(np.float32)
@@ -116,29 +119,41 @@ def _group_max(xval, n):
 
 
 @njit(cache=True, error_model="numpy")
-def _best_neighbour(nb, start, lev, xval, waux, off, scale, L):
+def _best_neighbour(kmap, nb, start, xval, waux, off, scale, L, d2):
     """iq2_find_best_neighbour: the neighbour with the smallest Σ waux*(scale*q - x)² (first on
-    ties); its levels go to L[off:off+8]."""
-    best_d2 = FLT_MAX
-    gi = -1
-    for j in range(1, nb[start] + 1):
-        g = nb[start + j]
-        d2 = F(0)
-        for i in range(8):
-            diff = scale * F(2 * lev[g, i] + 1) - xval[off + i]
-            d2 += waux[off + i] * diff * diff
-        if d2 < best_d2:
-            best_d2 = d2
-            gi = g
-    if gi < 0:                  # only NaN distances (C asserts): take the first neighbour
-        gi = nb[start + 1]
+    ties); its levels go to L[off:off+8]; returns its grid index.
+
+    Same bits as C, faster: element i's term depends only on its level, so its three terms are
+    computed once (C's float ops) and a candidate's sum adds 8 of them in C's order, read from its
+    packed levels.  ``d2``: float32 scratch, the longest list + 32 (the sums, then the terms)."""
+    n = np.int64(nb[start])
+    terms = d2[MAX_NEIGHBOURS:]             # terms[4 i + l]: element i at level l
     for i in range(8):
-        L[off + i] = lev[gi, i]
-    return gi
+        x = xval[off + i]
+        w = waux[off + i]
+        for l in range(3):
+            diff = scale * F(2 * l + 1) - x
+            terms[4 * i + l] = w * diff * diff
+    for j in range(n):
+        u = np.int64(nb[start + 1 + j])
+        s = F(0)
+        for i in range(8):
+            s += terms[4 * i + ((u >> (2 * i)) & 3)]
+        d2[j] = s
+    best_d2 = FLT_MAX
+    jb = 0                      # only NaN distances (C asserts): the first neighbour
+    for j in range(n):
+        if d2[j] < best_d2:
+            best_d2 = d2[j]
+            jb = j
+    u = np.int64(nb[start + 1 + jb])
+    for i in range(8):
+        L[off + i] = (u >> (2 * i)) & 3
+    return np.int64(kmap[u])
 
 
 @njit(cache=True, error_model="numpy")
-def _project(kmap, nb, lev, xval, waux, k, idv, scale, L):
+def _project(kmap, nb, xval, waux, k, idv, scale, L, d2):
     """Levels of group k at inverse scale idv (nearest_int(0.5f*(id*x - 1)) in 0..2) into L; off the
     grid, the best neighbour at ``scale``.  Returns (grid index, was on the grid)."""
     u = 0
@@ -149,7 +164,7 @@ def _project(kmap, nb, lev, xval, waux, k, idv, scale, L):
     gi = np.int64(kmap[u])
     if gi >= 0:
         return gi, True
-    return np.int64(_best_neighbour(nb, -gi - 1, lev, xval, waux, 8 * k, scale, L)), False
+    return _best_neighbour(kmap, nb, -gi - 1, xval, waux, 8 * k, scale, L, d2), False
 
 
 @njit(cache=True, error_model="numpy")
@@ -177,7 +192,7 @@ def _grid_index(kmap, L, k):
 
 
 @njit(cache=True, error_model="numpy")
-def _scan_16(kmap, nb, lev, xval, weight, waux, mx, L, Laux, on_grid):
+def _scan_16(kmap, nb, xval, weight, waux, mx, L, Laux, on_grid, d2):
     """The search of mainline's IQ2_XS and of IQ2_S (both flavors) for one 16-value block: inverse
     scales (5 + 0.1 is)/max, is = -9..9, keep the best fit's levels in L; then re-project the groups
     that were off the grid at the best scale.  Returns the scale."""
@@ -190,7 +205,7 @@ def _scan_16(kmap, nb, lev, xval, weight, waux, mx, L, Laux, on_grid):
         idv = (F(5) + F(is_) * F(0.1)) / mx
         this_scale = F(1) / idv
         for k in range(2):
-            aux_on[k] = _project(kmap, nb, lev, xval, waux, k, idv, this_scale, Laux)[1]
+            aux_on[k] = _project(kmap, nb, xval, waux, k, idv, this_scale, Laux, d2)[1]
         sumqx, sumq2 = _fit(xval, weight, Laux, 16)
         if sumq2 > 0 and sumqx * sumqx > best * sumq2:
             scale = sumqx / sumq2
@@ -202,7 +217,7 @@ def _scan_16(kmap, nb, lev, xval, weight, waux, mx, L, Laux, on_grid):
         idv = F(1) / scale
         for k in range(2):
             if not on_grid[k]:
-                _project(kmap, nb, lev, xval, waux, k, idv, scale, L)
+                _project(kmap, nb, xval, waux, k, idv, scale, L, d2)
         sumqx, sumq2 = _fit(xval, weight, L, 16)
         if sumq2 > 0:
             scale = sumqx / sumq2
@@ -292,6 +307,7 @@ def iq2_xxs_row(xr, qw, has_qw, ik, y):
     each), q2[2ib+1] 4 x 7 sign bits and the 4-bit scale << 28."""
     weight = np.empty(32, np.float32)
     waux = np.empty(32, np.float32)
+    d2 = np.empty(MAX_NEIGHBOURS + 32, np.float32)
     xval = np.empty(32, np.float32)
     L = np.zeros(32, np.int32)
     Laux = np.zeros(32, np.int32)
@@ -320,7 +336,7 @@ def iq2_xxs_row(xr, qw, has_qw, ik, y):
                 idv = (F(5) + F(is_) * F(0.1)) / eff_max
                 this_scale = F(1) / idv
                 for k in range(4):
-                    _project(KMAP_XXS, NB_XXS, LEV_XXS, xval, waux, k, idv, this_scale, Laux)
+                    _project(KMAP_XXS, NB_XXS, xval, waux, k, idv, this_scale, Laux, d2)
                 sumqx, sumq2 = _fit(xval, weight, Laux, 32)
                 if sumq2 > 0 and sumqx * sumqx > best * sumq2:
                     scale = sumqx / sumq2
@@ -328,10 +344,8 @@ def iq2_xxs_row(xr, qw, has_qw, ik, y):
                     L[:] = Laux
             if scale > 0:
                 idv = F(1) / scale
-                for k in range(4):
-                    gi = _project(KMAP_XXS, NB_XXS, LEV_XXS, xval, waux, k, idv, scale, L)[0]
-                    for i in range(8):
-                        L[8 * k + i] = LEV_XXS[gi, i]
+                for k in range(4):          # (the levels of the grid point it lands on)
+                    _project(KMAP_XXS, NB_XXS, xval, waux, k, idv, scale, L, d2)
                 sumqx, sumq2 = _fit(xval, weight, L, 32)
                 if sumq2 > 0:
                     scale = sumqx / sumq2
@@ -366,7 +380,7 @@ def iq2_xxs_row(xr, qw, has_qw, ik, y):
 
 
 @njit(cache=True, error_model="numpy")
-def _xs_search_ik(xval, weight, waux, L, Laux, index):
+def _xs_search_ik(xval, weight, waux, L, Laux, index, d2):
     """ik's IQ2_XS search for one 16-value block: the best 3-level fit of the sorted values as the
     start, inverse scales (5 + 0.1 is)/(5 scale), is = -7..7, then up to 3 re-projections while the
     grid points change and the fit improves.  Returns the scale."""
@@ -404,7 +418,7 @@ def _xs_search_ik(xval, weight, waux, L, Laux, index):
         idv = (F(5) + F(is_) * F(0.1)) / eff_max
         this_scale = F(1) / idv
         for k in range(2):
-            aux_index[k] = _project(KMAP_XS, NB_XS, LEV_XS, xval, waux, k, idv, this_scale, Laux)[0]
+            aux_index[k] = _project(KMAP_XS, NB_XS, xval, waux, k, idv, this_scale, Laux, d2)[0]
         sumqx, sumq2 = _fit(xval, weight, Laux, 16)
         if sumq2 > 0 and sumqx * sumqx > best * sumq2:
             scale = sumqx / sumq2
@@ -417,7 +431,7 @@ def _xs_search_ik(xval, weight, waux, L, Laux, index):
             idv = F(1) / scale
             changed = False
             for k in range(2):
-                aux_index[k] = _project(KMAP_XS, NB_XS, LEV_XS, xval, waux, k, idv, scale, Laux)[0]
+                aux_index[k] = _project(KMAP_XS, NB_XS, xval, waux, k, idv, scale, Laux, d2)[0]
                 if aux_index[k] != index[k]:
                     changed = True
             if not changed:
@@ -441,6 +455,7 @@ def iq2_xs_row(xr, qw, has_qw, ik, y):
     whole super-block (1.05 Σwqx/Σwq²)."""
     weight = np.empty(16, np.float32)
     waux = np.empty(16, np.float32)
+    d2 = np.empty(MAX_NEIGHBOURS + 32, np.float32)
     xval = np.empty(16, np.float32)
     L = np.zeros(16, np.int32)          # ik keeps a block's stale levels when no fit is taken
     Laux = np.zeros(16, np.int32)
@@ -466,9 +481,9 @@ def iq2_xs_row(xr, qw, has_qw, ik, y):
                 scales[ib] = 0
                 continue
             if ik:
-                scale = _xs_search_ik(xval, weight, waux, L, Laux, index)
+                scale = _xs_search_ik(xval, weight, waux, L, Laux, index, d2)
             else:
-                scale = _scan_16(KMAP_XS, NB_XS, LEV_XS, xval, weight, waux, mx, L, Laux, on_grid)
+                scale = _scan_16(KMAP_XS, NB_XS, xval, weight, waux, mx, L, Laux, on_grid, d2)
             if scale < 0:
                 scale = -scale
                 for k in range(2):
@@ -523,6 +538,7 @@ def iq2_s_row(xr, qw, has_qw, ik, y):
     block's search takes no fit: ik writes the previous block's levels, mainline zeros."""
     weight = np.empty(16, np.float32)
     waux = np.empty(16, np.float32)
+    d2 = np.empty(MAX_NEIGHBOURS + 32, np.float32)
     xval = np.empty(16, np.float32)
     L = np.zeros(16, np.int32)
     Laux = np.zeros(16, np.int32)
@@ -544,7 +560,7 @@ def iq2_s_row(xr, qw, has_qw, ik, y):
             if mx < GROUP_MAX_EPS_IQ2_S:
                 scales[ib] = 0
                 continue
-            scale = _scan_16(KMAP_S, NB_S, LEV_S, xval, weight, waux, mx, L, Laux, on_grid)
+            scale = _scan_16(KMAP_S, NB_S, xval, weight, waux, mx, L, Laux, on_grid, d2)
             if scale < 0:
                 scale = -scale
                 for k in range(2):
