@@ -21,6 +21,7 @@ from ..tables import FP16_TABLE  # noqa: F401  (the decoders' table, which forma
 from ..types import QuantType as T
 from .common import (F, FLT_MAX, GROUP_MAX_EPS, I32, QK_K, block_bytes, decode_rows, fp16_at, nint, run_rows,
                      store_fp16, type_ids)
+from .kquants import qp_quants
 
 IQ2_XXS, IQ2_XS, IQ2_S = type_ids(T.IQ2_XXS, T.IQ2_XS, T.IQ2_S)
 IQ2_XXS_BYTES, IQ2_XS_BYTES, IQ2_S_BYTES = block_bytes(T.IQ2_XXS, T.IQ2_XS, T.IQ2_S)
@@ -192,27 +193,39 @@ def _grid_index(kmap, L, k):
 
 
 @njit(cache=True, error_model="numpy")
+def _trials(kmap, nb, xval, weight, waux, n, is_max, denom, scale, L, Laux, d2, best_gi, best_on):
+    """The trial scales of every search here: inverse scales (5 + 0.1 is)/denom, is = -is_max..is_max,
+    each group of 8 projected on the grid; the best fit (largest Σwqx²/Σwq², from 0) sets the scale,
+    the levels in L, and per group its grid index and whether it was on the grid (best_gi, best_on:
+    0 and True if no trial fits).  Returns (scale, its score)."""
+    n_groups = n // 8
+    aux_gi = np.empty(n_groups, np.int64)
+    aux_on = np.empty(n_groups, np.bool_)
+    best_gi[:n_groups] = 0
+    best_on[:n_groups] = True
+    best = F(0)
+    for is_ in range(-is_max, is_max + 1):
+        idv = (F(5) + F(is_) * F(0.1)) / denom
+        this_scale = F(1) / idv
+        for k in range(n_groups):
+            aux_gi[k], aux_on[k] = _project(kmap, nb, xval, waux, k, idv, this_scale, Laux, d2)
+        sumqx, sumq2 = _fit(xval, weight, Laux, n)
+        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+            scale = sumqx / sumq2
+            best = scale * sumqx
+            L[:n] = Laux[:n]
+            best_gi[:n_groups] = aux_gi
+            best_on[:n_groups] = aux_on
+    return scale, best
+
+
+@njit(cache=True, error_model="numpy")
 def _scan_16(kmap, nb, xval, weight, waux, mx, L, Laux, on_grid, d2):
     """The search of mainline's IQ2_XS and of IQ2_S (both flavors) for one 16-value block: inverse
     scales (5 + 0.1 is)/max, is = -9..9, keep the best fit's levels in L; then re-project the groups
     that were off the grid at the best scale.  Returns the scale."""
-    best = F(0)
-    scale = mx / F(5)
-    on_grid[0] = True
-    on_grid[1] = True
-    aux_on = np.empty(2, np.bool_)
-    for is_ in range(-9, 10):
-        idv = (F(5) + F(is_) * F(0.1)) / mx
-        this_scale = F(1) / idv
-        for k in range(2):
-            aux_on[k] = _project(kmap, nb, xval, waux, k, idv, this_scale, Laux, d2)[1]
-        sumqx, sumq2 = _fit(xval, weight, Laux, 16)
-        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-            scale = sumqx / sumq2
-            best = scale * sumqx
-            L[:16] = Laux[:16]
-            on_grid[0] = aux_on[0]
-            on_grid[1] = aux_on[1]
+    gi = np.empty(2, np.int64)
+    scale = _trials(kmap, nb, xval, weight, waux, 16, 9, mx, mx / F(5), L, Laux, d2, gi, on_grid)[0]
     if (not on_grid[0] or not on_grid[1]) and scale > 0:
         idv = F(1) / scale
         for k in range(2):
@@ -232,85 +245,38 @@ def _sumsq(xr, xo):
     return s
 
 
-# ---- make_qp_quants (ggml-quants.c; ik: eps 1e-16 and no 0/0 guard on the result) ----
+# ---- the row quantizers ----
 
 @njit(cache=True, error_model="numpy")
-def make_qp_quants(n, nmax, x, L, qw, ik):
-    """Levels 0..nmax of non-negative x (L holds them as C's uint8 does: a negative level wraps)."""
-    mx = F(0)
-    for i in range(n):
-        mx = mx if mx > x[i] else x[i]
-    if mx < (F(1e-16) if ik else GROUP_MAX_EPS):
-        for i in range(n):
-            L[i] = 0
-        return F(0)
-    fmax = F(nmax)
-    iscale = fmax / mx
-    for i in range(n):
-        L[i] = nint(iscale * x[i]) & 255
-    scale = F(1) / iscale
-    best_mse = F(0)
-    for i in range(n):
-        diff = x[i] - scale * F(L[i])
-        best_mse += qw[i] * diff * diff
-    for is_ in range(-4, 5):
-        if is_ == 0:
-            continue
-        iscale_is = (F(0.1) * F(is_) + fmax) / mx
-        scale_is = F(1) / iscale_is
-        mse = F(0)
-        for i in range(n):
-            l = min(I32(nmax), nint(iscale_is * x[i]))
-            diff = x[i] - scale_is * F(l)
-            mse += qw[i] * diff * diff
-        if mse < best_mse:
-            best_mse = mse
-            iscale = iscale_is
-    sumlx = F(0)
-    suml2 = F(0)
-    for i in range(n):
-        l = min(I32(nmax), nint(iscale * x[i]))
-        L[i] = l & 255
-        w = qw[i]
-        sumlx += w * x[i] * F(l)
-        suml2 += w * F(l) * F(l)
-    for _ in range(5):
-        n_changed = 0
-        for i in range(n):
-            w = qw[i]
-            li = F(L[i])
-            slx = sumlx - w * x[i] * li
-            sl2 = suml2 - w * li * li
-            if slx > 0 and sl2 > 0:
-                new_l = min(I32(nmax), nint(x[i] * sl2 / slx))
-                if new_l != L[i]:
-                    fl = F(new_l)
-                    slx += w * x[i] * fl
-                    sl2 += w * fl * fl
-                    if slx * slx * suml2 > sumlx * sumlx * sl2:
-                        L[i] = new_l & 255
-                        sumlx = slx
-                        suml2 = sl2
-                        n_changed += 1
-        if not n_changed:
-            break
-    if ik:
-        return sumlx / suml2
-    return sumlx / suml2 if suml2 > 0 else F(0)
+def _scratch(n):
+    """Per-row scratch for blocks of n values: weight, waux, xval (float32), L, Laux (int64 levels;
+    zero, as the first block's stale levels), d2 (the neighbour search's)."""
+    f = np.empty((3, n), np.float32)
+    lv = np.zeros((2, n), np.int64)
+    return f[0], f[1], f[2], lv[0], lv[1], np.empty(MAX_NEIGHBOURS + 32, np.float32)
 
 
-# ---- the row quantizers ----
+@njit(cache=True, error_model="numpy")
+def _block_start(xr, xo, n, qw, has_qw, sigma2, even, weight, waux, xval, signs):
+    """Weights, magnitudes and sign bits of the n values from xo; returns their largest magnitude."""
+    _weights(xr, xo, n, qw, has_qw, sigma2, weight, waux)
+    _abs_signs(xr, xo, n // 8, weight, even, xval, signs)
+    return _group_max(xval, n)
+
+
+@njit(cache=True, error_model="numpy")
+def _scale_code(idv, scale):
+    """A block scale as its 4-bit code: nearest_int(0.5f*(id*scale - 1)) in 0..15."""
+    return min(I32(15), max(I32(0), nint(F(0.5) * (idv * scale - F(1)))))
+
 
 @njit(cache=True, error_model="numpy")
 def iq2_xxs_row(xr, qw, has_qw, ik, y):
     """block_iq2_xxs { fp16 d; u32 q2[16] }: per 32 values q2[2ib] the 4 grid indices (a byte
     each), q2[2ib+1] 4 x 7 sign bits and the 4-bit scale << 28."""
-    weight = np.empty(32, np.float32)
-    waux = np.empty(32, np.float32)
-    d2 = np.empty(MAX_NEIGHBOURS + 32, np.float32)
-    xval = np.empty(32, np.float32)
-    L = np.zeros(32, np.int32)
-    Laux = np.zeros(32, np.int32)
+    weight, waux, xval, L, Laux, d2 = _scratch(32)
+    gi4 = np.empty(4, np.int64)
+    on4 = np.empty(4, np.bool_)
     signs = np.zeros(4, np.int64)
     scales = np.zeros(8, np.float32)
     q2 = np.zeros(16, np.int64)
@@ -321,27 +287,15 @@ def iq2_xxs_row(xr, qw, has_qw, ik, y):
         sigma2 = _sumsq(xr, QK_K * ibl) / F(QK_K)
         for ib in range(8):
             xo = QK_K * ibl + 32 * ib
-            _weights(xr, xo, 32, qw, has_qw, sigma2, weight, waux)
-            _abs_signs(xr, xo, 4, weight, True, xval, signs)
-            if _group_max(xval, 32) < GROUP_MAX_EPS:
+            if _block_start(xr, xo, 32, qw, has_qw, sigma2, True, weight, waux, xval, signs) < GROUP_MAX_EPS:
                 scales[ib] = 0
                 continue
-            scale = make_qp_quants(32, 4, xval, L, weight, ik)
+            scale = qp_quants(xval, 4, weight, ik, L)      # make_qp_quants
             eff_max = scale * F(3)
             if not ik and eff_max <= 0:
                 scales[ib] = 0
                 continue
-            best = F(0)
-            for is_ in range(-6, 7):
-                idv = (F(5) + F(is_) * F(0.1)) / eff_max
-                this_scale = F(1) / idv
-                for k in range(4):
-                    _project(KMAP_XXS, NB_XXS, xval, waux, k, idv, this_scale, Laux, d2)
-                sumqx, sumq2 = _fit(xval, weight, Laux, 32)
-                if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-                    scale = sumqx / sumq2
-                    best = scale * sumqx
-                    L[:] = Laux
+            scale = _trials(KMAP_XXS, NB_XXS, xval, weight, waux, 32, 6, eff_max, scale, L, Laux, d2, gi4, on4)[0]
             if scale > 0:
                 idv = F(1) / scale
                 for k in range(4):          # (the levels of the grid point it lands on)
@@ -372,7 +326,7 @@ def iq2_xxs_row(xr, qw, has_qw, ik, y):
         store_fp16(y, ob, d)
         idv = F(1) / d
         for ib in range(8):
-            l = min(I32(15), max(I32(0), nint(F(0.5) * (idv * scales[ib] - F(1)))))
+            l = _scale_code(idv, scales[ib])
             q2[2 * ib + 1] |= np.int64(l) << 28
         for j in range(16):
             for b in range(4):
@@ -409,23 +363,9 @@ def _xs_search_ik(xval, weight, waux, L, Laux, index, d2):
             if sumq2 > 0 and sumqx * sumqx > best * sumq2:
                 scale = sumqx / sumq2
                 best = scale * sumqx
-    best = F(0)
-    eff_max = scale * F(5)
-    index[0] = 0
-    index[1] = 0
+    on = np.empty(2, np.bool_)
     aux_index = np.empty(2, np.int64)
-    for is_ in range(-7, 8):
-        idv = (F(5) + F(is_) * F(0.1)) / eff_max
-        this_scale = F(1) / idv
-        for k in range(2):
-            aux_index[k] = _project(KMAP_XS, NB_XS, xval, waux, k, idv, this_scale, Laux, d2)[0]
-        sumqx, sumq2 = _fit(xval, weight, Laux, 16)
-        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-            scale = sumqx / sumq2
-            best = scale * sumqx
-            L[:16] = Laux[:16]
-            index[0] = aux_index[0]
-            index[1] = aux_index[1]
+    scale, best = _trials(KMAP_XS, NB_XS, xval, weight, waux, 16, 7, scale * F(5), scale, L, Laux, d2, index, on)
     if scale:
         for _ in range(3):
             idv = F(1) / scale
@@ -453,12 +393,7 @@ def iq2_xs_row(xr, qw, has_qw, ik, y):
     """block_iq2_xs { fp16 d; u16 qs[32]: grid index (9 bits) | 7 sign bits << 9; scales[8]: two
     4-bit scales per 32 values }.  ik: another search (_xs_search_ik) and a final refit of d over the
     whole super-block (1.05 Σwqx/Σwq²)."""
-    weight = np.empty(16, np.float32)
-    waux = np.empty(16, np.float32)
-    d2 = np.empty(MAX_NEIGHBOURS + 32, np.float32)
-    xval = np.empty(16, np.float32)
-    L = np.zeros(16, np.int32)          # ik keeps a block's stale levels when no fit is taken
-    Laux = np.zeros(16, np.int32)
+    weight, waux, xval, L, Laux, d2 = _scratch(16)      # ik keeps stale levels where no fit is taken
     signs = np.zeros(2, np.int64)
     index = np.zeros(2, np.int64)
     on_grid = np.empty(2, np.bool_)
@@ -471,9 +406,7 @@ def iq2_xs_row(xr, qw, has_qw, ik, y):
         sigma2 = _sumsq(xr, QK_K * ibl) / F(QK_K)
         for ib in range(16):
             xo = QK_K * ibl + 16 * ib
-            _weights(xr, xo, 16, qw, has_qw, sigma2, weight, waux)
-            _abs_signs(xr, xo, 2, weight, True, xval, signs)
-            mx = _group_max(xval, 16)
+            mx = _block_start(xr, xo, 16, qw, has_qw, sigma2, True, weight, waux, xval, signs)
             if not ik:
                 L[:] = 0
             if mx < GROUP_MAX_EPS:
@@ -509,7 +442,7 @@ def iq2_xs_row(xr, qw, has_qw, ik, y):
         sumqx = F(0)
         sumq2 = F(0)
         for ib in range(16):
-            l = min(I32(15), max(I32(0), nint(F(0.5) * (idv * scales[ib] - F(1)))))
+            l = _scale_code(idv, scales[ib])
             y[ob + 66 + ib // 2] |= l << (4 * (ib % 2))
             if not ik:
                 continue
@@ -536,12 +469,7 @@ def iq2_s_row(xr, qw, has_qw, ik, y):
     """block_iq2_s { fp16 d; qs[32]: grid index bits 0-7 per 8 values; signs[32]: one bit per value;
     qh[8]: grid index bits 8-9, 2 bits per group; scales[8] }.  The flavors differ only where a
     block's search takes no fit: ik writes the previous block's levels, mainline zeros."""
-    weight = np.empty(16, np.float32)
-    waux = np.empty(16, np.float32)
-    d2 = np.empty(MAX_NEIGHBOURS + 32, np.float32)
-    xval = np.empty(16, np.float32)
-    L = np.zeros(16, np.int32)
-    Laux = np.zeros(16, np.int32)
+    weight, waux, xval, L, Laux, d2 = _scratch(16)
     signs = np.zeros(2, np.int64)
     on_grid = np.empty(2, np.bool_)
     scales = np.zeros(16, np.float32)
@@ -552,9 +480,7 @@ def iq2_s_row(xr, qw, has_qw, ik, y):
         sigma2 = F(2) * _sumsq(xr, QK_K * ibl) / F(QK_K)
         for ib in range(16):
             xo = QK_K * ibl + 16 * ib
-            _weights(xr, xo, 16, qw, has_qw, sigma2, weight, waux)
-            _abs_signs(xr, xo, 2, weight, False, xval, signs)
-            mx = _group_max(xval, 16)
+            mx = _block_start(xr, xo, 16, qw, has_qw, sigma2, False, weight, waux, xval, signs)
             if not ik:
                 L[:] = 0
             if mx < GROUP_MAX_EPS_IQ2_S:
@@ -585,7 +511,7 @@ def iq2_s_row(xr, qw, has_qw, ik, y):
         store_fp16(y, ob, d * F(0.9875))
         idv = F(1) / d
         for ib in range(16):
-            l = min(I32(15), max(I32(0), nint(F(0.5) * (idv * scales[ib] - F(1)))))
+            l = _scale_code(idv, scales[ib])
             y[ob + 74 + ib // 2] |= l << (4 * (ib % 2))
 
 
