@@ -42,19 +42,28 @@ def _grid_tables(kgrid: np.ndarray, nwant: int):
     packed = (pats << (2 * np.arange(8))).sum(1)
     off = packed[kmap[packed] < 0]
     off_levels = pats[kmap[packed] < 0]
-    d2 = ((2 * levels[None, :, :] - 2 * off_levels[:, None, :]) ** 2).sum(-1)          # (n_off, G)
-    order = np.argsort(d2 * len(k) + np.arange(len(k)), axis=1, kind="stable")        # by (d2, index)
-    d2_sorted = np.take_along_axis(d2, order, 1)
-    neighbours = []
-    longest = 0
-    for r, u in enumerate(off):
-        shells = np.unique(d2_sorted[r])[:nwant]
-        n = int(np.searchsorted(d2_sorted[r], shells[-1], side="right"))
-        kmap[u] = -(len(neighbours) + 1)
-        neighbours.append(n)
-        neighbours.extend(k[order[r, :n]].tolist())
-        longest = max(longest, n)
-    return kmap, np.array(neighbours, np.uint16), longest
+    counts, points = [], []
+    for c in range(0, len(off), 512):           # in chunks: a few MB at a time
+        d2 = np.zeros((len(off[c:c + 512]), len(k)), np.int32)
+        for i in range(8):
+            d2 += (levels[None, :, i] - off_levels[c:c + 512, i, None]) ** 2       # (levels apart)²
+        order = np.argsort(d2 * len(k) + np.arange(len(k), dtype=np.int32), axis=1)  # by (d2, index)
+        d2_sorted = np.take_along_axis(d2, order, 1)
+        # the points at the nwant smallest distances: rank of each distance among the distinct ones
+        rank = np.concatenate([np.zeros((len(d2), 1), np.int64),
+                               np.cumsum(d2_sorted[:, 1:] != d2_sorted[:, :-1], axis=1)], axis=1)
+        keep = rank < nwant
+        counts.append(keep.sum(1))
+        points.append(k[order[keep]])           # row by row, nearest first
+    counts = np.concatenate(counts)
+    starts = np.concatenate([[0], np.cumsum(counts + 1)[:-1]])
+    kmap[off] = -(starts + 1)
+    neighbours = np.empty(int((counts + 1).sum()), np.uint16)
+    neighbours[starts] = counts
+    is_point = np.ones(len(neighbours), bool)
+    is_point[starts] = False
+    neighbours[is_point] = np.concatenate(points)
+    return kmap, neighbours, int(counts.max())
 
 
 # nwant: IQ2_S keeps the nearest shell only, IQ2_XXS/IQ2_XS two (ggml's iq2xs_init_impl)
