@@ -62,13 +62,15 @@ def make_model(path: Path, size_mb: int) -> tuple[Path, int, int]:
 
 
 def make_imatrix(model: Path, path: Path) -> Path:
-    """A legacy .dat imatrix with a random positive weight per input column of every matrix."""
+    """A legacy .dat imatrix with a random positive weight per input column of every matrix (also
+    token_embd's, which llama-imatrix never sees: --pure quantizes it to the benchmarked type too, and
+    the C quantizers of iq2_xxs, iq2_xs and iq1_s abort without weights)."""
     from quantkit.gguf_io.reader import open_model
     from quantkit.imatrix import save_dat
     rng = np.random.default_rng(2)
     m = open_model(model)
     weights = {t.name: (rng.random(t.shape[0]) ** 2 * 10 + 0.01).astype(np.float32)
-               for t in m.tensors if len(t.shape) >= 2 and t.name != "token_embd.weight"}
+               for t in m.tensors if len(t.shape) >= 2}
     return save_dat(path, weights, ncall=10, chunk_count=10, dataset="synthetic")
 
 

@@ -22,7 +22,7 @@ T = QuantType
 TYPES = sorted(interleave.LAYOUTS)
 # with an imatrix these quantize differently from repack(plain): QHelper (16-blocks); q2_k_r4 also
 # runs q2_K's "is it ternary" test per row instead of per chunk
-CLEANED = {T.Q6_K_R4, T.Q3_K_R4, T.Q2_K_R4, T.IQ3_S_R4}
+CLEANED = {T.Q6_K_R4, T.Q3_K_R4, T.Q2_K_R4, T.IQ2_XS_R4, T.IQ2_S_R4, T.IQ3_S_R4}
 ggml = peers.load_ggml()
 
 
@@ -62,7 +62,9 @@ def _random_plain(qtype, n_rows, n, rng):
     x = (rng.standard_normal((n_rows, n)) * 10.0 ** rng.uniform(-3, 2, (n_rows, 1))).astype(np.float32)
     if base == T.BF16:
         return (x.view(np.uint32) >> 16).astype("<u2").view(np.uint8).reshape(n_rows, -1), x
-    return formats.quantize(x, base), x
+    # iq2_xxs / iq2_xs: llama-quantize (and so formats.quantize) needs an imatrix for them
+    imatrix = None if formats.can_quantize(base) else np.ones(n, np.float32)
+    return formats.quantize(x, base, imatrix), x
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)
@@ -113,7 +115,7 @@ def test_bad_shapes():
     with pytest.raises(ValueError, match="multiple of 4 rows"):
         interleave.interleave(np.zeros((3, 76), np.uint8), T.IQ2_K_R4, 256)
     with pytest.raises(NotImplementedError):
-        interleave.interleave(np.zeros((4, 66), np.uint8), T.IQ2_XXS_R4, 256)
+        interleave.interleave(np.zeros((4, 34), np.uint8), T.Q8_0, 32)        # no interleaved layout
     with pytest.raises(ValueError, match="are 76 bytes"):                 # the kernel checks no bounds
         interleave.interleave(np.zeros((4, 75), np.uint8), T.IQ2_K_R4, 256)
     frozen = np.frombuffer(bytes(4 * 76), np.uint8).reshape(4, 76)

@@ -286,3 +286,27 @@ def test_file_type_record_and_refusals(presets, tmp_path):
     rc, out, err = run_cli("repack", bad, tmp_path / "o.gguf")
     assert_refused(rc, out, err, "general.file_type", "not a file type")
     snap.assert_unchanged()
+
+
+# ---- IQ2_XXS / IQ2_XS / IQ2_S: their C quantizers need an imatrix; the _r4 layouts recode signs ----
+MIX_IQ2 = ("attn_q=iq2_xxs,attn_k=iq2_xs,attn_v=iq2_s,attn_output=iq2_xxs,ffn_gate=iq2_xs,ffn_up=iq2_s,"
+           "ffn_down=iq2_xxs")
+
+
+@pytest.fixture(scope="module")
+def plain_iq2(tmp_path_factory, tiny_f32):
+    from quantkit.imatrix import save_dat
+    d = tmp_path_factory.mktemp("repack-iq2")
+    rng = np.random.default_rng(3)
+    with open_model(tiny_f32) as m:
+        weights = {t.name: (rng.random(t.shape[0]) + 0.1).astype(np.float32)
+                   for t in m.tensors if len(t.shape) == 2 and t.name != "token_embd.weight"}
+    imatrix = save_dat(d / "imatrix.dat", weights, ncall=1, chunk_count=1, dataset="synthetic")
+    out = d / "iq2.gguf"
+    quantkit.quantize_model(tiny_f32, out, "q8_0", pure=True, custom_q=MIX_IQ2, imatrix=imatrix)
+    return d, tiny_f32, {"iq2": out}
+
+
+@needs_wheel
+def test_repack_iq2_equals_llama_quantize_and_undo_restores(plain_iq2):
+    test_repack_equals_llama_quantize_and_undo_restores(plain_iq2, "iq2")

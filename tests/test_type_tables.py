@@ -46,7 +46,7 @@ def test_interleaved_formats_regroup_a_quantizable_base_of_the_same_rows(qtype):
     t = traits(qtype)
     base = formats.registered().get(t.base)
     assert base is not None, f"{t.name}: base {t.base!r} has no format"
-    assert {("ik", False), ("ik", True)} <= base.quant_paths and formats.can_dequantize(t.base)
+    assert {("ik", False), ("ik", True)} <= (base.wrapped_paths or base.quant_paths) and formats.can_dequantize(t.base)
     assert base.traits.block_size == t.block_size and base.traits.row_meta_size == t.row_meta_size
     for n in (QK_K, 4 * QK_K):
         assert base.traits.row_size(n) == t.row_size(n)

@@ -39,6 +39,10 @@ class BlockFormat:
     traits: ClassVar[TypeTraits]
     #: (flavor, uses_imatrix) pairs the quantizer reproduces byte for byte; empty = decode only
     quant_paths: ClassVar[frozenset] = frozenset()
+    #: paths an interleaved type's wrapper (formats/repacked.py) may call the quantizer on, where more
+    #: than ``quant_paths``: ik's quantize_iq2_xxs_r4 runs the plain quantizer without an imatrix,
+    #: which llama-quantize refuses for the plain type.  None: ``quant_paths``
+    wrapped_paths: ClassVar[frozenset | None] = None
     #: (byte offset in the block, numpy dtype) of every float field (scales, mins); lets the output
     #: check look at those instead of decoding whole tensors.  None: decode and check everything.
     #: A row-scaled type lists its row scale (offset in the row) only where that alone decides.

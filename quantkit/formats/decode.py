@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..grids import IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS
+from ..grids import IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS
 from ..kernels.iq1 import GRID_VALUES as IQ1S_VALUES
 from ..kernels.iq2kl import PAIRS
 from ..kernels.ternary import POW3

@@ -361,8 +361,10 @@ def _iq2_bn_r4(b):
         for j in range(4):
             out[:, l] |= ((b[..., 4 * j:4 * j + 4] >> (2 * l)) & 3) << (2 * j)
     return out.reshape(g, 64)
+
+
 def _iq3_xxs_r4(b):
-    """(ik's scrambled_sign of each 7-bit sign field is applied after the shuffle: _SCRAMBLED_SIGNS)"""
+    """(the 7-bit sign fields recoded first: _SIGN_RECODE)"""
     g = len(b)
     w = b[..., 66:98].reshape(g, 4, 8, 4).astype(np.uint32)
     w = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)             # (G, k, ib)
@@ -387,6 +389,85 @@ def _iq3_s_r4(b):
     return np.concatenate([b[..., :2].reshape(g, 8), qs, qh, signs, nib[:, :16] | (nib[:, 16:] << 4)], axis=1)
 
 
+def _iq2_xxs_r4(b):
+    """d[4] | sas[128] | qs[128]: 32-block ib of row k: its 4 grid-index bytes at qs[16ib + 4k..],
+    its sign/scale word as 4 bytes at sas[16ib + 4k..], byte l = the 7 sign bits of group l << 1 |
+    bit l of the 4-bit scale (the sign bits recoded first: _SIGN_RECODE)."""
+    g = len(b)
+    q = b[..., 2:].reshape(g, 4, 8, 8)                                       # (G, k, ib, byte)
+    w = q[..., 4].astype(np.uint32) | (q[..., 5].astype(np.uint32) << 8) | (q[..., 6].astype(np.uint32) << 16) \
+        | (q[..., 7].astype(np.uint32) << 24)
+    sas = np.stack([(((w >> (7 * l)) & 127) << 1) | ((w >> (28 + l)) & 1) for l in range(4)], axis=-1).astype(U8)
+    return np.concatenate([b[..., :2].reshape(g, 8), sas.transpose(0, 2, 1, 3).reshape(g, 128),
+                           q[..., :4].transpose(0, 2, 1, 3).reshape(g, 128)], axis=1)
+
+
+def _iq2_xs_r4(b):
+    """d[4] | u16 qs[128]: group i of 32-block ib of row k at 16ib + 4k + i | scales[32]: 4ib + k."""
+    g = len(b)
+    qs = b[..., 2:66].reshape(g, 4, 8, 8).transpose(0, 2, 1, 3).reshape(g, 256)
+    return np.concatenate([b[..., :2].reshape(g, 8), qs, b[..., 66:74].transpose(0, 2, 1).reshape(g, 32)], axis=1)
+
+
+def _iq2_s_r4(b):
+    """d[4] | qs[128] | qh[32] | signs[128] | scales[32]: byte i of 32-block ib of row k at 16ib + 4k
+    + i (qs, signs), its qh and scale byte at 4ib + k."""
+    g = len(b)
+
+    def by_block(a, n):
+        return a.reshape(g, 4, 8, n).transpose(0, 2, 1, 3).reshape(g, 32 * n)
+    return np.concatenate([b[..., :2].reshape(g, 8), by_block(b[..., 2:34], 4), by_block(b[..., 66:74], 1),
+                           by_block(b[..., 34:66], 4), by_block(b[..., 74:82], 1)], axis=1)
+
+
+# ---------------------------------------------------------------------------------- sign recoding
+# ik's repack of IQ2_XXS, IQ2_XS and IQ3_XXS stores a group's 7 sign bits s as scrambled_sign(s): bit j =
+# s_0 ^ ... ^ s_j (its _r4 decoders' ``a ^= a >> 1`` gives back the 8 signs with the parity bit).
+# That is not a bit permutation, so interleave recodes the sign fields of (a copy of) the plain rows
+# first and then moves bits; deinterleave moves bits and then decodes them.
+
+def _prefix_xor(bits: int) -> np.ndarray:
+    s = np.arange(1 << bits)
+    out = np.zeros_like(s)
+    for j in range(bits):
+        out |= (np.bitwise_xor.reduce([(s >> i) & 1 for i in range(j + 1)], axis=0)) << j
+    return out.astype(np.uint32)
+
+
+_SCRAMBLE = _prefix_xor(7)
+_UNSCRAMBLE = np.argsort(_SCRAMBLE).astype(np.uint32)
+
+
+def _recode_sign_words(block_bytes: int, first: int, stride: int):
+    """A recoder of the uint32 words at bytes ``first + stride i`` (i < 8) of every block whose bits
+    0-27 are four 7-bit sign fields (IQ2_XXS: bytes 4-7 of each 8 after d; IQ3_XXS: the 8 words
+    after the grid indices); bits 28-31 (the scale) stay."""
+    at = first + stride * np.arange(8)[:, None] + np.arange(4)                  # (word, byte)
+
+    def recode(rows, table):
+        blk = rows.reshape(-1, block_bytes)
+        q = blk[:, at].astype(np.uint32)
+        w = q[..., 0] | (q[..., 1] << 8) | (q[..., 2] << 16) | (q[..., 3] << 24)
+        new = w & np.uint32(0xF0000000)
+        for l in range(4):
+            new |= table[(w >> (7 * l)) & 127] << (7 * l)
+        blk[:, at] = (new[..., None] >> np.arange(0, 32, 8, dtype=np.uint32)).astype(U8)
+    return recode
+
+
+def _recode_iq2_xs(rows, table):
+    """The 7 sign bits (bits 9-15) of every uint16 qs entry through ``table``."""
+    q = rows.reshape(-1, 74)[:, 2:66]
+    v = q[:, 0::2].astype(np.uint32) | (q[:, 1::2].astype(np.uint32) << 8)
+    new = (v & 511) | (table[v >> 9] << 9)
+    q[:, 0::2] = (new & 255).astype(U8)
+    q[:, 1::2] = (new >> 8).astype(U8)
+
+
+_SIGN_RECODE = {T.IQ2_XXS_R4: _recode_sign_words(66, 6, 8), T.IQ2_XS_R4: _recode_iq2_xs,
+                T.IQ3_XXS_R4: _recode_sign_words(98, 66, 4)}
+
+
 @dataclass(frozen=True)
 class Layout:
     rows: int                       # N rows per group (types.py's interleave_rows)
@@ -403,6 +484,7 @@ _FORWARD: dict[QuantType, Callable[[np.ndarray], np.ndarray]] = {
     T.IQ2_BN_R4: _iq2_bn_r4,
     T.IQ3_XXS_R4: _iq3_xxs_r4, T.IQ3_S_R4: _iq3_s_r4,
     T.MXFP4_R8: _mxfp4_r8,
+    T.IQ2_XXS_R4: _iq2_xxs_r4, T.IQ2_XS_R4: _iq2_xs_r4, T.IQ2_S_R4: _iq2_s_r4,
 }
 # A column block is one block of the base type (types.py's base), except that bf16_r16 interleaves
 # pairs of values (ik needs ne0 % 2 == 0), where bf16's block is one value.
@@ -600,85 +682,6 @@ def _run_layout(src, dst, n_groups, n, row_size, meta, n_cb, key):
             _column_block(src, dst, base + meta + cb * blk, base + n * meta + cb * n * blk, row_size, key)
 
 
-# ---------------------------------------------------------------------------------- scrambled signs
-# ik stores the 7-bit sign fields of IQ3_XXS (ksigns_iq2xs: the 8th sign is their parity) in the
-# interleaved layout as prefix XORs (``scrambled_sign``: bit j = XOR of signs 0..j; its kernels undo
-# it with s ^ (s >> 1)).  That is no bit permutation, so the shuffle moves the fields as they are and
-# one pass rewrites them: in the interleaved bytes after ``interleave``, in the plain ones after
-# ``deinterleave``.
-
-@dataclass(frozen=True)
-class SignFields:
-    plain_word: int             # byte of a plain block where the first uint32 with four 7-bit fields
-    word_stride: int            # (bits 0-27) starts, and the bytes from one to the next (one per 32 values)
-    packed: tuple[int, int]     # the bytes [start, stop) of an interleaved column block that each hold
-                                # one field in bits 1-7
-
-
-_SCRAMBLED_SIGNS: dict[QuantType, SignFields] = {
-    T.IQ3_XXS_R4: SignFields(66, 4, (8, 136)),
-}
-
-
-def _prefix_xor_table() -> tuple[np.ndarray, np.ndarray]:
-    s = np.arange(128, dtype=np.int64)
-    t = s ^ (s << 1)
-    t ^= t << 2
-    t ^= t << 4
-    scrambled = (t & 127).astype(U8)
-    plain = np.empty(128, U8)
-    plain[scrambled] = np.arange(128, dtype=U8)             # = (t ^ (t << 1)) & 127
-    return scrambled, plain
-
-
-SCRAMBLED_SIGN, PLAIN_SIGN = _prefix_xor_table()
-
-
-@njit(cache=True, nogil=True)
-def _scramble_packed(buf, n_groups, group_bytes, head, n_cb, cb_bytes, start, stop, table):
-    """In every interleaved column block: bits 1-7 of bytes [start, stop) through ``table``."""
-    for g in range(n_groups):
-        for cb in range(n_cb):
-            base = g * group_bytes + head + cb * cb_bytes
-            for j in range(start, stop):
-                v = np.int64(buf[base + j])
-                buf[base + j] = (np.int64(table[v >> 1]) << 1) | (v & 1)
-
-
-@njit(cache=True, nogil=True)
-def _unscramble_plain(buf, n_rows, row_size, meta, n_cb, blk, first, stride, n_words, table):
-    """In every plain block: the four 7-bit fields (bits 0-27) of its sign words through ``table``."""
-    for r in range(n_rows):
-        for cb in range(n_cb):
-            base = r * row_size + meta + cb * blk + first
-            for w in range(n_words):
-                at = base + w * stride
-                word = (np.int64(buf[at]) | (np.int64(buf[at + 1]) << 8) | (np.int64(buf[at + 2]) << 16)
-                        | (np.int64(buf[at + 3]) << 24))
-                out = word & 0xF0000000
-                for f in range(4):
-                    out |= np.int64(table[(word >> (7 * f)) & 127]) << (7 * f)
-                for k in range(4):
-                    buf[at + k] = (out >> (8 * k)) & 0xFF
-
-
-def _fix_signs(dst: np.ndarray, qtype: QuantType, lay: Layout, n_per_row: int, inverse: bool) -> None:
-    fields = _SCRAMBLED_SIGNS.get(qtype)
-    if fields is None:
-        return
-    n_rows, row_size = dst.shape
-    meta = traits(qtype).row_meta_size
-    n_cb = n_per_row // lay.block_values
-    blk = (row_size - meta) // n_cb
-    flat = dst.reshape(-1)
-    if inverse:
-        _unscramble_plain(flat, n_rows, row_size, meta, n_cb, blk, fields.plain_word, fields.word_stride,
-                          lay.block_values // 32, PLAIN_SIGN)
-    else:
-        _scramble_packed(flat, n_rows // lay.rows, lay.rows * row_size, lay.rows * meta, n_cb, lay.rows * blk,
-                         fields.packed[0], fields.packed[1], SCRAMBLED_SIGN)
-
-
 def _check(rows: np.ndarray, qtype, n_per_row: int):
     lay = LAYOUTS.get(QuantType(qtype))
     if lay is None:
@@ -711,16 +714,21 @@ def _layout_kernel(key: int) -> Callable:
 
 def _regroup(rows: np.ndarray, qtype, n_per_row: int, inverse: bool, out: np.ndarray | None) -> np.ndarray:
     lay = _check(rows, qtype, n_per_row)
+    qtype = QuantType(qtype)
+    recode = _SIGN_RECODE.get(qtype)
     src = np.ascontiguousarray(rows, U8)
     dst = np.empty_like(src) if out is None else out
     if dst.shape != src.shape or dst.dtype != U8 or not dst.flags.writeable:
         raise ValueError("out must be a writable uint8 array shaped like rows")
-    qtype = QuantType(qtype)
+    if recode is not None and not inverse:
+        src = src.copy()                # the caller's rows stay as they are
+        recode(src, _SCRAMBLE)
     key = _key(qtype, inverse)
     args = (src.reshape(-1), dst.reshape(-1), src.shape[0] // lay.rows, lay.rows, src.shape[1],
             traits(qtype).row_meta_size, n_per_row // lay.block_values, key)
     _layout_kernel(key)(*args)
-    _fix_signs(dst, qtype, lay, n_per_row, inverse)
+    if recode is not None and inverse:
+        recode(dst, _UNSCRAMBLE)
     return dst
 
 

@@ -58,6 +58,8 @@ WRAPPERS: dict[QuantType, WrapperRule] = {
     T.IQ2_BN_R4: WrapperRule(),             # quantize_iq2_bn ignores the imatrix it is handed
     T.IQ3_XXS_R4: WrapperRule(cleanup_block=32), T.IQ3_S_R4: WrapperRule(cleanup_block=16),
     T.MXFP4_R8: WrapperRule(uses_imatrix=False),        # quantize_mxfp4_r8: mxfp4's blocks, regrouped
+    T.IQ2_XXS_R4: WrapperRule(cleanup_block=32), T.IQ2_XS_R4: WrapperRule(cleanup_block=16),
+    T.IQ2_S_R4: WrapperRule(cleanup_block=16),
 }
 
 
@@ -133,7 +135,8 @@ def register_available() -> list[QuantType]:
     have = registered()
     for qtype, rule in WRAPPERS.items():
         base = traits(qtype).base
-        if (qtype in have or base not in have or not _IK_PATHS <= have[base].quant_paths
+        if (qtype in have or base not in have
+                or not _IK_PATHS <= (have[base].wrapped_paths or have[base].quant_paths)
                 or not interleave.supports(qtype)):
             continue
         type(f"Interleaved_{traits(qtype).name}", (_Interleaved,), {"rule": rule}, qtype=qtype)
