@@ -376,6 +376,56 @@ def _ternary(xp, b, n_per_row, qtype):
     else:
         trit = (blk[:, at] >> how) & 3
     return (xp.floats(trit - 1) * d).reshape(b.shape[0], n_per_row)
+# ---- hand-written: grid-indexed i-quants, an fp16 d per 256 values (quantkit/grids.py) ----
+#
+# 8 values per grid index, one sign bit each: value = (d * (0.5 + s) * 0.25) * grid[index][j] * sign_j,
+# s the 4-bit scale of the 32 (IQ2_XXS) or 16 values (IQ2_XS, IQ2_S).
+
+_IQ2_GRIDS = {T.IQ2_XXS: IQ2XXS_GRID, T.IQ2_XS: IQ2XS_GRID, T.IQ2_S: IQ2S_GRID}
+
+
+def _iq2_values(xp, b, n_per_row, qtype, idx, sign_bits, scales):
+    """idx, sign_bits (n_blocks, 8, 4): grid index and 8 sign bits of group l of 32-block ib;
+    scales (n_blocks, 8, 2): the 4-bit scales of its two halves (IQ2_XXS: the same twice)."""
+    d = xp.f16(b.reshape(-1, traits(qtype).type_size), 0)
+    grid = xp.const(b, ("iq2_grid", qtype), lambda: _IQ2_GRIDS[qtype].view(np.uint8).reshape(-1, 8).astype(np.float32))
+    signs = xp.const(b, "iq2_signs", lambda: np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, -1, 1)
+                     .astype(np.float32))
+    db = (d[:, :, None] * (0.5 + xp.floats(scales))) * 0.25
+    half = xp.const(b, "iq2_half", lambda: np.array([0, 0, 1, 1]))
+    return ((db[:, :, half][..., None] * grid[idx]) * signs[sign_bits]).reshape(b.shape[0], n_per_row)
+
+
+def _iq2_xxs(xp, b, n_per_row):
+    """66 B: d | per 32 values 4 grid-index bytes, then a uint32: 4 x 7 sign bits (ksigns_iq2xs adds
+    the parity bit), the scale in bits 28-31."""
+    g = xp.ints(b.reshape(-1, 66))[:, 2:].reshape(-1, 8, 8)
+    low28 = g[:, :, 4] | (g[:, :, 5] << 8) | (g[:, :, 6] << 16) | ((g[:, :, 7] & 15) << 24)
+    s7 = (low28[:, :, None] >> (7 * _arange(xp, b, 4))) & 127
+    ksigns = xp.const(b, "ksigns", lambda: KSIGNS_IQ2XS.astype(np.int64))
+    sc = (g[:, :, 7] >> 4)[:, :, None]
+    return _iq2_values(xp, b, n_per_row, T.IQ2_XXS, g[:, :, :4], ksigns[s7], xp.cat([sc, sc], 2))
+
+
+def _iq2_xs(xp, b, n_per_row):
+    """74 B: d | uint16 qs[32]: 9-bit grid index | 7 sign bits << 9 | scales[8]: nibbles per 16 values."""
+    blk = xp.ints(b.reshape(-1, 74))
+    v = (blk[:, 2:66:2] | (blk[:, 3:66:2] << 8)).reshape(-1, 8, 4)
+    ksigns = xp.const(b, "ksigns", lambda: KSIGNS_IQ2XS.astype(np.int64))
+    sc = blk[:, 66:74, None]
+    return _iq2_values(xp, b, n_per_row, T.IQ2_XS, v & 511, ksigns[v >> 9], xp.cat([sc & 15, sc >> 4], 2))
+
+
+def _iq2_s(xp, b, n_per_row):
+    """82 B: d | qs[32] grid index bits 0-7 | signs[32] | qh[8]: bits 8-9 of group l at bit 2l |
+    scales[8]."""
+    blk = xp.ints(b.reshape(-1, 82))
+    qh = blk[:, 66:74, None]
+    idx = blk[:, 2:34].reshape(-1, 8, 4) | ((qh << (8 - 2 * _arange(xp, b, 4))) & 0x300)
+    sc = blk[:, 74:82, None]
+    return _iq2_values(xp, b, n_per_row, T.IQ2_S, idx, blk[:, 34:66].reshape(-1, 8, 4), xp.cat([sc & 15, sc >> 4], 2))
+
+
 # ---- hand-written: IQ3_XXS, IQ3_S, lattice points of 4 magnitudes with a sign bit per value ----
 
 def _grid_values(xp, like, key, grid):
@@ -518,7 +568,7 @@ _HAND_WRITTEN = {
     T.IQ2_KL: _iq2_kl, T.IQ4_KSS: _iq4_kss, T.IQ1_KT: _iq1_kt, T.IQ4_KT: _iq4_kt,
     T.IQ2_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq2_kt"), T.IQ3_KT: lambda xp, b, n: _iq23_kt(xp, b, n, "iq3_kt"),
     **{q: lambda xp, b, n, q=q: _ternary(xp, b, n, q) for q in (T.IQ1_BN, T.IQ2_BN, T.TQ1_0, T.TQ2_0)},
-    T.IQ3_XXS: _iq3_xxs, T.IQ3_S: _iq3_s,
+    T.IQ2_XXS: _iq2_xxs, T.IQ2_XS: _iq2_xs, T.IQ2_S: _iq2_s, T.IQ3_XXS: _iq3_xxs, T.IQ3_S: _iq3_s,
     T.IQ1_S: _iq1_s, T.IQ1_M: _iq1_m,
     T.IQ1_S_R4: lambda xp, b, n: _iq1_r4(xp, b, n, False), T.IQ1_M_R4: lambda xp, b, n: _iq1_r4(xp, b, n, True),
 }
