@@ -12,8 +12,9 @@ p sets every input bit whose index has bit p set), checked to be a bijection, an
 straight-line machine code for one column block (see "the kernel" below); the inverse
 (``deinterleave``) is the inverse permutation.  So both directions are exact by
 construction, and only the forward layouts need to be right, which the tests check against the C
-library's own bytes.  One transform is not a bit move: iq3_xxs_r4's sign fields, which ik stores as
-prefix XORs; a pass after the shuffle rewrites them (see "scrambled signs" below).
+library's own bytes.  One transform is not a bit move: the 7-bit sign fields of iq2_xxs_r4, iq2_xs_r4
+and iq3_xxs_r4, which ik stores as prefix XORs; they are recoded in the plain rows before the
+shuffle and after the unshuffle (``_SIGN_RECODE``, "sign recoding" below).
 
 Notation used in the layouts: ``il32(L)`` puts the 4-bit codes of the 32 values of a block of
 4 rows (k = 0..3) into 64 bytes: byte 4k+i holds codes i, i+8; byte 16+4k+i codes i+16, i+24;
