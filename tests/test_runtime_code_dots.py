@@ -16,6 +16,7 @@ import pytest
 from quant_checks import golden_bytes, golden_input
 from test_runtime_matvec import rounded
 
+from quantkit import formats
 from quantkit.formats import interleave
 from quantkit.runtime import code_dots, matvec, ops_cpu
 from quantkit.errors import QuantkitError
@@ -89,8 +90,13 @@ def test_interleaved_layouts_take_their_base_types_product(shared_dir, qtype):
     w = Weight("w", qtype, (n, blocks.shape[0]), blocks)
     assert w.plain_layout()[0] == base
     _check_product(w, _reference_rows(base, plain, n))
-    # the interleaved bytes decode to the same values (the wheel's to_float of the interleaved type)
-    np.testing.assert_array_equal(_reference_rows(qtype, blocks, n), _reference_rows(base, plain, n))
+    # the interleaved bytes decode to the same values (the wheel's to_float of the interleaved type;
+    # the wheel's older ggml does not know mxfp4_r8: quantkit's decoder of it then)
+    if peers.type_traits(int(qtype)) is not None:
+        as_stored = _reference_rows(qtype, blocks, n)
+    else:
+        as_stored = formats.dequantize(blocks, qtype, n).reshape(-1, n).astype(np.float64)
+    np.testing.assert_array_equal(as_stored, _reference_rows(base, plain, n))
 
 
 def test_layouts_of_their_own_are_read_as_stored():
