@@ -17,6 +17,11 @@ gguf-py's quantizer.  As issue 6's logit tests (tests/test_runtime_llama.py) che
 
 The runtime decodes a tile through formats.dequantize, so a file runs once every type in it is
 registered there (the type helpers' decoders); until then its tests skip, naming the types.
+
+Each mix is written twice: by the reference tools, and by quantkit itself (mainline's types in the
+mainline flavor, ik's in ik's), so the same checks prove that the files quantkit writes load in
+ik_llama.cpp and compute there as quantkit computes them: the batch check decodes quantkit's bytes
+with the wheel's ``to_float``, the generation check runs the wheel on quantkit's file.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import numpy as np
 import pytest
 
 import peers
+import quantkit
 from models import rewrite_gguf, write_llama
 from test_runtime_code_dots import MAINLINE_ONLY
 from quantkit import formats
@@ -91,16 +97,24 @@ def model(tmp_path_factory):
     return d, f32, imatrix, tokens
 
 
-def _write_mix(d, f32, imatrix, mix: str):
-    path = d / f"{mix}.gguf"
+def _custom_q(mix: str) -> str:
+    return ",".join(f"{slot.replace('.', chr(92) + '.')}\\.weight={name}" for slot, name in zip(SLOTS, MIXES[mix]))
+
+
+def _write_mix(d, f32, imatrix, mix: str, writer: str):
+    path = d / f"{mix}-{writer}.gguf"
+    if writer == "quantkit":
+        # the same mix written by quantkit (mainline's types in mainline's flavor, ik's in ik's)
+        quantkit.quantize_model(f32, path, "q8_0", custom_q=_custom_q(mix), imatrix=imatrix, threads=2,
+                                flavor="ik" if mix == "ik" else "mainline")
+        return path
     if mix == "ternary":
         # ik's llama-quantize does not write tq1_0 / tq2_0: gguf-py's quantizer does
         tensors = {t.name: t for t in gguf.GGUFReader(str(f32)).tensors}
         quantized = {f"{slot}.weight": type_from_name(name) for slot, name in zip(SLOTS, MIXES[mix])}
         _write_quantized(f32, path, tensors, quantized)
         return path
-    custom = ",".join(f"{slot.replace('.', chr(92) + '.')}\\.weight={name}" for slot, name in zip(SLOTS, MIXES[mix]))
-    p = subprocess.run([str(peers.llama_quantize_bin()), "--imatrix", str(imatrix), "--custom-q", custom,
+    p = subprocess.run([str(peers.llama_quantize_bin()), "--imatrix", str(imatrix), "--custom-q", _custom_q(mix),
                         str(f32), str(path), "Q8_0", "2"], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     return path
@@ -127,18 +141,19 @@ def _write_quantized(f32, path, tensors, quantized):
     w.close()
 
 
-@pytest.fixture(scope="module", params=list(MIXES))
+@pytest.fixture(scope="module", params=[(m, w) for m in MIXES for w in ("reference", "quantkit")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def mix(request, model):
     d, f32, imatrix, tokens = model
-    name = request.param
+    name, writer = request.param
     missing = sorted({t for t in MIXES[name] if not formats.can_dequantize(type_from_name(t))})
     if missing:
         pytest.skip(f"{name}: no decoder registered yet for {', '.join(missing)}")
-    path = _write_mix(d, f32, imatrix, name)
+    path = _write_mix(d, f32, imatrix, name, writer)
     stored = _stored(path)
     assert {type_from_name(t) for t in MIXES[name]} <= {q for q, _, _ in stored.values()}   # what the mix says
     decoded = {n: _reference_decode(q, data, shape) for n, (q, shape, data) in stored.items() if q not in (T.F32, T.F16)}
-    dequantized = rewrite_gguf(f32, d / f"{name}-dequantized.gguf", tensors=decoded)
+    dequantized = rewrite_gguf(f32, d / f"{name}-{writer}-dequantized.gguf", tensors=decoded)
     return name, path, dequantized, tokens
 
 
