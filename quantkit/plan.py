@@ -456,6 +456,12 @@ def check_implemented(plan: Plan, can_quantize, can_dequantize, with_imatrix) ->
         if not can_dequantize(t.src_type):
             raise QuantkitError(f"tensor '{t.name}': reading {type_name(t.src_type)} is not implemented")
         imat = with_imatrix(t)
+        needs_weights = not can_quantize(t.dst_type, plan.flavor, False) and can_quantize(t.dst_type, plan.flavor, True)
+        if not imat and needs_weights:
+            # iq1_s, iq2_xxs, iq2_xs: ggml's quantizer aborts without importance weights
+            raise QuantkitError(f"tensor '{t.name}': {type_name(t.dst_type)} needs importance weights and the "
+                                f"imatrix has none for this tensor; give it imatrix data (--imatrix) or "
+                                f"another type (--custom-q)")
         if not can_quantize(t.dst_type, plan.flavor, imat):
             how = " with an imatrix" if imat else ""
             raise QuantkitError(f"tensor '{t.name}': quantizing to {type_name(t.dst_type)}{how} "

@@ -832,3 +832,14 @@ def test_ignore_imatrix_rules(tmp_path):
     quantkit.quantize_model(src, out, "iq2_kt", pure=True, ignore_imatrix_rules=True)
     with open_model(out) as m:
         assert {t.name: t.qtype for t in m.tensors}["blk.0.ffn_up.weight"] == T.IQ2_KT
+
+
+@pytest.mark.parametrize("qtype", ["iq1_s", "iq2_xxs", "iq2_xs"])
+def test_ignore_imatrix_rules_cannot_quantize_what_needs_weights(tmp_path, qtype):
+    """--ignore-imatrix-rules lifts llama-quantize's refusal, but ggml's iq1_s / iq2_xxs / iq2_xs
+    quantizers abort without importance weights: the plan says so (not "not implemented")."""
+    src = write_llama(tmp_path / "m.gguf", n_layer=1)
+    out = tmp_path / "o.gguf"
+    with pytest.raises(QuantkitError, match=rf"{qtype} needs importance weights and the imatrix has none"):
+        quantkit.quantize_model(src, out, qtype, pure=True, ignore_imatrix_rules=True)
+    assert not out.exists()
