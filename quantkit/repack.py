@@ -117,6 +117,9 @@ def repack_metadata(metadata: dict[str, MetaValue], plan: Plan, undo: bool) -> d
     return meta
 
 
+_REPACKED_FROM = frozenset(REPACKED_TYPE.values())
+
+
 def make_repack_plan(tensors, metadata: dict[str, MetaValue], opts: RepackOptions, can_shuffle) -> Plan:
     """One TensorPlan per tensor: a byte shuffle to the interleaved (or, with undo, plain) layout, or
     a copy with the reason.  ``can_shuffle(qtype)`` says whether quantkit has the layout."""
@@ -129,6 +132,9 @@ def make_repack_plan(tensors, metadata: dict[str, MetaValue], opts: RepackOption
         if opts.undo:
             dst = traits(src).base if traits(src).interleave_rows > 1 else None
             why = None if dst is not None else "not an interleaved type"
+            if dst is not None and traits(src).quantized and src not in _REPACKED_FROM:
+                # iq1_s_r4, iq1_m_r4 (blocks of their own), q8_k_r8 (its base is no file type)
+                dst, why = None, f"ik quantizes {type_name(src)} on its own: it is no repack of {type_name(traits(src).base)}"
         else:
             dst = table.get(src)
             why = None if dst is not None else "no interleaved variant"

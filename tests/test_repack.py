@@ -310,3 +310,19 @@ def plain_iq2(tmp_path_factory, tiny_f32):
 @needs_wheel
 def test_repack_iq2_equals_llama_quantize_and_undo_restores(plain_iq2):
     test_repack_equals_llama_quantize_and_undo_restores(plain_iq2, "iq2")
+
+
+def test_undo_keeps_types_ik_quantizes_on_their_own():
+    """iq1_s_r4 / iq1_m_r4 (blocks of 32, not iq1_s's 256) and q8_k_r8 (q8_K is no file type) are no
+    repack of their base: --undo keeps them and says why; a regrouped type is undone."""
+    from types import SimpleNamespace
+    from quantkit.repack import RepackOptions, make_repack_plan
+    from quantkit.types import QuantType as T
+    tensors = [SimpleNamespace(name=f"blk.0.{q.name.lower()}.weight", shape=(256, 8), qtype=q)
+               for q in (T.IQ1_S_R4, T.IQ1_M_R4, T.Q8_K_R8, T.IQ2_XXS_R4)]
+    plan = make_repack_plan(tensors, {}, RepackOptions(undo=True), lambda q: True)
+    got = {tp.name: (tp.dst_type, tp.rule) for tp in plan.tensors}
+    for q in (T.IQ1_S_R4, T.IQ1_M_R4, T.Q8_K_R8):
+        dst, rule = got[f"blk.0.{q.name.lower()}.weight"]
+        assert dst == q and rule.startswith("kept: ik quantizes") and "no repack of" in rule, rule
+    assert got["blk.0.iq2_xxs_r4.weight"] == (T.IQ2_XXS, "undo")
