@@ -132,7 +132,7 @@ def make_repack_plan(tensors, metadata: dict[str, MetaValue], opts: RepackOption
         if opts.undo:
             dst = traits(src).base if traits(src).interleave_rows > 1 else None
             why = None if dst is not None else "not an interleaved type"
-            if dst is not None and traits(src).quantized and src not in _REPACKED_FROM:
+            if dst is not None and traits(src).quantized and (src not in _REPACKED_FROM or not traits(dst).in_files):
                 # iq1_s_r4, iq1_m_r4 (blocks of their own), q8_k_r8 (its base is no file type)
                 dst, why = None, f"ik quantizes {type_name(src)} on its own: it is no repack of {type_name(traits(src).base)}"
         else:
