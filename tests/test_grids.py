@@ -36,3 +36,23 @@ def test_signs_have_even_parity():
     assert np.array_equal(s & 127, np.arange(128))
     assert all(bin(int(v)).count("1") % 2 == 0 for v in s)
     assert list(grids.KMASK_IQ2XS) == [1 << i for i in range(8)]
+
+
+# entries as ggml/src/ggml-common.h and ggml-quants.c write them (first, second, last)
+ANCHORS = {
+    "IQ2XXS_GRID": (0x0808080808080808, 0x080808080808082b, 0x2b2b2b1908081908),
+    "IQ2XS_GRID": (0x0808080808080808, 0x080808080808082b, 0x2b2b2b2b2b2b2b2b),
+    "IQ2S_GRID": (0x0808080808080808, 0x080808080808082b, 0x2b2b2b2b2b2b2b2b),
+    "IQ3XXS_GRID": (0x04040404, 0x04040414, 0x3e341c04),
+    "IQ3S_GRID": (0x01010101, 0x01010103, 0x0f0f0101),
+    "IQ1S_GRID": (0xffffffffffffffff, 0xffffffffffffff01, 0x0101010101010101),
+    "KGRID_2BIT_256": (0, 2, 43268), "KGRID_2BIT_512": (0, 2, 43690), "KGRID_2BIT_1024": (0, 2, 43690),
+    "KGRID_1BIT_2048": (0, 2, 43690), "KGRID_256": (0, 2, 3992), "KGRID_512": (0, 1, 4032),
+}
+
+
+@pytest.mark.parametrize("name", ANCHORS)
+def test_entries_as_the_c_source_writes_them(name):
+    a = getattr(grids, name)
+    assert (int(a[0]), int(a[1]), int(a[-1])) == ANCHORS[name]
+    assert not a.flags.writeable
