@@ -48,8 +48,15 @@ def awkward_rows(n_rows: int, n: int, seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize("qtype", [*torch_decode.DECODERS, *FLOATS], ids=type_name)
 def test_torch_decoder_equals_numba_decoder(qtype):
-    x = awkward_rows(6, 512, int(qtype))
-    blocks = formats.quantize(x, qtype) if qtype not in FLOATS else _float_blocks(x, qtype)
+    x = awkward_rows(8, 512, int(qtype))           # 8 rows: whole groups of the _r4 types
+    if qtype in FLOATS:
+        blocks = _float_blocks(x, qtype)
+    else:
+        # a mainline-only type (tq1_0) in its flavor; iq1_s / iq2_xxs / iq2_xs only with an imatrix
+        flavor = "ik" if formats.can_quantize(qtype, "ik", False) or formats.can_quantize(qtype, "ik", True) \
+            else "mainline"
+        imatrix = None if formats.can_quantize(qtype, flavor, False) else np.linspace(0.1, 4, 512, dtype=np.float32)
+        blocks = formats.quantize(x, qtype, imatrix, flavor)
     expect = formats.dequantize(blocks, qtype, 512)
     got = torch_decode.decode(torch.from_numpy(np.ascontiguousarray(blocks)), qtype, 512).numpy()
     np.testing.assert_array_equal(got, expect)

@@ -86,6 +86,10 @@ SEARCHES: dict[QuantType, tuple[Search, ...]] = {
     T.IQ1_KT: _KT, T.IQ2_KT: _KT, T.IQ3_KT: _KT, T.IQ4_KT: _KT,
     # the i-quants' lattice levels 2l+1 <= 15 per 32-block
     T.IQ3_XXS: (Search(32, 15),), T.IQ3_S: (Search(32, 15),),
+    # IQ2_*: levels 1, 3, 5 per 32 (16) values, then the 4-bit block scales 2s+1 <= 15 searched per
+    # super-block (make_qp_quants, each weighted by its block's summed weights); IQ1_*: levels
+    # -1..1 shifted by 1/8, block scales 2s+1 <= 15: bounded by the same 15 per 32 and per 256
+    **{t: (Search(32, 15), Search(QK_K, 15)) for t in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M)},
 }
 
 
