@@ -6,7 +6,7 @@ the CPU name and features).  An edit anywhere else (an ``@njit`` helper the kern
 table, the LLVM IR strings of runtime/dot.py, quantkit/cpu.py's feature choice) leaves that stamp
 alone, and the kernel compiled from the old code would keep running.
 
-Here every quantkit kernel's stamp is instead a hash of all of the package's ``.py`` files (paths and
+Here every quantkit kernel's stamp is instead a hash of all of the package's ``.py`` files and grids.npz (paths and
 bytes), computed once per process, when the first cached kernel is defined (4-13 ms measured for
 ~90 files, 1 MB; numba's own import takes ~600 ms).  So any edit in quantkit/ makes every cached
 kernel stale, and the next process recompiles what it uses; the target stays in numba's index key.
@@ -50,9 +50,11 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 
 @functools.cache
 def package_stamp() -> str:
-    """A hash of every ``.py`` file of the package (its relative path and bytes), once per process."""
+    """A hash of every ``.py`` file of the package and of its data the kernels freeze in as
+    constants (grids.npz), their relative paths and bytes, once per process."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in PACKAGE_DIR.rglob("*.py") if "__pycache__" not in p.parts):
+    sources = [*PACKAGE_DIR.rglob("*.py"), *PACKAGE_DIR.rglob("*.npz")]
+    for path in sorted(p for p in sources if "__pycache__" not in p.parts):
         digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0")
         digest.update(path.read_bytes())
         digest.update(b"\0")
