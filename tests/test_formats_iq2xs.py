@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import peers
-from quant_checks import assert_same_bytes, golden_bytes, golden_input, quantize
+from quant_checks import assert_same_bytes, golden_bytes, golden_input, quantize, random_blocks
 from quantkit import formats
 from quantkit.types import QuantType, traits, type_name
 
@@ -65,23 +65,13 @@ def test_zero_weight_block_does_not_abort():
     assert np.isfinite(formats.dequantize(ik, T.IQ2_XXS, 512)).all()
 
 
-def _random_blocks(qtype, rows, n, seed):
-    rng = np.random.default_rng(seed)
-    t = traits(qtype)
-    b = rng.integers(0, 256, (rows, t.row_size(n)), dtype=np.uint8)
-    blk = b.reshape(-1, t.type_size)
-    blk[:, :2] = (rng.standard_normal(blk.shape[0]) * 10.0 ** rng.uniform(-6, 2, blk.shape[0])) \
-        .astype("<f2").view(np.uint8).reshape(-1, 2)
-    return b
-
-
 @pytest.mark.parametrize("reference", [True, False], ids=["numpy", "numba"])
 @pytest.mark.parametrize("qtype", PLAIN, ids=type_name)
 def test_decoder_equals_wheel(shared_dir, qtype, reference):
     if ggml is None:
         pytest.skip("needs the ik wheel's to_float")
     _, x, _ = golden_input(shared_dir, "mainline", "heavy")
-    cases = [(_random_blocks(qtype, 2, 512, int(qtype)), 512)]
+    cases = [(random_blocks(qtype, 2, 512, int(qtype)), 512)]
     for flavor in ("ik", "mainline"):
         cases.append((golden_bytes(shared_dir, flavor, "heavy", qtype, True).reshape(x.shape[0], -1), x.shape[1]))
     for blocks, n in cases:

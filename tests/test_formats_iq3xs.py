@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import peers
-from quant_checks import assert_same_bytes, golden_bytes, golden_input, quantize
+from quant_checks import assert_golden, golden_bytes, golden_input, quantize, random_blocks
 from quantkit import formats
 from quantkit.types import QuantType, traits, type_name
 
@@ -27,21 +27,7 @@ ggml = peers.load_ggml()
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)
 def test_golden(shared_dir, qtype, use_imatrix, flavor):
     for name in ("gauss", "heavy", "wide"):
-        _, x, imatrix = golden_input(shared_dir, flavor, name)
-        want = golden_bytes(shared_dir, flavor, name, qtype, use_imatrix)
-        got = quantize(x, qtype, imatrix if use_imatrix else None, flavor)
-        assert_same_bytes(got, want, qtype, x.shape[1], f"{type_name(qtype)} {name} {flavor}")
-
-
-def _random_blocks(qtype, rows: int, n: int, seed: int) -> np.ndarray:
-    """Random bytes with a finite fp16 d per block."""
-    rng = np.random.default_rng(seed)
-    t = traits(qtype)
-    b = rng.integers(0, 256, (rows, t.row_size(n)), dtype=np.uint8)
-    blk = b.reshape(-1, t.type_size)
-    blk[:, :2] = (rng.standard_normal(blk.shape[0]) * 10.0 ** rng.uniform(-6, 2, blk.shape[0])) \
-        .astype("<f2").view(np.uint8).reshape(-1, 2)
-    return b
+        assert_golden(shared_dir, flavor, name, qtype, use_imatrix, flavors=(flavor,))
 
 
 @pytest.mark.skipif(ggml is None, reason="needs the wheel's C decoders")
@@ -49,7 +35,7 @@ def _random_blocks(qtype, rows: int, n: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("qtype", TYPES, ids=type_name)
 def test_decoder_equals_wheel(shared_dir, qtype, reference):
     _, x, _ = golden_input(shared_dir, "ik", "heavy")
-    cases = [(_random_blocks(qtype, 3, 512, int(qtype)), 512),
+    cases = [(random_blocks(qtype, 3, 512, int(qtype)), 512),
              (golden_bytes(shared_dir, "ik", "heavy", qtype, True).reshape(x.shape[0], -1), x.shape[1])]
     for blocks, n in cases:
         got = formats.dequantize(blocks, qtype, n, reference=reference)
