@@ -176,6 +176,15 @@ def row_lanes(xr, size, n_scratch):
     return xt, np.empty((size, nl), np.float32), np.empty((size, nl), np.int32), np.empty((n_scratch, nl), np.float32)
 
 
+@njit(cache=True, error_model="numpy")
+def superblock_sum_sq(xr, xo):
+    """Σ x² over the QK_K values of ``xr`` from ``xo``, sequential from +0 (the i-quants' sumx2)."""
+    s = F(0)
+    for i in range(QK_K):
+        s += xr[xo + i] * xr[xo + i]
+    return s
+
+
 @njit(**_OPTS)
 def lane_sumsq(xt, s):
     """s[k] = Σ x² over lane k, sequential from +0."""

@@ -32,7 +32,7 @@ from ..tables import FP16_TABLE  # noqa: F401  (the decoders' table, which forma
 from ..types import QuantType as T
 from ..types import traits
 from .common import (F, FLT_MAX, I32, QK_K, ROW_SIG, _compile_once, block_bytes, decode_rows, fp16_at,
-                     fp16_bits, nint, run_rows, take_trial, type_ids)
+                     fp16_bits, nint, run_rows, superblock_sum_sq, take_trial, type_ids)
 
 IQ1_S, IQ1_M, IQ1_S_R4, IQ1_M_R4 = type_ids(T.IQ1_S, T.IQ1_M, T.IQ1_S_R4, T.IQ1_M_R4)
 IQ1_S_BYTES, IQ1_M_BYTES = block_bytes(T.IQ1_S, T.IQ1_M)
@@ -408,10 +408,7 @@ def iq1_s_row(xr, qw, has_qw, ik, y):
         for j in range(IQ1_S_BYTES):
             y[o + j] = 0
         xbl = xr[QK_K * ibl:QK_K * (ibl + 1)]
-        sumx2 = F(0)
-        for i in range(QK_K):
-            sumx2 += xbl[i] * xbl[i]
-        sigma2 = F(2) * sumx2 / F(QK_K)
+        sigma2 = F(2) * superblock_sum_sq(xr, QK_K * ibl) / F(QK_K)
         max_scale = F(0)
         for ib in range(QK_K // 32):
             xb = xbl[32 * ib:32 * ib + 32]

@@ -20,7 +20,7 @@ from ..grids import (IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, KGRID_2BIT_256, KGRID_2
 from ..tables import FP16_TABLE  # noqa: F401  (the decoders' table, which formats pass in)
 from ..types import QuantType as T
 from .common import (F, FLT_MAX, GROUP_MAX_EPS, I32, QK_K, block_bytes, decode_rows, fp16_at, nint, run_rows,
-                     store_fp16, type_ids)
+                     store_fp16, superblock_sum_sq, type_ids)
 from .kquants import qp_quants
 
 IQ2_XXS, IQ2_XS, IQ2_S = type_ids(T.IQ2_XXS, T.IQ2_XS, T.IQ2_S)
@@ -246,14 +246,6 @@ def _scan_16(kmap, nb, xval, weight, waux, mx, L, Laux, on_grid, d2):
     return scale
 
 
-@njit(cache=True, error_model="numpy")
-def _sumsq(xr, xo):
-    s = F(0)
-    for i in range(QK_K):
-        s += xr[xo + i] * xr[xo + i]
-    return s
-
-
 # ---- the row quantizers ----
 
 @njit(cache=True, error_model="numpy")
@@ -293,7 +285,7 @@ def iq2_xxs_row(xr, qw, has_qw, ik, y):
         ob = ibl * IQ2_XXS_BYTES
         q2[:] = 0
         max_scale = F(0)
-        sigma2 = _sumsq(xr, QK_K * ibl) / F(QK_K)
+        sigma2 = superblock_sum_sq(xr, QK_K * ibl) / F(QK_K)
         for ib in range(8):
             xo = QK_K * ibl + 32 * ib
             if _block_start(xr, xo, 32, qw, has_qw, sigma2, True, weight, waux, xval, signs) < GROUP_MAX_EPS:
@@ -412,7 +404,7 @@ def iq2_xs_row(xr, qw, has_qw, ik, y):
         ob = ibl * IQ2_XS_BYTES
         q2[:] = 0
         max_scale = F(0)
-        sigma2 = _sumsq(xr, QK_K * ibl) / F(QK_K)
+        sigma2 = superblock_sum_sq(xr, QK_K * ibl) / F(QK_K)
         for ib in range(16):
             xo = QK_K * ibl + 16 * ib
             mx = _block_start(xr, xo, 16, qw, has_qw, sigma2, True, weight, waux, xval, signs)
@@ -486,7 +478,7 @@ def iq2_s_row(xr, qw, has_qw, ik, y):
         ob = ibl * IQ2_S_BYTES
         y[ob:ob + IQ2_S_BYTES] = 0
         max_scale = F(0)
-        sigma2 = F(2) * _sumsq(xr, QK_K * ibl) / F(QK_K)
+        sigma2 = F(2) * superblock_sum_sq(xr, QK_K * ibl) / F(QK_K)
         for ib in range(16):
             xo = QK_K * ibl + 16 * ib
             mx = _block_start(xr, xo, 16, qw, has_qw, sigma2, False, weight, waux, xval, signs)

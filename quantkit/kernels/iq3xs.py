@@ -17,7 +17,8 @@ from numba import njit
 from ..grids import IQ3S_GRID, IQ3XXS_GRID, KGRID_256, KGRID_512, KSIGNS_IQ2XS
 from ..tables import FP16_TABLE  # noqa: F401  (the decoders' table, which formats pass in)
 from ..types import QuantType as T
-from .common import F, FLT_MAX, QK_K, block_bytes, decode_rows, fp16_at, nint, run_rows, store_fp16, type_ids
+from .common import (F, FLT_MAX, QK_K, block_bytes, decode_rows, fp16_at, nint, run_rows, store_fp16,
+                     superblock_sum_sq, type_ids)
 
 IQ3_XXS, IQ3_S = type_ids(T.IQ3_XXS, T.IQ3_S)
 IQ3_XXS_BYTES, IQ3_S_BYTES = block_bytes(T.IQ3_XXS, T.IQ3_S)
@@ -237,10 +238,7 @@ def _quantize_row(xr, qw, has_qw, y, xxs):
         for j in range(nbytes):
             y[ob + j] = 0
         xbl = xr[QK_K * ibl:QK_K * (ibl + 1)]
-        sumx2 = F(0)
-        for i in range(QK_K):
-            sumx2 += xbl[i] * xbl[i]
-        sigma2 = F(2) * sumx2 / F(QK_K)
+        sigma2 = F(2) * superblock_sum_sq(xr, QK_K * ibl) / F(QK_K)
         max_scale = F(0)
         # IQ3_S: C advances its qs and signs pointers only past the blocks it quantizes, so a
         # skipped (zero) block leaves its place to the next one (IQ3_XXS indexes by block)
