@@ -340,7 +340,7 @@ def test_chat_template_without_jinja2(smol, monkeypatch):
 # one name per regex set of llama-vocab.cpp (and its flags: clean_spaces, ignore_merges, add_bos)
 PRE_NAMES = ("default", "llama-bpe", "deepseek-llm", "deepseek-coder", "deepseek-v3", "youtu", "falcon", "gpt-2",
              "jais-2", "qwen2", "stablelm2", "qwen35", "glm4", "poro-chat", "bloom", "viking", "tekken",
-             "chameleon", "gpt-4o", "bailingmoe", "seed-coder", "exaone-moe", "trillion")
+             "chameleon", "gpt-4o", "bailingmoe", "seed-coder", "exaone-moe", "trillion", "kimi-k2")
 N_CUT = 6000
 
 

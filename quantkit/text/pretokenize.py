@@ -74,6 +74,8 @@ _RE_LLAMA3 = (_CONTRACTIONS + "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\
               "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
 _RE_QWEN2 = (_CONTRACTIONS + "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
              "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+# llama.cpp's stand-in for Kimi-K2's tiktoken pattern: the name of its hand-written splitter
+_RE_KIMI_K2 = "\\p{Han}+"
 _CJK_DEEPSEEK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
 _CASED = ("[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+@C@"
           "|[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))+((?=[\\p{L}])([^A-Z]))*@C@")
@@ -124,6 +126,7 @@ REGEX_SETS = {
     "qwen2": (_RE_QWEN2,),
     "qwen35": (_CONTRACTIONS + "|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*"
                "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",),
+    "kimi-k2": (_RE_KIMI_K2,),
     "poro": (_PORO,),
     "viking": (_PORO, "\\p{N}"),
     "tekken": (_CASED.replace("@C@", "") + "|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",),
@@ -175,6 +178,7 @@ _PRE_GROUPS = (
     ("seed-coder", {"clean_spaces": False}, ("seed-coder",)),
     ("qwen2", {"clean_spaces": False}, ("grok-2",)),
     ("exaone-moe", {}, ("exaone-moe",)),
+    ("kimi-k2", {"clean_spaces": False}, ("kimi-k2",)),
 )
 PRE_TOKENIZERS = {name: (regexes, flags) for regexes, flags, names in _PRE_GROUPS for name in names}
 # the GPT-2 split (also what a byte-level pre-tokenizer with use_regex applies) and the expanded
@@ -189,7 +193,7 @@ def pre_tokenizer_names(regexes: tuple[str, ...]) -> list[tuple[str, dict]]:
 
 
 # pre-tokenizers that llama.cpp implements with hand-written code we do not port
-UNSUPPORTED = ("kimi-k2", "afmoe", "tiny_aya", "superbpe", "gemma4")
+UNSUPPORTED = ("afmoe", "tiny_aya", "superbpe", "gemma4")
 
 
 # ---- regex split (unicode_regex_split, unicode.cpp) ----
@@ -375,6 +379,71 @@ def _split_llama3(text: str, flags: list[int], chunks: list[int], max_digits: in
     return out
 
 
+_HAN = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
+        (0x2B820, 0x2CEAF), (0x2CEB0, 0x2EBEF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+
+
+def _is_han(ch: str) -> bool:
+    """unicode_cpt_is_han: the CJK ideograph blocks llama.cpp lists (not Unicode's Han script)."""
+    cp = ord(ch)
+    return any(lo <= cp <= hi for lo, hi in _HAN)
+
+
+def _split_kimi_k2(text: str, flags: list[int], chunks: list[int]) -> list[int]:
+    r"""unicode_regex_split_custom_kimi_k2: Kimi-K2's tiktoken pattern as llama.cpp hand-codes it,
+    [\p{Han}]+ | [^\r\n\p{L}\p{N}]?<letters but Han>+<contraction>? | \p{N}{1,3} | ...
+
+    llama.cpp's code takes every letter and mark-less run alike: it does not split a word where the
+    pattern's upper/lower-case classes would (``camelCase`` stays one word; tiktoken makes two) nor
+    count \p{M} as part of a word.  Ported as it is: the GGUF is tokenized by that code."""
+    out: list[int] = []
+    for pos, end in _spans(chunks):
+        def letter(i):                 # \p{L} and not Han, inside the chunk
+            return i < end and flags[i] & _L and not _is_han(text[i])
+        while pos < end:
+            cpt, fl = text[pos], flags[pos]
+            tok = pos
+            if _is_han(cpt):
+                while pos < end and _is_han(text[pos]):
+                    pos += 1
+                _emit(out, pos - tok)
+                continue
+            leading = not (cpt == "\r" or cpt == "\n" or fl & (_L | _N))
+            if letter(pos) or (leading and letter(pos + 1)):
+                pos += leading
+                while letter(pos):
+                    pos += 1
+                pos += _contraction(text, pos, end, fold=True) if pos < end else 0
+                _emit(out, pos - tok)
+                continue
+            if fl & _N:
+                while pos < end and flags[pos] & _N:
+                    pos += 1
+                    if pos - tok >= 3:
+                        _emit(out, pos - tok)
+                        tok = pos
+                _emit(out, pos - tok)
+                continue
+            f2 = (flags[pos + 1] if pos + 1 < end else 0) if cpt == " " else fl
+            if not f2 & (_WS | _L | _N) and f2:
+                pos += cpt == " "
+                while not f2 & (_WS | _L | _N) and f2:
+                    pos += 1
+                    f2 = flags[pos] if pos < end else 0
+                while pos < end and text[pos] in ("\r", "\n"):
+                    pos += 1
+                _emit(out, pos - tok)
+                continue
+            n_ws, last_rn = 0, 0
+            while pos + n_ws < end and flags[pos + n_ws] & _WS:
+                if text[pos + n_ws] in ("\r", "\n"):
+                    last_rn = pos + n_ws + 1
+                n_ws += 1
+            pos = last_rn if last_rn > 0 else _after_spaces(pos, n_ws, end)
+            _emit(out, pos - tok)
+    return out
+
+
 def _split_regex(pattern: re.Pattern, subject: str, chunks: list[int]) -> list[int]:
     """unicode_regex_split_stl: matches and the text between them, chunk by chunk."""
     out: list[int] = []
@@ -393,7 +462,8 @@ def _split_regex(pattern: re.Pattern, subject: str, chunks: list[int]) -> list[i
 
 
 _CUSTOM = {_RE_GPT2: _split_gpt2, _RE_LLAMA3: _split_llama3,
-           _RE_QWEN2: lambda text, flags, chunks: _split_llama3(text, flags, chunks, 1)}
+           _RE_QWEN2: lambda text, flags, chunks: _split_llama3(text, flags, chunks, 1),
+           _RE_KIMI_K2: _split_kimi_k2}
 
 
 @lru_cache(maxsize=None)

@@ -142,7 +142,9 @@ class Vocabulary:
             special = {"bos": 11, "eos": 11}
             merges = _array(meta, "tokenizer.ggml.merges", (str,), "strings")
             if merges is None:
-                raise QuantkitError("gpt2 tokenizer without merges (tokenizer.ggml.merges)")
+                if self.pre != "kimi-k2":      # llama.cpp loads Kimi-K2's without (no word then merges)
+                    raise QuantkitError("gpt2 tokenizer without merges (tokenizer.ggml.merges)")
+                merges = []
             self.ranks: dict[tuple[str, str], int] = {}
             for i, m in enumerate(merges):
                 m = _cstr(m)
