@@ -28,6 +28,7 @@ from ..errors import QuantkitError
 from ..inputs import read_bounded
 from ..gguf_io.constants import MetaValue, ValueType
 from ..text import pretokenize
+from . import tiktoken
 from .config import MAX_JSON_BYTES, Fields, describe
 
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
@@ -72,8 +73,11 @@ def _split_regexes(pre: Fields) -> tuple[str, ...]:
                         "only)")
 
 
-def _pre_name(regexes: tuple[str, ...], clean_spaces: bool | None, where: Path) -> str:
-    candidates = [name for name, flags in pretokenize.pre_tokenizer_names(regexes)
+def _pre_name(regexes: tuple[str, ...], clean_spaces: bool | None, where: Path, family: str | None = None) -> str:
+    matching = pretokenize.pre_tokenizer_names(regexes)
+    if family is not None and any(name == family for name, _ in matching):
+        return family
+    candidates = [name for name, flags in matching
                   if clean_spaces is None or flags.get("clean_spaces", True) == clean_spaces]
     if not candidates:
         raise QuantkitError(f"{where}: its pre-tokenizer ({' | '.join(regexes) or 'none'}) matches none of "
@@ -158,12 +162,22 @@ def _vocabulary(model: Fields, added: list[Fields], where: str) -> tuple[dict[st
     return vocab, by_id
 
 
+def _architecture(config: Fields) -> str | None:
+    archs = config.raw.get("architectures")
+    return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+
+
 def vocab_metadata(directory: Path, vocab_size: int | None, config: Fields) -> dict[str, MetaValue]:
     """``tokenizer.*`` GGUF keys for the tokenizer files in ``directory`` (``config``: config.json,
-    for the special token ids it may give)."""
+    for the special token ids it may give and the architecture, which picks the converter's
+    per-family extras)."""
     tj_path = directory / "tokenizer.json"
     tj = _read_json(tj_path)
+    tc = _read_json(directory / "tokenizer_config.json") or Fields({}, str(directory / "tokenizer_config.json"))
+    arch = _architecture(config)
     if tj is None:
+        if (directory / KIMI_VOCAB).exists() or (directory / KIMI_VOCAB).is_symlink():
+            return _kimi_metadata(directory, vocab_size, config, tc)
         raise QuantkitError(f"{directory}: no tokenizer.json (only byte-level BPE tokenizers are converted)")
     model = tj.object("model")
     kind, byte_fallback = model.raw.get("type"), model.raw.get("byte_fallback")
@@ -171,7 +185,6 @@ def vocab_metadata(directory: Path, vocab_size: int | None, config: Fields) -> d
         raise QuantkitError(f"{tj_path}: a {describe(kind)} tokenizer"
                             f"{' with byte fallback (SentencePiece style)' if byte_fallback else ''}"
                             " is not supported; only byte-level BPE tokenizers are converted")
-    tc = _read_json(directory / "tokenizer_config.json") or Fields({}, str(directory / "tokenizer_config.json"))
 
     added_tokens = tj.objects("added_tokens")
     vocab, added = _vocabulary(model, added_tokens, str(tj_path))
@@ -200,29 +213,45 @@ def vocab_metadata(directory: Path, vocab_size: int | None, config: Fields) -> d
             types.append(NORMAL)
 
     clean = tc.raw.get("clean_up_tokenization_spaces")
-    pre = _pre_name(_split_regexes(tj.object("pre_tokenizer")), clean if isinstance(clean, bool) else None, tj_path)
-    S, U32, B = ValueType.STRING, ValueType.UINT32, ValueType.BOOL
-    meta = {
+    pre = _pre_name(_split_regexes(tj.object("pre_tokenizer")), clean if isinstance(clean, bool) else None, tj_path,
+                    _FAMILY_PRE.get(arch))
+    merges = _merges(model.array("merges", []), str(tj_path))
+    content_ids = {tok.string("content"): tok.integer("id", high=2**31 - 1) for tok in added_tokens}
+    meta = _arrays(pre, tokens, types, merges)
+    _special_metadata(meta, tokens, tc, config, content_ids, tj.object("post_processor"), directory)
+    if arch == "Glm4MoeForCausalLM":
+        _glm4moe_extras(meta, content_ids, n_vocab)
+    return meta
+
+
+def _arrays(pre: str, tokens: list[str], types: list[int], merges: list[str]) -> dict[str, MetaValue]:
+    S = ValueType.STRING
+    return {
         "tokenizer.ggml.model": MetaValue(S, "gpt2"),
         "tokenizer.ggml.pre": MetaValue(S, pre),
         "tokenizer.ggml.tokens": MetaValue(ValueType.ARRAY, tokens, S),
-        "tokenizer.ggml.token_type": MetaValue(ValueType.ARRAY, np.array(types, "<i4"),
-                                               ValueType.INT32),
-        "tokenizer.ggml.merges": MetaValue(ValueType.ARRAY, _merges(model.array("merges", []), str(tj_path)), S),
+        "tokenizer.ggml.token_type": MetaValue(ValueType.ARRAY, np.array(types, "<i4"), ValueType.INT32),
+        "tokenizer.ggml.merges": MetaValue(ValueType.ARRAY, merges, S),
     }
-    content_ids = {tok.string("content"): tok.integer("id", high=2**31 - 1) for tok in added_tokens}
+
+
+def _special_metadata(meta: dict, tokens: list[str], tc: Fields, config: Fields, content_ids: dict[str, int],
+                      post: Fields, directory: Path) -> None:
+    """gguf-py's SpecialVocab: special token ids (tokenizer_config.json's ``*_token`` texts among the
+    added tokens, then config.json's ``*_token_id``), the add-bos/eos flags and the chat template."""
+    n_vocab = len(tokens)
     for slot, key in _SPECIAL_KEYS.items():
         text = _token_text(tc, f"{slot}_token")
         tid = content_ids.get(text) if text is not None else None
         if tid is None:
             tid = _token_id(config, f"{slot}_token_id")
         if tid is not None and 0 <= tid < n_vocab:
-            meta[f"tokenizer.ggml.{key}_token_id"] = MetaValue(U32, tid)
-    for slot, flag in _add_special(tj.object("post_processor"), meta, tokens).items():
+            meta[f"tokenizer.ggml.{key}_token_id"] = MetaValue(ValueType.UINT32, tid)
+    for slot, flag in _add_special(post, meta, tokens).items():
         if isinstance(tc.raw.get(f"add_{slot}_token"), bool):
             flag = tc.raw[f"add_{slot}_token"]
         if flag is not None:
-            meta[f"tokenizer.ggml.add_{slot}_token"] = MetaValue(B, flag)
+            meta[f"tokenizer.ggml.add_{slot}_token"] = MetaValue(ValueType.BOOL, flag)
     template = _chat_template(tc)
     jinja = directory / "chat_template.jinja"
     if template is None and (jinja.exists() or jinja.is_symlink()):
@@ -231,5 +260,51 @@ def vocab_metadata(directory: Path, vocab_size: int | None, config: Fields) -> d
         except UnicodeDecodeError as e:
             raise QuantkitError(f"{jinja}: not UTF-8 text (invalid byte at offset {e.start})") from None
     if isinstance(template, str):
-        meta["tokenizer.chat_template"] = MetaValue(S, template)
+        meta["tokenizer.chat_template"] = MetaValue(ValueType.STRING, template)
+
+
+# ---- per-family extras of the converter ----
+# architectures whose tokenizer the converter names by its hash where the regexes alone cannot
+# (GLM-4.5's split is Llama 3's: "glm4" differs in its BOS handling)
+_FAMILY_PRE = {"Glm4MoeForCausalLM": "glm4"}
+# Glm4MoeModel.set_vocab: these special tokens, where SpecialVocab set none for the slot
+_GLM4MOE_SPECIAL = (("bos", "[gMASK]"), ("eot", "<|user|>"), ("unknown", "<|endoftext|>"),
+                    ("eom", "<|observation|>"))
+# ... and the fix of GLM-4.5's template (visible_text called twice), as the converter patches it
+_GLM4MOE_TEMPLATE_FIX = (
+    "{{ visible_text(m.content) }}\n{{- '/nothink' if (enable_thinking is defined and not enable_thinking and not "
+    "visible_text(m.content).endswith(\"/nothink\")) else '' -}}",
+    "{% set content = visible_text(m.content) %}{{ content }}\n{{- '/nothink' if (enable_thinking is defined and "
+    "not enable_thinking and not content.endswith(\"/nothink\")) else '' -}}")
+
+
+def _glm4moe_extras(meta: dict, content_ids: dict[str, int], n_vocab: int) -> None:
+    for slot, text in _GLM4MOE_SPECIAL:
+        key = f"tokenizer.ggml.{slot}_token_id"
+        tid = content_ids.get(text)
+        if key not in meta and tid is not None and 0 <= tid < n_vocab:
+            meta[key] = MetaValue(ValueType.UINT32, tid)
+    template = meta.get("tokenizer.chat_template")
+    if template is not None and "visible_text(m.content).endswith" in template.value:
+        meta["tokenizer.chat_template"] = MetaValue(ValueType.STRING, template.value.replace(*_GLM4MOE_TEMPLATE_FIX))
+
+
+KIMI_VOCAB = "tiktoken.model"
+_KIMI_CLASSES = ("TikTokenTokenizer", "tokenization_kimi.TikTokenTokenizer")
+
+
+def _kimi_metadata(directory: Path, vocab_size: int | None, config: Fields, tc: Fields) -> dict[str, MetaValue]:
+    """Kimi-K2's tiktoken vocabulary (hf/tiktoken.py), pre-tokenizer "kimi-k2": the converter names it
+    by its hash; its split is tokenization_kimi.py's fixed pattern, so the files name it here."""
+    auto = tc.raw.get("auto_map")
+    auto = auto.get("AutoTokenizer") if isinstance(auto, dict) else None
+    classes = [tc.raw.get("tokenizer_class"), *(auto if isinstance(auto, list) else [auto])]
+    if not any(c in _KIMI_CLASSES for c in classes):
+        raise QuantkitError(f"{directory / KIMI_VOCAB}: a tiktoken vocabulary whose tokenizer_config.json does not "
+                            "name Kimi's TikTokenTokenizer: its split of text is unknown")
+    tokens, types, merges = tiktoken.vocabulary(directory / KIMI_VOCAB, tc, vocab_size)
+    meta = _arrays("kimi-k2", tokens, types, merges)
+    # SpecialVocab finds tokenizer_config.json's token texts among tokenizer.json's added tokens:
+    # without that file only config.json's ids count
+    _special_metadata(meta, tokens, tc, config, {}, Fields({}, str(directory)), directory)
     return meta

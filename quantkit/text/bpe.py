@@ -30,6 +30,11 @@ def byte_encode(word: str) -> str:
     return word.encode("utf-8", "surrogatepass").decode("latin-1").translate(_BYTE_ENCODE)
 
 
+def bytes_text(data: bytes) -> str:
+    """Raw token bytes as the vocabulary spells them (a tiktoken rank file holds bytes)."""
+    return data.decode("latin-1").translate(_BYTE_ENCODE)
+
+
 def byte_decode(text: str) -> bytes:
     """llama_decode_text: a byte-level token's text back to its bytes; a character outside the byte
     map is written as llama.cpp writes it, "[UNK_BYTE_0x<its UTF-8 hex><the whole text>]"."""

@@ -181,6 +181,15 @@ _PRE_GROUPS = (
     ("kimi-k2", {"clean_spaces": False}, ("kimi-k2",)),
 )
 PRE_TOKENIZERS = {name: (regexes, flags) for regexes, flags, names in _PRE_GROUPS for name in names}
+# the tokenizer.json regexes that llama.cpp rewrites for std::regex ("original regex from
+# tokenizer.json" in llama-vocab.cpp): \p{Lu}... classes become lookaheads, (?i:...) is expanded
+_CASED_HF = ("[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+@C@"
+             "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*@C@")
+TOKENIZER_JSON_FORMS = {
+    "gpt4o": ((_CASED_HF.replace("@C@", _CONTRACTIONS + "?")
+               + "|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",),),
+    "tekken": ((_CASED_HF.replace("@C@", "") + "|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",),),
+}
 # the GPT-2 split (also what a byte-level pre-tokenizer with use_regex applies) and the expanded
 # contractions group, for readers of other tokenizer formats
 GPT2_REGEX, CONTRACTIONS_REGEX = _RE_GPT2, _CONTRACTIONS
@@ -188,7 +197,8 @@ GPT2_REGEX, CONTRACTIONS_REGEX = _RE_GPT2, _CONTRACTIONS
 
 def pre_tokenizer_names(regexes: tuple[str, ...]) -> list[tuple[str, dict]]:
     """llama.cpp's pre-tokenizer names that split text with exactly these regexes, and their flags."""
-    return [(name, flags) for regex_set, flags, names in _PRE_GROUPS if REGEX_SETS[regex_set] == regexes
+    return [(name, flags) for regex_set, flags, names in _PRE_GROUPS
+            if REGEX_SETS[regex_set] == regexes or regexes in TOKENIZER_JSON_FORMS.get(regex_set, ())
             for name in names]
 
 
