@@ -25,16 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import QuantkitError
-from ..inputs import read_bounded
 from ..gguf_io.constants import MetaValue, ValueType
 from ..text import pretokenize
 from . import tiktoken
-from .config import MAX_JSON_BYTES, Fields, describe
+from .config import Fields, describe
+from .special import FLAG_TYPES, ID_KEYS, SpecialVocab
 
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
-# special token -> its GGUF key (gguf-py spells the separator "seperator")
-_SPECIAL_KEYS = {"bos": "bos", "eos": "eos", "unk": "unknown", "sep": "seperator", "pad": "padding", "cls": "cls",
-                 "mask": "mask"}
 _LOOKS_SPECIAL = (("<|", "|>"), ("<\uff5c", "\uff5c>"), ("<start_of_", ">"), ("<end_of_", ">"), ("<unused", ">"))
 # the converter's choice where several llama.cpp names share a regex set and its flags
 _PREFERRED = ("llama-bpe", "smollm", "starcoder", "deepseek-v3", "deepseek-llm", "deepseek-coder", "gpt-2",
@@ -88,36 +85,6 @@ def _pre_name(regexes: tuple[str, ...], clean_spaces: bool | None, where: Path, 
     return candidates[0]
 
 
-def _token_text(tc: Fields, key: str) -> str | None:
-    """A special token of tokenizer_config.json: a string, or an AddedToken object with its content."""
-    value = tc.raw.get(key)
-    if isinstance(value, dict):
-        return tc.object(key).string("content")
-    if value is not None and not isinstance(value, str):
-        tc.fail(key, "a token (a string or an object with its content)")
-    return value
-
-
-def _token_id(config: Fields, key: str) -> int | None:
-    """A special token id of config.json: an integer, or a list of them (the first counts: Llama 3.1
-    lists three eos ids). Ids outside the vocabulary (the first Llama configs' pad_token_id -1) mean none."""
-    value = config.raw.get(key)
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return value[0] if value else None
-    return config.integer(key, None, low=-2**63, high=2**64)
-
-
-def _chat_template(tc: Fields) -> str | None:
-    """tokenizer_config.json's chat template: a string, or named templates of which "default" counts."""
-    value = tc.raw.get("chat_template")
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        named = tc.objects("chat_template")
-        return next((t.string("template") for t in named if t.string("name", None) == "default"), None)
-    tc.fail("chat_template", "a string or a list of named templates")
-
-
 def _merges(raw: list, where: str) -> list[str]:
     if all(isinstance(m, str) for m in raw):
         return list(raw)
@@ -125,25 +92,6 @@ def _merges(raw: list, where: str) -> list[str]:
         raise QuantkitError(f"{where}: model.merges is neither 'a b' strings nor [a, b] pairs")
     return [" ".join("".join(chr(ord(c) + 256) if c == " " else c for c in part) for part in pair)
             for pair in raw]
-
-
-def _add_special(post: Fields, meta: dict, tokens: list[str]) -> dict[str, bool | None]:
-    """Whether the tokenizer adds bos/eos around a single sequence, from tokenizer.json's
-    ``post_processor`` (a TemplateProcessing whose template starts with bos / ends with eos)."""
-    flags: dict[str, bool | None] = {"bos": None, "eos": None}
-    kind = post.raw.get("type")
-    if kind == "Sequence":
-        for p in post.objects("processors"):
-            flags.update({k: v for k, v in _add_special(p, meta, tokens).items() if v is not None})
-        return flags
-    if kind == "TemplateProcessing":
-        single = [step.object("SpecialToken").raw.get("id") if step.has("SpecialToken") else None
-                  for step in post.objects("single")]
-        for slot, at in (("bos", 0), ("eos", -1)):
-            key = f"tokenizer.ggml.{slot}_token_id"
-            if single and key in meta:
-                flags[slot] = single[at] == tokens[meta[key].value]
-    return flags
 
 
 def _vocabulary(model: Fields, added: list[Fields], where: str) -> tuple[dict[str, int], dict[int, Fields]]:
@@ -218,7 +166,7 @@ def vocab_metadata(directory: Path, vocab_size: int | None, config: Fields) -> d
     merges = _merges(model.array("merges", []), str(tj_path))
     content_ids = {tok.string("content"): tok.integer("id", high=2**31 - 1) for tok in added_tokens}
     meta = _arrays(pre, tokens, types, merges)
-    _special_metadata(meta, tokens, tc, config, content_ids, tj.object("post_processor"), directory)
+    _special_metadata(meta, n_vocab, directory, tj.raw, tc, config)
     if arch == "Glm4MoeForCausalLM":
         _glm4moe_extras(meta, content_ids, n_vocab)
     return meta
@@ -235,32 +183,18 @@ def _arrays(pre: str, tokens: list[str], types: list[int], merges: list[str]) ->
     }
 
 
-def _special_metadata(meta: dict, tokens: list[str], tc: Fields, config: Fields, content_ids: dict[str, int],
-                      post: Fields, directory: Path) -> None:
-    """gguf-py's SpecialVocab: special token ids (tokenizer_config.json's ``*_token`` texts among the
-    added tokens, then config.json's ``*_token_id``), the add-bos/eos flags and the chat template."""
-    n_vocab = len(tokens)
-    for slot, key in _SPECIAL_KEYS.items():
-        text = _token_text(tc, f"{slot}_token")
-        tid = content_ids.get(text) if text is not None else None
-        if tid is None:
-            tid = _token_id(config, f"{slot}_token_id")
-        if tid is not None and 0 <= tid < n_vocab:
-            meta[f"tokenizer.ggml.{key}_token_id"] = MetaValue(ValueType.UINT32, tid)
-    for slot, flag in _add_special(post, meta, tokens).items():
-        if isinstance(tc.raw.get(f"add_{slot}_token"), bool):
-            flag = tc.raw[f"add_{slot}_token"]
-        if flag is not None:
-            meta[f"tokenizer.ggml.add_{slot}_token"] = MetaValue(ValueType.BOOL, flag)
-    template = _chat_template(tc)
-    jinja = directory / "chat_template.jinja"
-    if template is None and (jinja.exists() or jinja.is_symlink()):
-        try:
-            template = read_bounded(jinja, MAX_JSON_BYTES, "a chat template").decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise QuantkitError(f"{jinja}: not UTF-8 text (invalid byte at offset {e.start})") from None
-    if isinstance(template, str):
-        meta["tokenizer.chat_template"] = MetaValue(ValueType.STRING, template)
+def _special_metadata(meta: dict, n_vocab: int, directory: Path, tokenizer: dict | None, tc: Fields,
+                      config: Fields) -> None:
+    """special.py's keys: special token ids, add flags, the chat template."""
+    found = SpecialVocab(directory, tokenizer, tc, config, n_vocab)
+    for typ, tid in found.ids.items():
+        if typ in ID_KEYS:
+            meta[f"tokenizer.ggml.{ID_KEYS[typ]}_token_id"] = MetaValue(ValueType.UINT32, tid)
+    for typ, flag in found.flags.items():
+        if typ in FLAG_TYPES:
+            meta[f"tokenizer.ggml.add_{typ}_token"] = MetaValue(ValueType.BOOL, flag)
+    if found.template is not None:
+        meta["tokenizer.chat_template"] = MetaValue(ValueType.STRING, found.template)
 
 
 # ---- per-family extras of the converter ----
@@ -306,5 +240,5 @@ def _kimi_metadata(directory: Path, vocab_size: int | None, config: Fields, tc: 
     meta = _arrays("kimi-k2", tokens, types, merges)
     # SpecialVocab finds tokenizer_config.json's token texts among tokenizer.json's added tokens:
     # without that file only config.json's ids count
-    _special_metadata(meta, tokens, tc, config, {}, Fields({}, str(directory)), directory)
+    _special_metadata(meta, len(tokens), directory, None, tc, config)
     return meta

@@ -277,18 +277,20 @@ def _spans(chunks: list[int]):
         start += n
 
 
-def _contraction(text: str, pos: int, end: int, fold: bool) -> int:
-    """Length of the contraction 's 't 'm 'd (2) or 're 've 'll (3) at ``pos`` (0 if none);
-    ``fold``: ASCII letters match either case (llama3's (?i:...))."""
-    def at(i):
-        c = text[i]
-        return c.lower() if fold and c < "\x80" else c
+def _contraction(text: str, pos: int, end: int) -> int:
+    """Length of the contraction 's 't 'm 'd (2) or 're 've 'll (3) at ``pos`` (0 if none).
+
+    The regexes say (?i:'s|...) and llama.cpp's splitters lower-case the letters with
+    unicode_tolower, but ik_llama.cpp's unicode_tolower binary-searches (std::lower_bound) a
+    std::unordered_map, whose order is not sorted: it finds no ASCII capital (measured on the wheel:
+    it maps 30 codepoints, all outside ASCII).  So in ik the contractions are lower case only: "'S"
+    is no contraction and "'Sd" stays one word (mainline llama.cpp, with a sorted table, folds)."""
     if text[pos] != "'" or pos + 1 >= end:
         return 0
-    c1 = at(pos + 1)
+    c1 = text[pos + 1]
     if c1 in ("s", "t", "m", "d"):
         return 2
-    if pos + 2 < end and c1 + at(pos + 2) in ("re", "ve", "ll"):
+    if pos + 2 < end and c1 + text[pos + 2] in ("re", "ve", "ll"):
         return 3
     return 0
 
@@ -308,7 +310,7 @@ def _split_gpt2(text: str, flags: list[int], chunks: list[int]) -> list[int]:
     for pos, end in _spans(chunks):
         while pos < end:
             cpt, fl = text[pos], flags[pos]
-            n_contraction = _contraction(text, pos, end, fold=False)
+            n_contraction = _contraction(text, pos, end)
             if n_contraction:
                 _emit(out, n_contraction)
                 pos += n_contraction
@@ -345,8 +347,8 @@ def _split_llama3(text: str, flags: list[int], chunks: list[int], max_digits: in
         while pos < end:
             cpt, fl = text[pos], flags[pos]
             tok = pos
-            # (?i:'s|'t|'re|'ve|'m|'ll|'d)
-            n_contraction = _contraction(text, pos, end, fold=True)
+            # (?i:'s|'t|'re|'ve|'m|'ll|'d), lower case only in ik (see _contraction)
+            n_contraction = _contraction(text, pos, end)
             if n_contraction:
                 _emit(out, n_contraction)
                 pos += n_contraction
@@ -423,7 +425,7 @@ def _split_kimi_k2(text: str, flags: list[int], chunks: list[int]) -> list[int]:
                 pos += leading
                 while letter(pos):
                     pos += 1
-                pos += _contraction(text, pos, end, fold=True) if pos < end else 0
+                pos += _contraction(text, pos, end) if pos < end else 0
                 _emit(out, pos - tok)
                 continue
             if fl & _N:
