@@ -89,6 +89,11 @@ def _train(regexes, vocab_size=700):
     return tok
 
 
+def _added_token(content):
+    return {"__type": "AddedToken", "content": content, "lstrip": False, "normalized": True, "rstrip": False,
+            "single_word": False}
+
+
 # family -> how its files look: regexes, added tokens (content, special), tokenizer_config.json,
 # config.json, the pre-tokenizer name the converter gives, the template file
 FAMILIES = {
@@ -121,7 +126,9 @@ FAMILIES = {
         template="deepseek-ai-DeepSeek-V3.1.jinja", bos_template=True,
         added=[("<｜begin▁of▁sentence｜>", True), ("<｜end▁of▁sentence｜>", True), ("<｜▁pad▁｜>", True),
                ("<｜User｜>", False), ("<｜Assistant｜>", False), ("<think>", False), ("</think>", False)],
-        tc=dict(bos_token="<｜begin▁of▁sentence｜>", eos_token="<｜end▁of▁sentence｜>", pad_token="<｜▁pad▁｜>",
+        # DeepSeek-V3's tokenizer_config.json gives bos and eos as AddedToken objects
+        tc=dict(bos_token=_added_token("<｜begin▁of▁sentence｜>"), eos_token=_added_token("<｜end▁of▁sentence｜>"),
+                pad_token=_added_token("<｜▁pad▁｜>"),
                 add_bos_token=True, add_eos_token=False, clean_up_tokenization_spaces=False,
                 tokenizer_class="LlamaTokenizerFast"),
         config=dict(bos_token_id="<｜begin▁of▁sentence｜>", eos_token_id="<｜end▁of▁sentence｜>")),
@@ -141,7 +148,7 @@ def _write_family(d, family):
             tok.add_tokens([AddedToken(content, special=False, normalized=False)])
     ids = {c: tok.token_to_id(c) for c, _ in spec["added"]}
     if spec.get("bos_template"):
-        bos = spec["tc"]["bos_token"]
+        bos = spec["tc"]["bos_token"]["content"]
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                            special_tokens=[(bos, ids[bos])])
     d.mkdir(parents=True, exist_ok=True)
