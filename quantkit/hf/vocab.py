@@ -10,12 +10,23 @@ convert_hf_to_gguf.py writes them, so llama.cpp's tokenizer gives the same ids a
 * ``tokenizer.ggml.merges``: "left right" strings; the newer [left, right] pair format writes a space
   inside a token as U+0120 + 256 offset, i.e. ``chr(ord(" ") + 256)``, as gguf-py does;
 * ``tokenizer.ggml.pre``: which of llama.cpp's pre-tokenizers splits text like this one. The
-  converter tells them apart by hashing the tokenization of a probe text; we compare the regexes of
-  the ``pre_tokenizer`` section with the regex sets llama.cpp implements (quantkit.text.pretokenize's table), and
-  refuse a tokenizer that matches none: another split gives other tokens;
-* bos/eos/unk/pad ids from tokenizer_config.json's ``*_token`` (or config.json's ``*_token_id``),
-  ``add_bos_token``/``add_eos_token``, and the chat template (tokenizer_config.json or
-  ``chat_template.jinja``).
+  converter tells them apart by hashing the tokenization of a probe text (get_vocab_base_pre), which
+  needs the real vocabulary; we compare the regexes of the ``pre_tokenizer`` section with the regex
+  sets llama.cpp implements (quantkit.text.pretokenize's table, which also knows the tokenizer.json
+  spelling of the regexes llama.cpp rewrites, as o200k's), and refuse a tokenizer that matches none:
+  another split gives other tokens.  Where one regex set has several names, the architecture decides
+  as the hash does for its real tokenizer (GLM-4.5 MoE: "glm4", Llama 3's split with no BOS id),
+  else the converter's usual choice (``_PREFERRED``).  For the 2026 families this gives the names of
+  the converter's hash table: Qwen3 / Qwen3-MoE "qwen2", GLM-4.5 "glm4", gpt-oss "gpt-4o",
+  DeepSeek-V3 / V3.2 "deepseek-v3";
+* special token ids, add flags and the chat template as gguf-py's SpecialVocab finds them
+  (special.py), plus GLM-4.5 MoE's own (Glm4MoeModel.set_vocab: bos [gMASK], eot <|user|>, unk
+  <|endoftext|>, eom <|observation|>, its template's fix).
+
+Kimi-K2 ships ``tiktoken.model`` and no tokenizer.json: tiktoken.py builds its arrays as the
+converter's Kimi branch does (which it takes for vocab_size 163840; here the files decide: a
+tiktoken.model whose tokenizer_config.json names tokenization_kimi's TikTokenTokenizer), with the
+pre-tokenizer "kimi-k2" (its pattern is tokenization_kimi.py's, fixed in that code).
 """
 from __future__ import annotations
 
