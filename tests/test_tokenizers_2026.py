@@ -433,6 +433,13 @@ DIVERGENT = {
     # are not contractions
     "kimi-k2 contraction": ("kimi-k2", KIMI_REGEX, "We'Ve DON'T a'lL", ["We", "'Ve", " DON", "'T", " a", "'lL"],
                             ["We'Ve", " DON'T", " a'lL"]),
+    # combining marks: llama.cpp's std::regex form of o200k has no \p{M} (a mark is a letter's
+    # category stand-in only as a "non-letter"), the C Kimi splitter takes letters only
+    "gpt-4o marks": ("gpt-4o", O200K_REGEX, "e\u0301t\u00e9 a\u0300b\u0300C\u0300d",
+                     ["e", "\u0301t\u00e9", " a", "\u0300b", "\u0300C", "\u0300d"],
+                     ["e\u0301t\u00e9", " a\u0300b\u0300", "C\u0300d"]),
+    "kimi-k2 marks": ("kimi-k2", KIMI_REGEX, "e\u0301t\u00e9 Z\u0351\u0352a",
+                      ["e", "\u0301t\u00e9", " Z", "\u0351\u0352", "a"], ["e\u0301t\u00e9", " Z\u0351\u0352a"]),
     "qwen2 contraction": ("qwen2", QWEN2_REGEX, "x'REd 'Sd", ["x", "'REd", " '", "Sd"], ["x", "'RE", "d", " '", "Sd"]),
     "glm4 contraction": ("glm4", GLM4_REGEX, "IT'Sx", ["IT", "'Sx"], ["IT", "'S", "x"]),
 }
