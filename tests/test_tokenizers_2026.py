@@ -331,12 +331,11 @@ def test_keys_are_the_converters(family):
     assert ours == _converter_keys(d, spec["pre"], spec["arch"])
 
 
+@pytest.mark.parametrize("family", ["glm4moe"], indirect=True)
 def test_glm4moe_special_tokens_and_template_fix(family):
     """GLM-4.5 MoE: bos [gMASK], eot <|user|>, eom <|observation|>, unk <|endoftext|> (Glm4MoeModel),
     and the chat template's double visible_text call rewritten."""
     name, d, meta, _ = family
-    if name != "glm4moe":
-        pytest.skip("GLM only")
     tokens = meta["tokenizer.ggml.tokens"].value
     got = {slot: tokens[meta[f"tokenizer.ggml.{slot}_token_id"].value] for slot in ("bos", "eos", "eot", "eom",
                                                                                    "unknown", "padding")}
@@ -407,6 +406,30 @@ def test_ids_match_hf_and_ik(family):
         assert ours.decode_bytes(ids) == ik.detokenize(ids)
         # glm4 is llama.cpp's only one of these with clean_spaces: " !" decodes as "!"
         assert (ours.decode(ids) == MIXED) == (name != "glm4moe")
+
+
+def _assert_vocab_as_ik(ours: Tokenizer, ik: peers.IkVocab) -> None:
+    """Attributes, end-of-generation flags and pieces of every token, and the special ids."""
+    bad = [(t, ours.token_text(t)) for t in range(ours.n_vocab)
+           if ours.attrs[t] != ik.attr(t) or (t in ours.eog_ids) != ik.is_eog(t)
+           or ours.token_piece(t, True) != ik.piece(t, special=True)]
+    assert ours.n_vocab == ik.n_vocab and not bad, bad[:5]
+
+
+def test_token_attributes_and_eog_match_ik(family, kimi):
+    """CONTROL / USER_DEFINED tokens and the end-of-generation set (gpt-oss: <|return|> and <|call|>
+    without <|end|>, GLM's eot/eom) as ik_llama.cpp derives them from our keys."""
+    for path, meta in ((family[3], family[2]), (kimi[3], kimi[2])):
+        ours = Tokenizer.from_metadata(meta)
+        with peers.IkVocab(path) as ik:
+            _assert_vocab_as_ik(ours, ik)
+    name, _, meta, _ = family
+    ours = Tokenizer.from_metadata(meta)
+    eog = sorted(ours.token_text(t) for t in ours.eog_ids)
+    assert eog == {"qwen3": ["<|endoftext|>", "<|im_end|>"],
+                   "glm4moe": ["<|endoftext|>", "<|observation|>", "<|user|>"],
+                   "gpt-oss": ["<|call|>", "<|endoftext|>", "<|return|>"],
+                   "deepseek-v3": ["<｜end▁of▁sentence｜>"]}[name]
 
 
 def test_kimi_ids_match_tiktoken_semantics_and_ik(kimi):
@@ -548,3 +571,43 @@ def test_bad_tiktoken_files_are_refused(kimi, tmp_path):
     (d / "tokenizer_config.json").write_text(json.dumps(tc))
     with pytest.raises(QuantkitError, match="does not name Kimi's TikTokenTokenizer"):
         vocab_metadata(d, config.dim("vocab_size"), config)
+
+
+# ---- through the converter and the runtime ----
+
+def test_kimi_checkpoint_converts_and_ik_tokenizes_it(kimi, tmp_path):
+    """A checkpoint directory with Kimi's tokenizer files and no tokenizer.json converts (the tiny
+    llama weights stand in for the model: the vocabulary is what is tested), and ik_llama.cpp
+    tokenizes the converted file as ours does."""
+    import shutil
+    import hf_models as H
+    import quantkit
+    from quantkit.hf import open_hf
+    d, ranks, meta, _ = kimi
+    n_vocab = len(meta["tokenizer.ggml.tokens"].value)
+    m = H.write_tiny_llama(tmp_path / "m", n_vocab=n_vocab)
+    (m / "tokenizer.json").unlink()
+    for f in ("tiktoken.model", "tokenizer_config.json"):
+        shutil.copy(d / f, m / f)
+    with open_hf(m) as model:
+        assert model.get("tokenizer.ggml.pre") == "kimi-k2"
+        assert list(model.get("tokenizer.ggml.tokens")) == meta["tokenizer.ggml.tokens"].value
+    out = tmp_path / "f32.gguf"
+    quantkit.quantize_model(m, out, "f32")
+    ours = Tokenizer.from_file(out)
+    text = KIMI_MIXED + " [BOS]<|im_end|>"
+    assert ours.encode(text, add_special=False, parse_special=True) == peers.ik_tokenize(out, text, add_bos=False,
+                                                                                        special=True)
+
+
+def test_kimi_vocabulary_without_merges_loads_as_in_ik(kimi, tmp_path):
+    """llama.cpp loads a "kimi-k2" gpt2 vocabulary without merges (words are then byte tokens); any
+    other pre-tokenizer needs them."""
+    d, ranks, meta, _ = kimi
+    bare = {k: v for k, v in meta.items() if k != "tokenizer.ggml.merges"}
+    ours = Tokenizer.from_metadata(bare)
+    with peers.IkVocab(_write_gguf(tmp_path / "bare.gguf", bare)) as ik:
+        assert ours.encode("hello 世界 it's", add_special=False) == ik.tokenize("hello 世界 it's", add_bos=False)
+    bare["tokenizer.ggml.pre"] = MetaValue(ValueType.STRING, "qwen2")
+    with pytest.raises(QuantkitError, match="without merges"):
+        Tokenizer.from_metadata(bare)
