@@ -56,17 +56,23 @@ def read_ranks(path: Path) -> dict[bytes, int]:
 
 def _bpe(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
     """QwenModel.bpe: ``token`` merged from its bytes, lowest rank first (leftmost among equal),
-    with ranks below ``max_rank`` only."""
+    with ranks below ``max_rank`` only.  The ranks of the adjacent pairs are kept, and only the two
+    next to a merge looked up again."""
     parts = [token[i:i + 1] for i in range(len(token))]
+    pair_ranks = [ranks.get(parts[i] + parts[i + 1]) for i in range(len(parts) - 1)]
     while True:
         best, at = None, -1
-        for i in range(len(parts) - 1):
-            rank = ranks.get(parts[i] + parts[i + 1])
+        for i, rank in enumerate(pair_ranks):
             if rank is not None and (best is None or rank < best):
                 best, at = rank, i
         if best is None or best >= max_rank:
             return parts
         parts[at:at + 2] = [parts[at] + parts[at + 1]]
+        del pair_ranks[at]
+        if at > 0:
+            pair_ranks[at - 1] = ranks.get(parts[at - 1] + parts[at])
+        if at < len(pair_ranks):
+            pair_ranks[at] = ranks.get(parts[at] + parts[at + 1])
 
 
 def special_tokens(tc: Fields, n_base: int) -> dict[str, int]:
