@@ -611,3 +611,63 @@ def test_kimi_vocabulary_without_merges_loads_as_in_ik(kimi, tmp_path):
     bare["tokenizer.ggml.pre"] = MetaValue(ValueType.STRING, "qwen2")
     with pytest.raises(QuantkitError, match="without merges"):
         Tokenizer.from_metadata(bare)
+
+
+# ---- special tokens as SpecialVocab finds them, on the post-processors and configs it parses ----
+
+def _bos_eos_template(tok, bos, eos):
+    from tokenizers import processors
+    return processors.TemplateProcessing(single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} $B {eos}",
+                                         special_tokens=[(bos, tok.token_to_id(bos)), (eos, tok.token_to_id(eos))])
+
+
+def _roberta(tok, bos, eos):
+    from tokenizers import processors
+    return processors.RobertaProcessing((eos, tok.token_to_id(eos)), (bos, tok.token_to_id(bos)))
+
+
+# variant -> (post-processor maker or None, tokenizer_config.json changes, config.json changes, files)
+SPECIAL_VARIANTS = {
+    # the template ends with <|endoftext|> while tokenizer_config.json's eos is <|im_end|>: that one
+    # becomes the eot, <|endoftext|> the eos
+    "template eos rebinds": (lambda t: _bos_eos_template(t, "<|im_start|>", "<|endoftext|>"),
+                             {"bos_token": "<|im_start|>"}, {}, {}),
+    "roberta": (lambda t: _roberta(t, "<|im_start|>", "<|im_end|>"), {"cls_token": "<|im_start|>",
+                                                                    "sep_token": "<|im_end|>"}, {}, {}),
+    "empty tokenizer_config": (None, None, {}, {"chat_template.jinja": "{{ messages }}"}),
+    "jinja file beside the config": (None, {"chat_template": None}, {}, {"chat_template.jinja": "{{ messages }}"}),
+    "config eos list, mask by config": (None, {"eos_token": None}, {"eos_token_id": [1, 2], "mask_token_id": 3},
+                                        {}),
+    # SpecialVocab (given no vocabulary size) writes an id past the vocabulary, which llama.cpp then
+    # replaces by its default with a warning: we write none
+    "ids out of range": (None, {}, {"unk_token_id": 10 ** 6}, {}),
+}
+NOT_WRITTEN = {"ids out of range": {"tokenizer.ggml.unknown_token_id": 10 ** 6}}
+
+
+@pytest.mark.parametrize("family", ["qwen3"], indirect=True)
+@pytest.mark.parametrize("variant", list(SPECIAL_VARIANTS))
+def test_special_tokens_as_special_vocab_finds_them(family, variant, tmp_path):
+    import shutil
+    from tokenizers import Tokenizer as HFTokenizer
+    name, src, _, _ = family
+    post, tc_changes, config_changes, files = SPECIAL_VARIANTS[variant]
+    d = shutil.copytree(src, tmp_path / "t")
+    (d / "vocab.gguf").unlink()
+    if post is not None:
+        tok = HFTokenizer.from_file(str(d / "tokenizer.json"))
+        tok.post_processor = post(tok)
+        tok.save(str(d / "tokenizer.json"))
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc = {} if tc_changes is None else {**tc, **tc_changes}
+    (d / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in tc.items() if v is not None}))
+    config = {**json.loads((d / "config.json").read_text()), **config_changes}
+    (d / "config.json").write_text(json.dumps(config))
+    for f, text in files.items():
+        (d / f).write_text(text)
+    fields = Fields(config, str(d / "config.json"))
+    ours = {k: v for k, v in _plain(vocab_metadata(d, fields.dim("vocab_size"), fields)).items()
+            if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")}
+    theirs = {k: v for k, v in _converter_keys(d, "qwen2", "Qwen3ForCausalLM").items()
+              if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")}
+    assert {**ours, **NOT_WRITTEN.get(variant, {})} == theirs
