@@ -671,3 +671,23 @@ def test_special_tokens_as_special_vocab_finds_them(family, variant, tmp_path):
     theirs = {k: v for k, v in _converter_keys(d, "qwen2", "Qwen3ForCausalLM").items()
               if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")}
     assert {**ours, **NOT_WRITTEN.get(variant, {})} == theirs
+
+
+# every template file, with the switches the families' templates take
+TEMPLATE_CASES = [(f.name, kwargs) for f in sorted(TEMPLATES.glob("*.jinja"))
+                  for kwargs in ({}, {"enable_thinking": False}, {"thinking": True})]
+
+
+@pytest.mark.parametrize("file, kwargs", TEMPLATE_CASES, ids=[f"{f}-{k}" for f, k in TEMPLATE_CASES])
+def test_template_files_render_as_transformers(file, kwargs):
+    from quantkit.text.chat import BoundedEnvironment
+    source = (TEMPLATES / file).read_text()
+    env = BoundedEnvironment()
+    template = env.compile_template(source)
+    specials = dict(bos_token="<s>", eos_token="</s>")
+    for messages in (CHAT, CHAT[1:2]):
+        for add_generation_prompt in (True, False):
+            got = env.render(template, messages=messages, add_generation_prompt=add_generation_prompt,
+                             **specials, **kwargs)
+            assert got == _transformers_render(source, messages, add_generation_prompt=add_generation_prompt,
+                                               **specials, **kwargs)
