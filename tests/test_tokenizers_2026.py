@@ -691,3 +691,25 @@ def test_template_files_render_as_transformers(file, kwargs):
                              **specials, **kwargs)
             assert got == _transformers_render(source, messages, add_generation_prompt=add_generation_prompt,
                                                **specials, **kwargs)
+
+
+def test_bad_tiktoken_checkpoint_refused_by_the_cli(kimi, tmp_path, capsys):
+    """`quantkit quantize` on a Kimi directory with a broken tiktoken.model: one line, exit 1, no
+    output, every input unchanged."""
+    import shutil
+    import hf_models as H
+    from hostile import Snapshot, assert_refused
+    from quantkit.cli import main
+    d, _, meta, _ = kimi
+    m = H.write_tiny_llama(tmp_path / "m", n_vocab=len(meta["tokenizer.ggml.tokens"].value))
+    (m / "tokenizer.json").unlink()
+    shutil.copy(d / "tokenizer_config.json", m / "tokenizer_config.json")
+    lines = (d / "tiktoken.model").read_text().splitlines()
+    (m / "tiktoken.model").write_text("\n".join(lines[:7] + ["not base64! 7"] + lines[8:]) + "\n")
+    snap = Snapshot(m)
+    out = tmp_path / "out.gguf"
+    rc = main(["quantize", str(m), str(out), "f32"])
+    captured = capsys.readouterr()
+    assert_refused(rc, captured.out, captured.err, "tiktoken.model", "line 8")
+    assert not out.exists()
+    snap.assert_unchanged()
