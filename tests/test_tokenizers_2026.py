@@ -384,6 +384,15 @@ def test_kimi_keys_are_the_converters(kimi):
     assert ours["tokenizer.ggml.merges"] == merges and len(merges) > 300
 
 
+def test_tokenizer_json_spellings_of_rewritten_regexes_are_recognised():
+    """llama.cpp rewrites o200k's and tekken's \\p{Lu}... classes for std::regex; the tokenizer.json
+    spelling still names them (hf/vocab.py expands (?i:...) first, as here)."""
+    expand = lambda r: r.replace(_CONTRACTIONS, pretokenize.CONTRACTIONS_REGEX)  # noqa: E731
+    assert "gpt-4o" in [n for n, _ in pretokenize.pre_tokenizer_names((expand(O200K_REGEX),))]
+    tekken = O200K_REGEX.replace(_CONTRACTIONS + "?", "").replace(r"\p{N}{1,3}", r"\p{N}")
+    assert [n for n, _ in pretokenize.pre_tokenizer_names((tekken,))] == ["tekken"]
+
+
 # ---- token ids: ours, the tokenizers library's and ik_llama.cpp's ----
 
 def _lines(text):

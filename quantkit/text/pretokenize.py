@@ -2,7 +2,8 @@
 ``unicode_regex_split`` splits it (unicode.cpp), for each of the regex sets that ``tokenizer.ggml.pre``
 names (llama-vocab.cpp).
 
-llama.cpp's hand-written splitters for the GPT-2, Llama-3 and Qwen2 regexes are ported as they are;
+llama.cpp's hand-written splitters for the GPT-2, Llama-3, Qwen2 and Kimi-K2 regexes are ported as
+they are (ik_llama.cpp's: its contractions are lower case only, see _contraction);
 the other regexes use its "collapsed" std::regex trick (each non-ASCII codepoint replaced by one
 character standing for its category), reproduced with :mod:`re`.
 
