@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,7 +36,7 @@ from quantkit.hf.vocab import vocab_metadata  # noqa: E402
 from quantkit.text import pretokenize  # noqa: E402
 from quantkit.text.tokenizer import Tokenizer  # noqa: E402
 
-TEMPLATES = __import__("pathlib").Path(__file__).parent / "chat_templates"
+TEMPLATES = Path(__file__).parent / "chat_templates"
 
 # ---- the families' pre-tokenizers, as their tokenizer.json (or tokenization_kimi.py) writes them ----
 _CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
