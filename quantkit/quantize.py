@@ -178,8 +178,15 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
     n_rows_per_matrix = shape[1] if len(shape) > 1 else 1
     n_matrices = info.n_rows // n_rows_per_matrix
     group = traits(tp.dst_type).interleave_rows
+    # a source that stores these very blocks (a compressed-tensors int4 checkpoint's q4_0) is copied
+    exact_rows = getattr(info.source, "exact_rows", None)
     for m, rows in _row_chunks(n_rows_per_matrix, n_matrices, n_per_row, group):
         signals.check()
+        if exact_rows is not None:
+            q = exact_rows(tp.dst_type, rows.start, rows.stop, info.name)
+            if q is not None:
+                yield q
+                continue
         x = to_float32(info, rows)
         w = imatrix[m] if imatrix is not None else None
         yield quantize_rows(x, tp.dst_type, w, flavor, info.name, rows.start)
