@@ -250,7 +250,7 @@ def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_ty
 
     IN is a GGUF file (or the first shard of a split one) or a Hugging Face model directory
     (config.json, *.safetensors, tokenizer.json: LlamaForCausalLM, DeepseekV3ForCausalLM with FP8 or
-    BF16 weights), converted as convert_hf_to_gguf.py would and quantized in one streaming pass.
+    BF16 weights or Kimi-K2's int4 experts, which q4_0 holds losslessly), converted as convert_hf_to_gguf.py would and quantized in one streaming pass.
 
     TYPE is a llama-quantize preset (Q4_K_M, Q6_K, IQ4_XS, IQ4_K, …: the C tool's per-tensor mix for
     every tensor no recipe rule matches) or a ggml type name (that type for all of them, as --pure);

@@ -341,3 +341,28 @@ def test_packed_tensors_without_the_config_are_refused(tmp_path, kimi):
     with pytest.raises(QuantkitError) as e:
         open_hf(d)
     assert "missing from the checkpoint" in str(e.value)
+
+
+def test_published_q4_x_recipe(tmp_path, kimi, q4x_file, reference):
+    """recipes/kimi-k2-q4_x.txt with TYPE Q8_0, the published Q4_X: the routed experts are the same
+    lossless q4_0 blocks, attention, shared experts, the dense layer and the embeddings q8_0; the wheel
+    loads and runs it, computing what our runtime computes from it."""
+    recipe = H.Path(__file__).parent.parent / "recipes" / "kimi-k2-q4_x.txt"
+    out = tmp_path / "Q4_X.gguf"
+    quantkit.quantize_model(kimi[0], out, "Q8_0", custom_q=recipe)
+    with open_model(out) as g, open_model(q4x_file) as lossless:
+        types = {t.name: t.qtype for t in g.tensors}
+        for name, t in g.by_name.items():
+            if "_exps." in name:
+                assert t.qtype == QuantType.Q4_0 and np.array_equal(t.raw(), lossless.by_name[name].raw())
+        for name in ("token_embd.weight", "output.weight", "blk.0.ffn_down.weight", "blk.1.ffn_up_shexp.weight",
+                     "blk.1.attn_q_b.weight", "blk.2.attn_output.weight"):
+            assert types[name] == QuantType.Q8_0, name
+        assert types["blk.1.ffn_gate_inp.weight"] == QuantType.F32
+    if peers.llama_quantize_bin() is not None:
+        ik, ours = ik_logits(out).reshape(reference.shape), our_logits(out, ops_cpu)
+        # q8_0 attention moves this tiny random model's logits by 8e-2 x max|logit| from transformers'
+        # (ours); the wheel also rounds activations to q8_0: most positions stay within 0.1 of ours,
+        # 3 of 64 move by up to 0.9 (measured; top-k routing near ties, presumably), same top token 97%
+        assert np.isfinite(ik).all() and (ik.argmax(1) == ours.argmax(1)).mean() >= 0.9
+        assert np.median(np.abs(ik - ours).max(1)) <= 0.05 * np.abs(ours).max()
