@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 import hf_models as H  # noqa: E402
+from hostile import Snapshot, assert_refused, run_cli  # noqa: E402
 import peers  # noqa: E402
 import quantkit  # noqa: E402
 from conftest import smollm2_file  # noqa: E402
@@ -239,11 +240,15 @@ def test_q4_0_file_runs_like_transformers(q4x_file, reference):
 
 
 def _edit(src, dst, config=None, tensors=None):
+    import os
+
     from safetensors.torch import load_file, save_file
-    shutil.copytree(src, dst)
+    # hard links where the weights stay as they are (nothing here writes an input)
+    shutil.copytree(src, dst, copy_function=shutil.copy2 if tensors is not None else os.link)
     if config is not None:
         cfg = json.loads((dst / "config.json").read_text())
         config(cfg)
+        (dst / "config.json").unlink()             # a hard link to the fixture's
         (dst / "config.json").write_text(json.dumps(cfg))
     if tensors is not None:
         t = load_file(str(dst / "model.safetensors"))
@@ -263,11 +268,11 @@ def test_scale_not_exact_in_fp16_refuses_q4_0(tmp_path, kimi):
         t[name] = s
     d = _edit(kimi[0], tmp_path / "m", tensors=tiny_scale)
     out = tmp_path / "out.gguf"
-    with pytest.raises(QuantkitError) as e:
-        quantkit.quantize_model(d, out, "f32", custom_q="exps=q4_0")
-    msg = str(e.value)
-    assert "blk.2.ffn_down_exps.weight" in msg and f"row {5 * 64 + 3}" in msg and "not exactly a float16" in msg
-    assert "\n" not in msg and not out.exists()
+    snap = Snapshot(d)
+    rc, stdout, stderr = run_cli("quantize", d, out, "f32", "--custom-q", "exps=q4_0")
+    assert_refused(rc, stdout, stderr, "blk.2.ffn_down_exps.weight", f"row {5 * 64 + 3}", "not exactly a float16")
+    snap.assert_unchanged()
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]        # no output, no temporary file
     with open_hf(d) as m:
         rows = m.by_name["blk.2.ffn_down_exps.weight"].source.lazy.rows(5 * 64 + 3, 5 * 64 + 4)
     q, _ = kimi[2]["model.layers.2.mlp.experts.5.down_proj.weight"]
