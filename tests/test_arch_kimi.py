@@ -348,14 +348,25 @@ def test_packed_tensors_without_the_config_are_refused(tmp_path, kimi):
     assert "missing from the checkpoint" in str(e.value)
 
 
-def test_published_q4_x_recipe(tmp_path, kimi, q4x_file, reference):
-    """recipes/kimi-k2-q4_x.txt with TYPE Q8_0, the published Q4_X: the routed experts are the same
-    lossless q4_0 blocks, attention, shared experts, the dense layer and the embeddings q8_0; the wheel
-    loads and runs it, computing what our runtime computes from it."""
+def test_q4_x(tmp_path, kimi, q4x_file, reference):
+    """TYPE Q4_X, the published Kimi quant (= TYPE Q8_0 with recipes/kimi-k2-q4_x.txt): the routed
+    experts are the same lossless q4_0 blocks, attention, shared experts, the dense layer and the
+    embeddings q8_0; the wheel loads and runs it, computing what our runtime computes from it."""
+    from quantkit.mixes import Q4_X
+    from quantkit.presets import type_label
+    from quantkit.recipes import load_recipe
     recipe = H.Path(__file__).parent.parent / "recipes" / "kimi-k2-q4_x.txt"
-    out = tmp_path / "Q4_X.gguf"
-    quantkit.quantize_model(kimi[0], out, "Q8_0", custom_q=recipe)
-    with open_model(out) as g, open_model(q4x_file) as lossless:
+    assert [(r.pattern, r.qtype) for r in load_recipe([str(recipe)]).rules] == \
+        [(r.pattern, r.qtype) for r in load_recipe([Q4_X.rules]).rules]
+    assert type_label("q4_x", "ik") == "Q4_X"         # `quantize IN Q4_X` writes ggml-model-Q4_X.gguf
+    plan = {t["name"]: t for t in quantkit.plan_quantize(kimi[0], "Q4_X").to_json()["tensors"]}
+    assert "int4 groups copied (lossless)" in " ".join(plan["blk.1.ffn_down_exps.weight"]["notes"])
+    out, by_recipe = tmp_path / "Q4_X.gguf", tmp_path / "recipe.gguf"
+    quantkit.quantize_model(kimi[0], out, "Q4_X")
+    quantkit.quantize_model(kimi[0], by_recipe, "Q8_0", custom_q=recipe)
+    with open_model(out) as g, open_model(q4x_file) as lossless, open_model(by_recipe) as r:
+        assert [(t.name, t.qtype) for t in g.tensors] == [(t.name, t.qtype) for t in r.tensors]
+        assert all(np.array_equal(t.raw(), r.by_name[t.name].raw()) for t in g.tensors)
         types = {t.name: t.qtype for t in g.tensors}
         for name, t in g.by_name.items():
             if "_exps." in name:
@@ -371,3 +382,14 @@ def test_published_q4_x_recipe(tmp_path, kimi, q4x_file, reference):
         # 3 of 64 move by up to 0.9 (measured; top-k routing near ties, presumably), same top token 97%
         assert np.isfinite(ik).all() and (ik.argmax(1) == ours.argmax(1)).mean() >= 0.9
         assert np.median(np.abs(ik - ours).max(1)) <= 0.05 * np.abs(ours).max()
+
+
+def test_q4_x_from_a_gguf_says_it_quantizes(tmp_path, kimi, caplog):
+    """From an input that does not hold the int4 groups (here a GGUF) Q4_X's experts are quantized by
+    llama.cpp's q4_0 quantizer, and the run says so."""
+    f32 = tmp_path / "f32.gguf"
+    quantkit.quantize_model(kimi[0], f32, "f32")
+    with caplog.at_level("WARNING", logger="quantkit"):
+        plan = quantkit.plan_quantize(f32, "Q4_X")
+    assert "blk.1.ffn_gate_exps.weight and 5 more are f32 in the input, not compressed-tensors int4" in caplog.text
+    assert not any(t["notes"] for t in plan.to_json()["tensors"] if "_exps" in t["name"])

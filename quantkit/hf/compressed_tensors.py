@@ -169,6 +169,8 @@ def q4_0_rows(codes: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray | None, 
 class PackedInt4(Lazy):
     """A pack-quantized Linear weight: rows decoded to float32, or copied into q4_0 blocks."""
 
+    exact_types = frozenset({QuantType.Q4_0})
+
     def __init__(self, packed: SafeTensor, scale: SafeTensor):
         self.packed, self.scale = packed, scale
         self.qtype = QuantType.F32

@@ -35,6 +35,8 @@ class Lazy:
     def rows(self, start: int, stop: int) -> np.ndarray:
         return self.take(np.arange(start, stop))
 
+    exact_types: frozenset = frozenset()        # the types take_exact gives
+
     def take_exact(self, qtype: QuantType, index: np.ndarray, name: str, row_offset: int = 0) -> np.ndarray | None:
         """The rows as ``qtype`` blocks that decode to exactly the values :meth:`take` gives, where
         the checkpoint stores them so (compressed-tensors int4 as q4_0); None where it does not.
@@ -125,6 +127,7 @@ class Stacked(Lazy):
         first = parts[0]
         self.rows_each, self.n_per_row, self.qtype = first.n_rows, first.n_per_row, first.qtype
         self.n_rows = self.rows_each * len(parts)
+        self.exact_types = frozenset.intersection(*(p.exact_types for p in parts))
 
     def take(self, index: np.ndarray) -> np.ndarray:
         index = np.asarray(index)
@@ -194,6 +197,10 @@ class LazySource:
         data = self.lazy.rows(first, last).view(np.uint8).reshape(-1)
         skip = offset - first * self.row_size
         return data[skip:skip + nbytes]
+
+    @property
+    def exact_types(self) -> frozenset:
+        return self.lazy.exact_types
 
     def exact_rows(self, qtype: QuantType, start: int, stop: int, name: str) -> np.ndarray | None:
         """Rows ``start:stop`` as lossless ``qtype`` blocks where the checkpoint holds them so
