@@ -134,35 +134,52 @@ def scales_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(raw).astype(np.float32)
 
 
+def packed_bytes(packed: np.ndarray) -> np.ndarray:
+    """int32 words (n, cols / 8) as their bytes (n, cols / 2): the little-endian words as stored, so
+    byte k holds column 2k in its low nibble and column 2k + 1 in its high one."""
+    return np.ascontiguousarray(packed).astype("<i4", copy=False).view(np.uint8)
+
+
 def unpack_codes(packed: np.ndarray) -> np.ndarray:
     """int32 words (n, cols / 8) as their unsigned 4-bit codes q + 8, (n, cols) uint8."""
-    words = np.ascontiguousarray(packed).view(np.uint32)
-    shifts = np.arange(0, 32, 4, dtype=np.uint32)
-    return ((words[:, :, None] >> shifts) & np.uint32(0xF)).astype(np.uint8).reshape(len(words), -1)
+    b = packed_bytes(packed)
+    codes = np.empty((b.shape[0], 2 * b.shape[1]), np.uint8)
+    np.bitwise_and(b, 0xF, out=codes[:, 0::2])
+    np.right_shift(b, 4, out=codes[:, 1::2])
+    return codes
+
+
+CODE_VALUES = np.arange(-8, 8, dtype=np.float32)        # code q + 8 -> q
 
 
 def decode(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """(n, cols) codes and (n, cols / 32) float32 scales: the weights q * scale, float32."""
     n, cols = codes.shape
-    q = codes.astype(np.float32).reshape(n, cols // GROUP, GROUP) - np.float32(8)
-    return (q * scale[:, :, None]).reshape(n, cols)
+    x = CODE_VALUES[codes].reshape(n, cols // GROUP, GROUP)
+    x *= scale[:, :, None]
+    return x.reshape(n, cols)
 
 
-def q4_0_rows(codes: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray | None, tuple[int, int] | None]:
+def q4_0_rows(packed: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray | None, tuple[int, int] | None]:
     """The q4_0 rows (n, cols / 32 * 18) uint8 holding exactly these groups, and None; or None and
-    (row, group) of the first scale that is not exactly a float16."""
-    n, cols = codes.shape
-    nb = cols // GROUP
+    (row, group) of the first scale that is not exactly a float16.
+
+    A group's 16 stored bytes b hold columns 2k, 2k + 1 in byte k; q4_0's byte j holds columns j and
+    j + 16. So q4_0 byte 2k is (b[k] & 0xF) | (b[k + 8] << 4) and byte 2k + 1 is
+    (b[k] >> 4) | (b[k + 8] & 0xF0): the nibbles move, none changes."""
+    b = packed_bytes(packed)
+    n, nb = b.shape[0], b.shape[1] // (GROUP // 2)
     with np.errstate(over="ignore", invalid="ignore"):
         d = scale.astype(np.float16)
     exact = (d.astype(np.float32) == scale) & np.isfinite(d)
     if not exact.all():
         row, group = np.argwhere(~exact)[0]
         return None, (int(row), int(group))
-    c = codes.reshape(n, nb, GROUP)
+    lo, hi = b.reshape(n, nb, GROUP // 2)[:, :, :8], b.reshape(n, nb, GROUP // 2)[:, :, 8:]
     out = np.empty((n, nb, 2 + GROUP // 2), np.uint8)
     out[:, :, :2] = d.astype("<f2").view(np.uint8).reshape(n, nb, 2)
-    out[:, :, 2:] = c[:, :, :GROUP // 2] | (c[:, :, GROUP // 2:] << 4)
+    out[:, :, 2::2] = (lo & 0xF) | (hi << 4)
+    out[:, :, 3::2] = (lo >> 4) | (hi & 0xF0)
     return out.reshape(n, -1), None
 
 
@@ -193,7 +210,7 @@ class PackedInt4(Lazy):
         if not len(index):
             return np.empty((0, traits(qtype).row_size(self.n_per_row)), np.uint8)
         scale = scales_f32(read_rows_at(self.scale, index), self.scale.dtype)
-        blocks, bad = q4_0_rows(unpack_codes(read_rows_at(self.packed, index)), scale)
+        blocks, bad = q4_0_rows(read_rows_at(self.packed, index), scale)
         if bad is not None:
             row, group = bad
             cols = f"{group * GROUP}-{group * GROUP + GROUP - 1}"
