@@ -230,6 +230,18 @@ def test_q4_0_copies_codes_and_scales(q4x_file, kimi):
                     assert np.array_equal(decoded.reshape(q.shape), dequant(q, scale))
 
 
+def test_q4_0_r8_is_the_copy_interleaved(tmp_path, kimi, q4x_file):
+    """ik's row-interleaved q4_0_r8 of the experts is the lossless q4_0, shuffled as repack does it."""
+    from quantkit.formats import interleave
+    out = tmp_path / "r8.gguf"
+    quantkit.quantize_model(kimi[0], out, "f32", custom_q=r"ffn_(gate|up|down)_exps\.weight=q4_0_r8")
+    with open_model(out) as g, open_model(q4x_file) as plain:
+        for name in ("blk.1.ffn_up_exps.weight", "blk.2.ffn_down_exps.weight"):
+            t, p = g.by_name[name], plain.by_name[name]
+            assert t.qtype == QuantType.Q4_0_R8
+            assert np.array_equal(t.raw(), interleave.interleave(p.raw().copy(), QuantType.Q4_0_R8, p.shape[0]))
+
+
 def test_q4_0_file_runs_like_transformers(q4x_file, reference):
     """The lossless q4_0 experts compute transformers' logits: in our runtime (its batch products decode
     the blocks to float32) within the bar; in the wheel, whose q4_0 products round the activations

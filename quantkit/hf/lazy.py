@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..types import QuantType, traits
+from ..types import REPACKED_TYPE, QuantType, traits
 from .. import formats
 from ..kernels.floats import fp8_blocks_to_bf16_rows
 from .numerics import E4M3FN
@@ -200,12 +200,23 @@ class LazySource:
 
     @property
     def exact_types(self) -> frozenset:
-        return self.lazy.exact_types
+        """The types :meth:`exact_rows` gives: the lazy tensor's, and their row-interleaved forms."""
+        exact = self.lazy.exact_types
+        return exact | {REPACKED_TYPE[t] for t in exact if t in REPACKED_TYPE}
 
     def exact_rows(self, qtype: QuantType, start: int, stop: int, name: str) -> np.ndarray | None:
         """Rows ``start:stop`` as lossless ``qtype`` blocks where the checkpoint holds them so
-        (:meth:`Lazy.take_exact`), else None: the quantize pipeline copies those instead of quantizing."""
-        return self.lazy.take_exact(qtype, np.arange(start, stop), name)
+        (:meth:`Lazy.take_exact`), else None: the quantize pipeline copies those instead of quantizing.
+        A row-interleaved type (q4_0_r8) is its base's rows shuffled, as ``repack`` does; the
+        caller's rows are whole groups of one matrix."""
+        if qtype not in self.exact_types:
+            return None
+        t = traits(qtype)
+        if t.interleave_rows == 1:
+            return self.lazy.take_exact(qtype, np.arange(start, stop), name)
+        from ..formats import interleave
+        return interleave.interleave(self.lazy.take_exact(t.base, np.arange(start, stop), name), qtype,
+                                     self.lazy.n_per_row)
 
     def read(self, offset: int, nbytes: int, out: np.ndarray | None = None) -> np.ndarray:
         data = self.view(offset, nbytes)
