@@ -33,9 +33,10 @@ q4_0 without a loss (what published Kimi "Q4_X" quants are). A ggml ``block_q4_0
 and 32 unsigned nibbles n decoding to ``d * (n - 8)``: exactly one int4 group, stored the same way
 (n = q + 8), with elements j and j + 16 sharing byte j. So a group whose scale is exactly a
 float16 is copied bit for bit: the nibbles as they are, the scale converted to fp16 without a
-rounding. jukofyork's "Q4_X" patch to llama.cpp (``d = max / -7`` in quantize_row_q4_0_ref) gets
-the same blocks from the dequantized BF16 model only where a group's largest code is +-7 and its
-scale survives the BF16 round trip; copying holds for every group. A scale that is not exactly a
+rounding. jukofyork's "Q4_X" patch to llama.cpp (``d = max / -7`` in quantize_row_q4_0_ref, the
+reference quantizer used instead of ik's iqk_quantize_q4_0) recovers the same values (its d is
+-scale where the group's extreme is positive) from the dequantized BF16 model only where a group's
+largest |code| is 7 and every q * scale survived the rounding to BF16; copying holds for every group. A scale that is not exactly a
 float16 (outside float16's range, or a float32 scale with more bits) is refused when a q4_0 block
 is asked for it: q4_0 cannot hold that group losslessly, so the user chooses another type for it.
 """
@@ -53,7 +54,7 @@ GROUP = 32                  # the one group size read: a q4_0 block
 PACK = 8                    # int4 codes per int32 word
 SCALE_DTYPES = ("BF16", "F16", "F32")
 SUFFIXES = ("_packed", "_scale", "_shape")
-# the scheme's settings, as llm-compressor writes them for Kimi-K2; absent counts as the default
+# the scheme's settings, as llm-compressor writes them for Kimi-K2: each present with this value
 WEIGHT_SCHEME = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": GROUP, "symmetric": True}
 WEIGHT_OFF = ("dynamic", "actorder", "block_structure")     # false/null: no g_idx, static scales
 SCHEME = "pack-quantized int4 weights, symmetric, in groups of 32 (Kimi-K2's)"
