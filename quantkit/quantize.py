@@ -280,11 +280,12 @@ def warm_up_plan(model: GGUFModel, plan: Plan,
         for tp in plan.tensors:
             imatrix = imatrix_for(tp) if tp.action in ("quantize", "convert") else None
             key = (tp.action, tp.src_type, tp.dst_type, imatrix is not None)
-            if tp.action == "copy" or key in seen:
+            info = model.by_name[tp.input_name]
+            # copied from the input's own blocks (convert_tensor) needs no kernel
+            if tp.action == "copy" or key in seen or tp.dst_type in getattr(info.source, "exact_types", ()):
                 continue
             seen.add(key)
             signals.check()
-            info = model.by_name[tp.input_name]
             if tp.action == "repack":
                 for _, make in repack_parts(info, tp, ThreadBuffers(), part_bytes=1):
                     make()
