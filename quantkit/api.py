@@ -137,6 +137,7 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
     from .gguf_io.reader import open_model
     from .hf import open_hf
     from .kv_override import overridden_getter, parse_kv_overrides
+    from .mixes import find_mix, note_exact_copies
     from .outputs import check_outputs
     from .plan import PlanOptions, attach_imatrix, check_imatrix, check_implemented, make_plan
     from .presets import ModelInfo, preset_or_type
@@ -147,6 +148,9 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
     model_in = Path(model_in)
     custom_q, tensor_type, tensor_type_file = _many(custom_q), _many(tensor_type), _many(tensor_type_file)
     custom_q = tuple(map(str, custom_q))
+    mix = find_mix(type)            # Q4_X: a recipe over a base type (the user's rules come first)
+    if mix is not None:
+        type, custom_q = mix.base, custom_q + (mix.rules,)
     override_kv, include_weights, exclude_weights = _many(override_kv), _many(include_weights), _many(exclude_weights)
     if missing_expert not in ("unit", "fill-mean", "error"):
         raise QuantkitError(f"missing_expert: '{missing_expert}' is none of unit, fill-mean, error")
@@ -204,6 +208,7 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
         opts.model = ModelInfo.from_metadata(overridden_getter(model.get, opts.kv_overrides))
         opts.metadata = model.metadata
         plan = make_plan(model.tensors, opts)
+        note_exact_copies(mix, plan, model)
         imatrix_of, missing = attach_imatrix(plan, imat) if imat is not None else ({}, [])
         problems = []
         for check in (lambda: None if ignore_imatrix_rules else

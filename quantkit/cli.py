@@ -250,11 +250,12 @@ def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_ty
 
     IN is a GGUF file (or the first shard of a split one) or a Hugging Face model directory
     (config.json, *.safetensors, tokenizer.json: LlamaForCausalLM, DeepseekV3ForCausalLM with FP8 or
-    BF16 weights), converted as convert_hf_to_gguf.py would and quantized in one streaming pass.
+    BF16 weights or Kimi-K2's int4 experts, which q4_0 holds losslessly), converted as convert_hf_to_gguf.py would and quantized in one streaming pass.
 
     TYPE is a llama-quantize preset (Q4_K_M, Q6_K, IQ4_XS, IQ4_K, …: the C tool's per-tensor mix for
     every tensor no recipe rule matches) or a ggml type name (that type for all of them, as --pure);
-    `quantkit types` lists both, with the flavors that have them.
+    `quantkit types` lists both, with the flavors that have them. Q4_X is the published Kimi-K2
+    mix (routed experts q4_0, copied losslessly from Kimi's int4 checkpoint; the rest Q8_0).
     Omit it to keep unmatched tensors as they are: with --custom-q, --token-embedding-type,
     --output-tensor-type, --split-max-size or a model directory (a plain conversion); with none of
     them there is nothing to do, which is an error, while TYPE COPY copies every tensor on purpose.

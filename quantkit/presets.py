@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from .errors import QuantkitError
+from .mixes import find_mix
 from .suggest import did_you_mean
 from .types import QuantType, file_types, traits, type_from_name, type_name
 
@@ -187,7 +188,7 @@ def type_label(text: str, flavor: str) -> str | None:
     if not text or text != text.strip():
         return None
     key = text.upper()
-    if key == "COPY":
+    if key == "COPY" or find_mix(text) is not None:
         return key
     preset = find_preset(text, flavor)
     if preset is not None:

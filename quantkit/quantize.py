@@ -178,8 +178,15 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
     n_rows_per_matrix = shape[1] if len(shape) > 1 else 1
     n_matrices = info.n_rows // n_rows_per_matrix
     group = traits(tp.dst_type).interleave_rows
+    # a source that stores these very blocks (a compressed-tensors int4 checkpoint's q4_0) is copied
+    exact_rows = getattr(info.source, "exact_rows", None)
     for m, rows in _row_chunks(n_rows_per_matrix, n_matrices, n_per_row, group):
         signals.check()
+        if exact_rows is not None:
+            q = exact_rows(tp.dst_type, rows.start, rows.stop, info.name)
+            if q is not None:
+                yield q
+                continue
         x = to_float32(info, rows)
         w = imatrix[m] if imatrix is not None else None
         yield quantize_rows(x, tp.dst_type, w, flavor, info.name, rows.start)
@@ -273,11 +280,12 @@ def warm_up_plan(model: GGUFModel, plan: Plan,
         for tp in plan.tensors:
             imatrix = imatrix_for(tp) if tp.action in ("quantize", "convert") else None
             key = (tp.action, tp.src_type, tp.dst_type, imatrix is not None)
-            if tp.action == "copy" or key in seen:
+            info = model.by_name[tp.input_name]
+            # copied from the input's own blocks (convert_tensor) needs no kernel
+            if tp.action == "copy" or key in seen or tp.dst_type in getattr(info.source, "exact_types", ()):
                 continue
             seen.add(key)
             signals.check()
-            info = model.by_name[tp.input_name]
             if tp.action == "repack":
                 for _, make in repack_parts(info, tp, ThreadBuffers(), part_bytes=1):
                     make()

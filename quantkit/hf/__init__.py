@@ -15,7 +15,7 @@ from ..errors import QuantkitError
 from ..gguf_io.constants import KEY_ARCHITECTURE, MetaValue, ValueType
 from ..gguf_io.reader import ModelView, TensorInfo
 from ..types import traits
-from . import deepseek, llama
+from . import compressed_tensors, deepseek, llama
 from .checkpoint import Checkpoint
 from .config import Config, describe
 from .lazy import LazySource
@@ -40,10 +40,10 @@ class HFModel(ModelView):
             raise QuantkitError(f"{directory}: architecture '{arch}' is not supported "
                                 f"(supported: {', '.join(ARCHITECTURES)})")
         gguf_arch, convert = ARCHITECTURES[arch]
-        _check_quantization(cfg)
+        packed_int4 = _check_quantization(cfg)
         tensors, self.files = open_checkpoint(directory)
         try:
-            ck = Checkpoint(tensors, directory)
+            ck = Checkpoint(tensors, directory, packed_int4)
             conv = convert(cfg, ck)
             ck.check_all_used()
             meta = {KEY_ARCHITECTURE: MetaValue(ValueType.STRING, gguf_arch),
@@ -71,16 +71,23 @@ class HFModel(ModelView):
         self.files = []
 
 
-def _check_quantization(cfg: Config) -> None:
-    """Only DeepSeek's FP8 (float8_e4m3fn with 128 x 128 block scales) is a checkpoint quantization
-    we read; other schemes (GPTQ, AWQ, per-tensor FP8 ...) store other tensors under other names."""
+def _check_quantization(cfg: Config) -> bool:
+    """Only DeepSeek's FP8 (float8_e4m3fn with 128 x 128 block scales) and Kimi-K2's compressed-tensors
+    int4 (compressed_tensors.py) are checkpoint quantizations we read; other schemes (GPTQ, AWQ,
+    per-tensor FP8 ...) store other tensors under other names. True for the int4 one."""
     q = cfg.object("quantization_config")
     if not q.raw:
-        return
-    method, block = q.string("quant_method", None), q.raw.get("weight_block_size", [128, 128])
+        return False
+    method = q.string("quant_method", None)
+    if method == "compressed-tensors":
+        compressed_tensors.check_scheme(q)
+        return True
+    block = q.raw.get("weight_block_size", [128, 128])
     if method != "fp8" or block != [128, 128]:
         raise QuantkitError(f"{cfg.path}: quantization_config {method!r} with weight_block_size {describe(block)} is "
-                            "not supported (only fp8 with 128x128 blocks, as DeepSeek-V3 ships)")
+                            "not supported (only fp8 with 128x128 blocks, as DeepSeek-V3 ships, and "
+                            "compressed-tensors int4, as Kimi-K2 ships)")
+    return False
 
 
 def open_hf(directory: str | os.PathLike) -> HFModel:

@@ -13,6 +13,7 @@ import numpy as np
 from ..errors import QuantkitError
 from ..gguf_io.constants import MetaValue, ValueType
 from .config import Config
+from . import compressed_tensors
 from .lazy import Lazy, Stored
 from .numerics import FP8_BLOCK
 from .safetensors import SafeTensor
@@ -36,16 +37,22 @@ class Conversion:
 
 
 class Checkpoint:
-    def __init__(self, tensors: dict[str, SafeTensor], directory: Path):
+    def __init__(self, tensors: dict[str, SafeTensor], directory: Path, packed_int4: bool = False):
         self.tensors, self.directory = tensors, directory
         self.used: set[str] = set()
+        self.packed_int4 = packed_int4      # compressed-tensors int4 Linears (X.weight_packed ...) are read
 
     def has(self, name: str) -> bool:
         return name in self.tensors
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None, as_f32: bool = False) -> Stored:
-        """The tensor ``name`` (HF shape ``shape`` if given); float8 comes with its scale grid."""
+    def get(self, name: str, shape: tuple[int, ...] | None = None, as_f32: bool = False) -> Lazy:
+        """The tensor ``name`` (HF shape ``shape`` if given); float8 comes with its scale grid, a
+        pack-quantized int4 weight is decoded to float32."""
         t = self.tensors.get(name)
+        if t is None and self.packed_int4 and compressed_tensors.is_packed(self.tensors, name):
+            lazy = compressed_tensors.open_packed(self.tensors, name, shape, self.directory)
+            self.used.update(name + s for s in compressed_tensors.SUFFIXES)
+            return lazy
         if t is None:
             raise QuantkitError(f"{self.directory}: tensor '{name}' is missing from the checkpoint")
         if shape is not None and tuple(t.shape) != tuple(shape):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..types import QuantType
+from ..types import REPACKED_TYPE, QuantType, traits
 from .. import formats
 from ..kernels.floats import fp8_blocks_to_bf16_rows
 from .numerics import E4M3FN
@@ -35,9 +35,28 @@ class Lazy:
     def rows(self, start: int, stop: int) -> np.ndarray:
         return self.take(np.arange(start, stop))
 
+    exact_types: frozenset = frozenset()        # the types take_exact gives
+
+    def take_exact(self, qtype: QuantType, index: np.ndarray, name: str, row_offset: int = 0) -> np.ndarray | None:
+        """The rows as ``qtype`` blocks that decode to exactly the values :meth:`take` gives, where
+        the checkpoint stores them so (compressed-tensors int4 as q4_0); None where it does not.
+        ``name`` and ``row_offset`` (of these rows in it): the output tensor, for errors."""
+        return None
+
     @property
     def ggml_shape(self) -> tuple[int, ...]:
         return (self.n_per_row, self.n_rows)
+
+
+def read_rows_at(t: SafeTensor, index: np.ndarray) -> np.ndarray:
+    """Rows ``index`` (not empty) of a stored tensor's matrix, raw.  Reads the span they lie in (with
+    pread: touching the map would leave its pages counted in this process's memory) and picks the
+    rows from it; gathers (q/k permutation, value band) ask for rows close together."""
+    lo, hi = int(index.min()), int(index.max()) + 1
+    raw = t.read_rows(lo, hi)
+    if hi - lo != len(index) or index[0] != lo or not bool(np.all(np.diff(index) == 1)):
+        raw = raw[index - lo]
+    return raw
 
 
 class Constant(Lazy):
@@ -70,16 +89,10 @@ class Stored(Lazy):
         self.qtype = QuantType.F32 if as_f32 else stored[t.dtype]
 
     def take(self, index: np.ndarray) -> np.ndarray:
-        # read the span the rows lie in (with pread: touching the map would leave its pages counted
-        # in this process's memory) and pick the rows from it; gathers (q/k permutation, value band)
-        # ask for rows close together
         index = np.asarray(index)
         if not len(index):
             return np.empty((0, self.n_per_row), STORAGE_DTYPE[self.qtype])
-        lo, hi = int(index.min()), int(index.max()) + 1
-        raw = self.t.read_rows(lo, hi)
-        if hi - lo != len(index) or index[0] != lo or not bool(np.all(np.diff(index) == 1)):
-            raw = raw[index - lo]
+        raw = read_rows_at(self.t, index)
         if self.t.dtype == "F8_E4M3":
             bf16 = np.empty(raw.shape, np.uint16)
             fp8_blocks_to_bf16_rows(np.ascontiguousarray(raw), self.scale_grid, index, E4M3FN, bf16)
@@ -114,6 +127,7 @@ class Stacked(Lazy):
         first = parts[0]
         self.rows_each, self.n_per_row, self.qtype = first.n_rows, first.n_per_row, first.qtype
         self.n_rows = self.rows_each * len(parts)
+        self.exact_types = frozenset.intersection(*(p.exact_types for p in parts))
 
     def take(self, index: np.ndarray) -> np.ndarray:
         index = np.asarray(index)
@@ -122,6 +136,19 @@ class Stacked(Lazy):
         for p in np.unique(part):
             sel = part == p
             out[sel] = self.parts[p].take(index[sel] - p * self.rows_each)
+        return out
+
+    def take_exact(self, qtype: QuantType, index: np.ndarray, name: str, row_offset: int = 0) -> np.ndarray | None:
+        index = np.asarray(index)
+        out = np.empty((len(index), traits(qtype).row_size(self.n_per_row)), np.uint8)
+        part = index // self.rows_each
+        for p in np.unique(part):
+            sel = part == p
+            base = p * self.rows_each
+            rows = self.parts[p].take_exact(qtype, index[sel] - base, name, row_offset + base)
+            if rows is None:
+                return None
+            out[sel] = rows
         return out
 
     @property
@@ -170,6 +197,26 @@ class LazySource:
         data = self.lazy.rows(first, last).view(np.uint8).reshape(-1)
         skip = offset - first * self.row_size
         return data[skip:skip + nbytes]
+
+    @property
+    def exact_types(self) -> frozenset:
+        """The types :meth:`exact_rows` gives: the lazy tensor's, and their row-interleaved forms."""
+        exact = self.lazy.exact_types
+        return exact | {REPACKED_TYPE[t] for t in exact if t in REPACKED_TYPE}
+
+    def exact_rows(self, qtype: QuantType, start: int, stop: int, name: str) -> np.ndarray | None:
+        """Rows ``start:stop`` as lossless ``qtype`` blocks where the checkpoint holds them so
+        (:meth:`Lazy.take_exact`), else None: the quantize pipeline copies those instead of quantizing.
+        A row-interleaved type (q4_0_r8) is its base's rows shuffled, as ``repack`` does; the
+        caller's rows are whole groups of one matrix."""
+        if qtype not in self.exact_types:
+            return None
+        t = traits(qtype)
+        if t.interleave_rows == 1:
+            return self.lazy.take_exact(qtype, np.arange(start, stop), name)
+        from ..formats import interleave
+        return interleave.interleave(self.lazy.take_exact(t.base, np.arange(start, stop), name), qtype,
+                                     self.lazy.n_per_row)
 
     def read(self, offset: int, nbytes: int, out: np.ndarray | None = None) -> np.ndarray:
         data = self.view(offset, nbytes)
