@@ -118,7 +118,7 @@ class ObservingOps:
         return getattr(self._ops, name)
 
     def matmul_q(self, w, x, fused=None):
-        m = _EXPERT.match(w.name)
+        m = _EXPERT.match(w.name)           # one expert's matrix (a fused ffn_gate_up_exps' too: one input)
         seen = self._ops.host(x)
         if m is None:
             self.stats.add_dense(w.name, seen)
@@ -137,8 +137,12 @@ class ObservingOps:
             self.stats.add_heads(name, self._ops.host(x), n_mat)
         return self._ops.matmul_q_heads(ws, x, transposed)
 
-    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps):
-        return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=self.matmul_q)
+    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None, **options):
+        """The backend's, every expert product through :meth:`matmul_q` (observed), or through
+        the ``matmul`` of a wrapper above, which reaches it; ``options`` (a fused gate_up_exps, an
+        architecture's biases or activation) go to the backend as they are."""
+        return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=matmul or self.matmul_q,
+                                 **options)
 
     def warm_up(self, qtypes) -> None:
         """Make the kernel that sums squares ready (runtime/warmup.py), on scratch rows: the stats
