@@ -198,6 +198,28 @@ def test_fused_gate_up_computes_the_split_model(name, tmp_path_factory):
         np.testing.assert_array_equal(theirs[0], theirs[1])
 
 
+@pytest.mark.parametrize("name", FUSED)
+def test_an_imatrix_of_one_layout_quantizes_the_other(name, tmp_path_factory):
+    """ik_llama.cpp's lookup (quantkit.imatrix.fallback_names): a fused tensor takes the split file's
+    ffn_up_exps entry, split gate/up tensors the fused file's ffn_gate_up_exps entry; quantkit plans
+    every block tensor with an entry, and the wheel's llama-quantize finds one for each too."""
+    fused, split = made_for(name, tmp_path_factory), made_for(MOE_MODELS[name].split_twin, tmp_path_factory)
+    for model, other in ((fused, split), (split, fused)):
+        imat = load_imatrix(other.dat)
+        entry_of = {"ffn_gate_up_exps": "ffn_up_exps", "ffn_gate_exps": "ffn_gate_up_exps",
+                    "ffn_up_exps": "ffn_gate_up_exps", "ffn_down_exps": "ffn_down_exps"}
+        for t in routed(model.tensors):
+            kind = t.split(".")[2]
+            assert imat.lookup_name(t) == t.replace(kind, entry_of[kind]), t
+        with quantkit.open_quantization(model.model, None, "q4_0", imatrix=other.dat) as q:
+            without = [t.name for t in q.plan.tensors if t.action == "quantize" and not t.imatrix]
+        assert sorted(without) == ["output.weight", "token_embd.weight"]
+        if peers.llama_quantize_runs():
+            out = tmp_path_factory.mktemp("cross") / "q.gguf"
+            rc, log = llama_quantize("--imatrix", other.dat, model.model, out, "Q4_0", 2)
+            assert rc == 0 and not_found(log) == {"output.weight", "token_embd.weight"}, log[-3000:]
+
+
 def test_observer_forwards_moe_options():
     """ObservingOps passes moe_ffn's keyword arguments (the fused tensor; an architecture's biases
     or activation) to the backend, and every expert product it is given still reaches the stats."""
@@ -365,6 +387,21 @@ def test_collect_says_which_experts_got_no_token_and_what_was_stored(made, tmp_p
     with pytest.raises(QuantkitError, match="partial_experts"):
         quantkit.collect_imatrix(made.model, text, tmp_path / "x.gguf", ctx_size=SHORT, chunks=1,
                                  partial_experts="drop")
+
+
+def test_cli_writes_with_the_ik_policy(made, tmp_path, capsys):
+    """`quantkit imatrix convert --partial-experts ik` (and merge, collect: the same option) leaves
+    out what ik's llama-imatrix leaves out; an unknown policy is a usage error."""
+    from quantkit.cli import main
+    out = tmp_path / "ik.dat"
+    assert main(["imatrix", "convert", str(made.short), str(out), "-c", str(SHORT), "--partial-experts", "ik"]) == 0
+    raw = RawImatrix.from_file(made.short, SHORT)
+    assert set(load_imatrix(out).weights) == set(raw.sums) - set(raw.skipped("ik"))
+    assert main(["imatrix", "merge", str(made.short), str(made.short), "-o", str(tmp_path / "m.gguf"),
+                 "--partial-experts", "ik"]) == 0
+    assert set(RawImatrix.from_file(tmp_path / "m.gguf", SHORT).sums) == set(load_imatrix(out).weights)
+    assert main(["imatrix", "convert", str(made.short), str(tmp_path / "x.dat"), "--partial-experts", "drop"]) == 2
+    assert "drop" in capsys.readouterr().err and not (tmp_path / "x.dat").exists()
 
 
 # ---- hostile fused files ----

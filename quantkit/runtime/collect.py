@@ -117,7 +117,7 @@ class ObservingOps:
     def __getattr__(self, name):
         return getattr(self._ops, name)
 
-    def matmul_q(self, w, x, fused=None):
+    def matmul_q(self, w, x, fused=None, **options):
         m = _EXPERT.match(w.name)           # one expert's matrix (a fused ffn_gate_up_exps' too: one input)
         seen = self._ops.host(x)
         if m is None:
@@ -127,7 +127,7 @@ class ObservingOps:
             shape = self._shapes.get(base, ())
             n_expert = int(np.prod(shape[2:])) if len(shape) > 2 else 1
             self.stats.add_expert(base, int(m.group(2)), n_expert, seen)
-        return self._ops.matmul_q(w, x, fused)
+        return self._ops.matmul_q(w, x, fused, **options)      # options: an architecture's, as they are
 
     def matmul_q_heads(self, ws, x, transposed: bool = False):
         if not transposed:                      # transposed: the input runs along the rows (see above)
