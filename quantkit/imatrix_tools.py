@@ -144,13 +144,14 @@ class RawImatrix:
         return RawImatrix(sums, counts, self.chunk_size, self.datasets + other.datasets, frozenset(shapeless))
 
     def skipped(self, partial: str = "keep") -> list[str]:
-        """Entries with data that the ``partial`` policy leaves out of a file (see the module
-        docstring): none for ``keep``, for ``ik`` those with too many experts without a token."""
+        """Entries the ``partial`` policy leaves out of a file (see the module docstring): none for
+        ``keep`` (a .dat leaves out entries without any data all the same), for ``ik`` those
+        without data and those with too many experts without a token."""
         if partial not in PARTIAL_POLICIES:
             raise QuantkitError(f"partial experts: '{partial}' is none of {', '.join(PARTIAL_POLICIES)}")
         if partial == "keep":
             return []
-        return [n for n in sorted(self.counts) if self.counts[n].any() and not ik_stores(self.counts[n])]
+        return [n for n in sorted(self.counts) if not ik_stores(self.counts[n])]
 
     def save(self, path, partial: str = "keep") -> Path:
         """Write the file (.dat: legacy, else GGUF), the entries the ``partial`` policy keeps."""
@@ -158,9 +159,10 @@ class RawImatrix:
         skip = set(self.skipped(partial))
         if skip:
             kept = [n for n in self.sums if n not in skip]
-            if not any(self.counts[n].any() for n in kept):
-                raise QuantkitError(f"{path}: no entry has data for every expert ({len(skip)} skipped as "
-                                    "ik_llama.cpp's llama-imatrix does: use --partial-experts keep)")
+            if not kept:
+                raise QuantkitError(f"{path}: nothing to write: all {len(skip)} entries have experts without "
+                                    "data, which ik_llama.cpp's llama-imatrix skips (--partial-experts keep "
+                                    "writes them)")
             return RawImatrix({n: self.sums[n] for n in kept}, {n: self.counts[n] for n in kept}, self.chunk_size,
                               self.datasets, self.shapeless - skip).save(path)
         if path.suffix == ".dat":

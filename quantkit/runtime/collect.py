@@ -8,7 +8,10 @@ is kept follows llama-imatrix (specs/ggml-quants.md §3.1):
   token embedding, also not when it doubles as the output matrix) adds Σ x_j² per input column and
   the number of tokens, for batches of at least 16 tokens;
 * a routed expert (3-D ``*_exps`` tensors) adds, per expert, the rows of the tokens routed to it and
-  their number: an expert that never fires keeps count 0 ("partial data");
+  their number: an expert that never fires keeps count 0 ("partial data"; what a file keeps of
+  such entries is imatrix_tools' policy).  Fused gate/up experts (``ffn_gate_up_exps``, one
+  product per expert: runtime/experts.py) get one entry under that name, as ik_llama.cpp's
+  llama-imatrix names it, whose lookup in llama-quantize serves both halves;
 * a per-head product (MLA's ``attn_k_b``/``attn_v_b``, or the value rows of a fused ``attn_kv_b``)
   keeps one row of sums per matrix the file stores and one count of tokens: a 3-D tensor
   [n_in, n_out, n_head] gets one row per head, as llama-imatrix collects it (``i02 = i12 / rk2``),
