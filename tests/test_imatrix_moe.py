@@ -22,6 +22,7 @@ experts, ``<arch>.expert_used_count``).
 """
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 from dataclasses import dataclass
 from functools import partial
@@ -152,6 +153,19 @@ def test_routed_experts_have_a_row_and_a_count_per_expert(made):
         assert raw.counts[name].tolist() == [n_tokens], name
     # the file holds an entry for exactly the tensors the model has (no split entry for a fused tensor)
     assert set(experts) <= set(raw.sums) <= set(made.tensors)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_torch_backend_collects_the_same(made, tmp_path):
+    """The torch backend (on the CPU here) routes and observes as the numba one does."""
+    text = calibration_text(tmp_path / "t.txt")
+    quantkit.collect_imatrix(made.model, text, tmp_path / "torch.gguf", ctx_size=CTX, chunks=CHUNKS, threads=1,
+                             device="torch-cpu")
+    ours, theirs = RawImatrix.from_file(made.gguf, CTX), RawImatrix.from_file(tmp_path / "torch.gguf", CTX)
+    assert set(ours.sums) == set(theirs.sums)
+    for name in ours.sums:
+        np.testing.assert_array_equal(ours.counts[name], theirs.counts[name], err_msg=name)
+        np.testing.assert_allclose(ours.sums[name], theirs.sums[name], rtol=1e-3, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("name", FUSED)
