@@ -55,6 +55,9 @@ class MoEModel:
     split_twin: str | None = None       # fused gate/up experts: the same model with them split
 
 
+# name -> its tiny model.  A writer gives a model with a tokenizer (the runtime tokenizes the
+# calibration text), several MoE layers and at least 30 experts (round(5%) >= 2, and a 16-token run
+# leaves experts idle); shared experts and dense lead layers where the architecture has them.
 MOE_MODELS = {
     "deepseek2": MoEModel(partial(write_deepseek2, **DEEPSEEK2)),
     "deepseek2-fused": MoEModel(partial(write_deepseek2, fused_gate_up=True, **DEEPSEEK2), split_twin="deepseek2"),
@@ -148,7 +151,7 @@ def test_routed_experts_have_a_row_and_a_count_per_expert(made):
     # one count of every token: shared experts, the router, dense layers
     dense = [n for n in made.tensors if n.startswith("blk.") and n.endswith(".weight") and n not in experts
              and ("_shexp" in n or "ffn_gate_inp" in n or n.split(".")[2] in ("ffn_gate", "ffn_up", "ffn_down"))]
-    assert any("_shexp" in n for n in dense) and any("ffn_gate_inp" in n for n in dense)
+    assert any("ffn_gate_inp" in n for n in dense)
     for name in dense:
         assert raw.counts[name].tolist() == [n_tokens], name
     # the file holds an entry for exactly the tensors the model has (no split entry for a fused tensor)
