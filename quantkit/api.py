@@ -474,17 +474,19 @@ def collect_imatrix(model, text_file, output="imatrix.gguf", *, ctx_size: int = 
                     process_output: bool = False, in_file=(), chunk: int = 0, output_frequency: int = 10,
                     activations: str = "mainline", threads: int | None = None, device: str = "cpu",
                     override_tensor=(), on_start=None, on_chunk=None, on_save=None,
-                    max_text_bytes: int = MAX_TEXT_BYTES) -> ImatrixResult:
+                    max_text_bytes: int = MAX_TEXT_BYTES, partial_experts: str = "keep") -> ImatrixResult:
     """Collect an importance matrix of ``model`` over ``text_file`` as llama-imatrix does and write it
     to ``output`` (.dat: the legacy format, else GGUF): an ``ImatrixResult``.  ``in_file``: imatrix
-    files to start from, ``chunk``: chunks of the text to skip (those they hold).  The output is
+    files to start from, ``chunk``: chunks of the text to skip (those they hold).
+    ``partial_experts``: what is written of entries whose experts got no token, ``keep`` (mainline
+    llama-imatrix) or ``ik`` (ik_llama.cpp's: see quantkit.imatrix_tools).  The output is
     saved every ``output_frequency`` chunks; an interrupt (KeyboardInterrupt) carries ``saved`` and
     ``n_chunks``: how many of this run's chunks the output holds.  Callbacks: ``on_start(n_chunks)``,
     ``on_chunk(i, nll of the chunk's tokens)``, ``on_save(chunks saved so far)``."""
     import math
 
     from . import signals
-    from .imatrix_tools import RawImatrix
+    from .imatrix_tools import PARTIAL_POLICIES, RawImatrix
     from .outputs import check_outputs
     from .runtime.activations import MainlineRounding
     from .runtime.collect import ActivationStats, ObservingOps, collect
@@ -492,6 +494,8 @@ def collect_imatrix(model, text_file, output="imatrix.gguf", *, ctx_size: int = 
 
     if activations not in ("mainline", "exact"):
         raise QuantkitError(f"activations: '{activations}' is none of mainline, exact")
+    if partial_experts not in PARTIAL_POLICIES:
+        raise QuantkitError(f"partial_experts: '{partial_experts}' is none of {', '.join(PARTIAL_POLICIES)}")
     model, text_file, output = Path(model), Path(text_file), Path(output)
     in_files = [Path(p) for p in _many(in_file)]
     check_outputs([output], [model, text_file, *in_files], what="-o")
@@ -519,7 +523,7 @@ def collect_imatrix(model, text_file, output="imatrix.gguf", *, ctx_size: int = 
                 on_chunk(i, v)
             if (i + 1) % output_frequency == 0 and i + 1 < len(chunk_list):
                 with signals.deferred():        # an interrupt comes after both: the count is the file's
-                    RawImatrix.from_stats(stats, ctx_size, datasets).save(output)       # atomic: a temporary file renamed
+                    RawImatrix.from_stats(stats, ctx_size, datasets).save(output, partial_experts)  # atomic: renamed
                     saved = i + 1
                 if on_save is not None:
                     on_save(saved)
@@ -532,12 +536,23 @@ def collect_imatrix(model, text_file, output="imatrix.gguf", *, ctx_size: int = 
         raise QuantkitError(f"{model}: no matrix product was observed (no blk.* weights?)")
     raw = RawImatrix.from_stats(stats, ctx_size, datasets)
     missing = raw.never_fired()
-    warnings = [f"{name}: {len(experts)} of {raw.counts[name].size} experts got no token "
-                f"(partial data): {', '.join(map(str, experts[:16]))}{' ...' if len(experts) > 16 else ''}"
+    skipped = raw.skipped(partial_experts)
+    warnings = [_partial_warning(name, experts, raw.counts[name].size, name in skipped)
                 for name, experts in missing.items()]
-    raw.save(output)
-    return ImatrixResult(output, len(stats.entries), len(chunk_list), ctx_size, math.exp(sum(nll) / len(nll)),
-                         missing, warnings)
+    if skipped:
+        warnings.append(f"stored {len(raw.sums) - len(skipped)} of {len(raw.sums)} entries: the others have too "
+                        "many experts without data for ik_llama.cpp's llama-imatrix (--partial-experts ik)")
+    raw.save(output, partial_experts)
+    return ImatrixResult(output, len(raw.sums) - len(skipped), len(chunk_list), ctx_size,
+                         math.exp(sum(nll) / len(nll)), missing, warnings)
+
+
+def _partial_warning(name: str, experts: list[int], n_expert: int, skipped: bool) -> str:
+    """One entry's line about its experts that got no token, and what the file keeps of it."""
+    listed = f"{', '.join(map(str, experts[:16]))}{' ...' if len(experts) > 16 else ''}"
+    fate = ("not stored: quantize will find no imatrix for it" if skipped else
+            "stored: quantize gives them weight 1")
+    return f"{name}: {len(experts)} of {n_expert} experts got no token (partial data): {listed}; {fate}"
 
 
 # --------------------------------------------------------------------------- imatrix files
@@ -567,26 +582,29 @@ class ImatrixFile:
                 "chunk_size": self.chunk_size, "inputs": self.inputs}
 
 
-def merge_imatrix(in_files, output, *, chunk_size: int = 512) -> ImatrixFile:
+def merge_imatrix(in_files, output, *, chunk_size: int = 512, partial_experts: str = "keep") -> ImatrixFile:
     """Merge imatrix files into ``output`` (.dat: the legacy format, else GGUF): sums and token
     counts added, so each file weighs what it saw.  ``chunk_size``: tokens per chunk of the run that
-    made a legacy .dat input (it does not store it; GGUF inputs do)."""
+    made a legacy .dat input (it does not store it; GGUF inputs do).  ``partial_experts``: as
+    ``collect_imatrix``'s."""
     from .outputs import check_outputs
     in_files, output = [Path(p) for p in _many(in_files)], Path(output)
     check_outputs([output], in_files, what="-o")
     raw = _read_imatrices(in_files, chunk_size)
-    raw.save(output)
-    return ImatrixFile(output, len(raw.sums), raw.chunk_count, raw.chunk_size, len(in_files))
+    raw.save(output, partial_experts)
+    return ImatrixFile(output, len(raw.sums) - len(raw.skipped(partial_experts)), raw.chunk_count, raw.chunk_size,
+                       len(in_files))
 
 
-def convert_imatrix(in_file, output, *, chunk_size: int = 512) -> ImatrixFile:
-    """Rewrite an imatrix in the format ``output``'s extension names (.dat legacy, else GGUF)."""
+def convert_imatrix(in_file, output, *, chunk_size: int = 512, partial_experts: str = "keep") -> ImatrixFile:
+    """Rewrite an imatrix in the format ``output``'s extension names (.dat legacy, else GGUF);
+    ``partial_experts``: as ``collect_imatrix``'s."""
     from .outputs import check_outputs
     in_file, output = Path(in_file), Path(output)
     check_outputs([output], [in_file])
     raw = _read_imatrices([in_file], chunk_size)
-    raw.save(output)
-    return ImatrixFile(output, len(raw.sums), raw.chunk_count, raw.chunk_size, 1)
+    raw.save(output, partial_experts)
+    return ImatrixFile(output, len(raw.sums) - len(raw.skipped(partial_experts)), raw.chunk_count, raw.chunk_size, 1)
 
 
 @dataclass

@@ -616,6 +616,12 @@ def imatrix():
     a symlink (its target is replaced)."""
 
 
+_PARTIAL_OPTION = click.option(
+    "--partial-experts", type=click.Choice(["keep", "ik"]), default="keep", show_default=True,
+    help="Entries with experts that got no token: keep writes them (mainline llama-imatrix; weight 1 for those "
+         "experts); ik skips an entry unless fewer than 5%% of its experts lack data (ik_llama.cpp's llama-imatrix).")
+
+
 @imatrix.command("collect")
 @click.argument("model_path", metavar="MODEL", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-f", "--file", "text_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
@@ -636,11 +642,12 @@ def imatrix():
 @click.option("--activations", type=click.Choice(["mainline", "exact"]), default="mainline", show_default=True,
               help="mainline: round each quantized product's input to 8 bits as mainline ggml does, "
                    "so the values follow llama-imatrix's; exact: compute in float32.")
+@_PARTIAL_OPTION
 @_threads_option
 @_device_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_output, in_files, skip_chunks,
-                    output_frequency, activations, threads, device, overrides, as_json):
+                    output_frequency, activations, partial_experts, threads, device, overrides, as_json):
     """Collect an importance matrix: per weight, the mean square of every input column over the
     calibration text (per expert for routed experts), as llama-imatrix does."""
     import math
@@ -664,14 +671,15 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
                 in_file=in_files, chunk=skip_chunks, output_frequency=output_frequency, activations=activations,
                 threads=threads, device=device, override_tensor=overrides, on_start=on_start,
                 on_chunk=lambda i, v: reporter.step(f"PPL {math.exp(sum(v) / len(v)):.4f}"), on_save=on_save,
-                max_text_bytes=MAX_TEXT_BYTES)
+                max_text_bytes=MAX_TEXT_BYTES, partial_experts=partial_experts)
     except KeyboardInterrupt as e:      # Ctrl-C, SIGTERM, SIGHUP: say how to go on from the last save
         if hasattr(e, "saved"):
             saved = e.saved
             resume = dict(model_path=model_path, text_path=text_path, ctx_size=ctx_size,
                           chunks=None if chunks is None else chunks - saved, skip=skip_chunks + saved,
                           process_output=process_output, output_frequency=output_frequency,
-                          activations=activations, threads=threads, device=device, overrides=overrides)
+                          activations=activations, partial_experts=partial_experts, threads=threads,
+                          device=device, overrides=overrides)
             e.add_note(_imatrix_resume(out_path, saved, output_frequency, e.n_chunks, resume))
         raise
     for w in result.warnings:
@@ -697,6 +705,7 @@ def _imatrix_resume(out_path: Path, saved: int, frequency: int, n_chunks: int, o
             *(["--chunks", o["chunks"]] if o["chunks"] is not None else []),
             *(["--process-output"] if o["process_output"] else []),
             "--output-frequency", o["output_frequency"], "--activations", o["activations"],
+            *(["--partial-experts", o["partial_experts"]] if o["partial_experts"] != "keep" else []),
             *(["--threads", o["threads"]] if o["threads"] is not None else []),
             *(["--device", o["device"]] if o["device"] != "cpu" else []),
             *(a for regex in o["overrides"] for a in ("-ot", regex))]
@@ -713,10 +722,11 @@ _CHUNK_OPTION = click.option(
 @click.argument("in_path", metavar="IN", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("out_path", metavar="OUT", type=click.Path(path_type=Path))
 @_CHUNK_OPTION
-def imatrix_convert(in_path, out_path, chunk_size):
+@_PARTIAL_OPTION
+def imatrix_convert(in_path, out_path, chunk_size, partial_experts):
     """Rewrite an imatrix in the format OUT's extension names (.dat legacy, else GGUF)."""
     from .api import convert_imatrix
-    _wrote_imatrix(convert_imatrix(in_path, out_path, chunk_size=chunk_size))
+    _wrote_imatrix(convert_imatrix(in_path, out_path, chunk_size=chunk_size, partial_experts=partial_experts))
 
 
 @imatrix.command("merge")
@@ -725,10 +735,12 @@ def imatrix_convert(in_path, out_path, chunk_size):
 @click.option("-o", "--output", "out_path", required=True, type=click.Path(path_type=Path),
               help="Merged output file: .dat writes the legacy format (what ik_llama.cpp reads), anything else GGUF.")
 @_CHUNK_OPTION
-def imatrix_merge(in_paths, out_path, chunk_size):
+@_PARTIAL_OPTION
+def imatrix_merge(in_paths, out_path, chunk_size, partial_experts):
     """Merge imatrix files: sums and token counts added, so each file weighs what it saw."""
     from .api import merge_imatrix
-    _wrote_imatrix(merge_imatrix(in_paths, out_path, chunk_size=chunk_size), merged=True)
+    _wrote_imatrix(merge_imatrix(in_paths, out_path, chunk_size=chunk_size, partial_experts=partial_experts),
+                   merged=True)
 
 
 def _wrote_imatrix(r, merged: bool = False) -> None:

@@ -11,6 +11,20 @@ merged by counts and written in either format (specs/ggml-quants.md §3.2-3.4):
 * ``.dat`` out: per entry ncall = ceil(max count / chunk_size), values = Σx²/count·ncall per matrix
   (1·ncall for a matrix without data); entries without any data are left out.
 * GGUF out: sums and counts as they are, with ``imatrix.datasets/chunk_count/chunk_size``.
+
+Experts that got no token (a routed expert the calibration text never reached: count 0, a row of
+zero sums) are "partial data".  What is written for them is the ``partial`` policy of
+:meth:`RawImatrix.save` (:data:`PARTIAL_POLICIES`):
+
+* ``keep`` (mainline llama-imatrix): every entry with data is written; GGUF keeps the zero counts,
+  .dat stores 1 for those experts.  llama-quantize gives them the neutral weight 1 either way.
+* ``ik`` (ik_llama.cpp's llama-imatrix, examples/imatrix/imatrix.cpp save_imatrix): an entry is
+  written only if fewer than round(5% of its experts) miss data ("Storing **but be aware**"; their
+  weight is 1 as above), else skipped whole ("- skipping"), so llama-quantize quantizes that tensor
+  without an imatrix ("did not find weights for ...") and refuses the very-low-bit types for it.
+
+Both skip entries without any data ("has no data - skipping"); an expert with a few tokens is an
+expert with data (its mean over those tokens) for both.
 """
 from __future__ import annotations
 
@@ -22,6 +36,25 @@ import numpy as np
 
 from . import imatrix as imx
 from .errors import QuantkitError
+
+PARTIAL_POLICIES = ("keep", "ik")
+IK_MISSING_SHARE = 0.05     # ik's llama-imatrix stores an entry if fewer than round(this x experts) miss data
+
+
+def _c_round(x: float) -> int:
+    """C ``round`` of a non-negative double: halves away from zero."""
+    r = math.floor(x)
+    return r + 1 if x - r >= 0.5 else r
+
+
+def ik_stores(counts: np.ndarray) -> bool:
+    """Whether ik_llama.cpp's llama-imatrix writes an entry with these per-matrix token counts:
+    one with data everywhere, or a per-expert one (more than one count) where fewer than
+    round(5% of the experts) got no token."""
+    missing = int((counts == 0).sum())
+    if missing == 0:
+        return True
+    return counts.size > 1 and missing < counts.size and missing < _c_round(counts.size * IK_MISSING_SHARE)
 
 
 @dataclass
@@ -110,8 +143,28 @@ class RawImatrix:
             counts[name] = a + b
         return RawImatrix(sums, counts, self.chunk_size, self.datasets + other.datasets, frozenset(shapeless))
 
-    def save(self, path) -> Path:
+    def skipped(self, partial: str = "keep") -> list[str]:
+        """Entries the ``partial`` policy leaves out of a file (see the module docstring): none for
+        ``keep`` (a .dat leaves out entries without any data all the same), for ``ik`` those
+        without data and those with too many experts without a token."""
+        if partial not in PARTIAL_POLICIES:
+            raise QuantkitError(f"partial experts: '{partial}' is none of {', '.join(PARTIAL_POLICIES)}")
+        if partial == "keep":
+            return []
+        return [n for n in sorted(self.counts) if not ik_stores(self.counts[n])]
+
+    def save(self, path, partial: str = "keep") -> Path:
+        """Write the file (.dat: legacy, else GGUF), the entries the ``partial`` policy keeps."""
         path = Path(path)
+        skip = set(self.skipped(partial))
+        if skip:
+            kept = [n for n in self.sums if n not in skip]
+            if not kept:
+                raise QuantkitError(f"{path}: nothing to write: all {len(skip)} entries have experts without "
+                                    "data, which ik_llama.cpp's llama-imatrix skips (--partial-experts keep "
+                                    "writes them)")
+            return RawImatrix({n: self.sums[n] for n in kept}, {n: self.counts[n] for n in kept}, self.chunk_size,
+                              self.datasets, self.shapeless - skip).save(path)
         if path.suffix == ".dat":
             means, ncalls = {}, {}
             for name in sorted(self.sums, key=lambda n: n.encode()):

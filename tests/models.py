@@ -114,7 +114,7 @@ def write_deepseek2(path: Path, n_layer=4, n_dense=1, n_embd=256, n_ff=512, n_ff
                     n_expert_used=2, n_shared=1, n_head=4, q_lora_rank=256, kv_lora_rank=512,
                     qk_nope=128, qk_rope=64, v_head=128, n_vocab=512, dtype=np.float32, seed=0,
                     fused_kv_b=False, split_kv_b=False, gating=2, probs_bias=0.0, weights_norm=True, weights_scale=2.5,
-                    n_group=0, n_group_used=0, yarn: dict | None = None) -> Path:
+                    n_group=0, n_group_used=0, yarn: dict | None = None, fused_gate_up=False) -> Path:
     """A DeepSeek-V3-shaped (MLA + MoE) GGUF with random weights.
 
     The per-head MLA tensors keep DeepSeek's real head sizes (attn_k_b rows of qk_nope = 128,
@@ -140,7 +140,10 @@ def write_deepseek2(path: Path, n_layer=4, n_dense=1, n_embd=256, n_ff=512, n_ff
       scale of a random exp_probs_b (0: zeros); ``weights_norm``, ``weights_scale``; ``n_group``,
       ``n_group_used``: expert_group_count / expert_group_used_count (written when > 0);
     * ``yarn``: YaRN rope scaling, ``{"factor", "original_context_length", "log_multiplier"}`` and
-      optionally ``"attn_factor"``.
+      optionally ``"attn_factor"``;
+    * ``fused_gate_up``: the routed gate and up experts as one tensor ffn_gate_up_exps
+      [n_embd, 2 * n_ff_exp, n_expert], each expert's gate rows then its up rows (ik_llama.cpp's
+      layout); the same numbers as the file written without it, with the same seed.
     """
     rng = np.random.default_rng(seed)
     a = "deepseek2"
@@ -224,8 +227,12 @@ def write_deepseek2(path: Path, n_layer=4, n_dense=1, n_embd=256, n_ff=512, n_ff
         if gating == 2:
             bias = _w(rng, n_expert, scale=probs_bias) if probs_bias else np.zeros(n_expert, np.float32)
             w.add_tensor(p + "exp_probs_b.bias", bias)
-        w.add_tensor(p + "ffn_gate_exps.weight", _w(rng, n_expert, n_ff_exp, n_embd, dtype=dtype))
-        w.add_tensor(p + "ffn_up_exps.weight", _w(rng, n_expert, n_ff_exp, n_embd, dtype=dtype))
+        gate, up = _w(rng, n_expert, n_ff_exp, n_embd, dtype=dtype), _w(rng, n_expert, n_ff_exp, n_embd, dtype=dtype)
+        if fused_gate_up:
+            w.add_tensor(p + "ffn_gate_up_exps.weight", np.concatenate([gate, up], axis=1))
+        else:
+            w.add_tensor(p + "ffn_gate_exps.weight", gate)
+            w.add_tensor(p + "ffn_up_exps.weight", up)
         w.add_tensor(p + "ffn_down_exps.weight", _w(rng, n_expert, n_embd, n_ff_exp, dtype=dtype))
         w.add_tensor(p + "ffn_gate_shexp.weight", _w(rng, n_ff_exp * n_shared, n_embd, dtype=dtype))
         w.add_tensor(p + "ffn_up_shexp.weight", _w(rng, n_ff_exp * n_shared, n_embd, dtype=dtype))

@@ -64,8 +64,11 @@ class MainlineRounding:
             self._last = (x, block, rounded)
         return self._ops.matmul_q(w, rounded, False)     # rounded here, mainline's way
 
-    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None):
-        return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=matmul or self.matmul_q)
+    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None, **options):
+        """The backend's, every expert product rounded first; ``options`` (a fused gate_up_exps,
+        an architecture's biases or activation) go to the backend as they are."""
+        return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=matmul or self.matmul_q,
+                                 **options)
 
     def warm_up(self, qtypes) -> None:
         """Make the rounding kernels of ``qtypes`` ready (runtime/warmup.py), on a scratch row."""

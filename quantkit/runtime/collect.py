@@ -8,7 +8,10 @@ is kept follows llama-imatrix (specs/ggml-quants.md §3.1):
   token embedding, also not when it doubles as the output matrix) adds Σ x_j² per input column and
   the number of tokens, for batches of at least 16 tokens;
 * a routed expert (3-D ``*_exps`` tensors) adds, per expert, the rows of the tokens routed to it and
-  their number: an expert that never fires keeps count 0 ("partial data");
+  their number: an expert that never fires keeps count 0 ("partial data"; what a file keeps of
+  such entries is imatrix_tools' policy).  Fused gate/up experts (``ffn_gate_up_exps``, one
+  product per expert: runtime/experts.py) get one entry under that name, as ik_llama.cpp's
+  llama-imatrix names it, whose lookup in llama-quantize serves both halves;
 * a per-head product (MLA's ``attn_k_b``/``attn_v_b``, or the value rows of a fused ``attn_kv_b``)
   keeps one row of sums per matrix the file stores and one count of tokens: a 3-D tensor
   [n_in, n_out, n_head] gets one row per head, as llama-imatrix collects it (``i02 = i12 / rk2``),
@@ -117,8 +120,8 @@ class ObservingOps:
     def __getattr__(self, name):
         return getattr(self._ops, name)
 
-    def matmul_q(self, w, x, fused=None):
-        m = _EXPERT.match(w.name)
+    def matmul_q(self, w, x, fused=None, **options):
+        m = _EXPERT.match(w.name)           # one expert's matrix (a fused ffn_gate_up_exps' too: one input)
         seen = self._ops.host(x)
         if m is None:
             self.stats.add_dense(w.name, seen)
@@ -127,7 +130,7 @@ class ObservingOps:
             shape = self._shapes.get(base, ())
             n_expert = int(np.prod(shape[2:])) if len(shape) > 2 else 1
             self.stats.add_expert(base, int(m.group(2)), n_expert, seen)
-        return self._ops.matmul_q(w, x, fused)
+        return self._ops.matmul_q(w, x, fused, **options)      # options: an architecture's, as they are
 
     def matmul_q_heads(self, ws, x, transposed: bool = False):
         if not transposed:                      # transposed: the input runs along the rows (see above)
@@ -137,8 +140,12 @@ class ObservingOps:
             self.stats.add_heads(name, self._ops.host(x), n_mat)
         return self._ops.matmul_q_heads(ws, x, transposed)
 
-    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps):
-        return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=self.matmul_q)
+    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None, **options):
+        """The backend's, every expert product through :meth:`matmul_q` (observed), or through
+        the ``matmul`` of a wrapper above, which reaches it; ``options`` (a fused gate_up_exps, an
+        architecture's biases or activation) go to the backend as they are."""
+        return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=matmul or self.matmul_q,
+                                 **options)
 
     def warm_up(self, qtypes) -> None:
         """Make the kernel that sums squares ready (runtime/warmup.py), on scratch rows: the stats

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import QuantkitError
+from .experts import expert_tensors, expert_weights
 from .weights import Weight
 
 # The configuration (MLAConfig, MoEConfig) is read and validated in hparams.py.
@@ -56,7 +57,7 @@ def load_layer(m, i: int) -> MLAHeads:
     if i < moe.n_dense_lead:
         names += ["ffn_gate", "ffn_up", "ffn_down"]
     else:
-        names += ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
+        names += ["ffn_gate_inp", *expert_tensors(m, p)]
         names += ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"] if moe.n_expert_shared else []
     for name in names:
         m.w.need(p + name + ".weight")
@@ -107,8 +108,7 @@ def moe(m, i: int, h):
     ids, weights = ops.moe_route(m.linear(p + "ffn_gate_inp", h), moe_c.n_expert_used, moe_c.gating,
                                  bias=m.vector(p + "exp_probs_b.bias"), norm=moe_c.weights_norm,
                                  scale=moe_c.weights_scale, n_group=moe_c.n_group, n_group_used=moe_c.n_group_used)
-    out = ops.moe_ffn(h, ids, weights, m.w.need(p + "ffn_gate_exps.weight"), m.w.need(p + "ffn_up_exps.weight"),
-                      m.w.need(p + "ffn_down_exps.weight"))
+    out = ops.moe_ffn(h, ids, weights, **expert_weights(m, p))
     if moe_c.n_expert_shared:
         out = out + m.ffn(p, h, "_shexp")
     return out

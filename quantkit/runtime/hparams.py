@@ -479,9 +479,21 @@ class _Tensors:
         why = f"n_embd = {k.name('embedding_length')} = {c.n_embd}, {k.name('expert_count')} = {n_expert}"
         self.matrix(p + "ffn_gate_inp", c.n_embd, n_expert, why)
         self.tensor(p + "exp_probs_b.bias", (n_expert,), why=why, optional=True)
-        n_ff = self.rows_of(p + "ffn_gate_exps.weight", c.n_embd, 3, why)
-        for name, shape in (("ffn_gate_exps", (c.n_embd, n_ff, n_expert)), ("ffn_up_exps", (c.n_embd, n_ff, n_expert)),
-                            ("ffn_down_exps", (n_ff, c.n_embd, n_expert))):
-            self.tensor(p + name + ".weight", shape, why=f"{why}; n_ff from ffn_gate_exps")
+        if p + "ffn_gate_up_exps.weight" in self.model.by_name:
+            # gate and up experts fused in one tensor (ik_llama.cpp's ffn_gate_up_exps): per expert
+            # n_ff gate rows, then n_ff up rows
+            for name in ("ffn_gate_exps", "ffn_up_exps"):
+                if p + name + ".weight" in self.model.by_name:
+                    raise QuantkitError(f"{self.model.path}: layer {p[4:-1]} has both '{p}ffn_gate_up_exps.weight' "
+                                        f"and '{p}{name}.weight': the gate/up experts twice")
+            rows = self.rows_of(p + "ffn_gate_up_exps.weight", c.n_embd, 3, why)
+            n_ff, source = rows // 2, "ffn_gate_up_exps: n_ff gate rows, then n_ff up rows per expert"
+            shapes = (("ffn_gate_up_exps", (c.n_embd, 2 * n_ff, n_expert)), ("ffn_down_exps", (n_ff, c.n_embd, n_expert)))
+        else:
+            n_ff, source = self.rows_of(p + "ffn_gate_exps.weight", c.n_embd, 3, why), "ffn_gate_exps"
+            shapes = (("ffn_gate_exps", (c.n_embd, n_ff, n_expert)), ("ffn_up_exps", (c.n_embd, n_ff, n_expert)),
+                      ("ffn_down_exps", (n_ff, c.n_embd, n_expert)))
+        for name, shape in shapes:
+            self.tensor(p + name + ".weight", shape, why=f"{why}; n_ff from {source}")
         if moe.n_expert_shared:
             self.ffn(p, c.n_embd, "_shexp")

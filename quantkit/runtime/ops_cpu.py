@@ -399,13 +399,16 @@ def _best_groups(choice: np.ndarray, n_group: int, n_group_used: int, top2: bool
     return np.where(mask[..., None], g, -np.inf).reshape(n_tok, n_expert)
 
 
-def moe_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate_exps: Weight, up_exps: Weight,
-            down_exps: Weight, matmul=None) -> np.ndarray:
+def moe_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate_exps: Weight | None, up_exps: Weight | None,
+            down_exps: Weight, matmul=None, gate_up_exps: Weight | None = None) -> np.ndarray:
     """Routed SwiGLU experts: sum_k weights[:, k] * expert_{ids[:, k]}(x) -> (n_tokens, n_embd).
 
     Only the tokens routed to an expert go through it: per expert, one product with its matrix of
     each 3-D tensor.  The weighted outputs are summed in slot order, as ggml does.  ``matmul``:
-    the product to use (an observer's, for imatrix collection); matmul_q by default."""
+    the product to use (an observer's, for imatrix collection); matmul_q by default.
+    ``gate_up_exps``: the gate and up experts fused in one tensor [n_in, 2 n_ff, n_expert], each
+    expert's gate rows then its up rows (ik_llama.cpp's ffn_gate_up_exps), used instead of
+    gate_exps and up_exps (None then): one product per expert, split in halves (:func:`gate_up`)."""
     mm = matmul or matmul_q
     n_tok, n_used = ids.shape
     fused = n_tok <= FUSED_TOKENS       # a generation step; in a batch even an expert's few tokens take the float path
@@ -413,6 +416,16 @@ def moe_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate_exps: Weig
     for e in np.unique(ids):
         tok, slot = np.nonzero(ids == e)
         h = x[tok]
-        g = silu_mul(mm(gate_exps.expert(e), h, fused=fused), mm(up_exps.expert(e), h, fused=fused))
+        if gate_up_exps is not None:
+            g = silu_mul(*gate_up(mm(gate_up_exps.expert(e), h, fused=fused)))
+        else:
+            g = silu_mul(mm(gate_exps.expert(e), h, fused=fused), mm(up_exps.expert(e), h, fused=fused))
         out[tok, slot] = mm(down_exps.expert(e), g, fused=fused) * weights[tok, slot][:, None]
     return out.sum(axis=1)
+
+
+def gate_up(y):
+    """The gate and up halves of a fused gate/up product's output (n_tokens, 2 n_ff): its first n_ff
+    columns are the gate's (ggml's MOE_FUSED_UP_GATE reads an expert's gate rows first)."""
+    n_ff = y.shape[1] // 2
+    return y[:, :n_ff], y[:, n_ff:]

@@ -225,9 +225,9 @@ class TorchOps:
         return ops_cpu.moe_route(self.host(logits), n_used, gating, bias=bias, norm=norm, scale=scale,
                                  n_group=n_group, n_group_used=n_group_used)
 
-    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None):
-        """ops_cpu.moe_ffn: per expert, the tokens routed to it through its three matrices; the
-        weighted outputs summed in slot order."""
+    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None, gate_up_exps=None):
+        """ops_cpu.moe_ffn: per expert, the tokens routed to it through its three matrices (or its
+        fused gate/up matrix and its down matrix); the weighted outputs summed in slot order."""
         mm = matmul or self.matmul_q
         n_tok, n_used = ids.shape
         fused = n_tok <= self.FUSED_TOKENS
@@ -237,7 +237,10 @@ class TorchOps:
             tok, slot = np.nonzero(ids == e)
             t, s = torch.from_numpy(tok).to(self.device), torch.from_numpy(slot).to(self.device)
             h = x[t]
-            g = self.silu_mul(mm(gate_exps.expert(e), h, fused=fused), mm(up_exps.expert(e), h, fused=fused))
+            if gate_up_exps is not None:
+                g = self.silu_mul(*ops_cpu.gate_up(mm(gate_up_exps.expert(e), h, fused=fused)))
+            else:
+                g = self.silu_mul(mm(gate_exps.expert(e), h, fused=fused), mm(up_exps.expert(e), h, fused=fused))
             out[t, s] = mm(down_exps.expert(e), g, fused=fused) * w[t, s][:, None]
         return out.sum(dim=1)
 
