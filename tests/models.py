@@ -468,9 +468,14 @@ def _gqa_attention(p, n_embd, n_head, n_head_kv, head_dim, t, *, bias=False, qk_
     return rows
 
 
-def _experts(p, n_embd, n_ff_exp, n_expert, t, *, bias=False):
+def _experts(p, n_embd, n_ff_exp, n_expert, t, *, bias=False, fused=False):
+    """Stacked routed experts; ``fused``: gate and up in one ffn_gate_up_exps [n_embd, 2 n_ff_exp, n_expert]
+    (what ik's loader merges them into, and files written so)."""
     rows = [(p + "ffn_down_exps.weight", (n_ff_exp, n_embd, n_expert), t)]
     rows += [(p + "ffn_down_exps.bias", (n_embd, n_expert), F32_ID)] if bias else []
+    if fused:
+        rows.append((p + "ffn_gate_up_exps.weight", (n_embd, 2 * n_ff_exp, n_expert), t))
+        return rows + ([(p + "ffn_gate_up_exps.bias", (2 * n_ff_exp, n_expert), F32_ID)] if bias else [])
     for which in ("gate", "up"):
         rows.append((p + f"ffn_{which}_exps.weight", (n_embd, n_ff_exp, n_expert), t))
         rows += [(p + f"ffn_{which}_exps.bias", (n_ff_exp, n_expert), F32_ID)] if bias else []
@@ -510,13 +515,15 @@ def write_qwen3(path: Path, n_layer=36, n_embd=256, n_ff=512, n_head=4, n_head_k
 
 def write_qwen3moe(path: Path, n_layer=48, n_embd=256, n_ff=768, n_ff_exp=256, n_expert=16, n_expert_used=8,
                    n_head=8, n_head_kv=1, head_dim=128, n_vocab=256, vocab_size=151936, type_id=F16_ID,
-                   sparse=True, seed=0) -> Path:
+                   fused_gate_up=False, sparse=True, seed=0) -> Path:
     """Qwen3-MoE, Qwen3-30B-A3B's class: 48 layers (94: 235B-A22B), 128 experts (16 by default, see
-    above), every layer MoE, no shared expert, n_gqa = 8 (235B: 16), q/k norms."""
+    above), every layer MoE, no shared expert, n_gqa = 8 (235B: 16), q/k norms; ``fused_gate_up``:
+    ffn_gate_up_exps."""
     table = []
     for i in _hf_layer_order(n_layer):
         p = f"blk.{i}."
-        table += [(p + "attn_norm.weight", (n_embd,), F32_ID), *_experts(p, n_embd, n_ff_exp, n_expert, type_id),
+        table += [(p + "attn_norm.weight", (n_embd,), F32_ID),
+                  *_experts(p, n_embd, n_ff_exp, n_expert, type_id, fused=fused_gate_up),
                   (p + "ffn_gate_inp.weight", (n_embd, n_expert), F32_ID if type_id == F32_ID else type_id),
                   (p + "ffn_norm.weight", (n_embd,), F32_ID),
                   *_gqa_attention(p, n_embd, n_head, n_head_kv, head_dim, type_id)]
@@ -583,17 +590,18 @@ def write_glm4moe(path: Path, n_layer=46, n_dense=1, nextn=1, n_embd=256, n_ff=5
 
 def write_gptoss(path: Path, n_layer=24, n_embd=320, n_ff_exp=320, n_expert=32, n_expert_used=4, n_head=8,
                  n_head_kv=1, head_dim=64, n_vocab=256, vocab_size=201088, sliding_window=128, type_id=F16_ID,
-                 expert_type_id=MXFP4_ID, sparse=True, seed=0) -> Path:
+                 expert_type_id=MXFP4_ID, fused_gate_up=False, sparse=True, seed=0) -> Path:
     """gpt-oss-20b's class (gpt-oss, ik's OPENAI_MOE): 24 layers (120b: 36) of 32 experts (120b: 128) stored
     MXFP4 as the checkpoint has them, with biases on everything, attention sinks, n_gqa = 8.  The width
     (2880 in the real models, 320 here) is a multiple of 64 and not of 128 or 256: every 256-block type falls
-    back on the rows that long, as on the real model, and the 64-block ones (iq1_bn) fit."""
+    back on the rows that long, as on the real model, and the 64-block ones (iq1_bn) fit.  ``fused_gate_up``:
+    ffn_gate_up_exps (and its bias), which ik's loader also takes."""
     table = []
     for i in _hf_layer_order(n_layer):
         p = f"blk.{i}."
         q, kv = n_head * head_dim, n_head_kv * head_dim
         table += [(p + "attn_norm.weight", (n_embd,), F32_ID),
-                  *_experts(p, n_embd, n_ff_exp, n_expert, expert_type_id, bias=True),
+                  *_experts(p, n_embd, n_ff_exp, n_expert, expert_type_id, bias=True, fused=fused_gate_up),
                   (p + "ffn_gate_inp.bias", (n_expert,), F32_ID), (p + "ffn_gate_inp.weight", (n_embd, n_expert), F32_ID),
                   (p + "post_attention_norm.weight", (n_embd,), F32_ID),
                   (p + "attn_k.bias", (kv,), F32_ID), (p + "attn_k.weight", (n_embd, kv), type_id),

@@ -38,6 +38,8 @@ FAMILIES = {
     "glm45_air": lambda p: write_glm4moe(p),                                    # 46 + NextN, 1 dense, n_gqa 12
     "glm46": lambda p: write_glm4moe(p, n_layer=92, n_dense=3, qk_norm=True),
     "gptoss_120b": lambda p: write_gptoss(p, n_layer=36),                       # MXFP4 experts, 2880-like rows
+    "qwen3_30b_a3b_fused": lambda p: write_qwen3moe(p, fused_gate_up=True),   # ffn_gate_up_exps
+    "gptoss_20b_fused": lambda p: write_gptoss(p, fused_gate_up=True),
     "deepseek32": lambda p: write_deepseek32(p),                                # 61 layers, 3 dense, indexer
     "kimi_k2": lambda p: write_deepseek32(p, index_n_heads=0, n_dense=1, n_group=1, n_group_used=1,
                                           vocab_size=163840),
@@ -83,6 +85,8 @@ WHEEL_CASES = (
     [("qwen3_8b", p) for p in _COMMON + ["Q5_K_S", "IQ5_K", "IQ3_XXS", "IQ2_M"]]
     + [("qwen3_4b", p) for p in ["Q5_K_S", "Q4_K_M", "IQ2_XXS"]]
     + [("qwen3_30b_a3b", p) for p in _COMMON + ["IQ3_M", "IQ1_S_R4", "IQ2_XXS", "IQ3_KL"]]
+    + [("qwen3_30b_a3b_fused", p) for p in ["IQ3_XS", "IQ3_KL", "Q4_K_M"]]
+    + [("gptoss_20b_fused", p) for p in ["IQ3_XS", "IQ2_KS"]]
     + [("glm45_air", p) for p in _COMMON + ["IQ3_M", "IQ1_M_R4", "IQ2_KT"]]
     + [("glm46", p) for p in ["Q4_K_M", "IQ2_XXS"]]
     + [("gptoss_120b", p) for p in _COMMON + ["MXFP4", "Q5_K_S", "IQ4_K", "IQ1_BN", "IQ2_M"]]
@@ -154,6 +158,18 @@ def test_moe_layers_from_names_and_expert_bumps(family):
     by = plan_types(src, "IQ1_S_R4")
     assert by["blk.7.attn_q.weight"] == by["blk.7.attn_k.weight"] == "q4_k_r4"
     assert by["blk.0.ffn_up_exps.weight"] == "iq3_k_r4" and by["blk.1.ffn_up_exps.weight"] == "iq1_s_r4"
+
+
+def test_fused_gate_up_experts_count_as_ffn_gate(family):
+    """ffn_gate_up_exps holds "ffn_gate" (and not "ffn_up"): both forks give it ffn_gate's rules, e.g. IQ3_XS's
+    iq3_xxs in the middle layers (n/8 <= i < 7n/8) and iq3_s at the ends; ffn_up has no tensor left."""
+    src = family("qwen3_30b_a3b_fused")
+    for flavor in ("ik", "mainline"):
+        by = plan_types(src, "IQ3_XS", flavor=flavor)
+        assert [by[f"blk.{i}.ffn_gate_up_exps.weight"] for i in (5, 6, 41, 42)] == \
+            ["iq3_s", "iq3_xxs", "iq3_xxs", "iq3_s"], flavor
+    by = plan_types(src, "IQ3_KL")      # ik: use_more_bits layers iq4_ks, the rest iq3_k
+    assert [by[f"blk.{i}.ffn_gate_up_exps.weight"] for i in (0, 6, 7, 8)] == ["iq4_ks", "iq3_k", "iq3_k", "iq4_ks"]
 
 
 def test_glm4moe_nextn_layer_is_a_layer(family):
