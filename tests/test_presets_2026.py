@@ -111,6 +111,22 @@ def test_mix_matches_llama_quantize_dry_run(family, ones_imatrix, name, preset):
     assert plan.file_type == PRESETS[preset].ftype("ik")
 
 
+@needs_wheel
+@pytest.mark.parametrize("name,first", [("qwen3_8b", "blk.0.attn_k.weight"), ("glm45_air", "blk.0.attn_q.weight"),
+                                        ("deepseek32", "blk.0.attn_q_a.weight")])
+def test_iq3_xxs_without_imatrix_stops_on_the_same_tensor(family, name, first):
+    """IQ3_XXS gives attn_q/attn_k (ik: every name holding them, attn_q_a included) iq2_s, which needs an
+    imatrix: both stop on the first such tensor in file order, which the checkpoint's sorted names decide
+    (Qwen3's self_attn.k_proj comes before q_proj)."""
+    src = family(name)
+    rc, _, out = wheel_dry_run(src, "IQ3_XXS")
+    assert rc != 0 and f"Missing importance matrix for tensor {first} in a very low-bit quantization" in out
+    with quantkit.open_quantization(src, None, "IQ3_XXS") as q:
+        assert q.problems and str(q.problems[0]).startswith(
+            f"this quantization requires an imatrix! Missing importance matrix for tensor {first} "
+            f"in a very low-bit quantization (iq2_s)"), q.problems
+
+
 # ---------------------------------------------------------------------------------- the rules, spelled out
 def test_qwen3_8b_class_big_vocab_rules(family):
     """36 layers and a width other than 2560 make Qwen3 MODEL_8B in ik, and its vocabulary is >= 127999:
