@@ -14,6 +14,7 @@ import pytest
 
 import peers
 import quantkit
+from conftest import REPO
 from models import write_qwen3moe
 from quantkit.recipes import load_recipe
 from quantkit.types import type_name
@@ -89,8 +90,11 @@ CASES = {
     "glm-4.6-iq3_ks.txt": ("glm46", "IQ3_KS", _glm46),
     "gpt-oss-120b-mxfp4.txt": ("gptoss_120b", "Q8_0", _gptoss),
     "deepseek-v3.2-iq3_ks.txt": ("deepseek32", "IQ3_KS", _deepseek32),
-    "kimi-k2-q4_x.txt": ("kimi_k2", "Q8_0", _kimi),
 }
+# Kimi's Q4_X recipe comes with the kimi branch (TYPE Q4_X holds the same rules): tested here on the Kimi
+# fixture once both are in the tree.  (Until the merge this branch has no such file.)
+if (REPO / RECIPES / "kimi-k2-q4_x.txt").is_file():
+    CASES["kimi-k2-q4_x.txt"] = ("kimi_k2", "Q8_0", _kimi)
 FIXTURES = {**FAMILIES, "qwen3_235b_a22b": lambda p: write_qwen3moe(p, n_layer=94, n_head=16)}
 
 
