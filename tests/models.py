@@ -524,7 +524,7 @@ def write_qwen3moe(path: Path, n_layer=48, n_embd=256, n_ff=768, n_ff_exp=256, n
         p = f"blk.{i}."
         table += [(p + "attn_norm.weight", (n_embd,), F32_ID),
                   *_experts(p, n_embd, n_ff_exp, n_expert, type_id, fused=fused_gate_up),
-                  (p + "ffn_gate_inp.weight", (n_embd, n_expert), F32_ID if type_id == F32_ID else type_id),
+                  (p + "ffn_gate_inp.weight", (n_embd, n_expert), F32_ID),
                   (p + "ffn_norm.weight", (n_embd,), F32_ID),
                   *_gqa_attention(p, n_embd, n_head, n_head_kv, head_dim, type_id)]
 
@@ -543,10 +543,10 @@ def write_glm4moe(path: Path, n_layer=46, n_dense=1, nextn=1, n_embd=256, n_ff=5
                   n_expert_used=8, n_shared=1, n_head=12, n_head_kv=1, head_dim=128, n_vocab=256,
                   vocab_size=151552, qk_norm=False, type_id=F16_ID, sparse=True, seed=0) -> Path:
     """GLM-4.5-Air's class (glm4moe): ``n_layer`` layers, the first ``n_dense`` dense, then routed experts
-    (128 in the real model, 16 by default; sigmoid gate with exp_probs_b) and a shared expert; attention with q/k/v biases (``qk_norm``: GLM-4.5's
-    q/k norms), half-rotary heads, n_gqa = 12; and ``nextn`` NextN/MTP layers after them, which ik's
-    converter keeps (block_count counts them) with their nextn.* tensors.  GLM-4.5: 92 + 1 layers, 160
-    experts, 3 dense."""
+    (128 in the real model, 16 by default; sigmoid gate with exp_probs_b) and a shared expert; attention
+    with q/k/v biases (``qk_norm``: GLM-4.5's q/k norms), half-rotary heads, n_gqa = 12; and ``nextn``
+    NextN/MTP layers after them, which ik's converter keeps (block_count counts them) with their nextn.*
+    tensors.  GLM-4.5: 92 + 1 layers, 160 experts, 3 dense."""
     n_total = n_layer + nextn
     table = []
     for i in _hf_layer_order(n_total):
@@ -602,7 +602,8 @@ def write_gptoss(path: Path, n_layer=24, n_embd=320, n_ff_exp=320, n_expert=32, 
         q, kv = n_head * head_dim, n_head_kv * head_dim
         table += [(p + "attn_norm.weight", (n_embd,), F32_ID),
                   *_experts(p, n_embd, n_ff_exp, n_expert, expert_type_id, bias=True, fused=fused_gate_up),
-                  (p + "ffn_gate_inp.bias", (n_expert,), F32_ID), (p + "ffn_gate_inp.weight", (n_embd, n_expert), F32_ID),
+                  (p + "ffn_gate_inp.bias", (n_expert,), F32_ID),
+                  (p + "ffn_gate_inp.weight", (n_embd, n_expert), F32_ID),
                   (p + "post_attention_norm.weight", (n_embd,), F32_ID),
                   (p + "attn_k.bias", (kv,), F32_ID), (p + "attn_k.weight", (n_embd, kv), type_id),
                   (p + "attn_output.bias", (n_embd,), F32_ID), (p + "attn_output.weight", (q, n_embd), type_id),
@@ -631,10 +632,11 @@ def write_deepseek32(path: Path, n_layer=61, n_dense=3, n_embd=256, n_ff=512, n_
                      n_group=8, n_group_used=4, type_id=F16_ID, sparse=True, seed=0) -> Path:
     """DeepSeek-V3.2 (deepseek2 with the DSA lightning indexer), as mainline's converter writes it: MLA in
     the mainline layout (one KV head, 3-D attn_k_b/attn_v_b, no attn_kv_b), 61 layers of which 3 dense,
-    256 experts (16 by default) in 8 groups, one shared, and per layer blk.N.indexer.{attn_q_b, attn_k, k_norm, proj} with
-    the attention.indexer.* keys.  Kimi-K2 is the same without the indexer: ``index_n_heads=0``, 384
-    experts, 1 dense layer, one group, vocab 163840.  ``n_head`` stays a multiple of 4 and the head sizes
-    DeepSeek's: ik converts mainline MLA files only then."""
+    256 experts (16 by default) in 8 groups, one shared, and per layer
+    blk.N.indexer.{attn_q_b, attn_k, k_norm, proj} with the attention.indexer.* keys.  Kimi-K2 is the same
+    without the indexer: ``index_n_heads=0``, 384 experts, 1 dense layer, one group, vocab 163840.
+    ``n_head`` stays a multiple of 4 and the head sizes DeepSeek's: ik converts mainline MLA files only
+    then."""
     base = deepseek_v3_tensors(n_layer=n_layer, n_dense=n_dense, n_embd=n_embd, n_ff=n_ff, n_ff_exp=n_ff_exp,
                                n_expert=n_expert, n_head=n_head, q_lora=q_lora, kv_lora=kv_lora, qk_nope=qk_nope,
                                qk_rope=qk_rope, v_head=v_head, n_vocab=n_vocab, type_id=type_id, with_kv_b=False)

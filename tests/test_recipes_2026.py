@@ -84,7 +84,8 @@ def _kimi(name, i):
 # recipe file -> (fixture, TYPE, the promised type of each quantized tensor)
 CASES = {
     "qwen3-8b-iq4_ks.txt": ("qwen3_8b", "IQ4_KS", _qwen3_8b),
-    "qwen3-30b-a3b-iq4_ks.txt": ("qwen3_30b_a3b", "IQ4_KS", _qwen3moe(48, "iq5_ks", "iq6_k", "iq4_ks", "iq5_ks", "q8_0")),
+    "qwen3-30b-a3b-iq4_ks.txt": ("qwen3_30b_a3b", "IQ4_KS",
+                                 _qwen3moe(48, "iq5_ks", "iq6_k", "iq4_ks", "iq5_ks", "q8_0")),
     "qwen3-235b-a22b-iq3_k.txt": ("qwen3_235b_a22b", "IQ3_K", _qwen3moe(94, "iq4_ks", "iq5_ks", "iq3_k", "iq4_ks",
                                                                       "iq6_k")),
     "glm-4.6-iq3_ks.txt": ("glm46", "IQ3_KS", _glm46),
