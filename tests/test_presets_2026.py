@@ -270,6 +270,10 @@ def test_ik_arm_layouts_fall_back_per_row_group(tmp_path):
     assert by["blk.1.indexer.attn_k.weight"] == "q8_0" and by["blk.1.attn_q_b.weight"] == "q4_0_8x8"
     by = plan_types(src, "Q4_0_4_4")
     assert by["token_embd.weight"] == "q4_0" and by["blk.1.indexer.proj.weight"] == "q4_0_4x4"
+    if peers.llama_quantize_bin() is not None:
+        for preset in ("Q4_0_8_8", "Q4_0_4_4"):
+            rc, theirs, out = wheel_dry_run(src, preset)
+            assert rc == 0 and {n: type_name(t) for n, t in theirs.items()} == plan_types(src, preset), out[-2000:]
 
 
 # ---------------------------------------------------------------------------------- real runs
