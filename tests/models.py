@@ -447,25 +447,17 @@ def _add_common_keys(w, *, n_layer, n_embd, n_ff, n_head, n_head_kv, head_dim, v
 
 
 def _gqa_attention(p, n_embd, n_head, n_head_kv, head_dim, t, *, bias=False, qk_norm=True):
-    """A GQA attention block's tensors in checkpoint order (self_attn.k_norm, k_proj, o_proj, q_norm,
-    q_proj, v_proj)."""
+    """A GQA attention block's tensors in checkpoint order (self_attn.k_norm, k_proj.bias, k_proj.weight,
+    o_proj, q_norm, q_proj, v_proj)."""
     q, kv = n_head * head_dim, n_head_kv * head_dim
-    rows = []
-    if qk_norm:
-        rows.append((p + "attn_k_norm.weight", (head_dim,), F32_ID))
-    rows.append((p + "attn_k.weight", (n_embd, kv), t))
-    if bias:
-        rows.append((p + "attn_k.bias", (kv,), F32_ID))
-    rows.append((p + "attn_output.weight", (q, n_embd), t))
-    if qk_norm:
-        rows.append((p + "attn_q_norm.weight", (head_dim,), F32_ID))
+    rows = [(p + "attn_k_norm.weight", (head_dim,), F32_ID)] if qk_norm else []
+    rows += [(p + "attn_k.bias", (kv,), F32_ID)] if bias else []
+    rows += [(p + "attn_k.weight", (n_embd, kv), t), (p + "attn_output.weight", (q, n_embd), t)]
+    rows += [(p + "attn_q_norm.weight", (head_dim,), F32_ID)] if qk_norm else []
+    rows += [(p + "attn_q.bias", (q,), F32_ID)] if bias else []
     rows.append((p + "attn_q.weight", (n_embd, q), t))
-    if bias:
-        rows.append((p + "attn_q.bias", (q,), F32_ID))
-    rows.append((p + "attn_v.weight", (n_embd, kv), t))
-    if bias:
-        rows.append((p + "attn_v.bias", (kv,), F32_ID))
-    return rows
+    rows += [(p + "attn_v.bias", (kv,), F32_ID)] if bias else []
+    return rows + [(p + "attn_v.weight", (n_embd, kv), t)]
 
 
 def _experts(p, n_embd, n_ff_exp, n_expert, t, *, bias=False, fused=False):
@@ -551,24 +543,26 @@ def write_glm4moe(path: Path, n_layer=46, n_dense=1, nextn=1, n_embd=256, n_ff=5
     table = []
     for i in _hf_layer_order(n_total):
         p = f"blk.{i}."
-        rows = [(p + "attn_norm.weight", (n_embd,), F32_ID)]
+        # model.layers.N.{eh_proj, embed_tokens, enorm, hnorm} sort before input_layernorm, shared_head.* last
+        rows = [(p + "nextn.eh_proj.weight", (2 * n_embd, n_embd), type_id),
+                (p + "nextn.embed_tokens.weight", (n_embd, n_vocab), type_id),
+                (p + "nextn.enorm.weight", (n_embd,), F32_ID),
+                (p + "nextn.hnorm.weight", (n_embd,), F32_ID)] if i >= n_layer else []
+        rows.append((p + "attn_norm.weight", (n_embd,), F32_ID))
         if i < n_dense:
             rows += _dense_ffn(p, n_embd, n_ff, type_id)
         else:
-            rows += [(p + "exp_probs_b.bias", (n_expert,), F32_ID),
-                     *_experts(p, n_embd, n_ff_exp, n_expert, type_id),
+            # mlp.experts.* (stacked when the last one is read), mlp.gate.{e_score_correction_bias, weight},
+            # mlp.shared_experts.*
+            rows += [*_experts(p, n_embd, n_ff_exp, n_expert, type_id),
+                     (p + "exp_probs_b.bias", (n_expert,), F32_ID),
                      (p + "ffn_gate_inp.weight", (n_embd, n_expert), F32_ID),
                      *_dense_ffn(p, n_embd, n_ff_exp * n_shared, type_id, "_shexp")]
-        if i >= n_layer:
-            # model.layers.N.eh_proj, embed_tokens, enorm, hnorm sort before input_layernorm… close enough: the
-            # quantize rules look at names, not positions, for these
-            rows += [(p + "nextn.eh_proj.weight", (2 * n_embd, n_embd), type_id),
-                     (p + "nextn.embed_tokens.weight", (n_embd, n_vocab), type_id),
-                     (p + "nextn.enorm.weight", (n_embd,), F32_ID), (p + "nextn.hnorm.weight", (n_embd,), F32_ID),
-                     (p + "nextn.shared_head_head.weight", (n_embd, n_vocab), type_id),
-                     (p + "nextn.shared_head_norm.weight", (n_embd,), F32_ID)]
         rows += [(p + "post_attention_norm.weight", (n_embd,), F32_ID),
                  *_gqa_attention(p, n_embd, n_head, n_head_kv, head_dim, type_id, bias=True, qk_norm=qk_norm)]
+        if i >= n_layer:
+            rows += [(p + "nextn.shared_head_head.weight", (n_embd, n_vocab), type_id),
+                     (p + "nextn.shared_head_norm.weight", (n_embd,), F32_ID)]
         table += rows
 
     def keys(w):
@@ -626,6 +620,20 @@ def write_gptoss(path: Path, n_layer=24, n_embd=320, n_ff_exp=320, n_expert=32, 
                         seed=seed)
 
 
+# a DeepSeek layer's tensors in the order of their checkpoint names (input_layernorm, mlp.experts.* stacked
+# when the last is read, mlp.gate.*, mlp.shared_experts.*, post_attention_layernorm, self_attn.indexer.{k_norm,
+# weights_proj, wk, wq_b}, kv_a_layernorm, kv_a_proj_with_mqa, kv_b_proj (split), o_proj, q_a_layernorm, q_a_proj,
+# q_b_proj), as a converted file lists them
+_DEEPSEEK_HF_ORDER = [
+    "attn_norm.weight", "ffn_down.weight", "ffn_gate.weight", "ffn_up.weight",
+    "ffn_down_exps.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "exp_probs_b.bias", "ffn_gate_inp.weight",
+    "ffn_down_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_norm.weight",
+    "indexer.k_norm.bias", "indexer.k_norm.weight", "indexer.proj.weight", "indexer.attn_k.weight",
+    "indexer.attn_q_b.weight", "attn_kv_a_norm.weight", "attn_kv_a_mqa.weight", "attn_kv_b.weight",
+    "attn_k_b.weight", "attn_v_b.weight", "attn_output.weight", "attn_q_a_norm.weight", "attn_q_a.weight",
+    "attn_q_b.weight"]
+
+
 def write_deepseek32(path: Path, n_layer=61, n_dense=3, n_embd=256, n_ff=512, n_ff_exp=256, n_expert=16,
                      n_expert_used=8, n_head=8, q_lora=256, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128,
                      n_vocab=256, vocab_size=129280, index_n_heads=64, index_head_dim=128, index_topk=2048,
@@ -642,25 +650,20 @@ def write_deepseek32(path: Path, n_layer=61, n_dense=3, n_embd=256, n_ff=512, n_
                                qk_rope=qk_rope, v_head=v_head, n_vocab=n_vocab, type_id=type_id, with_kv_b=False)
     rows = {}
     for name, shape, t in base:
-        i = layer_of_name(name)
-        rows.setdefault(i, []).append((name, shape, t))
-    table = rows.pop(None)
-    head = [r for r in table if r[0] != "output_norm.weight"]
-    tail = [r for r in table if r[0] == "output_norm.weight"]
-    table = head
+        rows.setdefault(layer_of_name(name), []).append((name, shape, t))
+    ends = rows.pop(None)
+    table = [r for r in ends if r[0] != "output_norm.weight"]
     for i in _hf_layer_order(n_layer):
         p = f"blk.{i}."
         layer = rows[i]
         if index_n_heads:
-            # self_attn.indexer.{k_norm (LayerNorm: weight and bias), weights_proj, wk, wq_b}
             layer += [(p + "indexer.k_norm.bias", (index_head_dim,), F32_ID),
                       (p + "indexer.k_norm.weight", (index_head_dim,), F32_ID),
                       (p + "indexer.proj.weight", (n_embd, index_n_heads), type_id),
                       (p + "indexer.attn_k.weight", (n_embd, index_head_dim), type_id),
                       (p + "indexer.attn_q_b.weight", (q_lora, index_n_heads * index_head_dim), type_id)]
-        table += layer
-    table += tail
-
+        table += sorted(layer, key=lambda r: _DEEPSEEK_HF_ORDER.index(r[0][len(p):]))
+    table += [r for r in ends if r[0] == "output_norm.weight"]
     def keys(w):
         a = "deepseek2"
         w.add_block_count(n_layer)

@@ -113,11 +113,12 @@ def test_mix_matches_llama_quantize_dry_run(family, ones_imatrix, name, preset):
 
 @needs_wheel
 @pytest.mark.parametrize("name,first", [("qwen3_8b", "blk.0.attn_k.weight"), ("glm45_air", "blk.0.attn_q.weight"),
-                                        ("deepseek32", "blk.0.attn_q_a.weight")])
+                                        ("deepseek32", "blk.0.indexer.attn_q_b.weight"),
+                                        ("kimi_k2", "blk.0.attn_q_a.weight")])
 def test_iq3_xxs_without_imatrix_stops_on_the_same_tensor(family, name, first):
     """IQ3_XXS gives attn_q/attn_k (ik: every name holding them, attn_q_a included) iq2_s, which needs an
     imatrix: both stop on the first such tensor in file order, which the checkpoint's sorted names decide
-    (Qwen3's self_attn.k_proj comes before q_proj)."""
+    (Qwen3's self_attn.k_proj comes before q_proj, V3.2's self_attn.indexer.wq_b before q_a_proj)."""
     src = family(name)
     rc, _, out = wheel_dry_run(src, "IQ3_XXS")
     assert rc != 0 and f"Missing importance matrix for tensor {first} in a very low-bit quantization" in out
