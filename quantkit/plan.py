@@ -207,6 +207,19 @@ def _row_fallback(qtype: QuantType, n_per_row: int, flavor: str) -> QuantType:
     return LAST_RESORT
 
 
+# ik's interleaved_properties also lists the ARM layouts q4_0_4x4/4x8/8x8 (quantkit does not write them, so
+# their traits have no row group): token embeddings and row counts off the group fall back to q4_0 there too
+_ARM_Q4_0_GROUPS = {T.Q4_0_4_4: 4, T.Q4_0_4_8: 4, T.Q4_0_8_8: 8}
+
+
+def _row_group(qtype: QuantType) -> tuple[int, QuantType | None]:
+    """(rows interleaved together, the layout to fall back to) of ``qtype``."""
+    if qtype in _ARM_Q4_0_GROUPS:
+        return _ARM_Q4_0_GROUPS[qtype], T.Q4_0
+    tt = traits(qtype)
+    return tt.interleave_rows, tt.group_fallback or tt.base
+
+
 def _row_length_note(n_per_row: int, qtype: QuantType, fixed: QuantType) -> str:
     return (f"row length {n_per_row} is not a multiple of {type_name(qtype)}'s block {traits(qtype).block_size}: "
             f"using {type_name(fixed)}")
@@ -330,15 +343,14 @@ def make_plan(tensors, opts: PlanOptions) -> Plan:
             tp.requested, tp.dst_type = dst, fixed
             tp.notes.append(_row_length_note(shape[0], dst, fixed))
         # (5) interleaved layouts
-        tt = traits(tp.dst_type)
-        base = tt.group_fallback or tt.base
-        if tt.interleave_rows > 1 and base is not None:
+        group, base = _row_group(tp.dst_type)
+        if group > 1 and base is not None:
             n_rows_per_matrix = shape[1] if len(shape) > 1 else 1
             why = None
             if name in TOKEN_EMBD_NAMES:
                 why = "token embeddings are never stored interleaved"
-            elif n_rows_per_matrix % tt.interleave_rows:
-                why = f"{n_rows_per_matrix} rows are not a multiple of {tt.interleave_rows}"
+            elif n_rows_per_matrix % group:
+                why = f"{n_rows_per_matrix} rows are not a multiple of {group}"
             if why:
                 tp.requested = tp.requested or tp.dst_type
                 tp.notes.append(f"{why}: using {type_name(base)}")

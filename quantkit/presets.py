@@ -12,6 +12,13 @@ first and last ``ffn_down`` layers, …).  The rules below transcribe the C code
 
 The functions here only choose types.  Row-length and row-interleave fallbacks, recipes and the
 ``--token-embedding-type``/``--output-tensor-type`` overrides are applied by plan.py.
+
+Neither fork's llama_tensor_get_type names qwen3, qwen3moe, glm4moe, gpt-oss or deepseek2 (V3.2, Kimi-K2):
+their mixes follow from what the rules read, which ModelInfo gathers from the metadata as llm_load_hparams
+does: the expert count, n_gqa (ik: DeepSeek MLA files' one KV head counts as n_head), block_count with
+GLM's NextN layer in it, Qwen3's MODEL_8B class; and from name substrings (ik's "attn_k" also takes
+attn_k_b, attn_kv_a_mqa and V3.2's indexer.attn_k, "attn_q" attn_q_a/attn_q_b and indexer.attn_q_b,
+"ffn_gate" the fused ffn_gate_up_exps).  tests/test_presets_2026.py checks them against the wheel.
 """
 from __future__ import annotations
 

@@ -368,3 +368,345 @@ def _keep_type(old, value, inferred):
     if old in ints and isinstance(value, int):
         return T.INT32 if value < 0 and old.name.startswith("UINT") else old
     return inferred
+
+
+# ---------------------------------------------------------------------------------- 2026 architectures
+# Tiny GGUFs of qwen3, qwen3moe, glm4moe, gpt-oss and DeepSeek-V3.2 with the tensor names, shapes, types
+# and metadata keys the converters write (ik_llama.cpp's convert_hf_to_gguf.py; mainline's for gpt-oss and
+# V3.2), for the quantize rules: the real models' layer counts, expert counts and GQA ratios, with small
+# widths.  Tensors come in the order a converted file has them: the checkpoint's (sorted) names, so
+# layers 0, 1, 10, 11, … 2, 20, … as a sharded safetensors checkpoint lists them; llama-quantize's
+# counters run in that order.  ``sparse=True`` writes the data as a hole (zeros, no disk or time spent):
+# enough for plans and the wheel's --dry-run (which reads it only to validate it: its time grows with the
+# file's size).  Expert counts default to 16: the rules ask only for >= 4 and >= 8 (ik) or == 8
+# (mainline), so 16 steers them as the real 128-384 do, at a fraction of the bytes.
+
+F32_ID, F16_ID, BF16_ID, MXFP4_ID = 0, 1, 30, 39
+
+
+def _hf_layer_order(n_layer: int) -> list[int]:
+    """Layer indices as sorted safetensors names list them (str order)."""
+    return sorted(range(n_layer), key=str)
+
+
+def _write_table(path: Path, arch: str, add_keys, table: list[tuple[str, tuple, int]], *, sparse: bool,
+                 seed: int = 0) -> Path:
+    """Write ``table`` ((name, ggml shape, type id) in file order) with gguf-py, after the metadata
+    ``add_keys(writer)`` adds.  Data: ones for norms, small random values otherwise (MXFP4: random
+    nibbles, scales near 2^-6); with ``sparse``, a hole."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    add_keys(w)
+    Q = gguf.GGMLQuantizationType
+    for name, shape, type_id in table:
+        np_shape = tuple(reversed(shape))
+        qtype = Q(type_id)
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(shape)) // block * type_size
+        if sparse:
+            if type_id in (F32_ID, F16_ID):
+                w.add_tensor_info(name, np_shape, np.dtype(np.float32 if type_id == F32_ID else np.float16), nbytes)
+            else:
+                byte_shape = (*np_shape[:-1], np_shape[-1] // block * type_size)
+                w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+            continue
+        if type_id == MXFP4_ID:
+            blocks = rng.integers(0, 256, (nbytes // type_size, type_size), dtype=np.uint8)
+            blocks[:, 0] = rng.integers(118, 124, nbytes // type_size)     # E8M0 scales 2^-9 … 2^-4
+            data = blocks.reshape(*np_shape[:-1], np_shape[-1] // block * type_size)
+            w.add_tensor(name, data, raw_dtype=qtype)
+            continue
+        x = np.ones(np_shape, np.float32) if name.endswith("norm.weight") else _w(rng, *np_shape)
+        if type_id == BF16_ID:
+            bits = (x.view(np.uint32) + 0x8000) >> 16
+            w.add_tensor(name, bits.astype(np.uint16), raw_shape=np_shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, x.astype(np.float16) if type_id == F16_ID else x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    if sparse:
+        w.write_ti_data_to_file()
+        w.write_padding(w.fout[0], w.fout[0].tell())
+        end = w.fout[0].tell() + sum(gguf.GGUFWriter.ggml_pad(ti.nbytes, w.data_alignment)
+                                     for ti in w.tensors[0].values())
+        w.fout[0].truncate(end)
+    else:
+        w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_common_keys(w, *, n_layer, n_embd, n_ff, n_head, n_head_kv, head_dim, vocab_size, rope_dims,
+                     rope_base, eps, file_type, context=4096):
+    w.add_block_count(n_layer)
+    w.add_context_length(context)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_freq_base(rope_base)
+    w.add_layer_norm_rms_eps(eps)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(rope_dims)
+    w.add_vocab_size(vocab_size)
+    w.add_file_type(file_type)
+
+
+def _gqa_attention(p, n_embd, n_head, n_head_kv, head_dim, t, *, bias=False, qk_norm=True):
+    """A GQA attention block's tensors in checkpoint order (self_attn.k_norm, k_proj.bias, k_proj.weight,
+    o_proj, q_norm, q_proj, v_proj)."""
+    q, kv = n_head * head_dim, n_head_kv * head_dim
+    rows = [(p + "attn_k_norm.weight", (head_dim,), F32_ID)] if qk_norm else []
+    rows += [(p + "attn_k.bias", (kv,), F32_ID)] if bias else []
+    rows += [(p + "attn_k.weight", (n_embd, kv), t), (p + "attn_output.weight", (q, n_embd), t)]
+    rows += [(p + "attn_q_norm.weight", (head_dim,), F32_ID)] if qk_norm else []
+    rows += [(p + "attn_q.bias", (q,), F32_ID)] if bias else []
+    rows.append((p + "attn_q.weight", (n_embd, q), t))
+    rows += [(p + "attn_v.bias", (kv,), F32_ID)] if bias else []
+    return rows + [(p + "attn_v.weight", (n_embd, kv), t)]
+
+
+def _experts(p, n_embd, n_ff_exp, n_expert, t, *, bias=False, fused=False):
+    """Stacked routed experts; ``fused``: gate and up in one ffn_gate_up_exps [n_embd, 2 n_ff_exp, n_expert]
+    (what ik's loader merges them into, and files written so)."""
+    rows = [(p + "ffn_down_exps.weight", (n_ff_exp, n_embd, n_expert), t)]
+    rows += [(p + "ffn_down_exps.bias", (n_embd, n_expert), F32_ID)] if bias else []
+    if fused:
+        rows.append((p + "ffn_gate_up_exps.weight", (n_embd, 2 * n_ff_exp, n_expert), t))
+        return rows + ([(p + "ffn_gate_up_exps.bias", (2 * n_ff_exp, n_expert), F32_ID)] if bias else [])
+    for which in ("gate", "up"):
+        rows.append((p + f"ffn_{which}_exps.weight", (n_embd, n_ff_exp, n_expert), t))
+        rows += [(p + f"ffn_{which}_exps.bias", (n_ff_exp, n_expert), F32_ID)] if bias else []
+    return rows
+
+
+def _dense_ffn(p, n_embd, n_ff, t, suffix=""):
+    return [(p + f"ffn_down{suffix}.weight", (n_ff, n_embd), t), (p + f"ffn_gate{suffix}.weight", (n_embd, n_ff), t),
+            (p + f"ffn_up{suffix}.weight", (n_embd, n_ff), t)]
+
+
+def _ends(table, n_embd, n_vocab, t, tied):
+    """lm_head sorts before model.*, model.norm after the layers."""
+    head = [] if tied else [("output.weight", (n_embd, n_vocab), t)]
+    return head + [("token_embd.weight", (n_embd, n_vocab), t)] + table + [("output_norm.weight", (n_embd,), F32_ID)]
+
+
+def write_qwen3(path: Path, n_layer=36, n_embd=256, n_ff=512, n_head=4, n_head_kv=1, head_dim=128, n_vocab=256,
+                vocab_size=151936, tied=False, type_id=F16_ID, sparse=True, seed=0) -> Path:
+    """Qwen3 (dense): per-head q/k RMSNorm, head_dim 128 whatever the width.  The defaults are Qwen3-8B's
+    class to the quantize rules: 36 layers and a width other than 2560 make it MODEL_8B, its vocabulary
+    (``qwen3.vocab_size``, 151936) is over 127999, n_gqa = 4; ``tied`` as the 0.6B-4B models.  The
+    embedding tables hold only ``n_vocab`` rows (llama-quantize never checks)."""
+    table = []
+    for i in _hf_layer_order(n_layer):
+        p = f"blk.{i}."
+        table += [(p + "attn_norm.weight", (n_embd,), F32_ID), *_dense_ffn(p, n_embd, n_ff, type_id),
+                  (p + "ffn_norm.weight", (n_embd,), F32_ID),
+                  *_gqa_attention(p, n_embd, n_head, n_head_kv, head_dim, type_id)]
+
+    def keys(w):
+        _add_common_keys(w, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
+                         head_dim=head_dim, vocab_size=vocab_size, rope_dims=head_dim, rope_base=1e6, eps=1e-6,
+                         file_type=type_id)
+    return _write_table(path, "qwen3", keys, _ends(table, n_embd, n_vocab, type_id, tied), sparse=sparse, seed=seed)
+
+
+def write_qwen3moe(path: Path, n_layer=48, n_embd=256, n_ff=768, n_ff_exp=256, n_expert=16, n_expert_used=8,
+                   n_head=8, n_head_kv=1, head_dim=128, n_vocab=256, vocab_size=151936, type_id=F16_ID,
+                   fused_gate_up=False, sparse=True, seed=0) -> Path:
+    """Qwen3-MoE, Qwen3-30B-A3B's class: 48 layers (94: 235B-A22B), 128 experts (16 by default, see
+    above), every layer MoE, no shared expert, n_gqa = 8 (235B: 16), q/k norms; ``fused_gate_up``:
+    ffn_gate_up_exps."""
+    table = []
+    for i in _hf_layer_order(n_layer):
+        p = f"blk.{i}."
+        table += [(p + "attn_norm.weight", (n_embd,), F32_ID),
+                  *_experts(p, n_embd, n_ff_exp, n_expert, type_id, fused=fused_gate_up),
+                  (p + "ffn_gate_inp.weight", (n_embd, n_expert), F32_ID),
+                  (p + "ffn_norm.weight", (n_embd,), F32_ID),
+                  *_gqa_attention(p, n_embd, n_head, n_head_kv, head_dim, type_id)]
+
+    def keys(w):
+        _add_common_keys(w, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
+                         head_dim=head_dim, vocab_size=vocab_size, rope_dims=head_dim, rope_base=1e6, eps=1e-6,
+                         file_type=type_id)
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
+        w.add_expert_feed_forward_length(n_ff_exp)
+    return _write_table(path, "qwen3moe", keys, _ends(table, n_embd, n_vocab, type_id, False), sparse=sparse,
+                        seed=seed)
+
+
+def write_glm4moe(path: Path, n_layer=46, n_dense=1, nextn=1, n_embd=256, n_ff=512, n_ff_exp=256, n_expert=16,
+                  n_expert_used=8, n_shared=1, n_head=12, n_head_kv=1, head_dim=128, n_vocab=256,
+                  vocab_size=151552, qk_norm=False, type_id=F16_ID, sparse=True, seed=0) -> Path:
+    """GLM-4.5-Air's class (glm4moe): ``n_layer`` layers, the first ``n_dense`` dense, then routed experts
+    (128 in the real model, 16 by default; sigmoid gate with exp_probs_b) and a shared expert; attention
+    with q/k/v biases (``qk_norm``: GLM-4.5's q/k norms), half-rotary heads, n_gqa = 12; and ``nextn``
+    NextN/MTP layers after them, which ik's converter keeps (block_count counts them) with their nextn.*
+    tensors.  GLM-4.5: 92 + 1 layers, 160 experts, 3 dense."""
+    n_total = n_layer + nextn
+    table = []
+    for i in _hf_layer_order(n_total):
+        p = f"blk.{i}."
+        # model.layers.N.{eh_proj, embed_tokens, enorm, hnorm} sort before input_layernorm, shared_head.* last
+        rows = [(p + "nextn.eh_proj.weight", (2 * n_embd, n_embd), type_id),
+                (p + "nextn.embed_tokens.weight", (n_embd, n_vocab), type_id),
+                (p + "nextn.enorm.weight", (n_embd,), F32_ID),
+                (p + "nextn.hnorm.weight", (n_embd,), F32_ID)] if i >= n_layer else []
+        rows.append((p + "attn_norm.weight", (n_embd,), F32_ID))
+        if i < n_dense:
+            rows += _dense_ffn(p, n_embd, n_ff, type_id)
+        else:
+            # mlp.experts.* (stacked when the last one is read), mlp.gate.{e_score_correction_bias, weight},
+            # mlp.shared_experts.*
+            rows += [*_experts(p, n_embd, n_ff_exp, n_expert, type_id),
+                     (p + "exp_probs_b.bias", (n_expert,), F32_ID),
+                     (p + "ffn_gate_inp.weight", (n_embd, n_expert), F32_ID),
+                     *_dense_ffn(p, n_embd, n_ff_exp * n_shared, type_id, "_shexp")]
+        rows += [(p + "post_attention_norm.weight", (n_embd,), F32_ID),
+                 *_gqa_attention(p, n_embd, n_head, n_head_kv, head_dim, type_id, bias=True, qk_norm=qk_norm)]
+        if i >= n_layer:
+            rows += [(p + "nextn.shared_head_head.weight", (n_embd, n_vocab), type_id),
+                     (p + "nextn.shared_head_norm.weight", (n_embd,), F32_ID)]
+        table += rows
+
+    def keys(w):
+        _add_common_keys(w, n_layer=n_total, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
+                         head_dim=head_dim, vocab_size=vocab_size, rope_dims=head_dim // 2, rope_base=1e6,
+                         eps=1e-5, file_type=type_id)
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
+        w.add_expert_feed_forward_length(n_ff_exp)
+        w.add_expert_shared_count(n_shared)
+        w.add_leading_dense_block_count(n_dense)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(1.0)
+        w.add_expert_weights_norm(True)
+        w.add_uint32("glm4moe.nextn_predict_layers", nextn)
+    return _write_table(path, "glm4moe", keys, _ends(table, n_embd, n_vocab, type_id, False), sparse=sparse,
+                        seed=seed)
+
+
+def write_gptoss(path: Path, n_layer=24, n_embd=320, n_ff_exp=320, n_expert=32, n_expert_used=4, n_head=8,
+                 n_head_kv=1, head_dim=64, n_vocab=256, vocab_size=201088, sliding_window=128, type_id=F16_ID,
+                 expert_type_id=MXFP4_ID, fused_gate_up=False, sparse=True, seed=0) -> Path:
+    """gpt-oss-20b's class (gpt-oss, ik's OPENAI_MOE): 24 layers (120b: 36) of 32 experts (120b: 128) stored
+    MXFP4 as the checkpoint has them, with biases on everything, attention sinks, n_gqa = 8.  The width
+    (2880 in the real models, 320 here) is a multiple of 64 and not of 128 or 256: every 256-block type falls
+    back on the rows that long, as on the real model, and the 64-block ones (iq1_bn) fit.  ``fused_gate_up``:
+    ffn_gate_up_exps (and its bias), which ik's loader also takes."""
+    table = []
+    for i in _hf_layer_order(n_layer):
+        p = f"blk.{i}."
+        q, kv = n_head * head_dim, n_head_kv * head_dim
+        table += [(p + "attn_norm.weight", (n_embd,), F32_ID),
+                  *_experts(p, n_embd, n_ff_exp, n_expert, expert_type_id, bias=True, fused=fused_gate_up),
+                  (p + "ffn_gate_inp.bias", (n_expert,), F32_ID),
+                  (p + "ffn_gate_inp.weight", (n_embd, n_expert), F32_ID),
+                  (p + "post_attention_norm.weight", (n_embd,), F32_ID),
+                  (p + "attn_k.bias", (kv,), F32_ID), (p + "attn_k.weight", (n_embd, kv), type_id),
+                  (p + "attn_output.bias", (n_embd,), F32_ID), (p + "attn_output.weight", (q, n_embd), type_id),
+                  (p + "attn_q.bias", (q,), F32_ID), (p + "attn_q.weight", (n_embd, q), type_id),
+                  (p + "attn_sinks.weight", (n_head,), F32_ID),
+                  (p + "attn_v.bias", (kv,), F32_ID), (p + "attn_v.weight", (n_embd, kv), type_id)]
+
+    def keys(w):
+        _add_common_keys(w, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff_exp, n_head=n_head, n_head_kv=n_head_kv,
+                         head_dim=head_dim, vocab_size=vocab_size, rope_dims=head_dim, rope_base=150000.0,
+                         eps=1e-5, file_type=type_id, context=131072)
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
+        w.add_expert_feed_forward_length(n_ff_exp)
+        w.add_sliding_window(sliding_window)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
+    return _write_table(path, "gpt-oss", keys, _ends(table, n_embd, n_vocab, type_id, False), sparse=sparse,
+                        seed=seed)
+
+
+# a DeepSeek layer's tensors in the order of their checkpoint names (input_layernorm, mlp.experts.* stacked
+# when the last is read, mlp.gate.*, mlp.shared_experts.*, post_attention_layernorm, self_attn.indexer.{k_norm,
+# weights_proj, wk, wq_b}, kv_a_layernorm, kv_a_proj_with_mqa, kv_b_proj (split), o_proj, q_a_layernorm, q_a_proj,
+# q_b_proj), as a converted file lists them
+_DEEPSEEK_HF_ORDER = [
+    "attn_norm.weight", "ffn_down.weight", "ffn_gate.weight", "ffn_up.weight",
+    "ffn_down_exps.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "exp_probs_b.bias", "ffn_gate_inp.weight",
+    "ffn_down_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_norm.weight",
+    "indexer.k_norm.bias", "indexer.k_norm.weight", "indexer.proj.weight", "indexer.attn_k.weight",
+    "indexer.attn_q_b.weight", "attn_kv_a_norm.weight", "attn_kv_a_mqa.weight", "attn_kv_b.weight",
+    "attn_k_b.weight", "attn_v_b.weight", "attn_output.weight", "attn_q_a_norm.weight", "attn_q_a.weight",
+    "attn_q_b.weight"]
+
+
+def write_deepseek32(path: Path, n_layer=61, n_dense=3, n_embd=256, n_ff=512, n_ff_exp=256, n_expert=16,
+                     n_expert_used=8, n_head=8, q_lora=256, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128,
+                     n_vocab=256, vocab_size=129280, index_n_heads=64, index_head_dim=128, index_topk=2048,
+                     n_group=8, n_group_used=4, type_id=F16_ID, sparse=True, seed=0) -> Path:
+    """DeepSeek-V3.2 (deepseek2 with the DSA lightning indexer), as mainline's converter writes it: MLA in
+    the mainline layout (one KV head, 3-D attn_k_b/attn_v_b, no attn_kv_b), 61 layers of which 3 dense,
+    256 experts (16 by default) in 8 groups, one shared, and per layer
+    blk.N.indexer.{attn_q_b, attn_k, k_norm, proj} with the attention.indexer.* keys.  Kimi-K2 is the same
+    without the indexer: ``index_n_heads=0``, 384 experts, 1 dense layer, one group, vocab 163840.
+    ``n_head`` stays a multiple of 4 and the head sizes DeepSeek's: ik converts mainline MLA files only
+    then."""
+    base = deepseek_v3_tensors(n_layer=n_layer, n_dense=n_dense, n_embd=n_embd, n_ff=n_ff, n_ff_exp=n_ff_exp,
+                               n_expert=n_expert, n_head=n_head, q_lora=q_lora, kv_lora=kv_lora, qk_nope=qk_nope,
+                               qk_rope=qk_rope, v_head=v_head, n_vocab=n_vocab, type_id=type_id, with_kv_b=False)
+    rows = {}
+    for name, shape, t in base:
+        rows.setdefault(layer_of_name(name), []).append((name, shape, t))
+    ends = rows.pop(None)
+    table = [r for r in ends if r[0] != "output_norm.weight"]
+    for i in _hf_layer_order(n_layer):
+        p = f"blk.{i}."
+        layer = rows[i]
+        if index_n_heads:
+            layer += [(p + "indexer.k_norm.bias", (index_head_dim,), F32_ID),
+                      (p + "indexer.k_norm.weight", (index_head_dim,), F32_ID),
+                      (p + "indexer.proj.weight", (n_embd, index_n_heads), type_id),
+                      (p + "indexer.attn_k.weight", (n_embd, index_head_dim), type_id),
+                      (p + "indexer.attn_q_b.weight", (q_lora, index_n_heads * index_head_dim), type_id)]
+        table += sorted(layer, key=lambda r: _DEEPSEEK_HF_ORDER.index(r[0][len(p):]))
+    table += [r for r in ends if r[0] == "output_norm.weight"]
+    def keys(w):
+        a = "deepseek2"
+        w.add_block_count(n_layer)
+        w.add_context_length(163840)
+        w.add_embedding_length(n_embd)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(1)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_expert_used_count(n_expert_used)
+        w.add_vocab_size(vocab_size)
+        w.add_uint32(f"{a}.leading_dense_block_count", n_dense)
+        w.add_uint32(f"{a}.attention.q_lora_rank", q_lora)
+        w.add_uint32(f"{a}.attention.kv_lora_rank", kv_lora)
+        w.add_uint32(f"{a}.attention.key_length", kv_lora + qk_rope)
+        w.add_uint32(f"{a}.attention.value_length", kv_lora)
+        w.add_uint32(f"{a}.attention.key_length_mla", qk_nope + qk_rope)
+        w.add_uint32(f"{a}.attention.value_length_mla", v_head)
+        w.add_uint32(f"{a}.expert_feed_forward_length", n_ff_exp)
+        w.add_uint32(f"{a}.expert_count", n_expert)
+        w.add_uint32(f"{a}.expert_shared_count", 1)
+        w.add_float32(f"{a}.expert_weights_scale", 2.5)
+        w.add_bool(f"{a}.expert_weights_norm", True)
+        w.add_uint32(f"{a}.expert_gating_func", 2)
+        w.add_uint32(f"{a}.expert_group_count", n_group)
+        w.add_uint32(f"{a}.expert_group_used_count", n_group_used)
+        w.add_uint32(f"{a}.rope.dimension_count", qk_rope)
+        if index_n_heads:
+            w.add_uint32(f"{a}.attention.indexer.head_count", index_n_heads)
+            w.add_uint32(f"{a}.attention.indexer.key_length", index_head_dim)
+            w.add_uint32(f"{a}.attention.indexer.top_k", index_topk)
+        w.add_file_type(type_id)
+    return _write_table(path, "deepseek2", keys, table, sparse=sparse, seed=seed)
+
+
+def layer_of_name(name: str) -> int | None:
+    """N of a ``blk.N.`` tensor name, else None."""
+    return int(name.split(".")[1]) if name.startswith("blk.") else None

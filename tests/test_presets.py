@@ -205,9 +205,10 @@ def ones_imatrix(tmp_path_factory):
     return get
 
 
-def wheel_dry_run(src, preset, imatrix=None) -> tuple[int, dict, str]:
-    """llama-quantize --dry-run: its exit status, {tensor: the type it would write}, its output."""
-    args = ["--imatrix", str(imatrix)] if imatrix is not None else []
+def wheel_dry_run(src, preset, imatrix=None, extra=()) -> tuple[int, dict, str]:
+    """llama-quantize --dry-run (and ``extra`` options): its exit status, {tensor: the type it would
+    write}, its output."""
+    args = (["--imatrix", str(imatrix)] if imatrix is not None else []) + list(extra)
     p = subprocess.run([str(peers.llama_quantize_bin()), "--dry-run", *args, str(src), preset, "2"],
                        capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
