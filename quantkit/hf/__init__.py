@@ -15,7 +15,7 @@ from ..errors import QuantkitError
 from ..gguf_io.constants import KEY_ARCHITECTURE, MetaValue, ValueType
 from ..gguf_io.reader import ModelView, TensorInfo
 from ..types import traits
-from . import deepseek, llama
+from . import deepseek, gptoss, llama
 from .checkpoint import Checkpoint
 from .config import Config, describe
 from .lazy import LazySource
@@ -28,6 +28,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("llama", llama.convert),
     "DeepseekV3ForCausalLM": ("deepseek2", deepseek.convert),
     "DeepseekV2ForCausalLM": ("deepseek2", deepseek.convert),
+    "GptOssForCausalLM": ("gpt-oss", gptoss.convert),
 }
 
 
@@ -78,6 +79,8 @@ def _check_quantization(cfg: Config) -> None:
     if not q.raw:
         return
     method, block = q.string("quant_method", None), q.raw.get("weight_block_size", [128, 128])
+    if method == "mxfp4" and cfg.architecture == "GptOssForCausalLM":
+        return      # gpt-oss's experts as *_blocks/*_scales: hf/gptoss.py keeps them as ggml MXFP4
     if method != "fp8" or block != [128, 128]:
         raise QuantkitError(f"{cfg.path}: quantization_config {method!r} with weight_block_size {describe(block)} is "
                             "not supported (only fp8 with 128x128 blocks, as DeepSeek-V3 ships)")
