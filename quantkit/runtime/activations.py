@@ -64,8 +64,9 @@ class MainlineRounding:
             self._last = (x, block, rounded)
         return self._ops.matmul_q(w, rounded, False)     # rounded here, mainline's way
 
-    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None):
-        return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=matmul or self.matmul_q)
+    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None, biases=None, activation="silu"):
+        return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=matmul or self.matmul_q,
+                                 biases=biases, activation=activation)
 
     def warm_up(self, qtypes) -> None:
         """Make the rounding kernels of ``qtypes`` ready (runtime/warmup.py), on a scratch row."""

@@ -137,8 +137,9 @@ class ObservingOps:
             self.stats.add_heads(name, self._ops.host(x), n_mat)
         return self._ops.matmul_q_heads(ws, x, transposed)
 
-    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps):
-        return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=self.matmul_q)
+    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, biases=None, activation="silu"):
+        return self._ops.moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps, matmul=self.matmul_q,
+                                 biases=biases, activation=activation)
 
     def warm_up(self, qtypes) -> None:
         """Make the kernel that sums squares ready (runtime/warmup.py), on scratch rows: the stats
