@@ -337,26 +337,34 @@ def attention_sinks(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale:
     ``window`` > 0: the query at position p sees only the keys at p - window < j <= p (llama.cpp's
     standard sliding window: masked where p - j >= window).  ``sinks``: one logit per query head
     that joins the softmax without a value: the row maximum includes it and the sum adds
-    exp(sink - max), so the probabilities of the real keys sum to less than 1."""
+    exp(sink - max), so the probabilities of the real keys sum to less than 1.
+
+    Unlike llama's graph, ik_llama.cpp's gpt-oss graph multiplies the f16 cache with float32
+    queries and probabilities (measured: with them rounded to f16, as :func:`attention` does, the
+    logits of a tiny gpt-oss differ from the wheel's by 1e-3 x max |logit|; without, by 1e-5)."""
     n_tok, n_head, k_dim = q.shape
-    n_kv = pos0 + n_tok
     n_head_kv, v_dim = cache.k.shape[2], cache.v.shape[3]
     g = n_head // n_head_kv
-    q_pos = pos0 + np.arange(n_tok)
-    k_pos = np.arange(n_kv)
-    seen = k_pos[None, :] <= q_pos[:, None]                                    # (n_tok, n_kv)
-    if window:
-        seen &= q_pos[:, None] - k_pos[None, :] < window
-    first = int(max(0, pos0 - window + 1)) if window else 0                    # no query sees a key before it
-    q16 = _f16_round(q)
+    q = np.asarray(q, F32)
     out = np.empty((n_tok, n_head, v_dim), F32)
     sink = None if sinks is None else np.asarray(sinks, F32).reshape(n_head_kv, g)
+    block = max(1, min(QUERY_BLOCK, QUERY_ROWS // g))
 
-    def head(h):
-        keys = cache.k[layer, first:n_kv, h].astype(F32)                      # (n_seen, k_dim)
-        values = cache.v[layer, first:n_kv, h].astype(F32)
-        s = (q16[:, h * g:(h + 1) * g] @ keys.T) * F32(scale)                  # (n_tok, g, n_seen)
-        s = np.where(seen[:, None, first:], s, F32(-np.inf))
+    def head_block(job):
+        # the queries t0:t1 of key head h, against the keys any of them sees
+        h, t0 = job
+        t1 = min(n_tok, t0 + block)
+        q_pos = pos0 + np.arange(t0, t1)
+        first = max(0, pos0 + t0 - window + 1) if window else 0
+        k_pos = np.arange(first, pos0 + t1)
+        seen = k_pos[None, :] <= q_pos[:, None]                                 # (t, n_seen)
+        if window:
+            seen &= q_pos[:, None] - k_pos[None, :] < window
+        keys = cache.k[layer, first:pos0 + t1, h].astype(F32)                  # (n_seen, k_dim)
+        values = cache.v[layer, first:pos0 + t1, h].astype(F32)
+        heads = slice(h * g, (h + 1) * g)
+        s = (q[t0:t1, heads] @ keys.T) * F32(scale)                             # (t, g, n_seen)
+        s = np.where(seen[:, None, :], s, F32(-np.inf))
         m = s.max(axis=-1)
         if sink is not None:
             m = np.maximum(m, sink[h][None, :])
@@ -364,10 +372,8 @@ def attention_sinks(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale:
         total = e.sum(axis=-1, dtype=np.float64)
         if sink is not None:
             total += np.exp(sink[h][None, :] - m)
-        p = _f16_round(e * (1.0 / total).astype(F32)[..., None])
-        out[:, h * g:(h + 1) * g] = p @ values
-    for h in range(n_head_kv):
-        head(h)
+        out[t0:t1, heads] = (e * (1.0 / total).astype(F32)[..., None]) @ values
+    pool.map(head_block, [(h, t0) for h in range(n_head_kv) for t0 in range(0, n_tok, block)], n_tok)
     return out.reshape(n_tok, n_head * v_dim)
 
 

@@ -196,14 +196,16 @@ class TorchOps:
                   window: int = 0) -> torch.Tensor:
         """ops_cpu.attention: causal, grouped-query, f16 query and probabilities, the exponentials
         summed in double and multiplied by 1 / sum; gpt-oss's ``sinks`` and sliding ``window`` as
-        ops_cpu.attention_sinks has them."""
+        ops_cpu.attention_sinks has them (with float32 queries and probabilities)."""
+        gpt = sinks is not None or window > 0
+        rounded = (lambda t: t) if gpt else _f16_round
         n_tok, n_head, k_dim = q.shape
         n_kv = pos0 + n_tok
         k = cache.k[layer, :n_kv].to(F32)                       # (n_kv, hkv, k_dim)
         v = cache.v[layer, :n_kv].to(F32)
         n_head_kv, v_dim = k.shape[1], v.shape[2]
         g = n_head // n_head_kv
-        qh = _f16_round(q).reshape(n_tok, n_head_kv, g, k_dim).permute(1, 2, 0, 3)     # (hkv, g, t, d)
+        qh = rounded(q).reshape(n_tok, n_head_kv, g, k_dim).permute(1, 2, 0, 3)        # (hkv, g, t, d)
         scores = (qh @ k.permute(1, 2, 0)[:, None]) * scale                          # (hkv, g, t, n_kv)
         k_pos = torch.arange(n_kv, device=self.device)[None, :]
         q_pos = (pos0 + torch.arange(n_tok, device=self.device))[:, None]
@@ -220,7 +222,7 @@ class TorchOps:
         if sinks is not None:
             total = total + torch.exp(sink - row_max).to(torch.float64)
         inv_total = (1.0 / total).to(F32)
-        out = _f16_round(e * inv_total) @ v.permute(1, 0, 2)[:, None]                  # (hkv, g, t, v_dim)
+        out = rounded(e * inv_total) @ v.permute(1, 0, 2)[:, None]                     # (hkv, g, t, v_dim)
         return out.permute(2, 0, 1, 3).reshape(n_tok, n_head * v_dim)
 
     def attention_mla(self, q_rope, q_lat, cache, layer, pos0, scale):
