@@ -55,9 +55,6 @@ def moe(m, i: int, h):
 
 
 def _expert_bias(m, name: str):
-    """A per-expert bias (n_expert, n_out) as float32 on the backend, made once."""
-    b = m._norms.get(name)
-    if b is None:
-        w = m.w.need(name)                                  # ggml (n_out, n_expert): a row per expert
-        b = m._norms[name] = m.ops.param(w.rows(0, w.blocks.shape[0]))
-    return b
+    """A per-expert bias, ggml (n_out, n_expert), as (n_expert, n_out) float32 on the backend."""
+    w = m.w.need(name)
+    return m.vector(name).reshape(w.n_out, w.n_in)
