@@ -8,6 +8,12 @@ Its expert weights are MXFP4 values, so the same model exists twice: float32 as 
 it, and with the experts in HF's quantized layout (``*_blocks``/``*_scales``), which the
 converter must keep as ggml MXFP4 bit for bit.
 
+Its YaRN config says ``truncate: true``: ggml (ik_llama.cpp, mainline, and so our runtime; the GGUF
+has no key for it) always rounds YaRN's correction range out to whole dims, which transformers does
+only with truncate (gpt-oss's own config has ``truncate: false``: measured on this tiny model, the
+wheel's logits and ours then differ from transformers' by 0.93 x max |logit|, agreeing with each
+other to 1e-4).
+
 References: transformers' float32 logits (the issue's bar: within 1e-3 x max |logit|, the same top
 token at >= 99% of positions), the wheel's logits on the same file, the wheel's MXFP4 decoder.
 """

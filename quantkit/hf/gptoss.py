@@ -10,6 +10,9 @@ as floats, ``gate_up_proj`` (n_expert, n_embd, 2 * n_ff) with gate and up column
 bit (:class:`~quantkit.hf.lazy.MXFP4Experts`).  Either way the GGUF has ``ffn_{gate,up,down}_exps``
 and their biases, the post-attention norm under ``post_attention_norm``.
 
+YaRN's ``truncate: false`` (gpt-oss's config) has no GGUF key and is not written: llama.cpp always
+rounds the correction range out to whole dims (transformers does so only with ``truncate: true``).
+
 Sliding-window attention alternates, even layers windowed, as llama.cpp's gpt-oss graph hard-codes
 (a checkpoint with other ``layer_types`` is refused); so does the activation's clamp (7) and alpha
 (1.702), which the GGUF has no keys for.
