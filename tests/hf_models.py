@@ -268,12 +268,15 @@ def save_gptoss(directory: Path, tok_meta: dict, *, n_layer=3, n_embd=64, n_head
             ex = layer.mlp.experts
             ex.gate_up_proj_bias.copy_(0.3 * torch.randn(ex.gate_up_proj_bias.shape))
             ex.down_proj_bias.copy_(0.3 * torch.randn(ex.down_proj_bias.shape))
-            # MXFP4 stores the experts output-major: gate_up (n_expert, 2 n_ff, n_embd), down (n_expert, n_embd, n_ff)
-            for name, shape in (("gate_up_proj", (n_expert, 2 * n_ff, n_embd)), ("down_proj", (n_expert, n_embd, n_ff))):
+            # MXFP4 stores the experts output-major: gate_up (n_expert, 2 n_ff, n_embd),
+            # down (n_expert, n_embd, n_ff); the float parameters are input-major
+            for name, shape in (("gate_up_proj", (n_expert, 2 * n_ff, n_embd)),
+                                ("down_proj", (n_expert, n_embd, n_ff))):
                 blocks, scales, values = random_mxfp4(rng, shape)
                 getattr(ex, name).copy_(torch.from_numpy(values).transpose(1, 2))
                 pre = f"model.layers.{i}.mlp.experts.{name}"
-                quantized[pre + "_blocks"], quantized[pre + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
+                quantized[pre + "_blocks"] = torch.from_numpy(blocks)
+                quantized[pre + "_scales"] = torch.from_numpy(scales)
     model.save_pretrained(directory)
     write_tokenizer(directory, tok_meta)
     twin = directory.with_name(directory.name + "-mxfp4")

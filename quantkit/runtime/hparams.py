@@ -380,7 +380,8 @@ def _read_gptoss(k: Keys) -> ModelConfig:
         head_dim = n_embd // n_head
     v_len = k.int("attention.value_length", head_dim, lo=1)
     if v_len != head_dim:
-        raise k.fail("attention.value_length", v_len, f"differs from the key length {head_dim}: not supported for gpt-oss")
+        raise k.fail("attention.value_length", v_len,
+                     f"differs from the key length {head_dim}: not supported for gpt-oss")
     # llama.cpp's gpt-oss scales the scores by 1 / sqrt(n_rot) and sizes attn_output by n_rot: the
     # whole head is roped
     n_rot = _rope_dims(k, head_dim, f" (the head size, {head_dim})", head_dim)
