@@ -216,3 +216,78 @@ def save_fp8_pair(src: Path, fp8_dir: Path, bf16_dir: Path) -> None:
     cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                   "weight_block_size": [128, 128]}
     (fp8_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+
+
+# gpt-oss's FP4 (E2M1) values by code, as transformers' MXFP4 dequantization has them
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+
+
+def random_mxfp4(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random MXFP4 weights of shape (..., rows, cols) in HF's quantized layout: blocks (..., rows,
+    cols / 32, 16) uint8, byte k of a block holding weights 2k (low nibble) and 2k + 1 (high), and
+    E8M0 scales (..., rows, cols / 32); with the float32 values they mean."""
+    *lead, cols = shape
+    codes = rng.integers(0, 16, (*lead, cols // 32, 32), dtype=np.uint8)
+    scales = rng.integers(121, 125, (*lead, cols // 32), dtype=np.uint8)
+    values = FP4_VALUES[codes] * np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None]
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return blocks, scales, values.reshape(shape).astype(np.float32)
+
+
+def save_gptoss(directory: Path, tok_meta: dict, *, n_layer=3, n_embd=64, n_head=4, n_head_kv=2, head_dim=16,
+                n_ff=64, n_expert=4, n_used=2, window=8, rope_scaling=None, seed=0) -> tuple[Path, Path]:
+    """A GptOssForCausalLM saved by transformers (float32) whose expert weights are MXFP4 values,
+    and its twin ``<directory>-mxfp4`` with the experts in HF's quantized layout
+    (``*_blocks``/``*_scales`` and ``quantization_config.quant_method: mxfp4``), everything else
+    the same: (float dir, mxfp4 dir)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import GptOssConfig, GptOssForCausalLM
+    torch.manual_seed(seed)
+    rope = rope_scaling or {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": True, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    cfg = GptOssConfig(vocab_size=len(tok_meta["tokenizer.ggml.tokens"]), hidden_size=n_embd, intermediate_size=n_ff,
+                       num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_head_kv,
+                       head_dim=head_dim, num_local_experts=n_expert, num_experts_per_tok=n_used,
+                       sliding_window=window, max_position_embeddings=256, rope_parameters=rope,
+                       bos_token_id=tok_meta["tokenizer.ggml.bos_token_id"],
+                       eos_token_id=tok_meta["tokenizer.ggml.eos_token_id"])
+    model = GptOssForCausalLM(cfg).eval()
+    _spread_weights(model)
+    rng = np.random.default_rng(seed)
+    quantized = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.sinks.copy_(torch.randn(n_head))
+            for p in (layer.self_attn.q_proj.bias, layer.self_attn.k_proj.bias, layer.self_attn.v_proj.bias,
+                      layer.self_attn.o_proj.bias, layer.mlp.router.bias):
+                p.copy_(0.3 * torch.randn(p.shape))
+            ex = layer.mlp.experts
+            ex.gate_up_proj_bias.copy_(0.3 * torch.randn(ex.gate_up_proj_bias.shape))
+            ex.down_proj_bias.copy_(0.3 * torch.randn(ex.down_proj_bias.shape))
+            # MXFP4 stores the experts output-major: gate_up (n_expert, 2 n_ff, n_embd),
+            # down (n_expert, n_embd, n_ff); the float parameters are input-major
+            for name, shape in (("gate_up_proj", (n_expert, 2 * n_ff, n_embd)),
+                                ("down_proj", (n_expert, n_embd, n_ff))):
+                blocks, scales, values = random_mxfp4(rng, shape)
+                getattr(ex, name).copy_(torch.from_numpy(values).transpose(1, 2))
+                pre = f"model.layers.{i}.mlp.experts.{name}"
+                quantized[pre + "_blocks"] = torch.from_numpy(blocks)
+                quantized[pre + "_scales"] = torch.from_numpy(scales)
+    model.save_pretrained(directory)
+    write_tokenizer(directory, tok_meta)
+    twin = directory.with_name(directory.name + "-mxfp4")
+    shutil.copytree(directory, twin)
+    tensors = {k: v for k, v in load_file(str(twin / "model.safetensors")).items()
+               if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    tensors.update(quantized)
+    save_file(tensors, str(twin / "model.safetensors"), metadata={"format": "pt"})
+    doc = json.loads((twin / "config.json").read_text())
+    doc["quantization_config"] = {"quant_method": "mxfp4",
+                                  "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                             "model.embed_tokens", "lm_head"]}
+    (twin / "config.json").write_text(json.dumps(doc, indent=1))
+    return directory, twin

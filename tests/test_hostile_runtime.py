@@ -132,8 +132,8 @@ def test_llama_hyperparameter(base, tmp_path, key, value, words):
 
 
 def test_llama_architecture_and_token_list(base, tmp_path):
-    refused(rewrite_gguf(base["llama"], tmp_path / "arch.gguf", {"general.architecture": "gpt-oss"}),
-            "'gpt-oss'", "not supported")
+    refused(rewrite_gguf(base["llama"], tmp_path / "arch.gguf", {"general.architecture": "rwkv6"}),
+            "'rwkv6'", "not supported")
     tokens = gguf.GGUFReader(str(base["llama"])).fields["tokenizer.ggml.tokens"].contents()
     refused(rewrite_gguf(base["llama"], tmp_path / "tokens.gguf", {"tokenizer.ggml.tokens": tokens[:-1]}),
             "tokenizer.ggml.tokens", "319 tokens", "320 rows")

@@ -15,7 +15,7 @@ from ..errors import QuantkitError
 from ..gguf_io.constants import KEY_ARCHITECTURE, MetaValue, ValueType
 from ..gguf_io.reader import ModelView, TensorInfo
 from ..types import traits
-from . import compressed_tensors, deepseek, llama
+from . import compressed_tensors, deepseek, gptoss, llama
 from .checkpoint import Checkpoint
 from .config import Config, describe
 from .lazy import LazySource
@@ -28,6 +28,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("llama", llama.convert),
     "DeepseekV3ForCausalLM": ("deepseek2", deepseek.convert),
     "DeepseekV2ForCausalLM": ("deepseek2", deepseek.convert),
+    "GptOssForCausalLM": ("gpt-oss", gptoss.convert),
 }
 
 
@@ -79,6 +80,8 @@ def _check_quantization(cfg: Config) -> bool:
     if not q.raw:
         return False
     method = q.string("quant_method", None)
+    if method == "mxfp4" and cfg.architecture == "GptOssForCausalLM":
+        return False    # gpt-oss's experts as *_blocks/*_scales: hf/gptoss.py keeps them as ggml MXFP4
     if method == "compressed-tensors":
         compressed_tensors.check_scheme(q)
         return True

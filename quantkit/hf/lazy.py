@@ -184,13 +184,97 @@ class HeadsTransposed(Lazy):
         return (self.band, self.src.n_per_row, self.n_head)
 
 
+class ExpertsTransposed(Lazy):
+    """gpt-oss's float experts: ``t`` is (n_expert, n_in, n_cols), each expert's matrix stored
+    input-major (the model computes x @ W); output row r of expert e is its column ``start + r *
+    stride`` (gate_up_proj interleaves gate and up columns: stride 2, start 0 or 1), in the stored
+    dtype.  Rows run expert by expert: ggml (n_in, n_out, n_expert)."""
+
+    def __init__(self, t: SafeTensor, start: int = 0, stride: int = 1):
+        self.t, self.start, self.stride = t, start, stride
+        self.n_expert, self.n_per_row, n_cols = t.shape
+        self.rows_each = len(range(start, n_cols, stride))
+        self.n_rows = self.n_expert * self.rows_each
+        self.qtype = {"F32": QuantType.F32, "F16": QuantType.F16, "BF16": QuantType.BF16}[t.dtype]
+
+    def take(self, index: np.ndarray) -> np.ndarray:
+        index = np.asarray(index)
+        out = np.empty((len(index), self.n_per_row), STORAGE_DTYPE[self.qtype])
+        expert = index // self.rows_each
+        for e in np.unique(expert):
+            sel = expert == e
+            block = self.t.read_rows(e * self.n_per_row, (e + 1) * self.n_per_row)     # (n_in, n_cols)
+            out[sel] = block[:, self.start + (index[sel] - e * self.rows_each) * self.stride].T
+        return out
+
+    @property
+    def ggml_shape(self) -> tuple[int, ...]:
+        return (self.n_per_row, self.rows_each, self.n_expert)
+
+
+class Columns(Lazy):
+    """Every ``stride``-th column of another lazy tensor's rows from ``start`` on (gpt-oss's
+    interleaved gate/up biases)."""
+
+    def __init__(self, src: Lazy, start: int, stride: int):
+        self.src, self.start, self.stride = src, start, stride
+        self.qtype, self.n_rows = src.qtype, src.n_rows
+        self.n_per_row = len(range(start, src.n_per_row, stride))
+
+    def take(self, index: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(self.src.take(index)[:, self.start::self.stride])
+
+
+class MXFP4Experts(Lazy):
+    """gpt-oss's MXFP4 experts as ggml MXFP4 rows, bit for bit (no float round trip).
+
+    HF stores ``*_blocks`` (n_expert, n_rows, n_blocks, 16) uint8 and ``*_scales`` (n_expert,
+    n_rows, n_blocks) uint8: per block of 32 weights one E8M0 exponent and 16 bytes of FP4 (E2M1)
+    codes, byte k holding weights 2k (low nibble) and 2k + 1 (high nibble).  ggml's block_mxfp4 is
+    the exponent then qs[16], qs[j] holding weights j (low nibble) and j + 16 (high nibble)::
+
+        HF   byte k:  lo = w[2k],  hi = w[2k+1]        ggml qs[j]:  lo = w[j],  hi = w[j+16]
+
+    The codes mean the same values (ggml's kvalues are E2M1 doubled and its E8M0 scale halved),
+    so each block is the exponent byte and its nibbles moved.  Output row r of expert e is HF row
+    ``start + r * stride`` (gate_up interleaves gate and up rows)."""
+
+    def __init__(self, blocks: SafeTensor, scales: SafeTensor, start: int = 0, stride: int = 1):
+        self.blocks, self.scales, self.start, self.stride = blocks, scales, start, stride
+        self.n_expert, n_hf_rows, self.n_blocks, _ = blocks.shape
+        self.hf_rows = n_hf_rows
+        self.rows_each = len(range(start, n_hf_rows, stride))
+        self.n_rows, self.n_per_row = self.n_expert * self.rows_each, self.n_blocks * 32
+        self.qtype = QuantType.MXFP4
+
+    def take(self, index: np.ndarray) -> np.ndarray:
+        index = np.asarray(index)
+        out = np.empty((len(index), self.n_blocks, 17), np.uint8)
+        if not len(index):
+            return out.reshape(0, self.n_blocks * 17)
+        hf = (index // self.rows_each) * self.hf_rows + self.start + (index % self.rows_each) * self.stride
+        lo, hi = int(hf.min()), int(hf.max()) + 1
+        # the tensors as matrices: blocks (rows * n_blocks, 16), scales (rows, n_blocks)
+        codes = self.blocks.read_rows(lo * self.n_blocks, hi * self.n_blocks).reshape(hi - lo, self.n_blocks, 16)
+        exps = self.scales.read_rows(lo, hi)
+        codes, exps = codes[hf - lo], exps[hf - lo]
+        w = np.stack((codes & 0x0F, codes >> 4), axis=-1).reshape(len(index), self.n_blocks, 32)
+        out[..., 0] = exps
+        out[..., 1:] = w[..., :16] | (w[..., 16:] << 4)
+        return out.reshape(len(index), self.n_blocks * 17)
+
+    @property
+    def ggml_shape(self) -> tuple[int, ...]:
+        return (self.n_per_row, self.rows_each, self.n_expert)
+
+
 class LazySource:
     """Byte ranges of one lazy tensor's stored data, as :class:`GGUFFile` serves its map: the
     quantize pipeline reads any tensor through ``read``/``view`` with offsets from 0."""
 
     def __init__(self, lazy: Lazy):
         self.lazy = lazy
-        self.row_size = lazy.n_per_row * STORAGE_DTYPE[lazy.qtype].itemsize
+        self.row_size = traits(lazy.qtype).row_size(lazy.n_per_row)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         first, last = offset // self.row_size, -(-(offset + nbytes) // self.row_size)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ..errors import QuantkitError
 from ..gguf_io.constants import MetaValue, ValueType
 
-SUPPORTED = ("llama", "deepseek2")
+SUPPORTED = ("llama", "deepseek2", "gpt-oss")
 GATING = {1: "softmax", 2: "sigmoid"}          # deepseek2.expert_gating_func
 
 V = ValueType
@@ -64,6 +64,22 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class GptOssConfig:
+    """gpt-oss's attention (runtime/gptoss.py): even layers see a sliding window of keys, odd ones
+    all (llama.cpp hard-codes the pattern), every layer has per-head sinks; rope is NEOX with
+    ggml_rope_ext's YaRN arguments."""
+    window: int                 # a query at p sees keys p - window < j <= p on sliding layers
+    ext_factor: float           # 1 for YaRN, else 0
+    beta_fast: float
+    beta_slow: float
+    n_ctx_orig: int
+
+    @staticmethod
+    def sliding(layer: int) -> bool:
+        return layer % 2 == 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     arch: str
     n_layer: int
@@ -79,6 +95,7 @@ class ModelConfig:
     rope_scale: float           # positions are multiplied by this (1 / linear scaling factor)
     mla: MLAConfig | None = None    # latent attention (deepseek2) instead of per-head keys and values
     moe: MoEConfig | None = None    # routed experts after moe.n_dense_lead plain-FFN layers
+    gptoss: GptOssConfig | None = None  # sinks, sliding window, YaRN (gpt-oss)
 
     @classmethod
     def from_gguf(cls, model) -> "ModelConfig":
@@ -88,7 +105,8 @@ class ModelConfig:
             raise QuantkitError(f"{model.path}: architecture {_show_value(arch)} is not supported by the runtime "
                                 f"(supported: {', '.join(SUPPORTED)})")
         keys = Keys(model, arch)
-        config = _read_deepseek2(keys) if arch == "deepseek2" else _read_llama(keys)
+        config = (_read_deepseek2(keys) if arch == "deepseek2" else _read_gptoss(keys) if arch == "gpt-oss"
+                  else _read_llama(keys))
         _Tensors(model, keys, config).check()
         return config
 
@@ -345,6 +363,54 @@ def _read_deepseek2(k: Keys) -> ModelConfig:
         rope_scale=freq_scale, mla=mla, moe=moe)
 
 
+def _read_gptoss(k: Keys) -> ModelConfig:
+    """gpt-oss as llama.cpp reads it (LLM_ARCH_OPENAI_MOE): grouped-query attention with sinks,
+    every other layer windowed, NEOX rope with YaRN, biased experts chosen by softmax over the top-k
+    router logits."""
+    n_layer, n_embd, n_head = _heads(k)
+    n_head_kv = k.int("attention.head_count_kv", n_head, lo=1, per_layer=True)
+    if n_head % n_head_kv:
+        raise k.fail("attention.head_count_kv", n_head_kv, f"must divide {k.name('attention.head_count')} = {n_head}")
+    if k.has("attention.key_length"):
+        head_dim = k.int("attention.key_length", lo=2)
+    elif n_embd % n_head:
+        raise k.fail("attention.head_count", n_head, f"does not divide {k.name('embedding_length')} = {n_embd} "
+                                                     f"(and there is no {k.name('attention.key_length')})")
+    else:
+        head_dim = n_embd // n_head
+    v_len = k.int("attention.value_length", head_dim, lo=1)
+    if v_len != head_dim:
+        raise k.fail("attention.value_length", v_len,
+                     f"differs from the key length {head_dim}: not supported for gpt-oss")
+    # llama.cpp's gpt-oss scales the scores by 1 / sqrt(n_rot) and sizes attn_output by n_rot: the
+    # whole head is roped
+    n_rot = _rope_dims(k, head_dim, f" (the head size, {head_dim})", head_dim)
+    if n_rot != head_dim:
+        raise k.fail("rope.dimension_count", n_rot, f"must be the head size {head_dim} for gpt-oss")
+    scaling = k.str("rope.scaling.type", "none", choices=("none", "linear", "yarn"))
+    factor = k.factor("rope.scaling.factor")
+    freq_scale = 1.0 / factor if factor and scaling != "none" else 1.0
+    rope_base = k.float("rope.freq_base", 10000.0, above=0.0)
+    if scaling == "yarn" and rope_base == 1.0:
+        raise k.fail("rope.freq_base", rope_base, "YaRN needs a base other than 1 (it divides by its log)")
+    n_ctx_train = k.int("context_length", lo=1)
+    n_expert = k.int("expert_count", lo=1)
+    moe = MoEConfig(n_expert=n_expert,
+                    n_expert_used=k.int("expert_used_count", lo=1, hi=n_expert, hi_why=f" ({k.name('expert_count')})"),
+                    n_expert_shared=0, n_dense_lead=0, gating="softmax_weight", weights_norm=False, weights_scale=1.0,
+                    n_group=1, n_group_used=0)
+    gptoss = GptOssConfig(
+        window=k.int("attention.sliding_window", lo=1), ext_factor=1.0 if scaling == "yarn" else 0.0,
+        beta_fast=k.float("rope.scaling.yarn_beta_fast", 32.0, above=0.0),
+        beta_slow=k.float("rope.scaling.yarn_beta_slow", 1.0, above=0.0),
+        n_ctx_orig=k.int("rope.scaling.original_context_length", n_ctx_train, lo=1))
+    return ModelConfig(
+        arch=k.arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+        n_rot=n_rot, n_vocab=_n_vocab(k), n_ctx_train=n_ctx_train,
+        rms_eps=k.float("attention.layer_norm_rms_epsilon", above=0.0, below=1.0), rope_base=rope_base,
+        rope_scale=freq_scale, moe=moe, gptoss=gptoss)
+
+
 # ---- tensor shapes ----
 
 def _dims(shape) -> tuple[int, ...]:
@@ -423,7 +489,10 @@ class _Tensors:
         for i in range(c.n_layer):
             p = f"blk.{i}."
             self.tensor(p + "attn_norm.weight", (c.n_embd,), why=e_why)
-            self.tensor(p + "ffn_norm.weight", (c.n_embd,), why=e_why)
+            self.tensor(p + ("post_attention_norm" if c.gptoss else "ffn_norm") + ".weight", (c.n_embd,), why=e_why)
+            if c.gptoss:
+                self.tensor(p + "attn_sinks.weight", (c.n_head,),
+                            why=f"one sink per head, {k.name('attention.head_count')} = {c.n_head}")
             if c.mla:
                 self.mla_attention(p)
             else:
@@ -480,6 +549,9 @@ class _Tensors:
         self.matrix(p + "ffn_gate_inp", c.n_embd, n_expert, why)
         self.tensor(p + "exp_probs_b.bias", (n_expert,), why=why, optional=True)
         if p + "ffn_gate_up_exps.weight" in self.model.by_name:
+            if c.gptoss:        # its runtime takes the biases of separate gate and up experts
+                raise QuantkitError(f"{self.model.path}: tensor '{p}ffn_gate_up_exps.weight': fused gate/up experts "
+                                    "are not supported by the runtime for gpt-oss")
             # gate and up experts fused in one tensor (ik_llama.cpp's ffn_gate_up_exps): per expert
             # n_ff gate rows, then n_ff up rows
             for name in ("ffn_gate_exps", "ffn_up_exps"):
@@ -495,5 +567,11 @@ class _Tensors:
                       ("ffn_down_exps", (n_ff, c.n_embd, n_expert)))
         for name, shape in shapes:
             self.tensor(p + name + ".weight", shape, why=f"{why}; n_ff from {source}")
+            if c.gptoss:        # per-expert biases (n_out, n_expert)
+                self.tensor(p + name + ".bias", shape[1:], why=f"{why}; n_ff from {source}")
+        if c.gptoss:
+            n_ff_exp = k.int("expert_feed_forward_length", n_ff, lo=1)
+            if n_ff_exp != n_ff:
+                raise k.fail("expert_feed_forward_length", n_ff_exp, f"the experts {source} have {n_ff} rows")
         if moe.n_expert_shared:
             self.ffn(p, c.n_embd, "_shexp")

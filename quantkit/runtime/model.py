@@ -14,7 +14,7 @@ import numpy as np
 from .. import signals
 from ..errors import QuantkitError
 from ..gguf_io.reader import GGUFModel
-from . import deepseek2
+from . import deepseek2, gptoss
 from .hparams import ModelConfig
 from .ops import Cache, Ops
 from .weights import WeightStore
@@ -51,6 +51,9 @@ class Model:
         # load every layer now: a missing tensor fails early
         if self.config.mla:
             self.mla_heads = [deepseek2.load_layer(self, i) for i in range(self.config.n_layer)]
+        elif self.config.gptoss:
+            for i in range(self.config.n_layer):
+                gptoss.load_layer(self, i)
         else:
             for i in range(self.config.n_layer):
                 for name in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
@@ -111,6 +114,9 @@ class Model:
         pos = np.arange(pos0, pos0 + n)
         x = ops.embed(self.tok_embd, tokens)                        # (n, n_embd)
         for i in range(c.n_layer):
+            if c.gptoss:
+                x = gptoss.layer(self, i, x, pos, cache)
+                continue
             p = f"blk.{i}."
             h = ops.rmsnorm(x, self.vector(p + "attn_norm.weight"), c.rms_eps)
             x = x + (deepseek2.attention(self, i, h, pos, cache) if c.mla else self._attention(i, h, pos, cache))

@@ -291,14 +291,18 @@ class MLACache(KVCache):
         self.k[layer, pos0:pos0 + n, 0, self.n_rot:] = kv
 
 
-def attention(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float) -> np.ndarray:
+def attention(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float, sinks: np.ndarray | None = None,
+              window: int = 0) -> np.ndarray:
     """Causal multi-head attention of q (n_tokens, n_head, k_dim) at positions pos0.. against the
     cache's first pos0 + n_tokens positions -> (n_tokens, n_head * v_dim).  Query head h reads
-    key/value head h // (n_head / n_head_kv), as ggml's broadcast does.
+    key/value head h // (n_head / n_head_kv), as ggml's broadcast does.  ``sinks`` (n_head,) and
+    ``window``: gpt-oss's attention (:func:`attention_sinks`).
 
     The work is split by key head and by blocks of query positions: a block multiplies only with
     the keys its last query sees (a prompt's first block skips most of them), and the query heads
     of one key head go through BLAS together, each query position's g heads side by side."""
+    if sinks is not None or window:
+        return attention_sinks(q, cache, layer, pos0, scale, sinks, window)
     n_tok, n_head, k_dim = q.shape
     n_kv = pos0 + n_tok
     n_head_kv, v_dim = cache.k.shape[2], cache.v.shape[3]
@@ -322,6 +326,53 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float
         scores = q16[t0:t1, heads].reshape((t1 - t0) * g, k_dim) @ keys[h, :, :n_seen]
         causal_softmax_f16(scores, pos0 + t0, g, scale)
         out[t0:t1, heads] = (scores @ values[h, :n_seen]).reshape(t1 - t0, g, v_dim)
+    pool.map(head_block, [(h, t0) for h in range(n_head_kv) for t0 in range(0, n_tok, block)], n_tok)
+    return out.reshape(n_tok, n_head * v_dim)
+
+
+def attention_sinks(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float,
+                    sinks: np.ndarray | None, window: int) -> np.ndarray:
+    """:func:`attention` with gpt-oss's two additions, as ggml's soft_max_ext computes them.
+
+    ``window`` > 0: the query at position p sees only the keys at p - window < j <= p (llama.cpp's
+    standard sliding window: masked where p - j >= window).  ``sinks``: one logit per query head
+    that joins the softmax without a value: the row maximum includes it and the sum adds
+    exp(sink - max), so the probabilities of the real keys sum to less than 1.
+
+    Unlike llama's graph, ik_llama.cpp's gpt-oss graph multiplies the f16 cache with float32
+    queries and probabilities (measured: with them rounded to f16, as :func:`attention` does, the
+    logits of a tiny gpt-oss differ from the wheel's by 1e-3 x max |logit|; without, by 1e-5)."""
+    n_tok, n_head, k_dim = q.shape
+    n_head_kv, v_dim = cache.k.shape[2], cache.v.shape[3]
+    g = n_head // n_head_kv
+    q = np.asarray(q, F32)
+    out = np.empty((n_tok, n_head, v_dim), F32)
+    sink = None if sinks is None else np.asarray(sinks, F32).reshape(n_head_kv, g)
+    block = max(1, min(QUERY_BLOCK, QUERY_ROWS // g))
+
+    def head_block(job):
+        # the queries t0:t1 of key head h, against the keys any of them sees
+        h, t0 = job
+        t1 = min(n_tok, t0 + block)
+        q_pos = pos0 + np.arange(t0, t1)
+        first = max(0, pos0 + t0 - window + 1) if window else 0
+        k_pos = np.arange(first, pos0 + t1)
+        seen = k_pos[None, :] <= q_pos[:, None]                                 # (t, n_seen)
+        if window:
+            seen &= q_pos[:, None] - k_pos[None, :] < window
+        keys = cache.k[layer, first:pos0 + t1, h].astype(F32)                  # (n_seen, k_dim)
+        values = cache.v[layer, first:pos0 + t1, h].astype(F32)
+        heads = slice(h * g, (h + 1) * g)
+        s = (q[t0:t1, heads] @ keys.T) * F32(scale)                             # (t, g, n_seen)
+        s = np.where(seen[:, None, :], s, F32(-np.inf))
+        m = s.max(axis=-1)
+        if sink is not None:
+            m = np.maximum(m, sink[h][None, :])
+        e = np.exp(s - m[..., None])
+        total = e.sum(axis=-1, dtype=np.float64)
+        if sink is not None:
+            total += np.exp(sink[h][None, :] - m)
+        out[t0:t1, heads] = (e * (1.0 / total).astype(F32)[..., None]) @ values
     pool.map(head_block, [(h, t0) for h in range(n_head_kv) for t0 in range(0, n_tok, block)], n_tok)
     return out.reshape(n_tok, n_head * v_dim)
 
@@ -370,7 +421,11 @@ def moe_route(logits: np.ndarray, n_used: int, gating: str, bias: np.ndarray | N
     exp_probs_b) is added for the choice only, the weights are the unbiased probabilities;
     ``norm`` makes the weights of a token sum to 1, then ``scale`` multiplies them.  With
     ``n_group_used < n_group`` experts are first restricted to the best groups (DeepSeek's
-    group-limited routing; ik_llama.cpp does not do this for deepseek2)."""
+    group-limited routing; ik_llama.cpp does not do this for deepseek2).  "softmax_weight"
+    (gpt-oss): the n_used largest logits, their softmax the weights."""
+    if gating == "softmax_weight":
+        ids = np.argsort(-logits, axis=-1, kind="stable")[:, :n_used]
+        return ids, softmax(np.take_along_axis(np.asarray(logits, F32), ids, axis=-1)).astype(F32)
     probs = softmax(logits) if gating == "softmax" else sigmoid(logits)
     choice = probs if bias is None else probs + bias
     if 0 < n_group_used < n_group:
@@ -400,7 +455,8 @@ def _best_groups(choice: np.ndarray, n_group: int, n_group_used: int, top2: bool
 
 
 def moe_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate_exps: Weight | None, up_exps: Weight | None,
-            down_exps: Weight, matmul=None, gate_up_exps: Weight | None = None) -> np.ndarray:
+            down_exps: Weight, matmul=None, gate_up_exps: Weight | None = None, biases=None,
+            activation: str = "silu") -> np.ndarray:
     """Routed SwiGLU experts: sum_k weights[:, k] * expert_{ids[:, k]}(x) -> (n_tokens, n_embd).
 
     Only the tokens routed to an expert go through it: per expert, one product with its matrix of
@@ -408,19 +464,27 @@ def moe_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate_exps: Weig
     the product to use (an observer's, for imatrix collection); matmul_q by default.
     ``gate_up_exps``: the gate and up experts fused in one tensor [n_in, 2 n_ff, n_expert], each
     expert's gate rows then its up rows (ik_llama.cpp's ffn_gate_up_exps), used instead of
-    gate_exps and up_exps (None then): one product per expert, split in halves (:func:`gate_up`)."""
+    gate_exps and up_exps (None then): one product per expert, split in halves (:func:`gate_up`).
+    gpt-oss: ``biases`` (gate, up, down), each (n_expert, n_out), added to each product, and
+    ``activation`` "swiglu_oai" (:func:`swiglu_oai`) instead of silu(gate) * up."""
     mm = matmul or matmul_q
     n_tok, n_used = ids.shape
     fused = n_tok <= FUSED_TOKENS       # a generation step; in a batch even an expert's few tokens take the float path
     out = np.zeros((n_tok, n_used, down_exps.n_out), F32)                      # (n_tokens, n_used, n_embd)
+    act = swiglu_oai if activation == "swiglu_oai" else silu_mul
     for e in np.unique(ids):
         tok, slot = np.nonzero(ids == e)
         h = x[tok]
         if gate_up_exps is not None:
-            g = silu_mul(*gate_up(mm(gate_up_exps.expert(e), h, fused=fused)))
+            gate, up = gate_up(mm(gate_up_exps.expert(e), h, fused=fused))
         else:
-            g = silu_mul(mm(gate_exps.expert(e), h, fused=fused), mm(up_exps.expert(e), h, fused=fused))
-        out[tok, slot] = mm(down_exps.expert(e), g, fused=fused) * weights[tok, slot][:, None]
+            gate, up = mm(gate_exps.expert(e), h, fused=fused), mm(up_exps.expert(e), h, fused=fused)
+        if biases is not None:
+            gate, up = gate + biases[0][e], up + biases[1][e]
+        y = mm(down_exps.expert(e), act(gate, up), fused=fused)
+        if biases is not None:
+            y = y + biases[2][e]
+        out[tok, slot] = y * weights[tok, slot][:, None]
     return out.sum(axis=1)
 
 
@@ -429,3 +493,15 @@ def gate_up(y):
     columns are the gate's (ggml's MOE_FUSED_UP_GATE reads an expert's gate rows first)."""
     n_ff = y.shape[1] // 2
     return y[:, :n_ff], y[:, n_ff:]
+
+
+# ggml's swiglu_oai constants, as llama.cpp's gpt-oss graph passes them
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = F32(1.702), F32(7.0)
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gpt-oss's gated activation as ggml computes it: x = min(gate, 7), y = clamp(up, -7, 7),
+    x * sigmoid(1.702 x) * (y + 1)."""
+    x = np.minimum(np.asarray(gate, F32), SWIGLU_OAI_LIMIT)
+    y = np.clip(np.asarray(up, F32), -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    return (x / (F32(1) + np.exp(-SWIGLU_OAI_ALPHA * x)) * (y + F32(1))).astype(F32)

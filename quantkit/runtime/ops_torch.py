@@ -192,23 +192,37 @@ class TorchOps:
     def MLACache(self, n_layer, n_ctx, n_rot, kv_lora_rank):
         return _TorchMLACache(self.device, n_layer, n_ctx, n_rot, kv_lora_rank)
 
-    def attention(self, q: torch.Tensor, cache, layer: int, pos0: int, scale: float) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, cache, layer: int, pos0: int, scale: float, sinks=None,
+                  window: int = 0) -> torch.Tensor:
         """ops_cpu.attention: causal, grouped-query, f16 query and probabilities, the exponentials
-        summed in double and multiplied by 1 / sum."""
+        summed in double and multiplied by 1 / sum; gpt-oss's ``sinks`` and sliding ``window`` as
+        ops_cpu.attention_sinks has them (with float32 queries and probabilities)."""
+        gpt = sinks is not None or window > 0
+        rounded = (lambda t: t) if gpt else _f16_round
         n_tok, n_head, k_dim = q.shape
         n_kv = pos0 + n_tok
         k = cache.k[layer, :n_kv].to(F32)                       # (n_kv, hkv, k_dim)
         v = cache.v[layer, :n_kv].to(F32)
         n_head_kv, v_dim = k.shape[1], v.shape[2]
         g = n_head // n_head_kv
-        qh = _f16_round(q).reshape(n_tok, n_head_kv, g, k_dim).permute(1, 2, 0, 3)     # (hkv, g, t, d)
+        qh = rounded(q).reshape(n_tok, n_head_kv, g, k_dim).permute(1, 2, 0, 3)        # (hkv, g, t, d)
         scores = (qh @ k.permute(1, 2, 0)[:, None]) * scale                          # (hkv, g, t, n_kv)
-        future = (torch.arange(n_kv, device=self.device)[None, :]
-                  > (pos0 + torch.arange(n_tok, device=self.device))[:, None])
-        scores = scores.masked_fill(future, -math.inf)
-        e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
-        inv_total = (1.0 / e.sum(dim=-1, keepdim=True, dtype=torch.float64)).to(F32)
-        out = _f16_round(e * inv_total) @ v.permute(1, 0, 2)[:, None]                  # (hkv, g, t, v_dim)
+        k_pos = torch.arange(n_kv, device=self.device)[None, :]
+        q_pos = (pos0 + torch.arange(n_tok, device=self.device))[:, None]
+        hidden = k_pos > q_pos
+        if window:
+            hidden |= q_pos - k_pos >= window
+        scores = scores.masked_fill(hidden, -math.inf)
+        row_max = scores.amax(dim=-1, keepdim=True)
+        if sinks is not None:
+            sink = self._vec(sinks).reshape(n_head_kv, g, 1, 1)
+            row_max = torch.maximum(row_max, sink)
+        e = torch.exp(scores - row_max)
+        total = e.sum(dim=-1, keepdim=True, dtype=torch.float64)
+        if sinks is not None:
+            total = total + torch.exp(sink - row_max).to(torch.float64)
+        inv_total = (1.0 / total).to(F32)
+        out = rounded(e * inv_total) @ v.permute(1, 0, 2)[:, None]                     # (hkv, g, t, v_dim)
         return out.permute(2, 0, 1, 3).reshape(n_tok, n_head * v_dim)
 
     def attention_mla(self, q_rope, q_lat, cache, layer, pos0, scale):
@@ -225,24 +239,40 @@ class TorchOps:
         return ops_cpu.moe_route(self.host(logits), n_used, gating, bias=bias, norm=norm, scale=scale,
                                  n_group=n_group, n_group_used=n_group_used)
 
-    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None, gate_up_exps=None):
+    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None, gate_up_exps=None, biases=None,
+                activation="silu"):
         """ops_cpu.moe_ffn: per expert, the tokens routed to it through its three matrices (or its
-        fused gate/up matrix and its down matrix); the weighted outputs summed in slot order."""
+        fused gate/up matrix and its down matrix; plus gpt-oss's ``biases``, with its ``activation``);
+        the weighted outputs summed in slot order."""
         mm = matmul or self.matmul_q
         n_tok, n_used = ids.shape
         fused = n_tok <= self.FUSED_TOKENS
         out = torch.zeros((n_tok, n_used, down_exps.n_out), dtype=F32, device=self.device)
         w = self.from_host(weights)
+        act = self._swiglu_oai if activation == "swiglu_oai" else self.silu_mul
+        b = None if biases is None else [self._vec(v) for v in biases]
         for e in np.unique(ids):
             tok, slot = np.nonzero(ids == e)
             t, s = torch.from_numpy(tok).to(self.device), torch.from_numpy(slot).to(self.device)
             h = x[t]
             if gate_up_exps is not None:
-                g = self.silu_mul(*ops_cpu.gate_up(mm(gate_up_exps.expert(e), h, fused=fused)))
+                gate, up = ops_cpu.gate_up(mm(gate_up_exps.expert(e), h, fused=fused))
             else:
-                g = self.silu_mul(mm(gate_exps.expert(e), h, fused=fused), mm(up_exps.expert(e), h, fused=fused))
-            out[t, s] = mm(down_exps.expert(e), g, fused=fused) * w[t, s][:, None]
+                gate, up = mm(gate_exps.expert(e), h, fused=fused), mm(up_exps.expert(e), h, fused=fused)
+            if b is not None:
+                gate, up = gate + b[0][e], up + b[1][e]
+            y = mm(down_exps.expert(e), act(gate, up), fused=fused)
+            if b is not None:
+                y = y + b[2][e]
+            out[t, s] = y * w[t, s][:, None]
         return out.sum(dim=1)
+
+    @staticmethod
+    def _swiglu_oai(gate, up):
+        """ops_cpu.swiglu_oai."""
+        x = gate.clamp(max=float(ops_cpu.SWIGLU_OAI_LIMIT))
+        y = up.clamp(-float(ops_cpu.SWIGLU_OAI_LIMIT), float(ops_cpu.SWIGLU_OAI_LIMIT))
+        return x / (1 + torch.exp(-float(ops_cpu.SWIGLU_OAI_ALPHA) * x)) * (y + 1)
 
 
 class _TorchKVCache:
