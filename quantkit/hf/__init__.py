@@ -15,7 +15,7 @@ from ..errors import QuantkitError
 from ..gguf_io.constants import KEY_ARCHITECTURE, MetaValue, ValueType
 from ..gguf_io.reader import ModelView, TensorInfo
 from ..types import traits
-from . import deepseek, llama
+from . import deepseek, deepseek32, llama
 from .checkpoint import Checkpoint
 from .config import Config, describe
 from .lazy import LazySource
@@ -28,6 +28,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("llama", llama.convert),
     "DeepseekV3ForCausalLM": ("deepseek2", deepseek.convert),
     "DeepseekV2ForCausalLM": ("deepseek2", deepseek.convert),
+    "DeepseekV32ForCausalLM": ("deepseek2", deepseek32.convert),
 }
 
 

@@ -47,7 +47,8 @@ def convert(cfg: Config, ck: Checkpoint) -> Conversion:
         raise QuantkitError(f"{cfg.path}: qk_rope_head_dim {qk_rope} is odd: rotary embeddings rotate pairs of "
                             "dimensions")
     # V3 routes with sigmoid scores (transformers' V3 config no longer writes scoring_func), V2 with softmax
-    scoring = cfg.string("scoring_func", "sigmoid" if cfg.architecture == "DeepseekV3ForCausalLM" else "softmax")
+    v3 = cfg.architecture in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+    scoring = cfg.string("scoring_func", "sigmoid" if v3 else "softmax")
     if scoring not in GATING:
         raise QuantkitError(f"{cfg.path}: scoring_func '{scoring}' is not supported (softmax or sigmoid)")
     n_group, topk_group = cfg.integer("n_group", 1), cfg.integer("topk_group", 1)

@@ -157,6 +157,13 @@ class TorchOps:
         scale = (1.0 / torch.sqrt((xd * xd).sum(dim=-1) / x.shape[-1] + eps)).to(F32)
         return (x * scale[:, None]) * self._vec(weight)
 
+    def layer_norm(self, x: torch.Tensor, weight, bias, eps: float) -> torch.Tensor:
+        """ops_cpu.layer_norm: mean and variance in double."""
+        xd = x.to(torch.float64)
+        d = xd - xd.mean(dim=-1, keepdim=True)
+        y = (d / torch.sqrt((d * d).mean(dim=-1, keepdim=True) + eps)).to(F32)
+        return y * self._vec(weight) + self._vec(bias)
+
     def _vec(self, v) -> torch.Tensor:
         return v if isinstance(v, torch.Tensor) else self.param(v)
 
@@ -189,12 +196,16 @@ class TorchOps:
     def KVCache(self, n_layer, n_ctx, n_head_kv, k_dim, v_dim):
         return _TorchKVCache(self.device, n_layer, n_ctx, n_head_kv, k_dim, v_dim)
 
-    def MLACache(self, n_layer, n_ctx, n_rot, kv_lora_rank):
-        return _TorchMLACache(self.device, n_layer, n_ctx, n_rot, kv_lora_rank)
+    def MLACache(self, n_layer, n_ctx, n_rot, kv_lora_rank, index_dim=0):
+        return _TorchMLACache(self.device, n_layer, n_ctx, n_rot, kv_lora_rank, index_dim)
 
     def attention(self, q: torch.Tensor, cache, layer: int, pos0: int, scale: float) -> torch.Tensor:
         """ops_cpu.attention: causal, grouped-query, f16 query and probabilities, the exponentials
         summed in double and multiplied by 1 / sum."""
+        return self._attend(q, cache, layer, pos0, scale)
+
+    def _attend(self, q: torch.Tensor, cache, layer: int, pos0: int, scale: float, keep=None) -> torch.Tensor:
+        """:meth:`attention`, over the keys ``keep`` (n_tokens, n_kv) bool marks where given."""
         n_tok, n_head, k_dim = q.shape
         n_kv = pos0 + n_tok
         k = cache.k[layer, :n_kv].to(F32)                       # (n_kv, hkv, k_dim)
@@ -205,15 +216,32 @@ class TorchOps:
         scores = (qh @ k.permute(1, 2, 0)[:, None]) * scale                          # (hkv, g, t, n_kv)
         future = (torch.arange(n_kv, device=self.device)[None, :]
                   > (pos0 + torch.arange(n_tok, device=self.device))[:, None])
-        scores = scores.masked_fill(future, -math.inf)
+        scores = scores.masked_fill(future if keep is None else future | ~keep, -math.inf)
         e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
         inv_total = (1.0 / e.sum(dim=-1, keepdim=True, dtype=torch.float64)).to(F32)
         out = _f16_round(e * inv_total) @ v.permute(1, 0, 2)[:, None]                  # (hkv, g, t, v_dim)
         return out.permute(2, 0, 1, 3).reshape(n_tok, n_head * v_dim)
 
-    def attention_mla(self, q_rope, q_lat, cache, layer, pos0, scale):
+    def attention_mla(self, q_rope, q_lat, cache, layer, pos0, scale, keep=None):
         q = torch.cat([q_rope, q_lat], dim=-1)
-        return self.attention(q, cache, layer, pos0, scale).reshape(q.shape[0], q.shape[1], -1)
+        return self._attend(q, cache, layer, pos0, scale, keep).reshape(q.shape[0], q.shape[1], -1)
+
+    def dsa_topk(self, q, weights, cache, layer, pos0, top_k):
+        """ops_cpu.dsa_topk on the device: the same float32 scores, the top_k by a stable sort (ties
+        to the earlier key)."""
+        n_tok = q.shape[0]
+        n_kv = pos0 + n_tok
+        if n_kv <= top_k:
+            return None
+        s = torch.relu(q @ cache.index_k[layer, :n_kv].T)                  # (n_tokens, n_head, n_kv)
+        score = torch.einsum("th,thk->tk", weights, s)
+        causal = (torch.arange(n_kv, device=self.device)[None, :]
+                  <= (pos0 + torch.arange(n_tok, device=self.device))[:, None])
+        order = torch.sort(score.masked_fill(~causal, -math.inf), dim=-1, descending=True, stable=True).indices
+        keep = torch.zeros((n_tok, n_kv), dtype=torch.bool, device=self.device)
+        keep.scatter_(1, order[:, :top_k], True)
+        # a query that sees top_k keys or fewer keeps them all (the sort put its unseen ones after them)
+        return keep & causal
 
     attention_scale = staticmethod(ops_cpu.attention_scale)
 
@@ -267,10 +295,16 @@ class _TorchKVCache:
 class _TorchMLACache(_TorchKVCache):
     """ops_cpu.MLACache on the device: one row per position, roped key part then the latent."""
 
-    def __init__(self, device, n_layer, n_ctx, n_rot, kv_lora_rank):
+    def __init__(self, device, n_layer, n_ctx, n_rot, kv_lora_rank, index_dim=0):
         self.k = torch.zeros((n_layer, n_ctx, 1, n_rot + kv_lora_rank), dtype=torch.float16, device=device)
         self.v = self.k[..., n_rot:]
+        self.index_k = (torch.zeros((n_layer, n_ctx, index_dim), dtype=F32, device=device)
+                        if index_dim else None)
         self.n_rot, self.n_ctx, self.n_past = n_rot, n_ctx, 0
+
+    def store_index(self, layer, pos0, k):
+        self._check_room(pos0, k.shape[0])
+        self.index_k[layer, pos0:pos0 + k.shape[0]] = k
 
     def store(self, layer, pos0, k_rope, kv):
         n = kv.shape[0]
