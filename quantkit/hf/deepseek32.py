@@ -33,10 +33,9 @@ def convert(cfg: Config, ck: Checkpoint) -> Conversion:
     n_ihead, head_dim, top_k = cfg.dim("index_n_heads"), cfg.dim("index_head_dim"), cfg.dim("index_topk")
     if not q_lora:
         raise QuantkitError(f"{cfg.path}: DeepSeek-V3.2's indexer reads the query LoRA, but q_lora_rank is 0")
-    if not (n_ihead and top_k) or head_dim < qk_rope:
-        raise QuantkitError(f"{cfg.path}: index_n_heads {n_ihead}, index_head_dim {head_dim}, index_topk {top_k}: "
-                            f"the indexer needs heads, keys to keep and at least the qk_rope_head_dim = {qk_rope} "
-                            "roped dims per head")
+    if head_dim < qk_rope:
+        raise QuantkitError(f"{cfg.path}: index_head_dim {head_dim} is less than qk_rope_head_dim {qk_rope}: the "
+                            "indexer ropes the first qk_rope_head_dim dims of each of its heads")
     c = deepseek.convert(cfg, ck)
     c.meta(f"{a}.attention.indexer.head_count", n_ihead, U32)
     c.meta(f"{a}.attention.indexer.key_length", head_dim, U32)
