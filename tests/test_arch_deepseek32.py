@@ -285,3 +285,73 @@ def test_a_missing_indexer_tensor_is_refused(tmp_path, v32_gguf):
     with open_model(path) as g:
         with pytest.raises(QuantkitError, match=r"blk\.1\.indexer\.k_norm\.bias' is missing"):
             Model(g, ops_cpu)
+
+
+# ---- FP8 with ue8m0 block scales ----
+
+UE8M0 = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
+         "weight_block_size": [128, 128]}
+
+
+def _fp8_ue8m0(src, dst, scale_dtype):
+    """src's checkpoint as V3.2 ships it: each linear weight float8_e4m3fn with one power-of-two scale
+    per 128 x 128 block (2^ceil(log2(amax / 448)), DeepSeek's ue8m0 rounding), stored as ``scale_dtype``;
+    the embeddings, norms, router and the indexer's weights_proj in BF16."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    out = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        w = w.float()
+        if w.ndim != 2 or any(k in name for k in H.FP8_KEEP + ("weights_proj", "eh_proj")):
+            out[name] = w.to(torch.bfloat16)
+            continue
+        rows, cols = w.shape
+        br, bc = -(-rows // 128), -(-cols // 128)
+        padded = torch.zeros(br * 128, bc * 128)
+        padded[:rows, :cols] = w
+        amax = padded.view(br, 128, bc, 128).abs().amax(dim=(1, 3)).clamp(min=1e-30)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+        out[name] = (w / full).to(torch.float8_e4m3fn)
+        out[name + "_scale_inv"] = scale.to(scale_dtype)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = UE8M0
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_ue8m0_fp8_checkpoint_decodes_exactly(tmp_path, v32_dir):
+    """Scales stored as float32 or as F8_E8M0 give the same file, whose values are fp8 x 2^k exactly."""
+    from safetensors.torch import load_file
+    from quantkit.hf.numerics import E4M3FN
+    as_f32 = _fp8_ue8m0(v32_dir, tmp_path / "f32" / "m", torch.float32)          # same name: general.name
+    as_e8m0 = _fp8_ue8m0(v32_dir, tmp_path / "e8m0" / "m", torch.float8_e8m0fnu)
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    quantkit.quantize_model(as_f32, a, "f32")
+    quantkit.quantize_model(as_e8m0, b, "f32")
+    assert a.read_bytes() == b.read_bytes()
+    stored = load_file(str(as_e8m0 / "model.safetensors"))
+    with open_model(a) as g:
+        for gguf_name, hf_name in (("blk.1.indexer.attn_q_b.weight", "model.layers.1.self_attn.indexer.wq_b.weight"),
+                                   ("blk.2.ffn_down_exps.weight", "model.layers.2.mlp.experts.0.down_proj.weight")):
+            q = stored[hf_name].view(torch.uint8).numpy()
+            exponent = int(stored[hf_name + "_scale_inv"].view(torch.uint8)[0, 0])
+            want = E4M3FN[q].astype(np.float64) * 2.0 ** (exponent - 127)
+            got = g.by_name[gguf_name].raw().view(np.float32).reshape(-1)[:q.size].reshape(q.shape)
+            assert np.array_equal(got, want), gguf_name
+
+
+def test_ue8m0_scales_that_are_not_powers_of_two_are_refused(tmp_path, v32_dir):
+    from safetensors.torch import load_file, save_file
+    d = _fp8_ue8m0(v32_dir, tmp_path / "bad", torch.float32)
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["model.layers.0.self_attn.indexer.wk.weight_scale_inv"] *= 1.5
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(QuantkitError, match=r"indexer\.wk\.weight_scale_inv' block \[0, 0\] is .* not a power of two"):
+        open_hf(d).close()
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["scale_fmt"] = "e5m2"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QuantkitError, match=r'scale_fmt "e5m2" \(a string\) is not supported'):
+        open_hf(d).close()

@@ -41,10 +41,10 @@ class HFModel(ModelView):
             raise QuantkitError(f"{directory}: architecture '{arch}' is not supported "
                                 f"(supported: {', '.join(ARCHITECTURES)})")
         gguf_arch, convert = ARCHITECTURES[arch]
-        _check_quantization(cfg)
+        scale_format = _check_quantization(cfg)
         tensors, self.files = open_checkpoint(directory)
         try:
-            ck = Checkpoint(tensors, directory)
+            ck = Checkpoint(tensors, directory, scale_format)
             conv = convert(cfg, ck)
             ck.check_all_used()
             meta = {KEY_ARCHITECTURE: MetaValue(ValueType.STRING, gguf_arch),
@@ -72,16 +72,22 @@ class HFModel(ModelView):
         self.files = []
 
 
-def _check_quantization(cfg: Config) -> None:
+def _check_quantization(cfg: Config) -> str | None:
     """Only DeepSeek's FP8 (float8_e4m3fn with 128 x 128 block scales) is a checkpoint quantization
-    we read; other schemes (GPTQ, AWQ, per-tensor FP8 ...) store other tensors under other names."""
+    we read; other schemes (GPTQ, AWQ, per-tensor FP8 ...) store other tensors under other names.
+    Returns the scale format (V3.1/V3.2's "ue8m0": power-of-two scales) or None."""
     q = cfg.object("quantization_config")
     if not q.raw:
-        return
+        return None
     method, block = q.string("quant_method", None), q.raw.get("weight_block_size", [128, 128])
     if method != "fp8" or block != [128, 128]:
         raise QuantkitError(f"{cfg.path}: quantization_config {method!r} with weight_block_size {describe(block)} is "
                             "not supported (only fp8 with 128x128 blocks, as DeepSeek-V3 ships)")
+    scale_format = q.string("scale_fmt", None)
+    if scale_format not in (None, "ue8m0"):
+        raise QuantkitError(f"{cfg.path}: quantization_config scale_fmt {describe(scale_format)} is not supported "
+                            "(float32 scales, or ue8m0 as DeepSeek-V3.1/V3.2 ship)")
+    return scale_format
 
 
 def open_hf(directory: str | os.PathLike) -> HFModel:
