@@ -355,3 +355,16 @@ def test_ue8m0_scales_that_are_not_powers_of_two_are_refused(tmp_path, v32_dir):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(QuantkitError, match=r'scale_fmt "e5m2" \(a string\) is not supported'):
         open_hf(d).close()
+
+
+def test_blocks_of_queries_choose_alike(v32_gguf, monkeypatch):
+    """The DSA paths score a block of query positions at a time (bounded memory for long contexts):
+    small blocks keep the same keys and give the same logits."""
+    whole = Recording(ops_cpu)
+    ref = ours(v32_gguf, LONG, whole)
+    monkeypatch.setattr(ops_cpu, "SCORE_BLOCK", 8 * len(LONG) * 5)     # 5 positions of 8 heads a block
+    assert ops_cpu._dsa_block(8, len(LONG)) == 5
+    blocks = Recording(ops_cpu)
+    logits = ours(v32_gguf, LONG, blocks)
+    assert all(np.array_equal(a, b) for a, b in zip(whole.kept, blocks.kept))
+    assert err(logits, ref) < 1e-6

@@ -39,6 +39,13 @@ FUSED_TOKENS = 4
 # the query heads of one key head), per item
 QUERY_BLOCK = 64
 QUERY_ROWS = 4096
+# the DSA paths hold (query positions x heads x keys) scores of one block: at most this many
+SCORE_BLOCK = 1 << 24
+
+
+def _dsa_block(n_head: int, n_kv: int) -> int:
+    """Query positions per block of the DSA paths (scores of SCORE_BLOCK floats at most)."""
+    return max(1, min(QUERY_BLOCK, SCORE_BLOCK // max(1, n_head * n_kv)))
 
 
 # ---- values in and out of the backend (numpy arrays here; a device backend converts) ----
@@ -376,8 +383,9 @@ def _attention_kept(q: np.ndarray, cache: MLACache, layer: int, pos0: int, scale
     q16 = _f16_round(q)
     out = np.empty((n_tok, n_head, values.shape[1]), F32)
     causal = np.arange(n_kv)[None, :] <= (pos0 + np.arange(n_tok))[:, None]
-    for t0 in range(0, n_tok, QUERY_BLOCK):
-        t1 = min(n_tok, t0 + QUERY_BLOCK)
+    block = _dsa_block(n_head, n_kv)
+    for t0 in range(0, n_tok, block):
+        t1 = min(n_tok, t0 + block)
         allowed = (keep[t0:t1] & causal[t0:t1])[:, None, :]
         scores = np.where(allowed, (q16[t0:t1] @ keys.T) * F32(scale), F32(-np.inf))   # (tb, n_head, n_kv)
         scores -= scores.max(axis=-1, keepdims=True)
@@ -403,8 +411,9 @@ def dsa_topk(q: np.ndarray, weights: np.ndarray, cache: MLACache, layer: int, po
     keys_t = np.ascontiguousarray(cache.index_k[layer, :n_kv].T)   # (head_dim, n_kv)
     q, weights = np.asarray(q, F32), np.asarray(weights, F32)
     keep = np.zeros((n_tok, n_kv), bool)
-    for t0 in range(0, n_tok, QUERY_BLOCK):
-        t1 = min(n_tok, t0 + QUERY_BLOCK)
+    block = _dsa_block(q.shape[1], n_kv)
+    for t0 in range(0, n_tok, block):
+        t1 = min(n_tok, t0 + block)
         s = q[t0:t1] @ keys_t                                       # (tb, n_head, n_kv)
         np.maximum(s, F32(0), out=s)
         score = np.einsum("th,thk->tk", weights[t0:t1], s)

@@ -233,8 +233,10 @@ class TorchOps:
         n_kv = pos0 + n_tok
         if n_kv <= top_k:
             return None
-        s = torch.relu(q @ cache.index_k[layer, :n_kv].T)                  # (n_tokens, n_head, n_kv)
-        score = torch.einsum("th,thk->tk", weights, s)
+        keys_t = cache.index_k[layer, :n_kv].T
+        block = ops_cpu._dsa_block(q.shape[1], n_kv)
+        score = torch.cat([torch.einsum("th,thk->tk", weights[t0:t0 + block], torch.relu(q[t0:t0 + block] @ keys_t))
+                           for t0 in range(0, n_tok, block)])                   # (n_tokens, n_kv)
         causal = (torch.arange(n_kv, device=self.device)[None, :]
                   <= (pos0 + torch.arange(n_tok, device=self.device))[:, None])
         order = torch.sort(score.masked_fill(~causal, -math.inf), dim=-1, descending=True, stable=True).indices
