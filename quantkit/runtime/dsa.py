@@ -22,8 +22,10 @@ modeling_deepseek_v32.py computes them.  Where the references differ:
   top-k of the model's real scores and comparable with transformers' float32 logits.
 * ik_llama.cpp adds a large boost to each sequence's first key (its "attention sink"), so it is
   always kept; neither DeepSeek's reference nor transformers does: we do not.
-* ik_llama.cpp runs its indexer only for the glm-dsa architecture (GLM-5); a ``deepseek2`` file's
-  indexer tensors it ignores, attending densely to every key.
+* ik_llama.cpp runs its indexer only for the glm-dsa architecture (GLM-5); its deepseek2 loader
+  does not even create the indexer tensors (a V3.2 file fails with "wrong number of tensors").
+  Its indexer ropes with the architecture's rope type (ggml's normal mode, adjacent pairs, for
+  glm-dsa); V3.2's indexer needs the "rotate half" pairs, as stored by the converter (no permutation).
 """
 from __future__ import annotations
 
