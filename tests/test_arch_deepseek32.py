@@ -350,6 +350,13 @@ def test_ue8m0_scales_that_are_not_powers_of_two_are_refused(tmp_path, v32_dir):
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(QuantkitError, match=r"indexer\.wk\.weight_scale_inv' block \[0, 0\] is .* not a power of two"):
         open_hf(d).close()
+    # an F8_E8M0 scale byte 0xFF is NaN
+    e8 = _fp8_ue8m0(v32_dir, tmp_path / "nan", torch.float8_e8m0fnu)
+    tensors = load_file(str(e8 / "model.safetensors"))
+    tensors["model.layers.2.self_attn.q_b_proj.weight_scale_inv"].view(torch.uint8).fill_(0xFF)
+    save_file(tensors, str(e8 / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(QuantkitError, match=r"q_b_proj\.weight_scale_inv' block \[0, 0\] is .*nan"):
+        open_hf(e8).close()
     cfg = json.loads((d / "config.json").read_text())
     cfg["quantization_config"]["scale_fmt"] = "e5m2"
     (d / "config.json").write_text(json.dumps(cfg))
