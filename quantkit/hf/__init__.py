@@ -15,7 +15,7 @@ from ..errors import QuantkitError
 from ..gguf_io.constants import KEY_ARCHITECTURE, MetaValue, ValueType
 from ..gguf_io.reader import ModelView, TensorInfo
 from ..types import traits
-from . import deepseek, deepseek32, llama
+from . import deepseek, llama
 from .checkpoint import Checkpoint
 from .config import Config, describe
 from .lazy import LazySource
@@ -28,7 +28,6 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("llama", llama.convert),
     "DeepseekV3ForCausalLM": ("deepseek2", deepseek.convert),
     "DeepseekV2ForCausalLM": ("deepseek2", deepseek.convert),
-    "DeepseekV32ForCausalLM": ("deepseek2", deepseek32.convert),
 }
 
 
@@ -41,10 +40,10 @@ class HFModel(ModelView):
             raise QuantkitError(f"{directory}: architecture '{arch}' is not supported "
                                 f"(supported: {', '.join(ARCHITECTURES)})")
         gguf_arch, convert = ARCHITECTURES[arch]
-        scale_format = _check_quantization(cfg)
+        _check_quantization(cfg)
         tensors, self.files = open_checkpoint(directory)
         try:
-            ck = Checkpoint(tensors, directory, scale_format)
+            ck = Checkpoint(tensors, directory)
             conv = convert(cfg, ck)
             ck.check_all_used()
             meta = {KEY_ARCHITECTURE: MetaValue(ValueType.STRING, gguf_arch),
@@ -72,22 +71,16 @@ class HFModel(ModelView):
         self.files = []
 
 
-def _check_quantization(cfg: Config) -> str | None:
+def _check_quantization(cfg: Config) -> None:
     """Only DeepSeek's FP8 (float8_e4m3fn with 128 x 128 block scales) is a checkpoint quantization
-    we read; other schemes (GPTQ, AWQ, per-tensor FP8 ...) store other tensors under other names.
-    Returns the scale format (V3.1/V3.2's "ue8m0": power-of-two scales) or None."""
+    we read; other schemes (GPTQ, AWQ, per-tensor FP8 ...) store other tensors under other names."""
     q = cfg.object("quantization_config")
     if not q.raw:
-        return None
+        return
     method, block = q.string("quant_method", None), q.raw.get("weight_block_size", [128, 128])
     if method != "fp8" or block != [128, 128]:
         raise QuantkitError(f"{cfg.path}: quantization_config {method!r} with weight_block_size {describe(block)} is "
                             "not supported (only fp8 with 128x128 blocks, as DeepSeek-V3 ships)")
-    scale_format = q.string("scale_fmt", None)
-    if scale_format not in (None, "ue8m0"):
-        raise QuantkitError(f"{cfg.path}: quantization_config scale_fmt {describe(scale_format)} is not supported "
-                            "(float32 scales, or ue8m0 as DeepSeek-V3.1/V3.2 ship)")
-    return scale_format
 
 
 def open_hf(directory: str | os.PathLike) -> HFModel:

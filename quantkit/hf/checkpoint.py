@@ -36,9 +36,8 @@ class Conversion:
 
 
 class Checkpoint:
-    def __init__(self, tensors: dict[str, SafeTensor], directory: Path, scale_format: str | None = None):
+    def __init__(self, tensors: dict[str, SafeTensor], directory: Path):
         self.tensors, self.directory = tensors, directory
-        self.scale_format = scale_format        # quantization_config.scale_fmt: "ue8m0" = powers of two
         self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
@@ -69,6 +68,9 @@ class Checkpoint:
             self._check_scales(name + SCALE_SUFFIX, scale)
             self.used.add(name + SCALE_SUFFIX)
         return Stored(t, scale, as_f32=as_f32 or len(t.shape) == 1)
+
+    # FP8 block scales: quantization_config.scale_fmt, which the DeepSeek converter sets (fp8_scale_format)
+    scale_format: str | None = None
 
     def _check_scales(self, name: str, scale: SafeTensor) -> None:
         """E8M0 scales are powers of two unless NaN (0xFF); float32 ones must be when config.json

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import QuantkitError
-from . import dsa
 from .weights import Weight
+from . import dsa
 
 # The configuration (MLAConfig, MoEConfig) is read and validated in hparams.py.
 
@@ -59,10 +59,10 @@ def load_layer(m, i: int) -> MLAHeads:
     else:
         names += ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
         names += ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"] if moe.n_expert_shared else []
-    if c.dsa:
-        names += ["indexer.attn_q_b", "indexer.attn_k", "indexer.k_norm", "indexer.proj"]
     for name in names:
         m.w.need(p + name + ".weight")
+    for name in dsa.TENSORS if c.dsa else ():
+        m.w.need(p + name)
     nope, lora, v_dim, n_head = mla.qk_nope, mla.kv_lora_rank, mla.v_head_dim, c.n_head
     if p + "attn_k_b.weight" in m.w and p + "attn_v_b.weight" in m.w:
         return MLAHeads(_per_head(m.w.need(p + "attn_k_b.weight"), nope, lora, n_head), False,

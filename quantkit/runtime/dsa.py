@@ -33,6 +33,9 @@ import math
 
 # transformers' and DeepSeek's reference LayerNorm eps for k_norm (the GGUF carries no key for it)
 K_NORM_EPS = 1e-6
+# a layer's indexer tensors (shapes checked in hparams.py)
+TENSORS = ("indexer.attn_q_b.weight", "indexer.attn_k.weight", "indexer.k_norm.weight", "indexer.k_norm.bias",
+           "indexer.proj.weight")
 
 
 def select(m, i: int, h, q_resid, pos, cache):
