@@ -21,6 +21,7 @@ from .config import Config, describe
 from .lazy import LazySource
 from .safetensors import open_checkpoint
 from .vocab import vocab_metadata
+from . import deepseek32
 
 # config.json "architectures" -> (GGUF architecture, converter)
 ARCHITECTURES = {
@@ -28,6 +29,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("llama", llama.convert),
     "DeepseekV3ForCausalLM": ("deepseek2", deepseek.convert),
     "DeepseekV2ForCausalLM": ("deepseek2", deepseek.convert),
+    "DeepseekV32ForCausalLM": ("deepseek2", deepseek32.convert),
 }
 
 
