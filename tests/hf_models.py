@@ -129,6 +129,33 @@ def save_deepseek_v3(directory: Path, tok_meta: dict, *, n_layer=3, n_dense=1, n
     return directory
 
 
+def save_deepseek_v32(directory: Path, tok_meta: dict, *, n_layer=3, n_dense=1, index_topk=16, index_n_heads=8,
+                      index_head_dim=16, n_group=2, topk_group=1, attn_out_gain=1.0, seed=0) -> Path:
+    """A tiny DeepSeek-V3.2 (DeepseekV32ForCausalLM): DeepSeek-V3's shape plus the DSA indexer in every
+    layer, with a small ``index_topk`` so that short prompts exceed it; group-limited routing.
+    ``attn_out_gain`` scales o_proj: below 1 the attention's share of the residual stream, and with it
+    how much a random network amplifies the rounding of an f16 cache, is smaller."""
+    import torch
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+    torch.manual_seed(seed)
+    cfg = DeepseekV32Config(vocab_size=len(tok_meta["tokenizer.ggml.tokens"]), hidden_size=64, intermediate_size=128,
+                            moe_intermediate_size=32, num_hidden_layers=n_layer, first_k_dense_replace=n_dense,
+                            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+                            num_experts_per_tok=2, n_group=n_group, topk_group=topk_group, q_lora_rank=32,
+                            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                            index_topk=index_topk, index_n_heads=index_n_heads, index_head_dim=index_head_dim,
+                            max_position_embeddings=2048, bos_token_id=tok_meta["tokenizer.ggml.bos_token_id"],
+                            eos_token_id=tok_meta["tokenizer.ggml.eos_token_id"])
+    model = DeepseekV32ForCausalLM(cfg).eval()
+    _spread_weights(model, seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(attn_out_gain)
+    model.save_pretrained(directory)
+    write_tokenizer(directory, tok_meta)
+    return directory
+
+
 def save_deepseek_v2_lite(directory: Path, tok_meta: dict, *, n_layer=27, seed=0) -> Path:
     """DeepSeek-V2-Lite's shape in miniature: queries without a LoRA (attn_q), softmax routing without
     normalisation, two shared experts.  27 layers: ik_llama.cpp takes q_lora_rank = 0 only from
@@ -151,12 +178,12 @@ def save_deepseek_v2_lite(directory: Path, tok_meta: dict, *, n_layer=27, seed=0
     return directory
 
 
-def _spread_weights(model) -> None:
+def _spread_weights(model, seed: int = 1) -> None:
     """Random weights large enough that a few layers change the logits visibly (transformers'
     initialisation is 0.02-scaled, which leaves a tiny model close to its embeddings), and random
     router biases."""
     import torch
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim >= 2:

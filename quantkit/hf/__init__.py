@@ -15,7 +15,7 @@ from ..errors import QuantkitError
 from ..gguf_io.constants import KEY_ARCHITECTURE, MetaValue, ValueType
 from ..gguf_io.reader import ModelView, TensorInfo
 from ..types import traits
-from . import compressed_tensors, deepseek, gptoss, llama
+from . import compressed_tensors, deepseek, deepseek32, gptoss, llama
 from .checkpoint import Checkpoint
 from .config import Config, describe
 from .lazy import LazySource
@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": ("deepseek2", deepseek.convert),
     "DeepseekV2ForCausalLM": ("deepseek2", deepseek.convert),
     "GptOssForCausalLM": ("gpt-oss", gptoss.convert),
+    "DeepseekV32ForCausalLM": ("deepseek2", deepseek32.convert),
 }
 
 

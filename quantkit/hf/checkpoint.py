@@ -15,7 +15,7 @@ from ..gguf_io.constants import MetaValue, ValueType
 from .config import Config
 from . import compressed_tensors
 from .lazy import Lazy, Stored
-from .numerics import FP8_BLOCK
+from .numerics import FP8_BLOCK, block_scales, powers_of_two
 from .safetensors import SafeTensor
 
 log = logging.getLogger("quantkit")
@@ -69,11 +69,27 @@ class Checkpoint:
                 raise QuantkitError(f"{self.directory}: float8 tensor '{name}' has no {name + SCALE_SUFFIX} "
                                     "block scales (only DeepSeek's 128x128 block-scaled FP8 is converted)")
             grid = tuple(-(-d // FP8_BLOCK) for d in t.shape)
-            if tuple(scale.shape) != grid or scale.dtype != "F32":
+            if tuple(scale.shape) != grid or scale.dtype not in ("F32", "F8_E8M0"):
                 raise QuantkitError(f"{self.directory}: '{name + SCALE_SUFFIX}' is {scale.dtype} {list(scale.shape)}; "
-                                    f"128x128 blocks of {list(t.shape)} need F32 {list(grid)}")
+                                    f"128x128 blocks of {list(t.shape)} need F32 (or F8_E8M0) {list(grid)}")
+            self._check_scales(name + SCALE_SUFFIX, scale)
             self.used.add(name + SCALE_SUFFIX)
         return Stored(t, scale, as_f32=as_f32 or len(t.shape) == 1)
+
+    # FP8 block scales: quantization_config.scale_fmt, which the DeepSeek converter sets (fp8_scale_format)
+    scale_format: str | None = None
+
+    def _check_scales(self, name: str, scale: SafeTensor) -> None:
+        """E8M0 scales are powers of two unless NaN (0xFF); float32 ones must be when config.json
+        says scale_fmt "ue8m0" (what makes the decoded values exact: see numerics.py)."""
+        if scale.dtype != "F8_E8M0" and self.scale_format != "ue8m0":
+            return
+        bad = ~powers_of_two(block_scales(scale.dtype, scale.data))
+        if bad.any():
+            r, c = (int(i[0]) for i in np.nonzero(bad))
+            value = block_scales(scale.dtype, scale.data)[r, c]
+            raise QuantkitError(f"{self.directory}: '{name}' block [{r}, {c}] is {value!r}, not a power of two "
+                                "(ue8m0 block scales are)")
 
     def skip(self, pattern: str) -> None:
         """Tensors the GGUF does not carry (rotary caches, the MTP layer ...)."""

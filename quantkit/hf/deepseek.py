@@ -22,11 +22,22 @@ import numpy as np
 from ..errors import QuantkitError
 from ..gguf_io.constants import ValueType
 from .checkpoint import Checkpoint, Conversion, add_output_head, base_conversion
-from .config import Config
+from .config import Config, describe
 from .lazy import Gathered, HeadsTransposed, Stacked
 
 U32, F32, STR, BOOL = ValueType.UINT32, ValueType.FLOAT32, ValueType.STRING, ValueType.BOOL
 GATING = {"softmax": 1, "sigmoid": 2}
+
+
+def fp8_scale_format(cfg: Config) -> str | None:
+    """quantization_config.scale_fmt of an FP8 checkpoint: absent (float32 scales, V3) or "ue8m0"
+    (powers of two, V3.1/V3.2: numerics.py)."""
+    q = cfg.object("quantization_config")
+    scale_format = q.string("scale_fmt", None) if q.raw.get("quant_method") == "fp8" else None
+    if scale_format not in (None, "ue8m0"):
+        raise QuantkitError(f"{cfg.path}: quantization_config scale_fmt {describe(scale_format)} is not supported "
+                            "(float32 scales, or ue8m0 as DeepSeek-V3.1/V3.2 ship)")
+    return scale_format
 
 
 def convert(cfg: Config, ck: Checkpoint) -> Conversion:
@@ -47,7 +58,8 @@ def convert(cfg: Config, ck: Checkpoint) -> Conversion:
         raise QuantkitError(f"{cfg.path}: qk_rope_head_dim {qk_rope} is odd: rotary embeddings rotate pairs of "
                             "dimensions")
     # V3 routes with sigmoid scores (transformers' V3 config no longer writes scoring_func), V2 with softmax
-    scoring = cfg.string("scoring_func", "sigmoid" if cfg.architecture == "DeepseekV3ForCausalLM" else "softmax")
+    v3 = cfg.architecture in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+    scoring = cfg.string("scoring_func", "sigmoid" if v3 else "softmax")
     if scoring not in GATING:
         raise QuantkitError(f"{cfg.path}: scoring_func '{scoring}' is not supported (softmax or sigmoid)")
     n_group, topk_group = cfg.integer("n_group", 1), cfg.integer("topk_group", 1)
@@ -55,6 +67,7 @@ def convert(cfg: Config, ck: Checkpoint) -> Conversion:
         raise QuantkitError(f"{cfg.path}: n_group {n_group} with topk_group {topk_group} does not fit "
                             f"{n_expert} routed experts (n_group must divide them, topk_group be 1 to n_group)")
 
+    ck.scale_format = fp8_scale_format(cfg)
     c = base_conversion(a, cfg, 1e-6)
     c.meta(f"{a}.expert_used_count", n_used, U32)
     if q_lora:

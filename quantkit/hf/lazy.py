@@ -17,7 +17,7 @@ import numpy as np
 from ..types import REPACKED_TYPE, QuantType, traits
 from .. import formats
 from ..kernels.floats import fp8_blocks_to_bf16_rows
-from .numerics import E4M3FN
+from .numerics import E4M3FN, block_scales
 from .safetensors import SafeTensor
 
 STORAGE_DTYPE = {QuantType.F32: np.dtype("<f4"), QuantType.F16: np.dtype("<f2"), QuantType.BF16: np.dtype("<u2")}
@@ -81,7 +81,7 @@ class Stored(Lazy):
     def __init__(self, t: SafeTensor, scale_inv: SafeTensor | None = None, as_f32: bool = False):
         self.t, self.scale_inv = t, scale_inv
         # the scale grid is small (one float per 128 x 128 block): read once
-        self.scale_grid = None if scale_inv is None else np.array(scale_inv.data, np.float32).reshape(
+        self.scale_grid = None if scale_inv is None else block_scales(scale_inv.dtype, scale_inv.data).reshape(
             scale_inv.shape[0], -1)
         self.n_rows, self.n_per_row = t.matrix().shape
         self.as_f32 = as_f32

@@ -33,7 +33,7 @@ STORED_DTYPE = {
     "F8_E4M3": np.dtype("u1"), "F64": np.dtype("<f8"),
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
     "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"),
-    "U8": np.dtype("u1"), "BOOL": np.dtype("u1"), "F8_E5M2": np.dtype("u1"),
+    "U8": np.dtype("u1"), "BOOL": np.dtype("u1"), "F8_E5M2": np.dtype("u1"), "F8_E8M0": np.dtype("u1"),
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from ..errors import QuantkitError
 from .experts import expert_tensors, expert_weights
 from .weights import Weight
+from . import dsa
 
 # The configuration (MLAConfig, MoEConfig) is read and validated in hparams.py.
 
@@ -61,6 +62,8 @@ def load_layer(m, i: int) -> MLAHeads:
         names += ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"] if moe.n_expert_shared else []
     for name in names:
         m.w.need(p + name + ".weight")
+    for name in dsa.TENSORS if c.dsa else ():
+        m.w.need(p + name)
     nope, lora, v_dim, n_head = mla.qk_nope, mla.kv_lora_rank, mla.v_head_dim, c.n_head
     if p + "attn_k_b.weight" in m.w and p + "attn_v_b.weight" in m.w:
         return MLAHeads(_per_head(m.w.need(p + "attn_k_b.weight"), nope, lora, n_head), False,
@@ -77,10 +80,10 @@ def attention(m, i: int, h, pos, cache):
     c, mla, ops, heads = m.config, m.config.mla, m.ops, m.mla_heads[i]
     p, n = f"blk.{i}.", h.shape[0]
     if mla.q_lora_rank:
-        q = ops.rmsnorm(m.linear(p + "attn_q_a", h), m.vector(p + "attn_q_a_norm.weight"), c.rms_eps)
-        q = m.linear(p + "attn_q_b", q)
+        q_resid = ops.rmsnorm(m.linear(p + "attn_q_a", h), m.vector(p + "attn_q_a_norm.weight"), c.rms_eps)
+        q = m.linear(p + "attn_q_b", q_resid)
     else:
-        q = m.linear(p + "attn_q", h)
+        q_resid, q = None, m.linear(p + "attn_q", h)
     q = q.reshape(n, c.n_head, mla.qk_nope + mla.qk_rope)
     q_nope, q_rope = q[..., :mla.qk_nope], q[..., mla.qk_nope:]
 
@@ -97,7 +100,9 @@ def attention(m, i: int, h, pos, cache):
     pos0 = cache.n_past
     cache.store(i, pos0, k_rope, kv)
     q_lat = ops.matmul_q_heads(heads.k_b, q_nope, transposed=heads.k_b_t)   # (n, n_head, kv_lora)
-    a = ops.attention_mla(q_rope, q_lat, cache, i, pos0, mla.kq_scale)      # (n, n_head, kv_lora)
+    # DeepSeek-V3.2: the keys the indexer keeps (None: all of them)
+    keep = dsa.select(m, i, h, q_resid, pos, cache) if c.dsa else None
+    a = ops.attention_mla(q_rope, q_lat, cache, i, pos0, mla.kq_scale, keep=keep)   # (n, n_head, kv_lora)
     o = ops.matmul_q_heads(heads.v_b, a)                                     # (n, n_head, v_head)
     return m.linear(p + "attn_output", o.reshape(n, c.n_head * mla.v_head_dim))
 

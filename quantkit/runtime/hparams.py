@@ -80,6 +80,16 @@ class GptOssConfig:
 
 
 @dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek-V3.2's lightning indexer (DeepSeek Sparse Attention): per layer, n_head indexer query
+    heads of head_dim (the first qk_rope roped) score every key; a query attends only to the top_k
+    best of the keys it sees once it sees more than top_k."""
+    n_head: int
+    head_dim: int
+    top_k: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     arch: str
     n_layer: int
@@ -96,6 +106,7 @@ class ModelConfig:
     mla: MLAConfig | None = None    # latent attention (deepseek2) instead of per-head keys and values
     moe: MoEConfig | None = None    # routed experts after moe.n_dense_lead plain-FFN layers
     gptoss: GptOssConfig | None = None  # sinks, sliding window, YaRN (gpt-oss)
+    dsa: DSAConfig | None = None    # the DSA indexer (DeepSeek-V3.2) selecting the keys of the MLA attention
 
     @classmethod
     def from_gguf(cls, model) -> "ModelConfig":
@@ -360,7 +371,29 @@ def _read_deepseek2(k: Keys) -> ModelConfig:
         # per query head; keys and values exist per head only inside the latent attention
         n_head_kv=n_head, head_dim=qk_head, n_rot=n_rot, n_vocab=_n_vocab(k), n_ctx_train=n_ctx_train,
         rms_eps=k.float("attention.layer_norm_rms_epsilon", above=0.0, below=1.0), rope_base=rope_base,
-        rope_scale=freq_scale, mla=mla, moe=moe)
+        rope_scale=freq_scale, mla=mla, moe=moe, dsa=_read_dsa(k, mla))
+
+
+INDEXER_KEYS = ("attention.indexer.head_count", "attention.indexer.key_length", "attention.indexer.top_k")
+
+
+def _read_dsa(k: Keys, mla: MLAConfig) -> DSAConfig | None:
+    """The indexer keys (all three or none): V3.2's indexer projects the query LoRA, and ropes
+    the first qk_rope dims of its heads."""
+    present = [key for key in INDEXER_KEYS if k.has(key)]
+    if not present:
+        return None
+    if len(present) < len(INDEXER_KEYS):
+        missing = next(key for key in INDEXER_KEYS if key not in present)
+        raise QuantkitError(f"{k.model.path}: {k.name(present[0])} is set but {k.name(missing)} is missing "
+                            "(the DSA indexer needs all three)")
+    if not mla.q_lora_rank:
+        raise k.fail("attention.indexer.head_count", k.int(INDEXER_KEYS[0]),
+                     f"the indexer reads the query LoRA, but {k.name('attention.q_lora_rank')} is 0")
+    return DSAConfig(n_head=k.int(INDEXER_KEYS[0], lo=1, hi=1 << 16),
+                     # at least the roped dims (rope.dimension_count), which lead each head
+                     head_dim=k.int(INDEXER_KEYS[1], lo=mla.qk_rope, hi=1 << 16),
+                     top_k=k.int(INDEXER_KEYS[2], lo=1))
 
 
 def _read_gptoss(k: Keys) -> ModelConfig:
@@ -541,6 +574,19 @@ class _Tensors:
         else:
             self.tensor(p + "attn_kv_b.weight", (lora, n_head * (nope + v_dim)), why=per_head)
         self.matrix(p + "attn_output", n_head * v_dim, c.n_embd, per_head)
+        if c.dsa:
+            self.indexer(p)
+
+    def indexer(self, p: str) -> None:
+        c, k, dsa = self.c, self.k, self.c.dsa
+        why = (f"{k.name('attention.indexer.head_count')} = {dsa.n_head} heads of "
+               f"{k.name('attention.indexer.key_length')} = {dsa.head_dim}, {k.name('attention.q_lora_rank')} = "
+               f"{c.mla.q_lora_rank}, n_embd {c.n_embd}")
+        self.tensor(p + "indexer.attn_q_b.weight", (c.mla.q_lora_rank, dsa.n_head * dsa.head_dim), why=why)
+        self.tensor(p + "indexer.attn_k.weight", (c.n_embd, dsa.head_dim), why=why)
+        self.tensor(p + "indexer.k_norm.weight", (dsa.head_dim,), why=why)
+        self.tensor(p + "indexer.k_norm.bias", (dsa.head_dim,), why=why)
+        self.tensor(p + "indexer.proj.weight", (c.n_embd, dsa.n_head), why=why)
 
     def experts(self, p: str) -> None:
         c, k, moe = self.c, self.k, self.c.moe

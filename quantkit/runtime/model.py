@@ -63,7 +63,8 @@ class Model:
     def new_cache(self, n_ctx: int) -> Cache:
         c = self.config
         if c.mla:
-            return self.ops.MLACache(c.n_layer, n_ctx, c.mla.qk_rope, c.mla.kv_lora_rank)
+            return self.ops.MLACache(c.n_layer, n_ctx, c.mla.qk_rope, c.mla.kv_lora_rank,
+                                     index_dim=c.dsa.head_dim if c.dsa else 0)
         return self.ops.KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim, c.head_dim)
 
     def vector(self, name: str) -> np.ndarray | None:

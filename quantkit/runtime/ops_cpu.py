@@ -39,6 +39,13 @@ FUSED_TOKENS = 4
 # the query heads of one key head), per item
 QUERY_BLOCK = 64
 QUERY_ROWS = 4096
+# the DSA paths hold (query positions x heads x keys) scores of one block: at most this many
+SCORE_BLOCK = 1 << 24
+
+
+def _dsa_block(n_head: int, n_kv: int) -> int:
+    """Query positions per block of the DSA paths (scores of SCORE_BLOCK floats at most)."""
+    return max(1, min(QUERY_BLOCK, SCORE_BLOCK // max(1, n_head * n_kv)))
 
 
 # ---- values in and out of the backend (numpy arrays here; a device backend converts) ----
@@ -149,6 +156,15 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     else:
         by_rows(lambda r0, r1: kernels.rmsnorm_rows(x[r0:r1], weight, float(eps), out[r0:r1]), x.shape[0])
     return out
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """(x - mean) / sqrt(variance + eps) * weight + bias, per row (a LayerNorm: the DSA indexer's
+    k_norm); mean and variance in double."""
+    xd = np.asarray(x, np.float64)
+    d = xd - xd.mean(axis=-1, keepdims=True)
+    y = (d / np.sqrt((d * d).mean(axis=-1, keepdims=True) + eps)).astype(F32)
+    return y * np.asarray(weight, F32) + np.asarray(bias, F32)
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -276,12 +292,19 @@ class MLACache(KVCache):
     whole row and the values its last kv_lora_rank entries (``v`` is a view), the queries having
     been mapped into that latent space."""
 
-    def __init__(self, n_layer: int, n_ctx: int, n_rot: int, kv_lora_rank: int):
+    def __init__(self, n_layer: int, n_ctx: int, n_rot: int, kv_lora_rank: int, index_dim: int = 0):
         self.k = np.zeros((n_layer, n_ctx, 1, n_rot + kv_lora_rank), np.float16)   # (layer, pos, 1, n_rot + kv_lora)
         self.v = self.k[..., n_rot:]                                               # (layer, pos, 1, kv_lora)
+        # the DSA indexer's keys (DeepSeek-V3.2), float32: selection compares their scores exactly
+        self.index_k = np.zeros((n_layer, n_ctx, index_dim), F32) if index_dim else None
         self.n_rot = n_rot
         self.n_ctx = n_ctx
         self.n_past = 0
+
+    def store_index(self, layer: int, pos0: int, k: np.ndarray) -> None:
+        """The indexer keys (n_tokens, index_dim) of positions pos0.."""
+        self._check_room(pos0, k.shape[0])
+        self.index_k[layer, pos0:pos0 + k.shape[0]] = k
 
     def store(self, layer: int, pos0: int, k_rope: np.ndarray, kv: np.ndarray) -> None:
         """k_rope (n_tokens, 1, n_rot), kv (n_tokens, kv_lora_rank)."""
@@ -389,12 +412,69 @@ def causal_softmax_f16(scores: np.ndarray, pos0: int, rows_per_pos: int, scale: 
 
 
 def attention_mla(q_rope: np.ndarray, q_lat: np.ndarray, cache: MLACache, layer: int, pos0: int,
-                  scale: float) -> np.ndarray:
+                  scale: float, keep: np.ndarray | None = None) -> np.ndarray:
     """Attention in the latent space of an :class:`MLACache`: queries q_rope (n_tokens, n_head, n_rot)
     and q_lat (n_tokens, n_head, kv_lora_rank), laid out like the cache rows -> (n_tokens, n_head,
-    kv_lora_rank), still to be mapped to each head's values."""
+    kv_lora_rank), still to be mapped to each head's values.  ``keep`` (n_tokens, n_kv) bool, from
+    :func:`dsa_topk`: each query attends to those of its keys only."""
     q = np.concatenate([q_rope, q_lat], axis=-1)
-    return attention(q, cache, layer, pos0, scale).reshape(q.shape[0], q.shape[1], -1)
+    if keep is None:
+        return attention(q, cache, layer, pos0, scale).reshape(q.shape[0], q.shape[1], -1)
+    return _attention_kept(q, cache, layer, pos0, scale, keep)
+
+
+def _attention_kept(q: np.ndarray, cache: MLACache, layer: int, pos0: int, scale: float,
+                    keep: np.ndarray) -> np.ndarray:
+    """:func:`attention`'s numbers (f16 query and probabilities, the exponentials summed in double)
+    over the keys ``keep`` marks (and the query may see), a block of query positions at a time."""
+    n_tok, n_head, k_dim = q.shape
+    n_kv = pos0 + n_tok
+    keys = cache.k[layer, :n_kv, 0].astype(F32)                 # (n_kv, k_dim)
+    values = cache.v[layer, :n_kv, 0].astype(F32)               # (n_kv, kv_lora)
+    q16 = _f16_round(q)
+    out = np.empty((n_tok, n_head, values.shape[1]), F32)
+    causal = np.arange(n_kv)[None, :] <= (pos0 + np.arange(n_tok))[:, None]
+    block = _dsa_block(n_head, n_kv)
+    for t0 in range(0, n_tok, block):
+        t1 = min(n_tok, t0 + block)
+        allowed = (keep[t0:t1] & causal[t0:t1])[:, None, :]
+        scores = np.where(allowed, (q16[t0:t1] @ keys.T) * F32(scale), F32(-np.inf))   # (tb, n_head, n_kv)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        inv_total = (1.0 / scores.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(F32)
+        out[t0:t1] = _f16_round(scores * inv_total) @ values
+    return out
+
+
+def dsa_topk(q: np.ndarray, weights: np.ndarray, cache: MLACache, layer: int, pos0: int,
+             top_k: int) -> np.ndarray | None:
+    """DeepSeek Sparse Attention's key selection: the keys (n_tokens, n_kv) bool each query keeps, or
+    None when no query sees more than ``top_k`` keys (all are kept: plain causal attention).
+
+    Query t (at position pos0 + t) scores each key j it sees as Σ_h weights[t, h] · relu(q[t, h] ·
+    index_k[j]) (q (n_tokens, n_head, head_dim) roped, weights (n_tokens, n_head) with the 1 /
+    sqrt(n_head · head_dim) scale in them) and keeps the ``top_k`` best, exactly (float32 scores of
+    the float32 cached keys; ties go to the earlier key)."""
+    n_tok = q.shape[0]
+    n_kv = pos0 + n_tok
+    if n_kv <= top_k:
+        return None
+    keys_t = np.ascontiguousarray(cache.index_k[layer, :n_kv].T)   # (head_dim, n_kv)
+    q, weights = np.asarray(q, F32), np.asarray(weights, F32)
+    keep = np.zeros((n_tok, n_kv), bool)
+    block = _dsa_block(q.shape[1], n_kv)
+    for t0 in range(0, n_tok, block):
+        t1 = min(n_tok, t0 + block)
+        s = q[t0:t1] @ keys_t                                       # (tb, n_head, n_kv)
+        np.maximum(s, F32(0), out=s)
+        score = np.einsum("th,thk->tk", weights[t0:t1], s)
+        for t in range(t0, t1):
+            n_seen = pos0 + t + 1
+            if n_seen <= top_k:
+                keep[t, :n_seen] = True
+            else:
+                keep[t, np.argsort(-score[t - t0, :n_seen], kind="stable")[:top_k]] = True
+    return keep
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

@@ -157,6 +157,13 @@ class TorchOps:
         scale = (1.0 / torch.sqrt((xd * xd).sum(dim=-1) / x.shape[-1] + eps)).to(F32)
         return (x * scale[:, None]) * self._vec(weight)
 
+    def layer_norm(self, x: torch.Tensor, weight, bias, eps: float) -> torch.Tensor:
+        """ops_cpu.layer_norm: mean and variance in double."""
+        xd = x.to(torch.float64)
+        d = xd - xd.mean(dim=-1, keepdim=True)
+        y = (d / torch.sqrt((d * d).mean(dim=-1, keepdim=True) + eps)).to(F32)
+        return y * self._vec(weight) + self._vec(bias)
+
     def _vec(self, v) -> torch.Tensor:
         return v if isinstance(v, torch.Tensor) else self.param(v)
 
@@ -189,14 +196,19 @@ class TorchOps:
     def KVCache(self, n_layer, n_ctx, n_head_kv, k_dim, v_dim):
         return _TorchKVCache(self.device, n_layer, n_ctx, n_head_kv, k_dim, v_dim)
 
-    def MLACache(self, n_layer, n_ctx, n_rot, kv_lora_rank):
-        return _TorchMLACache(self.device, n_layer, n_ctx, n_rot, kv_lora_rank)
+    def MLACache(self, n_layer, n_ctx, n_rot, kv_lora_rank, index_dim=0):
+        return _TorchMLACache(self.device, n_layer, n_ctx, n_rot, kv_lora_rank, index_dim)
 
     def attention(self, q: torch.Tensor, cache, layer: int, pos0: int, scale: float, sinks=None,
                   window: int = 0) -> torch.Tensor:
         """ops_cpu.attention: causal, grouped-query, f16 query and probabilities, the exponentials
         summed in double and multiplied by 1 / sum; gpt-oss's ``sinks`` and sliding ``window`` as
         ops_cpu.attention_sinks has them (with float32 queries and probabilities)."""
+        return self._attend(q, cache, layer, pos0, scale, sinks=sinks, window=window)
+
+    def _attend(self, q: torch.Tensor, cache, layer: int, pos0: int, scale: float, keep=None, sinks=None,
+                window: int = 0) -> torch.Tensor:
+        """:meth:`attention`, over the keys ``keep`` (n_tokens, n_kv) bool marks where given."""
         gpt = sinks is not None or window > 0
         rounded = (lambda t: t) if gpt else _f16_round
         n_tok, n_head, k_dim = q.shape
@@ -212,6 +224,8 @@ class TorchOps:
         hidden = k_pos > q_pos
         if window:
             hidden |= q_pos - k_pos >= window
+        if keep is not None:
+            hidden = hidden | ~keep
         scores = scores.masked_fill(hidden, -math.inf)
         row_max = scores.amax(dim=-1, keepdim=True)
         if sinks is not None:
@@ -225,9 +239,28 @@ class TorchOps:
         out = rounded(e * inv_total) @ v.permute(1, 0, 2)[:, None]                     # (hkv, g, t, v_dim)
         return out.permute(2, 0, 1, 3).reshape(n_tok, n_head * v_dim)
 
-    def attention_mla(self, q_rope, q_lat, cache, layer, pos0, scale):
+    def attention_mla(self, q_rope, q_lat, cache, layer, pos0, scale, keep=None):
         q = torch.cat([q_rope, q_lat], dim=-1)
-        return self.attention(q, cache, layer, pos0, scale).reshape(q.shape[0], q.shape[1], -1)
+        return self._attend(q, cache, layer, pos0, scale, keep).reshape(q.shape[0], q.shape[1], -1)
+
+    def dsa_topk(self, q, weights, cache, layer, pos0, top_k):
+        """ops_cpu.dsa_topk on the device: the same float32 scores, the top_k by a stable sort (ties
+        to the earlier key)."""
+        n_tok = q.shape[0]
+        n_kv = pos0 + n_tok
+        if n_kv <= top_k:
+            return None
+        keys_t = cache.index_k[layer, :n_kv].T
+        block = ops_cpu._dsa_block(q.shape[1], n_kv)
+        score = torch.cat([torch.einsum("th,thk->tk", weights[t0:t0 + block], torch.relu(q[t0:t0 + block] @ keys_t))
+                           for t0 in range(0, n_tok, block)])                   # (n_tokens, n_kv)
+        causal = (torch.arange(n_kv, device=self.device)[None, :]
+                  <= (pos0 + torch.arange(n_tok, device=self.device))[:, None])
+        order = torch.sort(score.masked_fill(~causal, -math.inf), dim=-1, descending=True, stable=True).indices
+        keep = torch.zeros((n_tok, n_kv), dtype=torch.bool, device=self.device)
+        keep.scatter_(1, order[:, :top_k], True)
+        # a query that sees top_k keys or fewer keeps them all (the sort put its unseen ones after them)
+        return keep & causal
 
     attention_scale = staticmethod(ops_cpu.attention_scale)
 
@@ -300,10 +333,16 @@ class _TorchKVCache:
 class _TorchMLACache(_TorchKVCache):
     """ops_cpu.MLACache on the device: one row per position, roped key part then the latent."""
 
-    def __init__(self, device, n_layer, n_ctx, n_rot, kv_lora_rank):
+    def __init__(self, device, n_layer, n_ctx, n_rot, kv_lora_rank, index_dim=0):
         self.k = torch.zeros((n_layer, n_ctx, 1, n_rot + kv_lora_rank), dtype=torch.float16, device=device)
         self.v = self.k[..., n_rot:]
+        self.index_k = (torch.zeros((n_layer, n_ctx, index_dim), dtype=F32, device=device)
+                        if index_dim else None)
         self.n_rot, self.n_ctx, self.n_past = n_rot, n_ctx, 0
+
+    def store_index(self, layer, pos0, k):
+        self._check_room(pos0, k.shape[0])
+        self.index_k[layer, pos0:pos0 + k.shape[0]] = k
 
     def store(self, layer, pos0, k_rope, kv):
         n = kv.shape[0]
