@@ -15,7 +15,7 @@ from ..errors import QuantkitError
 from ..gguf_io.constants import KEY_ARCHITECTURE, MetaValue, ValueType
 from ..gguf_io.reader import ModelView, TensorInfo
 from ..types import traits
-from . import deepseek, llama
+from . import deepseek, glm4moe, llama, qwen3
 from .checkpoint import Checkpoint
 from .config import Config, describe
 from .lazy import LazySource
@@ -28,6 +28,9 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("llama", llama.convert),
     "DeepseekV3ForCausalLM": ("deepseek2", deepseek.convert),
     "DeepseekV2ForCausalLM": ("deepseek2", deepseek.convert),
+    "Qwen3ForCausalLM": ("qwen3", qwen3.convert),
+    "Qwen3MoeForCausalLM": ("qwen3moe", qwen3.convert_moe),
+    "Glm4MoeForCausalLM": ("glm4moe", glm4moe.convert),
 }
 
 
