@@ -95,3 +95,30 @@ def _float32_attention_class():
 
 def Float32Attention(device: str = "cpu"):
     return _float32_attention_class()(device)
+
+
+def shrink_vocab(src, dst, n_vocab: int = 8192):
+    """A copy of the F32 file ``src`` keeping only the first ``n_vocab`` tokens (token_embd and
+    output rows, no tokenizer): the same network for those logits, and a file that gguf-py's reader
+    (slow on a 49152-token vocabulary) rewrites quickly in the hostile-input tests."""
+    import gguf
+
+    from quantkit.gguf_io.reader import open_model
+    with open_model(src) as g:
+        w = gguf.GGUFWriter(str(dst), arch=g.architecture)
+        for key, mv in g.metadata.items():
+            if key.startswith("tokenizer.") or key == "general.architecture":
+                continue
+            value = n_vocab if key.endswith(".vocab_size") else mv.value
+            w.add_key_value(key, value, gguf.GGUFValueType(int(mv.vtype)))
+        for t in g.tensors:
+            shape = list(t.shape)
+            data = t.raw().view(np.float32).reshape(shape[::-1])
+            if t.name in ("token_embd.weight", "output.weight"):
+                data = data[:n_vocab]
+            w.add_tensor(t.name, np.ascontiguousarray(data))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return dst

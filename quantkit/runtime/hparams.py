@@ -541,3 +541,7 @@ class _Tensors:
             self.tensor(p + name + ".weight", shape, why=f"{why}; n_ff from ffn_gate_exps")
         if moe.n_expert_shared:
             self.ffn(p, c.n_embd, "_shexp")
+        elif p + "ffn_gate_shexp.weight" in self.model.by_name:
+            # shared experts the forward pass would leave out
+            raise QuantkitError(f"{self.model.path}: tensor '{p}ffn_gate_shexp.weight' is in the file but "
+                                f"{k.name('expert_shared_count')} is 0")
