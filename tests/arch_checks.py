@@ -122,3 +122,16 @@ def shrink_vocab(src, dst, n_vocab: int = 8192):
         w.write_tensors_to_file()
         w.close()
     return dst
+
+
+def quantized_vs_dequantized_in_the_wheel(src, tmp_path, qtype: str = "q4_K_M") -> float:
+    """``src`` quantized by quantkit to ``qtype``: our logits on it against the wheel's on the same
+    file dequantized to F32 (the wheel's own quantized products round activations to 8 bits, which
+    moves a tiny random model's logits by tens of percent)."""
+    import peers
+    import quantkit
+    quantized, dequantized = tmp_path / f"{qtype}.gguf", tmp_path / f"{qtype}-f32.gguf"
+    quantkit.quantize_model(src, quantized, qtype)
+    quantkit.quantize_model(quantized, dequantized, "f32", allow_requantize=True)
+    theirs = np.asarray(peers.ik_logits(dequantized, PROMPT, all_positions=True))
+    return distance(our_logits(quantized, PROMPT), theirs.reshape(-1, theirs.shape[-1]))

@@ -11,7 +11,8 @@ of each 32-dim head, 8 query heads on 2 KV heads.  Two of them:
 
 Converted to F32 by the library, then: quantkit's runtime (numba, torch) against transformers'
 float32 logits within 1e-3 x max |logit| with the same top token at >= 99% of the positions; a
-float32-attention twin within 2e-5; the ik wheel on ``glm``'s file against transformers and ours.
+float32-attention twin within 2e-5; the ik wheel on ``glm``'s file against transformers and ours;
+its q4_K_M quantization against the wheel on the dequantized twin; perplexity and imatrix run.
 ik_llama.cpp does not read expert groups for glm4moe (llm_load_hparams), so ``glm-groups`` is
 checked against transformers only.  A checkpoint's nextn (MTP) layer is skipped; a file that keeps
 it, as ik's converter writes one (block_count + 1, nextn_predict_layers 1), runs the same blocks.
@@ -31,7 +32,7 @@ import hf_models as H  # noqa: E402
 import peers  # noqa: E402
 import quantkit  # noqa: E402
 from arch_checks import (EXACT, PROMPT, TOL, TOP_AGREE, backend, distance, our_logits,  # noqa: E402
-                         shrink_vocab, top_agreement)
+                         quantized_vs_dequantized_in_the_wheel, shrink_vocab, top_agreement)
 from conftest import smollm2_file  # noqa: E402
 from models import rewrite_gguf  # noqa: E402
 from quantkit.errors import QuantkitError  # noqa: E402
@@ -140,6 +141,13 @@ def test_the_wheel_agrees_on_the_same_file(models):
     assert distance(ours, ik) <= TOL and top_agreement(ours, ik, decided_only=True) >= TOP_AGREE
 
 
+
+@needs_wheel
+def test_quantized_file_reads_as_the_wheel_reads_it(models, tmp_path):
+    """q4_K_M by quantkit's presets (q5_0/q6_0/q8_0 here: the 128-wide rows take the fallbacks):
+    our products on the quantized file against the wheel on its dequantized twin (measured ~6e-4)."""
+    assert quantized_vs_dequantized_in_the_wheel(models["glm"][1], tmp_path) <= 2 * TOL
+
 def _with_nextn_layer(src, dst):
     """``src`` as ik's converter would have written it with the nextn layer kept: block 3 (a copy
     of block 2) with the nextn tensors, block_count 4, nextn_predict_layers 1."""
@@ -159,6 +167,23 @@ def test_a_file_with_the_nextn_layer_runs_the_same_blocks(small, tmp_path):
     tokens = PROMPT[:16]
     assert np.array_equal(our_logits(kept, tokens), our_logits(path, tokens))
 
+
+
+def test_perplexity_and_imatrix_run(models, tmp_path):
+    """perplexity and imatrix collection go through the same forward pass: every matrix of the dense,
+    routed and shared paths gets its activations."""
+    from quantkit.api import collect_imatrix, perplexity
+    text = tmp_path / "text.txt"
+    text.write_text("The capital of France is Paris. Digits 12345 and 3.14159, new lines\n" * 40)
+    path = models["glm"][1]
+    assert np.isfinite(perplexity(path, text, ctx_size=64, chunks=2).ppl)
+    collect_imatrix(path, text, tmp_path / "imatrix.gguf", ctx_size=64, chunks=2)
+    with open_model(tmp_path / "imatrix.gguf") as g:
+        entries = {t.name.rsplit(".", 1)[0] for t in g.tensors}
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_output.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight",
+                 "blk.1.ffn_gate_inp.weight", "blk.1.ffn_up_exps.weight", "blk.2.ffn_down_exps.weight",
+                 "blk.2.ffn_down_shexp.weight"):
+        assert name in entries, sorted(entries)
 
 CONFIG_BREAKAGES = [
     ({"partial_rotary_factor": 0.03}, "0 rotary dimensions"),

@@ -10,7 +10,8 @@ with 8 query heads on 2 KV heads, so q is wider than the embedding; per-head q/k
 * with that attention in float32 (arch_checks.Float32Attention) within 2e-5 (measured ~1e-6);
 * the ik wheel on the same file agrees with ours and with transformers to the same bound (the top
   token at the positions without a near tie);
-* a token-by-token decode through the cache gives the batch's logits.
+* a token-by-token decode through the cache gives the batch's logits;
+* quantized (q4_K_M) by quantkit, our logits meet the wheel's on the dequantized file.
 
 Converter and runtime refusals (a sliding window, rope scaling, dense layers among the experts; a
 wrong q_norm shape, a missing q_norm, more experts used than exist) are one-line QuantkitErrors.
@@ -30,7 +31,7 @@ import hf_models as H  # noqa: E402
 import peers  # noqa: E402
 import quantkit  # noqa: E402
 from arch_checks import (EXACT, PROMPT, TOL, TOP_AGREE, backend, distance, our_logits,  # noqa: E402
-                         shrink_vocab, top_agreement)
+                         quantized_vs_dequantized_in_the_wheel, shrink_vocab, top_agreement)
 from conftest import smollm2_file  # noqa: E402
 from models import rewrite_gguf  # noqa: E402
 from quantkit.errors import QuantkitError  # noqa: E402
@@ -114,6 +115,13 @@ def test_the_wheel_agrees_on_the_same_file(models, arch):
     ours = our_logits(path, PROMPT)
     assert distance(ours, ik) <= TOL and top_agreement(ours, ik, decided_only=True) >= TOP_AGREE
 
+
+
+@needs_wheel
+def test_quantized_file_reads_as_the_wheel_reads_it(models, tmp_path):
+    """q4_K_M by quantkit's presets (q5_0/q6_0/q8_0 here: the 128-wide rows take the fallbacks):
+    our products on the quantized file against the wheel on its dequantized twin (measured ~6e-4)."""
+    assert quantized_vs_dequantized_in_the_wheel(models["qwen3moe"][1], tmp_path) <= 2 * TOL
 
 def test_decoding_token_by_token_equals_the_batch(models):
     """The cache path: a prompt, then single tokens (the few-token kernels of the per-head norms

@@ -257,7 +257,7 @@ def _read_llama(k: Keys) -> ModelConfig:
         head_dim = n_embd // n_head
     v_len = k.int("attention.value_length", head_dim, lo=1)
     if v_len != head_dim:
-        raise k.fail("attention.value_length", v_len, f"differs from the key length {head_dim}: not supported for llama")
+        raise k.fail("attention.value_length", v_len, f"differs from the key length {head_dim}: not supported for {k.arch}")
     n_rot = _rope_dims(k, head_dim, f" (the head size, {head_dim})", head_dim)
     scaling = k.str("rope.scaling.type", "none", choices=("none", "linear"))
     factor = k.factor("rope.scaling.factor")
