@@ -318,3 +318,69 @@ def save_gptoss(directory: Path, tok_meta: dict, *, n_layer=3, n_embd=64, n_head
                                                              "model.embed_tokens", "lm_head"]}
     (twin / "config.json").write_text(json.dumps(doc, indent=1))
     return directory, twin
+
+
+def save_qwen3(directory: Path, tok_meta: dict, *, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32,
+               n_ff=96, tie=False, seed=0) -> Path:
+    """Qwen3ForCausalLM: q/k norms, head_dim set apart from n_embd / n_head (as Qwen3 does)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=len(tok_meta["tokenizer.ggml.tokens"]), hidden_size=n_embd, intermediate_size=n_ff,
+                      num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_head_kv,
+                      head_dim=head_dim, max_position_embeddings=2048, tie_word_embeddings=tie, rms_norm_eps=1e-6,
+                      rope_theta=1000000.0, bos_token_id=tok_meta["tokenizer.ggml.bos_token_id"],
+                      eos_token_id=tok_meta["tokenizer.ggml.eos_token_id"])
+    model = Qwen3ForCausalLM(cfg).eval()
+    _spread_weights(model)
+    model.save_pretrained(directory)
+    write_tokenizer(directory, tok_meta)
+    return directory
+
+
+def save_qwen3moe(directory: Path, tok_meta: dict, *, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32,
+                  n_ff_exp=32, n_expert=8, n_used=3, norm=True, seed=0) -> Path:
+    """Qwen3MoeForCausalLM: q/k norms, softmax routing over n_expert experts in every layer."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=len(tok_meta["tokenizer.ggml.tokens"]), hidden_size=n_embd, intermediate_size=96,
+                         moe_intermediate_size=n_ff_exp, num_hidden_layers=n_layer, num_attention_heads=n_head,
+                         num_key_value_heads=n_head_kv, head_dim=head_dim, num_experts=n_expert,
+                         num_experts_per_tok=n_used, norm_topk_prob=norm, max_position_embeddings=2048,
+                         rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=tok_meta["tokenizer.ggml.bos_token_id"],
+                         eos_token_id=tok_meta["tokenizer.ggml.eos_token_id"])
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    _spread_weights(model)
+    model.save_pretrained(directory)
+    write_tokenizer(directory, tok_meta)
+    return directory
+
+
+def save_glm4moe(directory: Path, tok_meta: dict, *, n_layer=3, n_dense=1, n_embd=64, n_head=4, n_head_kv=2,
+                 head_dim=32, n_ff=96, n_ff_exp=32, n_expert=8, n_used=3, n_shared=1, n_group=1, topk_group=1,
+                 qk_norm=True, scale=2.5, seed=0) -> Path:
+    """Glm4MoeForCausalLM: attention biases, partial (half) NEOX rope, optional q/k norms, dense lead
+    layers, sigmoid routing with e_score_correction_bias, expert groups, a shared expert."""
+    import torch
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    torch.manual_seed(seed)
+    cfg = Glm4MoeConfig(vocab_size=len(tok_meta["tokenizer.ggml.tokens"]), hidden_size=n_embd, intermediate_size=n_ff,
+                        moe_intermediate_size=n_ff_exp, num_hidden_layers=n_layer, num_attention_heads=n_head,
+                        num_key_value_heads=n_head_kv, head_dim=head_dim, n_routed_experts=n_expert,
+                        num_experts_per_tok=n_used, n_shared_experts=n_shared, first_k_dense_replace=n_dense,
+                        n_group=n_group, topk_group=topk_group, routed_scaling_factor=scale, norm_topk_prob=True,
+                        use_qk_norm=qk_norm, attention_bias=True, partial_rotary_factor=0.5,
+                        max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                        bos_token_id=tok_meta["tokenizer.ggml.bos_token_id"],
+                        eos_token_id=tok_meta["tokenizer.ggml.eos_token_id"])
+    model = Glm4MoeForCausalLM(cfg).eval()
+    _spread_weights(model)
+    with torch.no_grad():           # attention biases that matter (the default initialisation zeroes them)
+        g = torch.Generator().manual_seed(2)
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(directory)
+    write_tokenizer(directory, tok_meta)
+    return directory

@@ -15,7 +15,7 @@ from ..errors import QuantkitError
 from ..gguf_io.constants import KEY_ARCHITECTURE, MetaValue, ValueType
 from ..gguf_io.reader import ModelView, TensorInfo
 from ..types import traits
-from . import compressed_tensors, deepseek, deepseek32, gptoss, llama
+from . import compressed_tensors, deepseek, deepseek32, glm4moe, gptoss, llama, qwen3
 from .checkpoint import Checkpoint
 from .config import Config, describe
 from .lazy import LazySource
@@ -30,6 +30,9 @@ ARCHITECTURES = {
     "DeepseekV2ForCausalLM": ("deepseek2", deepseek.convert),
     "GptOssForCausalLM": ("gpt-oss", gptoss.convert),
     "DeepseekV32ForCausalLM": ("deepseek2", deepseek32.convert),
+    "Qwen3ForCausalLM": ("qwen3", qwen3.convert),
+    "Qwen3MoeForCausalLM": ("qwen3moe", qwen3.convert_moe),
+    "Glm4MoeForCausalLM": ("glm4moe", glm4moe.convert),
 }
 
 

@@ -9,11 +9,14 @@ configuration implies; a file that fails is refused with a QuantkitError that na
 tensor.  :meth:`ModelConfig.from_gguf` is the only way a :class:`~quantkit.runtime.model.Model`
 gets its configuration, so ``run``, ``perplexity``, ``imatrix`` and every ops backend go through it.
 
-Architectures: ``llama`` (SmolLM2, Llama 2/3, Mistral and friends) and ``deepseek2``
-(DeepSeek-V2/V3/R1: multi-head latent attention and routed experts, see ``deepseek2.py``).
+Architectures: ``llama`` (SmolLM2, Llama 2/3, Mistral and friends), ``deepseek2``
+(DeepSeek-V2/V3/R1: multi-head latent attention and routed experts, see ``deepseek2.py``) and the
+grouped-query-attention families ``qwen3``, ``qwen3moe`` and ``glm4moe`` (llama's attention with
+NEOX rope, per-head q/k norms, GLM's partial rope and attention biases; routed experts).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -21,7 +24,10 @@ from dataclasses import dataclass
 from ..errors import QuantkitError
 from ..gguf_io.constants import MetaValue, ValueType
 
-SUPPORTED = ("llama", "deepseek2", "gpt-oss")
+SUPPORTED = ("llama", "deepseek2", "gpt-oss", "qwen3", "qwen3moe", "glm4moe")
+# llama's attention with NEOX rope and per-head q/k norms (required: qwen3*, optional: glm4moe)
+GQA_NEOX = ("qwen3", "qwen3moe", "glm4moe")
+QK_NORM_REQUIRED = ("qwen3", "qwen3moe")
 GATING = {1: "softmax", 2: "sigmoid"}          # deepseek2.expert_gating_func
 
 V = ValueType
@@ -107,6 +113,9 @@ class ModelConfig:
     moe: MoEConfig | None = None    # routed experts after moe.n_dense_lead plain-FFN layers
     gptoss: GptOssConfig | None = None  # sinks, sliding window, YaRN (gpt-oss)
     dsa: DSAConfig | None = None    # the DSA indexer (DeepSeek-V3.2) selecting the keys of the MLA attention
+    rope_neox: bool = False     # NEOX rope (pairs i, i + n_rot/2) instead of adjacent pairs
+    n_nextn: int = 0            # multi-token-prediction layers after the n_layer blocks (not run)
+    ffn_norm: str = "ffn_norm"  # the name of the norm before the FFN (glm4moe: post_attention_norm)
 
     @classmethod
     def from_gguf(cls, model) -> "ModelConfig":
@@ -117,6 +126,7 @@ class ModelConfig:
                                 f"(supported: {', '.join(SUPPORTED)})")
         keys = Keys(model, arch)
         config = (_read_deepseek2(keys) if arch == "deepseek2" else _read_gptoss(keys) if arch == "gpt-oss"
+                  else _read_gqa(keys) if arch in GQA_NEOX
                   else _read_llama(keys))
         _Tensors(model, keys, config).check()
         return config
@@ -276,7 +286,7 @@ def _read_llama(k: Keys) -> ModelConfig:
         head_dim = n_embd // n_head
     v_len = k.int("attention.value_length", head_dim, lo=1)
     if v_len != head_dim:
-        raise k.fail("attention.value_length", v_len, f"differs from the key length {head_dim}: not supported for llama")
+        raise k.fail("attention.value_length", v_len, f"differs from the key length {head_dim}: not supported for {k.arch}")
     n_rot = _rope_dims(k, head_dim, f" (the head size, {head_dim})", head_dim)
     scaling = k.str("rope.scaling.type", "none", choices=("none", "linear"))
     factor = k.factor("rope.scaling.factor")
@@ -350,17 +360,9 @@ def _read_deepseek2(k: Keys) -> ModelConfig:
     if gating not in GATING:
         raise k.fail("expert_gating_func", gating, "is not supported for deepseek2 (1: softmax, 2: sigmoid)")
     n_expert = k.int("expert_count", lo=1)
-    n_group = k.int("expert_group_count", 1, lo=0) or 1
-    if n_expert % n_group:
-        raise k.fail("expert_group_count", n_group, f"does not divide {k.name('expert_count')} = {n_expert}")
-    n_group_used = k.int("expert_group_used_count", 0, lo=0, hi=n_group,
-                         hi_why=f" ({k.name('expert_group_count')})")
-    # with group-limited routing only the experts of n_group_used groups can be chosen
-    can_choose = n_group_used * (n_expert // n_group) if 0 < n_group_used < n_group else n_expert
+    n_group, n_group_used, n_used = _expert_groups(k, n_expert)
     moe = MoEConfig(
-        n_expert=n_expert,
-        n_expert_used=k.int("expert_used_count", lo=1, hi=can_choose,
-                            hi_why=f" (the experts {k.name('expert_count')} and the expert groups offer)"),
+        n_expert=n_expert, n_expert_used=n_used,
         n_expert_shared=k.int("expert_shared_count", 0, lo=0),
         n_dense_lead=k.int("leading_dense_block_count", 0, lo=0, hi=n_layer, hi_why=f" ({k.name('block_count')})"),
         gating=GATING[gating], weights_norm=k.bool("expert_weights_norm", False),
@@ -444,6 +446,54 @@ def _read_gptoss(k: Keys) -> ModelConfig:
         rope_scale=freq_scale, moe=moe, gptoss=gptoss)
 
 
+def _expert_groups(k: Keys, n_expert: int) -> tuple[int, int, int]:
+    """expert_group_count, expert_group_used_count and expert_used_count, checked together."""
+    n_group = k.int("expert_group_count", 1, lo=0) or 1
+    if n_expert % n_group:
+        raise k.fail("expert_group_count", n_group, f"does not divide {k.name('expert_count')} = {n_expert}")
+    n_group_used = k.int("expert_group_used_count", 0, lo=0, hi=n_group,
+                         hi_why=f" ({k.name('expert_group_count')})")
+    # with group-limited routing only the experts of n_group_used groups can be chosen
+    can_choose = n_group_used * (n_expert // n_group) if 0 < n_group_used < n_group else n_expert
+    n_used = k.int("expert_used_count", lo=1, hi=can_choose,
+                   hi_why=f" (the experts {k.name('expert_count')} and the expert groups offer)")
+    return n_group, n_group_used, n_used
+
+
+def _read_gqa(k: Keys) -> ModelConfig:
+    """qwen3, qwen3moe, glm4moe: llama's keys, NEOX rope, and the routed experts as ik_llama.cpp
+    reads them (llm_load_hparams; its graphs build_qwen3moe and build_glm4_moe)."""
+    base = _read_llama(k)
+    n_nextn = 0
+    moe = None
+    if k.arch == "glm4moe":
+        # the nextn (MTP) layers ik's converter keeps after the blocks: loaded, never run
+        n_nextn = k.int("nextn_predict_layers", 0, lo=0, hi=base.n_layer - 1,
+                        hi_why=f" (less than {k.name('block_count')})")
+        n_layer = base.n_layer - n_nextn
+        n_expert = k.int("expert_count", lo=1)
+        n_group, n_group_used, n_used = _expert_groups(k, n_expert)
+        gating = k.int("expert_gating_func", 0) or 2            # ik: 0 (none) means sigmoid for glm4moe
+        if gating not in GATING:
+            raise k.fail("expert_gating_func", gating, "is not supported for glm4moe (1: softmax, 2: sigmoid)")
+        moe = MoEConfig(
+            n_expert=n_expert, n_expert_used=n_used, n_expert_shared=k.int("expert_shared_count", lo=0),
+            n_dense_lead=k.int("leading_dense_block_count", 0, lo=0, hi=n_layer, hi_why=f" (the {n_layer} blocks)"),
+            gating=GATING[gating], weights_norm=k.bool("expert_weights_norm", False),
+            weights_scale=k.float("expert_weights_scale", above=0.0), n_group=n_group, n_group_used=n_group_used)
+    elif k.arch == "qwen3moe":
+        n_expert = k.int("expert_count", lo=1)
+        # ik's qwen3moe graph always normalises the chosen weights; the key is quantkit's converter's
+        # note for a checkpoint with norm_topk_prob false
+        moe = MoEConfig(
+            n_expert=n_expert, n_expert_used=k.int("expert_used_count", lo=1, hi=n_expert,
+                                                   hi_why=f" ({k.name('expert_count')})"),
+            n_expert_shared=0, n_dense_lead=0, gating="softmax", weights_norm=k.bool("expert_weights_norm", True),
+            weights_scale=1.0, n_group=1, n_group_used=0)
+    return dataclasses.replace(base, n_layer=base.n_layer - n_nextn, moe=moe, rope_neox=True, n_nextn=n_nextn,
+                               ffn_norm="post_attention_norm" if k.arch == "glm4moe" else "ffn_norm")
+
+
 # ---- tensor shapes ----
 
 def _dims(shape) -> tuple[int, ...]:
@@ -510,11 +560,12 @@ class _Tensors:
         c, k = self.c, self.k
         layers = {int(m.group(1)) for t in self.model.tensors if (m := _LAYER.match(t.name))}
         # (counted, not listed: a block_count of 2**64 - 1 is as possible as any other)
-        below = sum(1 for i in layers if i < c.n_layer)
-        if below != len(layers) or below != c.n_layer:
+        n_blocks = c.n_layer + c.n_nextn
+        below = sum(1 for i in layers if i < n_blocks)
+        if below != len(layers) or below != n_blocks:
             have = f"layers {min(layers)}..{max(layers)}" if layers else "no layer"
-            raise k.fail("block_count", c.n_layer, f"the file has tensors of {have}"
-                                                   f"{f' ({len(layers)} of them)' if layers and below < c.n_layer else ''}")
+            raise k.fail("block_count", n_blocks, f"the file has tensors of {have}"
+                                                  f"{f' ({len(layers)} of them)' if layers and below < n_blocks else ''}")
         e_why = f"n_embd = {k.name('embedding_length')} = {c.n_embd}"
         self.tensor("token_embd.weight", (c.n_embd, c.n_vocab), why=e_why)
         self.matrix("output", c.n_embd, c.n_vocab, why=f"{e_why}, n_vocab = {c.n_vocab}", optional=True)
@@ -522,7 +573,7 @@ class _Tensors:
         for i in range(c.n_layer):
             p = f"blk.{i}."
             self.tensor(p + "attn_norm.weight", (c.n_embd,), why=e_why)
-            self.tensor(p + ("post_attention_norm" if c.gptoss else "ffn_norm") + ".weight", (c.n_embd,), why=e_why)
+            self.tensor(p + ("post_attention_norm" if c.gptoss else c.ffn_norm) + ".weight", (c.n_embd,), why=e_why)
             if c.gptoss:
                 self.tensor(p + "attn_sinks.weight", (c.n_head,),
                             why=f"one sink per head, {k.name('attention.head_count')} = {c.n_head}")
@@ -551,6 +602,11 @@ class _Tensors:
         self.matrix(p + "attn_k", c.n_embd, c.n_head_kv * c.head_dim, kv_why)
         self.matrix(p + "attn_v", c.n_embd, c.n_head_kv * c.head_dim, kv_why)
         self.matrix(p + "attn_output", c.n_head * c.head_dim, c.n_embd, q_why)
+        if c.rope_neox:
+            # per-head RMSNorm of q and k, one head_dim vector each
+            for name in ("attn_q_norm", "attn_k_norm"):
+                self.tensor(p + name + ".weight", (c.head_dim,), why=f"one per head dim: {size} = {c.head_dim}",
+                            optional=c.arch not in QK_NORM_REQUIRED)
 
     def mla_attention(self, p: str) -> None:
         c, k, mla = self.c, self.k, self.c.mla
@@ -621,3 +677,7 @@ class _Tensors:
                 raise k.fail("expert_feed_forward_length", n_ff_exp, f"the experts {source} have {n_ff} rows")
         if moe.n_expert_shared:
             self.ffn(p, c.n_embd, "_shexp")
+        elif p + "ffn_gate_shexp.weight" in self.model.by_name:
+            # shared experts the forward pass would leave out
+            raise QuantkitError(f"{self.model.path}: tensor '{p}ffn_gate_shexp.weight' is in the file but "
+                                f"{k.name('expert_shared_count')} is 0")

@@ -3,8 +3,10 @@ from the GGUF metadata (``hparams.py``).
 
 It computes only through the ops backend it is given (the interface of ``ops.py``: ``ops_cpu`` or
 ``ops_torch.TorchOps``, chosen by ``session.make_ops``), so the same code runs on any backend.
-Architectures: ``llama`` (SmolLM2, Llama 2/3, Mistral and friends) and ``deepseek2``
-(DeepSeek-V2/V3/R1: latent attention and routed experts, whose blocks live in ``deepseek2.py``).
+Architectures: ``llama`` (SmolLM2, Llama 2/3, Mistral and friends), ``deepseek2``
+(DeepSeek-V2/V3/R1: latent attention and routed experts, whose blocks live in ``deepseek2.py``),
+``qwen3``/``qwen3moe``/``glm4moe`` (llama's grouped-query attention with NEOX rope, per-head q/k
+norms, GLM's partial rope and biases; their experts are deepseek2's MoE block).
 Every architecture shares the embedding, the pre-norm residual layer loop and the output head.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 from .. import signals
 from ..errors import QuantkitError
 from ..gguf_io.reader import GGUFModel
-from . import deepseek2, gptoss
+from . import deepseek2, experts, gptoss
 from .hparams import ModelConfig
 from .ops import Cache, Ops
 from .weights import WeightStore
@@ -55,9 +57,15 @@ class Model:
             for i in range(self.config.n_layer):
                 gptoss.load_layer(self, i)
         else:
-            for i in range(self.config.n_layer):
-                for name in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
-                             "ffn_gate", "ffn_up", "ffn_down"):
+            c = self.config
+            for i in range(c.n_layer):
+                names = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", c.ffn_norm]
+                if c.moe and i >= c.moe.n_dense_lead:
+                    names += ["ffn_gate_inp", *experts.expert_tensors(self, f"blk.{i}.")]
+                    names += ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"] if c.moe.n_expert_shared else []
+                else:
+                    names += ["ffn_gate", "ffn_up", "ffn_down"]
+                for name in names:
                     self.w.need(f"blk.{i}.{name}.weight")
 
     def new_cache(self, n_ctx: int) -> Cache:
@@ -89,14 +97,25 @@ class Model:
         g = ops.silu_mul(self.linear(prefix + "ffn_gate" + suffix, x), self.linear(prefix + "ffn_up" + suffix, x))
         return self.linear(prefix + "ffn_down" + suffix, g)
 
+    def _head_norm(self, name: str, x, n_heads: int):
+        """Per-head RMSNorm (Qwen3's and GLM's q_norm/k_norm) of x (n_tokens, n_heads, head_dim) where
+        the file has ``name``; x unchanged where it does not."""
+        weight = self.vector(name)
+        if weight is None:
+            return x
+        n, d = x.shape[0], self.config.head_dim
+        return self.ops.rmsnorm(x.reshape(n * n_heads, d), weight, self.config.rms_eps).reshape(n, n_heads, d)
+
     def _attention(self, i: int, h: np.ndarray, pos: np.ndarray, cache) -> np.ndarray:
-        """Grouped-query self-attention of layer i (llama) -> (n_tokens, n_embd)."""
+        """Grouped-query self-attention of layer i (llama, qwen3, glm4moe) -> (n_tokens, n_embd)."""
         c, ops, p, n = self.config, self.ops, f"blk.{i}.", h.shape[0]
         q = self.linear(p + "attn_q", h).reshape(n, c.n_head, c.head_dim)
         k = self.linear(p + "attn_k", h).reshape(n, c.n_head_kv, c.head_dim)
         v = self.linear(p + "attn_v", h).reshape(n, c.n_head_kv, c.head_dim)
-        q = ops.rope(q, pos, c.n_rot, c.rope_base, c.rope_scale)
-        k = ops.rope(k, pos, c.n_rot, c.rope_base, c.rope_scale)
+        q = self._head_norm(p + "attn_q_norm.weight", q, c.n_head)
+        k = self._head_norm(p + "attn_k_norm.weight", k, c.n_head_kv)
+        q = ops.rope(q, pos, c.n_rot, c.rope_base, c.rope_scale, neox=c.rope_neox)
+        k = ops.rope(k, pos, c.n_rot, c.rope_base, c.rope_scale, neox=c.rope_neox)
         cache.store(i, cache.n_past, k, v)
         a = ops.attention(q, cache, i, cache.n_past, ops.attention_scale(c.head_dim))  # (n, n_head * head_dim)
         return self.linear(p + "attn_output", a)
@@ -121,7 +140,7 @@ class Model:
             p = f"blk.{i}."
             h = ops.rmsnorm(x, self.vector(p + "attn_norm.weight"), c.rms_eps)
             x = x + (deepseek2.attention(self, i, h, pos, cache) if c.mla else self._attention(i, h, pos, cache))
-            h = ops.rmsnorm(x, self.vector(p + "ffn_norm.weight"), c.rms_eps)
+            h = ops.rmsnorm(x, self.vector(p + c.ffn_norm + ".weight"), c.rms_eps)
             x = x + (deepseek2.moe(self, i, h) if c.moe and i >= c.moe.n_dense_lead else self.ffn(p, h))
         cache.n_past = pos0 + n
         x = ops.rmsnorm(x[logits_from:], self.vector("output_norm.weight"), c.rms_eps)

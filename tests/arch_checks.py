@@ -1,0 +1,137 @@
+"""What the per-architecture tests (tests/test_arch_*.py) measure on a converted F32 GGUF: the logits
+of quantkit's runtime (numba and torch backends), of a float32-attention twin, and their distance
+to a reference.
+
+The runtime follows ggml's CPU graph, which keeps the KV cache in float16 and multiplies it with
+float16 copies of the query and of the probabilities; transformers computes all of it in float32.
+Those roundings alone move a tiny random model's logits by a few 1e-4 of max |logit|.  So each
+architecture is also run through :class:`Float32Attention`, the torch backend with that attention
+in float32 (written out independently here): it must meet transformers to float32 precision, which
+leaves no room for a wrong norm, rope or routing hidden under the float16 noise.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from quantkit.gguf_io.reader import open_model
+from quantkit.runtime import ops_cpu
+from quantkit.runtime.model import Model
+
+PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345, 28, 355, 6135, 42, 30, 216, 9, 3113] * 4
+# the issue's bar against transformers' float32 logits
+TOL, TOP_AGREE = 1e-3, 0.99
+# float32 attention against transformers: float32 rounding only
+EXACT = 2e-5
+
+
+def backend(name: str):
+    if name == "numba":
+        return ops_cpu
+    from quantkit.runtime.ops_torch import TorchOps
+    return Float32Attention("cpu") if name == "float32-attention" else TorchOps("cpu")
+
+
+def our_logits(path, tokens, ops=ops_cpu) -> np.ndarray:
+    with open_model(path) as g:
+        model = Model(g, ops)
+        return model.forward(tokens, model.new_cache(len(tokens)))
+
+
+def distance(ours: np.ndarray, ref: np.ndarray) -> float:
+    """max |ours - ref| as a fraction of max |ref|."""
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def top_agreement(ours: np.ndarray, ref: np.ndarray, decided_only: bool = False) -> float:
+    """The fraction of positions where the top tokens agree; ``decided_only``: of the positions
+    whose reference top two logits are more than 2 x TOL x max |ref| apart (where logits within
+    the tolerance could not swap them: with 49152 random logits a near tie is common)."""
+    agree = ours.argmax(1) == ref.argmax(1)
+    if decided_only:
+        top2 = np.sort(ref, axis=1)[:, -2:]
+        agree = agree[top2[:, 1] - top2[:, 0] > 2 * TOL * np.abs(ref).max()]
+    return float(agree.mean())
+
+
+def _float32_attention_class():
+    import torch
+
+    from quantkit.runtime.ops_torch import TorchOps
+
+    class Float32Cache:
+        def __init__(self, n_layer, n_ctx, n_head_kv, k_dim, v_dim):
+            self.k = torch.zeros((n_layer, n_ctx, n_head_kv, k_dim))
+            self.v = torch.zeros((n_layer, n_ctx, n_head_kv, v_dim))
+            self.n_ctx, self.n_past = n_ctx, 0
+
+        def store(self, layer, pos0, k, v):
+            self.k[layer, pos0:pos0 + k.shape[0]] = k
+            self.v[layer, pos0:pos0 + v.shape[0]] = v
+
+        def clear(self):
+            self.n_past = 0
+
+    class Float32Attention(TorchOps):
+        """TorchOps whose grouped-query attention is computed in float32 throughout."""
+
+        def KVCache(self, n_layer, n_ctx, n_head_kv, k_dim, v_dim):
+            return Float32Cache(n_layer, n_ctx, n_head_kv, k_dim, v_dim)
+
+        def attention(self, q, cache, layer, pos0, scale):
+            n_tok, n_head, _ = q.shape
+            n_kv = pos0 + n_tok
+            k, v = cache.k[layer, :n_kv], cache.v[layer, :n_kv]
+            g = n_head // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+            scores = torch.einsum("thd,shd->hts", q, k) * scale
+            future = torch.arange(n_kv)[None, :] > (pos0 + torch.arange(n_tok))[:, None]
+            p = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
+            return torch.einsum("hts,shd->thd", p, v).reshape(n_tok, -1)
+
+    return Float32Attention
+
+
+def Float32Attention(device: str = "cpu"):
+    return _float32_attention_class()(device)
+
+
+def shrink_vocab(src, dst, n_vocab: int = 8192):
+    """A copy of the F32 file ``src`` keeping only the first ``n_vocab`` tokens (token_embd and
+    output rows, no tokenizer): the same network for those logits, and a file that gguf-py's reader
+    (slow on a 49152-token vocabulary) rewrites quickly in the hostile-input tests."""
+    import gguf
+
+    from quantkit.gguf_io.reader import open_model
+    with open_model(src) as g:
+        w = gguf.GGUFWriter(str(dst), arch=g.architecture)
+        for key, mv in g.metadata.items():
+            if key.startswith("tokenizer.") or key == "general.architecture":
+                continue
+            value = n_vocab if key.endswith(".vocab_size") else mv.value
+            w.add_key_value(key, value, gguf.GGUFValueType(int(mv.vtype)))
+        for t in g.tensors:
+            shape = list(t.shape)
+            data = t.raw().view(np.float32).reshape(shape[::-1])
+            if t.name in ("token_embd.weight", "output.weight"):
+                data = data[:n_vocab]
+            w.add_tensor(t.name, np.ascontiguousarray(data))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return dst
+
+
+def quantized_vs_dequantized_in_the_wheel(src, tmp_path, qtype: str = "q4_K_M") -> float:
+    """``src`` quantized by quantkit to ``qtype``: our logits on it against the wheel's on the same
+    file dequantized to F32 (the wheel's own quantized products round activations to 8 bits, which
+    moves a tiny random model's logits by tens of percent)."""
+    import peers
+    import quantkit
+    quantized, dequantized = tmp_path / f"{qtype}.gguf", tmp_path / f"{qtype}-f32.gguf"
+    quantkit.quantize_model(src, quantized, qtype)
+    quantkit.quantize_model(quantized, dequantized, "f32", allow_requantize=True)
+    theirs = np.asarray(peers.ik_logits(dequantized, PROMPT, all_positions=True))
+    return distance(our_logits(quantized, PROMPT), theirs.reshape(-1, theirs.shape[-1]))
