@@ -272,13 +272,15 @@ def _rope_dims(k: Keys, hi: int, hi_why: str, default=_REQUIRED) -> int:
     return n_rot
 
 
-def _read_llama(k: Keys) -> ModelConfig:
+def _gqa_heads(k: Keys, min_head_dim: int = 1) -> tuple[int, int, int, int, int]:
+    """n_layer, n_embd, n_head, n_head_kv and the head size of grouped-query attention, whose keys
+    and values have the same size."""
     n_layer, n_embd, n_head = _heads(k)
     n_head_kv = k.int("attention.head_count_kv", n_head, lo=1, per_layer=True)
     if n_head % n_head_kv:
         raise k.fail("attention.head_count_kv", n_head_kv, f"must divide {k.name('attention.head_count')} = {n_head}")
     if k.has("attention.key_length"):
-        head_dim = k.int("attention.key_length", lo=1)
+        head_dim = k.int("attention.key_length", lo=min_head_dim)
     elif n_embd % n_head:
         raise k.fail("attention.head_count", n_head, f"does not divide {k.name('embedding_length')} = {n_embd} "
                                                      f"(and there is no {k.name('attention.key_length')})")
@@ -287,6 +289,11 @@ def _read_llama(k: Keys) -> ModelConfig:
     v_len = k.int("attention.value_length", head_dim, lo=1)
     if v_len != head_dim:
         raise k.fail("attention.value_length", v_len, f"differs from the key length {head_dim}: not supported for {k.arch}")
+    return n_layer, n_embd, n_head, n_head_kv, head_dim
+
+
+def _read_llama(k: Keys) -> ModelConfig:
+    n_layer, n_embd, n_head, n_head_kv, head_dim = _gqa_heads(k)
     n_rot = _rope_dims(k, head_dim, f" (the head size, {head_dim})", head_dim)
     scaling = k.str("rope.scaling.type", "none", choices=("none", "linear"))
     factor = k.factor("rope.scaling.factor")
@@ -402,21 +409,7 @@ def _read_gptoss(k: Keys) -> ModelConfig:
     """gpt-oss as llama.cpp reads it (LLM_ARCH_OPENAI_MOE): grouped-query attention with sinks,
     every other layer windowed, NEOX rope with YaRN, biased experts chosen by softmax over the top-k
     router logits."""
-    n_layer, n_embd, n_head = _heads(k)
-    n_head_kv = k.int("attention.head_count_kv", n_head, lo=1, per_layer=True)
-    if n_head % n_head_kv:
-        raise k.fail("attention.head_count_kv", n_head_kv, f"must divide {k.name('attention.head_count')} = {n_head}")
-    if k.has("attention.key_length"):
-        head_dim = k.int("attention.key_length", lo=2)
-    elif n_embd % n_head:
-        raise k.fail("attention.head_count", n_head, f"does not divide {k.name('embedding_length')} = {n_embd} "
-                                                     f"(and there is no {k.name('attention.key_length')})")
-    else:
-        head_dim = n_embd // n_head
-    v_len = k.int("attention.value_length", head_dim, lo=1)
-    if v_len != head_dim:
-        raise k.fail("attention.value_length", v_len,
-                     f"differs from the key length {head_dim}: not supported for gpt-oss")
+    n_layer, n_embd, n_head, n_head_kv, head_dim = _gqa_heads(k, min_head_dim=2)
     # llama.cpp's gpt-oss scales the scores by 1 / sqrt(n_rot) and sizes attn_output by n_rot: the
     # whole head is roped
     n_rot = _rope_dims(k, head_dim, f" (the head size, {head_dim})", head_dim)
