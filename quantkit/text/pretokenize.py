@@ -362,34 +362,47 @@ def _split_llama3(text: str, flags: list[int], chunks: list[int], max_digits: in
                         pos += 1
                     _emit(out, pos - tok)
                     continue
-            # \p{N}{1,3} (llama3) or \p{N} (qwen2)
-            if fl & _N:
-                while pos < end and flags[pos] & _N:
-                    pos += 1
-                    if pos - tok >= max_digits:
-                        _emit(out, pos - tok)
-                        tok = pos
-                _emit(out, pos - tok)
-                continue
-            # <space>?[^\s\p{L}\p{N}]+[\r\n]*  (llama.cpp tests the flags of the first codepoint)
-            f2 = (flags[pos + 1] if pos + 1 < end else 0) if cpt == " " else fl
-            if not f2 & (_WS | _L | _N) and fl:
-                pos += cpt == " "
-                while not f2 & (_WS | _L | _N) and f2:
-                    pos += 1
-                    f2 = flags[pos] if pos < end else 0
-                while pos < end and text[pos] in ("\r", "\n"):
-                    pos += 1
-                _emit(out, pos - tok)
-                continue
-            n_ws, last_rn = 0, 0
-            while pos + n_ws < end and flags[pos + n_ws] & _WS:
-                if text[pos + n_ws] in ("\r", "\n"):
-                    last_rn = pos + n_ws + 1
-                n_ws += 1
-            pos = last_rn if last_rn > 0 else _after_spaces(pos, n_ws, end)    # \s*[\r\n]+ first
-            _emit(out, pos - tok)
+            # \p{N}{1,3} (llama3) or \p{N} (qwen2), then punctuation, then whitespace
+            pos = _digits_symbols_spaces(text, flags, pos, end, out, max_digits, fl)
     return out
+
+
+def _digits_symbols_spaces(text: str, flags: list[int], pos: int, end: int, out: list[int], max_digits: int,
+                           symbol_flags: int) -> int:
+    r"""The tail the llama3-style splitters share once no word started at ``pos``: a run of digits
+    (\p{N}{1,max_digits}), else <space>?[^\s\p{L}\p{N}]+[\r\n]*, else whitespace (\s*[\r\n]+ first,
+    then \s+(?!\S), \s+).  The token is emitted; returns where the next one starts.
+
+    ``symbol_flags``: the flags llama.cpp's code tests before it takes the symbol run — the first
+    codepoint's in llama3/qwen2's splitter, the one after an optional space in Kimi-K2's (each C
+    splitter has its own, ported as it is)."""
+    tok, cpt, fl = pos, text[pos], flags[pos]
+    if fl & _N:
+        while pos < end and flags[pos] & _N:
+            pos += 1
+            if pos - tok >= max_digits:
+                _emit(out, pos - tok)
+                tok = pos
+        _emit(out, pos - tok)
+        return pos
+    f2 = (flags[pos + 1] if pos + 1 < end else 0) if cpt == " " else fl
+    if not f2 & (_WS | _L | _N) and symbol_flags:
+        pos += cpt == " "
+        while not f2 & (_WS | _L | _N) and f2:
+            pos += 1
+            f2 = flags[pos] if pos < end else 0
+        while pos < end and text[pos] in ("\r", "\n"):
+            pos += 1
+        _emit(out, pos - tok)
+        return pos
+    n_ws, last_rn = 0, 0
+    while pos + n_ws < end and flags[pos + n_ws] & _WS:
+        if text[pos + n_ws] in ("\r", "\n"):
+            last_rn = pos + n_ws + 1
+        n_ws += 1
+    pos = last_rn if last_rn > 0 else _after_spaces(pos, n_ws, end)    # \s*[\r\n]+ first
+    _emit(out, pos - tok)
+    return pos
 
 
 _HAN = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
@@ -429,31 +442,8 @@ def _split_kimi_k2(text: str, flags: list[int], chunks: list[int]) -> list[int]:
                 pos += _contraction(text, pos, end) if pos < end else 0
                 _emit(out, pos - tok)
                 continue
-            if fl & _N:
-                while pos < end and flags[pos] & _N:
-                    pos += 1
-                    if pos - tok >= 3:
-                        _emit(out, pos - tok)
-                        tok = pos
-                _emit(out, pos - tok)
-                continue
             f2 = (flags[pos + 1] if pos + 1 < end else 0) if cpt == " " else fl
-            if not f2 & (_WS | _L | _N) and f2:
-                pos += cpt == " "
-                while not f2 & (_WS | _L | _N) and f2:
-                    pos += 1
-                    f2 = flags[pos] if pos < end else 0
-                while pos < end and text[pos] in ("\r", "\n"):
-                    pos += 1
-                _emit(out, pos - tok)
-                continue
-            n_ws, last_rn = 0, 0
-            while pos + n_ws < end and flags[pos + n_ws] & _WS:
-                if text[pos + n_ws] in ("\r", "\n"):
-                    last_rn = pos + n_ws + 1
-                n_ws += 1
-            pos = last_rn if last_rn > 0 else _after_spaces(pos, n_ws, end)
-            _emit(out, pos - tok)
+            pos = _digits_symbols_spaces(text, flags, pos, end, out, 3, f2)
     return out
 
 
