@@ -19,8 +19,11 @@ Sliding-window attention alternates, even layers windowed, as llama.cpp's gpt-os
 """
 from __future__ import annotations
 
+from dataclasses import astuple
+
 from ..errors import QuantkitError
 from ..gguf_io.constants import ValueType
+from . import gqa
 from .checkpoint import Checkpoint, Conversion, add_output_head, base_conversion
 from .config import Config
 from .lazy import Columns, ExpertsTransposed, MXFP4Experts
@@ -32,18 +35,10 @@ SWIGLU_LIMIT, SWIGLU_ALPHA = 7.0, 1.702
 
 def convert(cfg: Config, ck: Checkpoint) -> Conversion:
     a = "gpt-oss"
-    n_layer, n_embd, n_vocab = cfg.dim("num_hidden_layers"), cfg.dim("hidden_size"), cfg.dim("vocab_size")
-    n_head = cfg.dim("num_attention_heads")
-    n_head_kv = cfg.dim("num_key_value_heads", n_head)
-    head_dim = cfg.integer("head_dim", 0) or n_embd // n_head
+    n_layer, n_vocab = cfg.dim("num_hidden_layers"), cfg.dim("vocab_size")
+    n_embd, n_head, n_head_kv, head_dim = astuple(gqa.heads(cfg, a, rope_scaling=True))
     n_ff, n_expert, n_used = cfg.dim("intermediate_size"), cfg.dim("num_local_experts"), cfg.dim("num_experts_per_tok")
     window = cfg.dim("sliding_window")
-    if n_head % n_head_kv:
-        raise QuantkitError(f"{cfg.path}: num_attention_heads {n_head} is not a multiple of "
-                            f"num_key_value_heads {n_head_kv}")
-    if head_dim < 2 or head_dim % 2:
-        raise QuantkitError(f"{cfg.path}: the head size {head_dim} is odd: rotary embeddings rotate pairs of "
-                            "dimensions")
     if n_used > n_expert:
         raise QuantkitError(f"{cfg.path}: num_experts_per_tok {n_used} is more than num_local_experts {n_expert}")
     if n_ff % 32 and _has_mxfp4(ck):

@@ -27,8 +27,9 @@ class Heads:
     head_dim: int
 
 
-def heads(cfg: Config, arch: str) -> Heads:
-    """The attention shape of config.json, checked as the loaders need it."""
+def heads(cfg: Config, arch: str, rope_scaling: bool = False) -> Heads:
+    """The attention shape of config.json, checked as the loaders need it; ``rope_scaling``: the
+    caller writes the config's rope scaling (gpt-oss's YaRN), else only unscaled rope is accepted."""
     n_embd, n_head = cfg.dim("hidden_size"), cfg.dim("num_attention_heads")
     n_head_kv = cfg.dim("num_key_value_heads", n_head)
     head_dim = cfg.integer("head_dim", 0) or n_embd // n_head
@@ -38,7 +39,7 @@ def heads(cfg: Config, arch: str) -> Heads:
     if head_dim < 2 or head_dim % 2:
         raise QuantkitError(f"{cfg.path}: the head size {head_dim} is odd (head_dim, or hidden_size / "
                             "num_attention_heads): rotary embeddings rotate pairs of dimensions")
-    if cfg.rope_type != "default":
+    if cfg.rope_type != "default" and not rope_scaling:
         raise QuantkitError(f"{cfg.path}: rope scaling '{cfg.rope_type}' is not supported for {arch} "
                             "(convert_hf_to_gguf.py writes no rope scaling for it)")
     return Heads(n_embd, n_head, n_head_kv, head_dim)
