@@ -193,7 +193,8 @@ def _ik_converter_tensors(directory, outtype="bf16"):
                or new_name.endswith("ffn_gate_inp.weight"))
         out.append((new_name, tuple(reversed(shape)), "f32" if f32 else outtype))
 
-    for part in sorted(f.name for f in directory.iterdir() if f.name.startswith("model") and f.suffix == ".safetensors"):
+    parts = sorted(f.name for f in directory.iterdir() if f.name.startswith("model") and f.suffix == ".safetensors")
+    for part in parts:
         with safe_open(str(directory / part), "np") as f:
             for name in sorted(f.keys()):
                 shape = tuple(f.get_slice(name).get_shape())
