@@ -98,8 +98,8 @@ def Float32Attention(device: str = "cpu"):
 
 
 def shrink_vocab(src, dst, n_vocab: int = 8192):
-    """A copy of the F32 file ``src`` keeping only the first ``n_vocab`` tokens (token_embd and
-    output rows, no tokenizer): the same network for those logits, and a file that gguf-py's reader
+    """A copy of the F32 file ``src`` keeping only the first ``n_vocab`` tokens (token_embd, output
+    and nextn embed_tokens/shared_head_head rows, no tokenizer): the same network for those logits, and a file that gguf-py's reader
     (slow on a 49152-token vocabulary) rewrites quickly in the hostile-input tests."""
     import gguf
 
@@ -114,7 +114,8 @@ def shrink_vocab(src, dst, n_vocab: int = 8192):
         for t in g.tensors:
             shape = list(t.shape)
             data = t.raw().view(np.float32).reshape(shape[::-1])
-            if t.name in ("token_embd.weight", "output.weight"):
+            if t.name in ("token_embd.weight", "output.weight") or t.name.endswith(
+                    (".nextn.embed_tokens.weight", ".nextn.shared_head_head.weight")):
                 data = data[:n_vocab]
             w.add_tensor(t.name, np.ascontiguousarray(data))
         w.write_header_to_file()

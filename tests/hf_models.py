@@ -384,3 +384,34 @@ def save_glm4moe(directory: Path, tok_meta: dict, *, n_layer=3, n_dense=1, n_emb
     model.save_pretrained(directory)
     write_tokenizer(directory, tok_meta)
     return directory
+
+
+# A GLM-4.5 MTP layer's own tensors (model.layers.N.<name>), their shapes from (n_embd, n_vocab)
+GLM_MTP_TENSORS = {"eh_proj.weight": lambda e, v: (e, 2 * e), "embed_tokens.weight": lambda e, v: (v, e),
+                   "enorm.weight": lambda e, v: (e,), "hnorm.weight": lambda e, v: (e,),
+                   "shared_head.head.weight": lambda e, v: (v, e), "shared_head.norm.weight": lambda e, v: (e,)}
+
+
+def append_glm_mtp_layer(directory: Path, *, omit=(), seed=3) -> dict:
+    """Add to a save_glm4moe checkpoint the nextn (MTP) layer the released GLM checkpoints store after
+    the last block (transformers does not build it): model.layers.{num_hidden_layers}. with a MoE
+    block's self_attn/mlp/norm tensors (random, shaped like the last block's) and eh_proj, enorm,
+    hnorm, shared_head.{head,norm}, embed_tokens (less ``omit``), in a shard of its own,
+    model_mtp.safetensors (read with model.safetensors: there is no index); config.json gets
+    num_nextn_predict_layers 1.  Returns the tensors added."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    cfg = json.loads((directory / "config.json").read_text())
+    n_layer, n_embd, n_vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+    last, mtp = f"model.layers.{n_layer - 1}.", f"model.layers.{n_layer}."
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        shapes = {n: f.get_slice(n).get_shape() for n in f.keys() if n.startswith(last)}
+    added = {mtp + n[len(last):]: 0.05 * torch.randn(shape, generator=g) for n, shape in shapes.items()}
+    added.update({mtp + n: 0.05 * torch.randn(shape(n_embd, n_vocab), generator=g)
+                  for n, shape in GLM_MTP_TENSORS.items() if n not in omit})
+    save_file(added, str(directory / "model_mtp.safetensors"), metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    return added
