@@ -390,13 +390,16 @@ def _hf_layer_order(n_layer: int) -> list[int]:
 
 
 def _write_table(path: Path, arch: str, add_keys, table: list[tuple[str, tuple, int]], *, sparse: bool,
-                 seed: int = 0) -> Path:
+                 seed: int = 0, vocab: int = 0) -> Path:
     """Write ``table`` ((name, ggml shape, type id) in file order) with gguf-py, after the metadata
     ``add_keys(writer)`` adds.  Data: ones for norms, small random values otherwise (MXFP4: random
-    nibbles, scales near 2^-6); with ``sparse``, a hole."""
+    nibbles, scales near 2^-6); with ``sparse``, a hole.  ``vocab``: that many tokens of a minimal
+    SentencePiece vocabulary (add_spm_vocab), for the runtime and the wheel's loader."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch=arch)
     add_keys(w)
+    if vocab:
+        add_spm_vocab(w, vocab)
     Q = gguf.GGMLQuantizationType
     for name, shape, type_id in table:
         np_shape = tuple(reversed(shape))
@@ -416,7 +419,15 @@ def _write_table(path: Path, arch: str, add_keys, table: list[tuple[str, tuple, 
             data = blocks.reshape(*np_shape[:-1], np_shape[-1] // block * type_size)
             w.add_tensor(name, data, raw_dtype=qtype)
             continue
-        x = np.ones(np_shape, np.float32) if name.endswith("norm.weight") else _w(rng, *np_shape)
+        if name.endswith("norm.weight"):
+            x = np.ones(np_shape, np.float32)
+        elif name.endswith("ffn_gate_up_exps.weight"):
+            # the gate experts' numbers, then the up experts': those of the file written split (the
+            # same seed; without biases, whose rows come between them there)
+            half = (np_shape[0], np_shape[1] // 2, np_shape[2])
+            x = np.concatenate([_w(rng, *half), _w(rng, *half)], axis=1)
+        else:
+            x = _w(rng, *np_shape)
         if type_id == BF16_ID:
             bits = (x.view(np.uint32) + 0x8000) >> 16
             w.add_tensor(name, bits.astype(np.uint16), raw_shape=np_shape, raw_dtype=qtype)
@@ -514,7 +525,7 @@ def write_qwen3(path: Path, n_layer=36, n_embd=256, n_ff=512, n_head=4, n_head_k
 
 def write_qwen3moe(path: Path, n_layer=48, n_embd=256, n_ff=768, n_ff_exp=256, n_expert=16, n_expert_used=8,
                    n_head=8, n_head_kv=1, head_dim=128, n_vocab=256, vocab_size=151936, type_id=F16_ID,
-                   fused_gate_up=False, sparse=True, seed=0) -> Path:
+                   fused_gate_up=False, sparse=True, seed=0, vocab=False) -> Path:
     """Qwen3-MoE, Qwen3-30B-A3B's class: 48 layers (94: 235B-A22B), 128 experts (16 by default, see
     above), every layer MoE, no shared expert, n_gqa = 8 (235B: 16), q/k norms; ``fused_gate_up``:
     ffn_gate_up_exps."""
@@ -529,18 +540,18 @@ def write_qwen3moe(path: Path, n_layer=48, n_embd=256, n_ff=768, n_ff_exp=256, n
 
     def keys(w):
         _add_common_keys(w, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
-                         head_dim=head_dim, vocab_size=vocab_size, rope_dims=head_dim, rope_base=1e6, eps=1e-6,
+                         head_dim=head_dim, vocab_size=n_vocab if vocab else vocab_size, rope_dims=head_dim, rope_base=1e6, eps=1e-6,
                          file_type=type_id)
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
         w.add_expert_feed_forward_length(n_ff_exp)
     return _write_table(path, "qwen3moe", keys, _ends(table, n_embd, n_vocab, type_id, False), sparse=sparse,
-                        seed=seed)
+                        seed=seed, vocab=n_vocab if vocab else 0)
 
 
 def write_glm4moe(path: Path, n_layer=46, n_dense=1, nextn=1, n_embd=256, n_ff=512, n_ff_exp=256, n_expert=16,
                   n_expert_used=8, n_shared=1, n_head=12, n_head_kv=1, head_dim=128, n_vocab=256,
-                  vocab_size=151552, qk_norm=False, type_id=F16_ID, sparse=True, seed=0) -> Path:
+                  vocab_size=151552, qk_norm=False, type_id=F16_ID, sparse=True, seed=0, vocab=False) -> Path:
     """GLM-4.5-Air's class (glm4moe): ``n_layer`` layers, the first ``n_dense`` dense, then routed experts
     (128 in the real model, 16 by default; sigmoid gate with exp_probs_b) and a shared expert; attention
     with q/k/v biases (``qk_norm``: GLM-4.5's q/k norms), half-rotary heads, n_gqa = 12; and ``nextn``
@@ -574,7 +585,7 @@ def write_glm4moe(path: Path, n_layer=46, n_dense=1, nextn=1, n_embd=256, n_ff=5
 
     def keys(w):
         _add_common_keys(w, n_layer=n_total, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
-                         head_dim=head_dim, vocab_size=vocab_size, rope_dims=head_dim // 2, rope_base=1e6,
+                         head_dim=head_dim, vocab_size=n_vocab if vocab else vocab_size, rope_dims=head_dim // 2, rope_base=1e6,
                          eps=1e-5, file_type=type_id)
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
@@ -586,12 +597,12 @@ def write_glm4moe(path: Path, n_layer=46, n_dense=1, nextn=1, n_embd=256, n_ff=5
         w.add_expert_weights_norm(True)
         w.add_uint32("glm4moe.nextn_predict_layers", nextn)
     return _write_table(path, "glm4moe", keys, _ends(table, n_embd, n_vocab, type_id, False), sparse=sparse,
-                        seed=seed)
+                        seed=seed, vocab=n_vocab if vocab else 0)
 
 
 def write_gptoss(path: Path, n_layer=24, n_embd=320, n_ff_exp=320, n_expert=32, n_expert_used=4, n_head=8,
                  n_head_kv=1, head_dim=64, n_vocab=256, vocab_size=201088, sliding_window=128, type_id=F16_ID,
-                 expert_type_id=MXFP4_ID, fused_gate_up=False, sparse=True, seed=0) -> Path:
+                 expert_type_id=MXFP4_ID, fused_gate_up=False, sparse=True, seed=0, vocab=False) -> Path:
     """gpt-oss-20b's class (gpt-oss, ik's OPENAI_MOE): 24 layers (120b: 36) of 32 experts (120b: 128) stored
     MXFP4 as the checkpoint has them, with biases on everything, attention sinks, n_gqa = 8.  The width
     (2880 in the real models, 320 here) is a multiple of 64 and not of 128 or 256: every 256-block type falls
@@ -614,7 +625,7 @@ def write_gptoss(path: Path, n_layer=24, n_embd=320, n_ff_exp=320, n_expert=32, 
 
     def keys(w):
         _add_common_keys(w, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff_exp, n_head=n_head, n_head_kv=n_head_kv,
-                         head_dim=head_dim, vocab_size=vocab_size, rope_dims=head_dim, rope_base=150000.0,
+                         head_dim=head_dim, vocab_size=n_vocab if vocab else vocab_size, rope_dims=head_dim, rope_base=150000.0,
                          eps=1e-5, file_type=type_id, context=131072)
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
@@ -624,7 +635,7 @@ def write_gptoss(path: Path, n_layer=24, n_embd=320, n_ff_exp=320, n_expert=32, 
         w.add_rope_scaling_factor(32.0)
         w.add_rope_scaling_orig_ctx_len(4096)
     return _write_table(path, "gpt-oss", keys, _ends(table, n_embd, n_vocab, type_id, False), sparse=sparse,
-                        seed=seed)
+                        seed=seed, vocab=n_vocab if vocab else 0)
 
 
 # a DeepSeek layer's tensors in the order of their checkpoint names (input_layernorm, mlp.experts.* stacked
@@ -644,7 +655,7 @@ _DEEPSEEK_HF_ORDER = [
 def write_deepseek32(path: Path, n_layer=61, n_dense=3, n_embd=256, n_ff=512, n_ff_exp=256, n_expert=16,
                      n_expert_used=8, n_head=8, q_lora=256, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128,
                      n_vocab=256, vocab_size=129280, index_n_heads=64, index_head_dim=128, index_topk=2048,
-                     n_group=8, n_group_used=4, type_id=F16_ID, sparse=True, seed=0) -> Path:
+                     n_group=8, n_group_used=4, type_id=F16_ID, sparse=True, seed=0, vocab=False) -> Path:
     """DeepSeek-V3.2 (deepseek2 with the DSA lightning indexer), as mainline's converter writes it: MLA in
     the mainline layout (one KV head, 3-D attn_k_b/attn_v_b, no attn_kv_b), 61 layers of which 3 dense,
     256 experts (16 by default) in 8 groups, one shared, and per layer
@@ -682,7 +693,7 @@ def write_deepseek32(path: Path, n_layer=61, n_dense=3, n_embd=256, n_ff=512, n_
         w.add_rope_freq_base(10000.0)
         w.add_layer_norm_rms_eps(1e-6)
         w.add_expert_used_count(n_expert_used)
-        w.add_vocab_size(vocab_size)
+        w.add_vocab_size(n_vocab if vocab else vocab_size)
         w.add_uint32(f"{a}.leading_dense_block_count", n_dense)
         w.add_uint32(f"{a}.attention.q_lora_rank", q_lora)
         w.add_uint32(f"{a}.attention.kv_lora_rank", kv_lora)
@@ -704,7 +715,7 @@ def write_deepseek32(path: Path, n_layer=61, n_dense=3, n_embd=256, n_ff=512, n_
             w.add_uint32(f"{a}.attention.indexer.key_length", index_head_dim)
             w.add_uint32(f"{a}.attention.indexer.top_k", index_topk)
         w.add_file_type(type_id)
-    return _write_table(path, "deepseek2", keys, table, sparse=sparse, seed=seed)
+    return _write_table(path, "deepseek2", keys, table, sparse=sparse, seed=seed, vocab=n_vocab if vocab else 0)
 
 
 def layer_of_name(name: str) -> int | None:

@@ -35,7 +35,8 @@ import pytest
 
 import peers
 import quantkit
-from models import rewrite_gguf, write_deepseek2
+from models import (F32_ID, rewrite_gguf, write_deepseek2, write_deepseek32, write_glm4moe, write_gptoss,
+                    write_qwen3moe)
 from quantkit.errors import QuantkitError
 from quantkit.gguf_io.reader import open_model
 from quantkit.imatrix import load_imatrix
@@ -47,20 +48,42 @@ from quantkit.runtime.model import Model
 # 32 experts: round(5% of 32) = 2, so ik's rule stores an entry with one expert missing, not two
 DEEPSEEK2 = dict(n_layer=3, n_dense=1, n_embd=64, n_ff=128, n_ff_exp=64, n_expert=32, n_expert_used=2, n_shared=1,
                  n_head=4, q_lora_rank=64, n_vocab=512, seed=3)
+# the 2026 architectures (tests/models.py's preset fixtures with data and a tokenizer): F32, 32 experts
+# of 4 used, 320 tokens; a dense lead layer and a shared expert where the architecture has them
+_SMALL = dict(n_embd=64, n_expert=32, n_expert_used=4, n_vocab=320, type_id=F32_ID, sparse=False, vocab=True,
+              seed=3)
+QWEN3MOE = dict(_SMALL, n_layer=2, n_ff=128, n_ff_exp=32, n_head=4, n_head_kv=2, head_dim=32)
+GLM4MOE = dict(_SMALL, n_layer=3, n_dense=1, nextn=0, n_ff=128, n_ff_exp=32, n_shared=1, n_head=4, n_head_kv=2,
+               head_dim=32)
+GPTOSS = dict(_SMALL, n_layer=2, n_ff_exp=64, n_head=4, n_head_kv=2, head_dim=32, sliding_window=8)
+DEEPSEEK32 = dict(_SMALL, n_layer=3, n_dense=1, n_ff=128, n_ff_exp=32, n_head=4, q_lora=64, kv_lora=64, qk_nope=32,
+                  qk_rope=16, v_head=32, index_n_heads=4, index_head_dim=32, index_topk=8, n_group=4, n_group_used=2)
 
 
 @dataclass(frozen=True)
 class MoEModel:
     write: Callable[[Path], Path]
+    shared_experts: bool                # ffn_*_shexp in every MoE layer
+    dense_layers: int                   # dense lead layers (ffn_gate/up/down)
     split_twin: str | None = None       # fused gate/up experts: the same model with them split
+    no_wheel: str | None = None         # why the wheel's tools cannot load this file (their checks skip)
 
 
 # name -> its tiny model.  A writer gives a model with a tokenizer (the runtime tokenizes the
 # calibration text), several MoE layers and at least 30 experts (round(5%) >= 2, and a 16-token run
 # leaves experts idle); shared experts and dense lead layers where the architecture has them.
 MOE_MODELS = {
-    "deepseek2": MoEModel(partial(write_deepseek2, **DEEPSEEK2)),
-    "deepseek2-fused": MoEModel(partial(write_deepseek2, fused_gate_up=True, **DEEPSEEK2), split_twin="deepseek2"),
+    "deepseek2": MoEModel(partial(write_deepseek2, **DEEPSEEK2), shared_experts=True, dense_layers=1),
+    "deepseek2-fused": MoEModel(partial(write_deepseek2, fused_gate_up=True, **DEEPSEEK2), shared_experts=True,
+                                dense_layers=1, split_twin="deepseek2"),
+    "qwen3moe": MoEModel(partial(write_qwen3moe, **QWEN3MOE), shared_experts=False, dense_layers=0),
+    "qwen3moe-fused": MoEModel(partial(write_qwen3moe, fused_gate_up=True, **QWEN3MOE), shared_experts=False,
+                               dense_layers=0, split_twin="qwen3moe"),
+    "glm4moe": MoEModel(partial(write_glm4moe, **GLM4MOE), shared_experts=True, dense_layers=1),
+    # biased experts and router, swiglu_oai, attention sinks; the experts MXFP4 as gpt-oss ships them
+    "gpt-oss": MoEModel(partial(write_gptoss, **GPTOSS), shared_experts=False, dense_layers=0),
+    "deepseek32": MoEModel(partial(write_deepseek32, **DEEPSEEK32), shared_experts=True, dense_layers=1,
+                           no_wheel="ik_llama.cpp does not load DeepSeek-V3.2's indexer tensors"),
 }
 FUSED = [name for name, m in MOE_MODELS.items() if m.split_twin]
 
@@ -76,6 +99,7 @@ class Made:
     short: Path                         # GGUF over one chunk of SHORT tokens: many experts without a token
     tensors: dict[str, tuple[int, ...]]
     n_expert_used: int
+    spec: MoEModel
 
 
 def calibration_text(path: Path) -> Path:
@@ -97,7 +121,8 @@ def made_for(name: str, tmp_path_factory) -> Made:
         with open_model(model) as g:
             tensors = {t.name: tuple(t.shape) for t in g.tensors}
             n_used = int(g.get(f"{g.get('general.architecture')}.expert_used_count"))
-        out = Made(model, d / "imatrix.gguf", d / "imatrix.dat", d / "short.gguf", tensors, n_used)
+        out = Made(model, d / "imatrix.gguf", d / "imatrix.dat", d / "short.gguf", tensors, n_used,
+                   MOE_MODELS[name])
         quantkit.collect_imatrix(model, text, out.gguf, ctx_size=CTX, chunks=CHUNKS, threads=1)
         quantkit.convert_imatrix(out.gguf, out.dat)
         quantkit.collect_imatrix(model, text, out.short, ctx_size=SHORT, chunks=1, threads=1)
@@ -120,6 +145,12 @@ def layer_of(name: str) -> int:
 
 needs_wheel = pytest.mark.skipif(not peers.llama_quantize_runs() or peers.load_ggml() is None,
                                  reason="ik-llama-cpp-python's llama-quantize not available")
+
+
+def wheel_loads(made: Made) -> None:
+    """Skip a wheel check for a model whose file the wheel's tools cannot load, saying why."""
+    if made.spec.no_wheel:
+        pytest.skip(made.spec.no_wheel)
 
 
 def llama_quantize(*args) -> tuple[int, str]:
@@ -156,6 +187,19 @@ def test_routed_experts_have_a_row_and_a_count_per_expert(made):
         assert raw.counts[name].tolist() == [n_tokens], name
     # the file holds an entry for exactly the tensors the model has (no split entry for a fused tensor)
     assert set(experts) <= set(raw.sums) <= set(made.tensors)
+
+
+def test_the_model_has_what_its_entry_says(made):
+    """Shared experts and dense lead layers are checked (above: one count of every token) where the
+    architecture has them: the registry says which, and the file agrees, so a check that does not
+    apply is so by the model's data, not skipped."""
+    names = set(made.tensors)
+    moe_layers = sorted({layer_of(n) for n in routed(made.tensors)})
+    shared = {layer_of(n) for n in names if "_shexp." in n}
+    assert shared == (set(moe_layers) if made.spec.shared_experts else set())
+    dense = {layer_of(n) for n in names if n.startswith("blk.") and n.split(".")[2] == "ffn_down"}
+    assert dense == set(range(made.spec.dense_layers)) and len(moe_layers) >= 2
+    assert all(made.tensors[n][2] >= 30 for n in routed(made.tensors))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
@@ -196,7 +240,7 @@ def test_fused_gate_up_computes_the_split_model(name, tmp_path_factory):
     """Our runtime (both backends where torch is there) and the wheel give the fused file the split
     file's logits."""
     fused, split = made_for(name, tmp_path_factory), made_for(MOE_MODELS[name].split_twin, tmp_path_factory)
-    tokens = np.random.default_rng(1).integers(0, 512, 24)
+    tokens = np.random.default_rng(1).integers(0, fused.tensors["token_embd.weight"][1], 24)
     backends = [ops_cpu]
     try:
         from quantkit.runtime.ops_torch import TorchOps
@@ -210,7 +254,7 @@ def test_fused_gate_up_computes_the_split_model(name, tmp_path_factory):
                 m = Model(g, ops)
                 logits.append(m.forward(tokens, m.new_cache(len(tokens))))
         np.testing.assert_allclose(logits[0], logits[1], atol=1e-5 * np.abs(logits[1]).max())
-    if peers.llama_quantize_bin() is not None:
+    if peers.llama_quantize_bin() is not None and not fused.spec.no_wheel:
         theirs = [peers.ik_logits(p, tokens.tolist(), all_positions=True) for p in (fused.model, split.model)]
         np.testing.assert_array_equal(theirs[0], theirs[1])
 
@@ -231,7 +275,7 @@ def test_an_imatrix_of_one_layout_quantizes_the_other(name, tmp_path_factory):
         with quantkit.open_quantization(model.model, None, "q4_0", imatrix=other.dat) as q:
             without = [t.name for t in q.plan.tensors if t.action == "quantize" and not t.imatrix]
         assert sorted(without) == ["output.weight", "token_embd.weight"]
-        if peers.llama_quantize_runs():
+        if peers.llama_quantize_runs() and not model.spec.no_wheel:
             out = tmp_path_factory.mktemp("cross") / "q.gguf"
             rc, log = llama_quantize("--imatrix", other.dat, model.model, out, "Q4_0", 2)
             assert rc == 0 and not_found(log) == {"output.weight", "token_embd.weight"}, log[-3000:]
@@ -285,6 +329,7 @@ def test_llama_quantize_reads_it_as_quantkit_does(made, tmp_path):
     """The wheel's llama-quantize finds an entry for every block tensor of our .dat and quantizes
     expert k of each 3-D tensor with row k of it: its bytes are the wheel's own quantize_chunk of
     each matrix with the weights quantkit's loader gives (weights_for), and differ without them."""
+    wheel_loads(made)
     out = tmp_path / "theirs.gguf"
     rc, log = llama_quantize("--imatrix", made.dat, made.model, out, "Q4_0", 2)
     assert rc == 0, log[-3000:]
@@ -353,6 +398,7 @@ def test_partial_policies_write_what_the_c_tools_write(made, tmp_path):
 def test_both_tools_quantize_with_the_ik_file_alike(made, tmp_path):
     """With the ik-policy .dat, quantkit and llama-quantize find no imatrix for the same tensors
     (the skipped entries, and their fallbacks none either), and quantize the rest with it."""
+    wheel_loads(made)
     dat = tmp_path / "ik.dat"
     quantkit.convert_imatrix(made.short, dat, chunk_size=SHORT, partial_experts="ik")
     skipped = set(RawImatrix.from_file(made.short, SHORT).skipped("ik"))
@@ -370,6 +416,7 @@ def test_both_tools_quantize_with_the_ik_file_alike(made, tmp_path):
 def test_an_expert_without_data_gets_weight_one_in_both_tools(made, tmp_path):
     """One expert of one routed entry without tokens (fewer than round(5%): ik stores it): both
     tools read weight 1.0 for it from the .dat and quantize that expert with it."""
+    wheel_loads(made)
     raw = RawImatrix.from_file(made.gguf, CTX)
     name = routed(made.tensors)[0]
     counts, sums = raw.counts[name], raw.sums[name].reshape(raw.counts[name].size, -1)
