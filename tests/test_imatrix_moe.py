@@ -35,8 +35,9 @@ import pytest
 
 import peers
 import quantkit
-from models import (F32_ID, rewrite_gguf, write_deepseek2, write_deepseek32, write_glm4moe, write_gptoss,
+from models import (F16_ID, F32_ID, rewrite_gguf, write_deepseek2, write_deepseek32, write_glm4moe, write_gptoss,
                     write_qwen3moe)
+from quantkit import formats
 from quantkit.errors import QuantkitError
 from quantkit.gguf_io.reader import open_model
 from quantkit.imatrix import load_imatrix
@@ -100,6 +101,13 @@ class Made:
     tensors: dict[str, tuple[int, ...]]
     n_expert_used: int
     spec: MoEModel
+    requantize: bool                    # some weights are stored quantized (gpt-oss's MXFP4 experts)
+
+    def quantize_options(self) -> dict:
+        return {"allow_requantize": True} if self.requantize else {}
+
+    def llama_quantize_options(self) -> list[str]:
+        return ["--allow-requantize"] if self.requantize else []
 
 
 def calibration_text(path: Path) -> Path:
@@ -121,8 +129,9 @@ def made_for(name: str, tmp_path_factory) -> Made:
         with open_model(model) as g:
             tensors = {t.name: tuple(t.shape) for t in g.tensors}
             n_used = int(g.get(f"{g.get('general.architecture')}.expert_used_count"))
+            requantize = any(int(t.qtype) not in (F32_ID, F16_ID) for t in g.tensors)
         out = Made(model, d / "imatrix.gguf", d / "imatrix.dat", d / "short.gguf", tensors, n_used,
-                   MOE_MODELS[name])
+                   MOE_MODELS[name], requantize)
         quantkit.collect_imatrix(model, text, out.gguf, ctx_size=CTX, chunks=CHUNKS, threads=1)
         quantkit.convert_imatrix(out.gguf, out.dat)
         quantkit.collect_imatrix(model, text, out.short, ctx_size=SHORT, chunks=1, threads=1)
@@ -272,12 +281,13 @@ def test_an_imatrix_of_one_layout_quantizes_the_other(name, tmp_path_factory):
         for t in routed(model.tensors):
             kind = t.split(".")[2]
             assert imat.lookup_name(t) == t.replace(kind, entry_of[kind]), t
-        with quantkit.open_quantization(model.model, None, "q4_0", imatrix=other.dat) as q:
+        with quantkit.open_quantization(model.model, None, "q4_0", imatrix=other.dat, **model.quantize_options()) as q:
             without = [t.name for t in q.plan.tensors if t.action == "quantize" and not t.imatrix]
         assert sorted(without) == ["output.weight", "token_embd.weight"]
         if peers.llama_quantize_runs() and not model.spec.no_wheel:
             out = tmp_path_factory.mktemp("cross") / "q.gguf"
-            rc, log = llama_quantize("--imatrix", other.dat, model.model, out, "Q4_0", 2)
+            rc, log = llama_quantize(*model.llama_quantize_options(), "--imatrix", other.dat, model.model, out,
+                                     "Q4_0", 2)
             assert rc == 0 and not_found(log) == {"output.weight", "token_embd.weight"}, log[-3000:]
 
 
@@ -317,7 +327,8 @@ def test_observer_forwards_moe_options():
 @pytest.mark.parametrize("fmt", ["dat", "gguf"])
 def test_quantkit_quantizes_every_tensor_with_it(made, fmt, tmp_path):
     out = tmp_path / "q.gguf"
-    with quantkit.open_quantization(made.model, out, "q4_0", imatrix=getattr(made, fmt), threads=1) as q:
+    with quantkit.open_quantization(made.model, out, "q4_0", imatrix=getattr(made, fmt), threads=1,
+                                    **made.quantize_options()) as q:
         q.write()
     used = {t.name: t.imatrix for t in q.plan.tensors if t.action == "quantize"}
     assert set(routed(made.tensors)) <= set(used)
@@ -331,7 +342,7 @@ def test_llama_quantize_reads_it_as_quantkit_does(made, tmp_path):
     each matrix with the weights quantkit's loader gives (weights_for), and differ without them."""
     wheel_loads(made)
     out = tmp_path / "theirs.gguf"
-    rc, log = llama_quantize("--imatrix", made.dat, made.model, out, "Q4_0", 2)
+    rc, log = llama_quantize(*made.llama_quantize_options(), "--imatrix", made.dat, made.model, out, "Q4_0", 2)
     assert rc == 0, log[-3000:]
     assert "imatrix size" not in log and not_found(log) == {"output.weight", "token_embd.weight"}, log[-3000:]
     check_bytes_use_weights(made, out, load_imatrix(made.dat), routed(made.tensors))
@@ -343,7 +354,10 @@ def check_bytes_use_weights(made: Made, out: Path, imat, names: list[str]) -> No
         for name in names:
             t, s = q.by_name[name], src.by_name[name]
             n_in, _, n_mat = s.shape
-            x = np.frombuffer(s.source.view(s.offset, s.nbytes), np.float32).reshape(n_mat, -1, n_in)
+            # llama-quantize dequantizes a quantized source (--allow-requantize) to floats first
+            rows = s.raw()
+            x = (rows.view(np.float32) if int(s.qtype) == F32_ID else
+                 formats.dequantize(rows, s.qtype, n_in)).reshape(n_mat, -1, n_in)
             w = imat.weights_for(name, n_in, n_mat)
             assert w is not None, name
             theirs = bytes(t.source.view(t.offset, t.nbytes))
@@ -403,11 +417,13 @@ def test_both_tools_quantize_with_the_ik_file_alike(made, tmp_path):
     quantkit.convert_imatrix(made.short, dat, chunk_size=SHORT, partial_experts="ik")
     skipped = set(RawImatrix.from_file(made.short, SHORT).skipped("ik"))
     ours = tmp_path / "ours.gguf"
-    with quantkit.open_quantization(made.model, ours, "q4_0", imatrix=dat, threads=1) as q:
+    with quantkit.open_quantization(made.model, ours, "q4_0", imatrix=dat, threads=1,
+                                    **made.quantize_options()) as q:
         q.write()
     without = {t.name for t in q.plan.tensors if t.action == "quantize" and not t.imatrix}
     assert skipped <= without and without - skipped == {"output.weight", "token_embd.weight"}
-    rc, log = llama_quantize("--imatrix", dat, made.model, tmp_path / "theirs.gguf", "Q4_0", 2)
+    rc, log = llama_quantize(*made.llama_quantize_options(), "--imatrix", dat, made.model, tmp_path / "theirs.gguf",
+                             "Q4_0", 2)
     assert rc == 0, log[-3000:]
     assert not_found(log) == without, log[-3000:]
 
@@ -430,7 +446,7 @@ def test_an_expert_without_data_gets_weight_one_in_both_tools(made, tmp_path):
     n_in, _, n_mat = made.tensors[name]
     assert (imat.weights_for(name, n_in, n_mat)[5] == 1.0).all()
     out = tmp_path / "theirs.gguf"
-    rc, log = llama_quantize("--imatrix", dat, made.model, out, "Q4_0", 2)
+    rc, log = llama_quantize(*made.llama_quantize_options(), "--imatrix", dat, made.model, out, "Q4_0", 2)
     assert rc == 0 and name not in not_found(log), log[-3000:]
     check_bytes_use_weights(made, out, imat, [name])
 
