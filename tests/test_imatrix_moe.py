@@ -57,8 +57,10 @@ QWEN3MOE = dict(_SMALL, n_layer=2, n_ff=128, n_ff_exp=32, n_head=4, n_head_kv=2,
 GLM4MOE = dict(_SMALL, n_layer=3, n_dense=1, nextn=0, n_ff=128, n_ff_exp=32, n_shared=1, n_head=4, n_head_kv=2,
                head_dim=32)
 GPTOSS = dict(_SMALL, n_layer=2, n_ff_exp=64, n_head=4, n_head_kv=2, head_dim=32, sliding_window=8)
-DEEPSEEK32 = dict(_SMALL, n_layer=3, n_dense=1, n_ff=128, n_ff_exp=32, n_head=4, q_lora=64, kv_lora=64, qk_nope=32,
-                  qk_rope=16, v_head=32, index_n_heads=4, index_head_dim=32, index_topk=8, n_group=4, n_group_used=2)
+# DeepSeek's MLA head sizes (the writer's defaults): ik's loader takes mainline MLA files only with them;
+# index_topk under CTX, so the indexer chooses keys
+DEEPSEEK32 = dict(_SMALL, n_layer=3, n_dense=1, n_ff=128, n_ff_exp=32, n_head=4, q_lora=64, index_n_heads=4,
+                  index_head_dim=64, index_topk=8, n_group=4, n_group_used=2)
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,6 @@ class MoEModel:
     shared_experts: bool                # ffn_*_shexp in every MoE layer
     dense_layers: int                   # dense lead layers (ffn_gate/up/down)
     split_twin: str | None = None       # fused gate/up experts: the same model with them split
-    no_wheel: str | None = None         # why the wheel's tools cannot load this file (their checks skip)
 
 
 # name -> its tiny model.  A writer gives a model with a tokenizer (the runtime tokenizes the
@@ -83,8 +84,8 @@ MOE_MODELS = {
     "glm4moe": MoEModel(partial(write_glm4moe, **GLM4MOE), shared_experts=True, dense_layers=1),
     # biased experts and router, swiglu_oai, attention sinks; the experts MXFP4 as gpt-oss ships them
     "gpt-oss": MoEModel(partial(write_gptoss, **GPTOSS), shared_experts=False, dense_layers=0),
-    "deepseek32": MoEModel(partial(write_deepseek32, **DEEPSEEK32), shared_experts=True, dense_layers=1,
-                           no_wheel="ik_llama.cpp does not load DeepSeek-V3.2's indexer tensors"),
+    # the DSA indexer's matrices (indexer.attn_q_b, attn_k, proj) are block tensors with entries too
+    "deepseek32": MoEModel(partial(write_deepseek32, **DEEPSEEK32), shared_experts=True, dense_layers=1),
 }
 FUSED = [name for name, m in MOE_MODELS.items() if m.split_twin]
 
@@ -156,12 +157,6 @@ needs_wheel = pytest.mark.skipif(not peers.llama_quantize_runs() or peers.load_g
                                  reason="ik-llama-cpp-python's llama-quantize not available")
 
 
-def wheel_loads(made: Made) -> None:
-    """Skip a wheel check for a model whose file the wheel's tools cannot load, saying why."""
-    if made.spec.no_wheel:
-        pytest.skip(made.spec.no_wheel)
-
-
 def llama_quantize(*args) -> tuple[int, str]:
     p = subprocess.run([str(peers.llama_quantize_bin()), *map(str, args)], capture_output=True, text=True,
                        timeout=300)
@@ -194,8 +189,12 @@ def test_routed_experts_have_a_row_and_a_count_per_expert(made):
     assert any("ffn_gate_inp" in n for n in dense)
     for name in dense:
         assert raw.counts[name].tolist() == [n_tokens], name
-    # the file holds an entry for exactly the tensors the model has (no split entry for a fused tensor)
-    assert set(experts) <= set(raw.sums) <= set(made.tensors)
+    # an entry for exactly the block matrices the model has (no split entry for a fused tensor; the
+    # attention's, V3.2's indexer's), every one but the routed experts with one count of every token
+    matrices = {n for n, s in made.tensors.items() if n.startswith("blk.") and n.endswith(".weight") and len(s) > 1}
+    assert set(raw.sums) == matrices
+    for name in matrices - set(experts):
+        assert raw.counts[name].tolist() == [n_tokens], name
 
 
 def test_the_model_has_what_its_entry_says(made):
@@ -263,7 +262,7 @@ def test_fused_gate_up_computes_the_split_model(name, tmp_path_factory):
                 m = Model(g, ops)
                 logits.append(m.forward(tokens, m.new_cache(len(tokens))))
         np.testing.assert_allclose(logits[0], logits[1], atol=1e-5 * np.abs(logits[1]).max())
-    if peers.llama_quantize_bin() is not None and not fused.spec.no_wheel:
+    if peers.llama_quantize_bin() is not None:
         theirs = [peers.ik_logits(p, tokens.tolist(), all_positions=True) for p in (fused.model, split.model)]
         np.testing.assert_array_equal(theirs[0], theirs[1])
 
@@ -284,7 +283,7 @@ def test_an_imatrix_of_one_layout_quantizes_the_other(name, tmp_path_factory):
         with quantkit.open_quantization(model.model, None, "q4_0", imatrix=other.dat, **model.quantize_options()) as q:
             without = [t.name for t in q.plan.tensors if t.action == "quantize" and not t.imatrix]
         assert sorted(without) == ["output.weight", "token_embd.weight"]
-        if peers.llama_quantize_runs() and not model.spec.no_wheel:
+        if peers.llama_quantize_runs():
             out = tmp_path_factory.mktemp("cross") / "q.gguf"
             rc, log = llama_quantize(*model.llama_quantize_options(), "--imatrix", other.dat, model.model, out,
                                      "Q4_0", 2)
@@ -340,7 +339,6 @@ def test_llama_quantize_reads_it_as_quantkit_does(made, tmp_path):
     """The wheel's llama-quantize finds an entry for every block tensor of our .dat and quantizes
     expert k of each 3-D tensor with row k of it: its bytes are the wheel's own quantize_chunk of
     each matrix with the weights quantkit's loader gives (weights_for), and differ without them."""
-    wheel_loads(made)
     out = tmp_path / "theirs.gguf"
     rc, log = llama_quantize(*made.llama_quantize_options(), "--imatrix", made.dat, made.model, out, "Q4_0", 2)
     assert rc == 0, log[-3000:]
@@ -412,7 +410,6 @@ def test_partial_policies_write_what_the_c_tools_write(made, tmp_path):
 def test_both_tools_quantize_with_the_ik_file_alike(made, tmp_path):
     """With the ik-policy .dat, quantkit and llama-quantize find no imatrix for the same tensors
     (the skipped entries, and their fallbacks none either), and quantize the rest with it."""
-    wheel_loads(made)
     dat = tmp_path / "ik.dat"
     quantkit.convert_imatrix(made.short, dat, chunk_size=SHORT, partial_experts="ik")
     skipped = set(RawImatrix.from_file(made.short, SHORT).skipped("ik"))
@@ -432,7 +429,6 @@ def test_both_tools_quantize_with_the_ik_file_alike(made, tmp_path):
 def test_an_expert_without_data_gets_weight_one_in_both_tools(made, tmp_path):
     """One expert of one routed entry without tokens (fewer than round(5%): ik stores it): both
     tools read weight 1.0 for it from the .dat and quantize that expert with it."""
-    wheel_loads(made)
     raw = RawImatrix.from_file(made.gguf, CTX)
     name = routed(made.tensors)[0]
     counts, sums = raw.counts[name], raw.sums[name].reshape(raw.counts[name].size, -1)
