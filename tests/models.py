@@ -401,6 +401,7 @@ def _write_table(path: Path, arch: str, add_keys, table: list[tuple[str, tuple, 
     if vocab:
         add_spm_vocab(w, vocab)
     Q = gguf.GGMLQuantizationType
+    names, fused_bias = {row[0] for row in table}, {}
     for name, shape, type_id in table:
         np_shape = tuple(reversed(shape))
         qtype = Q(type_id)
@@ -413,26 +414,25 @@ def _write_table(path: Path, arch: str, add_keys, table: list[tuple[str, tuple, 
                 byte_shape = (*np_shape[:-1], np_shape[-1] // block * type_size)
                 w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
             continue
-        if type_id == MXFP4_ID:
-            blocks = rng.integers(0, 256, (nbytes // type_size, type_size), dtype=np.uint8)
-            blocks[:, 0] = rng.integers(118, 124, nbytes // type_size)     # E8M0 scales 2^-9 … 2^-4
-            data = blocks.reshape(*np_shape[:-1], np_shape[-1] // block * type_size)
-            w.add_tensor(name, data, raw_dtype=qtype)
-            continue
-        if name.endswith("norm.weight"):
-            x = np.ones(np_shape, np.float32)
-        elif name.endswith("ffn_gate_up_exps.weight"):
-            # the gate experts' numbers, then the up experts': those of the file written split (the
-            # same seed; without biases, whose rows come between them there)
+        if name.endswith("ffn_gate_up_exps.weight"):
+            # the gate experts' numbers (and biases), then the up experts': those of the file written
+            # split with the same seed, drawn in its order
             half = (np_shape[0], np_shape[1] // 2, np_shape[2])
-            x = np.concatenate([_w(rng, *half), _w(rng, *half)], axis=1)
+            has_bias = name[:-len("weight")] + "bias" in names
+            gate, gate_b = _random_data(rng, name, half, type_id), has_bias and _w(rng, *half[:2])
+            up, up_b = _random_data(rng, name, half, type_id), has_bias and _w(rng, *half[:2])
+            data = np.concatenate([gate, up], axis=1)
+            if has_bias:
+                fused_bias[name[:-len("weight")] + "bias"] = np.concatenate([gate_b, up_b], axis=1)
         else:
-            x = _w(rng, *np_shape)
-        if type_id == BF16_ID:
-            bits = (x.view(np.uint32) + 0x8000) >> 16
+            data = fused_bias.pop(name) if name in fused_bias else _random_data(rng, name, np_shape, type_id)
+        if type_id == MXFP4_ID:
+            w.add_tensor(name, data, raw_dtype=qtype)
+        elif type_id == BF16_ID:
+            bits = (data.view(np.uint32) + 0x8000) >> 16
             w.add_tensor(name, bits.astype(np.uint16), raw_shape=np_shape, raw_dtype=qtype)
         else:
-            w.add_tensor(name, x.astype(np.float16) if type_id == F16_ID else x)
+            w.add_tensor(name, data.astype(np.float16) if type_id == F16_ID else data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     if sparse:
@@ -445,6 +445,17 @@ def _write_table(path: Path, arch: str, add_keys, table: list[tuple[str, tuple, 
         w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _random_data(rng, name: str, np_shape: tuple, type_id: int) -> np.ndarray:
+    """A tensor's data for _write_table: float32 (ones for a norm), or MXFP4 blocks (bytes)."""
+    if type_id == MXFP4_ID:
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
+        n_blocks = int(np.prod(np_shape)) // block
+        blocks = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
+        blocks[:, 0] = rng.integers(118, 124, n_blocks)     # E8M0 scales 2^-9 … 2^-4
+        return blocks.reshape(*np_shape[:-1], np_shape[-1] // block * type_size)
+    return np.ones(np_shape, np.float32) if name.endswith("norm.weight") else _w(rng, *np_shape)
 
 
 def _add_common_keys(w, *, n_layer, n_embd, n_ff, n_head, n_head_kv, head_dim, vocab_size, rope_dims,
