@@ -511,3 +511,18 @@ def test_fused_gate_up_shapes_are_checked(tmp_path):
             with pytest.raises(QuantkitError) as e:
                 Model(g, ops_cpu)
         assert "\n" not in str(e.value) and all(w in str(e.value) for w in words[case]), (case, str(e.value))
+
+
+def test_fused_gpt_oss_biases_are_checked(tmp_path):
+    """gpt-oss's fused experts need ffn_gate_up_exps.bias of (2 n_ff, n_expert): one of the split
+    length, or none, is refused at load, naming it."""
+    small = dict(GPTOSS, n_expert=4, n_layer=1, expert_type_id=F32_ID)
+    path = write_gptoss(tmp_path / "fused.gguf", fused_gate_up=True, **small)
+    with open_model(path) as g:
+        Model(g, ops_cpu)
+    name = "blk.0.ffn_gate_up_exps.bias"
+    for case, bias in {"short": np.zeros((small["n_expert"], small["n_ff_exp"]), np.float32), "none": None}.items():
+        with open_model(rewrite_gguf(path, tmp_path / f"{case}.gguf", tensors={name: bias})) as g:
+            with pytest.raises(QuantkitError) as e:
+                Model(g, ops_cpu)
+        assert "\n" not in str(e.value) and name in str(e.value), (case, str(e.value))
