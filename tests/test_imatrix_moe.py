@@ -54,7 +54,7 @@ DEEPSEEK2 = dict(n_layer=3, n_dense=1, n_embd=64, n_ff=128, n_ff_exp=64, n_exper
 _SMALL = dict(n_embd=64, n_expert=32, n_expert_used=4, n_vocab=320, type_id=F32_ID, sparse=False, vocab=True,
               seed=3)
 QWEN3MOE = dict(_SMALL, n_layer=2, n_ff=128, n_ff_exp=32, n_head=4, n_head_kv=2, head_dim=32)
-GLM4MOE = dict(_SMALL, n_layer=3, n_dense=1, nextn=0, n_ff=128, n_ff_exp=32, n_shared=1, n_head=4, n_head_kv=2,
+GLM4MOE = dict(_SMALL, n_layer=3, n_dense=1, nextn=1, n_ff=128, n_ff_exp=32, n_shared=1, n_head=4, n_head_kv=2,
                head_dim=32)
 GPTOSS = dict(_SMALL, n_layer=2, n_ff_exp=64, n_head=4, n_head_kv=2, head_dim=32, sliding_window=8)
 # DeepSeek's MLA head sizes (the writer's defaults): ik's loader takes mainline MLA files only with them;
@@ -68,6 +68,7 @@ class MoEModel:
     write: Callable[[Path], Path]
     shared_experts: bool                # ffn_*_shexp in every MoE layer
     dense_layers: int                   # dense lead layers (ffn_gate/up/down)
+    mtp_layers: int = 0                 # NextN/MTP layers after them (not computed, no imatrix entry)
     split_twin: str | None = None       # fused gate/up experts: the same model with them split
     wheel_cannot_run: str | None = None     # why the wheel's loader refuses the file (checked that it does)
 
@@ -82,7 +83,7 @@ MOE_MODELS = {
     "qwen3moe": MoEModel(partial(write_qwen3moe, **QWEN3MOE), shared_experts=False, dense_layers=0),
     "qwen3moe-fused": MoEModel(partial(write_qwen3moe, fused_gate_up=True, **QWEN3MOE), shared_experts=False,
                                dense_layers=0, split_twin="qwen3moe"),
-    "glm4moe": MoEModel(partial(write_glm4moe, **GLM4MOE), shared_experts=True, dense_layers=1),
+    "glm4moe": MoEModel(partial(write_glm4moe, **GLM4MOE), shared_experts=True, dense_layers=1, mtp_layers=1),
     # biased experts and router, swiglu_oai, attention sinks; the experts MXFP4 as gpt-oss ships them
     "gpt-oss": MoEModel(partial(write_gptoss, **GPTOSS), shared_experts=False, dense_layers=0),
     # ffn_gate_up_exps with its ffn_gate_up_exps.bias (each expert's gate biases, then its up biases)
@@ -105,10 +106,16 @@ class Made:
     gguf: Path                          # quantkit imatrix -o x.gguf over CHUNKS chunks of CTX
     dat: Path                           # the same, quantkit imatrix convert x.gguf x.dat
     short: Path                         # GGUF over one chunk of SHORT tokens: many experts without a token
-    tensors: dict[str, tuple[int, ...]]
+    tensors: dict[str, tuple[int, ...]]     # of the layers the forward pass computes, and the ends
+    mtp: set[str]                           # of the layers it does not (GLM's NextN/MTP layer)
     n_expert_used: int
     spec: MoEModel
     requantize: bool                    # some weights are stored quantized (gpt-oss's MXFP4 experts)
+
+    def no_imatrix(self, quantized) -> set[str]:
+        """Which of the ``quantized`` tensors both tools quantize without an imatrix: the output and
+        embedding (never collected), and the MTP layers' (never computed, by ik's llama-imatrix either)."""
+        return {"output.weight", "token_embd.weight"} | (self.mtp & set(quantized))
 
     def quantize_options(self) -> dict:
         return {"allow_requantize": True} if self.requantize else {}
@@ -134,11 +141,14 @@ def made_for(name: str, tmp_path_factory) -> Made:
         text = calibration_text(d / "text.txt")
         model = MOE_MODELS[name].write(d / "model.gguf")
         with open_model(model) as g:
+            arch = g.get("general.architecture")
+            computed = int(g.get(f"{arch}.block_count")) - int(g.get(f"{arch}.nextn_predict_layers") or 0)
             tensors = {t.name: tuple(t.shape) for t in g.tensors}
-            n_used = int(g.get(f"{g.get('general.architecture')}.expert_used_count"))
+            n_used = int(g.get(f"{arch}.expert_used_count"))
             requantize = any(int(t.qtype) not in (F32_ID, F16_ID) for t in g.tensors)
-        out = Made(model, d / "imatrix.gguf", d / "imatrix.dat", d / "short.gguf", tensors, n_used,
-                   MOE_MODELS[name], requantize)
+        mtp = {n for n in tensors if n.startswith("blk.") and layer_of(n) >= computed}
+        out = Made(model, d / "imatrix.gguf", d / "imatrix.dat", d / "short.gguf",
+                   {n: s for n, s in tensors.items() if n not in mtp}, mtp, n_used, MOE_MODELS[name], requantize)
         quantkit.collect_imatrix(model, text, out.gguf, ctx_size=CTX, chunks=CHUNKS, threads=1)
         quantkit.convert_imatrix(out.gguf, out.dat)
         quantkit.collect_imatrix(model, text, out.short, ctx_size=SHORT, chunks=1, threads=1)
@@ -213,6 +223,8 @@ def test_the_model_has_what_its_entry_says(made):
     assert shared == (set(moe_layers) if made.spec.shared_experts else set())
     dense = {layer_of(n) for n in names if n.startswith("blk.") and n.split(".")[2] == "ffn_down"}
     assert dense == set(range(made.spec.dense_layers)) and len(moe_layers) >= 2
+    mtp = {layer_of(n) for n in made.mtp}
+    assert len(mtp) == made.spec.mtp_layers and all(any(f"blk.{i}.nextn." in n for n in made.mtp) for i in mtp)
     assert all(made.tensors[n][2] >= 30 for n in routed(made.tensors))
 
 
@@ -293,12 +305,12 @@ def test_an_imatrix_of_one_layout_quantizes_the_other(name, tmp_path_factory):
             assert imat.lookup_name(t) == t.replace(kind, entry_of[kind]), t
         with quantkit.open_quantization(model.model, None, "q4_0", imatrix=other.dat, **model.quantize_options()) as q:
             without = [t.name for t in q.plan.tensors if t.action == "quantize" and not t.imatrix]
-        assert sorted(without) == ["output.weight", "token_embd.weight"]
+        assert set(without) == model.no_imatrix(without)
         if peers.llama_quantize_runs():
             out = tmp_path_factory.mktemp("cross") / "q.gguf"
             rc, log = llama_quantize(*model.llama_quantize_options(), "--imatrix", other.dat, model.model, out,
                                      "Q4_0", 2)
-            assert rc == 0 and not_found(log) == {"output.weight", "token_embd.weight"}, log[-3000:]
+            assert rc == 0 and not_found(log) == set(without), log[-3000:]
 
 
 def test_observer_forwards_moe_options():
@@ -342,7 +354,7 @@ def test_quantkit_quantizes_every_tensor_with_it(made, fmt, tmp_path):
         q.write()
     used = {t.name: t.imatrix for t in q.plan.tensors if t.action == "quantize"}
     assert set(routed(made.tensors)) <= set(used)
-    assert sorted(n for n, u in used.items() if not u) == ["output.weight", "token_embd.weight"]
+    assert {n for n, u in used.items() if not u} == made.no_imatrix(used)
 
 
 @needs_wheel
@@ -353,8 +365,13 @@ def test_llama_quantize_reads_it_as_quantkit_does(made, tmp_path):
     out = tmp_path / "theirs.gguf"
     rc, log = llama_quantize(*made.llama_quantize_options(), "--imatrix", made.dat, made.model, out, "Q4_0", 2)
     assert rc == 0, log[-3000:]
-    assert "imatrix size" not in log and not_found(log) == {"output.weight", "token_embd.weight"}, log[-3000:]
+    assert "imatrix size" not in log and not_found(log) == made.no_imatrix(quantized_by_quantkit(made)), log[-3000:]
     check_bytes_use_weights(made, out, load_imatrix(made.dat), routed(made.tensors))
+
+
+def quantized_by_quantkit(made: Made) -> set[str]:
+    with quantkit.open_quantization(made.model, None, "q4_0", **made.quantize_options()) as q:
+        return {t.name for t in q.plan.tensors if t.action == "quantize"}
 
 
 def check_bytes_use_weights(made: Made, out: Path, imat, names: list[str]) -> None:
@@ -429,7 +446,7 @@ def test_both_tools_quantize_with_the_ik_file_alike(made, tmp_path):
                                     **made.quantize_options()) as q:
         q.write()
     without = {t.name for t in q.plan.tensors if t.action == "quantize" and not t.imatrix}
-    assert skipped <= without and without - skipped == {"output.weight", "token_embd.weight"}
+    assert skipped <= without and without - skipped == made.no_imatrix(without)
     rc, log = llama_quantize(*made.llama_quantize_options(), "--imatrix", dat, made.model, tmp_path / "theirs.gguf",
                              "Q4_0", 2)
     assert rc == 0, log[-3000:]
