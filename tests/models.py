@@ -380,6 +380,9 @@ def _keep_type(old, value, inferred):
 # enough for plans and the wheel's --dry-run (which reads it only to validate it: its time grows with the
 # file's size).  Expert counts default to 16: the rules ask only for >= 4 and >= 8 (ik) or == 8
 # (mainline), so 16 steers them as the real 128-384 do, at a fraction of the bytes.
+# The MoE writers' ``sparse=False, vocab=True`` make a model the runtime and the wheel compute: random
+# data and a minimal tokenizer of ``n_vocab`` tokens (``vocab_size`` then n_vocab), as the MoE imatrix
+# tests (tests/test_imatrix_moe.py) use them.
 
 F32_ID, F16_ID, BF16_ID, MXFP4_ID = 0, 1, 30, 39
 
@@ -540,6 +543,7 @@ def write_qwen3moe(path: Path, n_layer=48, n_embd=256, n_ff=768, n_ff_exp=256, n
     """Qwen3-MoE, Qwen3-30B-A3B's class: 48 layers (94: 235B-A22B), 128 experts (16 by default, see
     above), every layer MoE, no shared expert, n_gqa = 8 (235B: 16), q/k norms; ``fused_gate_up``:
     ffn_gate_up_exps."""
+    vocab_size = n_vocab if vocab else vocab_size
     table = []
     for i in _hf_layer_order(n_layer):
         p = f"blk.{i}."
@@ -551,7 +555,7 @@ def write_qwen3moe(path: Path, n_layer=48, n_embd=256, n_ff=768, n_ff_exp=256, n
 
     def keys(w):
         _add_common_keys(w, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
-                         head_dim=head_dim, vocab_size=n_vocab if vocab else vocab_size, rope_dims=head_dim, rope_base=1e6, eps=1e-6,
+                         head_dim=head_dim, vocab_size=vocab_size, rope_dims=head_dim, rope_base=1e6, eps=1e-6,
                          file_type=type_id)
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
@@ -568,6 +572,7 @@ def write_glm4moe(path: Path, n_layer=46, n_dense=1, nextn=1, n_embd=256, n_ff=5
     with q/k/v biases (``qk_norm``: GLM-4.5's q/k norms), half-rotary heads, n_gqa = 12; and ``nextn``
     NextN/MTP layers after them, which ik's converter keeps (block_count counts them) with their nextn.*
     tensors.  GLM-4.5: 92 + 1 layers, 160 experts, 3 dense."""
+    vocab_size = n_vocab if vocab else vocab_size
     n_total = n_layer + nextn
     table = []
     for i in _hf_layer_order(n_total):
@@ -596,7 +601,7 @@ def write_glm4moe(path: Path, n_layer=46, n_dense=1, nextn=1, n_embd=256, n_ff=5
 
     def keys(w):
         _add_common_keys(w, n_layer=n_total, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
-                         head_dim=head_dim, vocab_size=n_vocab if vocab else vocab_size, rope_dims=head_dim // 2, rope_base=1e6,
+                         head_dim=head_dim, vocab_size=vocab_size, rope_dims=head_dim // 2, rope_base=1e6,
                          eps=1e-5, file_type=type_id)
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
@@ -618,7 +623,9 @@ def write_gptoss(path: Path, n_layer=24, n_embd=320, n_ff_exp=320, n_expert=32, 
     MXFP4 as the checkpoint has them, with biases on everything, attention sinks, n_gqa = 8.  The width
     (2880 in the real models, 320 here) is a multiple of 64 and not of 128 or 256: every 256-block type falls
     back on the rows that long, as on the real model, and the 64-block ones (iq1_bn) fit.  ``fused_gate_up``:
-    ffn_gate_up_exps (and its bias), which ik's loader also takes."""
+    ffn_gate_up_exps (and its bias: each expert's gate biases, then its up biases), which ik_llama.cpp's
+    loader takes at 8337e4cd (the wheel's llama-quantize reads it, its older loader refuses it)."""
+    vocab_size = n_vocab if vocab else vocab_size
     table = []
     for i in _hf_layer_order(n_layer):
         p = f"blk.{i}."
@@ -636,7 +643,7 @@ def write_gptoss(path: Path, n_layer=24, n_embd=320, n_ff_exp=320, n_expert=32, 
 
     def keys(w):
         _add_common_keys(w, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff_exp, n_head=n_head, n_head_kv=n_head_kv,
-                         head_dim=head_dim, vocab_size=n_vocab if vocab else vocab_size, rope_dims=head_dim, rope_base=150000.0,
+                         head_dim=head_dim, vocab_size=vocab_size, rope_dims=head_dim, rope_base=150000.0,
                          eps=1e-5, file_type=type_id, context=131072)
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
@@ -674,6 +681,7 @@ def write_deepseek32(path: Path, n_layer=61, n_dense=3, n_embd=256, n_ff=512, n_
     without the indexer: ``index_n_heads=0``, 384 experts, 1 dense layer, one group, vocab 163840.
     ``n_head`` stays a multiple of 4 and the head sizes DeepSeek's: ik converts mainline MLA files only
     then."""
+    vocab_size = n_vocab if vocab else vocab_size
     base = deepseek_v3_tensors(n_layer=n_layer, n_dense=n_dense, n_embd=n_embd, n_ff=n_ff, n_ff_exp=n_ff_exp,
                                n_expert=n_expert, n_head=n_head, q_lora=q_lora, kv_lora=kv_lora, qk_nope=qk_nope,
                                qk_rope=qk_rope, v_head=v_head, n_vocab=n_vocab, type_id=type_id, with_kv_b=False)
@@ -704,7 +712,7 @@ def write_deepseek32(path: Path, n_layer=61, n_dense=3, n_embd=256, n_ff=512, n_
         w.add_rope_freq_base(10000.0)
         w.add_layer_norm_rms_eps(1e-6)
         w.add_expert_used_count(n_expert_used)
-        w.add_vocab_size(n_vocab if vocab else vocab_size)
+        w.add_vocab_size(vocab_size)
         w.add_uint32(f"{a}.leading_dense_block_count", n_dense)
         w.add_uint32(f"{a}.attention.q_lora_rank", q_lora)
         w.add_uint32(f"{a}.attention.kv_lora_rank", kv_lora)

@@ -3,9 +3,12 @@ tensors and for ik_llama.cpp's fused ``ffn_gate_up_exps``, shared experts, exper
 token, and the file quantizing the model in quantkit and in the wheel's llama-quantize.
 
 Every test runs on each model of MOE_MODELS: a tiny model of an MoE architecture the runtime
-computes.  A new architecture extends them by adding its writer there (tests/models.py); the
-checks read what they need from the file (which tensors are routed experts, the router, shared
-experts, ``<arch>.expert_used_count``).
+computes (deepseek2, qwen3moe, glm4moe, gpt-oss, DeepSeek-V3.2 with its indexer; fused gate/up
+twins of deepseek2, qwen3moe and gpt-oss).  A new architecture extends them by adding its writer
+there (tests/models.py); the checks read what they need from the file (which tensors are routed
+experts, the router, shared experts, MTP layers, ``<arch>.expert_used_count``), and the registry
+says what the architecture has (shared experts, dense lead layers, MTP layers), which a test checks
+against the file: a check that does not apply to an architecture is so by its data.
 
 * routed experts: one row of Σx² and one token count per expert, the counts of a layer's expert
   tensors equal (one routing) and summing to tokens x experts used; shared experts, the router and
