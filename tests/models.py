@@ -422,10 +422,10 @@ def _write_table(path: Path, arch: str, add_keys, table: list[tuple[str, tuple, 
             # split with the same seed, drawn in its order
             half = (np_shape[0], np_shape[1] // 2, np_shape[2])
             has_bias = name[:-len("weight")] + "bias" in names
-            gate, gate_b = _random_data(rng, name, half, type_id), has_bias and _w(rng, *half[:2])
-            up, up_b = _random_data(rng, name, half, type_id), has_bias and _w(rng, *half[:2])
+            gate, gate_b = _random_data(rng, name, half, type_id), _w(rng, *half[:2]) if has_bias else None
+            up, up_b = _random_data(rng, name, half, type_id), _w(rng, *half[:2]) if has_bias else None
             data = np.concatenate([gate, up], axis=1)
-            if has_bias:
+            if has_bias:        # written with the bias row that follows
                 fused_bias[name[:-len("weight")] + "bias"] = np.concatenate([gate_b, up_b], axis=1)
         else:
             data = fused_bias.pop(name) if name in fused_bias else _random_data(rng, name, np_shape, type_id)
