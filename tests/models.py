@@ -380,6 +380,9 @@ def _keep_type(old, value, inferred):
 # enough for plans and the wheel's --dry-run (which reads it only to validate it: its time grows with the
 # file's size).  Expert counts default to 16: the rules ask only for >= 4 and >= 8 (ik) or == 8
 # (mainline), so 16 steers them as the real 128-384 do, at a fraction of the bytes.
+# The MoE writers' ``sparse=False, vocab=True`` make a model the runtime and the wheel compute: random
+# data and a minimal tokenizer of ``n_vocab`` tokens (``vocab_size`` then n_vocab), as the MoE imatrix
+# tests (tests/test_imatrix_moe.py) use them.
 
 F32_ID, F16_ID, BF16_ID, MXFP4_ID = 0, 1, 30, 39
 
@@ -390,14 +393,18 @@ def _hf_layer_order(n_layer: int) -> list[int]:
 
 
 def _write_table(path: Path, arch: str, add_keys, table: list[tuple[str, tuple, int]], *, sparse: bool,
-                 seed: int = 0) -> Path:
+                 seed: int = 0, vocab: int = 0) -> Path:
     """Write ``table`` ((name, ggml shape, type id) in file order) with gguf-py, after the metadata
     ``add_keys(writer)`` adds.  Data: ones for norms, small random values otherwise (MXFP4: random
-    nibbles, scales near 2^-6); with ``sparse``, a hole."""
+    nibbles, scales near 2^-6); with ``sparse``, a hole.  ``vocab``: that many tokens of a minimal
+    SentencePiece vocabulary (add_spm_vocab), for the runtime and the wheel's loader."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch=arch)
     add_keys(w)
+    if vocab:
+        add_spm_vocab(w, vocab)
     Q = gguf.GGMLQuantizationType
+    names, fused_bias = {row[0] for row in table}, {}
     for name, shape, type_id in table:
         np_shape = tuple(reversed(shape))
         qtype = Q(type_id)
@@ -410,18 +417,25 @@ def _write_table(path: Path, arch: str, add_keys, table: list[tuple[str, tuple, 
                 byte_shape = (*np_shape[:-1], np_shape[-1] // block * type_size)
                 w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
             continue
+        if name.endswith("ffn_gate_up_exps.weight"):
+            # the gate experts' numbers (and biases), then the up experts': those of the file written
+            # split with the same seed, drawn in its order
+            half = (np_shape[0], np_shape[1] // 2, np_shape[2])
+            has_bias = name[:-len("weight")] + "bias" in names
+            gate, gate_b = _random_data(rng, name, half, type_id), _w(rng, *half[:2]) if has_bias else None
+            up, up_b = _random_data(rng, name, half, type_id), _w(rng, *half[:2]) if has_bias else None
+            data = np.concatenate([gate, up], axis=1)
+            if has_bias:        # written with the bias row that follows
+                fused_bias[name[:-len("weight")] + "bias"] = np.concatenate([gate_b, up_b], axis=1)
+        else:
+            data = fused_bias.pop(name) if name in fused_bias else _random_data(rng, name, np_shape, type_id)
         if type_id == MXFP4_ID:
-            blocks = rng.integers(0, 256, (nbytes // type_size, type_size), dtype=np.uint8)
-            blocks[:, 0] = rng.integers(118, 124, nbytes // type_size)     # E8M0 scales 2^-9 … 2^-4
-            data = blocks.reshape(*np_shape[:-1], np_shape[-1] // block * type_size)
             w.add_tensor(name, data, raw_dtype=qtype)
-            continue
-        x = np.ones(np_shape, np.float32) if name.endswith("norm.weight") else _w(rng, *np_shape)
-        if type_id == BF16_ID:
-            bits = (x.view(np.uint32) + 0x8000) >> 16
+        elif type_id == BF16_ID:
+            bits = (data.view(np.uint32) + 0x8000) >> 16
             w.add_tensor(name, bits.astype(np.uint16), raw_shape=np_shape, raw_dtype=qtype)
         else:
-            w.add_tensor(name, x.astype(np.float16) if type_id == F16_ID else x)
+            w.add_tensor(name, data.astype(np.float16) if type_id == F16_ID else data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     if sparse:
@@ -434,6 +448,17 @@ def _write_table(path: Path, arch: str, add_keys, table: list[tuple[str, tuple, 
         w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _random_data(rng, name: str, np_shape: tuple, type_id: int) -> np.ndarray:
+    """A tensor's data for _write_table: float32 (ones for a norm), or MXFP4 blocks (bytes)."""
+    if type_id == MXFP4_ID:
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
+        n_blocks = int(np.prod(np_shape)) // block
+        blocks = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
+        blocks[:, 0] = rng.integers(118, 124, n_blocks)     # E8M0 scales 2^-9 … 2^-4
+        return blocks.reshape(*np_shape[:-1], np_shape[-1] // block * type_size)
+    return np.ones(np_shape, np.float32) if name.endswith("norm.weight") else _w(rng, *np_shape)
 
 
 def _add_common_keys(w, *, n_layer, n_embd, n_ff, n_head, n_head_kv, head_dim, vocab_size, rope_dims,
@@ -514,10 +539,11 @@ def write_qwen3(path: Path, n_layer=36, n_embd=256, n_ff=512, n_head=4, n_head_k
 
 def write_qwen3moe(path: Path, n_layer=48, n_embd=256, n_ff=768, n_ff_exp=256, n_expert=16, n_expert_used=8,
                    n_head=8, n_head_kv=1, head_dim=128, n_vocab=256, vocab_size=151936, type_id=F16_ID,
-                   fused_gate_up=False, sparse=True, seed=0) -> Path:
+                   fused_gate_up=False, sparse=True, seed=0, vocab=False) -> Path:
     """Qwen3-MoE, Qwen3-30B-A3B's class: 48 layers (94: 235B-A22B), 128 experts (16 by default, see
     above), every layer MoE, no shared expert, n_gqa = 8 (235B: 16), q/k norms; ``fused_gate_up``:
     ffn_gate_up_exps."""
+    vocab_size = n_vocab if vocab else vocab_size
     table = []
     for i in _hf_layer_order(n_layer):
         p = f"blk.{i}."
@@ -535,17 +561,18 @@ def write_qwen3moe(path: Path, n_layer=48, n_embd=256, n_ff=768, n_ff_exp=256, n
         w.add_expert_used_count(n_expert_used)
         w.add_expert_feed_forward_length(n_ff_exp)
     return _write_table(path, "qwen3moe", keys, _ends(table, n_embd, n_vocab, type_id, False), sparse=sparse,
-                        seed=seed)
+                        seed=seed, vocab=n_vocab if vocab else 0)
 
 
 def write_glm4moe(path: Path, n_layer=46, n_dense=1, nextn=1, n_embd=256, n_ff=512, n_ff_exp=256, n_expert=16,
                   n_expert_used=8, n_shared=1, n_head=12, n_head_kv=1, head_dim=128, n_vocab=256,
-                  vocab_size=151552, qk_norm=False, type_id=F16_ID, sparse=True, seed=0) -> Path:
+                  vocab_size=151552, qk_norm=False, type_id=F16_ID, sparse=True, seed=0, vocab=False) -> Path:
     """GLM-4.5-Air's class (glm4moe): ``n_layer`` layers, the first ``n_dense`` dense, then routed experts
     (128 in the real model, 16 by default; sigmoid gate with exp_probs_b) and a shared expert; attention
     with q/k/v biases (``qk_norm``: GLM-4.5's q/k norms), half-rotary heads, n_gqa = 12; and ``nextn``
     NextN/MTP layers after them, which ik's converter keeps (block_count counts them) with their nextn.*
     tensors.  GLM-4.5: 92 + 1 layers, 160 experts, 3 dense."""
+    vocab_size = n_vocab if vocab else vocab_size
     n_total = n_layer + nextn
     table = []
     for i in _hf_layer_order(n_total):
@@ -586,17 +613,19 @@ def write_glm4moe(path: Path, n_layer=46, n_dense=1, nextn=1, n_embd=256, n_ff=5
         w.add_expert_weights_norm(True)
         w.add_uint32("glm4moe.nextn_predict_layers", nextn)
     return _write_table(path, "glm4moe", keys, _ends(table, n_embd, n_vocab, type_id, False), sparse=sparse,
-                        seed=seed)
+                        seed=seed, vocab=n_vocab if vocab else 0)
 
 
 def write_gptoss(path: Path, n_layer=24, n_embd=320, n_ff_exp=320, n_expert=32, n_expert_used=4, n_head=8,
                  n_head_kv=1, head_dim=64, n_vocab=256, vocab_size=201088, sliding_window=128, type_id=F16_ID,
-                 expert_type_id=MXFP4_ID, fused_gate_up=False, sparse=True, seed=0) -> Path:
+                 expert_type_id=MXFP4_ID, fused_gate_up=False, sparse=True, seed=0, vocab=False) -> Path:
     """gpt-oss-20b's class (gpt-oss, ik's OPENAI_MOE): 24 layers (120b: 36) of 32 experts (120b: 128) stored
     MXFP4 as the checkpoint has them, with biases on everything, attention sinks, n_gqa = 8.  The width
     (2880 in the real models, 320 here) is a multiple of 64 and not of 128 or 256: every 256-block type falls
     back on the rows that long, as on the real model, and the 64-block ones (iq1_bn) fit.  ``fused_gate_up``:
-    ffn_gate_up_exps (and its bias), which ik's loader also takes."""
+    ffn_gate_up_exps (and its bias: each expert's gate biases, then its up biases), which ik_llama.cpp's
+    loader takes at 8337e4cd (the wheel's llama-quantize reads it, its older loader refuses it)."""
+    vocab_size = n_vocab if vocab else vocab_size
     table = []
     for i in _hf_layer_order(n_layer):
         p = f"blk.{i}."
@@ -624,7 +653,7 @@ def write_gptoss(path: Path, n_layer=24, n_embd=320, n_ff_exp=320, n_expert=32, 
         w.add_rope_scaling_factor(32.0)
         w.add_rope_scaling_orig_ctx_len(4096)
     return _write_table(path, "gpt-oss", keys, _ends(table, n_embd, n_vocab, type_id, False), sparse=sparse,
-                        seed=seed)
+                        seed=seed, vocab=n_vocab if vocab else 0)
 
 
 # a DeepSeek layer's tensors in the order of their checkpoint names (input_layernorm, mlp.experts.* stacked
@@ -644,7 +673,7 @@ _DEEPSEEK_HF_ORDER = [
 def write_deepseek32(path: Path, n_layer=61, n_dense=3, n_embd=256, n_ff=512, n_ff_exp=256, n_expert=16,
                      n_expert_used=8, n_head=8, q_lora=256, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128,
                      n_vocab=256, vocab_size=129280, index_n_heads=64, index_head_dim=128, index_topk=2048,
-                     n_group=8, n_group_used=4, type_id=F16_ID, sparse=True, seed=0) -> Path:
+                     n_group=8, n_group_used=4, type_id=F16_ID, sparse=True, seed=0, vocab=False) -> Path:
     """DeepSeek-V3.2 (deepseek2 with the DSA lightning indexer), as mainline's converter writes it: MLA in
     the mainline layout (one KV head, 3-D attn_k_b/attn_v_b, no attn_kv_b), 61 layers of which 3 dense,
     256 experts (16 by default) in 8 groups, one shared, and per layer
@@ -652,6 +681,7 @@ def write_deepseek32(path: Path, n_layer=61, n_dense=3, n_embd=256, n_ff=512, n_
     without the indexer: ``index_n_heads=0``, 384 experts, 1 dense layer, one group, vocab 163840.
     ``n_head`` stays a multiple of 4 and the head sizes DeepSeek's: ik converts mainline MLA files only
     then."""
+    vocab_size = n_vocab if vocab else vocab_size
     base = deepseek_v3_tensors(n_layer=n_layer, n_dense=n_dense, n_embd=n_embd, n_ff=n_ff, n_ff_exp=n_ff_exp,
                                n_expert=n_expert, n_head=n_head, q_lora=q_lora, kv_lora=kv_lora, qk_nope=qk_nope,
                                qk_rope=qk_rope, v_head=v_head, n_vocab=n_vocab, type_id=type_id, with_kv_b=False)
@@ -704,7 +734,7 @@ def write_deepseek32(path: Path, n_layer=61, n_dense=3, n_embd=256, n_ff=512, n_
             w.add_uint32(f"{a}.attention.indexer.key_length", index_head_dim)
             w.add_uint32(f"{a}.attention.indexer.top_k", index_topk)
         w.add_file_type(type_id)
-    return _write_table(path, "deepseek2", keys, table, sparse=sparse, seed=seed)
+    return _write_table(path, "deepseek2", keys, table, sparse=sparse, seed=seed, vocab=n_vocab if vocab else 0)
 
 
 def layer_of_name(name: str) -> int | None:

@@ -3,9 +3,12 @@ tensors and for ik_llama.cpp's fused ``ffn_gate_up_exps``, shared experts, exper
 token, and the file quantizing the model in quantkit and in the wheel's llama-quantize.
 
 Every test runs on each model of MOE_MODELS: a tiny model of an MoE architecture the runtime
-computes.  A new architecture extends them by adding its writer there (tests/models.py); the
-checks read what they need from the file (which tensors are routed experts, the router, shared
-experts, ``<arch>.expert_used_count``).
+computes (deepseek2, qwen3moe, glm4moe, gpt-oss, DeepSeek-V3.2 with its indexer; fused gate/up
+twins of deepseek2, qwen3moe and gpt-oss).  A new architecture extends them by adding its writer
+there (tests/models.py); the checks read what they need from the file (which tensors are routed
+experts, the router, shared experts, MTP layers, ``<arch>.expert_used_count``), and the registry
+says what the architecture has (shared experts, dense lead layers, MTP layers), which a test checks
+against the file: a check that does not apply to an architecture is so by its data.
 
 * routed experts: one row of Σx² and one token count per expert, the counts of a layer's expert
   tensors equal (one routing) and summing to tokens x experts used; shared experts, the router and
@@ -35,7 +38,9 @@ import pytest
 
 import peers
 import quantkit
-from models import rewrite_gguf, write_deepseek2
+from models import (F16_ID, F32_ID, rewrite_gguf, write_deepseek2, write_deepseek32, write_glm4moe, write_gptoss,
+                    write_qwen3moe)
+from quantkit import formats
 from quantkit.errors import QuantkitError
 from quantkit.gguf_io.reader import open_model
 from quantkit.imatrix import load_imatrix
@@ -47,20 +52,50 @@ from quantkit.runtime.model import Model
 # 32 experts: round(5% of 32) = 2, so ik's rule stores an entry with one expert missing, not two
 DEEPSEEK2 = dict(n_layer=3, n_dense=1, n_embd=64, n_ff=128, n_ff_exp=64, n_expert=32, n_expert_used=2, n_shared=1,
                  n_head=4, q_lora_rank=64, n_vocab=512, seed=3)
+# the 2026 architectures (tests/models.py's preset fixtures with data and a tokenizer): F32, 32 experts
+# of 4 used, 320 tokens; a dense lead layer and a shared expert where the architecture has them
+_SMALL = dict(n_embd=64, n_expert=32, n_expert_used=4, n_vocab=320, type_id=F32_ID, sparse=False, vocab=True,
+              seed=3)
+QWEN3MOE = dict(_SMALL, n_layer=2, n_ff=128, n_ff_exp=32, n_head=4, n_head_kv=2, head_dim=32)
+GLM4MOE = dict(_SMALL, n_layer=3, n_dense=1, nextn=1, n_ff=128, n_ff_exp=32, n_shared=1, n_head=4, n_head_kv=2,
+               head_dim=32)
+GPTOSS = dict(_SMALL, n_layer=2, n_ff_exp=64, n_head=4, n_head_kv=2, head_dim=32, sliding_window=8)
+# DeepSeek's MLA head sizes (the writer's defaults): ik's loader takes mainline MLA files only with them;
+# index_topk under CTX, so the indexer chooses keys
+DEEPSEEK32 = dict(_SMALL, n_layer=3, n_dense=1, n_ff=128, n_ff_exp=32, n_head=4, q_lora=64, index_n_heads=4,
+                  index_head_dim=64, index_topk=8, n_group=4, n_group_used=2)
 
 
 @dataclass(frozen=True)
 class MoEModel:
     write: Callable[[Path], Path]
+    shared_experts: bool                # ffn_*_shexp in every MoE layer
+    dense_layers: int                   # dense lead layers (ffn_gate/up/down)
+    mtp_layers: int = 0                 # NextN/MTP layers after them (not computed, no imatrix entry)
     split_twin: str | None = None       # fused gate/up experts: the same model with them split
+    wheel_cannot_run: str | None = None     # why the wheel's loader refuses the file (checked that it does)
 
 
 # name -> its tiny model.  A writer gives a model with a tokenizer (the runtime tokenizes the
 # calibration text), several MoE layers and at least 30 experts (round(5%) >= 2, and a 16-token run
 # leaves experts idle); shared experts and dense lead layers where the architecture has them.
 MOE_MODELS = {
-    "deepseek2": MoEModel(partial(write_deepseek2, **DEEPSEEK2)),
-    "deepseek2-fused": MoEModel(partial(write_deepseek2, fused_gate_up=True, **DEEPSEEK2), split_twin="deepseek2"),
+    "deepseek2": MoEModel(partial(write_deepseek2, **DEEPSEEK2), shared_experts=True, dense_layers=1),
+    "deepseek2-fused": MoEModel(partial(write_deepseek2, fused_gate_up=True, **DEEPSEEK2), shared_experts=True,
+                                dense_layers=1, split_twin="deepseek2"),
+    "qwen3moe": MoEModel(partial(write_qwen3moe, **QWEN3MOE), shared_experts=False, dense_layers=0),
+    "qwen3moe-fused": MoEModel(partial(write_qwen3moe, fused_gate_up=True, **QWEN3MOE), shared_experts=False,
+                               dense_layers=0, split_twin="qwen3moe"),
+    "glm4moe": MoEModel(partial(write_glm4moe, **GLM4MOE), shared_experts=True, dense_layers=1, mtp_layers=1),
+    # biased experts and router, swiglu_oai, attention sinks; the experts MXFP4 as gpt-oss ships them
+    "gpt-oss": MoEModel(partial(write_gptoss, **GPTOSS), shared_experts=False, dense_layers=0),
+    # ffn_gate_up_exps with its ffn_gate_up_exps.bias (each expert's gate biases, then its up biases)
+    "gpt-oss-fused": MoEModel(partial(write_gptoss, fused_gate_up=True, **GPTOSS), shared_experts=False,
+                              dense_layers=0, split_twin="gpt-oss",
+                              wheel_cannot_run="the wheel's loader wants gpt-oss's ffn_gate_exps.bias (ik_llama.cpp "
+                                               "loads ffn_gate_up_exps.bias since)"),
+    # the DSA indexer's matrices (indexer.attn_q_b, attn_k, proj) are block tensors with entries too
+    "deepseek32": MoEModel(partial(write_deepseek32, **DEEPSEEK32), shared_experts=True, dense_layers=1),
 }
 FUSED = [name for name, m in MOE_MODELS.items() if m.split_twin]
 
@@ -74,8 +109,22 @@ class Made:
     gguf: Path                          # quantkit imatrix -o x.gguf over CHUNKS chunks of CTX
     dat: Path                           # the same, quantkit imatrix convert x.gguf x.dat
     short: Path                         # GGUF over one chunk of SHORT tokens: many experts without a token
-    tensors: dict[str, tuple[int, ...]]
+    tensors: dict[str, tuple[int, ...]]     # of the layers the forward pass computes, and the ends
+    mtp: set[str]                           # of the layers it does not (GLM's NextN/MTP layer)
     n_expert_used: int
+    spec: MoEModel
+    requantize: bool                    # some weights are stored quantized (gpt-oss's MXFP4 experts)
+
+    def no_imatrix(self, quantized) -> set[str]:
+        """Which of the ``quantized`` tensors both tools quantize without an imatrix: the output and
+        embedding (never collected), and the MTP layers' (never computed, by ik's llama-imatrix either)."""
+        return {"output.weight", "token_embd.weight"} | (self.mtp & set(quantized))
+
+    def quantize_options(self) -> dict:
+        return {"allow_requantize": True} if self.requantize else {}
+
+    def llama_quantize_options(self) -> list[str]:
+        return ["--allow-requantize"] if self.requantize else []
 
 
 def calibration_text(path: Path) -> Path:
@@ -95,9 +144,14 @@ def made_for(name: str, tmp_path_factory) -> Made:
         text = calibration_text(d / "text.txt")
         model = MOE_MODELS[name].write(d / "model.gguf")
         with open_model(model) as g:
+            arch = g.get("general.architecture")
+            computed = int(g.get(f"{arch}.block_count")) - int(g.get(f"{arch}.nextn_predict_layers") or 0)
             tensors = {t.name: tuple(t.shape) for t in g.tensors}
-            n_used = int(g.get(f"{g.get('general.architecture')}.expert_used_count"))
-        out = Made(model, d / "imatrix.gguf", d / "imatrix.dat", d / "short.gguf", tensors, n_used)
+            n_used = int(g.get(f"{arch}.expert_used_count"))
+            requantize = any(int(t.qtype) not in (F32_ID, F16_ID) for t in g.tensors)
+        mtp = {n for n in tensors if n.startswith("blk.") and layer_of(n) >= computed}
+        out = Made(model, d / "imatrix.gguf", d / "imatrix.dat", d / "short.gguf",
+                   {n: s for n, s in tensors.items() if n not in mtp}, mtp, n_used, MOE_MODELS[name], requantize)
         quantkit.collect_imatrix(model, text, out.gguf, ctx_size=CTX, chunks=CHUNKS, threads=1)
         quantkit.convert_imatrix(out.gguf, out.dat)
         quantkit.collect_imatrix(model, text, out.short, ctx_size=SHORT, chunks=1, threads=1)
@@ -154,8 +208,27 @@ def test_routed_experts_have_a_row_and_a_count_per_expert(made):
     assert any("ffn_gate_inp" in n for n in dense)
     for name in dense:
         assert raw.counts[name].tolist() == [n_tokens], name
-    # the file holds an entry for exactly the tensors the model has (no split entry for a fused tensor)
-    assert set(experts) <= set(raw.sums) <= set(made.tensors)
+    # an entry for exactly the block matrices the model has (no split entry for a fused tensor; the
+    # attention's, V3.2's indexer's), every one but the routed experts with one count of every token
+    matrices = {n for n, s in made.tensors.items() if n.startswith("blk.") and n.endswith(".weight") and len(s) > 1}
+    assert set(raw.sums) == matrices
+    for name in matrices - set(experts):
+        assert raw.counts[name].tolist() == [n_tokens], name
+
+
+def test_the_model_has_what_its_entry_says(made):
+    """Shared experts and dense lead layers are checked (above: one count of every token) where the
+    architecture has them: the registry says which, and the file agrees, so a check that does not
+    apply is so by the model's data, not skipped."""
+    names = set(made.tensors)
+    moe_layers = sorted({layer_of(n) for n in routed(made.tensors)})
+    shared = {layer_of(n) for n in names if "_shexp." in n}
+    assert shared == (set(moe_layers) if made.spec.shared_experts else set())
+    dense = {layer_of(n) for n in names if n.startswith("blk.") and n.split(".")[2] == "ffn_down"}
+    assert dense == set(range(made.spec.dense_layers)) and len(moe_layers) >= 2
+    mtp = {layer_of(n) for n in made.mtp}
+    assert len(mtp) == made.spec.mtp_layers and all(any(f"blk.{i}.nextn." in n for n in made.mtp) for i in mtp)
+    assert all(made.tensors[n][2] >= 30 for n in routed(made.tensors))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
@@ -194,9 +267,9 @@ def test_fused_gate_up_entry_is_the_split_models_gate_and_up_input(name, tmp_pat
 @pytest.mark.parametrize("name", FUSED)
 def test_fused_gate_up_computes_the_split_model(name, tmp_path_factory):
     """Our runtime (both backends where torch is there) and the wheel give the fused file the split
-    file's logits."""
+    file's logits (where the wheel's loader takes the fused file: MoEModel.wheel_cannot_run)."""
     fused, split = made_for(name, tmp_path_factory), made_for(MOE_MODELS[name].split_twin, tmp_path_factory)
-    tokens = np.random.default_rng(1).integers(0, 512, 24)
+    tokens = np.random.default_rng(1).integers(0, fused.tensors["token_embd.weight"][1], 24)
     backends = [ops_cpu]
     try:
         from quantkit.runtime.ops_torch import TorchOps
@@ -210,9 +283,14 @@ def test_fused_gate_up_computes_the_split_model(name, tmp_path_factory):
                 m = Model(g, ops)
                 logits.append(m.forward(tokens, m.new_cache(len(tokens))))
         np.testing.assert_allclose(logits[0], logits[1], atol=1e-5 * np.abs(logits[1]).max())
-    if peers.llama_quantize_bin() is not None:
-        theirs = [peers.ik_logits(p, tokens.tolist(), all_positions=True) for p in (fused.model, split.model)]
-        np.testing.assert_array_equal(theirs[0], theirs[1])
+    if peers.llama_quantize_bin() is None:
+        return
+    if fused.spec.wheel_cannot_run:         # llama-quantize still quantizes it (the checks below)
+        with pytest.raises(RuntimeError, match="Failed to load model"):
+            peers.ik_logits(fused.model, tokens.tolist())
+        return
+    theirs = [peers.ik_logits(p, tokens.tolist(), all_positions=True) for p in (fused.model, split.model)]
+    np.testing.assert_array_equal(theirs[0], theirs[1])
 
 
 @pytest.mark.parametrize("name", FUSED)
@@ -228,13 +306,14 @@ def test_an_imatrix_of_one_layout_quantizes_the_other(name, tmp_path_factory):
         for t in routed(model.tensors):
             kind = t.split(".")[2]
             assert imat.lookup_name(t) == t.replace(kind, entry_of[kind]), t
-        with quantkit.open_quantization(model.model, None, "q4_0", imatrix=other.dat) as q:
+        with quantkit.open_quantization(model.model, None, "q4_0", imatrix=other.dat, **model.quantize_options()) as q:
             without = [t.name for t in q.plan.tensors if t.action == "quantize" and not t.imatrix]
-        assert sorted(without) == ["output.weight", "token_embd.weight"]
+        assert set(without) == model.no_imatrix(without)
         if peers.llama_quantize_runs():
             out = tmp_path_factory.mktemp("cross") / "q.gguf"
-            rc, log = llama_quantize("--imatrix", other.dat, model.model, out, "Q4_0", 2)
-            assert rc == 0 and not_found(log) == {"output.weight", "token_embd.weight"}, log[-3000:]
+            rc, log = llama_quantize(*model.llama_quantize_options(), "--imatrix", other.dat, model.model, out,
+                                     "Q4_0", 2)
+            assert rc == 0 and not_found(log) == set(without), log[-3000:]
 
 
 def test_observer_forwards_moe_options():
@@ -273,11 +352,12 @@ def test_observer_forwards_moe_options():
 @pytest.mark.parametrize("fmt", ["dat", "gguf"])
 def test_quantkit_quantizes_every_tensor_with_it(made, fmt, tmp_path):
     out = tmp_path / "q.gguf"
-    with quantkit.open_quantization(made.model, out, "q4_0", imatrix=getattr(made, fmt), threads=1) as q:
+    with quantkit.open_quantization(made.model, out, "q4_0", imatrix=getattr(made, fmt), threads=1,
+                                    **made.quantize_options()) as q:
         q.write()
     used = {t.name: t.imatrix for t in q.plan.tensors if t.action == "quantize"}
     assert set(routed(made.tensors)) <= set(used)
-    assert sorted(n for n, u in used.items() if not u) == ["output.weight", "token_embd.weight"]
+    assert {n for n, u in used.items() if not u} == made.no_imatrix(used)
 
 
 @needs_wheel
@@ -286,10 +366,15 @@ def test_llama_quantize_reads_it_as_quantkit_does(made, tmp_path):
     expert k of each 3-D tensor with row k of it: its bytes are the wheel's own quantize_chunk of
     each matrix with the weights quantkit's loader gives (weights_for), and differ without them."""
     out = tmp_path / "theirs.gguf"
-    rc, log = llama_quantize("--imatrix", made.dat, made.model, out, "Q4_0", 2)
+    rc, log = llama_quantize(*made.llama_quantize_options(), "--imatrix", made.dat, made.model, out, "Q4_0", 2)
     assert rc == 0, log[-3000:]
-    assert "imatrix size" not in log and not_found(log) == {"output.weight", "token_embd.weight"}, log[-3000:]
+    assert "imatrix size" not in log and not_found(log) == made.no_imatrix(quantized_by_quantkit(made)), log[-3000:]
     check_bytes_use_weights(made, out, load_imatrix(made.dat), routed(made.tensors))
+
+
+def quantized_by_quantkit(made: Made) -> set[str]:
+    with quantkit.open_quantization(made.model, None, "q4_0", **made.quantize_options()) as q:
+        return {t.name for t in q.plan.tensors if t.action == "quantize"}
 
 
 def check_bytes_use_weights(made: Made, out: Path, imat, names: list[str]) -> None:
@@ -298,7 +383,10 @@ def check_bytes_use_weights(made: Made, out: Path, imat, names: list[str]) -> No
         for name in names:
             t, s = q.by_name[name], src.by_name[name]
             n_in, _, n_mat = s.shape
-            x = np.frombuffer(s.source.view(s.offset, s.nbytes), np.float32).reshape(n_mat, -1, n_in)
+            # llama-quantize dequantizes a quantized source (--allow-requantize) to floats first
+            rows = s.raw()
+            x = (rows.view(np.float32) if int(s.qtype) == F32_ID else
+                 formats.dequantize(rows, s.qtype, n_in)).reshape(n_mat, -1, n_in)
             w = imat.weights_for(name, n_in, n_mat)
             assert w is not None, name
             theirs = bytes(t.source.view(t.offset, t.nbytes))
@@ -357,11 +445,13 @@ def test_both_tools_quantize_with_the_ik_file_alike(made, tmp_path):
     quantkit.convert_imatrix(made.short, dat, chunk_size=SHORT, partial_experts="ik")
     skipped = set(RawImatrix.from_file(made.short, SHORT).skipped("ik"))
     ours = tmp_path / "ours.gguf"
-    with quantkit.open_quantization(made.model, ours, "q4_0", imatrix=dat, threads=1) as q:
+    with quantkit.open_quantization(made.model, ours, "q4_0", imatrix=dat, threads=1,
+                                    **made.quantize_options()) as q:
         q.write()
     without = {t.name for t in q.plan.tensors if t.action == "quantize" and not t.imatrix}
-    assert skipped <= without and without - skipped == {"output.weight", "token_embd.weight"}
-    rc, log = llama_quantize("--imatrix", dat, made.model, tmp_path / "theirs.gguf", "Q4_0", 2)
+    assert skipped <= without and without - skipped == made.no_imatrix(without)
+    rc, log = llama_quantize(*made.llama_quantize_options(), "--imatrix", dat, made.model, tmp_path / "theirs.gguf",
+                             "Q4_0", 2)
     assert rc == 0, log[-3000:]
     assert not_found(log) == without, log[-3000:]
 
@@ -383,7 +473,7 @@ def test_an_expert_without_data_gets_weight_one_in_both_tools(made, tmp_path):
     n_in, _, n_mat = made.tensors[name]
     assert (imat.weights_for(name, n_in, n_mat)[5] == 1.0).all()
     out = tmp_path / "theirs.gguf"
-    rc, log = llama_quantize("--imatrix", dat, made.model, out, "Q4_0", 2)
+    rc, log = llama_quantize(*made.llama_quantize_options(), "--imatrix", dat, made.model, out, "Q4_0", 2)
     assert rc == 0 and name not in not_found(log), log[-3000:]
     check_bytes_use_weights(made, out, imat, [name])
 
@@ -441,3 +531,18 @@ def test_fused_gate_up_shapes_are_checked(tmp_path):
             with pytest.raises(QuantkitError) as e:
                 Model(g, ops_cpu)
         assert "\n" not in str(e.value) and all(w in str(e.value) for w in words[case]), (case, str(e.value))
+
+
+def test_fused_gpt_oss_biases_are_checked(tmp_path):
+    """gpt-oss's fused experts need ffn_gate_up_exps.bias of (2 n_ff, n_expert): one of the split
+    length, or none, is refused at load, naming it."""
+    small = dict(GPTOSS, n_expert=4, n_layer=1, expert_type_id=F32_ID)
+    path = write_gptoss(tmp_path / "fused.gguf", fused_gate_up=True, **small)
+    with open_model(path) as g:
+        Model(g, ops_cpu)
+    name = "blk.0.ffn_gate_up_exps.bias"
+    for case, bias in {"short": np.zeros((small["n_expert"], small["n_ff_exp"]), np.float32), "none": None}.items():
+        with open_model(rewrite_gguf(path, tmp_path / f"{case}.gguf", tensors={name: bias})) as g:
+            with pytest.raises(QuantkitError) as e:
+                Model(g, ops_cpu)
+        assert "\n" not in str(e.value) and name in str(e.value), (case, str(e.value))

@@ -6,19 +6,24 @@ YaRN, and two twists: each head has a learned "sink" logit that joins the softma
 (so a head can attend to nothing), and even layers see only the last ``sliding_window`` positions.
 The feed-forward is a mixture of experts whose router keeps the top-k raw logits and softmaxes
 them; each expert is biased and gated with swiglu_oai (clamped at 7, sigmoid slope 1.702, up + 1).
+The gate and up experts may be fused in one ffn_gate_up_exps (runtime/experts.py), their biases in
+ffn_gate_up_exps.bias (n_ff gate biases, then n_ff up biases per expert), as ik_llama.cpp loads them.
 The post-attention norm is stored as ``post_attention_norm``.
 """
 from __future__ import annotations
 
+from .experts import FUSED, expert_tensors, expert_weights
+
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_sinks", "post_attention_norm",
-                 "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+                 "ffn_gate_inp")
 
 
 def load_layer(m, i: int) -> None:
     """Check that layer i has every tensor it needs (so a bad file fails at load)."""
     for name in LAYER_TENSORS:
         m.w.need(f"blk.{i}.{name}.weight")
-    for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+    for name in expert_tensors(m, f"blk.{i}."):
+        m.w.need(f"blk.{i}.{name}.weight")
         m.w.need(f"blk.{i}.{name}.bias")
 
 
@@ -49,9 +54,15 @@ def attention(m, i: int, h, pos, cache):
 def moe(m, i: int, h):
     moe_c, ops, p = m.config.moe, m.ops, f"blk.{i}."
     ids, weights = ops.moe_route(m.linear(p + "ffn_gate_inp", h), moe_c.n_expert_used, moe_c.gating)
-    biases = tuple(_expert_bias(m, f"{p}{name}.bias") for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
-    return ops.moe_ffn(h, ids, weights, m.w.need(p + "ffn_gate_exps.weight"), m.w.need(p + "ffn_up_exps.weight"),
-                       m.w.need(p + "ffn_down_exps.weight"), biases=biases, activation="swiglu_oai")
+    experts = expert_weights(m, p)
+    if experts["gate_up_exps"] is not None:
+        gate_up = _expert_bias(m, f"{p}{FUSED}.bias")
+        n_ff = gate_up.shape[1] // 2
+        gate_b, up_b = gate_up[:, :n_ff], gate_up[:, n_ff:]
+    else:
+        gate_b, up_b = _expert_bias(m, f"{p}ffn_gate_exps.bias"), _expert_bias(m, f"{p}ffn_up_exps.bias")
+    return ops.moe_ffn(h, ids, weights, **experts, biases=(gate_b, up_b, _expert_bias(m, f"{p}ffn_down_exps.bias")),
+                       activation="swiglu_oai")
 
 
 def _expert_bias(m, name: str):

@@ -644,9 +644,6 @@ class _Tensors:
         self.matrix(p + "ffn_gate_inp", c.n_embd, n_expert, why)
         self.tensor(p + "exp_probs_b.bias", (n_expert,), why=why, optional=True)
         if p + "ffn_gate_up_exps.weight" in self.model.by_name:
-            if c.gptoss:        # its runtime takes the biases of separate gate and up experts
-                raise QuantkitError(f"{self.model.path}: tensor '{p}ffn_gate_up_exps.weight': fused gate/up experts "
-                                    "are not supported by the runtime for gpt-oss")
             # gate and up experts fused in one tensor (ik_llama.cpp's ffn_gate_up_exps): per expert
             # n_ff gate rows, then n_ff up rows
             for name in ("ffn_gate_exps", "ffn_up_exps"):
