@@ -4,7 +4,8 @@ same operations with the same signatures.
 
 ggml's CPU graph is followed where it changes numbers that a comparison with llama.cpp would see:
 the KV cache holds float16, and ggml multiplies it with float16 copies of its other operand (the
-query for K·Q, the softmax probabilities for V·P).
+query for K·Q, the softmax probabilities for V·P); a float32 cache (-ctk/-ctv f32, cache_type.py)
+is multiplied with both as they are.
 
 Quantized weights meet their activations in two ways.  A batch (a prompt, a perplexity chunk)
 decodes tiles of rows to float32 and multiplies with BLAS: it computes what the stored weights
