@@ -349,12 +349,13 @@ def read_text_file(path, max_bytes: int = MAX_TEXT_BYTES) -> str:
 
 def perplexity(model, text_file, *, ctx_size: int = 512, chunks: int | None = None, kl_divergence_base=None,
                threads: int | None = None, device: str = "cpu", override_tensor=(), on_start=None,
-               on_chunk=None, max_text_bytes: int = MAX_TEXT_BYTES):
+               on_chunk=None, max_text_bytes: int = MAX_TEXT_BYTES, cache_type="f16"):
     """Perplexity of ``model`` on ``text_file``, llama-perplexity's way (chunks of ``ctx_size``
     tokens, the second half of each scored): a ``runtime.perplexity.PplResult`` (``.ppl``,
     ``.ppl_error``, ``.chunk_ppl``).  ``kl_divergence_base``: also save the logits there for a
     later ``kl_divergence``.  ``on_start(n_chunks)`` is called once the text is cut into chunks,
-    ``on_chunk(i, result so far)`` after each chunk."""
+    ``on_chunk(i, result so far)`` after each chunk.  ``cache_type``: the KV cache's type, "f16"
+    or "f32", or a (K, V) pair (llama.cpp's -ctk/-ctv; runtime/cache_type.py)."""
     from .outputs import check_outputs
     from .runtime import perplexity as ppl
     from .runtime.session import open_session, parse_overrides
@@ -364,7 +365,8 @@ def perplexity(model, text_file, *, ctx_size: int = 512, chunks: int | None = No
         kl_divergence_base = Path(kl_divergence_base)
         check_outputs([kl_divergence_base], [model, text_file], what="--kl-divergence-base")
     text = read_text_file(text_file, max_text_bytes)        # before the model loads: a bad -f fails fast
-    with open_session(model, threads, device=device, cpu_tensors=parse_overrides(_many(override_tensor))) as s:
+    with open_session(model, threads, device=device, cpu_tensors=parse_overrides(_many(override_tensor)),
+                      cache_type=cache_type) as s:
         chunk_list = s.chunks(text, ctx_size, chunks)
         if on_start is not None:
             on_start(len(chunk_list))
@@ -376,15 +378,16 @@ def perplexity(model, text_file, *, ctx_size: int = 512, chunks: int | None = No
 
 
 def kl_divergence(model, kl_divergence_base, *, chunks: int | None = None, threads: int | None = None,
-                  device: str = "cpu", override_tensor=(), on_start=None, on_chunk=None):
+                  device: str = "cpu", override_tensor=(), on_start=None, on_chunk=None, cache_type="f16"):
     """KL divergence of ``model`` from the base model whose logits ``perplexity(...,
     kl_divergence_base=FILE)`` saved (llama-perplexity's --kl-divergence): a
-    ``runtime.perplexity.KldStats`` (``.summary()``: KLD, top-token, Δp statistics)."""
+    ``runtime.perplexity.KldStats`` (``.summary()``: KLD, top-token, Δp statistics).  ``cache_type``:
+    see :func:`perplexity`."""
     from .runtime import perplexity as ppl
     from .runtime.session import open_session, parse_overrides
 
     with open_session(Path(model), threads, device=device,
-                      cpu_tensors=parse_overrides(_many(override_tensor))) as s:
+                      cpu_tensors=parse_overrides(_many(override_tensor)), cache_type=cache_type) as s:
         base = ppl.LogitsFile.read(Path(kl_divergence_base))
         if chunks:
             base.chunks = base.chunks[:chunks]
@@ -416,19 +419,19 @@ def _placement(session) -> dict | None:
 def generate(model, prompt: str, *, n_predict: int = 128, temp: float = 0.8, top_k: int = 40, top_p: float = 0.95,
              seed: int | None = None, chat: bool = False, ctx_size: int | None = None, threads: int | None = None,
              device: str = "cpu", override_tensor=(), on_placement=None, on_prompt=None,
-             on_piece=None) -> Generation:
+             on_piece=None, cache_type="f16") -> Generation:
     """Generate up to ``n_predict`` tokens after ``prompt`` with quantkit's reference runtime
     (llama-cli's sampling options; ``temp=0`` is greedy): a ``Generation``.  Callbacks, for a caller
     that streams: ``on_placement(placement)`` once the model is loaded and the prompt fits,
     ``on_prompt(text)`` when the first token is about to be computed (kernels ready),
-    ``on_piece(text)`` as each piece of text becomes printable."""
+    ``on_piece(text)`` as each piece of text becomes printable.  ``cache_type``: see :func:`perplexity`."""
     from .runtime.generate import GenerationStats, Sampler, SamplerOptions, context_size
     from .runtime.generate import generate as generate_tokens
     from .runtime.session import TextStream, open_session, parse_overrides
 
     sampler = Sampler(SamplerOptions(temp=temp, top_k=top_k, top_p=top_p, seed=seed))     # checks the options
     with open_session(Path(model), threads, device=device,
-                      cpu_tensors=parse_overrides(_many(override_tensor))) as s:
+                      cpu_tensors=parse_overrides(_many(override_tensor)), cache_type=cache_type) as s:
         tok = s.tokenizer
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = tok.encode(text, add_special=True, parse_special=chat)
@@ -474,7 +477,8 @@ def collect_imatrix(model, text_file, output="imatrix.gguf", *, ctx_size: int = 
                     process_output: bool = False, in_file=(), chunk: int = 0, output_frequency: int = 10,
                     activations: str = "mainline", threads: int | None = None, device: str = "cpu",
                     override_tensor=(), on_start=None, on_chunk=None, on_save=None,
-                    max_text_bytes: int = MAX_TEXT_BYTES, partial_experts: str = "keep") -> ImatrixResult:
+                    max_text_bytes: int = MAX_TEXT_BYTES, partial_experts: str = "keep",
+                    cache_type="f16") -> ImatrixResult:
     """Collect an importance matrix of ``model`` over ``text_file`` as llama-imatrix does and write it
     to ``output`` (.dat: the legacy format, else GGUF): an ``ImatrixResult``.  ``in_file``: imatrix
     files to start from, ``chunk``: chunks of the text to skip (those they hold).
@@ -482,7 +486,8 @@ def collect_imatrix(model, text_file, output="imatrix.gguf", *, ctx_size: int = 
     llama-imatrix) or ``ik`` (ik_llama.cpp's: see quantkit.imatrix_tools).  The output is
     saved every ``output_frequency`` chunks; an interrupt (KeyboardInterrupt) carries ``saved`` and
     ``n_chunks``: how many of this run's chunks the output holds.  Callbacks: ``on_start(n_chunks)``,
-    ``on_chunk(i, nll of the chunk's tokens)``, ``on_save(chunks saved so far)``."""
+    ``on_chunk(i, nll of the chunk's tokens)``, ``on_save(chunks saved so far)``.  ``cache_type``:
+    see :func:`perplexity`."""
     import math
 
     from . import signals
@@ -511,7 +516,7 @@ def collect_imatrix(model, text_file, output="imatrix.gguf", *, ctx_size: int = 
         ops = MainlineRounding(ops) if activations == "mainline" else ops
         return ObservingOps(ops, stats, {t.name: tuple(t.shape) for t in gguf.tensors})
     with open_session(model, threads, wrap_ops=observing, device=device,
-                      cpu_tensors=parse_overrides(_many(override_tensor))) as s:
+                      cpu_tensors=parse_overrides(_many(override_tensor)), cache_type=cache_type) as s:
         chunk_list = s.chunks(text, ctx_size, chunks, skip=chunk)
         if on_start is not None:
             on_start(len(chunk_list))

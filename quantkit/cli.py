@@ -449,6 +449,10 @@ def _threads_option(f):
 
 
 def _device_options(f):
+    f = click.option("-ctv", "--cache-type-v", "cache_type_v", default="f16", show_default=True,
+                     help="V cache type: f16 or f32 (as llama.cpp's -ctv).")(f)
+    f = click.option("-ctk", "--cache-type-k", "cache_type_k", default="f16", show_default=True,
+                     help="K cache type: f16 or f32 (f32: keys, queries and probabilities unrounded).")(f)
     f = click.option("-ot", "--override-tensor", "overrides", multiple=True, metavar="REGEX=cpu",
                      help="Keep tensors whose name matches REGEX on the CPU (repeatable; e.g. exps=cpu).")(f)
     return click.option("--device", default="cpu", show_default=True,
@@ -472,7 +476,7 @@ def _device_options(f):
 @_device_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of streaming.")
 def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size, threads, device, overrides,
-        as_json):
+        cache_type_k, cache_type_v, as_json):
     """Generate text from PROMPT with quantkit's reference runtime, streaming it, then print prompt
     and generation speed (tokens/s)."""
     from .api import generate
@@ -492,7 +496,8 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
             out.file.flush()
     g = generate(model_path, prompt, n_predict=n_predict, temp=temp, top_k=top_k, top_p=top_p, seed=seed, chat=chat,
                  ctx_size=ctx_size, threads=threads, device=device, override_tensor=overrides,
-                 on_placement=on_placement, on_prompt=on_prompt, on_piece=on_piece)
+                 on_placement=on_placement, on_prompt=on_prompt, on_piece=on_piece,
+                 cache_type=(cache_type_k, cache_type_v))
     stats = g.stats
     if as_json:
         _print_json({"prompt": g.prompt, "prompt_tokens": g.prompt_tokens, "text": g.text,
@@ -521,7 +526,8 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
 @_threads_option
 @_device_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, device, overrides, as_json):
+def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, device, overrides, cache_type_k,
+               cache_type_v, as_json):
     """Perplexity of MODEL on a text, llama-perplexity's way (chunks of --ctx-size tokens, the
     second half of each scored), or KL divergence against a base model's saved logits."""
     from . import api
@@ -549,7 +555,8 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
         reporter.step(f"KLD {sum(r.kld) / len(r.kld):.4f}" if kld else f"PPL {r.ppl:.4f}")
         if log is not None:
             log.chunk(i, r, reporter.elapsed)
-    session = dict(threads=threads, device=device, override_tensor=overrides, on_start=on_start, on_chunk=on_chunk)
+    session = dict(threads=threads, device=device, override_tensor=overrides, on_start=on_start, on_chunk=on_chunk,
+                   cache_type=(cache_type_k, cache_type_v))
     with shown:
         if kld:
             stats = api.kl_divergence(model_path, kld_base, chunks=chunks, **session)
@@ -647,7 +654,8 @@ _PARTIAL_OPTION = click.option(
 @_device_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_output, in_files, skip_chunks,
-                    output_frequency, activations, partial_experts, threads, device, overrides, as_json):
+                    output_frequency, activations, partial_experts, threads, device, overrides, cache_type_k,
+                    cache_type_v, as_json):
     """Collect an importance matrix: per weight, the mean square of every input column over the
     calibration text (per expert for routed experts), as llama-imatrix does."""
     import math
@@ -671,7 +679,8 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
                 in_file=in_files, chunk=skip_chunks, output_frequency=output_frequency, activations=activations,
                 threads=threads, device=device, override_tensor=overrides, on_start=on_start,
                 on_chunk=lambda i, v: reporter.step(f"PPL {math.exp(sum(v) / len(v)):.4f}"), on_save=on_save,
-                max_text_bytes=MAX_TEXT_BYTES, partial_experts=partial_experts)
+                max_text_bytes=MAX_TEXT_BYTES, partial_experts=partial_experts,
+                cache_type=(cache_type_k, cache_type_v))
     except KeyboardInterrupt as e:      # Ctrl-C, SIGTERM, SIGHUP: say how to go on from the last save
         if hasattr(e, "saved"):
             saved = e.saved
@@ -679,7 +688,7 @@ def imatrix_collect(model_path, text_path, out_path, ctx_size, chunks, process_o
                           chunks=None if chunks is None else chunks - saved, skip=skip_chunks + saved,
                           process_output=process_output, output_frequency=output_frequency,
                           activations=activations, partial_experts=partial_experts, threads=threads,
-                          device=device, overrides=overrides)
+                          device=device, overrides=overrides, cache_type=(cache_type_k, cache_type_v))
             e.add_note(_imatrix_resume(out_path, saved, output_frequency, e.n_chunks, resume))
         raise
     for w in result.warnings:
@@ -708,7 +717,8 @@ def _imatrix_resume(out_path: Path, saved: int, frequency: int, n_chunks: int, o
             *(["--partial-experts", o["partial_experts"]] if o["partial_experts"] != "keep" else []),
             *(["--threads", o["threads"]] if o["threads"] is not None else []),
             *(["--device", o["device"]] if o["device"] != "cpu" else []),
-            *(a for regex in o["overrides"] for a in ("-ot", regex))]
+            *(a for regex in o["overrides"] for a in ("-ot", regex)),
+            *(a for flag, t in zip(("-ctk", "-ctv"), o.get("cache_type", ())) if t != "f16" for a in (flag, t))]
     return (f"imatrix: {out_path} holds chunks 1-{o['skip']} of the text ({saved} of this run's {n_chunks}, "
             f"saved every {frequency}); to resume from there:\n{shlex.join(map(str, args))}")
 

@@ -7,18 +7,16 @@ first 8 roped; index_topk 16), converted to F32 by the library.  A 12-token prom
 index_topk (every query attends to all of its keys), a 48-token one above it (queries 16.. attend
 to 16 keys each).
 
-Tolerance.  The runtime computes MLA attention with ik_llama.cpp's numbers: the latent cache in
-float16, the query rounded to float16, the probabilities too.  That rounding alone puts our logits
-about 1e-3 x max|logit| from transformers' float32 ones on this model (measured: 0.9e-3 below
-index_topk, 1.2e-3 above; with the cache and those roundings in float32 the difference is 1.4e-6),
-so the issue's 1e-3 bar sits at float16's own precision.  The logits are held to 2e-3 (the bar
-tests/test_hf_convert.py holds ik's deepseek2 logits to) and, which is what the indexer is about,
-the keys each query keeps are compared with transformers' exactly: every layer, every query.
-
-Exact top-k is discontinuous: two keys whose scores are within float16's rounding of each other
-may swap between two implementations, and a swapped key changes that query's attention entirely.
-The model seed and prompt are ones where no such near tie occurs (with others about one query in a
-hundred hits one); the selection check names the query if one ever does.
+Tolerance.  With its default f16 cache the runtime computes MLA attention with ik_llama.cpp's
+numbers: the latent cache in float16, the query rounded to float16, the probabilities too.  That
+rounding alone puts our logits 1.2e-3 x max|logit| from transformers' float32 ones on this model
+below index_topk, 1.8e-3 above.  So the runtime is compared with transformers on an f32 cache
+(-ctk/-ctv f32: nothing rounded), where they agree to float precision (measured: 1.2e-6 below,
+2.4e-6 above with numba; 7.5e-7 and 1.2e-6 with torch), held to TOL, and, which is what the indexer
+is about, the keys each query keeps are compared with transformers' exactly: every layer, every
+query.  Exact top-k is discontinuous (two keys whose scores are within rounding of each other may
+swap between two implementations, changing that query's attention entirely); float32 scores make
+such near ties rare, and the selection check names the query if one ever occurs.
 
 The wheel: ik_llama.cpp's deepseek2 loader does not create the indexer tensors, so it refuses the
 V3.2 file ("wrong number of tensors"); its DSA graph is built only for the glm-dsa architecture.
@@ -48,7 +46,9 @@ from quantkit.runtime import ops_cpu  # noqa: E402
 from quantkit.runtime.model import Model  # noqa: E402
 from quantkit.runtime.ops_torch import TorchOps  # noqa: E402
 
-TOL = 2e-3                  # x max |logit| (see the module docstring)
+TOL = 1e-5                  # x max |logit|, an f32 cache against transformers (see the module docstring)
+F16_TOL = 2e-3              # the f16 cache against the wheel's (tests/test_hf_convert.py's bar for ik's deepseek2)
+FAR = 4e-2                  # "another model's logits"
 TOP_K, N_LAYER = 16, 3
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345, 28, 355, 6135, 42, 30, 216, 9, 3113] * 3
 SHORT, LONG = PROMPT[:12], PROMPT
@@ -82,7 +82,7 @@ def tok_meta():
 @pytest.fixture(scope="module")
 def v32_dir(tmp_path_factory, tok_meta):
     d = H.save_deepseek_v32(tmp_path_factory.mktemp("hf") / "tiny-dsv32", tok_meta, n_layer=N_LAYER,
-                            index_topk=TOP_K, seed=3)
+                            index_topk=TOP_K)
     # V3.2 checkpoints carry a multi-token-prediction layer (with its own indexer) after the last block
     from safetensors.torch import load_file, save_file
     tensors = load_file(str(d / "model.safetensors"))
@@ -132,9 +132,9 @@ def v3_twin(tmp_path_factory, v32_dir):
     return out
 
 
-def ours(path, tokens, ops) -> np.ndarray:
+def ours(path, tokens, ops, cache_type="f16") -> np.ndarray:
     with open_model(path) as g:
-        model = Model(g, ops)
+        model = Model(g, ops, cache_type=cache_type)
         return model.forward(tokens, model.new_cache(len(tokens)))
 
 
@@ -196,7 +196,7 @@ def test_converter_refuses_an_inconsistent_config(tmp_path, v32_dir, change, nee
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_below_index_topk_every_key_is_kept(v32_gguf, reference, backend):
     ops = Recording(BACKENDS[backend]())
-    logits = ours(v32_gguf, SHORT, ops)
+    logits = ours(v32_gguf, SHORT, ops, "f32")
     assert ops.kept == [None] * N_LAYER                 # no query sees more than index_topk keys
     assert_close(logits, reference[len(SHORT)][0], f"{backend}, {len(SHORT)} tokens")
 
@@ -204,7 +204,7 @@ def test_below_index_topk_every_key_is_kept(v32_gguf, reference, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_above_index_topk_the_kept_keys_are_transformers(v32_gguf, reference, backend):
     ops = Recording(BACKENDS[backend]())
-    logits = ours(v32_gguf, LONG, ops)
+    logits = ours(v32_gguf, LONG, ops, "f32")
     ref_logits, ref_chosen = reference[len(LONG)]
     assert len(ops.kept) == N_LAYER
     for layer, (keep, chosen) in enumerate(zip(ops.kept, ref_chosen)):
@@ -220,9 +220,9 @@ def test_the_indexer_matters(v32_gguf, v3_twin, reference):
     """Above index_topk the dense model (the same weights without the indexer) is far from V3.2:
     the comparison above is one of the sparse attention."""
     ref = reference[len(LONG)][0]
-    assert err(ours(v3_twin, LONG, ops_cpu), ref) > 20 * TOL
+    assert err(ours(v3_twin, LONG, ops_cpu, "f32"), ref) > FAR
     # below it the twin is V3.2 itself
-    assert_close(ours(v3_twin, SHORT, ops_cpu), reference[len(SHORT)][0], "dense twin, short prompt")
+    assert_close(ours(v3_twin, SHORT, ops_cpu, "f32"), reference[len(SHORT)][0], "dense twin, short prompt")
 
 
 def test_generation_reads_the_cached_indexer_keys(v32_gguf):
@@ -253,9 +253,10 @@ def test_wheel_on_the_same_weights(tmp_path, v32_gguf, v3_twin, reference):
     for tokens in (SHORT, LONG):
         ik = np.asarray(peers.ik_logits(flat, tokens, all_positions=True))
         mine = ours(flat, tokens, ops_cpu)
-        assert err(ik, mine) <= 1e-3, f"{len(tokens)} tokens: {err(ik, mine):.2e}"
+        # both with an f16 cache, rounding at different steps (measured 1.3e-3 on 48 tokens)
+        assert err(ik, mine) <= F16_TOL, f"{len(tokens)} tokens: {err(ik, mine):.2e}"
         assert (ik.argmax(1) == mine.argmax(1)).mean() >= 0.99
-    assert err(ik, reference[len(LONG)][0]) > 20 * TOL
+    assert err(ik, reference[len(LONG)][0]) > FAR
 
 
 # ---- hostile metadata ----

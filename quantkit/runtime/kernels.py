@@ -307,3 +307,52 @@ def attend_few(q16, keys, values, pos0, scale, out):
         y[:] = 0
         for j in range(n_seen):
             _half_row_axpy(values, j, hk, _f16_value(e[j] * inv_total), y, v_dim)
+
+
+# ---- a float32 cache (llama.cpp's -ctk/-ctv f32): ggml multiplies it in float32, rounding nothing ----
+
+@njit(cache=True, parallel=True)
+def normalize_f32(e):
+    """:func:`normalize_f16` without the rounding to f16: the probabilities ggml multiplies f32 values with."""
+    for r in prange(e.shape[0]):
+        total = 0.0
+        for j in range(e.shape[1]):
+            total += np.float64(e[r, j])
+        inv_total = F32(1.0 / total)
+        for j in range(e.shape[1]):
+            e[r, j] = e[r, j] * inv_total
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def attend_few_f32(q, keys, values, v0, pos0, scale, out):
+    """:func:`attend_few` over a float32 cache: q (n_tokens, n_head, k_dim) float32 as it is, keys
+    (n_ctx, n_head_kv, k_dim) float32; the values are values[j, hk, v0:v0 + v_dim] (an MLA cache
+    passes its key rows with v0 = n_rot, a KV cache its values with v0 = 0: one signature for
+    both).  Scores, the exponentials summed in double, the probabilities and Σ p v all float32."""
+    n_tok, n_head, k_dim = q.shape
+    g = n_head // keys.shape[1]
+    v_dim = out.shape[2]
+    for job in prange(n_tok * n_head):
+        t, h = job // n_head, job % n_head
+        hk = h // g
+        n_seen = pos0 + t + 1
+        e = np.empty(n_seen, F32)
+        m = -np.inf
+        for j in range(n_seen):
+            s = F32(0.0)
+            for d in range(k_dim):
+                s += keys[j, hk, d] * q[t, h, d]
+            s = s * scale
+            e[j] = s
+            m = max(m, s)
+        total = 0.0
+        for j in range(n_seen):
+            e[j] = np.exp(e[j] - m)
+            total += np.float64(e[j])
+        inv_total = F32(1.0 / total)
+        for d in range(v_dim):
+            out[t, h, d] = 0
+        for j in range(n_seen):
+            p = e[j] * inv_total
+            for d in range(v_dim):
+                out[t, h, d] += p * values[j, hk, v0 + d]

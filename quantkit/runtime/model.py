@@ -17,6 +17,7 @@ from .. import signals
 from ..errors import QuantkitError
 from ..gguf_io.reader import GGUFModel
 from . import deepseek2, experts, gptoss
+from .cache_type import cache_types
 from .hparams import ModelConfig
 from .ops import Cache, Ops
 from .weights import WeightStore
@@ -39,10 +40,12 @@ class NonFiniteLogits(QuantkitError):
 class Model:
     """Weights, configuration and the forward pass of one GGUF model."""
 
-    def __init__(self, gguf: GGUFModel, ops: Ops):
+    def __init__(self, gguf: GGUFModel, ops: Ops, cache_type="f16"):
         self.gguf = gguf
         self.config = ModelConfig.from_gguf(gguf)
         self.ops = ops
+        # the (K, V) cache types new_cache makes ("f16" or "f32", cache_type.py)
+        self.cache_type = cache_types(cache_type, mla=bool(self.config.mla))
         self.w = WeightStore(gguf)
         self.tok_embd = self.w.need("token_embd.weight")
         # tied embeddings: no output.weight, the token embedding doubles as the output matrix
@@ -72,8 +75,8 @@ class Model:
         c = self.config
         if c.mla:
             return self.ops.MLACache(c.n_layer, n_ctx, c.mla.qk_rope, c.mla.kv_lora_rank,
-                                     index_dim=c.dsa.head_dim if c.dsa else 0)
-        return self.ops.KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim, c.head_dim)
+                                     index_dim=c.dsa.head_dim if c.dsa else 0, cache_type=self.cache_type[0])
+        return self.ops.KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim, c.head_dim, *self.cache_type)
 
     def vector(self, name: str) -> np.ndarray | None:
         """A 1-D tensor (norm weight, bias) as float32 (where the ops backend keeps it), or None

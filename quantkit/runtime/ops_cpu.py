@@ -4,7 +4,8 @@ same operations with the same signatures.
 
 ggml's CPU graph is followed where it changes numbers that a comparison with llama.cpp would see:
 the KV cache holds float16, and ggml multiplies it with float16 copies of its other operand (the
-query for K·Q, the softmax probabilities for V·P).
+query for K·Q, the softmax probabilities for V·P); a float32 cache (-ctk/-ctv f32, cache_type.py)
+is multiplied with both as they are.
 
 Quantized weights meet their activations in two ways.  A batch (a prompt, a perplexity chunk)
 decodes tiles of rows to float32 and multiplies with BLAS: it computes what the stored weights
@@ -25,6 +26,7 @@ import numpy as np
 
 from ..types import QuantType, traits
 from . import kernels, matvec
+from .cache_type import CACHE_TYPES
 from .tiles import FEW_TOKENS, by_rows, pool
 from .weights import Weight
 
@@ -256,11 +258,13 @@ def _rotate(x: np.ndarray, n_rot: int, cos: np.ndarray, sin: np.ndarray, neox: b
 # ---- attention ----
 
 class KVCache:
-    """Keys and values of every layer for one sequence, stored as float16 like llama.cpp's cache."""
+    """Keys and values of every layer for one sequence, stored as float16 like llama.cpp's cache
+    (``k_type``/``v_type`` "f32": float32, as llama.cpp's -ctk/-ctv f32; see cache_type.py)."""
 
-    def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, k_dim: int, v_dim: int):
-        self.k = np.zeros((n_layer, n_ctx, n_head_kv, k_dim), np.float16)     # (layer, pos, head, k_dim)
-        self.v = np.zeros((n_layer, n_ctx, n_head_kv, v_dim), np.float16)     # (layer, pos, head, v_dim)
+    def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, k_dim: int, v_dim: int, k_type: str = "f16",
+                 v_type: str = "f16"):
+        self.k = np.zeros((n_layer, n_ctx, n_head_kv, k_dim), CACHE_TYPES[k_type])   # (layer, pos, head, k_dim)
+        self.v = np.zeros((n_layer, n_ctx, n_head_kv, v_dim), CACHE_TYPES[v_type])   # (layer, pos, head, v_dim)
         self.n_ctx = n_ctx
         self.n_past = 0
 
@@ -284,7 +288,7 @@ class KVCache:
 
 
 class MLACache(KVCache):
-    """The cache of multi-head latent attention (DeepSeek-V2/V3), float16 like ik_llama.cpp's;
+    """The cache of multi-head latent attention (DeepSeek-V2/V3), float16 like ik_llama.cpp's (or float32);
     :func:`attention` reads it like a KVCache with one key/value head.
 
     Per layer and position it keeps one row, the roped shared key part (n_rot) followed by the
@@ -292,8 +296,10 @@ class MLACache(KVCache):
     whole row and the values its last kv_lora_rank entries (``v`` is a view), the queries having
     been mapped into that latent space."""
 
-    def __init__(self, n_layer: int, n_ctx: int, n_rot: int, kv_lora_rank: int, index_dim: int = 0):
-        self.k = np.zeros((n_layer, n_ctx, 1, n_rot + kv_lora_rank), np.float16)   # (layer, pos, 1, n_rot + kv_lora)
+    def __init__(self, n_layer: int, n_ctx: int, n_rot: int, kv_lora_rank: int, index_dim: int = 0,
+                 cache_type: str = "f16"):
+        # (layer, pos, 1, n_rot + kv_lora); ``cache_type`` "f32": float32 rows
+        self.k = np.zeros((n_layer, n_ctx, 1, n_rot + kv_lora_rank), CACHE_TYPES[cache_type])
         self.v = self.k[..., n_rot:]                                               # (layer, pos, 1, kv_lora)
         # the DSA indexer's keys (DeepSeek-V3.2), float32: selection compares their scores exactly
         self.index_k = np.zeros((n_layer, n_ctx, index_dim), F32) if index_dim else None
@@ -329,15 +335,19 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float
     n_tok, n_head, k_dim = q.shape
     n_kv = pos0 + n_tok
     n_head_kv, v_dim = cache.k.shape[2], cache.v.shape[3]
-    if n_tok <= FUSED_TOKENS:
+    k_f16, v_f16 = cache.k.dtype == np.float16, cache.v.dtype == np.float16
+    if n_tok <= FUSED_TOKENS and k_f16 and v_f16:
         out = np.empty((n_tok, n_head, v_dim), F32)
         k16, v16 = cache.bits
         kernels.attend_few(_f16_round(q), k16[layer], v16[layer], pos0, F32(scale), out)
         return out.reshape(n_tok, n_head * v_dim)
+    if n_tok <= FUSED_TOKENS and not (k_f16 or v_f16):
+        return _attend_few_f32(q, cache, layer, pos0, scale).reshape(n_tok, n_head * v_dim)
     g = n_head // n_head_kv
     keys = np.ascontiguousarray(cache.k[layer, :n_kv].astype(F32).transpose(1, 2, 0))   # (hkv, k_dim, n_kv)
     values = np.ascontiguousarray(cache.v[layer, :n_kv].astype(F32).transpose(1, 0, 2))  # (hkv, n_kv, v_dim)
-    q16 = _f16_round(q)                             # ggml multiplies the f16 keys with an f16 copy of q
+    # ggml multiplies f16 keys with an f16 copy of q (f32 keys with q itself)
+    q16 = _f16_round(q) if k_f16 else np.ascontiguousarray(q, F32)
     out = np.empty((n_tok, n_head, v_dim), F32)
     block = max(1, min(QUERY_BLOCK, QUERY_ROWS // g))
 
@@ -347,7 +357,7 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float
         heads = slice(h * g, (h + 1) * g)
         n_seen = pos0 + t1                          # keys the block's last query sees
         scores = q16[t0:t1, heads].reshape((t1 - t0) * g, k_dim) @ keys[h, :, :n_seen]
-        causal_softmax_f16(scores, pos0 + t0, g, scale)
+        causal_softmax_f16(scores, pos0 + t0, g, scale, to_f16=v_f16)
         out[t0:t1, heads] = (scores @ values[h, :n_seen]).reshape(t1 - t0, g, v_dim)
     pool.map(head_block, [(h, t0) for h in range(n_head_kv) for t0 in range(0, n_tok, block)], n_tok)
     return out.reshape(n_tok, n_head * v_dim)
@@ -400,15 +410,29 @@ def attention_sinks(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale:
     return out.reshape(n_tok, n_head * v_dim)
 
 
-def causal_softmax_f16(scores: np.ndarray, pos0: int, rows_per_pos: int, scale: float) -> None:
+def causal_softmax_f16(scores: np.ndarray, pos0: int, rows_per_pos: int, scale: float, to_f16: bool = True) -> None:
     """In place: each row of ``scores`` (n_rows, n_kv) becomes the f16-rounded softmax of ``scale *
     scores`` over the keys its query may see (row r's query is at position pos0 + r // rows_per_pos
-    and sees keys 0 .. that position), zeros after them.  numpy's SIMD exp between two kernels."""
+    and sees keys 0 .. that position), zeros after them.  numpy's SIMD exp between two kernels.
+    ``to_f16`` False: the probabilities stay float32 (what ggml multiplies an f32 V cache with)."""
     row_max = np.empty(scores.shape[0], F32)
     kernels.scale_mask_max(scores, pos0, rows_per_pos, F32(scale), row_max)
     np.subtract(scores, row_max[:, None], out=scores)
     np.exp(scores, out=scores)
-    kernels.normalize_f16(scores)
+    if to_f16:
+        kernels.normalize_f16(scores)
+    else:
+        kernels.normalize_f32(scores)
+
+
+def _attend_few_f32(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float) -> np.ndarray:
+    """A generation step's attention over a float32 cache (kernels.attend_few_f32) -> (n_tokens,
+    n_head, v_dim).  The values are read from the array they live in, at their column offset (an
+    MLA cache's are the last kv_lora_rank entries of its key rows): the kernel has one signature."""
+    v_rows, v0 = (cache.k, cache.n_rot) if isinstance(cache, MLACache) else (cache.v, 0)
+    out = np.empty((q.shape[0], q.shape[1], cache.v.shape[3]), F32)
+    kernels.attend_few_f32(np.ascontiguousarray(q, F32), cache.k[layer], v_rows[layer], v0, pos0, F32(scale), out)
+    return out
 
 
 def attention_mla(q_rope: np.ndarray, q_lat: np.ndarray, cache: MLACache, layer: int, pos0: int,
@@ -425,13 +449,14 @@ def attention_mla(q_rope: np.ndarray, q_lat: np.ndarray, cache: MLACache, layer:
 
 def _attention_kept(q: np.ndarray, cache: MLACache, layer: int, pos0: int, scale: float,
                     keep: np.ndarray) -> np.ndarray:
-    """:func:`attention`'s numbers (f16 query and probabilities, the exponentials summed in double)
+    """:func:`attention`'s numbers (f16 query and probabilities with an f16 cache, the exponentials summed in double)
     over the keys ``keep`` marks (and the query may see), a block of query positions at a time."""
     n_tok, n_head, k_dim = q.shape
     n_kv = pos0 + n_tok
     keys = cache.k[layer, :n_kv, 0].astype(F32)                 # (n_kv, k_dim)
     values = cache.v[layer, :n_kv, 0].astype(F32)               # (n_kv, kv_lora)
-    q16 = _f16_round(q)
+    f16 = cache.k.dtype == np.float16                           # an f32 cache: nothing rounded
+    q16 = _f16_round(q) if f16 else np.ascontiguousarray(q, F32)
     out = np.empty((n_tok, n_head, values.shape[1]), F32)
     causal = np.arange(n_kv)[None, :] <= (pos0 + np.arange(n_tok))[:, None]
     block = _dsa_block(n_head, n_kv)
@@ -442,7 +467,8 @@ def _attention_kept(q: np.ndarray, cache: MLACache, layer: int, pos0: int, scale
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         inv_total = (1.0 / scores.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(F32)
-        out[t0:t1] = _f16_round(scores * inv_total) @ values
+        p = scores * inv_total
+        out[t0:t1] = (_f16_round(p) if f16 else p) @ values
     return out
 
 

@@ -10,7 +10,8 @@ copies of the activations, when
   * its name matches a ``--override-tensor REGEX=cpu`` pattern (``exps=cpu``: the routed experts
     in RAM, everything else on the GPU, as DeepSeek users run ik_llama.cpp).
 Activations are float32 torch tensors on the device; the numerics follow ops_cpu (f16 KV cache,
-f16 copies of the query and of the probabilities, sums of squares and of exponentials in double).
+f16 copies of the query and of the probabilities, sums of squares and of exponentials in double;
+an f32 cache, cache_type.py, multiplied in float32).
 """
 from __future__ import annotations
 
@@ -193,11 +194,11 @@ class TorchOps:
 
     # ---- attention ----
 
-    def KVCache(self, n_layer, n_ctx, n_head_kv, k_dim, v_dim):
-        return _TorchKVCache(self.device, n_layer, n_ctx, n_head_kv, k_dim, v_dim)
+    def KVCache(self, n_layer, n_ctx, n_head_kv, k_dim, v_dim, k_type="f16", v_type="f16"):
+        return _TorchKVCache(self.device, n_layer, n_ctx, n_head_kv, k_dim, v_dim, k_type, v_type)
 
-    def MLACache(self, n_layer, n_ctx, n_rot, kv_lora_rank, index_dim=0):
-        return _TorchMLACache(self.device, n_layer, n_ctx, n_rot, kv_lora_rank, index_dim)
+    def MLACache(self, n_layer, n_ctx, n_rot, kv_lora_rank, index_dim=0, cache_type="f16"):
+        return _TorchMLACache(self.device, n_layer, n_ctx, n_rot, kv_lora_rank, index_dim, cache_type)
 
     def attention(self, q: torch.Tensor, cache, layer: int, pos0: int, scale: float, sinks=None,
                   window: int = 0) -> torch.Tensor:
@@ -210,14 +211,17 @@ class TorchOps:
                 window: int = 0) -> torch.Tensor:
         """:meth:`attention`, over the keys ``keep`` (n_tokens, n_kv) bool marks where given."""
         gpt = sinks is not None or window > 0
-        rounded = (lambda t: t) if gpt else _f16_round
+        same = (lambda t: t)
+        # an f32 cache (K, V apart) is multiplied with float32 queries / probabilities
+        q_rounded = same if gpt or cache.k.dtype != torch.float16 else _f16_round
+        rounded = same if gpt or cache.v.dtype != torch.float16 else _f16_round
         n_tok, n_head, k_dim = q.shape
         n_kv = pos0 + n_tok
         k = cache.k[layer, :n_kv].to(F32)                       # (n_kv, hkv, k_dim)
         v = cache.v[layer, :n_kv].to(F32)
         n_head_kv, v_dim = k.shape[1], v.shape[2]
         g = n_head // n_head_kv
-        qh = rounded(q).reshape(n_tok, n_head_kv, g, k_dim).permute(1, 2, 0, 3)        # (hkv, g, t, d)
+        qh = q_rounded(q).reshape(n_tok, n_head_kv, g, k_dim).permute(1, 2, 0, 3)        # (hkv, g, t, d)
         scores = (qh @ k.permute(1, 2, 0)[:, None]) * scale                          # (hkv, g, t, n_kv)
         k_pos = torch.arange(n_kv, device=self.device)[None, :]
         q_pos = (pos0 + torch.arange(n_tok, device=self.device))[:, None]
@@ -308,12 +312,15 @@ class TorchOps:
         return x / (1 + torch.exp(-float(ops_cpu.SWIGLU_OAI_ALPHA) * x)) * (y + 1)
 
 
-class _TorchKVCache:
-    """ops_cpu.KVCache on the device: float16 keys and values per layer and position."""
+_DTYPES = {"f16": torch.float16, "f32": torch.float32}       # cache_type.CACHE_TYPES's
 
-    def __init__(self, device, n_layer, n_ctx, n_head_kv, k_dim, v_dim):
-        self.k = torch.zeros((n_layer, n_ctx, n_head_kv, k_dim), dtype=torch.float16, device=device)
-        self.v = torch.zeros((n_layer, n_ctx, n_head_kv, v_dim), dtype=torch.float16, device=device)
+
+class _TorchKVCache:
+    """ops_cpu.KVCache on the device: float16 (or float32) keys and values per layer and position."""
+
+    def __init__(self, device, n_layer, n_ctx, n_head_kv, k_dim, v_dim, k_type="f16", v_type="f16"):
+        self.k = torch.zeros((n_layer, n_ctx, n_head_kv, k_dim), dtype=_DTYPES[k_type], device=device)
+        self.v = torch.zeros((n_layer, n_ctx, n_head_kv, v_dim), dtype=_DTYPES[v_type], device=device)
         self.n_ctx, self.n_past = n_ctx, 0
 
     def _check_room(self, pos0, n):
@@ -323,8 +330,8 @@ class _TorchKVCache:
     def store(self, layer, pos0, k, v):
         n = k.shape[0]
         self._check_room(pos0, n)
-        self.k[layer, pos0:pos0 + n] = k.to(torch.float16)
-        self.v[layer, pos0:pos0 + n] = v.to(torch.float16)
+        self.k[layer, pos0:pos0 + n] = k.to(self.k.dtype)
+        self.v[layer, pos0:pos0 + n] = v.to(self.v.dtype)
 
     def clear(self):
         self.n_past = 0
@@ -333,8 +340,8 @@ class _TorchKVCache:
 class _TorchMLACache(_TorchKVCache):
     """ops_cpu.MLACache on the device: one row per position, roped key part then the latent."""
 
-    def __init__(self, device, n_layer, n_ctx, n_rot, kv_lora_rank, index_dim=0):
-        self.k = torch.zeros((n_layer, n_ctx, 1, n_rot + kv_lora_rank), dtype=torch.float16, device=device)
+    def __init__(self, device, n_layer, n_ctx, n_rot, kv_lora_rank, index_dim=0, cache_type="f16"):
+        self.k = torch.zeros((n_layer, n_ctx, 1, n_rot + kv_lora_rank), dtype=_DTYPES[cache_type], device=device)
         self.v = self.k[..., n_rot:]
         self.index_k = (torch.zeros((n_layer, n_ctx, index_dim), dtype=F32, device=device)
                         if index_dim else None)
@@ -347,5 +354,5 @@ class _TorchMLACache(_TorchKVCache):
     def store(self, layer, pos0, k_rope, kv):
         n = kv.shape[0]
         self._check_room(pos0, n)
-        self.k[layer, pos0:pos0 + n, 0, :self.n_rot] = k_rope.reshape(n, self.n_rot).to(torch.float16)
-        self.k[layer, pos0:pos0 + n, 0, self.n_rot:] = kv.to(torch.float16)
+        self.k[layer, pos0:pos0 + n, 0, :self.n_rot] = k_rope.reshape(n, self.n_rot).to(self.k.dtype)
+        self.k[layer, pos0:pos0 + n, 0, self.n_rot:] = kv.to(self.k.dtype)

@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import QuantkitError
 from ..gguf_io.reader import GGUFModel, open_model
 from ..tensor_regex import compile_bounded
+from .cache_type import cache_types
 from .model import Model
 from .perplexity import chunk_tokens
 from ..text.tokenizer import Tokenizer
@@ -90,14 +91,16 @@ def parse_overrides(specs) -> list[str]:
 
 @contextmanager
 def open_session(path, threads: int | None = None, wrap_ops=None, device: str = "cpu",
-                 cpu_tensors=()) -> Iterator[Session]:
+                 cpu_tensors=(), cache_type="f16") -> Iterator[Session]:
     """``device``/``cpu_tensors``: see :func:`make_ops`.  ``wrap_ops(gguf, ops)``: the ops backend
-    the model computes with, built around the device's (an observer, a rounding wrapper)."""
+    the model computes with, built around the device's (an observer, a rounding wrapper).
+    ``cache_type``: the KV cache's type, "f16" or "f32", or a (K, V) pair (cache_type.py)."""
+    cache_types(cache_type)                 # a bad type fails before the model loads
     n = set_threads(threads)
     ops = make_ops(device, cpu_tensors, n)
     gguf = open_model(path)
     try:
-        model = Model(gguf, ops=ops if wrap_ops is None else wrap_ops(gguf, ops))
+        model = Model(gguf, ops=ops if wrap_ops is None else wrap_ops(gguf, ops), cache_type=cache_type)
         yield Session(gguf, model, Tokenizer.from_model(gguf), n)
     finally:
         gguf.close()
