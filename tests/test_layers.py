@@ -39,7 +39,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("formats (numpy references, registry) and policy", ["quantkit.formats", "quantkit.outputs",
                                                          "quantkit.presets", "quantkit.recipes",
                                                          "quantkit.compiling"]),
-    ("kernels (numba) and small helpers", ["quantkit.kernels", "quantkit.inputs",
+    # quantkit.mixes: named mixes (Q4_X) the presets resolve like a TYPE
+    ("kernels (numba) and small helpers", ["quantkit.kernels", "quantkit.inputs", "quantkit.mixes",
                                            "quantkit.kv_override", "quantkit.prune",
                                            "quantkit.tensor_regex", "quantkit.progress"]),
     # each type's block layout as data, which formats (the reference decoder), the runtime (fused

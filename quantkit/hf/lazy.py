@@ -16,6 +16,7 @@ import numpy as np
 
 from ..types import REPACKED_TYPE, QuantType, traits
 from .. import formats
+from ..formats import interleave
 from ..kernels.floats import fp8_blocks_to_bf16_rows
 from .numerics import E4M3FN, block_scales
 from .safetensors import SafeTensor
@@ -298,7 +299,6 @@ class LazySource:
         t = traits(qtype)
         if t.interleave_rows == 1:
             return self.lazy.take_exact(qtype, np.arange(start, stop), name)
-        from ..formats import interleave
         return interleave.interleave(self.lazy.take_exact(t.base, np.arange(start, stop), name), qtype,
                                      self.lazy.n_per_row)
 
