@@ -1,17 +1,16 @@
 """What the per-architecture tests (tests/test_arch_*.py) measure on a converted F32 GGUF: the logits
-of quantkit's runtime (numba and torch backends), of a float32-attention twin, and their distance
+of quantkit's runtime (numba and torch backends, float16 or float32 KV cache), and their distance
 to a reference.
 
-The runtime follows ggml's CPU graph, which keeps the KV cache in float16 and multiplies it with
-float16 copies of the query and of the probabilities; transformers computes all of it in float32.
-Those roundings alone move a tiny random model's logits by a few 1e-4 of max |logit|.  So each
-architecture is also run through :class:`Float32Attention`, the torch backend with that attention
-in float32 (written out independently here): it must meet transformers to float32 precision, which
-leaves no room for a wrong norm, rope or routing hidden under the float16 noise.
+The runtime follows ggml's CPU graph, which by default keeps the KV cache in float16 and multiplies
+it with float16 copies of the query and of the probabilities; transformers computes all of it in
+float32.  Those roundings alone move a tiny random model's logits by a few 1e-4 of max |logit|.  So
+each architecture is also run with the float32 cache (``cache_type="f32"``, the CLI's ``-ctk f32
+-ctv f32``), which rounds none of them: it must meet transformers to float32 precision, which leaves
+no room for a wrong norm, rope or routing hidden under the float16 noise.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
@@ -30,12 +29,14 @@ def backend(name: str):
     if name == "numba":
         return ops_cpu
     from quantkit.runtime.ops_torch import TorchOps
-    return Float32Attention("cpu") if name == "float32-attention" else TorchOps("cpu")
+    return TorchOps("cpu")
 
 
-def our_logits(path, tokens, ops=ops_cpu) -> np.ndarray:
+def our_logits(path, tokens, ops=ops_cpu, cache_type: str = "f16") -> np.ndarray:
+    """The logits of ``tokens``; ``cache_type`` "f32": the KV cache and attention in float32
+    (``-ctk f32 -ctv f32``), nothing rounded to float16."""
     with open_model(path) as g:
-        model = Model(g, ops)
+        model = Model(g, ops, cache_type=cache_type)
         return model.forward(tokens, model.new_cache(len(tokens)))
 
 
@@ -53,48 +54,6 @@ def top_agreement(ours: np.ndarray, ref: np.ndarray, decided_only: bool = False)
         top2 = np.sort(ref, axis=1)[:, -2:]
         agree = agree[top2[:, 1] - top2[:, 0] > 2 * TOL * np.abs(ref).max()]
     return float(agree.mean())
-
-
-def _float32_attention_class():
-    import torch
-
-    from quantkit.runtime.ops_torch import TorchOps
-
-    class Float32Cache:
-        def __init__(self, n_layer, n_ctx, n_head_kv, k_dim, v_dim):
-            self.k = torch.zeros((n_layer, n_ctx, n_head_kv, k_dim))
-            self.v = torch.zeros((n_layer, n_ctx, n_head_kv, v_dim))
-            self.n_ctx, self.n_past = n_ctx, 0
-
-        def store(self, layer, pos0, k, v):
-            self.k[layer, pos0:pos0 + k.shape[0]] = k
-            self.v[layer, pos0:pos0 + v.shape[0]] = v
-
-        def clear(self):
-            self.n_past = 0
-
-    class Float32Attention(TorchOps):
-        """TorchOps whose grouped-query attention is computed in float32 throughout."""
-
-        def KVCache(self, n_layer, n_ctx, n_head_kv, k_dim, v_dim):
-            return Float32Cache(n_layer, n_ctx, n_head_kv, k_dim, v_dim)
-
-        def attention(self, q, cache, layer, pos0, scale):
-            n_tok, n_head, _ = q.shape
-            n_kv = pos0 + n_tok
-            k, v = cache.k[layer, :n_kv], cache.v[layer, :n_kv]
-            g = n_head // k.shape[1]
-            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-            scores = torch.einsum("thd,shd->hts", q, k) * scale
-            future = torch.arange(n_kv)[None, :] > (pos0 + torch.arange(n_tok))[:, None]
-            p = torch.softmax(scores.masked_fill(future, -math.inf), dim=-1)
-            return torch.einsum("hts,shd->thd", p, v).reshape(n_tok, -1)
-
-    return Float32Attention
-
-
-def Float32Attention(device: str = "cpu"):
-    return _float32_attention_class()(device)
 
 
 def shrink_vocab(src, dst, n_vocab: int = 8192):

@@ -11,7 +11,7 @@ of each 32-dim head, 8 query heads on 2 KV heads.  Two of them:
 
 Converted to F32 by the library, then: quantkit's runtime (numba, torch) against transformers'
 float32 logits within 1e-3 x max |logit| with the same top token at >= 99% of the positions; a
-float32-attention twin within 2e-5; the ik wheel on ``glm``'s file against transformers and ours;
+float32 KV cache within 2e-5; the ik wheel on ``glm``'s file against transformers and ours;
 its q4_K_M quantization against the wheel on the dequantized twin; perplexity and imatrix run.
 ik_llama.cpp does not read expert groups for glm4moe (llm_load_hparams), so ``glm-groups`` is
 checked against transformers only.  ``glm``'s checkpoint also stores GLM's nextn (MTP) layer (a
@@ -120,16 +120,16 @@ def test_runtime_matches_transformers(models, variant, ops):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_float32_attention_matches_transformers_exactly(models, variant):
     _, path, ref = models[variant]
-    assert distance(our_logits(path, PROMPT, backend("float32-attention")), ref) <= EXACT
+    assert distance(our_logits(path, PROMPT, cache_type="f32"), ref) <= EXACT
 
 
 def test_expert_groups_change_the_routing(models, small, tmp_path):
     """Without its group keys the glm-groups file is another model: the groups are really used."""
     ref = models["glm-groups"][2][:, :8192]
-    assert distance(our_logits(small["glm-groups"], PROMPT, backend("float32-attention")), ref) <= EXACT
+    assert distance(our_logits(small["glm-groups"], PROMPT, cache_type="f32"), ref) <= EXACT
     ungrouped = rewrite_gguf(small["glm-groups"], tmp_path / "ungrouped.gguf",
                              {G + "expert_group_count": None, G + "expert_group_used_count": None})
-    assert distance(our_logits(ungrouped, PROMPT, backend("float32-attention")), ref) > 100 * EXACT
+    assert distance(our_logits(ungrouped, PROMPT, cache_type="f32"), ref) > 100 * EXACT
 
 
 @needs_wheel

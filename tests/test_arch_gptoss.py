@@ -212,13 +212,13 @@ def test_incremental_decoding_matches_the_full_forward(model):
 
 def test_the_window_matters(small, tmp_path, model):
     """A window that covers the whole sequence gives other logits from the first position past the
-    window of 8 on, the same before it (the sliding layers are exercised; the test sequence is
-    longer than the window)."""
+    window of 8 on, the same before it up to the order of float32 additions (the sliding layers are
+    exercised; the test sequence is longer than the window)."""
     wide = rewrite_gguf(small, tmp_path / "wide.gguf", keys={A + "attention.sliding_window": 1000})
     tokens = [t % 64 for t in model["tokens"]]
     narrow, wide = our_logits(small, tokens), our_logits(wide, tokens)
     diff = np.abs(narrow - wide).max(axis=1) / np.abs(narrow).max()
-    assert diff[:WINDOW].max() == 0 and diff[WINDOW:].min() > 1e-3, diff
+    assert diff[:WINDOW].max() <= 1e-6 and diff[WINDOW:].min() > 1e-3, diff
 
 
 # ---- the gpt-oss pieces against transformers' own modules ----
