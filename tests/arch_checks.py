@@ -11,7 +11,6 @@ no room for a wrong norm, rope or routing hidden under the float16 noise.
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from quantkit.gguf_io.reader import open_model
