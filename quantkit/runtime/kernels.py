@@ -275,6 +275,17 @@ def _half_row_axpy(a, i, h, p, y, n):
         y[d] += p * dot.half_bits(a[i, h, d])
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _exp_shifted(e, n, m):
+    """e[:n] <- exp(e[:n] - m); returns 1 / their sum, summed in double and rounded to float (what
+    both attention kernels multiply the exponentials by)."""
+    total = 0.0
+    for j in range(n):
+        e[j] = np.exp(e[j] - m)
+        total += np.float64(e[j])
+    return F32(1.0 / total)
+
+
 @njit(cache=True, error_model="numpy", parallel=True)
 def attend_few(q16, keys, values, pos0, scale, out):
     """Causal grouped-query attention of a few tokens, straight from the float16 cache:
@@ -298,11 +309,7 @@ def attend_few(q16, keys, values, pos0, scale, out):
             s = _half_row_dot(keys, j, hk, qv, k_dim) * scale
             e[j] = s
             m = max(m, s)
-        total = 0.0
-        for j in range(n_seen):
-            e[j] = np.exp(e[j] - m)
-            total += np.float64(e[j])
-        inv_total = F32(1.0 / total)
+        inv_total = _exp_shifted(e, n_seen, m)
         y = out[t, h]
         y[:] = 0
         for j in range(n_seen):
@@ -345,11 +352,7 @@ def attend_few_f32(q, keys, values, v0, pos0, scale, out):
             s = s * scale
             e[j] = s
             m = max(m, s)
-        total = 0.0
-        for j in range(n_seen):
-            e[j] = np.exp(e[j] - m)
-            total += np.float64(e[j])
-        inv_total = F32(1.0 / total)
+        inv_total = _exp_shifted(e, n_seen, m)
         for d in range(v_dim):
             out[t, h, d] = 0
         for j in range(n_seen):
