@@ -41,5 +41,13 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tok_meta(smollm2_path) -> dict:
+    """SmolLM2's tokenizer keys, which the tiny Hugging Face checkpoints of tests/hf_models.py are
+    saved with (read once per test process)."""
+    from hf_models import smollm2_tokenizer_meta
+    return smollm2_tokenizer_meta(smollm2_path)
+
+
+@pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO

