@@ -266,6 +266,17 @@ def test_dry_run_of_published_recipe_deepseek_v3(tmp_path, repo_root, capsys):
     assert s["tokens_per_s"] == pytest.approx(1 / ((exps * 8 // 256 + embd_row) / 60e9 + s["stored"]["gpu"] / 900e9))
 
 
+def test_real_run_predicts_only_when_asked(models, tmp_path, capsys):
+    out_file = tmp_path / "o.gguf"
+    rc, out, err = run_main(capsys, "quantize", models["llama"], out_file, "COPY", "--json")
+    assert rc == 0, err
+    assert "speed" not in json.loads(out)               # no bandwidth measured on a plain run
+    out_file.unlink()
+    rc, out, err = run_main(capsys, "quantize", models["llama"], out_file, "COPY", "--json", "--bandwidth", "cpu=10G")
+    assert rc == 0, err
+    assert json.loads(out)["speed"]["bandwidth"] == {"cpu": 10e9} and out_file.is_file()
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--bandwidth", "cpu=lots"], "cannot read size"),
     (["-ot", "exps=gpu"], "none was given"),
