@@ -177,6 +177,21 @@ class Accounting:
         return size
 
 
+def device_seconds(per_token: dict[str, int], bandwidth: dict[str, float]) -> dict[str, float]:
+    """Seconds per token each device spends reading its ``per_token`` bytes at its bandwidth (the
+    solver's speed resource is their sum); a device that reads something needs a bandwidth."""
+    seconds = {}
+    for dev, nbytes in per_token.items():
+        bw = bandwidth.get(dev)
+        if nbytes and bw is None:
+            raise QuantkitError(f"no bandwidth for the {dev}: give it with --bandwidth {dev}=SIZE "
+                                f"(bytes/s, e.g. {'900G' if dev == 'gpu' else '60G'})")
+        if bw is not None and not (math.isfinite(bw) and bw > 0):
+            raise QuantkitError(f"--bandwidth {dev}: {bw} is not a positive number of bytes/s")
+        seconds[dev] = nbytes / bw if nbytes else 0.0
+    return seconds
+
+
 def predict_speed(tensors, placement: Placement, bandwidth: dict[str, float], n_expert: int, n_expert_used: int,
                   *, skip_layers=(), measured=()) -> SpeedPrediction:
     """The roofline prediction for ``tensors`` ((name, shape, qtype) triples, as they will be
@@ -189,15 +204,7 @@ def predict_speed(tensors, placement: Placement, bandwidth: dict[str, float], n_
     account = Accounting.of((t[0] for t in tensors), placement, n_expert, n_expert_used, skip_layers)
     for name, shape, qtype in tensors:
         account.add(stored, per_token, name, shape, qtype)
-    seconds = {}
-    for dev, nbytes in per_token.items():
-        bw = bandwidth.get(dev)
-        if nbytes and bw is None:
-            raise QuantkitError(f"no bandwidth for the {dev}: give it with --bandwidth {dev}=SIZE "
-                                f"(bytes/s, e.g. {'900G' if dev == 'gpu' else '60G'})")
-        if bw is not None and not (math.isfinite(bw) and bw > 0):
-            raise QuantkitError(f"--bandwidth {dev}: {bw} is not a positive number of bytes/s")
-        seconds[dev] = nbytes / bw if nbytes else 0.0
+    seconds = device_seconds(per_token, bandwidth)
     total = sum(seconds.values())
     return SpeedPrediction(per_token, stored, {d: float(bandwidth[d]) for d in devices if d in bandwidth},
                            total, 1.0 / total if total > 0 else math.inf, tuple(measured),
@@ -253,5 +260,5 @@ def plan_speed(plan, metadata_get, placement: Placement, bandwidth: dict[str, fl
                          n_expert, n_used, skip_layers=skip, measured=measured)
 
 
-__all__ = ["Accounting", "SpeedPrediction", "bytes_per_token", "expert_counts", "is_routed_expert", "measure_cpu_bandwidth",
-           "mtp_layers", "parse_bandwidth", "plan_speed", "predict_speed"]
+__all__ = ["Accounting", "SpeedPrediction", "bytes_per_token", "device_seconds", "expert_counts", "is_routed_expert",
+           "measure_cpu_bandwidth", "mtp_layers", "parse_bandwidth", "plan_speed", "predict_speed"]
