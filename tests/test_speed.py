@@ -245,6 +245,13 @@ def test_dry_run_measures_the_cpu_by_default(models, tmp_path, capsys):
     doc = json.loads(out)["speed"]
     assert doc["measured"] == ["cpu"] and doc["bandwidth"]["cpu"] > 1e8 and doc["tied_output"] is True
     assert math.isfinite(doc["tokens_per_s"]) and doc["tokens_per_s"] > 0
+    # a GPU's bandwidth alone: the layers and the (tied) output there, the CPU's measured for its embedding row
+    rc, out, err = run_main(capsys, "quantize", models["tied"], tmp_path / "o.gguf", "q8_0", "--dry-run", "--json",
+                            "--bandwidth", "gpu=1T")
+    assert rc == 0, err
+    doc = json.loads(out)["speed"]
+    assert doc["measured"] == ["cpu"] and doc["bandwidth"]["gpu"] == 1e12
+    assert doc["bytes_per_token"]["cpu"] == 2 * 34 and doc["stored"]["gpu"] > doc["stored"]["cpu"] == 96 * 2 * 34
 
 
 def test_dry_run_of_published_recipe_deepseek_v3(tmp_path, repo_root, capsys):
