@@ -46,10 +46,8 @@ class Option:
     types: dict[str, QuantType]         # per tensor name: the type written, after the planner's fallbacks
     nbytes: dict[str, int]              # stored bytes per device
     bytes_per_token: dict[str, int]     # bytes read per generated token, per device (speed.bytes_per_token)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.nbytes.values())
+    # bytes in the GGUF file; ``nbytes`` also counts the GPU's copy of a tied output's token_embd
+    file_bytes: int = 0
 
     @property
     def fallback(self) -> bool:
@@ -90,6 +88,7 @@ class GroupSet:
     metadata_get: Callable              # the model's metadata (expert counts ...)
     kept: list[str] = field(default_factory=list)   # names of the tensors no group holds, kept as they are
     placement: Placement | None = None
+    fixed_file_bytes: int = 0           # the file bytes of the kept tensors
 
     def __post_init__(self):
         self._by_key = {g.key: g for g in self.groups}
@@ -115,6 +114,10 @@ class GroupSet:
     def nbytes(self, choice: dict[str, QuantType]) -> dict[str, int]:
         """Stored bytes per device of the whole model under ``choice`` (fixed tensors included)."""
         return _add(self.fixed, *(o.nbytes for _, o in self.chosen(choice)))
+
+    def file_bytes(self, choice: dict[str, QuantType]) -> int:
+        """Bytes of tensor data in the GGUF file written under ``choice`` (plan.Plan.bytes_out)."""
+        return self.fixed_file_bytes + sum(o.file_bytes for _, o in self.chosen(choice))
 
     def per_token(self, choice: dict[str, QuantType]) -> dict[str, int]:
         """Bytes read per generated token, per device, under ``choice``."""
@@ -204,6 +207,7 @@ def make_groups(model, types, placement: Placement | None = None, *, flavor: str
     fixed: dict[str, int] = {}
     fixed_per_token: dict[str, int] = {}
     kept: list[str] = []
+    fixed_file_bytes = 0
     # (kind, span bucket, device) -> tensors, in model order
     buckets: dict[tuple, list] = {}
     n_elements = 0
@@ -213,7 +217,7 @@ def make_groups(model, types, placement: Placement | None = None, *, flavor: str
         tp = first[t.name]
         if tp.rule.startswith("kept"):
             kept.append(t.name)
-            account.add(fixed, fixed_per_token, t.name, shape, QuantType(t.qtype))
+            fixed_file_bytes += account.add(fixed, fixed_per_token, t.name, shape, QuantType(t.qtype))
             continue
         layer, kind = kind_of(t.name)
         buckets.setdefault((kind, layer), []).append(t)
@@ -262,7 +266,7 @@ def make_groups(model, types, placement: Placement | None = None, *, flavor: str
                                 sum(math.prod(s) for s in shapes.values())))
     order = {name: i for i, name in enumerate(t.name for t in tensors)}
     groups.sort(key=lambda g: order[g.tensors[0]])
-    return GroupSet(groups, fixed, fixed_per_token, n_elements, flavor, model.get, kept, placement)
+    return GroupSet(groups, fixed, fixed_per_token, n_elements, flavor, model.get, kept, placement, fixed_file_bytes)
 
 
 @dataclass
@@ -282,7 +286,8 @@ class _Accounting:
         return cls(placement, n_expert, n_used, frozenset(mtp_layers(model.get)),
                    placement.device(OUTPUT_NAME) if tied else None)
 
-    def add(self, nbytes: dict, per_token: dict, name: str, shape: tuple, qtype: QuantType) -> None:
+    def add(self, nbytes: dict, per_token: dict, name: str, shape: tuple, qtype: QuantType) -> int:
+        """Count a tensor stored as ``qtype`` in ``nbytes`` and ``per_token``; its bytes in the file."""
         dev = self.placement.device(name)
         size = tensor_nbytes(qtype, shape)
         nbytes[dev] = nbytes.get(dev, 0) + size
@@ -296,6 +301,7 @@ class _Accounting:
             per_token[out] = per_token.get(out, 0) + size
             if out != dev:
                 nbytes[out] = nbytes.get(out, 0) + size
+        return size
 
 
 def _options(names, shapes, device, types, plans, account: _Accounting, flavor, has_entry):
@@ -309,9 +315,13 @@ def _options(names, shapes, device, types, plans, account: _Accounting, flavor, 
             continue
         nbytes: dict[str, int] = {}
         per_token: dict[str, int] = {}
-        for n in names:
-            account.add(nbytes, per_token, n, shapes[n], written[n])
-        option = Option(qtype, written, nbytes, per_token)
+        file_bytes = sum(account.add(nbytes, per_token, n, shapes[n], written[n]) for n in names)
+        asked = qtype
+        if len(set(written.values())) == 1:
+            # every tensor falls back to one type: the rule names that type (q5_K on 576-long rows
+            # is q6_0), which the planner keeps as it is, since it wrote it for these rows
+            asked = next(iter(written.values()))
+        option = Option(asked, written, nbytes, per_token, file_bytes)
         key = tuple(sorted(written.items()))
         prev = by_types.get(key)
         # of two candidates that write the same, keep the one asking for what is written
