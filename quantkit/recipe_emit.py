@@ -12,8 +12,9 @@ only where it would otherwise also be found in another tensor's name (``output\\
 ``attn_output.weight``).  Every pattern passes ``tensor_regex.compile_bounded`` and is its own
 lower case, so mainline's ``--tensor-type`` (which lower-cases patterns) reads the same rules.
 
-``recipe_text`` writes them as a ``--custom-q`` file (ik_llama.cpp's llama-quantize and
-``quantkit quantize``), ``tensor_type_file_text`` as mainline's ``--tensor-type-file``, and
+``recipe_text`` writes them as a ``--custom-q`` file (``quantkit quantize``), ``custom_q_arg`` as
+the comma-separated ``--custom-q`` argument of ik_llama.cpp's llama-quantize,
+``tensor_type_file_text`` as mainline's ``--tensor-type-file``, and
 ``check_reproduces`` runs the planner over both to prove they give exactly the chosen types.
 """
 from __future__ import annotations
@@ -33,9 +34,11 @@ _PLAIN = set("abcdefghijklmnopqrstuvwxyz0123456789_")
 
 
 def _escape(text: str) -> str:
-    """``text`` as a regex that is its own lower case: upper-case letters (which mainline's
-    lower-casing would change) become ``.``; compact_rules checks the result is still exact."""
-    return "".join(c if c in _PLAIN else "." if c.isupper() else re.escape(c) for c in text)
+    """``text`` as a regex that is its own lower case: an upper-case letter (which mainline's
+    lower-casing would change) becomes "any character but its lower case" (``D``: ``[^d]``), which
+    tells ``ffn_Down`` from ``ffn_down``; compact_rules checks the result is still exact."""
+    return "".join(c if c in _PLAIN else f"[^{re.escape(c.lower())}]" if c.lower() != c else re.escape(c)
+                   for c in text)
 
 
 def _digit_class(lo: int, hi: int) -> str:
@@ -161,6 +164,10 @@ def _anchored(pattern: str, rule: _Rule, names: list[str]) -> str:
             if candidate.lower() != candidate:
                 break
             return candidate
+    odd = sorted(n for n in names if n.lower() != n)
+    if odd:
+        raise QuantkitError(f"tensor names with upper-case letters ({', '.join(odd[:3])}) cannot all be told apart "
+                            f"by recipe patterns, which mainline llama-quantize lower-cases")
     raise RuntimeError(f"recipe rule {pattern}={type_name(rule.qtype)} does not match exactly "
                        f"{sorted(rule.tensors)[:3]}")
 
@@ -175,6 +182,12 @@ def recipe_text(rules, header=()) -> str:
 def tensor_type_file_text(rules) -> str:
     """Mainline llama-quantize's ``--tensor-type-file``: ``regex=type`` items, one a line, no comments."""
     return "".join(f"{pattern}={type_name(qtype)}\n" for pattern, qtype in rules)
+
+
+def custom_q_arg(rules) -> str:
+    """The rules as one ``--custom-q`` argument of ik_llama.cpp's llama-quantize, which takes them
+    comma-separated (no pattern holds a comma)."""
+    return ",".join(f"{pattern}={type_name(qtype)}" for pattern, qtype in rules)
 
 
 def check_reproduces(model, rules, choice_types: dict[str, QuantType], flavor: str) -> None:
@@ -203,4 +216,4 @@ def check_reproduces(model, rules, choice_types: dict[str, QuantType], flavor: s
                                 + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""))
 
 
-__all__ = ["compact_rules", "recipe_text", "tensor_type_file_text", "check_reproduces", "layers_regex", "names_regex"]
+__all__ = ["compact_rules", "recipe_text", "tensor_type_file_text", "custom_q_arg", "check_reproduces", "layers_regex", "names_regex"]

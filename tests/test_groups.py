@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import random
 import re
+import subprocess
 
 import pytest
 
+import peers
 from models import deepseek_v3_tensors, rewrite_gguf, write_deepseek2, write_sparse
 
 from quantkit import api
@@ -16,8 +18,8 @@ from quantkit.gguf_io.reader import open_model
 from quantkit.groups import MIXED, make_groups, parse_budget
 from quantkit.placement import parse_placement
 from quantkit.plan import PlanOptions, make_plan
-from quantkit.recipe_emit import (check_reproduces, compact_rules, layers_regex, names_regex, recipe_text,
-                                  tensor_type_file_text)
+from quantkit.recipe_emit import (check_reproduces, compact_rules, custom_q_arg, layers_regex, names_regex,
+                                  recipe_text, tensor_type_file_text)
 from quantkit.recipes import parse_recipe_text, parse_tensor_type
 from quantkit.speed import plan_speed
 from quantkit.tensor_regex import compile_bounded
@@ -341,3 +343,69 @@ def test_metadata_kept_for_the_solver(deepseek):
     gs = make_groups(deepseek, IK_TYPES)
     assert gs.metadata_get("deepseek2.expert_count", None) == 4
     assert gs.flavor == "ik"
+
+
+@pytest.mark.skipif(peers.llama_quantize_bin() is None, reason="ik-llama-cpp-python not installed")
+def test_ik_llama_quantize_writes_the_chosen_types(deepseek_path, deepseek, tmp_path):
+    """ik_llama.cpp's own llama-quantize, given the rules as its --custom-q argument, writes every
+    tensor as chosen (interleaved experts, fallbacks and ranges included) and the predicted bytes."""
+    gs = make_groups(deepseek, IK_TYPES, parse_placement([r"exps=cpu"], gpu=True), layer_span=2)
+    choice = random_choice(gs, 5)
+    choice["blk.2-3.ffn_down_exps"] = type_from_name("q4_k_r4")
+    rules = compact_rules(gs, choice)
+    out = tmp_path / "theirs.gguf"
+    p = subprocess.run([str(peers.llama_quantize_bin()), "--custom-q", custom_q_arg(rules), str(deepseek_path),
+                        str(out), "Q8_0", "2"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    wanted = gs.tensor_types(choice)
+    with open_model(out) as m:
+        written = {t.name: t.qtype for t in m.tensors}
+        assert {n: written[n] for n in wanted} == wanted
+        assert sum(t.nbytes for t in m.tensors) == gs.file_bytes(choice)
+
+
+def test_hf_checkpoint_round_trip(tmp_path):
+    from hf_models import write_tiny_llama
+    path = write_tiny_llama(tmp_path / "hf", n_layer=2, n_embd=64, n_ff=128, n_head=2)
+    from quantkit.hf import open_hf
+    placement = parse_placement()
+    with open_hf(path) as m:
+        gs = make_groups(m, [T.Q8_0, T.Q4_K, T.Q4_0], placement)
+        assert [g.key for g in gs.groups] == ["token_embd", "blk.0.attn", "blk.0.ffn_up_gate", "blk.0.ffn_down",
+                                              "blk.1.attn", "blk.1.ffn_up_gate", "blk.1.ffn_down", "output"]
+        for seed in range(2):
+            _round_trip(path, m, gs, random_choice(gs, seed), tmp_path, "ik", placement)
+
+
+@pytest.mark.parametrize("name, layer, kind", [
+    ("token_embd.weight", None, "token_embd"), ("output.weight", None, "output"),
+    ("per_layer_token_embd.weight", None, "per_layer_token_embd"),
+    ("blk.12.attn_kv_b.weight", 12, "attn"), ("blk.0.attn_qkv.weight", 0, "attn"),
+    ("blk.3.ffn_gate_up_exps.weight", 3, "ffn_up_gate_exps"), ("blk.3.ffn_gate_exps.weight", 3, "ffn_up_gate_exps"),
+    ("blk.3.ffn_down_shexp.weight", 3, "ffn_down_shexp"), ("blk.3.ffn_up.weight", 3, "ffn_up_gate"),
+    ("blk.5.indexer.attn_k.weight", 5, "indexer"), ("blk.5.indexer.proj.weight", 5, "indexer"),
+    ("blk.61.nextn.eh_proj.weight", 61, "nextn"), ("blk.2.ssm_in.weight", 2, "ssm_in"),
+])
+def test_kind_of(name, layer, kind):
+    from quantkit.groups import kind_of
+    assert kind_of(name) == (layer, kind)
+
+
+def test_upper_case_tensor_names(tmp_path):
+    """Patterns stay their own lower case (mainline lower-cases them) and still tell ffn_Down from
+    ffn_down; names no lower-case pattern can separate are a one-line error."""
+    def model(names):
+        table = [("token_embd.weight", (64, 32), 0)] + [(n, (64, 64), 0) for n in names]
+        return write_sparse(tmp_path / f"m{len(names)}.gguf", "llama", {"llama.block_count": 1}, table)
+
+    with open_model(model(["blk.0.ffn_Down.weight", "blk.0.ffn_down.weight"])) as m:
+        gs = make_groups(m, [T.Q8_0, T.Q4_0])
+        choice = {"token_embd": T.Q8_0, "blk.0.ffn_Down": T.Q4_0, "blk.0.ffn_down": T.Q8_0}
+        rules = compact_rules(gs, choice)
+        assert (r"blk\.0\.ffn_[^d]own\.weight", T.Q4_0) in rules
+        check_reproduces(m, rules, gs.tensor_types(choice), "ik")
+    with open_model(model(["blk.0.ffn_Down.weight", "blk.0.ffn_down.weight", "blk.0.ffn_xown.weight"])) as m:
+        gs = make_groups(m, [T.Q8_0, T.Q4_0])
+        choice = {"token_embd": T.Q8_0, "blk.0.ffn_Down": T.Q4_0, "blk.0.ffn_down": T.Q8_0, "blk.0.ffn_xown": T.Q8_0}
+        with pytest.raises(QuantkitError, match="upper-case letters .blk.0.ffn_Down.weight. cannot all be told apart"):
+            compact_rules(gs, choice)
