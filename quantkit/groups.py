@@ -27,7 +27,7 @@ from . import formats
 from .errors import QuantkitError
 from .placement import Placement
 from .plan import OUTPUT_NAME, TOKEN_EMBD_NAMES, PlanOptions, make_plan
-from .presets import ModelInfo, layer_of, tensor_requires_imatrix
+from .presets import layer_of, tensor_requires_imatrix
 from .recipes import Recipe, Rule
 from .sizes import parse_size
 from .speed import bytes_per_token, expert_counts, mtp_layers
@@ -152,7 +152,8 @@ def kind_of(name: str) -> tuple[int | None, str]:
 
 
 def _interleaved(qtype: QuantType) -> bool:
-    return traits(qtype).interleave_rows > 1 or qtype in (QuantType.Q4_0_4_4, QuantType.Q4_0_4_8, QuantType.Q4_0_8_8)
+    """A row-interleaved layout (_r4, _r8, _r16; ARM's q4_0_4x4 family is no candidate: check_types)."""
+    return traits(qtype).interleave_rows > 1
 
 
 def check_types(types, flavor: str, has_imatrix: bool) -> list[QuantType]:
@@ -185,21 +186,41 @@ def _one_type_plan(tensors, qtype: QuantType, flavor: str):
     return make_plan(tensors, PlanOptions(recipe=Recipe([rule], str(rule)), flavor=flavor, allow_requantize=True))
 
 
+def imatrix_entries(imat, tensors, flavor: str) -> Callable[[str], bool]:
+    """``has_entry(name)`` for make_groups: whether a loaded imatrix (imatrix.load_imatrix) gives
+    the tensor importance weights, looked up as plan.attach_imatrix does it for a real run."""
+    shapes = {t.name: tuple(t.shape) for t in tensors}
+    found: dict[str, bool] = {}        # asked once per candidate type: each entry is checked once
+
+    def has_entry(name: str) -> bool:
+        if name not in found:
+            shape = shapes[name]
+            found[name] = (not (flavor == "mainline" and name not in imat)
+                           and imat.weights_for(name, shape[0], shape[2] if len(shape) > 2 else 1) is not None)
+        return found[name]
+    return has_entry
+
+
 def make_groups(model, types, placement: Placement | None = None, *, flavor: str = "ik", layer_span: int = 1,
-                has_imatrix: bool = False, has_entry: Callable[[str], bool] | None = None) -> GroupSet:
+                has_imatrix: bool = False, has_entry: Callable[[str], bool] | None = None,
+                imatrix=None) -> GroupSet:
     """The groups of ``model`` (an open GGUF or HF model: .tensors, .get) and their options among
     ``types`` (QuantTypes, in order of preference where two write the same).
 
-    ``has_entry(name)``: whether the imatrix has weights for a tensor (default: every tensor but the
-    token embeddings, which no imatrix covers, when ``has_imatrix``)."""
+    Which tensors get importance weights: ``imatrix`` (a loaded imatrix: its own entries, see
+    imatrix_entries), else ``has_entry(name)``, else with ``has_imatrix`` every tensor but the token
+    embeddings (which no imatrix covers)."""
     if isinstance(layer_span, bool) or not isinstance(layer_span, int) or layer_span < 1:
         raise QuantkitError(f"layer span must be a whole number of layers, at least 1 (got {layer_span!r})")
+    tensors = list(model.tensors)
+    if imatrix is not None:
+        has_imatrix = len(imatrix) > 0
+        has_entry = has_entry or imatrix_entries(imatrix, tensors, flavor)
     types = check_types(types, flavor, has_imatrix)
     placement = placement if placement is not None else Placement()
     if has_entry is None:
         def has_entry(name):
             return has_imatrix and name not in TOKEN_EMBD_NAMES
-    tensors = list(model.tensors)
     account = _Accounting.of(model, tensors, placement)
     plans = {t: {tp.name: tp for tp in _one_type_plan(tensors, t, flavor).tensors} for t in types}
     first = plans[types[0]]
@@ -364,4 +385,5 @@ def parse_budget(text: str, n_elements: int, what: str = "--budget") -> int:
     return n
 
 
-__all__ = ["Option", "Group", "GroupSet", "MIXED", "make_groups", "parse_budget", "kind_of", "check_types"]
+__all__ = ["Option", "Group", "GroupSet", "MIXED", "make_groups", "parse_budget", "kind_of", "check_types",
+           "imatrix_entries"]

@@ -169,6 +169,23 @@ def test_imatrix_rules(deepseek):
         make_groups(deepseek, [iq2_xxs], has_imatrix=True)
 
 
+def test_a_loaded_imatrix_says_which_tensors_have_weights(deepseek, tmp_path):
+    import numpy as np
+    from quantkit.imatrix import load_imatrix, save_dat
+    iq2_xxs = type_from_name("iq2_xxs")
+    weights = {"blk.2.ffn_down_exps.weight": np.ones(256 * 4, np.float32),
+               "blk.2.attn_output.weight": np.ones(512, np.float32)}
+    imat = load_imatrix(save_dat(tmp_path / "imatrix.dat", weights))
+    for flavor in ("ik", "mainline"):
+        gs = make_groups(deepseek, [iq2_xxs, T.Q8_0], imatrix=imat, flavor=flavor)
+        can = [g.key for g in gs.groups if any(o.qtype == iq2_xxs for o in g.options)]
+        assert can == ["blk.2.ffn_down_exps"], flavor      # attn holds other tensors without weights
+    # an entry of the wrong size is the real run's error
+    bad = load_imatrix(save_dat(tmp_path / "bad.dat", {"blk.2.ffn_down_exps.weight": np.ones(256, np.float32)}))
+    with pytest.raises(QuantkitError, match="imatrix size 256 is different from tensor size 1024"):
+        make_groups(deepseek, [iq2_xxs, T.Q8_0], imatrix=bad)
+
+
 @pytest.mark.parametrize("types, flavor, message", [
     (["iq4_k"], "mainline", "mainline llama.cpp cannot load iq4_k"),
     (["q4_0_4x4"], "ik", "quantizing to q4_0_4x4 .ik flavor. is not implemented"),
