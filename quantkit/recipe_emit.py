@@ -27,7 +27,7 @@ from .groups import GroupSet
 from .plan import PlanOptions, make_plan
 from .presets import layer_of
 from .recipes import Recipe, parse_recipe_text, parse_tensor_type
-from .tensor_regex import compile_bounded
+from .tensor_regex import UnboundedRegex, backtracking_paths, compile_bounded
 from .types import QuantType, type_name
 
 _PLAIN = set("abcdefghijklmnopqrstuvwxyz0123456789_")
@@ -122,12 +122,32 @@ def compact_rules(groupset: GroupSet, choice: dict[str, QuantType]) -> list[tupl
     out = []
     names = [n for g in groupset.groups for n in g.tensors] + list(groupset.kept)
     for rule in sorted(rules, key=lambda r: (r.first, min(r.layers, default=-1))):
-        if rule.layers:
-            pattern = rf"blk\.{layers_regex(rule.layers)}\.{names_regex(rule.names)}"
-        else:
-            pattern = names_regex(rule.names)
-        out.append((_anchored(pattern, rule, names), rule.qtype))
+        for part in _bounded_parts(rule):
+            out.append((_anchored(_rule_pattern(part), part, names), part.qtype))
     return out
+
+
+def _rule_pattern(rule: "_Rule") -> str:
+    if rule.layers:
+        return rf"blk\.{layers_regex(rule.layers)}\.{names_regex(rule.names)}"
+    return names_regex(rule.names)
+
+
+def _bounded_parts(rule: "_Rule") -> list["_Rule"]:
+    """The rule, or where its layer and name alternatives together make a pattern whose matching
+    work tensor_regex refuses (scattered layers times many names), one rule per name."""
+    try:
+        backtracking_paths(_rule_pattern(rule))
+        return [rule]
+    except UnboundedRegex:
+        if len(rule.names) < 2:
+            raise
+    parts = []
+    for name in sorted(rule.names):
+        part = _Rule(rule.qtype, rule.first, set(rule.layers))
+        part.add(rule.first, [name], [t for t in rule.tensors if t.endswith("." + name)])
+        parts.append(part)
+    return parts
 
 
 class _Rule:

@@ -426,3 +426,17 @@ def test_upper_case_tensor_names(tmp_path):
         choice = {"token_embd": T.Q8_0, "blk.0.ffn_Down": T.Q4_0, "blk.0.ffn_down": T.Q8_0, "blk.0.ffn_xown": T.Q8_0}
         with pytest.raises(QuantkitError, match="upper-case letters .blk.0.ffn_Down.weight. cannot all be told apart"):
             compact_rules(gs, choice)
+
+
+def test_scattered_layers_and_many_names_stay_within_the_regex_bound(tmp_path):
+    """120 layers whose types alternate, 72 tensors each: one pattern would have 60 x 72 alternatives,
+    more than tensor_regex allows; a rule per name instead."""
+    names = [f"attn_{i}" for i in range(72)]
+    table = [("token_embd.weight", (64, 32), 0)] + [(f"blk.{i}.{n}.weight", (64, 32), 0)
+                                                     for i in range(120) for n in names]
+    with open_model(write_sparse(tmp_path / "wide.gguf", "llama", {"llama.block_count": 120}, table)) as m:
+        gs = make_groups(m, [T.Q8_0, T.Q4_0])
+        choice = {g.key: (T.Q8_0, T.Q4_0)[(g.layers[0] if g.layers else 0) % 2] for g in gs.groups}
+        rules = compact_rules(gs, choice)      # each rule checked to match exactly its tensors
+        assert len(rules) == 1 + 2 * len(names)
+        assert {q for p, q in rules if p.endswith(r".attn_7\.weight")} == {T.Q8_0, T.Q4_0}
