@@ -332,7 +332,7 @@ def _options(names, shapes, device, types, plans, account: _Accounting, flavor, 
         if _interleaved(qtype) and (device != "cpu" or embeddings):
             continue
         written = {n: plans[qtype][n].dst_type for n in names}
-        if not all(_quantizable(n, written[n], plans[qtype][n].action, flavor, has_entry) for n in names):
+        if not all(_quantizable(plans[qtype][n], flavor, has_entry) for n in names):
             continue
         nbytes: dict[str, int] = {}
         per_token: dict[str, int] = {}
@@ -351,16 +351,17 @@ def _options(names, shapes, device, types, plans, account: _Accounting, flavor, 
     return list(by_types.values())
 
 
-def _quantizable(name: str, written: QuantType, action: str, flavor: str, has_entry) -> bool:
-    """Whether a real run writes ``name`` as ``written`` (plan.check_implemented, check_imatrix)."""
-    if action == "copy":
+def _quantizable(tp, flavor: str, has_entry) -> bool:
+    """Whether a real run writes the plan's tensor ``tp`` as planned (plan.check_implemented,
+    check_imatrix)."""
+    if tp.action == "copy":
         return True
-    if not loads(written, flavor):
+    if not loads(tp.dst_type, flavor) or not formats.can_dequantize(tp.src_type):
         return False
-    with_weights = has_entry(name)
-    if not with_weights and tensor_requires_imatrix(name, written, None, flavor):
+    with_weights = has_entry(tp.name)
+    if not with_weights and tensor_requires_imatrix(tp.name, tp.dst_type, None, flavor):
         return False
-    return formats.can_quantize(written, flavor, with_weights)
+    return formats.can_quantize(tp.dst_type, flavor, with_weights)
 
 
 _BPW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*bpw\s*$", re.I)

@@ -440,3 +440,11 @@ def test_scattered_layers_and_many_names_stay_within_the_regex_bound(tmp_path):
         rules = compact_rules(gs, choice)      # each rule checked to match exactly its tensors
         assert len(rules) == 1 + 2 * len(names)
         assert {q for p, q in rules if p.endswith(r".attn_7\.weight")} == {T.Q8_0, T.Q4_0}
+
+
+def test_a_source_type_quantkit_cannot_read_leaves_no_option(tmp_path):
+    """A real run cannot convert an f64 tensor (check_implemented): no candidate is an option there."""
+    table = [("token_embd.weight", (64, 32), 0), ("blk.0.attn_q.weight", (64, 64), 28)]     # f64
+    with open_model(write_sparse(tmp_path / "f64.gguf", "llama", {"llama.block_count": 1}, table)) as m:
+        with pytest.raises(QuantkitError, match=r"group blk.0.attn: none of the candidate types \(q8_0, q4_0\)"):
+            make_groups(m, [T.Q8_0, T.Q4_0])
