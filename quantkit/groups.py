@@ -15,6 +15,11 @@ embeddings are the planner's own.  A candidate is left out of a group where a re
 (a type the flavor cannot quantize, with or without an imatrix; a very-low-bit type without one) or
 where the user's constraints forbid it (row-interleaved ``_rN`` layouts only for tensors that stay on
 the CPU, never for token embeddings).  Options that write the same types are one option.
+
+Bytes are counted per device as speed.plan_speed counts them: ``nbytes`` held in each device's
+memory (a tied output's token_embd a second time on the GPU, where llama.cpp copies it) and
+``bytes_per_token`` read to generate a token (the active experts only; nothing of an MTP block);
+``file_bytes`` is what the GGUF file holds (plan.Plan.bytes_out).
 """
 from __future__ import annotations
 
