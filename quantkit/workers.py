@@ -25,6 +25,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -41,6 +42,11 @@ STOP_GRACE_S = 5.0      # a worker told to stop that is still alive after this i
 THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 RAY_INSTALL = "pip install 'quantkit-gguf[ray]'"
 RAY_LOCAL_OBJECT_STORE = 1 << 28    # jobs and results are small: specs and numbers
+# A local Ray instance's sockets are <temp dir>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store:
+# 64 characters after the folder, and a socket's path holds 107 at most.
+RAY_SOCKET_TAIL = len("/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store")
+SOCKET_PATH_MAX = 107
+RAY_CONNECT_TIMEOUT_S = 10.0
 
 
 class RemoteTraceback(Exception):
@@ -142,15 +148,20 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="quantkit-parent-watch", daemon=True).start()
 
 
+def _limit_threads(threads: int) -> None:
+    """Size the job's thread pools, before its modules (numba) are imported where that is still to come."""
+    for var in THREAD_VARS:
+        os.environ[var] = str(min(threads, int(os.environ.get(var) or threads)))
+    if "numba" in sys.modules:      # imported already (by the parent's main module, by an earlier task)
+        numba = sys.modules["numba"]
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
 def _worker_main(conn, fn_bytes: bytes, parent_pid: int, threads: int) -> None:
     """A worker's life: jobs in, outcomes out, until the parent closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
-    for var in THREAD_VARS:         # before the job's module (numba) is imported by unpickling fn
-        os.environ[var] = str(min(threads, int(os.environ.get(var) or threads)))
-    if "numba" in sys.modules:      # imported already (by the parent's main module): too late for the variable
-        numba = sys.modules["numba"]
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    _limit_threads(threads)         # fn and the jobs are unpickled after this
     fn = None
     while True:
         try:
@@ -267,12 +278,20 @@ def _connect_ray(ray, address: str, workers: int | None):
     if ray.is_initialized():
         return None
     temp_dir = None
-    options = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    # Ray's own notices (token authentication, usage statistics) would interleave with quantkit's
+    # output; its errors still show
+    options = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     if address == "local":
         # A directory of our own, removed after: Ray leaves its session (logs, sockets) behind
         # otherwise, under /tmp/ray.  Ray's RAY_TMPDIR still says where (sockets need a short path).
         temp_dir = tempfile.mkdtemp(prefix="qk-ray-", dir=os.environ.get("RAY_TMPDIR") or None)
+        if len(temp_dir) + RAY_SOCKET_TAIL > SOCKET_PATH_MAX:
+            os.rmdir(temp_dir)
+            raise QuantkitError(f"the local Ray instance's sockets under {temp_dir} would be longer than "
+                                f"{SOCKET_PATH_MAX} characters: set RAY_TMPDIR to a shorter folder")
         options.update(num_cpus=workers, object_store_memory=RAY_LOCAL_OBJECT_STORE, _temp_dir=temp_dir)
+    else:
+        _check_reachable(address)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")     # no telemetry that the user did not ask for
     try:
         ray.init(address=address, **options)
@@ -282,6 +301,31 @@ def _connect_ray(ray, address: str, workers: int | None):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise QuantkitError(f"cannot start or reach the Ray cluster {address!r}: {first}") from None
     return temp_dir or ""
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast on a HOST:PORT that nothing listens on: ray.init retries such an address for
+    minutes (14 measured).  "auto" and addresses without a port are left to Ray."""
+    where = address.split("://", 1)[-1]
+    host, _, port = where.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise QuantkitError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
+
+
+def _ray_task(fn_bytes: bytes, job_bytes: bytes, threads: int) -> tuple:
+    """A job on a Ray worker: fn and the job travel pickled, so that the thread counts are set before
+    their modules are imported (a runtime_env with the variables would do it too, at the cost of
+    starting a worker process set up for it: seconds)."""
+    _limit_threads(threads)
+    try:
+        fn, job = pickle.loads(fn_bytes), pickle.loads(job_bytes)
+    except BaseException as e:
+        return _failure(e)
+    return _outcome(fn, job)
 
 
 def _ray_failure(ray, e: Exception, index: int) -> QuantkitError:
@@ -303,10 +347,12 @@ def _run_ray(fn, jobs: list, address: str, workers: int | None, threads: int, on
                 signal.signal(s, h)
     pending: dict = {}
     try:
-        env = {var: str(threads) for var in THREAD_VARS}
-        task = ray.remote(_outcome).options(num_cpus=threads, runtime_env={"env_vars": env}, name="quantkit-job")
-        fn_ref = ray.put(fn)
-        pending = {task.remote(fn_ref, job): index for index, job in enumerate(jobs)}
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if cpus < threads:      # Ray would wait for ever for a node with that many CPUs
+            raise QuantkitError(f"the Ray cluster has {cpus:g} CPUs, fewer than the {threads} threads asked for per job")
+        task = ray.remote(_ray_task).options(num_cpus=threads, name="quantkit-job")
+        fn_ref = ray.put(pickle.dumps(fn))
+        pending = {task.remote(fn_ref, pickle.dumps(job), threads): index for index, job in enumerate(jobs)}
         results: list = [None] * len(jobs)
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
@@ -333,7 +379,10 @@ def _run_ray(fn, jobs: list, address: str, workers: int | None, threads: int, on
                 except Exception:   # finished meanwhile, or the cluster is gone
                     pass
             if ours is not None:
-                ray.shutdown()
+                try:
+                    ray.shutdown(wait_for_processes=True)   # a local instance's processes are gone when we return
+                except TypeError:                           # an older Ray has no such argument
+                    ray.shutdown()
                 if ours:
                     shutil.rmtree(ours, ignore_errors=True)
             for s, h in saved.items():

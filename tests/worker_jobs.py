@@ -54,3 +54,26 @@ def sleep_and_note(job):
 
 def unpicklable_result(job):
     return lambda: job
+
+
+def main(folder: str, n_jobs: int, seconds: float) -> int:
+    """A command that runs sleeping jobs on two workers, for the signal tests: exits as quantkit's
+    CLI does (130 on Ctrl-C, 128 + the signal on SIGTERM / SIGHUP)."""
+    import sys
+    from quantkit.signals import Terminated, terminate_on_signals
+    from quantkit.workers import run_jobs
+    try:
+        with terminate_on_signals():
+            run_jobs(sleep_and_note, [(folder, seconds)] * n_jobs, workers=2)
+    except Terminated as e:
+        print(f"terminated by {e.name}", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3])))
