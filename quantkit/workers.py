@@ -16,7 +16,13 @@ itself with the worker's traceback as its cause (a bug: the CLI says "internal e
 dies (a crash signal, the out-of-memory killer) is a QuantkitError naming the job and the signal.
 The first failure stops the other workers; results already passed to ``on_result`` stay.
 
-Ray (an optional extra, ``pip install 'quantkit-gguf[ray]'``) is imported only when asked for.
+Ray (an optional extra, ``pip install 'quantkit-gguf[ray]'``) is imported only when asked for.  Every
+node imports ``fn``'s module and this one by name, so each needs quantkit installed, the same
+version (Ray also puts the driver's working directory first on its workers' path).  A local instance
+("local") lives in a temporary folder of its own, removed with it; Ray's notices are kept quiet and
+its usage statistics off unless RAY_USAGE_STATS_ENABLED says otherwise.  What no code can clean up:
+a driver killed outright (SIGKILL) leaves its local instance's folder behind, and Ray's dashboard
+and runtime-env agents linger about a minute before they notice (measured with Ray 2.60).
 """
 from __future__ import annotations
 
@@ -351,8 +357,9 @@ def _run_ray(fn, jobs: list, address: str, workers: int | None, threads: int, on
         if cpus < threads:      # Ray would wait for ever for a node with that many CPUs
             raise QuantkitError(f"the Ray cluster has {cpus:g} CPUs, fewer than the {threads} threads asked for per job")
         task = ray.remote(_ray_task).options(num_cpus=threads, name="quantkit-job")
-        fn_ref = ray.put(pickle.dumps(fn))
-        pending = {task.remote(fn_ref, pickle.dumps(job), threads): index for index, job in enumerate(jobs)}
+        dumps = ray.cloudpickle.dumps      # as Ray pickles: a function of the driver's __main__ too
+        fn_ref = ray.put(dumps(fn))
+        pending = {task.remote(fn_ref, dumps(job), threads): index for index, job in enumerate(jobs)}
         results: list = [None] * len(jobs)
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)

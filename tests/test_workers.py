@@ -179,11 +179,20 @@ def ray_env(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("RAY_AUTH_TOKEN", RAY_TOKEN)
     monkeypatch.setenv("RAY_TMPDIR", str(link))
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    # ray.init sets RAY_AUTH_MODE in os.environ for good (setting it here first would not do: Ray reads
+    # it into its configuration on import), and its own SIGTERM handler (sys.exit)
+    auth_mode = os.environ.get("RAY_AUTH_MODE")
+    sigterm = signal.getsignal(signal.SIGTERM)
     try:
         yield ray, link
     finally:
         if ray.is_initialized():
             ray.shutdown()
+        signal.signal(signal.SIGTERM, sigterm)
+        if auth_mode is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = auth_mode
         link.unlink()
 
 
@@ -211,6 +220,7 @@ def test_ray_local_instance_runs_the_jobs_and_leaves_nothing(ray_env):
     if not Path("/proc/self/stat").exists():
         pytest.skip("counts processes in /proc")
     before = our_descendants()
+    sigterm = signal.getsignal(signal.SIGTERM)
     seen = []
     results = run_jobs(wj.where, range(5), ray_address="local", workers=2,
                        on_result=lambda i, r: seen.append((i, os.getpid())))
@@ -219,6 +229,7 @@ def test_ray_local_instance_runs_the_jobs_and_leaves_nothing(ray_env):
     assert {r[2] for r in results} == {"1"}                 # one thread per task by default
     assert sorted(seen) == [(i, os.getpid()) for i in range(5)]
     assert not ray.is_initialized()
+    assert signal.getsignal(signal.SIGTERM) is sigterm     # ray.init's handler is not left in place
     assert our_descendants() <= before, "Ray processes survive the run"
     assert list(folder.iterdir()) == [], "Ray's session folder was left behind"
 

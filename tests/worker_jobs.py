@@ -56,15 +56,16 @@ def unpicklable_result(job):
     return lambda: job
 
 
-def main(folder: str, n_jobs: int, seconds: float) -> int:
-    """A command that runs sleeping jobs on two workers, for the signal tests: exits as quantkit's
-    CLI does (130 on Ctrl-C, 128 + the signal on SIGTERM / SIGHUP)."""
+def main(folder: str, n_jobs: int, seconds: float, ray_address: str | None = None) -> int:
+    """A command that runs sleeping jobs on two workers (local processes, or a Ray cluster), for the
+    signal tests: exits as quantkit's CLI does (130 on Ctrl-C, 128 + the signal on SIGTERM / SIGHUP)."""
     import sys
     from quantkit.signals import Terminated, terminate_on_signals
     from quantkit.workers import run_jobs
+    import worker_jobs      # this file is __main__ here: the workers import the jobs by the module's name
     try:
         with terminate_on_signals():
-            run_jobs(sleep_and_note, [(folder, seconds)] * n_jobs, workers=2)
+            run_jobs(worker_jobs.sleep_and_note, [(folder, seconds)] * n_jobs, workers=2, ray_address=ray_address)
     except Terminated as e:
         print(f"terminated by {e.name}", file=sys.stderr)
         return 128 + e.signum
@@ -76,4 +77,4 @@ def main(folder: str, n_jobs: int, seconds: float) -> int:
 
 if __name__ == "__main__":
     import sys
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3])))
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), *sys.argv[4:5]))
