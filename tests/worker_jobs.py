@@ -3,6 +3,7 @@ import them by name."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -14,8 +15,14 @@ def square(x):
 
 
 def where(job):
-    """(the job, the process that ran it, its thread settings)."""
-    return job, os.getpid(), os.environ.get("NUMBA_NUM_THREADS")
+    """(the job, the process that ran it, its thread settings, whether it ignores Ctrl-C)."""
+    return job, os.getpid(), os.environ.get("NUMBA_NUM_THREADS"), signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def numba_threads(job):
+    """The threads numba computes on in this process, and the most it may use."""
+    import numba
+    return numba.get_num_threads(), numba.config.NUMBA_NUM_THREADS
 
 
 def refuse(job):
@@ -45,10 +52,15 @@ def die(job):
 
 
 def sleep_and_note(job):
-    """Writes its pid into the folder named by the job, then sleeps: an interrupt finds it running."""
+    """Writes its pid into the folder named by the job, then sleeps: an interrupt finds it running.
+    A KeyboardInterrupt in the sleep leaves a note."""
     folder, seconds = job
     Path(folder, f"{os.getpid()}.pid").write_text("")
-    time.sleep(seconds)
+    try:
+        time.sleep(seconds)
+    except KeyboardInterrupt:       # a Ctrl-C reached the worker (it should reach the parent alone)
+        Path(folder, f"{os.getpid()}.interrupted").write_text("")
+        raise
     return os.getpid()
 
 
