@@ -71,7 +71,7 @@ def available_cpus() -> int:
 
 
 def run_jobs(fn, jobs, *, workers: int | None = None, ray_address: str | None = None, on_result=None,
-             threads_per_job: int | None = None) -> list:
+             threads_per_job: int | None = None, describe=None) -> list:
     """``[fn(job) for job in jobs]``, computed in parallel.
 
     ``fn`` is a module-level function and every job picklable.  ``workers``: how many local worker
@@ -81,18 +81,21 @@ def run_jobs(fn, jobs, *, workers: int | None = None, ray_address: str | None = 
     ``workers`` CPUs, all by default), shut down after.  A Ray connection this process already has is
     used as it is.  ``threads_per_job``: the threads each job computes on (local workers: the cores
     divided between them; Ray: 1, and each task asks Ray for that many CPUs).  ``on_result(index,
-    result)`` runs here, in this process, as each job finishes."""
+    result)`` runs here, in this process, as each job finishes.  ``describe(job)``: what the errors call
+    a job whose worker died ("job 3" by default)."""
     jobs = list(jobs)
     for name, value in (("workers", workers), ("threads per job", threads_per_job)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise QuantkitError(f"{name} must be a whole number of at least 1, not {value!r}")
+    def label(index: int) -> str:
+        return f"job {index}" if describe is None else str(describe(jobs[index]))
     if ray_address is not None:
-        return _run_ray(fn, jobs, ray_address, workers, threads_per_job or 1, on_result)
+        return _run_ray(fn, jobs, ray_address, workers, threads_per_job or 1, on_result, label)
     n = min(workers or available_cpus(), len(jobs))
     if n <= 1:
         return _run_here(fn, jobs, on_result)
     threads = threads_per_job or max(1, available_cpus() // n)
-    return _run_processes(fn, jobs, n, threads, on_result)
+    return _run_processes(fn, jobs, n, threads, on_result, label)
 
 
 def _run_here(fn, jobs, on_result) -> list:
@@ -123,11 +126,11 @@ def _failure(e: BaseException) -> tuple:
     return ("error", e, text)
 
 
-def _raise_failure(outcome: tuple, index: int):
+def _raise_failure(outcome: tuple, label: str):
     _, e, text = outcome
     if isinstance(e, QuantkitError):
         raise e from None               # the user's problem, said in one line
-    e.__cause__ = RemoteTraceback(f"\njob {index}, in the worker:\n{text}")
+    e.__cause__ = RemoteTraceback(f"\n{label}, in the worker:\n{text}")
     raise e
 
 
@@ -157,7 +160,8 @@ def _die_with_parent(parent_pid: int) -> None:
 def _limit_threads(threads: int) -> None:
     """Size the job's thread pools, before its modules (numba) are imported where that is still to come."""
     for var in THREAD_VARS:
-        os.environ[var] = str(min(threads, int(os.environ.get(var) or threads)))
+        given = os.environ.get(var, "")
+        os.environ[var] = str(min(threads, int(given)) if given.isdigit() and int(given) > 0 else threads)
     if "numba" in sys.modules:      # imported already (by the parent's main module, by an earlier task)
         numba = sys.modules["numba"]
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -195,10 +199,11 @@ class _Worker:
         self.process.start()
         child_end.close()
         self.index: int | None = None       # the job it is running
+        self.label = ""
 
-    def give(self, index: int, job) -> None:
+    def give(self, index: int, job, label: str) -> None:
         self.conn.send_bytes(pickle.dumps(job))
-        self.index = index
+        self.index, self.label = index, label
 
     def outcome(self) -> tuple:
         """The finished job's outcome; a QuantkitError when the worker died instead."""
@@ -212,7 +217,7 @@ class _Worker:
         how = (f"with {signal.Signals(-code).name}" if code is not None and code < 0 and -code in signal.valid_signals()
                else f"with exit status {code}")
         hint = " (out of memory? fewer workers need less)" if code == -signal.SIGKILL else ""
-        raise QuantkitError(f"a worker process died {how} while running job {self.index}{hint}")
+        raise QuantkitError(f"a worker process died {how} while running {self.label}{hint}")
 
     def stop(self) -> None:
         """Ask it to end: an idle worker ends on the closed pipe, a busy one is terminated."""
@@ -221,7 +226,7 @@ class _Worker:
             self.process.terminate()
 
 
-def _run_processes(fn, jobs: list, n: int, threads: int, on_result) -> list:
+def _run_processes(fn, jobs: list, n: int, threads: int, on_result, label) -> list:
     ctx = get_context("spawn")
     fn_bytes = pickle.dumps(fn)
     results: list = [None] * len(jobs)
@@ -233,7 +238,7 @@ def _run_processes(fn, jobs: list, n: int, threads: int, on_result) -> list:
             pool.append(_Worker(ctx, fn_bytes, threads, number))
         for w in pool:
             if (index := next(queue, None)) is not None:
-                w.give(index, jobs[index])
+                w.give(index, jobs[index], label(index))
         while done < len(jobs):
             busy = [w for w in pool if w.index is not None]
             ready = set(wait([w.conn for w in busy] + [w.process.sentinel for w in busy], POLL_S))
@@ -243,10 +248,10 @@ def _run_processes(fn, jobs: list, n: int, threads: int, on_result) -> list:
                     continue
                 index, outcome = w.index, w.outcome()
                 if outcome[0] == "error":
-                    _raise_failure(outcome, index)
+                    _raise_failure(outcome, w.label)
                 w.index = None
                 if (following := next(queue, None)) is not None:
-                    w.give(following, jobs[following])      # before on_result: the worker computes meanwhile
+                    w.give(following, jobs[following], label(following))      # before on_result: the worker computes meanwhile
                 results[index] = outcome[1]
                 done += 1
                 if on_result is not None:
@@ -334,14 +339,14 @@ def _ray_task(fn_bytes: bytes, job_bytes: bytes, threads: int) -> tuple:
     return _outcome(fn, job)
 
 
-def _ray_failure(ray, e: Exception, index: int) -> QuantkitError:
+def _ray_failure(e: Exception, label: str) -> QuantkitError:
     cause = getattr(e, "cause", None)
     what = type(cause or e).__name__
     first = next((line for line in str(cause or e).splitlines() if line.strip()), "")
-    return QuantkitError(f"job {index} failed on the Ray cluster: {what}: {first.strip()}")
+    return QuantkitError(f"{label} failed on the Ray cluster: {what}: {first.strip()}")
 
 
-def _run_ray(fn, jobs: list, address: str, workers: int | None, threads: int, on_result) -> list:
+def _run_ray(fn, jobs: list, address: str, workers: int | None, threads: int, on_result, label) -> list:
     ray = _import_ray()
     saved = {s: signal.getsignal(s) for s in signals.HANDLED} \
         if threading.current_thread() is threading.main_thread() else {}
@@ -371,9 +376,9 @@ def _run_ray(fn, jobs: list, address: str, workers: int | None, threads: int, on
                 try:
                     outcome = ray.get(ref)
                 except ray.exceptions.RayError as e:
-                    raise _ray_failure(ray, e, index) from None
+                    raise _ray_failure(e, label(index)) from None
                 if outcome[0] == "error":
-                    _raise_failure(outcome, index)
+                    _raise_failure(outcome, label(index))
                 results[index] = outcome[1]
                 if on_result is not None:
                     on_result(index, outcome[1])

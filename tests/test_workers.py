@@ -115,6 +115,8 @@ def test_a_bug_in_a_job_comes_back_as_itself_with_the_workers_traceback():
 def test_a_worker_that_dies_is_a_quantkit_error_naming_the_job_and_signal():
     with pytest.raises(QuantkitError, match=r"worker process died with SIGKILL while running job 1 \(out of memory"):
         run_jobs(wj.die, range(3), workers=2)
+    with pytest.raises(QuantkitError, match=r"died with SIGKILL while running blk\.1\.attn as q4_K \(out of memory"):
+        run_jobs(wj.die, range(3), workers=2, describe=lambda job: f"blk.{job}.attn as q4_K")
 
 
 def test_an_interrupt_in_the_parent_stops_the_workers(tmp_path):
