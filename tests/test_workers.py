@@ -2,8 +2,9 @@
 
 The jobs are in tests/worker_jobs.py (worker processes import them by name).  Worker processes are
 fresh interpreters that import only quantkit.errors for these jobs: a local run costs a fraction of
-a second.  The Ray tests start two small local instances (~5-10 s each on two busy cores), under
-a short directory of their own, and check that nothing of them is left: no process, no file.
+a second (numba_threads's import of numba: a few).  The Ray tests start two small local instances
+(9-20 s each, measured on two cores shared with other busy sessions), under a short directory of
+their own, and check that nothing of them is left: no process, no file.
 """
 from __future__ import annotations
 
