@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import re
 from dataclasses import dataclass, field
@@ -364,8 +365,16 @@ def perplexity(model, text_file, *, ctx_size: int = 512, chunks: int | None = No
     from .runtime.session import open_session, parse_overrides
 
     model, text_file = Path(model), Path(text_file)
-    if kld_top_k is not None and (kl_divergence_base is None or isinstance(kld_top_k, bool) or kld_top_k < 1):
-        raise QuantkitError("--kld-top-k K needs --kl-divergence-base FILE (the base to write) and K >= 1")
+    if kld_top_k is not None:
+        if kl_divergence_base is None:
+            raise QuantkitError("--kld-top-k K needs --kl-divergence-base FILE (the base to write)")
+        try:
+            k = None if isinstance(kld_top_k, bool) else operator.index(kld_top_k)
+        except TypeError:
+            k = None
+        if k is None or k < 1:
+            raise QuantkitError(f"--kld-top-k: {kld_top_k!r} is not a whole number >= 1")
+        kld_top_k = k
     if kl_divergence_base is not None:
         kl_divergence_base = Path(kl_divergence_base)
         check_outputs([kl_divergence_base], [model, text_file], what="--kl-divergence-base")

@@ -325,6 +325,15 @@ def test_cli_refuses_bad_kld_top_k(tiny, tmp_path, capsys, extra, words):
     snap.assert_unchanged()                     # no base file, no temporary left behind
 
 
+@pytest.mark.parametrize("k", [0, -3, 2.5, "8", True])
+def test_library_refuses_bad_kld_top_k(tiny, tmp_path, k):
+    snap = Snapshot(tmp_path)
+    with pytest.raises(QuantkitError, match=re.escape(f"--kld-top-k: {k!r} is not a whole number >= 1")):
+        quantkit.perplexity(tiny["base"], tiny["text"], ctx_size=CTX, chunks=1, kl_divergence_base=tmp_path / "b.kld",
+                            kld_top_k=k, threads=1)
+    snap.assert_unchanged()
+
+
 def test_cli_refuses_kld_top_k_when_reading(tiny, bases, capsys):
     rc, out, err = run_main(capsys, "perplexity", tiny["quant"], "--kl-divergence-base", bases["top8"],
                             "--kl-divergence", "--kld-top-k", 8)
