@@ -114,6 +114,20 @@ def test_topk_of_orders_by_probability_then_id():
         topk_kld(whole, np.zeros((2, 3), np.float32))
 
 
+def test_topk_of_breaks_every_tie_by_id():
+    """Logits of four values (ties everywhere): the top k are those of a sort by probability then
+    id, whatever argpartition kept at the k-th place."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(rng.integers(20, 200))
+        x = rng.integers(0, 4, (3, n)).astype(np.float32)
+        k = int(rng.integers(1, n + 1))
+        top = topk_of(x, k)
+        for r in range(3):
+            assert top.ids[r].tolist() == np.lexsort((np.arange(n), -x[r]))[:k].tolist(), (n, k)
+        assert (top.ids[:, 0] == np.argmax(x, axis=1)).all()
+
+
 def test_rest_mass_is_summed_not_subtracted():
     """A rest of 1e-20 (1 - sum of the top-k is 0 in float64) keeps its value: the KLD term of a
     model that gives the rest 1e-10 is not lost, nor made infinite."""
@@ -338,3 +352,13 @@ def test_cli_refuses_kld_top_k_when_reading(tiny, bases, capsys):
     rc, out, err = run_main(capsys, "perplexity", tiny["quant"], "--kl-divergence-base", bases["top8"],
                             "--kl-divergence", "--kld-top-k", 8)
     assert_refused(rc, out, err, "--kld-top-k is for writing a base")
+
+
+def test_cli_refuses_a_corrupt_topk_base(tiny, tmp_path, capsys):
+    """The refusal contract through the CLI: exit 1, one line naming the row, nothing changed."""
+    path = write_topk(tmp_path / "bad.kld", n_ctx=CTX, n_vocab=N_VOCAB, k=8, edit=_set("ids", 20, N_VOCAB + 7, 1))
+    snap = Snapshot(tmp_path, tiny["quant"])
+    rc, out, err = run_main(capsys, "perplexity", tiny["quant"], "--kl-divergence-base", path, "--kl-divergence",
+                            "--threads", 1)
+    assert_refused(rc, out, err, "bad.kld", "corrupt top-k logits row 20 (chunk 2)", "outside the vocabulary of 320")
+    snap.assert_unchanged()
