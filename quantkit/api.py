@@ -356,8 +356,9 @@ def perplexity(model, text_file, *, ctx_size: int = 512, chunks: int | None = No
     ``.ppl_error``, ``.chunk_ppl``).  ``kl_divergence_base``: also save the logits there for a
     later ``kl_divergence``: all of them (llama-perplexity's format), or with ``kld_top_k=K`` only
     each position's K most probable tokens and the rest's mass (runtime/kld_topk.py: 8K + 8 bytes a
-    position instead of 2 x n_vocab; its KLD is a lower bound of the full one).  ``on_start(n_chunks)`` is called once the text is cut into chunks,
-    ``on_chunk(i, result so far)`` after each chunk.  ``cache_type``: the KV cache's type, "f16"
+    position instead of 2 x n_vocab; its KLD is a lower bound of the full one).
+    ``on_start(n_chunks)`` is called once the text is cut into chunks, ``on_chunk(i, result so
+    far)`` after each chunk.  ``cache_type``: the KV cache's type, "f16"
     or "f32", or a (K, V) pair (llama.cpp's -ctk/-ctv; runtime/cache_type.py)."""
     from .outputs import check_outputs
     from .runtime import perplexity as ppl

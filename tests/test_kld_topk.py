@@ -112,6 +112,8 @@ def test_topk_of_orders_by_probability_then_id():
         topk_of(np.zeros((1, 3), np.float32), 4)
     with pytest.raises(QuantkitError, match="the base has 1 positions, the logits 2"):
         topk_kld(whole, np.zeros((2, 3), np.float32))
+    none = topk_of(np.zeros((0, 3), np.float32), 2)
+    assert none.ids.shape == (0, 2) and topk_kld(none, np.zeros((0, 3), np.float32)).shape == (0,)
 
 
 def test_topk_of_breaks_every_tie_by_id():
@@ -143,7 +145,9 @@ def test_rest_mass_is_summed_not_subtracted():
 
 # ---- the file ----
 
-def test_topk_base_file_round_trip(tiny, bases, logits):
+def test_topk_base_file_round_trip(tiny, bases, logits, monkeypatch):
+    from quantkit.runtime import kld_topk
+    monkeypatch.setattr(kld_topk, "BLOCK_ROWS", 4)      # positions in blocks, a short one last
     path = bases["top8"]
     n_pos = CHUNKS * PER_CHUNK
     assert path.stat().st_size == HEADER.size + 4 * CTX * CHUNKS + (8 * 8 + 8) * n_pos
