@@ -253,10 +253,15 @@ class ModelInfo:
             v = get(f"{arch}.{key}", default)
             if isinstance(v, (list, tuple)):        # per-layer arrays: the C code asks for layer 0
                 v = v[0] if v else default
+            # llama.cpp's loader refuses a key of the wrong type: so do we, in one line
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+                raise QuantkitError(f"metadata '{arch}.{key}' is {str(v)[:40]!r}: expected a whole number")
             return int(v)
 
         n_head = first("attention.head_count")
         n_vocab = get(f"{arch}.vocab_size", None)
+        if n_vocab is not None and (isinstance(n_vocab, bool) or not isinstance(n_vocab, int)):
+            raise QuantkitError(f"metadata '{arch}.vocab_size' is {str(n_vocab)[:40]!r}: expected a whole number")
         if n_vocab is None:
             n_vocab = len(get("tokenizer.ggml.tokens", []) or [])
         return cls(arch=arch, n_layer=first("block_count"), n_expert=first("expert_count"), n_head=n_head,

@@ -373,3 +373,15 @@ def test_hf_directory_without_type_still_converts(tmp_path, capsys):
     assert rc == 0, err
     tensors = _strict_json(out)["plan"]["tensors"]
     assert tensors and all(t["target"] == t["source"] for t in tensors)
+
+
+@pytest.mark.parametrize("value", ["str:four", "float:2.5", "bool:true"])
+def test_hyper_parameter_of_the_wrong_type_is_one_line(llama, tmp_path, capsys, value):
+    """The mix rules read expert and head counts: a count that is not a whole number is refused in
+    one line (it was an internal error), as llama.cpp's loader refuses a key of the wrong type."""
+    snap = Snapshot(llama)
+    rc = main(["quantize", str(llama), str(tmp_path / "o.gguf"), "q4_0", "--dry-run",
+               "--override-kv", f"llama.expert_count={value}"])
+    out, err = capsys.readouterr()
+    assert_refused(rc, out, err, "llama.expert_count", "whole number")
+    snap.assert_unchanged()
