@@ -23,28 +23,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import QuantkitError
+from .sizes import parse_size
 from .types import QuantType, type_from_name, type_name_suggestion
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
-
-
-def parse_size(text: str) -> int:
-    """'500M', '2G' (powers of 1000, as gguf-split) or '1GiB' (powers of 1024) to bytes."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise QuantkitError(f"--split-max-size: cannot read size '{text}' (examples: 500M, 4G, 2GiB)")
-    num, unit, binary = float(m[1]), m[2].lower(), m[3].lower().startswith("i")
-    base = 1024 if binary else 1000
-    n = int(num * base ** "_kmgt".index(unit)) if unit else int(num)
-    if n <= 0:
-        raise QuantkitError("--split-max-size must be positive")
-    return n
-
 
 def _split_size(split_max_size, keep_split: bool) -> int | None:
     """--split-max-size as bytes (an int, or a size text such as '4G'), checked against --keep-split."""

@@ -31,20 +31,27 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("package namespace", ["quantkit"]),
     ("library API", ["quantkit.api"]),
     ("commands over the library", ["quantkit.warmup", "quantkit.catalog", "quantkit.imatrix_tools"]),
-    # recipe search: group sensitivities from quantizing (quantize pipeline) and measuring (runtime)
+    # the recipe search: its rules written from the groups; the groups of tensors and their candidate
+    # types, from the planner and speed
+    ("recipe rules", ["quantkit.recipe_emit"]),
+    ("recipe groups", ["quantkit.groups"]),
+    # group sensitivities from quantizing (quantize pipeline) and measuring (runtime)
     ("sensitivity", ["quantkit.sensitivity"]),
     # hf/ (reading HF checkpoints) and runtime/ both tokenize with quantkit.text, below them both
     ("runtime, HF checkpoints and the quantize pipeline", ["quantkit.runtime", "quantkit.hf", "quantkit.quantize",
-                                                           "quantkit.repack", "quantkit.imatrix", "quantkit.describe"]),
+                                                           "quantkit.repack", "quantkit.imatrix", "quantkit.describe",
+                                                           "quantkit.speed"]),
     ("vocabulary, tokenizer and chat templates", ["quantkit.text"]),
     ("GGUF files and the plan", ["quantkit.gguf_io", "quantkit.plan"]),
     ("formats (numpy references, registry) and policy", ["quantkit.formats", "quantkit.outputs",
                                                          "quantkit.presets", "quantkit.recipes",
-                                                         "quantkit.compiling", "quantkit.sensitivity_cache"]),
+                                                         "quantkit.compiling", "quantkit.placement",
+                                                         "quantkit.sensitivity_cache"]),
     # quantkit.mixes: named mixes (Q4_X) the presets resolve like a TYPE
     ("kernels (numba) and small helpers", ["quantkit.kernels", "quantkit.inputs", "quantkit.mixes",
                                            "quantkit.kv_override", "quantkit.prune",
-                                           "quantkit.tensor_regex", "quantkit.progress"]),
+                                           "quantkit.tensor_regex", "quantkit.progress",
+                                           "quantkit.sizes"]),
     # each type's block layout as data, which formats (the reference decoder), the runtime (fused
     # products) and kernels may all read; it reads the type table and the value tables only
     ("block layouts", ["quantkit.layouts"]),
