@@ -165,44 +165,53 @@ def _check_type(info: TensorInfo, qtype: QuantType):
 
 # ---------------------------------------------------------------- fast
 
-def _run_length(rows_per_matrix: int, group: int) -> int:
-    """Rows of a sampled run: a multiple of the type's row group dividing a matrix's rows."""
-    n = max(group, RUN_ROWS // group * group)
+def _run_length(rows_per_matrix: int, group: int, most: int) -> int:
+    """Rows of a sampled run: at most ``most`` (at least a row group), a multiple of the type's
+    row group dividing a matrix's rows."""
+    n = max(group, min(most, RUN_ROWS) // group * group)
     while n > group and rows_per_matrix % n:
         n -= group
     return n
+
+
+def sampled_rows(info: TensorInfo, group: int, max_elements: int, seed: int) -> tuple[list[int], int]:
+    """(first rows, run length) of the runs of rows the estimate reads: every row (in pieces of one
+    matrix) where the tensor has at most ``max_elements`` weights, else as many rows from every
+    matrix (expert) of the tensor, in runs at seeded places: the experts differ, so each is sampled
+    (a stratified sample: its variance is that within the experts only)."""
+    n_per_row = info.shape[0]
+    rows_per_matrix = info.shape[1] if len(info.shape) > 1 else 1
+    n_matrices = info.n_rows // rows_per_matrix
+    if rows_per_matrix % group:
+        raise QuantkitError(f"tensor '{info.name}': {rows_per_matrix} rows are not a multiple of {group}")
+    if info.n_rows * n_per_row <= max_elements:
+        per = max(group, (max_elements // 4 // n_per_row) // group * group)
+        while rows_per_matrix % per:
+            per -= group
+        return list(range(0, info.n_rows, per)), per
+    per_matrix = max(group, max_elements // n_per_row // n_matrices)
+    run = _run_length(rows_per_matrix, group, per_matrix)
+    slots = rows_per_matrix // run
+    k = min(slots, max(1, per_matrix // run))
+    rng = np.random.default_rng([seed, zlib.crc32(info.name.encode())])
+    starts = [m * rows_per_matrix + int(s) * run
+              for m in range(n_matrices) for s in np.sort(rng.choice(slots, size=k, replace=False))]
+    return starts, run
 
 
 def tensor_error(info: TensorInfo, qtype: QuantType, weights: np.ndarray | None, flavor: str = "ik",
                  max_elements: int = MAX_ELEMENTS, seed: int = 0) -> float:
     """Σ_rows Σ_j w_j (x_j − q_j)² of one tensor quantized to ``qtype`` (``weights``: the imatrix,
     (n_matrices, n_per_row), or None for 1); rows sampled where the tensor has more than
-    ``max_elements`` weights (seeded by ``seed`` and the tensor's name), the sum scaled to all rows."""
+    ``max_elements`` weights (:func:`sampled_rows`), the sum scaled to all rows."""
     qtype = QuantType(qtype)
     if _unchanged(info.qtype, qtype):
         return 0.0
     n_per_row = info.shape[0]
     rows_per_matrix = info.shape[1] if len(info.shape) > 1 else 1
-    n_rows = info.n_rows
-    group = _check_type(info, qtype).interleave_rows
-    run = _run_length(rows_per_matrix, group)
-    if rows_per_matrix % run:
-        raise QuantkitError(f"tensor '{info.name}': {rows_per_matrix} rows are not a multiple of "
-                            f"{group} ({type_name(qtype)})")
-    n_runs = n_rows // run
-    want = max(1, max_elements // (n_per_row * run))
-    if want >= n_runs:
-        starts = np.arange(n_runs, dtype=np.int64) * run
-        # whole tensor: bigger pieces (fewer calls), still within one matrix each
-        per = max(run, (max_elements // 4 // n_per_row) // run * run)
-        while rows_per_matrix % per:
-            per -= run
-        starts, run = np.arange(0, n_rows, per, dtype=np.int64), per
-    else:
-        rng = np.random.default_rng([seed, zlib.crc32(info.name.encode())])
-        starts = np.sort(rng.choice(n_runs, size=want, replace=False)).astype(np.int64) * run
+    starts, run = sampled_rows(info, _check_type(info, qtype).interleave_rows, max_elements, seed)
     total = 0.0
-    for start in starts.tolist():
+    for start in starts:
         rows = slice(start, start + run)
         x = to_float32(info, rows)
         w = None if weights is None else weights[start // rows_per_matrix]
@@ -210,10 +219,9 @@ def tensor_error(info: TensorInfo, qtype: QuantType, weights: np.ndarray | None,
             q = quantize_rows(x, qtype, w, flavor, info.name, start)
         except NotImplementedError as e:
             raise QuantkitError(f"tensor '{info.name}': {e}") from None
-        d = formats.dequantize(q, qtype, n_per_row)
-        err = (x.astype(np.float64) - d) ** 2
-        total += float((err @ w) .sum() if w is not None else err.sum())
-    return total * n_rows / (len(starts) * run)
+        err = (x.astype(np.float64) - formats.dequantize(q, qtype, n_per_row)) ** 2
+        total += float((err @ w).sum() if w is not None else err.sum())
+    return total * info.n_rows / (len(starts) * run)
 
 
 def fast_error(spec: FastJob) -> float:
@@ -287,11 +295,12 @@ def _embed(model: Model, chunk: np.ndarray):
 
 
 def _base_pass(spec: MeasureJob) -> _BasePass:
+    path = Path(spec.model)
+    if path.is_dir():
+        raise QuantkitError(f"{path}: measured sensitivity needs a GGUF model (the runtime computes from GGUF "
+                            "tensors): convert the checkpoint first, or use the fast estimate alone")
+
     def make():
-        path = Path(spec.model)
-        if path.is_dir():
-            raise QuantkitError(f"{path}: measured sensitivity needs a GGUF model (the runtime computes from GGUF "
-                                "tensors): convert the checkpoint first, or use the fast estimate alone")
         text = read_text(spec.calibration, "-f", MAX_TEXT_BYTES, errors="replace")
         gguf = open_model(path)
         try:
