@@ -41,6 +41,7 @@ from .inputs import read_text
 from .plan import TensorPlan
 from .presets import layer_of
 from .quantize import convert_tensor, quantize_rows, to_float32
+from .runtime.kernels import kl_divergence_rows
 from .runtime.model import Model
 from .runtime.session import Session, make_ops, set_threads
 from .runtime.scoring import log_softmax
@@ -274,12 +275,13 @@ class _Swapped(ModelView):
 @dataclass
 class _BasePass:
     """The input model's pass over the calibration chunks: the residual stream entering every
-    layer (and leaving the last), and the log-probabilities of the scored positions."""
+    layer (and leaving the last), and the probabilities of the scored positions."""
     gguf: object
     ops: object
     chunks: list
     states: list = field(default_factory=list)      # per chunk: n_layer + 1 arrays (n_ctx, n_embd)
-    log_probs: list = field(default_factory=list)   # per chunk: (scored, n_vocab) float32
+    probs: list = field(default_factory=list)       # per chunk: (scored, n_vocab) float64
+    plp: list = field(default_factory=list)         # per chunk: Σ p log p of each scored position
 
 
 def _scored(n_ctx: int) -> tuple[int, int]:
@@ -318,7 +320,10 @@ def _base_pass(spec: MeasureJob) -> _BasePass:
                 states.append(x)
                 base.states.append(states)
                 logits = _head(model, x, first, n, f"calibration chunk {i + 1}")
-                base.log_probs.append(log_softmax(logits).astype(np.float32))
+                lp = log_softmax(logits)
+                p = np.exp(lp)
+                base.probs.append(p)
+                base.plp.append((p * lp).sum(axis=1))
             return base
         except BaseException:
             gguf.close()
@@ -381,9 +386,9 @@ def measured_kld(spec: MeasureJob) -> float:
         x = _embed(model, chunk) if start < 0 else base.states[i][start]
         for layer in range(max(start, 0), model.config.n_layer):
             x = model.layer(layer, x, pos, cache)
-        lq = log_softmax(_head(model, x, first, n, f"calibration chunk {i + 1}"))
-        lp = base.log_probs[i]
-        kld = (np.exp(lp) * (lp - lq)).sum(axis=1)
+        logits = np.ascontiguousarray(_head(model, x, first, n, f"calibration chunk {i + 1}"), np.float32)
+        kld = np.empty(len(logits))
+        kl_divergence_rows(logits, base.probs[i], base.plp[i], kld)
         total += float(kld.sum())
         count += len(kld)
     value = total / count

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+import runtime_twins
 from models import write_deepseek2, write_llama
 
 from quantkit import api, formats
@@ -21,6 +22,7 @@ from quantkit.gguf_io.reader import open_model
 from quantkit.groups import make_groups
 from quantkit.imatrix import save_dat
 from quantkit.quantize import to_float32
+from quantkit.runtime.kernels import kl_divergence_rows
 from quantkit.sensitivity_cache import SensitivityCache, file_fingerprint, fingerprint
 from quantkit.types import QuantType as T
 
@@ -176,6 +178,24 @@ def test_measured_kld_is_the_quantized_files_kld(llama, tmp_path, tensors):
     rules = "".join(f"^{re.escape(name)}$={t.name.lower()}\n" for name, t in tensors)
     want = _file_kld(llama, tmp_path, rules)
     assert got == pytest.approx(want, rel=0.03), (got, want)
+
+
+def test_kl_divergence_rows_kernel_matches_its_twin():
+    rng = np.random.default_rng(1)
+    logits = (rng.standard_normal((5, 300)) * 4).astype(np.float32)
+    base = logits + rng.standard_normal(logits.shape).astype(np.float32) * 0.1
+    base_lp = base.astype(np.float64) - base.max(axis=1, keepdims=True)
+    base_lp -= np.log(np.exp(base_lp).sum(axis=1, keepdims=True))
+    p, plp = np.exp(base_lp), (np.exp(base_lp) * base_lp).sum(axis=1)
+    out = np.empty(5)
+    kl_divergence_rows(logits, p, plp, out)
+    direct = (p * (base_lp - np.log(np.exp(logits.astype(np.float64)).sum(axis=1, keepdims=True) ** -1
+                                    * np.exp(logits.astype(np.float64))))).sum(axis=1)
+    np.testing.assert_allclose(out, runtime_twins.kl_divergence_rows(logits, p, plp), rtol=1e-9, atol=1e-13)
+    np.testing.assert_allclose(out, direct, rtol=1e-7)
+    assert (out > 0).all()
+    kl_divergence_rows(base.astype(np.float32), p, plp, out)
+    assert np.abs(out).max() < 1e-9                    # a model's divergence from itself
 
 
 def test_measured_needs_gguf(tmp_path):
