@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import runtime_twins
-from models import write_deepseek2, write_llama
+from models import rewrite_gguf, write_deepseek2, write_llama
 
 from quantkit import api, formats
 from quantkit import sensitivity as S
@@ -161,7 +161,7 @@ def _file_kld(llama, tmp_path, rules: str) -> float:
     recipe = tmp_path / "recipe.txt"
     recipe.write_text(rules)
     out = tmp_path / "q.gguf"
-    api.quantize_model(llama.path, out, "f32", custom_q=[str(recipe)], imatrix=str(llama.imatrix))
+    api.quantize_model(llama.path, out, "f32", custom_q=[str(recipe)], imatrix=llama.imatrix and str(llama.imatrix))
     return api.kl_divergence(out, base).summary()["kld"]["mean"][0]
 
 
@@ -178,6 +178,29 @@ def test_measured_kld_is_the_quantized_files_kld(llama, tmp_path, tensors):
     rules = "".join(f"^{re.escape(name)}$={t.name.lower()}\n" for name, t in tensors)
     want = _file_kld(llama, tmp_path, rules)
     assert got == pytest.approx(want, rel=0.03), (got, want)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory, llama):
+    """A tiny DeepSeek-V3-shaped model (MLA, routed and shared experts) with the byte vocabulary."""
+    d = tmp_path_factory.mktemp("ds")
+    src = write_deepseek2(d / "plain.gguf", n_layer=3, n_dense=1, n_vocab=512)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\u2581t{i}" for i in range(512 - len(tokens))]
+    keys = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": [0.0] * 512,
+            "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * 253, "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+    return SimpleNamespace(path=rewrite_gguf(src, d / "ds.gguf", keys), text=llama.text, imatrix=None, dir=d)
+
+
+@pytest.mark.parametrize("tensors", [
+    [("blk.2.ffn_down_exps.weight", T.Q2_K)],
+    [("blk.1.attn_kv_a_mqa.weight", T.Q4_K), ("blk.1.attn_q_b.weight", T.Q4_K)],
+])
+def test_measured_kld_deepseek_is_the_quantized_files_kld(deepseek, tmp_path, tensors):
+    got = S.measured_kld(S.MeasureJob(str(deepseek.path), tuple(tensors), str(deepseek.text), n_ctx=N_CTX))
+    want = _file_kld(deepseek, tmp_path, "".join(f"^{re.escape(n)}$={t.name.lower()}\n" for n, t in tensors))
+    assert got > 0 and got == pytest.approx(want, rel=0.03), (got, want)
 
 
 def test_kl_divergence_rows_kernel_matches_its_twin():
