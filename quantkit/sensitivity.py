@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import formats
+from . import formats, signals
 from .errors import QuantkitError
 from .gguf_io.reader import ModelView, TensorInfo, open_model
 from .hf import open_hf
@@ -51,11 +51,12 @@ from .types import QuantType, traits, type_name
 
 __all__ = ["FastJob", "MeasureJob", "fast_error", "measured_kld", "tensor_error", "calibrate", "Predictor",
            "SensitivityCache", "fingerprint", "file_fingerprint", "fast_jobs", "measure_jobs", "measure_sample",
-           "cached_run"]
+           "cached_run", "release"]
 
 MAX_ELEMENTS = 1 << 22          # a tensor with more weights is sampled (4M: ~0.1-0.5 s a type on one core)
 RUN_ROWS = 32                   # rows of a sampled run (fewer where a matrix's rows are not a multiple)
 MAX_TEXT_BYTES = 1 << 30        # calibration text, as api's -f
+METHOD = 1                      # in every result's settings: a changed estimate does not reuse old results
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,11 @@ class FastJob:
     max_elements: int = MAX_ELEMENTS
     seed: int = 0
     imatrix_id: str = ""                            # file_fingerprint of the imatrix: part of settings()
+    threads: int | None = None                      # this worker's quantizing threads (None: as they are)
 
     def settings(self) -> dict:
         """What the result depends on besides the model and the types (the cache's key)."""
-        return {"imatrix": self.imatrix_id if self.imatrix else None, "flavor": self.flavor,
+        return {"method": METHOD, "imatrix": self.imatrix_id if self.imatrix else None, "flavor": self.flavor,
                 "max_elements": self.max_elements, "seed": self.seed}
 
 
@@ -85,12 +87,13 @@ class MeasureJob:
     flavor: str = "ik"
     n_ctx: int = 512
     chunks: int = 1
-    threads: int | None = None                      # this worker's compute threads (None: all cores)
+    threads: int | None = None                      # this worker's compute threads (None: all cores;
+                                                    # give cores / workers where workers share a machine)
     imatrix_id: str = ""
     calibration_id: str = ""
 
     def settings(self) -> dict:
-        return {"imatrix": self.imatrix_id if self.imatrix else None, "flavor": self.flavor,
+        return {"method": METHOD, "imatrix": self.imatrix_id if self.imatrix else None, "flavor": self.flavor,
                 "calibration": self.calibration_id, "n_ctx": self.n_ctx, "chunks": self.chunks}
 
 
@@ -99,6 +102,16 @@ class MeasureJob:
 _MODELS: dict = {}          # file identity -> open model (one kept: a worker serves one model's jobs)
 _IMATRICES: dict = {}
 _BASES: dict = {}
+
+
+def release() -> None:
+    """Close what this process keeps for the next job (open models, the base pass): after a search
+    that ran its jobs here."""
+    for store in (_MODELS, _BASES):
+        while store:
+            _, value = store.popitem()
+            (value.gguf if isinstance(value, _BasePass) else value).close()
+    _IMATRICES.clear()
 
 
 def _identity(path) -> tuple:
@@ -186,7 +199,7 @@ def sampled_rows(info: TensorInfo, group: int, max_elements: int, seed: int) -> 
     if rows_per_matrix % group:
         raise QuantkitError(f"tensor '{info.name}': {rows_per_matrix} rows are not a multiple of {group}")
     if info.n_rows * n_per_row <= max_elements:
-        per = max(group, (max_elements // 4 // n_per_row) // group * group)
+        per = min(rows_per_matrix, max(group, (max_elements // 4 // n_per_row) // group * group))
         while rows_per_matrix % per:
             per -= group
         return list(range(0, info.n_rows, per)), per
@@ -213,6 +226,7 @@ def tensor_error(info: TensorInfo, qtype: QuantType, weights: np.ndarray | None,
     starts, run = sampled_rows(info, _check_type(info, qtype).interleave_rows, max_elements, seed)
     total = 0.0
     for start in starts:
+        signals.check()
         rows = slice(start, start + run)
         x = to_float32(info, rows)
         w = None if weights is None else weights[start // rows_per_matrix]
@@ -227,6 +241,8 @@ def tensor_error(info: TensorInfo, qtype: QuantType, weights: np.ndarray | None,
 
 def fast_error(spec: FastJob) -> float:
     """The imatrix-weighted squared error of the group quantized as ``spec`` says (the module doc)."""
+    if spec.threads is not None:
+        set_threads(spec.threads)
     model = _model(spec.model)
     imat = _imatrix(spec.imatrix)
     total = 0.0
@@ -315,6 +331,7 @@ def _base_pass(spec: MeasureJob) -> _BasePass:
                 cache, pos = model.new_cache(len(chunk)), np.arange(len(chunk))
                 x, states = _embed(model, chunk), []
                 for layer in range(model.config.n_layer):
+                    signals.check()
                     states.append(x)
                     x = model.layer(layer, x, pos, cache)
                 states.append(x)
@@ -385,6 +402,7 @@ def measured_kld(spec: MeasureJob) -> float:
         cache = model.new_cache(len(chunk))
         x = _embed(model, chunk) if start < 0 else base.states[i][start]
         for layer in range(max(start, 0), model.config.n_layer):
+            signals.check()
             x = model.layer(layer, x, pos, cache)
         logits = np.ascontiguousarray(_head(model, x, first, n, f"calibration chunk {i + 1}"), np.float32)
         kld = np.empty(len(logits))

@@ -137,6 +137,19 @@ def test_bad_type_or_tensor_is_one_line(llama, tmp_path):
         fast(llama, [("blk.9.ffn_down.weight", T.Q4_K)])
 
 
+def test_fast_error_on_an_hf_checkpoint_is_the_gguf_one(tmp_path):
+    """Fast mode reads HF checkpoints as the quantize pipeline does (the converter's rows)."""
+    from hf_models import write_tiny_llama
+    hf = write_tiny_llama(tmp_path / "hf", n_layer=1, n_embd=64, n_ff=128, n_head=2)
+    gguf_path = tmp_path / "hf.gguf"
+    api.quantize_model(hf, gguf_path, "f32")
+    for name in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight"):
+        job = dict(tensors=((name, T.Q4_0),), max_elements=1 << 30)
+        on_hf = S.fast_error(S.FastJob(str(hf), **job))
+        assert on_hf > 0 and on_hf == S.fast_error(S.FastJob(str(gguf_path), **job))
+    S.release()
+
+
 def test_jobs_pickle(llama, llama_groups):
     jobs = S.fast_jobs(llama_groups, llama.path, imatrix=llama.imatrix)
     assert len(jobs) == sum(len(g.options) for g in llama_groups.groups)
