@@ -369,11 +369,12 @@ def _quantized(info: TensorInfo, qtype: QuantType, weights, flavor: str) -> _Mem
 
 def first_layer(names, n_layer: int) -> int:
     """Where a pass must start when ``names`` change: -1 the embedding (token_embd, and any tensor
-    outside the blocks but the output head), a layer index, or n_layer for the head alone."""
+    outside the blocks but the output head), a layer index, or n_layer for the head alone (also
+    for blocks past the runtime's layers, DeepSeek's next-token-prediction block, which no pass reads)."""
     start = n_layer
     for name in names:
         layer = layer_of(name)
-        if layer is not None and 0 <= layer < n_layer:
+        if layer is not None and layer >= 0:
             start = min(start, layer)
         elif not name.startswith("output."):
             return -1

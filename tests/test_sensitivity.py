@@ -234,6 +234,13 @@ def test_kl_divergence_rows_kernel_matches_its_twin():
     assert np.abs(out).max() < 1e-9                    # a model's divergence from itself
 
 
+def test_first_layer():
+    assert S.first_layer(["blk.3.attn_q.weight", "blk.2.ffn_up.weight"], 30) == 2
+    assert S.first_layer(["output.weight"], 30) == 30
+    assert S.first_layer(["blk.61.ffn_down.weight"], 61) == 61          # an MTP block: the head alone
+    assert S.first_layer(["blk.5.attn_q.weight", "token_embd.weight"], 30) == -1
+
+
 def test_measured_needs_gguf(tmp_path):
     d = tmp_path / "hf"
     d.mkdir()
