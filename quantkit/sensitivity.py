@@ -502,12 +502,13 @@ def _tensor_types(group, option) -> tuple[tuple[str, QuantType], ...]:
     return tuple((name, option.types[name]) for name in group.tensors)
 
 
-def fast_jobs(groupset, model_path, *, imatrix=None, max_elements: int = MAX_ELEMENTS,
-              seed: int = 0) -> list[tuple[tuple[str, str], FastJob]]:
-    """A fast job for every (group, option) of the group set, keyed (group key, type name)."""
+def fast_jobs(groupset, model_path, *, imatrix=None, max_elements: int = MAX_ELEMENTS, seed: int = 0,
+              threads: int | None = None) -> list[tuple[tuple[str, str], FastJob]]:
+    """A fast job for every (group, option) of the group set, keyed (group key, type name).
+    ``threads``: each job's threads (cores / workers where workers share a machine)."""
     imatrix_id = file_fingerprint(imatrix, "--imatrix") if imatrix else ""
     return [(_type_key(g, o), FastJob(str(model_path), _tensor_types(g, o), str(imatrix) if imatrix else None,
-                                      groupset.flavor, max_elements, seed, imatrix_id))
+                                      groupset.flavor, max_elements, seed, imatrix_id, threads))
             for g in groupset.groups for o in g.options]
 
 
