@@ -42,7 +42,9 @@ LAYERS: list[tuple[str, list[str]]] = [
     # quantkit.mixes: named mixes (Q4_X) the presets resolve like a TYPE
     ("kernels (numba) and small helpers", ["quantkit.kernels", "quantkit.inputs", "quantkit.mixes",
                                            "quantkit.kv_override", "quantkit.prune",
-                                           "quantkit.tensor_regex", "quantkit.progress"]),
+                                           "quantkit.tensor_regex", "quantkit.progress",
+                                           # the recipe search's exact knapsack solver (numpy only)
+                                           "quantkit.solve"]),
     # each type's block layout as data, which formats (the reference decoder), the runtime (fused
     # products) and kernels may all read; it reads the type table and the value tables only
     ("block layouts", ["quantkit.layouts"]),
