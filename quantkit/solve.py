@@ -43,6 +43,8 @@ MAX_STATES_ONE = 20000
 MAX_STATES_MANY = 2000
 BEAM_WIDTH = 24
 REL_TOL = 1e-9
+EXTRA_DIRS = ()
+CORE_SIZE = 40
 
 
 @dataclass(frozen=True)
@@ -162,8 +164,9 @@ class _SuffixBound:
 
 def _ray_max(C: np.ndarray, S: np.ndarray, X: float) -> tuple[float, float]:
     """(t, g(t)) with t >= 0 maximising g(t) = sum_rows min_j (C + t S) - t X (C padded with inf): the
-    LP bound of the single surrogate budget S <= X.  g is concave; bisection on the sign of its
-    slope (any t gives a valid bound, the maximum the best one)."""
+    LP bound of the single surrogate budget S <= X.  g is concave and piecewise linear, its maximum at
+    0 or where two items of a row tie: a bisection over those breakpoints on the sign of g's slope
+    between them (any t gives a valid bound; this finds the best)."""
     rows = np.arange(C.shape[0])
 
     def slope(t):
@@ -171,20 +174,20 @@ def _ray_max(C: np.ndarray, S: np.ndarray, X: float) -> tuple[float, float]:
 
     def g(t):
         return float(np.min(C + t * S, axis=1).sum() - t * X)
-    if slope(0.0) <= 0:
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        t = (C[:, :, None] - C[:, None, :]) / (S[:, None, :] - S[:, :, None])
+    t = np.unique(t[np.isfinite(t) & (t > 0)])
+    t = np.concatenate([[0.0], t, [2 * t[-1] + 1 if len(t) else 1.0]])
+    lo, hi = 0, len(t) - 1            # g rises on (t[lo], t[lo + 1]), falls after t[hi]
+    if slope(0.5 * (t[0] + t[1])) <= 0:
         return 0.0, g(0.0)
-    lo, hi = 0.0, 1.0
-    while slope(hi) > 0:
-        lo, hi = hi, hi * 4
-        if hi > 1e300:
-            return lo, g(lo)
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if slope(mid) > 0:
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if slope(0.5 * (t[mid] + t[mid + 1])) > 0:
             lo = mid
         else:
             hi = mid
-    return max(((lo, g(lo)), (hi, g(hi))), key=lambda p: p[1])
+    return float(t[hi]), g(t[hi])
 
 
 def _best_direction(C: np.ndarray, W: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -205,7 +208,7 @@ def _best_direction(C: np.ndarray, W: np.ndarray, scale: np.ndarray) -> np.ndarr
     best = int(np.argmax(vals))
     d, v = cands[best], vals[best]
     step = 0.25
-    while step > 2e-3:
+    while step > 1 / 64:
         improved = False
         for r in range(K):
             for q in range(K):
@@ -415,8 +418,46 @@ class _Part:
     states: int
 
 
+def _core_incumbent(costs, weights, cap, red, d, deadline) -> list[int] | None:
+    """A good feasible choice: the Lagrangian choice (least reduced cost) repaired to fit, then the
+    CORE_SIZE classes whose choice the Lagrangian leaves most open solved exactly with the others
+    fixed (the core of Pisinger's algorithms).  None when no fitting choice is found."""
+    n, K = len(costs), len(cap)
+    choice = [int(np.argmin(red[i, :len(costs[i])])) for i in range(n)]
+    usage = np.sum([weights[i][choice[i]] for i in range(n)], axis=0)
+    # repair: while over a budget, the move of least cost per unit of excess removed
+    while (usage > cap).any():
+        over = np.maximum(usage - cap, 0) * d
+        best = None
+        for i in range(n):
+            gain = (weights[i][choice[i]] - weights[i]) @ (over / max(over.sum(), 1e-300) / np.where(cap > 0, cap, 1))
+            dc = costs[i] - costs[i][choice[i]]
+            for j in np.flatnonzero(gain > 0):
+                ratio = dc[j] / gain[j]
+                if best is None or ratio < best[0]:
+                    best = (ratio, i, int(j))
+        if best is None:
+            return None
+        _, i, j = best
+        usage += weights[i][j] - weights[i][choice[i]]
+        choice[i] = j
+    second = np.sort(red, axis=1)[:, 1]
+    core = sorted(np.argsort(second, kind="stable")[:CORE_SIZE].tolist())
+    rest = [i for i in range(n) if i not in set(core)]
+    left = cap - np.sum([weights[i][choice[i]] for i in rest] or [np.zeros(K)], axis=0)
+    now = time.monotonic()
+    try:
+        part = _solve_component([costs[i] for i in core], [weights[i] for i in core], left,
+                                min(deadline, now + 0.25 * max(deadline - now, 0)), math.inf, core=False)
+    except (_Infeasible, QuantkitError):
+        return choice
+    for i, j in zip(core, part.choice):
+        choice[i] = j
+    return choice
+
+
 def _solve_component(costs: list[np.ndarray], weights: list[np.ndarray], cap: np.ndarray,
-                     deadline: float, time_limit: float) -> _Part:
+                     deadline: float, time_limit: float, core: bool = True) -> _Part:
     """Exact search of classes that share budgets: costs[i] (m_i,), weights[i] (m_i, K), each item
     fitting alone and none dominated.  Raises _Infeasible when no choice fits."""
     n, K = len(costs), len(cap)
@@ -485,21 +526,37 @@ def _solve_component(costs: list[np.ndarray], weights: list[np.ndarray], cap: np
         dirs = [np.eye(K)[r] / scale[r] for r in range(K)]
         if K > 1:
             dirs.append(d)
+            dn = d * scale / (d * scale).sum()
+            for step in EXTRA_DIRS:
+                for r in range(K):
+                    e = dn.copy()
+                    e[r] += step
+                    e = np.maximum(e, 0)
+                    dirs.append(e / e.sum() / scale)
         search = _Search(C, W, cap, base_usage, base_cost, dirs, deadline)
 
         def chosen():
             pick = {i: int(cand[i][j]) for i, j in zip(order, search.best)}
             return [pick.get(i, int(cand[i][0])) for i in range(n)]
         if incumbent is None:
-            search.deadline = math.inf              # bounded work: n stages of BEAM_WIDTH states
+            # heuristics: a beam search (bounded work: n stages of BEAM_WIDTH states), then the core
+            search.deadline = math.inf
             search.run(beam=BEAM_WIDTH)
             search.deadline = deadline
             states += search.states
             if search.best is not None:
                 incumbent = chosen()
                 ub = cost_of(incumbent)
-                if not reduced_cost_fixed:
-                    continue                        # fix by reduced costs, then search exactly
+            if core and len(free) > CORE_SIZE:
+                found = _core_incumbent([costs[i][cand[i]] for i in free], [weights[i][cand[i]] for i in free],
+                                        capf, red, d, deadline)
+                if found is not None:
+                    pick = {i: int(cand[i][j]) for i, j in zip(free, found)}
+                    trial = [pick.get(i, int(cand[i][0])) for i in range(n)]
+                    if cost_of(trial) < ub:
+                        incumbent, ub = trial, cost_of(trial)
+            if incumbent is not None and not reduced_cost_fixed:
+                continue                            # fix by reduced costs, then search exactly
         search.ub, search.best, search.states = ub, None, 0
         pending = search.run()
         states += search.states
