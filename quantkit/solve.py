@@ -425,15 +425,19 @@ def _core_incumbent(costs, weights, cap, red, d, deadline) -> list[int] | None:
     n, K = len(costs), len(cap)
     choice = [int(np.argmin(red[i, :len(costs[i])])) for i in range(n)]
     usage = np.sum([weights[i][choice[i]] for i in range(n)], axis=0)
-    # repair: while over a budget, the move of least cost per unit of excess removed
+    # repair: while over a budget, the move of least cost per unit of excess removed (the excess, in
+    # capacities, falls at each move: no cycle)
+    unit = np.where(cap > 0, cap, 1.0)
+
+    def excess(u):
+        return np.maximum(u - cap, 0).__truediv__(unit).sum(axis=-1)
     while (usage > cap).any():
-        over = np.maximum(usage - cap, 0) * d
+        now_excess = excess(usage)
         best = None
         for i in range(n):
-            gain = (weights[i][choice[i]] - weights[i]) @ (over / max(over.sum(), 1e-300) / np.where(cap > 0, cap, 1))
-            dc = costs[i] - costs[i][choice[i]]
+            gain = now_excess - excess(usage + weights[i] - weights[i][choice[i]])
             for j in np.flatnonzero(gain > 0):
-                ratio = dc[j] / gain[j]
+                ratio = (costs[i][j] - costs[i][choice[i]]) / gain[j]
                 if best is None or ratio < best[0]:
                     best = (ratio, i, int(j))
         if best is None:
