@@ -598,8 +598,8 @@ def solve(classes: list[list[Item]], capacity: tuple[float, ...], *, time_limit:
     names = tuple(names) if names is not None else tuple(f"resource {r}" for r in range(K_all))
     if len(names) != K_all:
         raise ValueError(f"{len(names)} names for {K_all} resources")
-    if any(math.isnan(x) or x < 0 for x in cap_all):
-        raise ValueError(f"capacities must be >= 0 (or inf): {capacity}")
+    if any(math.isnan(x) for x in cap_all):
+        raise ValueError(f"a capacity is NaN: {capacity}")     # (a negative one: an infeasible budget)
     costs, weights = [], []
     for ci, cls in enumerate(classes):
         if not cls:

@@ -294,8 +294,11 @@ def test_malformed_input_is_a_value_error():
         solve([[Item(float("nan"), (1,))]], (1,))
     with pytest.raises(ValueError, match="finite"):
         solve([[Item(1, (-1,))]], (1,))
-    with pytest.raises(ValueError, match=">= 0"):
+    with pytest.raises(ValueError, match="NaN"):
         solve([[Item(1, (1,))]], (float("nan"),))
+    # a negative capacity (a budget less than what the kept tensors take) is an infeasible budget
+    with pytest.raises(InfeasibleBudget, match=r"resource 0 0 \(budget -5\)"):
+        solve([[Item(1, (0,))]], (-5,))
 
 
 def test_lower_hull():
