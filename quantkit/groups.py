@@ -31,13 +31,13 @@ from typing import Callable
 from . import formats
 from .errors import QuantkitError
 from .placement import Placement
-from .plan import OUTPUT_NAME, TOKEN_EMBD_NAMES, PlanOptions, make_plan
+from .plan import TOKEN_EMBD_NAMES, PlanOptions, make_plan
 from .presets import layer_of, tensor_requires_imatrix
 from .recipes import Recipe, Rule
 from .sizes import parse_size
-from .speed import bytes_per_token, expert_counts, mtp_layers
+from .speed import Accounting, expert_counts, mtp_layers
 from .tensor_regex import compile_bounded
-from .types import PROJECTS, QuantType, loads, tensor_nbytes, traits, type_name
+from .types import PROJECTS, QuantType, loads, traits, type_name
 
 MIXED = "mixed"         # the device of a group whose tensors are not all on one device
 
@@ -226,7 +226,8 @@ def make_groups(model, types, placement: Placement | None = None, *, flavor: str
     if has_entry is None:
         def has_entry(name):
             return has_imatrix and name not in TOKEN_EMBD_NAMES
-    account = _Accounting.of(model, tensors, placement)
+    n_expert, n_used = expert_counts(model.get)
+    account = Accounting.of((t.name for t in tensors), placement, n_expert, n_used, mtp_layers(model.get))
     plans = {t: {tp.name: tp for tp in _one_type_plan(tensors, t, flavor).tensors} for t in types}
     first = plans[types[0]]
 
@@ -295,42 +296,7 @@ def make_groups(model, types, placement: Placement | None = None, *, flavor: str
     return GroupSet(groups, fixed, fixed_per_token, n_elements, flavor, model.get, kept, placement, fixed_file_bytes)
 
 
-@dataclass
-class _Accounting:
-    """Bytes stored and read per token, per device, as speed.plan_speed counts them."""
-    placement: Placement
-    n_expert: int
-    n_expert_used: int
-    skip_layers: frozenset          # MTP blocks: stored, never read while generating
-    tied_output: str | None         # no output matrix: the device that reads token_embd as one
-
-    @classmethod
-    def of(cls, model, tensors, placement: Placement) -> "_Accounting":
-        n_expert, n_used = expert_counts(model.get)
-        names = {t.name for t in tensors}
-        tied = TOKEN_EMBD_NAMES[0] in names and OUTPUT_NAME not in names
-        return cls(placement, n_expert, n_used, frozenset(mtp_layers(model.get)),
-                   placement.device(OUTPUT_NAME) if tied else None)
-
-    def add(self, nbytes: dict, per_token: dict, name: str, shape: tuple, qtype: QuantType) -> int:
-        """Count a tensor stored as ``qtype`` in ``nbytes`` and ``per_token``; its bytes in the file."""
-        dev = self.placement.device(name)
-        size = tensor_nbytes(qtype, shape)
-        nbytes[dev] = nbytes.get(dev, 0) + size
-        if layer_of(name) not in self.skip_layers:
-            per_token[dev] = per_token.get(dev, 0) + bytes_per_token(name, shape, qtype, self.n_expert,
-                                                                     self.n_expert_used)
-        if self.tied_output is not None and name == TOKEN_EMBD_NAMES[0]:
-            # llama.cpp makes the output from token_embd on the output layer's device (a second copy
-            # where that is not the CPU), read whole every token
-            out = self.tied_output
-            per_token[out] = per_token.get(out, 0) + size
-            if out != dev:
-                nbytes[out] = nbytes.get(out, 0) + size
-        return size
-
-
-def _options(names, shapes, device, types, plans, account: _Accounting, flavor, has_entry):
+def _options(names, shapes, device, types, plans, account: Accounting, flavor, has_entry):
     by_types: dict[tuple, Option] = {}
     embeddings = any(n in TOKEN_EMBD_NAMES for n in names)
     for qtype in types:
