@@ -74,6 +74,9 @@ class Quantization:
     imatrix_of: dict = field(default_factory=dict)
     missing_imatrix: list[str] = field(default_factory=list)
     _stack: contextlib.ExitStack | None = None
+    placement: object = None            # placement.Placement: where each tensor lives when it generates
+    bandwidth: dict = field(default_factory=dict)   # bytes/s per device given (--bandwidth)
+    threads: int | None = None
 
     def __enter__(self):
         return self
@@ -85,6 +88,11 @@ class Quantization:
         if self._stack is not None:
             self._stack.close()
             self._stack = None
+
+    def speed(self):
+        """The plan's predicted generation speed (a ``speed.SpeedPrediction``): the bandwidth given,
+        the CPU's measured where none was given for it."""
+        return predict_plan_speed(self.plan, self.model.get, self.placement, self.bandwidth, self.threads)
 
     def check(self) -> None:
         """Raise what a real run would stop on (a dry run only reports it)."""
@@ -113,10 +121,12 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
                       pure: bool = False, allow_requantize: bool = False, strict: bool = False,
                       ignore_imatrix_rules: bool = False, flavor: str = "ik", split_max_size=None,
                       keep_split: bool = False, partial_requant: bool = False,
-                      threads: int | None = None) -> Quantization:
+                      threads: int | None = None, override_tensor=(), bandwidth=None) -> Quantization:
     """Open ``model_in`` (a GGUF file or a Hugging Face model directory) and plan its quantization
     to ``model_out`` (None: plan only) with llama-quantize's TYPE (a preset, a ggml type or COPY)
-    and options.  Checks every option and the output path before reading the model."""
+    and options.  Checks every option and the output path before reading the model.
+    ``override_tensor`` (``-ot REGEX=cpu|gpu``) and ``bandwidth`` ("cpu=60G,gpu=900G" or a dict of
+    bytes/s) are for ``Quantization.speed()``, the predicted generation speed."""
     from . import formats
     from .gguf_io.reader import open_model
     from .hf import open_hf
@@ -130,6 +140,7 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
     from .recipes import combined, load_recipe, load_tensor_types
 
     model_in = Path(model_in)
+    placement, bandwidth = speed_options(override_tensor, bandwidth)
     custom_q, tensor_type, tensor_type_file = _many(custom_q), _many(tensor_type), _many(tensor_type_file)
     custom_q = tuple(map(str, custom_q))
     mix = find_mix(type)            # Q4_X: a recipe over a base type (the user's rules come first)
@@ -209,7 +220,38 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
         if imat is not None:
             wopts.imatrix_info = {"file": str(imatrix_path), "dataset": (imat.datasets or [None])[0],
                                   "entries_count": len(imat), "chunks_count": imat.chunk_count}
-        return Quantization(model, plan, model_out, problems, wopts, imatrix_of, missing, stack.pop_all())
+        return Quantization(model, plan, model_out, problems, wopts, imatrix_of, missing, stack.pop_all(),
+                            placement, bandwidth, threads)
+
+
+def speed_options(override_tensor=(), bandwidth=None):
+    """(placement.Placement, {device: bytes/s}) of ``-ot`` values and a ``--bandwidth`` text (or a
+    dict): a GPU exists when a gpu bandwidth is given."""
+    from .placement import parse_placement
+    from .speed import parse_bandwidth
+    if bandwidth is None:
+        bandwidth = {}
+    elif isinstance(bandwidth, str):
+        bandwidth = parse_bandwidth(bandwidth)
+    else:
+        bandwidth = {str(k): float(v) for k, v in dict(bandwidth).items()}
+        bad = [k for k in bandwidth if k not in ("cpu", "gpu")]
+        if bad:
+            raise QuantkitError(f"bandwidth: unknown device '{bad[0]}' (cpu or gpu)")
+    return parse_placement(_many(override_tensor), gpu="gpu" in bandwidth), bandwidth
+
+
+def predict_plan_speed(plan, metadata_get, placement=None, bandwidth=None, threads: int | None = None):
+    """A plan's predicted generation speed (``speed.plan_speed``), measuring the CPU's bandwidth
+    (``speed.measure_cpu_bandwidth`` with ``threads``) where ``bandwidth`` has none for it."""
+    from .placement import Placement
+    from .speed import measure_cpu_bandwidth, plan_speed
+    placement = placement if placement is not None else Placement()
+    bandwidth = dict(bandwidth or {})
+    measured = ()
+    if "cpu" not in bandwidth:
+        bandwidth["cpu"], measured = measure_cpu_bandwidth(threads), ("cpu",)
+    return plan_speed(plan, metadata_get, placement, bandwidth, measured=measured)
 
 
 def plan_quantize(model_in, type: str | None = None, **options):

@@ -172,6 +172,22 @@ def render_plan(plan, show_tensors: bool = True) -> None:
         out.print(_styled(("metadata", "bold"), f": {key} = {mv.value!r} ({mv.vtype.name.lower()}, --override-kv)"))
 
 
+def render_speed(speed) -> None:
+    """One line: the predicted tokens/s, and per device the bytes read a token, the bandwidth and
+    the bytes held."""
+    parts = []
+    for dev, nbytes in speed.bytes_per_token.items():
+        bw = speed.bandwidth.get(dev)
+        how = " (measured)" if dev in speed.measured else ""
+        at = f" at {bw / 1e9:.1f} GB/s{how}" if bw else ""
+        parts.append(f"{dev} reads {_fmt_bytes(nbytes)} a token{at}, holds {_fmt_bytes(speed.stored[dev])}")
+    notes = (["output = token_embd (tied)"] if speed.tied_output else []) + \
+        ([f"{speed.n_expert_used} of {speed.n_expert} experts a token"] if speed.n_expert else []) + \
+        ([f"MTP blocks {','.join(map(str, speed.skipped_layers))} not run"] if speed.skipped_layers else [])
+    out.print(_styled(("predicted generation", "bold"), f": {speed.tokens_per_s:.1f} tokens/s, memory-bound "
+                      f"(an upper bound): " + "; ".join(parts) + (f" ({', '.join(notes)})" if notes else "")))
+
+
 def _tensor_progress(what: str, plan, show: bool = True):
     """A step per tensor of ``plan``, measured in bytes read (quantkit.progress)."""
     from .progress import Reporter
@@ -240,12 +256,19 @@ def cli():
 @click.option("--split-max-size", help="Split the output into shards of at most SIZE (e.g. 4G).")
 @click.option("--keep-split", is_flag=True, help="One output shard per input shard.")
 @click.option("--threads", "-t", type=click.IntRange(1, 1024), help="Threads for quantization.")
-@click.option("--dry-run", is_flag=True, help="Print the plan and stop.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and its predicted generation speed, and stop.")
+@click.option("--bandwidth", metavar="cpu=SIZE,gpu=SIZE",
+              help="Memory bandwidth per device (bytes/s: cpu=60G,gpu=900G) for the predicted generation speed "
+                   "(default: the CPU's, measured, and no GPU).")
+@click.option("-ot", "--override-tensor", "override_tensor", multiple=True, metavar="REGEX=cpu|gpu",
+              help="For the predicted speed: tensors whose name matches REGEX live on that device (as llama.cpp's "
+                   "-ot; the rest on the GPU when --bandwidth gives one); repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print plan and result as JSON on stdout.")
 def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_types, tensor_type_files, ffn_gate_inp_type,
              override_kv, prune_layers, partial_requant, imatrix_path, include_weights, exclude_weights, missing_expert,
              token_embedding_type, output_tensor_type, leave_output_tensor, pure, allow_requantize,
-             strict, ignore_imatrix_rules, flavor, split_max_size, keep_split, threads, dry_run, as_json):
+             strict, ignore_imatrix_rules, flavor, split_max_size, keep_split, threads, dry_run, as_json,
+             bandwidth, override_tensor):
     """Quantize IN to OUT with a per-tensor recipe.
 
     IN is a GGUF file (or the first shard of a split one) or a Hugging Face model directory
@@ -277,15 +300,19 @@ def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_ty
             token_embedding_type=token_embedding_type, output_tensor_type=output_tensor_type,
             leave_output_tensor=leave_output_tensor, pure=pure, allow_requantize=allow_requantize, strict=strict,
             ignore_imatrix_rules=ignore_imatrix_rules, flavor=flavor, split_max_size=split_max_size,
-            keep_split=keep_split, partial_requant=partial_requant, threads=threads) as q:
+            keep_split=keep_split, partial_requant=partial_requant, threads=threads,
+            override_tensor=override_tensor, bandwidth=bandwidth) as q:
         plan, problems = q.plan, [str(e) for e in q.problems]
         if not dry_run:
             q.check()
-        doc = {"plan": plan.to_json(), "dry_run": dry_run}
+        speed = q.speed() if dry_run or bandwidth or override_tensor else None
+        doc = {"plan": plan.to_json(), "dry_run": dry_run, **({"speed": speed.to_json()} if speed else {})}
         if problems:
             doc["not_implemented"] = problems
         if not as_json:
             render_plan(plan)
+            if speed is not None:
+                render_speed(speed)
             for w in plan.warnings:
                 _warn(w)
             for p in problems:
