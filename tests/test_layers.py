@@ -31,6 +31,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("package namespace", ["quantkit"]),
     ("library API", ["quantkit.api"]),
     ("commands over the library", ["quantkit.warmup", "quantkit.catalog", "quantkit.imatrix_tools"]),
+    # the recipe search: its rules written from the groups; the groups of tensors and their candidate
+    # types, from the planner and speed
+    ("recipe rules", ["quantkit.recipe_emit"]),
+    ("recipe groups", ["quantkit.groups"]),
     # hf/ (reading HF checkpoints) and runtime/ both tokenize with quantkit.text, below them both
     ("runtime, HF checkpoints and the quantize pipeline", ["quantkit.runtime", "quantkit.hf", "quantkit.quantize",
                                                            "quantkit.repack", "quantkit.imatrix", "quantkit.describe",
