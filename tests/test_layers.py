@@ -48,7 +48,9 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("kernels (numba) and small helpers", ["quantkit.kernels", "quantkit.inputs", "quantkit.mixes",
                                            "quantkit.kv_override", "quantkit.prune",
                                            "quantkit.tensor_regex", "quantkit.progress",
-                                           "quantkit.sizes"]),
+                                           "quantkit.sizes",
+                                           # the recipe search's exact knapsack solver (numpy only)
+                                           "quantkit.solve"]),
     # each type's block layout as data, which formats (the reference decoder), the runtime (fused
     # products) and kernels may all read; it reads the type table and the value tables only
     ("block layouts", ["quantkit.layouts"]),
