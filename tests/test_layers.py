@@ -35,6 +35,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     # types, from the planner and speed
     ("recipe rules", ["quantkit.recipe_emit"]),
     ("recipe groups", ["quantkit.groups"]),
+    # group sensitivities from quantizing (quantize pipeline) and measuring (runtime)
+    ("sensitivity", ["quantkit.sensitivity"]),
     # hf/ (reading HF checkpoints) and runtime/ both tokenize with quantkit.text, below them both
     ("runtime, HF checkpoints and the quantize pipeline", ["quantkit.runtime", "quantkit.hf", "quantkit.quantize",
                                                            "quantkit.repack", "quantkit.imatrix", "quantkit.describe",
@@ -43,7 +45,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("GGUF files and the plan", ["quantkit.gguf_io", "quantkit.plan"]),
     ("formats (numpy references, registry) and policy", ["quantkit.formats", "quantkit.outputs",
                                                          "quantkit.presets", "quantkit.recipes",
-                                                         "quantkit.compiling", "quantkit.placement"]),
+                                                         "quantkit.compiling", "quantkit.placement",
+                                                         "quantkit.sensitivity_cache"]),
     # quantkit.mixes: named mixes (Q4_X) the presets resolve like a TYPE
     ("kernels (numba) and small helpers", ["quantkit.kernels", "quantkit.inputs", "quantkit.mixes",
                                            "quantkit.kv_override", "quantkit.prune",

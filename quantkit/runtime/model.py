@@ -137,19 +137,31 @@ class Model:
         pos = np.arange(pos0, pos0 + n)
         x = ops.embed(self.tok_embd, tokens)                        # (n, n_embd)
         for i in range(c.n_layer):
-            if c.gptoss:
-                x = gptoss.layer(self, i, x, pos, cache)
-                continue
-            p = f"blk.{i}."
-            h = ops.rmsnorm(x, self.vector(p + "attn_norm.weight"), c.rms_eps)
-            x = x + (deepseek2.attention(self, i, h, pos, cache) if c.mla else self._attention(i, h, pos, cache))
-            h = ops.rmsnorm(x, self.vector(p + c.ffn_norm + ".weight"), c.rms_eps)
-            x = x + (deepseek2.moe(self, i, h) if c.moe and i >= c.moe.n_dense_lead else self.ffn(p, h))
+            x = self.layer(i, x, pos, cache)
         cache.n_past = pos0 + n
-        x = ops.rmsnorm(x[logits_from:], self.vector("output_norm.weight"), c.rms_eps)
+        return self.head(x[logits_from:], pos0 + logits_from, fused=n <= ops.FUSED_TOKENS)
+
+    # forward's steps, also driven one by one by the sensitivity measurement (quantkit.sensitivity),
+    # which starts a pass at the first layer whose weights it changed
+    def layer(self, i: int, x, pos: np.ndarray, cache: Cache):
+        """Layer ``i`` of the residual stream x (n, n_embd) at positions ``pos`` (its K/V stored in
+        ``cache``'s layer i)."""
+        c, ops = self.config, self.ops
+        if c.gptoss:
+            return gptoss.layer(self, i, x, pos, cache)
+        p = f"blk.{i}."
+        h = ops.rmsnorm(x, self.vector(p + "attn_norm.weight"), c.rms_eps)
+        x = x + (deepseek2.attention(self, i, h, pos, cache) if c.mla else self._attention(i, h, pos, cache))
+        h = ops.rmsnorm(x, self.vector(p + c.ffn_norm + ".weight"), c.rms_eps)
+        return x + (deepseek2.moe(self, i, h) if c.moe and i >= c.moe.n_dense_lead else self.ffn(p, h))
+
+    def head(self, x, first_pos: int, fused: bool = False) -> np.ndarray:
+        """Logits (n, n_vocab) of the last layer's output x, a numpy array (the first at position
+        ``first_pos``, named in the error for logits that are not finite)."""
+        x = self.ops.rmsnorm(x, self.vector("output_norm.weight"), self.config.rms_eps)
         # a batch's last logits alone stay a batch's (float activations): fused only for a generation step
-        logits = ops.host(ops.matmul_q(self.output, x, fused=n <= ops.FUSED_TOKENS))
+        logits = self.ops.host(self.ops.matmul_q(self.output, x, fused=fused))
         finite = np.isfinite(logits).all(axis=1)
         if not finite.all():
-            raise NonFiniteLogits(pos0 + logits_from + int(np.argmin(finite)))
+            raise NonFiniteLogits(first_pos + int(np.argmin(finite)))
         return logits
