@@ -53,7 +53,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                                            "quantkit.tensor_regex", "quantkit.progress",
                                            "quantkit.sizes",
                                            # the recipe search's exact knapsack solver (numpy only)
-                                           "quantkit.solve"]),
+                                           "quantkit.solve", "quantkit.workers"]),
     # each type's block layout as data, which formats (the reference decoder), the runtime (fused
     # products) and kernels may all read; it reads the type table and the value tables only
     ("block layouts", ["quantkit.layouts"]),
