@@ -375,18 +375,23 @@ def read_text_file(path, max_bytes: int = MAX_TEXT_BYTES) -> str:
 
 def perplexity(model, text_file, *, ctx_size: int = 512, chunks: int | None = None, kl_divergence_base=None,
                threads: int | None = None, device: str = "cpu", override_tensor=(), on_start=None,
-               on_chunk=None, max_text_bytes: int = MAX_TEXT_BYTES, cache_type="f16"):
+               on_chunk=None, max_text_bytes: int = MAX_TEXT_BYTES, cache_type="f16", kld_top_k: int | None = None):
     """Perplexity of ``model`` on ``text_file``, llama-perplexity's way (chunks of ``ctx_size``
     tokens, the second half of each scored): a ``runtime.perplexity.PplResult`` (``.ppl``,
     ``.ppl_error``, ``.chunk_ppl``).  ``kl_divergence_base``: also save the logits there for a
-    later ``kl_divergence``.  ``on_start(n_chunks)`` is called once the text is cut into chunks,
+    later ``kl_divergence``: all of them (llama-perplexity's format), or with ``kld_top_k=K`` only
+    each position's K most probable tokens and the rest's mass (runtime/kld_topk.py: 8K + 8 bytes a
+    position instead of 2 x n_vocab; its KLD is a lower bound of the full one).  ``on_start(n_chunks)`` is called once the text is cut into chunks,
     ``on_chunk(i, result so far)`` after each chunk.  ``cache_type``: the KV cache's type, "f16"
     or "f32", or a (K, V) pair (llama.cpp's -ctk/-ctv; runtime/cache_type.py)."""
     from .outputs import check_outputs
     from .runtime import perplexity as ppl
+    from .runtime.kld_topk import TopkWriter
     from .runtime.session import open_session, parse_overrides
 
     model, text_file = Path(model), Path(text_file)
+    if kld_top_k is not None and (kl_divergence_base is None or isinstance(kld_top_k, bool) or kld_top_k < 1):
+        raise QuantkitError("--kld-top-k K needs --kl-divergence-base FILE (the base to write) and K >= 1")
     if kl_divergence_base is not None:
         kl_divergence_base = Path(kl_divergence_base)
         check_outputs([kl_divergence_base], [model, text_file], what="--kl-divergence-base")
@@ -397,7 +402,9 @@ def perplexity(model, text_file, *, ctx_size: int = 512, chunks: int | None = No
         if on_start is not None:
             on_start(len(chunk_list))
         writer = None
-        if kl_divergence_base is not None:
+        if kl_divergence_base is not None and kld_top_k is not None:
+            writer = TopkWriter(kl_divergence_base, ctx_size, s.model.config.n_vocab, chunk_list, kld_top_k)
+        elif kl_divergence_base is not None:
             writer = ppl.LogitsWriter(kl_divergence_base, ctx_size, s.model.config.n_vocab, chunk_list)
         with writer if writer is not None else contextlib.nullcontext():
             return ppl.perplexity(s.model, chunk_list, on_chunk, writer)
@@ -406,15 +413,17 @@ def perplexity(model, text_file, *, ctx_size: int = 512, chunks: int | None = No
 def kl_divergence(model, kl_divergence_base, *, chunks: int | None = None, threads: int | None = None,
                   device: str = "cpu", override_tensor=(), on_start=None, on_chunk=None, cache_type="f16"):
     """KL divergence of ``model`` from the base model whose logits ``perplexity(...,
-    kl_divergence_base=FILE)`` saved (llama-perplexity's --kl-divergence): a
-    ``runtime.perplexity.KldStats`` (``.summary()``: KLD, top-token, Δp statistics).  ``cache_type``:
+    kl_divergence_base=FILE)`` saved (llama-perplexity's --kl-divergence), in either form (full or
+    top-k, told by the file's magic): a ``runtime.perplexity.KldStats`` (``.summary()``: KLD,
+    top-token, Δp statistics; from a top-k base the KLD is over its top-k tokens and the rest, a
+    lower bound of the full one, and ``"kld_top_k"`` says K).  ``cache_type``:
     see :func:`perplexity`."""
     from .runtime import perplexity as ppl
     from .runtime.session import open_session, parse_overrides
 
     with open_session(Path(model), threads, device=device,
                       cpu_tensors=parse_overrides(_many(override_tensor)), cache_type=cache_type) as s:
-        base = ppl.LogitsFile.read(Path(kl_divergence_base))
+        base = ppl.read_base(Path(kl_divergence_base))
         if chunks:
             base.chunks = base.chunks[:chunks]
         if on_start is not None:

@@ -666,11 +666,15 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
               help="Save this model's logits to FILE (llama-perplexity's format) for a later --kl-divergence.")
 @click.option("--kl-divergence", "kld", is_flag=True,
               help="Compare with the logits saved in --kl-divergence-base FILE (KLD, top-token, Δp statistics).")
+@click.option("--kld-top-k", "kld_top_k", type=click.IntRange(min=1), default=None, metavar="K",
+              help="Save only each position's K most probable tokens and the rest's mass to --kl-divergence-base "
+                   "(8K+8 bytes a position, not 2 x vocabulary); --kl-divergence reads either form, and the KLD "
+                   "from this one is a lower bound of the full KLD.")
 @_threads_option
 @_device_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, device, overrides, cache_type_k,
-               cache_type_v, as_json):
+def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, kld_top_k, threads, device, overrides,
+               cache_type_k, cache_type_v, as_json):
     """Perplexity of MODEL on a text, llama-perplexity's way (chunks of --ctx-size tokens, the
     second half of each scored), or KL divergence against a base model's saved logits."""
     from . import api
@@ -680,6 +684,8 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
 
     if kld and kld_base is None:
         raise QuantkitError("--kl-divergence needs --kl-divergence-base FILE (the base model's saved logits)")
+    if kld and kld_top_k is not None:
+        raise QuantkitError("--kld-top-k is for writing a base; --kl-divergence reads either form by itself")
     if not kld and text_path is None:
         raise QuantkitError("-f FILE is needed (the text to evaluate)")
     shown = contextlib.ExitStack()      # the progress, from the first chunk to the end of the run
@@ -705,7 +711,7 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, threads, 
             stats = api.kl_divergence(model_path, kld_base, chunks=chunks, **session)
         else:
             res = api.perplexity(model_path, text_path, ctx_size=ctx_size, chunks=chunks, kl_divergence_base=kld_base,
-                                 max_text_bytes=MAX_TEXT_BYTES, **session)
+                                 max_text_bytes=MAX_TEXT_BYTES, kld_top_k=kld_top_k, **session)
     if kld:
         doc = stats.summary()
         if as_json:

@@ -92,6 +92,8 @@ def kld_summary(doc: dict) -> list[str]:
         f"Mean PPL(Q)-PPL(base)         : {pm(doc['ppl_diff'], 10, 6)}",
         "",
         "====== KL divergence statistics ======",
+        *([f"(from a top-{doc['kld_top_k']} base: the KLD over its {doc['kld_top_k']} most probable tokens and the "
+           "rest, a lower bound of the full KLD)"] if doc.get("kld_top_k") else []),
         f"Mean    KLD: {pm(k['mean'], 10, 6)}",
         *(f"{_label(key)} KLD: {k[key]:10.6f}" for key in
           ("max", "99.9%", "99.0%", "95.0%", "90.0%", "median", "10.0%", "5.0%", "1.0%", "0.1%", "min")),

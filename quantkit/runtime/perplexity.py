@@ -11,6 +11,9 @@ other's::
     then per scored position, nv = 2*((n_vocab+1)/2) + 4 uint16:
         float32 scale, float32 min_log_prob (as 4 uint16), uint16 q[n_vocab] (+1 pad if odd)
     log p_i = scale * q_i + min_log_prob
+
+A top-k base (``--kld-top-k K``, kld_topk.py) keeps only each position's K most probable tokens and
+the rest's mass; ``read_base`` tells the two forms apart by their magic.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from ..errors import QuantkitError
 from ..words import counted
 from ..inputs import open_regular
 from ..outputs import AtomicOutput
+from .kld_topk import MAGIC as TOPK_MAGIC, TopkLogitsFile, topk_kld_logprobs
 from .model import NonFiniteLogits
 from .scoring import log_softmax, token_nll
 from .warmup import warm_up
@@ -114,7 +118,7 @@ def perplexity(model, chunks: list[np.ndarray], on_chunk: Callable[[int, PplResu
         check_nll(nll, res.nll, where)
         res.chunk_ppl.append(res.ppl)
         if base_writer is not None:
-            base_writer.add(logits)
+            base_writer.add(logits, chunk[first + 1:])
         if on_chunk is not None:
             on_chunk(i, res)
     return res
@@ -154,7 +158,7 @@ class LogitsWriter:
         self._out = AtomicOutput()
         self._fh = None
 
-    def add(self, logits: np.ndarray) -> None:
+    def add(self, logits: np.ndarray, targets: np.ndarray | None = None) -> None:
         for row in logits:
             self._fh.write(quantize_log_probs(row))
 
@@ -192,7 +196,8 @@ class LogitsFile:
             except OSError as e:
                 raise QuantkitError(f"{path}: {e.strerror}") from None
         if len(head) < 20 or head[:8] != MAGIC:
-            raise QuantkitError(f"{path}: not a llama-perplexity logits file (no '_logits_' magic)")
+            raise QuantkitError(f"{path}: not a llama-perplexity logits file (no '_logits_' magic) nor a top-k "
+                                "one (no '_kldtopk')")
         n_ctx, n_vocab, n_chunk = struct.unpack("<iii", head[8:])
         header = f"n_ctx={n_ctx}, n_vocab={n_vocab}, n_chunk={n_chunk}"
         # at least one scored position per chunk: llama-perplexity scores n_ctx - 1 - n_ctx/2
@@ -248,6 +253,7 @@ class KldStats:
     kld: list[float] = field(default_factory=list)
     dp: list[float] = field(default_factory=list)
     same_top: int = 0
+    top_k: int | None = None    # the base's k for a top-k base (its KLD a lower bound of the full one)
 
     def add(self, logits: np.ndarray, base_lp: np.ndarray, target: int) -> None:
         lp = log_softmax(logits[None])[0]
@@ -258,6 +264,19 @@ class KldStats:
         self.kld.append(float((pb * (base_lp[keep].astype(np.float64) - lp[keep])).sum()))
         self.dp.append(math.exp(-self.nll[-1]) - math.exp(-self.nll_base[-1]))
         self.same_top += int(np.argmax(logits) == np.argmax(base_lp))
+
+    def add_topk(self, logits: np.ndarray, base_top, base_target_lp: np.ndarray, targets: np.ndarray) -> None:
+        """Positions of a top-k base (kld_topk.py): ``logits`` (n, n_vocab), the base's TopK and
+        next-token log-probabilities of the same n positions, their next tokens.  All but the KLD
+        are what the full base gives (exactly: the base's next-token log-probability and top token
+        are stored); the KLD is over the top-k tokens and the rest."""
+        lp = log_softmax(logits)
+        nll = -lp[np.arange(len(targets)), targets]
+        self.nll.extend(nll.tolist())
+        self.nll_base.extend((-np.asarray(base_target_lp, np.float64)).tolist())
+        self.kld.extend(topk_kld_logprobs(base_top, lp).tolist())
+        self.dp.extend((np.exp(-nll) - np.exp(np.asarray(base_target_lp, np.float64))).tolist())
+        self.same_top += int((np.argmax(logits, axis=1) == base_top.ids[:, 0]).sum())
 
     def running(self) -> dict:
         """The statistics llama-perplexity --kl-divergence prints after each chunk, of the
@@ -313,6 +332,8 @@ class KldStats:
                         "rms": [100 * rms, 100 * 0.5 / rms * dp2_unc if rms > 0 else 0.0]},
             "same_top_p": [100 * p_same, 100 * math.sqrt(p_same * (1 - p_same) / (n - 1))],
         }
+        if self.top_k is not None:
+            doc["kld_top_k"] = self.top_k
         if not all(math.isfinite(x) for x in _numbers(doc)):
             raise QuantkitError("the KL divergence statistics overflow (a result is NaN or infinite): "
                                 f"{_BAD_MODEL}, or the base file's")
@@ -346,19 +367,38 @@ def percentiles(v: np.ndarray, fractions) -> dict:
     return out
 
 
-def kl_divergence(model, base: LogitsFile, on_chunk: Callable[[int, KldStats], None] | None = None) -> KldStats:
+def read_base(path: Path) -> "LogitsFile | TopkLogitsFile":
+    """A --kl-divergence-base file of either form, told apart by its magic."""
+    path = Path(path)
+    with open_regular(path, "--kl-divergence-base") as f:      # a FIFO or device: refused, not read
+        try:
+            magic = f.read(8)
+        except OSError as e:
+            raise QuantkitError(f"{path}: {e.strerror}") from None
+    return TopkLogitsFile.read(path) if magic == TOPK_MAGIC else LogitsFile.read(path)
+
+
+def kl_divergence(model, base: "LogitsFile | TopkLogitsFile",
+                  on_chunk: Callable[[int, KldStats], None] | None = None) -> KldStats:
     base.check_model(model)
     warm_up(model, {len(c) for c in base.chunks})
-    stats = KldStats()
+    topk = isinstance(base, TopkLogitsFile)
+    stats = KldStats(top_k=base.k if topk else None)
     per_chunk = base.n_ctx - 1 - base.n_ctx // 2
     for i, chunk in enumerate(base.chunks):
         where = f"chunk {i + 1} of {len(base.chunks)}"
         logits = chunk_logits(model, chunk, where)[:per_chunk]
         first = base.n_ctx // 2
-        for j in range(per_chunk):
-            stats.add(logits[j], base.log_probs(i * per_chunk + j), int(chunk[first + 1 + j]))
-            if not (math.isfinite(stats.kld[-1]) and math.isfinite(stats.nll[-1])):
-                raise QuantkitError(f"{where}, position {first + j}: the KL divergence is not finite: {_BAD_MODEL}")
+        if topk:
+            top, target_lp = base.rows(i * per_chunk, (i + 1) * per_chunk)
+            stats.add_topk(logits, top, target_lp, chunk[first + 1:])
+        else:
+            for j in range(per_chunk):
+                stats.add(logits[j], base.log_probs(i * per_chunk + j), int(chunk[first + 1 + j]))
+        for j in range(len(stats.kld) - per_chunk, len(stats.kld)):
+            if not (math.isfinite(stats.kld[j]) and math.isfinite(stats.nll[j])):
+                raise QuantkitError(f"{where}, position {first + j % per_chunk}: the KL divergence is not finite: "
+                                    f"{_BAD_MODEL}")
         if on_chunk is not None:
             on_chunk(i, stats)
     return stats
