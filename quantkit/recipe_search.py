@@ -24,14 +24,28 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import formats
 from .errors import QuantkitError
-from .presets import tensor_requires_imatrix
-from .types import QuantType, loads, type_from_name, type_name, type_name_suggestion
+from .gguf_io.reader import open_model
+from .groups import check_types, make_groups, parse_budget
+from .hf import open_hf
+from .imatrix import load_imatrix
+from .inputs import read_text
+from .placement import parse_placement
+from .plan import PlanOptions, make_plan
+from .presets import ModelInfo
+from .recipe_emit import check_reproduces, compact_rules, recipe_text, tensor_type_file_text
+from .recipes import load_recipe
+from .sensitivity import (SensitivityCache, calibrate, cached_run, fast_error, fast_jobs, fingerprint, measure_jobs,
+                          measure_sample, measured_kld)
+from .solve import Item, solve
+from .speed import measure_cpu_bandwidth, parse_bandwidth, plan_speed
+from .types import QuantType, type_from_name, type_name, type_name_suggestion
+from .workers import run_jobs
 
 RESOURCES = ("cpu", "gpu", "time")      # the solver's resources: bytes per device, seconds per token
 FLAVORS = ("ik", "mainline")
@@ -48,45 +62,32 @@ IMATRIX_TYPES = {"ik": ("iq2_xs", "iq2_xxs"), "mainline": ("iq2_xs", "iq2_xxs")}
 MEASURE_PER_KIND = 3                    # measured samples per group kind when --measure is not given
 CALIB_CTX = 512                         # tokens per chunk of the measured jobs' calibration text
 CALIB_CHUNKS = 4                        # chunks of the calibration text a measured job scores
-
-
-def _is_imatrix_only(qtype: QuantType, flavor: str) -> bool:
-    """A type the flavor quantizes only with importance weights (or whose result is garbage without)."""
-    return (not formats.can_quantize(qtype, flavor, False)
-            or tensor_requires_imatrix("blk.0.ffn_down.weight", qtype, None, flavor))
+MAX_TEXT_BYTES = 1 << 30                # calibration text, as api's -f
+CACHE_FILE = "sensitivity.jsonl"
 
 
 def candidate_types(types, flavor: str = "ik", has_imatrix: bool = False) -> list[QuantType]:
-    """The candidate types: ``types`` (names, comma-separated text or a sequence; None: the flavor's
-    defaults), each checked to be a quantized type the flavor writes and loads, and quantizable
-    with what is given (an imatrix or not).  One-line QuantkitError for a bad one."""
+    """The candidate types: ``types`` (names, comma-separated text or a sequence of them; None: the
+    flavor's defaults), each checked by groups.check_types (a type the flavor loads and quantkit
+    quantizes, with what is given).  One-line QuantkitError for a bad one."""
     if flavor not in FLAVORS:
         raise QuantkitError(f"flavor: '{flavor}' is none of ik, mainline")
     if types is None:
         names = list(DEFAULT_TYPES[flavor]) + (list(IMATRIX_TYPES[flavor]) if has_imatrix else [])
-        return [type_from_name(n) for n in names]
+        return check_types([type_from_name(n) for n in names], flavor, has_imatrix)
     if isinstance(types, str):
         types = [types]
     names = [n.strip() for item in types for n in str(item).split(",")]
     if not names or any(not n for n in names):
         raise QuantkitError(f"--types: an empty type name in '{','.join(map(str, types))}' "
                             f"(give names separated by commas: q4_K,iq3_k,...)")
-    out: list[QuantType] = []
+    parsed = []
     for n in names:
         try:
-            t = type_from_name(n)
+            parsed.append(type_from_name(n))
         except ValueError:
             raise QuantkitError(f"--types: unknown type '{n}'{type_name_suggestion(n)}") from None
-        if not formats.can_quantize(t, flavor, True) or not loads(t, flavor):
-            raise QuantkitError(f"--types: {type_name(t)} is not a type quantkit writes for "
-                                f"{'ik_llama.cpp' if flavor == 'ik' else 'llama.cpp'} (--flavor {flavor}); "
-                                f"`quantkit types` lists them")
-        if not has_imatrix and _is_imatrix_only(t, flavor):
-            raise QuantkitError(f"--types: {type_name(t)} needs importance weights: give --imatrix FILE "
-                                f"or leave it out")
-        if t not in out:
-            out.append(t)
-    return out
+    return check_types(parsed, flavor, has_imatrix)
 
 
 def _parse_positive(value, what: str) -> float | None:
@@ -116,7 +117,7 @@ class RecipeResult:
     predicted_kld: float
     sizes: dict                         # device -> stored bytes (fixed tensors included)
     budgets: dict                       # device -> bytes allowed (inf: none)
-    total_bytes: int
+    total_bytes: int                    # the file's tensor data (plan.Plan.bytes_out of the recipe)
     n_elements: int
     speed: object                       # speed.SpeedPrediction
     min_speed: float | None
@@ -167,8 +168,6 @@ def _progress(on_progress, stage: str, done: int, total: int, note: str = "") ->
 
 
 def _open_model(path: Path):
-    from .gguf_io.reader import open_model
-    from .hf import open_hf
     return open_hf(path) if path.is_dir() else open_model(path)
 
 
@@ -186,9 +185,6 @@ def search_recipe(model_in, *, budget, gpu_budget=None, override_tensor=(), imat
     per group kind when a calibration text is given, else none).  ``cache_dir``: where results
     are kept between runs.  ``workers``/``ray_address``: quantkit.workers.run_jobs'.
     ``on_progress(stage, done, total, note)`` as the stages go.  A ``RecipeResult``."""
-    from .groups import make_groups, parse_budget
-    from .placement import parse_placement
-    from .speed import measure_cpu_bandwidth, parse_bandwidth
 
     if flavor not in FLAVORS:
         raise QuantkitError(f"flavor: '{flavor}' is none of ik, mainline")
@@ -207,8 +203,7 @@ def search_recipe(model_in, *, budget, gpu_budget=None, override_tensor=(), imat
     if measure is None:
         measure = None if calib_path is not None else 0
     if calib_path is not None:
-        from .api import read_text_file
-        read_text_file(calib_path)          # a bad -f fails before any work
+        read_text(calib_path, "-f", MAX_TEXT_BYTES, errors="replace")     # a bad -f fails before any work
     bw = parse_bandwidth(bandwidth) if bandwidth else {}
     placement = parse_placement(override_tensor or (), gpu=gpu_budget is not None or "gpu" in bw)
     measured_bw = () if "cpu" in bw else ("cpu",)
@@ -221,31 +216,30 @@ def search_recipe(model_in, *, budget, gpu_budget=None, override_tensor=(), imat
     t0 = time.perf_counter()
     imat = None
     if imatrix_path is not None:
-        from .imatrix import load_imatrix
         imat = load_imatrix(imatrix_path)
     has_imatrix = imat is not None and len(imat) > 0
     cand = candidate_types(types, flavor, has_imatrix)
 
     with contextlib.ExitStack() as stack:
         model = stack.enter_context(_open_model(model_in))
-        if measure is None:
-            measure = 0 if model_in.is_dir() else None     # measured jobs run the GGUF; an HF input: fast only
+        if measure is None and model_in.is_dir():
+            measure = 0         # measured jobs run the GGUF; an HF input: the fast estimates alone
         elif measure and model_in.is_dir():
             raise QuantkitError(f"--measure: {model_in} is a model directory; the measured KLD runs quantkit's "
                                 f"runtime on a GGUF file (convert it first, or use --measure 0: fast estimates)")
         _progress(on_progress, "groups", 0, 1)
-        gs = make_groups(model, cand, placement, flavor=flavor, layer_span=layer_span, has_imatrix=has_imatrix)
+        gs = make_groups(model, cand, placement, flavor=flavor, layer_span=layer_span, has_imatrix=has_imatrix,
+                         imatrix=imat)
         _progress(on_progress, "groups", 1, 1, f"{len(gs.groups)} groups")
         cap_cpu = parse_budget(str(budget), gs.n_elements)
         cap_gpu = parse_budget(str(gpu_budget), gs.n_elements) if placement.gpu else math.inf
         seconds["groups"] = time.perf_counter() - t0
 
-        from . import sensitivity_run
-        sens = sensitivity_run.run(model, model_in, gs, imatrix_path=imatrix_path, calib_path=calib_path,
-                                   measure=measure, per_kind=MEASURE_PER_KIND, cache_dir=cache_dir,
-                                   workers=workers, ray_address=ray_address, calib_ctx=calib_ctx,
-                                   calib_chunks=calib_chunks, on_progress=on_progress)
-        seconds.update(sens.seconds)
+        if measure is None:
+            measure = MEASURE_PER_KIND * len({g.kind for g in gs.groups})
+        sens = _sensitivities(model, model_in, gs, imatrix_path, calib_path, measure, cache_dir, workers, ray_address,
+                              calib_ctx, calib_chunks, on_progress)
+        seconds.update({m: j["seconds"] for m, j in sens.jobs.items()})
         predictor = sens.predictor
 
         t = time.perf_counter()
@@ -261,15 +255,58 @@ def search_recipe(model_in, *, budget, gpu_budget=None, override_tensor=(), imat
         rules, text, tt_text, plan = _emit(model, gs, chosen, choice, flavor, has_imatrix, model_in)
         seconds["emit"] = time.perf_counter() - t
 
-        from .speed import plan_speed
         speed = plan_speed(plan, model.get, placement, bw, measured=measured_bw)
-        sizes = _sizes(gs, chosen)
-        _check_sizes(plan, placement, sizes)
+        sizes, file_bytes = gs.nbytes(choice), gs.file_bytes(choice)
+        _check_sizes(plan, speed, sizes, file_bytes)
     seconds["total"] = time.perf_counter() - t0
-    total = sum(sizes.values())
     return RecipeResult(model_in, flavor, gs, choice, chosen, kld, sum(kld.values()), sizes,
-                        {"cpu": cap_cpu, "gpu": cap_gpu}, total, gs.n_elements, speed, min_speed, rules, text,
+                        {"cpu": cap_cpu, "gpu": cap_gpu}, file_bytes, gs.n_elements, speed, min_speed, rules, text,
                         tt_text, sol.optimal, sol.bound, cand, sens.jobs, seconds)
+
+
+def default_cache_dir() -> Path:
+    """~/.cache/quantkit/recipe ($XDG_CACHE_HOME/quantkit/recipe where that is set)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "quantkit" / "recipe"
+
+
+@dataclass
+class Sensitivities:
+    predictor: object                   # sensitivity.Predictor
+    fast: dict                          # (group key, type name) -> fast error
+    measured: dict                      # (group key, type name) -> measured KLD
+    jobs: dict                          # mode -> {"jobs", "run", "cached", "seconds"}
+
+
+def _sensitivities(model, model_in: Path, gs, imatrix_path, calib_path, measure: int, cache_dir, workers,
+                   ray_address, calib_ctx: int, calib_chunks: int, on_progress) -> Sensitivities:
+    """Every (group, option)'s fast error and ``measure`` measured KLDs, from the cache where it has
+    them, the rest through workers.run_jobs (each result cached as it arrives); calibrated."""
+
+    def run(fn, jobs, on_result=None):
+        return run_jobs(fn, jobs, workers=workers, ray_address=ray_address, on_result=on_result)
+
+    cache_path = Path(cache_dir if cache_dir is not None else default_cache_dir()) / CACHE_FILE
+    fp = fingerprint(model)
+    out, jobs_doc = {}, {}
+    with SensitivityCache(cache_path) as cache:
+        stages = [("fast", fast_error, fast_jobs(gs, model_in, imatrix=imatrix_path))]
+        if measure:
+            samples = measure_sample(gs, measure)
+            stages.append(("measured", measured_kld,
+                           measure_jobs(gs, samples, model_in, calib_path, imatrix=imatrix_path, n_ctx=calib_ctx,
+                                        chunks=calib_chunks)))
+        for mode, fn, keyed in stages:
+            t, counts = time.perf_counter(), {"run": 0, "cached": 0}
+            _progress(on_progress, mode, 0, len(keyed))
+
+            def arrived(key, value, cached, counts=counts, mode=mode, n=len(keyed)):
+                counts["cached" if cached else "run"] += 1
+                _progress(on_progress, mode, counts["run"] + counts["cached"], n, key[0])
+            out[mode] = cached_run(fn, keyed, cache=cache, model_fp=fp, mode=mode, run=run, on_result=arrived)
+            jobs_doc[mode] = {"jobs": len(keyed), **counts, "seconds": time.perf_counter() - t}
+    fast, measured = out["fast"], out.get("measured", {})
+    return Sensitivities(calibrate(gs, fast, measured), fast, measured, jobs_doc)
 
 
 def _option_seconds(option, bandwidth: dict) -> float:
@@ -280,7 +317,6 @@ def _option_seconds(option, bandwidth: dict) -> float:
 def _solve(gs, predictor, bandwidth, caps, min_speed, time_limit):
     """The multiple-choice knapsack over the groups: predicted KLD under bytes per device and seconds
     per token.  Returns the Solution and the per-group option costs."""
-    from .solve import Item, solve
 
     classes, costs = [], []
     for g in gs.groups:
@@ -306,39 +342,25 @@ def _solve(gs, predictor, bandwidth, caps, min_speed, time_limit):
     return sol, costs
 
 
-def _sizes(gs, chosen) -> dict[str, int]:
-    sizes = {d: int(n) for d, n in gs.fixed.items()}
-    for o in chosen.values():
-        for d, n in o.nbytes.items():
-            sizes[d] = sizes.get(d, 0) + int(n)
-    return {d: n for d, n in sizes.items() if n or d == "cpu"}
-
-
 def _emit(model, gs, chosen, choice, flavor, has_imatrix, model_in):
     """The recipe in both forms and the plan it makes, checked to give every tensor the chosen type."""
-    from .plan import PlanOptions, make_plan
-    from .presets import ModelInfo
-    from .recipe_emit import check_reproduces, compact_rules, recipe_text, tensor_type_file_text
-    from .recipes import load_recipe
 
     rules = compact_rules(gs, choice)
     types = {name: t for o in chosen.values() for name, t in o.types.items()}
     check_reproduces(model, rules, types, flavor)
     header = [f"quantkit recipe for {model_in.name} ({flavor} flavor)"]
     text = recipe_text(rules, header)
-    opts = PlanOptions(recipe=load_recipe([text]), flavor=flavor, has_imatrix=has_imatrix,
+    opts = PlanOptions(recipe=load_recipe([text]), flavor=flavor, has_imatrix=has_imatrix, allow_requantize=True,
                        model=ModelInfo.from_metadata(model.get), metadata=model.metadata)
     plan = make_plan(model.tensors, opts)
     return rules, text, tensor_type_file_text(rules), plan
 
 
-def _check_sizes(plan, placement, sizes: dict) -> None:
-    """The recipe through the planner stores exactly the predicted bytes on each device."""
-    got: dict[str, int] = {}
-    for tp in plan.tensors:
-        d = placement.device(tp.name)
-        got[d] = got.get(d, 0) + tp.nbytes_out
-    got = {d: n for d, n in got.items() if n or d == "cpu"}
-    if got != sizes:
-        raise QuantkitError(f"internal check: the emitted recipe plans {got} bytes per device, the search "
-                            f"predicted {sizes}")
+def _check_sizes(plan, speed, sizes: dict, file_bytes: int) -> None:
+    """The recipe through the planner writes exactly the predicted file and holds exactly the
+    predicted bytes on each device."""
+    held = {d: n for d, n in speed.stored.items() if n}
+    want = {d: n for d, n in sizes.items() if n}
+    if plan.bytes_out != file_bytes or held != want:
+        raise QuantkitError(f"internal check: the emitted recipe plans {plan.bytes_out:,} file bytes, {held} per "
+                            f"device; the search predicted {file_bytes:,}, {want}")
