@@ -129,7 +129,7 @@ def recipe_rows(name, model, imatrix, base, work, budgets, jobs, threads, preset
         recipe = work / f"{name}-{b}bpw.recipe"
         t = time.perf_counter()
         r = api.make_recipe(model, recipe, budget=f"{b}bpw", imatrix=imatrix, calibration=CALIB,
-                            cache_dir=work / "cache", workers=jobs)
+                            cache_dir=work / "cache", workers=jobs, calib_ctx=CTX[name])
         search_s = time.perf_counter() - t
         m = measure(model, work / f"{name}-{b}bpw.gguf", base, threads, None, custom_q=[str(recipe)], imatrix=imatrix)
         fitting = [p for p in presets if p["bytes"] <= budget_bytes]

@@ -677,7 +677,7 @@ def imatrix_stats(path, *, chunk_size: int = 512, top: int = 5) -> ImatrixStats:
 def make_recipe(model_in, output=None, *, tensor_type_file_out=None, budget, gpu_budget=None, override_tensor=(),
                 imatrix=None, calibration=None, types=None, bandwidth=None, min_speed=None, measure=None,
                 cache_dir=None, workers=None, ray_address=None, flavor: str = "ik", layer_span: int = 1,
-                on_progress=None, time_limit: float = 30.0):
+                calib_ctx: int = 512, calib_chunks: int = 4, on_progress=None, time_limit: float = 30.0):
     """Search the mix of types that fits ``budget`` with the least predicted KLD
     (``recipe_search.search_recipe``: the options are its own) and write the recipe to ``output``
     (a ``--custom-q`` file) and, given, mainline's ``--tensor-type-file`` form to
@@ -692,8 +692,8 @@ def make_recipe(model_in, output=None, *, tensor_type_file_out=None, budget, gpu
     result = search_recipe(model_in, budget=budget, gpu_budget=gpu_budget, override_tensor=_many(override_tensor),
                            imatrix=imatrix, calibration=calibration, types=types, bandwidth=bandwidth,
                            min_speed=min_speed, measure=measure, cache_dir=cache_dir, workers=workers,
-                           ray_address=ray_address, flavor=flavor, layer_span=layer_span, on_progress=on_progress,
-                           time_limit=time_limit)
+                           ray_address=ray_address, flavor=flavor, layer_span=layer_span, calib_ctx=calib_ctx,
+                           calib_chunks=calib_chunks, on_progress=on_progress, time_limit=time_limit)
     if outputs:
         with AtomicOutput() as out:         # both files or neither
             if output is not None:

@@ -491,6 +491,10 @@ def types_(as_json):
 @click.option("--min-speed", type=float, metavar="TOK/S", help="Predicted generation speed floor (tokens/s).")
 @click.option("--measure", type=click.IntRange(min=0), default=None,
               help="Measured KLD jobs (default with -f: a few per group kind; 0: fast estimates only).")
+@click.option("-c", "--ctx-size", type=click.IntRange(min=16), default=512, show_default=True,
+              help="Tokens per chunk of the calibration text (measured jobs).")
+@click.option("--chunks", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Chunks of the calibration text a measured job scores.")
 @click.option("--cache", "cache_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Directory of the sensitivity cache (default: ~/.cache/quantkit/recipe).")
 @click.option("-j", "--jobs", "workers", type=click.IntRange(min=1), default=None,
@@ -505,7 +509,7 @@ def types_(as_json):
               help="Also write the recipe as mainline llama-quantize's --tensor-type-file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def recipe(model_in, out_path, budget, gpu_budget, overrides, imatrix_path, calib_path, types, bandwidth, min_speed,
-           measure, cache_dir, workers, ray_address, layer_span, flavor, tt_path, as_json):
+           measure, ctx_size, chunks, cache_dir, workers, ray_address, layer_span, flavor, tt_path, as_json):
     """Find the mix of types for MODEL (GGUF or HF directory) that fits --budget with the least
     predicted KL divergence, and write it as a recipe: per tensor group (a layer's attention, its
     ffn_up+gate, each expert kind, embeddings, output) a fast error from quantizing it, calibrated
@@ -518,7 +522,7 @@ def recipe(model_in, out_path, budget, gpu_budget, overrides, imatrix_path, cali
                         override_tensor=overrides, imatrix=imatrix_path, calibration=calib_path, types=types or None,
                         bandwidth=bandwidth, min_speed=min_speed, measure=measure, cache_dir=cache_dir,
                         workers=workers, ray_address=ray_address, flavor=flavor, layer_span=layer_span,
-                        on_progress=progress.update)
+                        calib_ctx=ctx_size, calib_chunks=chunks, on_progress=progress.update)
     if as_json:
         _print_json({**r.to_json(), "output": str(out_path), "tensor_type_file_out": str(tt_path) if tt_path else None})
         return
@@ -560,8 +564,9 @@ class _RecipeProgress(contextlib.ExitStack):
 def _render_recipe(r, out_path, tt_path) -> None:
     """``recipe``'s table and summary: an api.make_recipe result (recipe_search.RecipeResult)."""
     t = Table(title="recipe", header_style="bold")
-    for col in ("group", "kind", "device", "type", "size", "bpw", "pred. KLD"):
-        t.add_column(col, justify="right" if col in ("size", "bpw", "pred. KLD") else "left",
+    damage = "pred. KLD" if r.calibrated else "fast error"
+    for col in ("group", "kind", "device", "type", "size", "bpw", damage):
+        t.add_column(col, justify="right" if col in ("size", "bpw", damage) else "left",
                      overflow="fold" if col == "group" else "ellipsis")
     for row in r.rows():
         written = [w for w in row["written"] if w != row["type"]]
@@ -573,7 +578,11 @@ def _render_recipe(r, out_path, tt_path) -> None:
                                                  f" of {_fmt_bytes(r.budgets[d])}") for d, n in r.sizes.items())
     out.print(_styled(("size", "bold"), f": {sizes} ({r.bpw:.3f} bpw over {r.n_elements:,} weights)"))
     proof = "optimal" if r.optimal else f"best found; no mix is below {r.bound:.4g}"
-    out.print(_styled(("predicted KLD", "bold"), f": {r.predicted_kld:.4g} ({proof})"))
+    if r.calibrated:
+        out.print(_styled(("predicted KLD", "bold"), f": {r.predicted_kld:.4g} ({proof})"))
+    else:
+        out.print(_styled(("fast error", "bold"), f": {r.predicted_kld:.4g} ({proof}; not a KLD: give -f CALIB.txt "
+                          f"for measured jobs that calibrate it)"))
     sp = r.speed
     bw = ", ".join(f"{d} {b / 1e9:.0f} GB/s{' measured' if d in sp.measured else ''}" for d, b in sp.bandwidth.items())
     floor = f", floor {r.min_speed:g}" if r.min_speed else ""

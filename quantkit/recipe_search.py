@@ -42,7 +42,7 @@ from .recipe_emit import check_reproduces, compact_rules, recipe_text, tensor_ty
 from .recipes import load_recipe
 from .sensitivity import (SensitivityCache, calibrate, cached_run, fast_error, fast_jobs, fingerprint, measure_jobs,
                           measure_sample, measured_kld)
-from .solve import Item, solve
+from .solve import InfeasibleBudget, Item, solve
 from .speed import measure_cpu_bandwidth, parse_bandwidth, plan_speed
 from .types import QuantType, type_from_name, type_name, type_name_suggestion
 from .workers import run_jobs
@@ -127,8 +127,14 @@ class RecipeResult:
     optimal: bool
     bound: float
     types: list                         # the candidate types
+    predictor: object = None            # sensitivity.Predictor: the per-kind factors from fast error to KLD
     jobs: dict = field(default_factory=dict)        # {"fast"|"measured": {"run": n, "cached": n, "seconds": s}}
     seconds: dict = field(default_factory=dict)     # stage -> seconds
+
+    @property
+    def calibrated(self) -> bool:
+        """The predictions are KLDs (some measured samples fitted the factors), not raw fast errors."""
+        return bool(self.predictor is not None and self.predictor.measured)
 
     @property
     def bpw(self) -> float:
@@ -150,7 +156,8 @@ class RecipeResult:
     def to_json(self) -> dict:
         return {
             "model": str(self.model), "flavor": self.flavor,
-            "predicted_kld": self.predicted_kld, "optimal": self.optimal, "bound": self.bound,
+            "predicted_kld": self.predicted_kld, "calibrated": self.calibrated, "optimal": self.optimal,
+            "bound": self.bound, "calibration": self.predictor.to_json() if self.predictor is not None else None,
             "total_bytes": self.total_bytes, "n_elements": self.n_elements, "bpw": self.bpw,
             "sizes": self.sizes, "budgets": {d: (None if math.isinf(b) else b) for d, b in self.budgets.items()},
             "speed": self.speed.to_json(), "min_speed": self.min_speed,
@@ -235,6 +242,7 @@ def search_recipe(model_in, *, budget, gpu_budget=None, override_tensor=(), imat
         cap_gpu = parse_budget(str(gpu_budget), gs.n_elements) if placement.gpu else math.inf
         seconds["groups"] = time.perf_counter() - t0
 
+        check_feasible(gs, bw, (cap_cpu, cap_gpu), min_speed)
         if measure is None:
             measure = MEASURE_PER_KIND * len({g.kind for g in gs.groups})
         sens = _sensitivities(model, model_in, gs, imatrix_path, calib_path, measure, cache_dir, workers, ray_address,
@@ -261,7 +269,7 @@ def search_recipe(model_in, *, budget, gpu_budget=None, override_tensor=(), imat
     seconds["total"] = time.perf_counter() - t0
     return RecipeResult(model_in, flavor, gs, choice, chosen, kld, sum(kld.values()), sizes,
                         {"cpu": cap_cpu, "gpu": cap_gpu}, file_bytes, gs.n_elements, speed, min_speed, rules, text,
-                        tt_text, sol.optimal, sol.bound, cand, sens.jobs, seconds)
+                        tt_text, sol.optimal, sol.bound, cand, predictor, sens.jobs, seconds)
 
 
 def default_cache_dir() -> Path:
@@ -322,24 +330,52 @@ def _solve(gs, predictor, bandwidth, caps, min_speed, time_limit):
     for g in gs.groups:
         row = [max(0.0, float(predictor.kld(g, o))) for o in g.options]
         costs.append(row)
-        classes.append([Item(c, (float(o.nbytes.get("cpu", 0)), float(o.nbytes.get("gpu", 0)),
-                                 _option_seconds(o, bandwidth)))
-                        for c, o in zip(row, g.options)])
-    fixed_s = sum(n / bandwidth[d] for d, n in gs.fixed_per_token.items() if n)
-    cap = (caps[0] - gs.fixed.get("cpu", 0), caps[1] - gs.fixed.get("gpu", 0),
-           (1.0 / min_speed - fixed_s) if min_speed else math.inf)
-    for what, c, fixed in (("--budget", cap[0], gs.fixed.get("cpu", 0)), ("--gpu-budget", cap[1], gs.fixed.get("gpu", 0))):
-        if c < 0:
-            raise QuantkitError(f"{what}: {fixed:,} bytes of tensors that are never quantized (norms, routers) "
-                                f"already exceed it; nothing fits")
-    if min_speed and cap[2] <= 0:
-        raise QuantkitError(f"--min-speed {min_speed:g}: reading the tensors that are never quantized already "
-                            f"takes {fixed_s:.3g} s per token at the given bandwidth; nothing is that fast")
+        classes.append([Item(c, _weights(o, bandwidth)) for c, o in zip(row, g.options)])
+    cap = _capacity(gs, bandwidth, caps, min_speed)
     try:
-        sol = solve(classes, cap, time_limit=time_limit)
-    except QuantkitError as e:
-        raise QuantkitError(f"no mix of the candidate types fits: {e}") from None
+        sol = solve(classes, cap, time_limit=time_limit, names=RESOURCES)
+    except InfeasibleBudget as e:
+        raise QuantkitError(_infeasible(e.smallest, gs, bandwidth, caps, min_speed, e.jointly)) from None
     return sol, costs
+
+
+def _capacity(gs, bandwidth, caps, min_speed) -> tuple[float, float, float]:
+    """What the groups may use of each resource: the budgets less the kept tensors' share."""
+    fixed_s = sum(n / bandwidth[d] for d, n in gs.fixed_per_token.items() if n)
+    return (caps[0] - gs.fixed.get("cpu", 0), caps[1] - gs.fixed.get("gpu", 0),
+            (1.0 / min_speed - fixed_s) if min_speed else math.inf)
+
+
+def check_feasible(gs, bandwidth, caps, min_speed) -> None:
+    """Before any sensitivity job: each budget on its own must hold the smallest option of every
+    group (whether all fit together is the solver's to find)."""
+    least = [sum(min(_weights(o, bandwidth)[r] for o in g.options) for g in gs.groups) for r in range(3)]
+    cap = _capacity(gs, bandwidth, caps, min_speed)
+    if any(least[r] > cap[r] for r in range(3)):
+        raise QuantkitError(_infeasible(least, gs, bandwidth, caps, min_speed, False))
+
+
+def _weights(option, bandwidth) -> tuple[float, float, float]:
+    return (float(option.nbytes.get("cpu", 0)), float(option.nbytes.get("gpu", 0)), _option_seconds(option, bandwidth))
+
+
+def _infeasible(smallest, gs, bandwidth, caps, min_speed, jointly: bool) -> str:
+    """No mix fits, in the user's terms: per budget, the least any mix of the candidate types
+    needs (the kept tensors included)."""
+    parts = []
+    for r, (what, where) in enumerate((("--budget", "in host memory"), ("--gpu-budget", "on the GPU"))):
+        if math.isfinite(caps[r]):
+            least = smallest[r] + gs.fixed.get(RESOURCES[r], 0)
+            parts.append(f"{what} {_size(caps[r])}: the smallest mix takes {_size(least)} {where}")
+    if min_speed:
+        fixed_s = sum(n / bandwidth[d] for d, n in gs.fixed_per_token.items() if n)
+        parts.append(f"--min-speed {min_speed:g}: the fastest mix makes {1 / (smallest[2] + fixed_s):.4g} tokens/s")
+    how = "the budgets cannot all be met at once" if jointly else "a budget is too small"
+    return f"no mix of the candidate types fits ({how}): " + "; ".join(parts)
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB" if n >= 1e5 else f"{int(n):,} bytes"
 
 
 def _emit(model, gs, chosen, choice, flavor, has_imatrix, model_in):
