@@ -87,11 +87,11 @@ def held_out_text(work: Path) -> Path:
     return path
 
 
-def base_logits(name: str, model: Path, text: Path, work: Path, threads: int | None) -> Path:
+def base_logits(name: str, model: Path, text: Path, work: Path, threads: int | None, chunks: int | None) -> Path:
     from quantkit import api
     base = work / f"{name}-base.logits"
     if not base.exists():
-        api.perplexity(model, text, ctx_size=CTX[name], kl_divergence_base=base, threads=threads)
+        api.perplexity(model, text, ctx_size=CTX[name], chunks=chunks, kl_divergence_base=base, threads=threads)
     return base
 
 
@@ -168,6 +168,8 @@ def main(argv=None) -> int:
     ap.add_argument("-j", "--jobs", type=int, default=None, help="Sensitivity worker processes.")
     ap.add_argument("-t", "--threads", type=int, default=None, help="Runtime threads.")
     ap.add_argument("--skip-recipes", action="store_true", help="Only the presets (the baseline half).")
+    ap.add_argument("--chunks", type=int, default=None, help="Chunks of the held-out text scored (default: all).")
+    ap.add_argument("--presets-from", type=Path, help="Preset rows of an earlier --json run (not measured again).")
     ap.add_argument("--json", type=Path, help="Write every row as JSON here.")
     a = ap.parse_args(argv)
     budgets = [float(b) for b in a.budgets.split(",")]
@@ -178,8 +180,10 @@ def main(argv=None) -> int:
         doc = {"presets": {}, "recipes": []}
         for name in a.models.split(","):
             model, imatrix = prepare(name, work, a.threads)
-            base = base_logits(name, model, text, work, a.threads)
-            presets = preset_rows(name, model, imatrix, base, work, a.presets.split(","), a.threads)
+            base = base_logits(name, model, text, work, a.threads, a.chunks)
+            earlier = json.loads(a.presets_from.read_text())["presets"] if a.presets_from else {}
+            presets = earlier.get(name) or preset_rows(name, model, imatrix, base, work, a.presets.split(","),
+                                                       a.threads)
             doc["presets"][name] = presets
             if not a.skip_recipes:
                 doc["recipes"] += recipe_rows(name, model, imatrix, base, work, budgets, a.jobs, a.threads, presets)
