@@ -10,6 +10,7 @@ and ``open_repack`` give a context that holds the open model and its plan, and w
 
     with open_quantization("in.gguf", "out.gguf", "Q4_K_M") as q:
         print(q.plan.bytes_out)
+        print(q.speed().tokens_per_s)     # predicted generation speed (bandwidth=, override_tensor=)
         result = q.write()
 
 ``quantize_model`` / ``repack_model`` do both at once; ``plan_quantize`` / ``plan_repack`` only plan

@@ -137,36 +137,49 @@ class SpeedPrediction:
                 "n_expert_used": self.n_expert_used}
 
 
-def predict_speed(tensors, placement: Placement, bandwidth: dict[str, float], n_expert: int, n_expert_used: int,
-                  *, skip_layers=(), measured=()) -> SpeedPrediction:
-    """The roofline prediction for ``tensors`` ((name, shape, qtype) triples, as they will be
-    stored) placed by ``placement``, each device reading at ``bandwidth[device]`` bytes/s.
-    ``skip_layers``: blocks generation never runs (MTP); they are stored but not read."""
-    devices = DEVICES if placement.gpu else ("cpu",)
-    per_token = dict.fromkeys(devices, 0)
-    stored = dict.fromkeys(devices, 0)
-    skip = {int(i) for i in skip_layers}
-    names, token_embd = set(), None
-    for name, shape, qtype in tensors:
-        dev = placement.device(name)
-        if dev not in per_token:
-            raise QuantkitError(f"tensor '{name}' is placed on the {dev}, and there is none")
-        names.add(name)
-        nbytes = tensor_nbytes(QuantType(qtype), tuple(shape))
-        stored[dev] += nbytes
+@dataclass(frozen=True)
+class Accounting:
+    """How one model's tensors count, per device: the bytes each holds and reads per generated token
+    (what predict_speed sums; groups.py counts its options with it, so both agree)."""
+    placement: Placement
+    n_expert: int = 0
+    n_expert_used: int = 0
+    skip_layers: frozenset = frozenset()     # MTP blocks: stored, never read while generating
+    tied_output: str | None = None          # no output matrix: the device that reads token_embd as one
+
+    @classmethod
+    def of(cls, names, placement: Placement, n_expert: int = 0, n_expert_used: int = 0,
+           skip_layers=()) -> "Accounting":
+        """The accounting of a model whose tensors are ``names`` (a tied output is detected here)."""
+        names = set(names)
+        tied = TOKEN_EMBD_NAMES[0] in names and OUTPUT_NAME not in names
+        return cls(placement, n_expert, n_expert_used, frozenset(int(i) for i in skip_layers),
+                   placement.device(OUTPUT_NAME) if tied else None)
+
+    def add(self, stored: dict, per_token: dict, name: str, shape, qtype) -> int:
+        """Count tensor ``name`` stored as ``qtype`` into ``stored`` and ``per_token`` (device ->
+        bytes); returns its bytes in the file."""
+        shape = tuple(shape)
+        dev = self.placement.device(name)
+        size = tensor_nbytes(QuantType(qtype), shape)
+        stored[dev] = stored.get(dev, 0) + size
         m = _BLOCK.match(name)
-        if m is None or int(m[1]) not in skip:
-            per_token[dev] += bytes_per_token(name, shape, qtype, n_expert, n_expert_used)
-        if name == TOKEN_EMBD_NAMES[0]:
-            token_embd = nbytes
-    tied = token_embd is not None and OUTPUT_NAME not in names
-    if tied:
-        # llama.cpp creates the output from token_embd (TENSOR_DUPLICATED) on the output layer's
-        # device: a second copy there when that is not the CPU, read whole every token
-        out_dev = placement.device(OUTPUT_NAME)
-        per_token[out_dev] += token_embd
-        if out_dev != placement.device(TOKEN_EMBD_NAMES[0]):
-            stored[out_dev] += token_embd
+        if m is None or int(m[1]) not in self.skip_layers:
+            per_token[dev] = per_token.get(dev, 0) + bytes_per_token(name, shape, qtype, self.n_expert,
+                                                                     self.n_expert_used)
+        if self.tied_output is not None and name == TOKEN_EMBD_NAMES[0]:
+            # llama.cpp creates the output from token_embd (TENSOR_DUPLICATED) on the output layer's
+            # device: a second copy there when that is not the CPU, read whole every token
+            out = self.tied_output
+            per_token[out] = per_token.get(out, 0) + size
+            if out != dev:
+                stored[out] = stored.get(out, 0) + size
+        return size
+
+
+def device_seconds(per_token: dict[str, int], bandwidth: dict[str, float]) -> dict[str, float]:
+    """Seconds per token each device spends reading its ``per_token`` bytes at its bandwidth (the
+    solver's speed resource is their sum); a device that reads something needs a bandwidth."""
     seconds = {}
     for dev, nbytes in per_token.items():
         bw = bandwidth.get(dev)
@@ -176,10 +189,27 @@ def predict_speed(tensors, placement: Placement, bandwidth: dict[str, float], n_
         if bw is not None and not (math.isfinite(bw) and bw > 0):
             raise QuantkitError(f"--bandwidth {dev}: {bw} is not a positive number of bytes/s")
         seconds[dev] = nbytes / bw if nbytes else 0.0
+    return seconds
+
+
+def predict_speed(tensors, placement: Placement, bandwidth: dict[str, float], n_expert: int, n_expert_used: int,
+                  *, skip_layers=(), measured=()) -> SpeedPrediction:
+    """The roofline prediction for ``tensors`` ((name, shape, qtype) triples, as they will be
+    stored) placed by ``placement``, each device reading at ``bandwidth[device]`` bytes/s.
+    ``skip_layers``: blocks generation never runs (MTP); they are stored but not read."""
+    tensors = list(tensors)
+    devices = DEVICES if placement.gpu else ("cpu",)
+    per_token = dict.fromkeys(devices, 0)
+    stored = dict.fromkeys(devices, 0)
+    account = Accounting.of((t[0] for t in tensors), placement, n_expert, n_expert_used, skip_layers)
+    for name, shape, qtype in tensors:
+        account.add(stored, per_token, name, shape, qtype)
+    seconds = device_seconds(per_token, bandwidth)
     total = sum(seconds.values())
     return SpeedPrediction(per_token, stored, {d: float(bandwidth[d]) for d in devices if d in bandwidth},
-                           total, 1.0 / total if total > 0 else math.inf, tuple(measured), tied,
-                           tuple(sorted(skip)), n_expert, n_expert_used, seconds)
+                           total, 1.0 / total if total > 0 else math.inf, tuple(measured),
+                           account.tied_output is not None, tuple(sorted(account.skip_layers)), n_expert,
+                           n_expert_used, seconds)
 
 
 def _count(get, key: str) -> int:
@@ -230,5 +260,5 @@ def plan_speed(plan, metadata_get, placement: Placement, bandwidth: dict[str, fl
                          n_expert, n_used, skip_layers=skip, measured=measured)
 
 
-__all__ = ["SpeedPrediction", "bytes_per_token", "expert_counts", "is_routed_expert", "measure_cpu_bandwidth",
-           "mtp_layers", "parse_bandwidth", "plan_speed", "predict_speed"]
+__all__ = ["Accounting", "SpeedPrediction", "bytes_per_token", "device_seconds", "expert_counts", "is_routed_expert",
+           "measure_cpu_bandwidth", "mtp_layers", "parse_bandwidth", "plan_speed", "predict_speed"]

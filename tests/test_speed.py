@@ -245,6 +245,13 @@ def test_dry_run_measures_the_cpu_by_default(models, tmp_path, capsys):
     doc = json.loads(out)["speed"]
     assert doc["measured"] == ["cpu"] and doc["bandwidth"]["cpu"] > 1e8 and doc["tied_output"] is True
     assert math.isfinite(doc["tokens_per_s"]) and doc["tokens_per_s"] > 0
+    # a GPU's bandwidth alone: the layers and the (tied) output there, the CPU's measured for its embedding row
+    rc, out, err = run_main(capsys, "quantize", models["tied"], tmp_path / "o.gguf", "q8_0", "--dry-run", "--json",
+                            "--bandwidth", "gpu=1T")
+    assert rc == 0, err
+    doc = json.loads(out)["speed"]
+    assert doc["measured"] == ["cpu"] and doc["bandwidth"]["gpu"] == 1e12
+    assert doc["bytes_per_token"]["cpu"] == 2 * 34 and doc["stored"]["gpu"] > doc["stored"]["cpu"] == 96 * 2 * 34
 
 
 def test_dry_run_of_published_recipe_deepseek_v3(tmp_path, repo_root, capsys):
@@ -264,6 +271,17 @@ def test_dry_run_of_published_recipe_deepseek_v3(tmp_path, repo_root, capsys):
     embd_row = next(t["bytes_out"] for t in tensors if t["name"] == "token_embd.weight") // 129280
     assert s["bytes_per_token"] == {"cpu": exps * 8 // 256 + embd_row, "gpu": s["stored"]["gpu"]}
     assert s["tokens_per_s"] == pytest.approx(1 / ((exps * 8 // 256 + embd_row) / 60e9 + s["stored"]["gpu"] / 900e9))
+
+
+def test_real_run_predicts_only_when_asked(models, tmp_path, capsys):
+    out_file = tmp_path / "o.gguf"
+    rc, out, err = run_main(capsys, "quantize", models["llama"], out_file, "COPY", "--json")
+    assert rc == 0, err
+    assert "speed" not in json.loads(out)               # no bandwidth measured on a plain run
+    out_file.unlink()
+    rc, out, err = run_main(capsys, "quantize", models["llama"], out_file, "COPY", "--json", "--bandwidth", "cpu=10G")
+    assert rc == 0, err
+    assert json.loads(out)["speed"]["bandwidth"] == {"cpu": 10e9} and out_file.is_file()
 
 
 @pytest.mark.parametrize("args,needle", [
