@@ -43,6 +43,8 @@ MAX_STATES_ONE = 20000
 MAX_STATES_MANY = 2000
 BEAM_WIDTH = 24
 REL_TOL = 1e-9
+EXTRA_DIRS = ()
+CORE_SIZE = 40
 
 
 @dataclass(frozen=True)
@@ -161,33 +163,39 @@ class _SuffixBound:
 # ---- the Lagrangian direction ----
 
 def _ray_max(C: np.ndarray, S: np.ndarray, X: float) -> tuple[float, float]:
-    """(t, value) maximising g(t) = sum_rows min_j (C + t S) - t X over t >= 0 (C padded with inf):
-    the LP bound of one surrogate budget S <= X.  g is concave and piecewise linear; its maximum is at
-    0 or at a breakpoint (two items of a row tie), found by ternary search over the sorted breakpoints."""
-    with np.errstate(invalid="ignore", divide="ignore"):
+    """(t, g(t)) with t >= 0 maximising g(t) = sum_rows min_j (C + t S) - t X (C padded with inf): the
+    LP bound of the single surrogate budget S <= X.  g is concave and piecewise linear, its maximum at
+    0 or where two items of a row tie: a bisection over those breakpoints on the sign of g's slope
+    between them (any t gives a valid bound; this finds the best)."""
+    rows = np.arange(C.shape[0])
+
+    def slope(t):
+        return float(S[rows, np.argmin(C + t * S, axis=1)].sum() - X)
+
+    def g(t):
+        return float(np.min(C + t * S, axis=1).sum() - t * X)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         t = (C[:, :, None] - C[:, None, :]) / (S[:, None, :] - S[:, :, None])
-    t = np.concatenate([[0.0], np.unique(t[np.isfinite(t) & (t > 0)])])
-
-    def g(i):
-        return float(np.min(C + t[i] * S, axis=1).sum() - t[i] * X)
-    lo, hi = 0, len(t) - 1
-    while hi - lo > 2:
-        m1 = lo + (hi - lo) // 3
-        m2 = hi - (hi - lo) // 3
-        if g(m1) < g(m2):
-            lo = m1 + 1
+    t = np.unique(t[np.isfinite(t) & (t > 0)])
+    t = np.concatenate([[0.0], t, [2 * t[-1] + 1 if len(t) else 1.0]])
+    lo, hi = 0, len(t) - 1            # g rises on (t[lo], t[lo + 1]), falls after t[hi]
+    if slope(0.5 * (t[0] + t[1])) <= 0:
+        return 0.0, g(0.0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if slope(0.5 * (t[mid] + t[mid + 1])) > 0:
+            lo = mid
         else:
-            hi = m2
-    best = max(range(lo, hi + 1), key=g)
-    return float(t[best]), g(best)
+            hi = mid
+    return float(t[hi]), g(t[hi])
 
 
-def _best_direction(C: np.ndarray, W: np.ndarray, cap: np.ndarray) -> np.ndarray:
-    """A direction d >= 0 (sum 1, over resources scaled by their capacity) with a large LP bound of
-    the surrogate budget: a grid over the simplex refined by a pattern search.  Any d is a valid
-    bound; the best one reaches the LP bound of all budgets together."""
+def _best_direction(C: np.ndarray, W: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """A direction d >= 0 over the resources with a large LP bound of its surrogate budget: a grid over
+    the simplex (resources scaled by their capacity) refined by a pattern search.  Any d gives a valid
+    bound; the best one reaches the LP bound of all budgets together (the Lagrangian dual)."""
     K = W.shape[2]
-    Wn = W / cap                                        # scaled: every capacity is 1
+    Wn = W / scale                                      # every capacity is 1
 
     def h(d):
         return _ray_max(C, Wn @ d, float(d.sum()))[1]
@@ -195,34 +203,26 @@ def _best_direction(C: np.ndarray, W: np.ndarray, cap: np.ndarray) -> np.ndarray
     if K == 2:
         cands += [np.array([a, 1 - a]) for a in np.linspace(0.1, 0.9, 9)]
     elif K == 3:
-        g = 6
-        cands += [np.array([i, j, g - i - j]) / g for i in range(g + 1) for j in range(g + 1 - i)]
+        cands += [np.array([i, j, 6 - i - j]) / 6 for i in range(7) for j in range(7 - i)]
     vals = [h(d) for d in cands]
     best = int(np.argmax(vals))
     d, v = cands[best], vals[best]
-    step = 0.25 if K <= 3 else 0.5
-    while step > 1e-3:
+    step = 0.25
+    while step > 1 / 64:
         improved = False
         for r in range(K):
             for q in range(K):
                 if r == q or d[r] <= 0:
                     continue
                 e = d.copy()
-                mv = min(step, d[r])
-                e[r] -= mv
-                e[q] += mv
+                e[q] += min(step, d[r])
+                e[r] -= min(step, d[r])
                 ve = h(e)
-                if ve > v * (1 + 1e-12) + 1e-300:
+                if ve > v + 1e-12 * abs(v):
                     d, v, improved = e, ve, True
         if not improved:
             step /= 2
-    return d / cap                                      # in the original units
-
-
-def _lagrange_multipliers(C: np.ndarray, W: np.ndarray, cap: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, float]:
-    """lam = t* d maximising the Lagrangian along d, and its value L(lam) (a lower bound)."""
-    t, value = _ray_max(C, W @ d, float(cap @ d))
-    return t * d, value
+    return d / scale                                    # in the resources' own units
 
 
 # ---- the search ----
@@ -232,9 +232,9 @@ class _Timeout(Exception):
 
 
 class _Frame:
-    """Back-pointers of the states found from one block of entry states: links[j] = (parent index,
-    item index) of the states at stage start + j + 1; the entry states map to the parent frame's
-    states at stage start through entry_ids."""
+    """Back-pointers of the states grown from one block of entry states: links[j] = (parent index,
+    item index) of the states at stage start + j + 1; the entry states are the parent frame's states
+    at stage start picked by entry_ids."""
     __slots__ = ("parent", "start", "entry_ids", "links")
 
     def __init__(self, parent, start, entry_ids):
@@ -254,48 +254,79 @@ def _trace(frame: _Frame, idx: int, n: int) -> list[int]:
     return choice
 
 
-def _dominated(U: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """Order of the states not dominated by another (no more usage anywhere, no more cost; of equal
-    states the first), by increasing cost."""
-    if U.shape[1] == 1:
+def _nondominated(U: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Indices of the states no other state dominates (no more cost, no more usage in any column of U;
+    of equal states the first).  Dominance is a strict order here, so every state dropped has a kept
+    one that dominates it."""
+    S, K = U.shape
+    if K == 0:
+        return np.array([int(np.argmin(c))])
+    if K == 1:
         order = np.lexsort((c, U[:, 0]))
         cs = c[order]
         prev_min = np.minimum.accumulate(np.concatenate([[np.inf], cs[:-1]]))
         return order[cs < prev_min]
-    keys = tuple(U[:, r] for r in range(U.shape[1] - 1, -1, -1)) + (c,)
-    order = np.lexsort(keys)
+    keys = tuple(U[:, r] for r in range(K - 1, -1, -1)) + (c,)
+    order = np.lexsort(keys)                        # by cost, then usage: a dominator comes first
     Us = U[order]
-    S = len(order)
     bad = np.zeros(S, dtype=bool)
-    block = max(1, 4_000_000 // max(S * U.shape[1], 1))
-    idx = np.arange(S)
-    for a in range(1, S, block):
+    block = 256
+    tri = np.tri(block, block, -1, dtype=bool)      # j < i within a block
+    if K == 2:
+        # against the staircase (the Pareto front in usage) of the states kept from earlier blocks
+        sx, sy = np.empty(0), np.empty(0)
+        for a in range(0, S, block):
+            b = min(S, a + block)
+            bx, by = Us[a:b, 0], Us[a:b, 1]
+            if len(sx):
+                j = np.searchsorted(sx, bx, side="right") - 1
+                bad[a:b] = (j >= 0) & (sy[np.maximum(j, 0)] <= by)
+            le = (bx[None, :] <= bx[:, None]) & (by[None, :] <= by[:, None]) & tri[:b - a, :b - a]
+            bad[a:b] |= le.any(axis=1)
+            kept = ~bad[a:b]
+            px = np.concatenate([sx, bx[kept]])
+            py = np.concatenate([sy, by[kept]])
+            o = np.lexsort((py, px))
+            px, py = px[o], py[o]
+            front = py < np.minimum.accumulate(np.concatenate([[np.inf], py[:-1]]))
+            sx, sy = px[front], py[front]
+        return order[~bad]
+    for a in range(0, S, block):
         b = min(S, a + block)
         le = (Us[None, :b, :] <= Us[a:b, None, :]).all(axis=2)
-        le &= idx[None, :b] < idx[a:b, None]
+        le[:, a:b] &= tri[:b - a, :b - a]
         bad[a:b] = le.any(axis=1)
     return order[~bad]
 
 
 class _Search:
+    """Dynamic programming over Pareto states, class after class, with bound pruning; chunks of states
+    searched depth-first where they grow past max_states (see the module docstring)."""
+
     def __init__(self, costs, weights, cap, base_usage, base_cost, directions, deadline):
         self.C, self.W, self.cap = costs, weights, cap
-        self.n = len(costs)
-        self.K = cap.shape[0]
+        self.n = n = len(costs)
+        self.K = K = cap.shape[0]
         self.base_usage, self.base_cost = base_usage, base_cost
-        mins = np.array([w.min(axis=0) for w in weights]).reshape(self.n, self.K)
-        self.min_left = np.vstack([np.cumsum(mins[::-1], axis=0)[::-1], np.zeros((1, self.K))])
+        mins = np.array([w.min(axis=0) for w in weights]).reshape(n, K)
+        self.min_left = np.vstack([np.cumsum(mins[::-1], axis=0)[::-1], np.zeros((1, K))])
+        # the columns of the usage in which states after stage k can differ and still matter: touched
+        # by a class decided and by a class left
+        touch = np.array([(w > w.min(axis=0)).any(axis=0) for w in weights]).reshape(n, K)
+        before = np.cumsum(touch, axis=0) > 0
+        after = np.vstack([np.cumsum(touch[::-1], axis=0)[::-1] > 0, np.zeros((1, K), dtype=bool)])
+        self.live = [np.flatnonzero(before[k] & after[k + 1]) for k in range(n)]
         self.bounds = [_SuffixBound(costs, weights, d) for d in directions]
         self.deadline = deadline
         self.ub = math.inf
         self.best: list[int] | None = None
         self.states = 0
-        scale = sum(float(c.max() - c.min()) for c in costs) + abs(base_cost)
-        self.scale = scale
-        self.max_states = MAX_STATES_ONE if self.K == 1 else MAX_STATES_MANY
+        self.scale = sum(float(c.max() - c.min()) for c in costs) + abs(base_cost)
+        self.max_states = max(MAX_STATES_ONE if max(len(x) for x in self.live) <= 2 else MAX_STATES_MANY, 1)
 
-    def tol(self) -> float:
-        return REL_TOL * (abs(self.ub) + self.scale) if math.isfinite(self.ub) else 0.0
+    def cut(self) -> float:
+        """States whose bound reaches this cannot beat the incumbent (by more than the tolerance)."""
+        return self.ub - REL_TOL * (abs(self.ub) + self.scale) if math.isfinite(self.ub) else math.inf
 
     def bound(self, k: int, U: np.ndarray) -> np.ndarray:
         rem = self.cap[None, :] - U
@@ -312,7 +343,7 @@ class _Search:
         stack = [(_Frame(None, 0, None), 0, U0, c0, c0 + self.bound(0, U0))]
         while stack:
             frame, k, U, c, lb = stack.pop()
-            keep = lb < self.ub - self.tol()
+            keep = lb < self.cut()
             if not keep.any():
                 continue
             if not keep.all():                      # (never the root: one state)
@@ -328,56 +359,224 @@ class _Search:
         n, K = self.n, self.K
         while True:
             if time.monotonic() > self.deadline:
-                raise _Timeout(float(lb.min()) if len(lb) else math.inf)
+                raise _Timeout(float(lb.min()))
             Ck, Wk = self.C[k], self.W[k]
-            m = len(Ck)
-            S = len(c)
+            m, S = len(Ck), len(c)
             U2 = (U[:, None, :] + Wk[None, :, :]).reshape(S * m, K)
             c2 = (c[:, None] + Ck[None, :]).ravel()
             self.states += S * m
-            ok = (U2 + self.min_left[k + 1] <= self.cap).all(axis=1)
-            ok &= c2 < self.ub - self.tol()
-            ids = np.flatnonzero(ok)
+            ids = np.flatnonzero((U2 + self.min_left[k + 1] <= self.cap).all(axis=1) & (c2 < self.cut()))
             U2, c2 = U2[ids], c2[ids]
             lb2 = c2 + self.bound(k + 1, U2)
-            good = lb2 < self.ub - self.tol()
+            good = lb2 < self.cut()
             ids, U2, c2, lb2 = ids[good], U2[good], c2[good], lb2[good]
             if not len(ids):
                 return
             if k + 1 == n:
                 i = int(np.argmin(c2))
-                if c2[i] < self.ub:
-                    frame.links.append((ids // m, ids % m))
-                    self.best = _trace(frame, i, n)
-                    frame.links.pop()
-                    self.ub = float(c2[i])
+                frame.links.append((ids // m, ids % m))
+                self.best = _trace(frame, i, n)
+                frame.links.pop()
+                self.ub = float(c2[i])
                 return
-            keep = _dominated(U2, c2)
+            keep = _nondominated(U2[:, self.live[k]], c2)
             ids, U2, c2, lb2 = ids[keep], U2[keep], c2[keep], lb2[keep]
             if beam is not None and len(ids) > beam:
                 sel = np.argsort(lb2, kind="stable")[:beam]
                 ids, U2, c2, lb2 = ids[sel], U2[sel], c2[sel], lb2[sel]
             frame.links.append((ids // m, ids % m))
-            k += 1
-            U, c, lb = U2, c2, lb2
+            k, U, c, lb = k + 1, U2, c2, lb2
             if len(c) > self.max_states:
                 order = np.argsort(lb, kind="stable")
                 size = max(1, self.max_states // 4)
-                chunks = [order[a:a + size] for a in range(0, len(order), size)]
-                for ch in reversed(chunks):         # the best bounds are searched first
+                for a in range(len(order) - (len(order) - 1) % size - 1, -1, -size):
+                    ch = order[a:a + size]          # pushed worst first: the best bounds are searched first
                     stack.append((_Frame(frame, k, ch), k, U[ch], c[ch], lb[ch]))
                 return
 
 
 def _pareto(c: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Indices of the items of a class not dominated by another (of equal items the first)."""
+    """Indices (ascending) of the items of a class no other item dominates (of equal items the first)."""
     keys = tuple(w[:, r] for r in range(w.shape[1] - 1, -1, -1)) + (c,)
-    order = np.lexsort(keys)
     kept: list[int] = []
-    for i in order:
+    for i in np.lexsort(keys):
         if not any((w[j] <= w[i]).all() for j in kept):
             kept.append(int(i))
     return np.array(sorted(kept), dtype=np.int64)
+
+
+class _Infeasible(Exception):
+    pass
+
+
+@dataclass
+class _Part:
+    choice: list[int]           # per class of the component, the index into its items
+    cost: float
+    optimal: bool
+    bound: float
+    states: int
+
+
+def _core_incumbent(costs, weights, cap, red, d, deadline) -> list[int] | None:
+    """A good feasible choice: the Lagrangian choice (least reduced cost) repaired to fit, then the
+    CORE_SIZE classes whose choice the Lagrangian leaves most open solved exactly with the others
+    fixed (the core of Pisinger's algorithms).  None when no fitting choice is found."""
+    n, K = len(costs), len(cap)
+    choice = [int(np.argmin(red[i, :len(costs[i])])) for i in range(n)]
+    usage = np.sum([weights[i][choice[i]] for i in range(n)], axis=0)
+    # repair: while over a budget, the move of least cost per unit of excess removed (the excess, in
+    # capacities, falls at each move: no cycle)
+    unit = np.where(cap > 0, cap, 1.0)
+
+    def excess(u):
+        return np.maximum(u - cap, 0).__truediv__(unit).sum(axis=-1)
+    while (usage > cap).any():
+        now_excess = excess(usage)
+        best = None
+        for i in range(n):
+            gain = now_excess - excess(usage + weights[i] - weights[i][choice[i]])
+            for j in np.flatnonzero(gain > 0):
+                ratio = (costs[i][j] - costs[i][choice[i]]) / gain[j]
+                if best is None or ratio < best[0]:
+                    best = (ratio, i, int(j))
+        if best is None:
+            return None
+        _, i, j = best
+        usage += weights[i][j] - weights[i][choice[i]]
+        choice[i] = j
+    second = np.sort(red, axis=1)[:, 1]
+    core = sorted(np.argsort(second, kind="stable")[:CORE_SIZE].tolist())
+    rest = [i for i in range(n) if i not in set(core)]
+    left = cap - np.sum([weights[i][choice[i]] for i in rest] or [np.zeros(K)], axis=0)
+    now = time.monotonic()
+    try:
+        part = _solve_component([costs[i] for i in core], [weights[i] for i in core], left,
+                                min(deadline, now + 0.25 * max(deadline - now, 0)), math.inf, core=False)
+    except (_Infeasible, QuantkitError):
+        return choice
+    for i, j in zip(core, part.choice):
+        choice[i] = j
+    return choice
+
+
+def _solve_component(costs: list[np.ndarray], weights: list[np.ndarray], cap: np.ndarray,
+                     deadline: float, time_limit: float, core: bool = True) -> _Part:
+    """Exact search of classes that share budgets: costs[i] (m_i,), weights[i] (m_i, K), each item
+    fitting alone and none dominated.  Raises _Infeasible when no choice fits."""
+    n, K = len(costs), len(cap)
+    cand = [np.arange(len(c)) for c in costs]       # the items still in play, per class
+    incumbent: list[int] | None = None
+    ub = math.inf
+    lower = -math.inf
+    states = 0
+    reduced_cost_fixed = False
+
+    def cost_of(choice):
+        return math.fsum(costs[i][choice[i]] for i in range(n))
+
+    def fits(choice):
+        return all(math.fsum(weights[i][choice[i], r] for i in range(n)) <= cap[r] for r in range(K))
+
+    while True:
+        free = [i for i in range(n) if len(cand[i]) > 1]
+        fixed = [i for i in range(n) if len(cand[i]) == 1]
+        base_usage = np.array([math.fsum(weights[i][cand[i][0], r] for i in fixed) for r in range(K)])
+        base_cost = math.fsum(costs[i][cand[i][0]] for i in fixed)
+        if not free:
+            choice = [int(cand[i][0]) for i in range(n)]
+            if fits(choice) and cost_of(choice) < ub:
+                incumbent, ub = choice, cost_of(choice)
+            break
+        if (base_usage > cap).any():
+            break                                   # nothing cheaper than the incumbent fits
+        M = max(len(cand[i]) for i in free)
+        Cp = np.full((len(free), M), np.inf)
+        Wp = np.zeros((len(free), M, K))
+        for a, i in enumerate(free):
+            Cp[a, :len(cand[i])] = costs[i][cand[i]]
+            Wp[a, :len(cand[i])] = weights[i][cand[i]]
+        capf = cap - base_usage
+        scale = np.where(capf > 0, capf, 1.0)
+        d = _best_direction(Cp, Wp, scale) if K > 1 else 1.0 / scale
+        t, lval = _ray_max(Cp, Wp @ d, float(capf @ d))
+        lower = max(lower, min(lval + base_cost, ub))
+        red = Cp + Wp @ (t * d)
+        red -= red.min(axis=1, keepdims=True)       # reduced costs, >= 0 (inf for padding)
+        if incumbent is not None and not reduced_cost_fixed:
+            # reduced-cost fixing: an item whose reduced cost alone lifts the Lagrangian bound to the
+            # incumbent's cost cannot be in a cheaper solution
+            reduced_cost_fixed = True
+            cut = ub - REL_TOL * (abs(ub) + 1.0) - lval - base_cost
+            changed = False
+            for a, i in enumerate(free):
+                keep = red[a, :len(cand[i])] < cut
+                if not keep.all():
+                    changed = True
+                    cand[i] = cand[i][keep]
+                    if not len(cand[i]):            # no cheaper solution exists
+                        return _Part(incumbent, ub, True, ub, states)
+            if changed:
+                continue
+        # stages: classes grouped by the budgets they touch; in a group, the classes whose choice the
+        # Lagrangian leaves most open come last
+        second = np.sort(red, axis=1)[:, 1]
+        support = [tuple(np.flatnonzero((Wp[a, :len(cand[i])] > Wp[a, :len(cand[i])].min(axis=0)).any(axis=0)))
+                   for a, i in enumerate(free)]
+        order_a = sorted(range(len(free)), key=lambda a: (len(support[a]), support[a], -second[a]))
+        order = [free[a] for a in order_a]
+        C = [costs[i][cand[i]] for i in order]
+        W = [weights[i][cand[i]] for i in order]
+        dirs = [np.eye(K)[r] / scale[r] for r in range(K)]
+        if K > 1:
+            dirs.append(d)
+            dn = d * scale / (d * scale).sum()
+            for step in EXTRA_DIRS:
+                for r in range(K):
+                    e = dn.copy()
+                    e[r] += step
+                    e = np.maximum(e, 0)
+                    dirs.append(e / e.sum() / scale)
+        search = _Search(C, W, cap, base_usage, base_cost, dirs, deadline)
+
+        def chosen():
+            pick = {i: int(cand[i][j]) for i, j in zip(order, search.best)}
+            return [pick.get(i, int(cand[i][0])) for i in range(n)]
+        if incumbent is None:
+            # heuristics: a beam search (bounded work: n stages of BEAM_WIDTH states), then the core
+            search.deadline = math.inf
+            search.run(beam=BEAM_WIDTH)
+            search.deadline = deadline
+            states += search.states
+            if search.best is not None:
+                incumbent = chosen()
+                ub = cost_of(incumbent)
+            if core and len(free) > CORE_SIZE:
+                found = _core_incumbent([costs[i][cand[i]] for i in free], [weights[i][cand[i]] for i in free],
+                                        capf, red, d, deadline)
+                if found is not None:
+                    pick = {i: int(cand[i][j]) for i, j in zip(free, found)}
+                    trial = [pick.get(i, int(cand[i][0])) for i in range(n)]
+                    if cost_of(trial) < ub:
+                        incumbent, ub = trial, cost_of(trial)
+            if incumbent is not None and not reduced_cost_fixed:
+                continue                            # fix by reduced costs, then search exactly
+        search.ub, search.best, search.states = ub, None, 0
+        pending = search.run()
+        states += search.states
+        if search.best is not None:
+            incumbent = chosen()
+            ub = cost_of(incumbent)
+        if incumbent is None:
+            if math.isfinite(pending):
+                raise QuantkitError(f"no choice within the budgets found in {time_limit:g} s (the search "
+                                    f"did not end: a longer time limit may find one)")
+            raise _Infeasible
+        done = not math.isfinite(pending)
+        return _Part(incumbent, ub, done, ub if done else max(lower, min(pending, ub)), states)
+    if incumbent is None:
+        raise _Infeasible
+    return _Part(incumbent, ub, True, ub, states)
 
 
 def solve(classes: list[list[Item]], capacity: tuple[float, ...], *, time_limit: float = 30.0,
@@ -389,6 +588,7 @@ def solve(classes: list[list[Item]], capacity: tuple[float, ...], *, time_limit:
     (an empty class, a weight count that differs from the capacities, negative or non-finite values).
     """
     t0 = time.monotonic()
+    deadline = t0 + time_limit
     cap_all = tuple(float(x) for x in capacity)
     K_all = len(cap_all)
     names = tuple(names) if names is not None else tuple(f"resource {r}" for r in range(K_all))
@@ -400,132 +600,76 @@ def solve(classes: list[list[Item]], capacity: tuple[float, ...], *, time_limit:
     for ci, cls in enumerate(classes):
         if not cls:
             raise ValueError(f"class {ci} has no items")
-        c = np.array([float(it.cost) for it in cls], dtype=np.float64)
         if any(len(it.weights) != K_all for it in cls):
             raise ValueError(f"class {ci}: an item's weights are not one per resource ({K_all})")
+        c = np.array([float(it.cost) for it in cls], dtype=np.float64)
         w = np.array([[float(x) for x in it.weights] for it in cls], dtype=np.float64).reshape(len(cls), K_all)
         if not np.isfinite(c).all() or not np.isfinite(w).all() or (w < 0).any():
             raise ValueError(f"class {ci}: costs and weights must be finite, weights >= 0")
         costs.append(c)
         weights.append(w)
     n = len(classes)
-
-    def finish(choice, optimal, bound, states=0):
-        cost = math.fsum(costs[i][j] for i, j in enumerate(choice))
-        usage = tuple(math.fsum(weights[i][j, r] for i, j in enumerate(choice)) for r in range(K_all))
-        return Solution(list(choice), cost, usage, optimal, cost if optimal else min(bound, cost), states,
-                        time.monotonic() - t0)
-
     smallest = tuple(math.fsum(w[:, r].min() for w in weights) for r in range(K_all))
     if any(smallest[r] > cap_all[r] for r in range(K_all)):
         raise InfeasibleBudget(smallest, cap_all, names, jointly=False)
+    jointly = InfeasibleBudget(smallest, cap_all, names, jointly=True)
+
     active = [r for r in range(K_all) if math.isfinite(cap_all[r])]
     cap = np.array([cap_all[r] for r in active], dtype=np.float64)
-    # per class: the items that fit alone, then those no other item of the class dominates
+    # per class: the items that fit alone, and of those the ones no other dominates
     cand: list[np.ndarray] = []
     for c, w in zip(costs, weights):
-        wa = w[:, active]
-        fit = np.flatnonzero((wa <= cap).all(axis=1))
+        fit = np.flatnonzero((w[:, active] <= cap).all(axis=1))
         if not len(fit):
-            raise InfeasibleBudget(smallest, cap_all, names, jointly=True)
-        cand.append(fit[_pareto(c[fit], wa[fit])])
-    # budgets no choice can exceed are no constraint
-    heaviest = np.array([math.fsum(weights[i][cand[i], r].max() for i in range(n)) for r in active])
-    binding = [a for a, r in enumerate(active) if heaviest[a] > cap[a]]
-    if not binding or n == 0:
-        choice = [int(cand[i][np.argmin(costs[i][cand[i]])]) for i in range(n)]
-        return finish(choice, True, -math.inf)
-    active = [active[a] for a in binding]
-    cap = cap[binding]
-    # drop again what only the dropped resources made worth keeping
+            raise jointly
+        cand.append(fit[_pareto(c[fit], w[fit][:, active])])
+    # each class's lightest usage per budget is spent whatever the choice: what is left to share
+    lightest = np.array([[weights[i][cand[i], r].min() for r in active] for i in range(n)]).reshape(n, len(active))
+    left = cap - np.array([math.fsum(lightest[:, a]) for a in range(len(active))])
+    if (left < 0).any():
+        raise jointly
+    extra = [weights[i][cand[i]][:, active] - lightest[i] for i in range(n)]
+    heaviest = np.array([math.fsum(e[:, a].max() for e in extra) for a in range(len(active))])
+    binding = heaviest > left                       # budgets some choice can exceed
+    touch = np.array([(e > 0).any(axis=0) & binding for e in extra]).reshape(n, len(active))
+    # classes sharing a binding budget are one component; a class touching none takes its cheapest
+    comp = list(range(len(active)))
+
+    def root(a):
+        while comp[a] != a:
+            comp[a] = comp[comp[a]]
+            a = comp[a]
+        return a
     for i in range(n):
-        cand[i] = cand[i][_pareto(costs[i][cand[i]], weights[i][cand[i]][:, active])]
-
-    deadline = t0 + time_limit
-    incumbent: list[int] | None = None
-    ub = math.inf
-    states = 0
-    lower = -math.inf
-    fixed_by_reduced_cost = False
-
-    def cost_of(choice):
-        return math.fsum(costs[i][choice[i]] for i in range(n))
-
-    while True:
-        free = [i for i in range(n) if len(cand[i]) > 1]
-        fixed = [i for i in range(n) if len(cand[i]) == 1]
-        base_usage = np.array([math.fsum(weights[i][cand[i][0], r] for i in fixed) for r in active])
-        base_cost = math.fsum(costs[i][cand[i][0]] for i in fixed)
-        if not free:
-            choice = [int(cand[i][0]) for i in range(n)]
-            fits = all(math.fsum(weights[i][choice[i], r] for i in range(n)) <= cap_all[r] for r in active)
-            if fits and cost_of(choice) < ub:
-                incumbent, ub = choice, cost_of(choice)
-            break
-        if (base_usage > cap).any():
-            break                                   # nothing cheaper than the incumbent fits
-        K = len(active)
-        M = max(len(cand[i]) for i in free)
-        Cp = np.full((len(free), M), np.inf)
-        Wp = np.zeros((len(free), M, K))
-        for a, i in enumerate(free):
-            Cp[a, :len(cand[i])] = costs[i][cand[i]]
-            Wp[a, :len(cand[i])] = weights[i][cand[i]][:, active]
-        capf = cap - base_usage
-        scale = np.where(capf > 0, capf, 1.0)
-        d = _best_direction(Cp, Wp, scale) if K > 1 else 1.0 / scale
-        lam, lval = _lagrange_multipliers(Cp, Wp, capf, d)
-        lower = max(lower, lval + base_cost)
-        red = Cp + Wp @ lam
-        red -= red.min(axis=1, keepdims=True)       # reduced costs, >= 0 (inf for padding)
-        # stage order: the classes whose choice the Lagrangian leaves most open come last
-        second = np.sort(red, axis=1)[:, 1]
-        order = [free[a] for a in np.argsort(-second, kind="stable")]
-        C = [costs[i][cand[i]] for i in order]
-        W = [weights[i][cand[i]][:, active] for i in order]
-        dirs = [np.eye(K)[r] / scale[r] for r in range(K)]
-        if K > 1:
-            dirs.append(d)
-        search = _Search(C, W, cap, base_usage, base_cost, dirs, deadline)
-
-        def chosen():
-            pick = {i: int(cand[i][j]) for i, j in zip(order, search.best)}
-            return [pick.get(i, int(cand[i][0])) for i in range(n)]
-        if incumbent is None:
-            search.deadline = math.inf              # bounded work: n stages of BEAM_WIDTH states
-            search.run(beam=BEAM_WIDTH)
-            search.deadline = deadline
-            states += search.states
-            if search.best is not None:
-                incumbent = chosen()
-                ub = cost_of(incumbent)
-        if incumbent is not None and not fixed_by_reduced_cost:
-            # reduced-cost fixing: an item whose reduced cost alone lifts the Lagrangian bound to the
-            # incumbent's cost cannot be in a cheaper solution
-            fixed_by_reduced_cost = True
-            cut = ub - REL_TOL * (abs(ub) + 1.0) - lval - base_cost
-            changed = False
-            for a, i in enumerate(free):
-                keep = red[a, :len(cand[i])] < cut
-                if not keep.all():
-                    changed = True
-                    cand[i] = cand[i][keep]
-                    if not len(cand[i]):
-                        return finish(incumbent, True, ub, states)
-            if changed:
-                continue
-        search.ub, search.best, search.states = ub, None, 0
-        pending = search.run()
-        states += search.states
-        if search.best is not None:
-            incumbent = chosen()
-            ub = cost_of(incumbent)
-        if incumbent is None:
-            if math.isfinite(pending):
-                raise QuantkitError(f"no choice within the budgets found in {time_limit:g} s (the search "
-                                    f"did not end: a longer time limit may find one)")
-            raise InfeasibleBudget(smallest, cap_all, names, jointly=True)
-        return finish(incumbent, not math.isfinite(pending), max(lower, min(pending, ub)), states)
-    if incumbent is None:
-        raise InfeasibleBudget(smallest, cap_all, names, jointly=True)
-    return finish(incumbent, True, ub, states)
+        rs = np.flatnonzero(touch[i])
+        for r in rs[1:]:
+            comp[root(r)] = root(rs[0])
+    choice = [0] * n
+    optimal, bound, states = True, 0.0, 0
+    groups: dict[int, list[int]] = {}
+    for i in range(n):
+        rs = np.flatnonzero(touch[i])
+        if len(rs):
+            groups.setdefault(root(rs[0]), []).append(i)
+        else:
+            # the cheapest; of equal costs the lightest (cand is Pareto), then the first
+            choice[i] = int(cand[i][np.argmin(costs[i][cand[i]])])
+            bound += float(costs[i][choice[i]])
+    for key, members in groups.items():
+        rs = [a for a in range(len(active)) if binding[a] and root(a) == key]
+        try:
+            part = _solve_component([costs[i][cand[i]] for i in members],
+                                    [extra[i][:, rs] for i in members], left[rs], deadline, time_limit)
+        except _Infeasible:
+            raise jointly from None
+        for i, j in zip(members, part.choice):
+            choice[i] = int(cand[i][j])
+        optimal &= part.optimal
+        bound += part.bound
+        states += part.states
+    cost = math.fsum(costs[i][choice[i]] for i in range(n))
+    usage = tuple(math.fsum(weights[i][choice[i], r] for i in range(n)) for r in range(K_all))
+    # (float sums in another order may differ in the last bits: seconds per token; bytes are exact)
+    assert all(u <= cp + 1e-9 * abs(cp) for u, cp in zip(usage, cap_all)), (usage, cap_all)
+    return Solution(choice, cost, usage, optimal, cost if optimal else min(bound, cost), states,
+                    time.monotonic() - t0)

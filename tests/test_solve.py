@@ -166,6 +166,63 @@ def greedy_cost(classes, cap):
     return sum(c[j].cost for c, j in zip(classes, choice))
 
 
+def capacity_dp(classes, capacity) -> float:
+    """The least cost by dynamic programming over every integer usage (small integer weights, one or
+    two resources): an independent exact reference for instances too large to enumerate."""
+    shape = tuple(int(c) + 1 for c in capacity)
+    best = np.full(shape, np.inf)
+    best[(0,) * len(shape)] = 0.0
+    for cls in classes:
+        new = np.full(shape, np.inf)
+        for it in cls:
+            w = [int(x) for x in it.weights]
+            if any(x >= n for x, n in zip(w, shape)):
+                continue
+            dst = tuple(slice(x, n) for x, n in zip(w, shape))
+            src = tuple(slice(0, n - x) for x, n in zip(w, shape))
+            new[dst] = np.minimum(new[dst], best[src] + it.cost)
+        best = new
+    return float(best.min())
+
+
+def integer_instance(rng, n, m, K):
+    """Costs falling with the weights, with noise (non-convex frontiers), some random items."""
+    classes = []
+    for _ in range(n):
+        sens = rng.lognormal(0, 1)
+        items = []
+        for _ in range(m):
+            w = rng.integers(0, 12, K)
+            cost = sens * 2.0 ** (-0.4 * w.sum() / K) * (1 + 0.1 * rng.standard_normal()) if rng.random() < 0.8 \
+                else rng.uniform(0, 2)
+            items.append(Item(float(cost), tuple(int(x) for x in w)))
+        classes.append(items)
+    return classes
+
+
+@pytest.mark.parametrize("K,n", [(1, 80), (2, 24)])
+def test_search_paths_match_capacity_dp(monkeypatch, K, n):
+    """Instances past brute force, with the state limit and the core made small so that the
+    depth-first chunks and the core heuristic run: the same optimum as the capacity DP."""
+    import quantkit.solve as solve_module
+    monkeypatch.setattr(solve_module, "MAX_STATES_ONE", 40)
+    monkeypatch.setattr(solve_module, "MAX_STATES_MANY", 40)
+    monkeypatch.setattr(solve_module, "CORE_SIZE", 6)
+    monkeypatch.setattr(solve_module, "BEAM_WIDTH", 2)
+    rng = np.random.default_rng(K)
+    for trial in range(6):
+        classes = integer_instance(rng, n, 6, K)
+        capacity = tuple(float(int(x)) for x in budget(classes, [0.15, 0.3, 0.6][trial % 3]))
+        optimum = capacity_dp(classes, capacity)
+        if optimum == np.inf:
+            with pytest.raises(InfeasibleBudget, match="at once"):
+                solve(classes, capacity)
+            continue
+        sol = solve(classes, capacity)
+        check_solution(classes, capacity, sol)
+        assert sol.optimal and sol.cost == pytest.approx(optimum, rel=1e-9)
+
+
 def test_infeasible_budget_names_the_smallest_usage():
     classes = [[Item(1.0, (10, 0)), Item(0.5, (20, 0))], [Item(1.0, (5, 3)), Item(0.1, (9, 9))]]
     with pytest.raises(InfeasibleBudget) as err:
@@ -227,11 +284,14 @@ def test_lower_hull():
     assert lower_hull([]) == []
 
 
-def test_time_limit_returns_best_found_with_bound():
-    classes = recipe_like(120, 12, seed=3, devices=2, speed=True)
-    capacity = budget(classes, 0.4)
-    sol = solve(classes, capacity, time_limit=0.5)
+def test_time_limit_returns_best_found_with_a_true_bound():
+    """Out of time: a fitting choice, not claimed optimal, with a bound below the true optimum."""
+    rng = np.random.default_rng(11)
+    classes = integer_instance(rng, 40, 8, 2)
+    capacity = tuple(float(int(x)) for x in budget(classes, 0.3))
+    optimum = capacity_dp(classes, capacity)
+    sol = solve(classes, capacity, time_limit=0.0)
     check_solution(classes, capacity, sol)
-    assert sol.bound <= sol.cost
-    if not sol.optimal:
-        assert sol.bound < sol.cost and 0 < sol.gap < 0.05
+    assert not sol.optimal and sol.bound <= optimum + 1e-9 <= sol.cost + 2e-9 and sol.gap > 0
+    sol = solve(classes, capacity)
+    assert sol.optimal and sol.cost == pytest.approx(optimum)
