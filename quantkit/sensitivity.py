@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import formats
+from . import formats, signals
 from .errors import QuantkitError
 from .gguf_io.reader import ModelView, TensorInfo, open_model
 from .hf import open_hf
@@ -41,6 +41,7 @@ from .inputs import read_text
 from .plan import TensorPlan
 from .presets import layer_of
 from .quantize import convert_tensor, quantize_rows, to_float32
+from .runtime.kernels import kl_divergence_rows
 from .runtime.model import Model
 from .runtime.session import Session, make_ops, set_threads
 from .runtime.scoring import log_softmax
@@ -50,11 +51,12 @@ from .types import QuantType, traits, type_name
 
 __all__ = ["FastJob", "MeasureJob", "fast_error", "measured_kld", "tensor_error", "calibrate", "Predictor",
            "SensitivityCache", "fingerprint", "file_fingerprint", "fast_jobs", "measure_jobs", "measure_sample",
-           "cached_run"]
+           "cached_run", "release"]
 
 MAX_ELEMENTS = 1 << 22          # a tensor with more weights is sampled (4M: ~0.1-0.5 s a type on one core)
 RUN_ROWS = 32                   # rows of a sampled run (fewer where a matrix's rows are not a multiple)
 MAX_TEXT_BYTES = 1 << 30        # calibration text, as api's -f
+METHOD = 1                      # in every result's settings: a changed estimate does not reuse old results
 
 
 @dataclass(frozen=True)
@@ -67,10 +69,11 @@ class FastJob:
     max_elements: int = MAX_ELEMENTS
     seed: int = 0
     imatrix_id: str = ""                            # file_fingerprint of the imatrix: part of settings()
+    threads: int | None = None                      # this worker's quantizing threads (None: as they are)
 
     def settings(self) -> dict:
         """What the result depends on besides the model and the types (the cache's key)."""
-        return {"imatrix": self.imatrix_id if self.imatrix else None, "flavor": self.flavor,
+        return {"method": METHOD, "imatrix": self.imatrix_id if self.imatrix else None, "flavor": self.flavor,
                 "max_elements": self.max_elements, "seed": self.seed}
 
 
@@ -84,12 +87,13 @@ class MeasureJob:
     flavor: str = "ik"
     n_ctx: int = 512
     chunks: int = 1
-    threads: int | None = None                      # this worker's compute threads (None: all cores)
+    threads: int | None = None                      # this worker's compute threads (None: all cores;
+                                                    # give cores / workers where workers share a machine)
     imatrix_id: str = ""
     calibration_id: str = ""
 
     def settings(self) -> dict:
-        return {"imatrix": self.imatrix_id if self.imatrix else None, "flavor": self.flavor,
+        return {"method": METHOD, "imatrix": self.imatrix_id if self.imatrix else None, "flavor": self.flavor,
                 "calibration": self.calibration_id, "n_ctx": self.n_ctx, "chunks": self.chunks}
 
 
@@ -98,6 +102,16 @@ class MeasureJob:
 _MODELS: dict = {}          # file identity -> open model (one kept: a worker serves one model's jobs)
 _IMATRICES: dict = {}
 _BASES: dict = {}
+
+
+def release() -> None:
+    """Close what this process keeps for the next job (open models, the base pass): after a search
+    that ran its jobs here."""
+    for store in (_MODELS, _BASES):
+        while store:
+            _, value = store.popitem()
+            (value.gguf if isinstance(value, _BasePass) else value).close()
+    _IMATRICES.clear()
 
 
 def _identity(path) -> tuple:
@@ -165,44 +179,54 @@ def _check_type(info: TensorInfo, qtype: QuantType):
 
 # ---------------------------------------------------------------- fast
 
-def _run_length(rows_per_matrix: int, group: int) -> int:
-    """Rows of a sampled run: a multiple of the type's row group dividing a matrix's rows."""
-    n = max(group, RUN_ROWS // group * group)
+def _run_length(rows_per_matrix: int, group: int, most: int) -> int:
+    """Rows of a sampled run: at most ``most`` (at least a row group), a multiple of the type's
+    row group dividing a matrix's rows."""
+    n = max(group, min(most, RUN_ROWS) // group * group)
     while n > group and rows_per_matrix % n:
         n -= group
     return n
+
+
+def sampled_rows(info: TensorInfo, group: int, max_elements: int, seed: int) -> tuple[list[int], int]:
+    """(first rows, run length) of the runs of rows the estimate reads: every row (in pieces of one
+    matrix) where the tensor has at most ``max_elements`` weights, else as many rows from every
+    matrix (expert) of the tensor, in runs at seeded places: the experts differ, so each is sampled
+    (a stratified sample: its variance is that within the experts only)."""
+    n_per_row = info.shape[0]
+    rows_per_matrix = info.shape[1] if len(info.shape) > 1 else 1
+    n_matrices = info.n_rows // rows_per_matrix
+    if rows_per_matrix % group:
+        raise QuantkitError(f"tensor '{info.name}': {rows_per_matrix} rows are not a multiple of {group}")
+    if info.n_rows * n_per_row <= max_elements:
+        per = min(rows_per_matrix, max(group, (max_elements // 4 // n_per_row) // group * group))
+        while rows_per_matrix % per:
+            per -= group
+        return list(range(0, info.n_rows, per)), per
+    per_matrix = max(group, max_elements // n_per_row // n_matrices)
+    run = _run_length(rows_per_matrix, group, per_matrix)
+    slots = rows_per_matrix // run
+    k = min(slots, max(1, per_matrix // run))
+    rng = np.random.default_rng([seed, zlib.crc32(info.name.encode())])
+    starts = [m * rows_per_matrix + int(s) * run
+              for m in range(n_matrices) for s in np.sort(rng.choice(slots, size=k, replace=False))]
+    return starts, run
 
 
 def tensor_error(info: TensorInfo, qtype: QuantType, weights: np.ndarray | None, flavor: str = "ik",
                  max_elements: int = MAX_ELEMENTS, seed: int = 0) -> float:
     """Σ_rows Σ_j w_j (x_j − q_j)² of one tensor quantized to ``qtype`` (``weights``: the imatrix,
     (n_matrices, n_per_row), or None for 1); rows sampled where the tensor has more than
-    ``max_elements`` weights (seeded by ``seed`` and the tensor's name), the sum scaled to all rows."""
+    ``max_elements`` weights (:func:`sampled_rows`), the sum scaled to all rows."""
     qtype = QuantType(qtype)
     if _unchanged(info.qtype, qtype):
         return 0.0
     n_per_row = info.shape[0]
     rows_per_matrix = info.shape[1] if len(info.shape) > 1 else 1
-    n_rows = info.n_rows
-    group = _check_type(info, qtype).interleave_rows
-    run = _run_length(rows_per_matrix, group)
-    if rows_per_matrix % run:
-        raise QuantkitError(f"tensor '{info.name}': {rows_per_matrix} rows are not a multiple of "
-                            f"{group} ({type_name(qtype)})")
-    n_runs = n_rows // run
-    want = max(1, max_elements // (n_per_row * run))
-    if want >= n_runs:
-        starts = np.arange(n_runs, dtype=np.int64) * run
-        # whole tensor: bigger pieces (fewer calls), still within one matrix each
-        per = max(run, (max_elements // 4 // n_per_row) // run * run)
-        while rows_per_matrix % per:
-            per -= run
-        starts, run = np.arange(0, n_rows, per, dtype=np.int64), per
-    else:
-        rng = np.random.default_rng([seed, zlib.crc32(info.name.encode())])
-        starts = np.sort(rng.choice(n_runs, size=want, replace=False)).astype(np.int64) * run
+    starts, run = sampled_rows(info, _check_type(info, qtype).interleave_rows, max_elements, seed)
     total = 0.0
-    for start in starts.tolist():
+    for start in starts:
+        signals.check()
         rows = slice(start, start + run)
         x = to_float32(info, rows)
         w = None if weights is None else weights[start // rows_per_matrix]
@@ -210,14 +234,15 @@ def tensor_error(info: TensorInfo, qtype: QuantType, weights: np.ndarray | None,
             q = quantize_rows(x, qtype, w, flavor, info.name, start)
         except NotImplementedError as e:
             raise QuantkitError(f"tensor '{info.name}': {e}") from None
-        d = formats.dequantize(q, qtype, n_per_row)
-        err = (x.astype(np.float64) - d) ** 2
-        total += float((err @ w) .sum() if w is not None else err.sum())
-    return total * n_rows / (len(starts) * run)
+        err = (x.astype(np.float64) - formats.dequantize(q, qtype, n_per_row)) ** 2
+        total += float((err @ w).sum() if w is not None else err.sum())
+    return total * info.n_rows / (len(starts) * run)
 
 
 def fast_error(spec: FastJob) -> float:
     """The imatrix-weighted squared error of the group quantized as ``spec`` says (the module doc)."""
+    if spec.threads is not None:
+        set_threads(spec.threads)
     model = _model(spec.model)
     imat = _imatrix(spec.imatrix)
     total = 0.0
@@ -266,12 +291,13 @@ class _Swapped(ModelView):
 @dataclass
 class _BasePass:
     """The input model's pass over the calibration chunks: the residual stream entering every
-    layer (and leaving the last), and the log-probabilities of the scored positions."""
+    layer (and leaving the last), and the probabilities of the scored positions."""
     gguf: object
     ops: object
     chunks: list
     states: list = field(default_factory=list)      # per chunk: n_layer + 1 arrays (n_ctx, n_embd)
-    log_probs: list = field(default_factory=list)   # per chunk: (scored, n_vocab) float32
+    probs: list = field(default_factory=list)       # per chunk: (scored, n_vocab) float64
+    plp: list = field(default_factory=list)         # per chunk: Σ p log p of each scored position
 
 
 def _scored(n_ctx: int) -> tuple[int, int]:
@@ -287,11 +313,12 @@ def _embed(model: Model, chunk: np.ndarray):
 
 
 def _base_pass(spec: MeasureJob) -> _BasePass:
+    path = Path(spec.model)
+    if path.is_dir():
+        raise QuantkitError(f"{path}: measured sensitivity needs a GGUF model (the runtime computes from GGUF "
+                            "tensors): convert the checkpoint first, or use the fast estimate alone")
+
     def make():
-        path = Path(spec.model)
-        if path.is_dir():
-            raise QuantkitError(f"{path}: measured sensitivity needs a GGUF model (the runtime computes from GGUF "
-                                "tensors): convert the checkpoint first, or use the fast estimate alone")
         text = read_text(spec.calibration, "-f", MAX_TEXT_BYTES, errors="replace")
         gguf = open_model(path)
         try:
@@ -304,12 +331,16 @@ def _base_pass(spec: MeasureJob) -> _BasePass:
                 cache, pos = model.new_cache(len(chunk)), np.arange(len(chunk))
                 x, states = _embed(model, chunk), []
                 for layer in range(model.config.n_layer):
+                    signals.check()
                     states.append(x)
                     x = model.layer(layer, x, pos, cache)
                 states.append(x)
                 base.states.append(states)
                 logits = _head(model, x, first, n, f"calibration chunk {i + 1}")
-                base.log_probs.append(log_softmax(logits).astype(np.float32))
+                lp = log_softmax(logits)
+                p = np.exp(lp)
+                base.probs.append(p)
+                base.plp.append((p * lp).sum(axis=1))
             return base
         except BaseException:
             gguf.close()
@@ -371,10 +402,11 @@ def measured_kld(spec: MeasureJob) -> float:
         cache = model.new_cache(len(chunk))
         x = _embed(model, chunk) if start < 0 else base.states[i][start]
         for layer in range(max(start, 0), model.config.n_layer):
+            signals.check()
             x = model.layer(layer, x, pos, cache)
-        lq = log_softmax(_head(model, x, first, n, f"calibration chunk {i + 1}"))
-        lp = base.log_probs[i]
-        kld = (np.exp(lp) * (lp - lq)).sum(axis=1)
+        logits = np.ascontiguousarray(_head(model, x, first, n, f"calibration chunk {i + 1}"), np.float32)
+        kld = np.empty(len(logits))
+        kl_divergence_rows(logits, base.probs[i], base.plp[i], kld)
         total += float(kld.sum())
         count += len(kld)
     value = total / count

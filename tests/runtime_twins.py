@@ -115,3 +115,12 @@ def chunk_twin(dot, a, o, tab, xq, xd, xo):
         xv = np.asarray(xq[i:i + n], np.float64) * float(xd[i // 32])
         total += float(value @ xv)
     return total
+
+
+def kl_divergence_rows(logits, base_p, base_plp):
+    """Per row, Σ p (log p − log softmax(logits)) of the base probabilities ``base_p`` (whose
+    Σ p log p is ``base_plp``)."""
+    x = logits.astype(np.float64)
+    lq = x - x.max(axis=1, keepdims=True)
+    lq -= np.log(np.exp(lq).sum(axis=1, keepdims=True))
+    return base_plp - (base_p * lq).sum(axis=1)

@@ -253,6 +253,27 @@ def target_nll(logits, targets, out):
         out[r] = np.log(total) - np.float64(logits[r, targets[r]] - m)
 
 
+@njit(cache=True, parallel=True)
+def kl_divergence_rows(logits, base_p, base_plp, out):
+    """out[r] = Σ_j p_j (log p_j − log q_j): the KL divergence of q = softmax(logits[r]) (float32)
+    from a base distribution p = base_p[r] (float64) whose Σ_j p_j log p_j is base_plp[r].  In
+    double, as  Σ p log p − Σ p (x − max) + log Σ exp(x − max) · Σ p  (one pass after the max)."""
+    n = logits.shape[1]
+    for r in prange(logits.shape[0]):
+        m = logits[r, 0]
+        for j in range(1, n):
+            m = max(m, logits[r, j])
+        total = 0.0
+        px = 0.0
+        ps = 0.0
+        for j in range(n):
+            x = np.float64(logits[r, j]) - np.float64(m)
+            total += np.exp(x)
+            px += base_p[r, j] * x
+            ps += base_p[r, j]
+        out[r] = base_plp[r] - px + np.log(total) * ps
+
+
 @njit(cache=True, error_model="numpy", inline="always")
 def _half_row_dot(a, i, h, x, n):
     """Σ_d half(a[i, h, d]) * x[d] over d < n (a: float16 bits, rows contiguous)."""
