@@ -16,7 +16,13 @@ itself with the worker's traceback as its cause (a bug: the CLI says "internal e
 dies (a crash signal, the out-of-memory killer) is a QuantkitError naming the job and the signal.
 The first failure stops the other workers; results already passed to ``on_result`` stay.
 
-Ray (an optional extra, ``pip install 'quantkit-gguf[ray]'``) is imported only when asked for.
+Ray (an optional extra, ``pip install 'quantkit-gguf[ray]'``) is imported only when asked for.  Every
+node imports ``fn``'s module and this one by name, so each needs quantkit installed, the same
+version (Ray also puts the driver's working directory first on its workers' path).  A local instance
+("local") lives in a temporary folder of its own, removed with it; Ray's notices are kept quiet and
+its usage statistics off unless RAY_USAGE_STATS_ENABLED says otherwise.  What no code can clean up:
+a driver killed outright (SIGKILL) leaves its local instance's folder behind, and Ray's dashboard
+and runtime-env agents linger about a minute before they notice (measured with Ray 2.60).
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -41,6 +48,11 @@ STOP_GRACE_S = 5.0      # a worker told to stop that is still alive after this i
 THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 RAY_INSTALL = "pip install 'quantkit-gguf[ray]'"
 RAY_LOCAL_OBJECT_STORE = 1 << 28    # jobs and results are small: specs and numbers
+# A local Ray instance's sockets are <temp dir>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store:
+# 64 characters after the folder, and a socket's path holds 107 at most.
+RAY_SOCKET_TAIL = len("/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store")
+SOCKET_PATH_MAX = 107
+RAY_CONNECT_TIMEOUT_S = 10.0
 
 
 class RemoteTraceback(Exception):
@@ -59,7 +71,7 @@ def available_cpus() -> int:
 
 
 def run_jobs(fn, jobs, *, workers: int | None = None, ray_address: str | None = None, on_result=None,
-             threads_per_job: int | None = None) -> list:
+             threads_per_job: int | None = None, describe=None) -> list:
     """``[fn(job) for job in jobs]``, computed in parallel.
 
     ``fn`` is a module-level function and every job picklable.  ``workers``: how many local worker
@@ -69,18 +81,21 @@ def run_jobs(fn, jobs, *, workers: int | None = None, ray_address: str | None = 
     ``workers`` CPUs, all by default), shut down after.  A Ray connection this process already has is
     used as it is.  ``threads_per_job``: the threads each job computes on (local workers: the cores
     divided between them; Ray: 1, and each task asks Ray for that many CPUs).  ``on_result(index,
-    result)`` runs here, in this process, as each job finishes."""
+    result)`` runs here, in this process, as each job finishes.  ``describe(job)``: what the errors call
+    a job whose worker died ("job 3" by default)."""
     jobs = list(jobs)
     for name, value in (("workers", workers), ("threads per job", threads_per_job)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise QuantkitError(f"{name} must be a whole number of at least 1, not {value!r}")
+    def label(index: int) -> str:
+        return f"job {index}" if describe is None else str(describe(jobs[index]))
     if ray_address is not None:
-        return _run_ray(fn, jobs, ray_address, workers, threads_per_job or 1, on_result)
+        return _run_ray(fn, jobs, ray_address, workers, threads_per_job or 1, on_result, label)
     n = min(workers or available_cpus(), len(jobs))
     if n <= 1:
         return _run_here(fn, jobs, on_result)
     threads = threads_per_job or max(1, available_cpus() // n)
-    return _run_processes(fn, jobs, n, threads, on_result)
+    return _run_processes(fn, jobs, n, threads, on_result, label)
 
 
 def _run_here(fn, jobs, on_result) -> list:
@@ -111,11 +126,11 @@ def _failure(e: BaseException) -> tuple:
     return ("error", e, text)
 
 
-def _raise_failure(outcome: tuple, index: int):
+def _raise_failure(outcome: tuple, label: str):
     _, e, text = outcome
     if isinstance(e, QuantkitError):
         raise e from None               # the user's problem, said in one line
-    e.__cause__ = RemoteTraceback(f"\njob {index}, in the worker:\n{text}")
+    e.__cause__ = RemoteTraceback(f"\n{label}, in the worker:\n{text}")
     raise e
 
 
@@ -142,15 +157,21 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="quantkit-parent-watch", daemon=True).start()
 
 
+def _limit_threads(threads: int) -> None:
+    """Size the job's thread pools, before its modules (numba) are imported where that is still to come."""
+    for var in THREAD_VARS:
+        given = os.environ.get(var, "")
+        os.environ[var] = str(min(threads, int(given)) if given.isdigit() and int(given) > 0 else threads)
+    if "numba" in sys.modules:      # imported already (by the parent's main module, by an earlier task)
+        numba = sys.modules["numba"]
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+
 def _worker_main(conn, fn_bytes: bytes, parent_pid: int, threads: int) -> None:
     """A worker's life: jobs in, outcomes out, until the parent closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
-    for var in THREAD_VARS:         # before the job's module (numba) is imported by unpickling fn
-        os.environ[var] = str(min(threads, int(os.environ.get(var) or threads)))
-    if "numba" in sys.modules:      # imported already (by the parent's main module): too late for the variable
-        numba = sys.modules["numba"]
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    _limit_threads(threads)         # fn and the jobs are unpickled after this
     fn = None
     while True:
         try:
@@ -178,10 +199,11 @@ class _Worker:
         self.process.start()
         child_end.close()
         self.index: int | None = None       # the job it is running
+        self.label = ""
 
-    def give(self, index: int, job) -> None:
+    def give(self, index: int, job, label: str) -> None:
         self.conn.send_bytes(pickle.dumps(job))
-        self.index = index
+        self.index, self.label = index, label
 
     def outcome(self) -> tuple:
         """The finished job's outcome; a QuantkitError when the worker died instead."""
@@ -195,7 +217,7 @@ class _Worker:
         how = (f"with {signal.Signals(-code).name}" if code is not None and code < 0 and -code in signal.valid_signals()
                else f"with exit status {code}")
         hint = " (out of memory? fewer workers need less)" if code == -signal.SIGKILL else ""
-        raise QuantkitError(f"a worker process died {how} while running job {self.index}{hint}")
+        raise QuantkitError(f"a worker process died {how} while running {self.label}{hint}")
 
     def stop(self) -> None:
         """Ask it to end: an idle worker ends on the closed pipe, a busy one is terminated."""
@@ -204,7 +226,7 @@ class _Worker:
             self.process.terminate()
 
 
-def _run_processes(fn, jobs: list, n: int, threads: int, on_result) -> list:
+def _run_processes(fn, jobs: list, n: int, threads: int, on_result, label) -> list:
     ctx = get_context("spawn")
     fn_bytes = pickle.dumps(fn)
     results: list = [None] * len(jobs)
@@ -216,7 +238,7 @@ def _run_processes(fn, jobs: list, n: int, threads: int, on_result) -> list:
             pool.append(_Worker(ctx, fn_bytes, threads, number))
         for w in pool:
             if (index := next(queue, None)) is not None:
-                w.give(index, jobs[index])
+                w.give(index, jobs[index], label(index))
         while done < len(jobs):
             busy = [w for w in pool if w.index is not None]
             ready = set(wait([w.conn for w in busy] + [w.process.sentinel for w in busy], POLL_S))
@@ -226,10 +248,10 @@ def _run_processes(fn, jobs: list, n: int, threads: int, on_result) -> list:
                     continue
                 index, outcome = w.index, w.outcome()
                 if outcome[0] == "error":
-                    _raise_failure(outcome, index)
+                    _raise_failure(outcome, w.label)
                 w.index = None
                 if (following := next(queue, None)) is not None:
-                    w.give(following, jobs[following])      # before on_result: the worker computes meanwhile
+                    w.give(following, jobs[following], label(following))      # before on_result: the worker computes meanwhile
                 results[index] = outcome[1]
                 done += 1
                 if on_result is not None:
@@ -267,12 +289,20 @@ def _connect_ray(ray, address: str, workers: int | None):
     if ray.is_initialized():
         return None
     temp_dir = None
-    options = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    # Ray's own notices (token authentication, usage statistics) would interleave with quantkit's
+    # output; its errors still show
+    options = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     if address == "local":
         # A directory of our own, removed after: Ray leaves its session (logs, sockets) behind
         # otherwise, under /tmp/ray.  Ray's RAY_TMPDIR still says where (sockets need a short path).
         temp_dir = tempfile.mkdtemp(prefix="qk-ray-", dir=os.environ.get("RAY_TMPDIR") or None)
+        if len(temp_dir) + RAY_SOCKET_TAIL > SOCKET_PATH_MAX:
+            os.rmdir(temp_dir)
+            raise QuantkitError(f"the local Ray instance's sockets under {temp_dir} would be longer than "
+                                f"{SOCKET_PATH_MAX} characters: set RAY_TMPDIR to a shorter folder")
         options.update(num_cpus=workers, object_store_memory=RAY_LOCAL_OBJECT_STORE, _temp_dir=temp_dir)
+    else:
+        _check_reachable(address)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")     # no telemetry that the user did not ask for
     try:
         ray.init(address=address, **options)
@@ -284,14 +314,39 @@ def _connect_ray(ray, address: str, workers: int | None):
     return temp_dir or ""
 
 
-def _ray_failure(ray, e: Exception, index: int) -> QuantkitError:
+def _check_reachable(address: str) -> None:
+    """Fail fast on a HOST:PORT that nothing listens on: ray.init retries such an address for
+    minutes (14 measured).  "auto" and addresses without a port are left to Ray."""
+    where = address.split("://", 1)[-1]
+    host, _, port = where.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise QuantkitError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
+
+
+def _ray_task(fn_bytes: bytes, job_bytes: bytes, threads: int) -> tuple:
+    """A job on a Ray worker: fn and the job travel pickled, so that the thread counts are set before
+    their modules are imported (a runtime_env with the variables would do it too, at the cost of
+    starting a worker process set up for it: seconds)."""
+    _limit_threads(threads)
+    try:
+        fn, job = pickle.loads(fn_bytes), pickle.loads(job_bytes)
+    except BaseException as e:
+        return _failure(e)
+    return _outcome(fn, job)
+
+
+def _ray_failure(e: Exception, label: str) -> QuantkitError:
     cause = getattr(e, "cause", None)
     what = type(cause or e).__name__
     first = next((line for line in str(cause or e).splitlines() if line.strip()), "")
-    return QuantkitError(f"job {index} failed on the Ray cluster: {what}: {first.strip()}")
+    return QuantkitError(f"{label} failed on the Ray cluster: {what}: {first.strip()}")
 
 
-def _run_ray(fn, jobs: list, address: str, workers: int | None, threads: int, on_result) -> list:
+def _run_ray(fn, jobs: list, address: str, workers: int | None, threads: int, on_result, label) -> list:
     ray = _import_ray()
     saved = {s: signal.getsignal(s) for s in signals.HANDLED} \
         if threading.current_thread() is threading.main_thread() else {}
@@ -303,10 +358,13 @@ def _run_ray(fn, jobs: list, address: str, workers: int | None, threads: int, on
                 signal.signal(s, h)
     pending: dict = {}
     try:
-        env = {var: str(threads) for var in THREAD_VARS}
-        task = ray.remote(_outcome).options(num_cpus=threads, runtime_env={"env_vars": env}, name="quantkit-job")
-        fn_ref = ray.put(fn)
-        pending = {task.remote(fn_ref, job): index for index, job in enumerate(jobs)}
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if cpus < threads:      # Ray would wait for ever for a node with that many CPUs
+            raise QuantkitError(f"the Ray cluster has {cpus:g} CPUs, fewer than the {threads} threads asked for per job")
+        task = ray.remote(_ray_task).options(num_cpus=threads, name="quantkit-job")
+        dumps = ray.cloudpickle.dumps      # as Ray pickles: a function of the driver's __main__ too
+        fn_ref = ray.put(dumps(fn))
+        pending = {task.remote(fn_ref, dumps(job), threads): index for index, job in enumerate(jobs)}
         results: list = [None] * len(jobs)
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
@@ -318,9 +376,9 @@ def _run_ray(fn, jobs: list, address: str, workers: int | None, threads: int, on
                 try:
                     outcome = ray.get(ref)
                 except ray.exceptions.RayError as e:
-                    raise _ray_failure(ray, e, index) from None
+                    raise _ray_failure(e, label(index)) from None
                 if outcome[0] == "error":
-                    _raise_failure(outcome, index)
+                    _raise_failure(outcome, label(index))
                 results[index] = outcome[1]
                 if on_result is not None:
                     on_result(index, outcome[1])
@@ -333,7 +391,10 @@ def _run_ray(fn, jobs: list, address: str, workers: int | None, threads: int, on
                 except Exception:   # finished meanwhile, or the cluster is gone
                     pass
             if ours is not None:
-                ray.shutdown()
+                try:
+                    ray.shutdown(wait_for_processes=True)   # a local instance's processes are gone when we return
+                except TypeError:                           # an older Ray has no such argument
+                    ray.shutdown()
                 if ours:
                     shutil.rmtree(ours, ignore_errors=True)
             for s, h in saved.items():
