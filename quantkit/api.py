@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -382,8 +383,9 @@ def perplexity(model, text_file, *, ctx_size: int = 512, chunks: int | None = No
     ``.ppl_error``, ``.chunk_ppl``).  ``kl_divergence_base``: also save the logits there for a
     later ``kl_divergence``: all of them (llama-perplexity's format), or with ``kld_top_k=K`` only
     each position's K most probable tokens and the rest's mass (runtime/kld_topk.py: 8K + 8 bytes a
-    position instead of 2 x n_vocab; its KLD is a lower bound of the full one).  ``on_start(n_chunks)`` is called once the text is cut into chunks,
-    ``on_chunk(i, result so far)`` after each chunk.  ``cache_type``: the KV cache's type, "f16"
+    position instead of 2 x n_vocab; its KLD is a lower bound of the full one).
+    ``on_start(n_chunks)`` is called once the text is cut into chunks, ``on_chunk(i, result so
+    far)`` after each chunk.  ``cache_type``: the KV cache's type, "f16"
     or "f32", or a (K, V) pair (llama.cpp's -ctk/-ctv; runtime/cache_type.py)."""
     from .outputs import check_outputs
     from .runtime import perplexity as ppl
@@ -391,8 +393,16 @@ def perplexity(model, text_file, *, ctx_size: int = 512, chunks: int | None = No
     from .runtime.session import open_session, parse_overrides
 
     model, text_file = Path(model), Path(text_file)
-    if kld_top_k is not None and (kl_divergence_base is None or isinstance(kld_top_k, bool) or kld_top_k < 1):
-        raise QuantkitError("--kld-top-k K needs --kl-divergence-base FILE (the base to write) and K >= 1")
+    if kld_top_k is not None:
+        if kl_divergence_base is None:
+            raise QuantkitError("--kld-top-k K needs --kl-divergence-base FILE (the base to write)")
+        try:
+            k = None if isinstance(kld_top_k, bool) else operator.index(kld_top_k)
+        except TypeError:
+            k = None
+        if k is None or k < 1:
+            raise QuantkitError(f"--kld-top-k: {kld_top_k!r} is not a whole number >= 1")
+        kld_top_k = k
     if kl_divergence_base is not None:
         kl_divergence_base = Path(kl_divergence_base)
         check_outputs([kl_divergence_base], [model, text_file], what="--kl-divergence-base")

@@ -112,6 +112,22 @@ def test_topk_of_orders_by_probability_then_id():
         topk_of(np.zeros((1, 3), np.float32), 4)
     with pytest.raises(QuantkitError, match="the base has 1 positions, the logits 2"):
         topk_kld(whole, np.zeros((2, 3), np.float32))
+    none = topk_of(np.zeros((0, 3), np.float32), 2)
+    assert none.ids.shape == (0, 2) and topk_kld(none, np.zeros((0, 3), np.float32)).shape == (0,)
+
+
+def test_topk_of_breaks_every_tie_by_id():
+    """Logits of four values (ties everywhere): the top k are those of a sort by probability then
+    id, whatever argpartition kept at the k-th place."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(rng.integers(20, 200))
+        x = rng.integers(0, 4, (3, n)).astype(np.float32)
+        k = int(rng.integers(1, n + 1))
+        top = topk_of(x, k)
+        for r in range(3):
+            assert top.ids[r].tolist() == np.lexsort((np.arange(n), -x[r]))[:k].tolist(), (n, k)
+        assert (top.ids[:, 0] == np.argmax(x, axis=1)).all()
 
 
 def test_rest_mass_is_summed_not_subtracted():
@@ -129,7 +145,9 @@ def test_rest_mass_is_summed_not_subtracted():
 
 # ---- the file ----
 
-def test_topk_base_file_round_trip(tiny, bases, logits):
+def test_topk_base_file_round_trip(tiny, bases, logits, monkeypatch):
+    from quantkit.runtime import kld_topk
+    monkeypatch.setattr(kld_topk, "BLOCK_ROWS", 4)      # positions in blocks, a short one last
     path = bases["top8"]
     n_pos = CHUNKS * PER_CHUNK
     assert path.stat().st_size == HEADER.size + 4 * CTX * CHUNKS + (8 * 8 + 8) * n_pos
@@ -325,7 +343,26 @@ def test_cli_refuses_bad_kld_top_k(tiny, tmp_path, capsys, extra, words):
     snap.assert_unchanged()                     # no base file, no temporary left behind
 
 
+@pytest.mark.parametrize("k", [0, -3, 2.5, "8", True])
+def test_library_refuses_bad_kld_top_k(tiny, tmp_path, k):
+    snap = Snapshot(tmp_path)
+    with pytest.raises(QuantkitError, match=re.escape(f"--kld-top-k: {k!r} is not a whole number >= 1")):
+        quantkit.perplexity(tiny["base"], tiny["text"], ctx_size=CTX, chunks=1, kl_divergence_base=tmp_path / "b.kld",
+                            kld_top_k=k, threads=1)
+    snap.assert_unchanged()
+
+
 def test_cli_refuses_kld_top_k_when_reading(tiny, bases, capsys):
     rc, out, err = run_main(capsys, "perplexity", tiny["quant"], "--kl-divergence-base", bases["top8"],
                             "--kl-divergence", "--kld-top-k", 8)
     assert_refused(rc, out, err, "--kld-top-k is for writing a base")
+
+
+def test_cli_refuses_a_corrupt_topk_base(tiny, tmp_path, capsys):
+    """The refusal contract through the CLI: exit 1, one line naming the row, nothing changed."""
+    path = write_topk(tmp_path / "bad.kld", n_ctx=CTX, n_vocab=N_VOCAB, k=8, edit=_set("ids", 20, N_VOCAB + 7, 1))
+    snap = Snapshot(tmp_path, tiny["quant"])
+    rc, out, err = run_main(capsys, "perplexity", tiny["quant"], "--kl-divergence-base", path, "--kl-divergence",
+                            "--threads", 1)
+    assert_refused(rc, out, err, "bad.kld", "corrupt top-k logits row 20 (chunk 2)", "outside the vocabulary of 320")
+    snap.assert_unchanged()

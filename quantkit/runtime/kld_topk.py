@@ -39,7 +39,7 @@ from .scoring import log_softmax
 MAGIC = b"_kldtopk"
 HEADER = struct.Struct("<8siiii")
 MASS_TOLERANCE = 1e-3           # |sum of a row's probabilities - 1| allowed (float32 log-probabilities)
-_ROWS = 64                      # positions per block of the float64 work arrays (n_vocab wide)
+BLOCK_ROWS = 64                 # positions per block of the float64 work arrays (n_vocab wide)
 _CHECK_ROWS = 1 << 16           # positions per block when a file's rows are checked
 
 
@@ -93,7 +93,10 @@ def topk_of_logprobs(lp: np.ndarray, k: int) -> TopK:
 def topk_of(logits: np.ndarray, k: int) -> TopK:
     """The top-k summary of a model's logits (n, n_vocab), log-probabilities as llama-perplexity
     forms them (scoring.log_softmax, float64)."""
-    parts = [topk_of_logprobs(log_softmax(logits[r:r + _ROWS]), k) for r in range(0, len(logits), _ROWS)]
+    if len(logits) == 0:
+        return TopK(np.zeros((0, k), np.int32), np.zeros((0, k)), np.zeros(0))
+    parts = [topk_of_logprobs(log_softmax(logits[r:r + BLOCK_ROWS]), k)
+             for r in range(0, len(logits), BLOCK_ROWS)]
     return TopK(*(np.concatenate(p) for p in zip(*parts)))
 
 
@@ -121,8 +124,11 @@ def topk_kld(base_top, logits_q: np.ndarray) -> np.ndarray:
     n = len(logits_q)
     if len(base_top.ids) != n:
         raise QuantkitError(f"top-k KLD: the base has {len(base_top.ids)} positions, the logits {n}")
-    return np.concatenate([topk_kld_logprobs(TopK(*(a[r:r + _ROWS] for a in base_top)), log_softmax(logits_q[r:r + _ROWS]))
-                           for r in range(0, n, _ROWS)]) if n else np.zeros(0)
+    if n == 0:
+        return np.zeros(0)
+    return np.concatenate([topk_kld_logprobs(TopK(*(a[r:r + BLOCK_ROWS] for a in base_top)),
+                                             log_softmax(logits_q[r:r + BLOCK_ROWS]))
+                           for r in range(0, n, BLOCK_ROWS)])
 
 
 class TopkWriter:
@@ -140,12 +146,13 @@ class TopkWriter:
         self._fh = None
 
     def add(self, logits: np.ndarray, targets: np.ndarray) -> None:
-        for r in range(0, len(logits), _ROWS):
-            lp = log_softmax(logits[r:r + _ROWS])
+        for r in range(0, len(logits), BLOCK_ROWS):
+            lp = log_softmax(logits[r:r + BLOCK_ROWS])
             top = topk_of_logprobs(lp, self.k)
             rec = np.zeros(len(lp), record_dtype(self.k))
             rec["ids"], rec["logp"], rec["log_rest"] = top.ids, top.logp, top.log_rest
-            rec["logp_target"] = np.take_along_axis(lp, np.asarray(targets[r:r + _ROWS], np.int64)[:, None], axis=1)[:, 0]
+            next_tokens = np.asarray(targets[r:r + BLOCK_ROWS], np.int64)[:, None]
+            rec["logp_target"] = np.take_along_axis(lp, next_tokens, axis=1)[:, 0]
             self._fh.write(rec.tobytes())
 
     def __enter__(self):
@@ -243,7 +250,8 @@ def _row_problem(d: np.ndarray, targets: np.ndarray, n_vocab: int) -> tuple[int,
         lambda: first(~(np.isfinite(logp) & (logp <= 0)).all(axis=1) | ~(np.isfinite(target_lp) & (target_lp <= 0)),
                       "log-probabilities must be finite and <= 0"),
         lambda: first(np.isnan(log_rest) | (log_rest > 0), "the rest's log-probability must be <= 0 (or -inf)"),
-        lambda: first((np.diff(logp, axis=1) > 0).any(axis=1), "the top-k log-probabilities are not in decreasing order"),
+        lambda: first((np.diff(logp, axis=1) > 0).any(axis=1),
+                      "the top-k log-probabilities are not in decreasing order"),
         lambda: first(np.abs(np.exp(logp).sum(axis=1) + np.exp(log_rest) - 1) > MASS_TOLERANCE,
                       "its probabilities do not sum to 1"),
     ]

@@ -31,7 +31,8 @@ from ..errors import QuantkitError
 from ..words import counted
 from ..inputs import open_regular
 from ..outputs import AtomicOutput
-from .kld_topk import MAGIC as TOPK_MAGIC, TopkLogitsFile, topk_kld_logprobs
+from . import kld_topk
+from .kld_topk import MAGIC as TOPK_MAGIC, TopK, TopkLogitsFile, topk_kld_logprobs
 from .model import NonFiniteLogits
 from .scoring import log_softmax, token_nll
 from .warmup import warm_up
@@ -270,13 +271,17 @@ class KldStats:
         next-token log-probabilities of the same n positions, their next tokens.  All but the KLD
         are what the full base gives (exactly: the base's next-token log-probability and top token
         are stored); the KLD is over the top-k tokens and the rest."""
-        lp = log_softmax(logits)
-        nll = -lp[np.arange(len(targets)), targets]
-        self.nll.extend(nll.tolist())
-        self.nll_base.extend((-np.asarray(base_target_lp, np.float64)).tolist())
-        self.kld.extend(topk_kld_logprobs(base_top, lp).tolist())
-        self.dp.extend((np.exp(-nll) - np.exp(np.asarray(base_target_lp, np.float64))).tolist())
-        self.same_top += int((np.argmax(logits, axis=1) == base_top.ids[:, 0]).sum())
+        step = kld_topk.BLOCK_ROWS                      # float64 work arrays of step x n_vocab
+        for r in range(0, len(targets), step):
+            rows = slice(r, r + step)
+            lp = log_softmax(logits[rows])
+            nll = -lp[np.arange(len(lp)), targets[rows]]
+            base_lp = np.asarray(base_target_lp[rows], np.float64)
+            self.nll.extend(nll.tolist())
+            self.nll_base.extend((-base_lp).tolist())
+            self.kld.extend(topk_kld_logprobs(TopK(*(a[rows] for a in base_top)), lp).tolist())
+            self.dp.extend((np.exp(-nll) - np.exp(base_lp)).tolist())
+            self.same_top += int((np.argmax(logits[rows], axis=1) == base_top.ids[rows, 0]).sum())
 
     def running(self) -> dict:
         """The statistics llama-perplexity --kl-divergence prints after each chunk, of the
