@@ -43,7 +43,7 @@ from .recipes import load_recipe
 from .sensitivity import (SensitivityCache, calibrate, cached_run, fast_error, fast_jobs, fingerprint, measure_jobs,
                           measure_sample, measured_kld)
 from .solve import InfeasibleBudget, Item, solve
-from .speed import measure_cpu_bandwidth, parse_bandwidth, plan_speed
+from .speed import device_seconds, measure_cpu_bandwidth, parse_bandwidth, plan_speed
 from .types import QuantType, type_from_name, type_name, type_name_suggestion
 from .workers import run_jobs
 
@@ -291,8 +291,10 @@ def _sensitivities(model, model_in: Path, gs, imatrix_path, calib_path, measure:
     """Every (group, option)'s fast error and ``measure`` measured KLDs, from the cache where it has
     them, the rest through workers.run_jobs (each result cached as it arrives); calibrated."""
 
+    names = {}                          # job -> "blk.3.attn as q4_K", for a job's error
     def run(fn, jobs, on_result=None):
-        return run_jobs(fn, jobs, workers=workers, ray_address=ray_address, on_result=on_result)
+        return run_jobs(fn, jobs, workers=workers, ray_address=ray_address, on_result=on_result,
+                        describe=lambda job: names.get(id(job), "a sensitivity job"))
 
     cache_path = Path(cache_dir if cache_dir is not None else default_cache_dir()) / CACHE_FILE
     fp = fingerprint(model)
@@ -305,6 +307,7 @@ def _sensitivities(model, model_in: Path, gs, imatrix_path, calib_path, measure:
                            measure_jobs(gs, samples, model_in, calib_path, imatrix=imatrix_path, n_ctx=calib_ctx,
                                         chunks=calib_chunks)))
         for mode, fn, keyed in stages:
+            names.update((id(job), f"{key} as {name}") for (key, name), job in keyed)
             t, counts = time.perf_counter(), {"run": 0, "cached": 0}
             _progress(on_progress, mode, 0, len(keyed))
 
@@ -319,7 +322,7 @@ def _sensitivities(model, model_in: Path, gs, imatrix_path, calib_path, measure:
 
 def _option_seconds(option, bandwidth: dict) -> float:
     """Seconds per generated token spent reading this option's weights (devices one after the other)."""
-    return sum(n / bandwidth[d] for d, n in option.bytes_per_token.items() if n)
+    return sum(device_seconds(option.bytes_per_token, bandwidth).values())
 
 
 def _solve(gs, predictor, bandwidth, caps, min_speed, time_limit):
@@ -341,7 +344,7 @@ def _solve(gs, predictor, bandwidth, caps, min_speed, time_limit):
 
 def _capacity(gs, bandwidth, caps, min_speed) -> tuple[float, float, float]:
     """What the groups may use of each resource: the budgets less the kept tensors' share."""
-    fixed_s = sum(n / bandwidth[d] for d, n in gs.fixed_per_token.items() if n)
+    fixed_s = sum(device_seconds(gs.fixed_per_token, bandwidth).values())
     return (caps[0] - gs.fixed.get("cpu", 0), caps[1] - gs.fixed.get("gpu", 0),
             (1.0 / min_speed - fixed_s) if min_speed else math.inf)
 
@@ -368,7 +371,7 @@ def _infeasible(smallest, gs, bandwidth, caps, min_speed, jointly: bool) -> str:
             least = smallest[r] + gs.fixed.get(RESOURCES[r], 0)
             parts.append(f"{what} {_size(caps[r])}: the smallest mix takes {_size(least)} {where}")
     if min_speed:
-        fixed_s = sum(n / bandwidth[d] for d, n in gs.fixed_per_token.items() if n)
+        fixed_s = sum(device_seconds(gs.fixed_per_token, bandwidth).values())
         parts.append(f"--min-speed {min_speed:g}: the fastest mix makes {1 / (smallest[2] + fixed_s):.4g} tokens/s")
     how = "the budgets cannot all be met at once" if jointly else "a budget is too small"
     return f"no mix of the candidate types fits ({how}): " + "; ".join(parts)
