@@ -120,7 +120,7 @@ def preset_rows(name, model, imatrix, base, work, presets, threads) -> list[dict
     return rows
 
 
-def recipe_rows(name, model, imatrix, base, work, budgets, jobs, threads, presets) -> list[dict]:
+def recipe_rows(name, model, imatrix, base, work, budgets, jobs, threads, presets, types=None) -> list[dict]:
     from quantkit import api
     n_elements = api.plan_quantize(model, "Q8_0").n_elements
     rows = []
@@ -128,7 +128,7 @@ def recipe_rows(name, model, imatrix, base, work, budgets, jobs, threads, preset
         budget_bytes = int(b * n_elements / 8)
         recipe = work / f"{name}-{b}bpw.recipe"
         t = time.perf_counter()
-        r = api.make_recipe(model, recipe, budget=f"{b}bpw", imatrix=imatrix, calibration=CALIB,
+        r = api.make_recipe(model, recipe, budget=f"{b}bpw", imatrix=imatrix, calibration=CALIB, types=types,
                             cache_dir=work / "cache", workers=jobs, calib_ctx=CTX[name])
         search_s = time.perf_counter() - t
         m = measure(model, work / f"{name}-{b}bpw.gguf", base, threads, None, custom_q=[str(recipe)], imatrix=imatrix)
@@ -170,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-recipes", action="store_true", help="Only the presets (the baseline half).")
     ap.add_argument("--chunks", type=int, default=None, help="Chunks of the held-out text scored (default: all).")
     ap.add_argument("--presets-from", type=Path, help="Preset rows of an earlier --json run (not measured again).")
+    ap.add_argument("--types", help="The recipe's candidate types (default: the flavor's).")
     ap.add_argument("--json", type=Path, help="Write every row as JSON here.")
     a = ap.parse_args(argv)
     budgets = [float(b) for b in a.budgets.split(",")]
@@ -181,12 +182,13 @@ def main(argv=None) -> int:
         for name in a.models.split(","):
             model, imatrix = prepare(name, work, a.threads)
             base = base_logits(name, model, text, work, a.threads, a.chunks)
-            earlier = json.loads(a.presets_from.read_text())["presets"] if a.presets_from else {}
-            presets = earlier.get(name) or preset_rows(name, model, imatrix, base, work, a.presets.split(","),
-                                                       a.threads)
+            earlier = json.loads(a.presets_from.read_text())["presets"].get(name, []) if a.presets_from else []
+            todo = [p for p in a.presets.split(",") if p not in {r["preset"] for r in earlier}]
+            presets = earlier + preset_rows(name, model, imatrix, base, work, todo, a.threads)
             doc["presets"][name] = presets
             if not a.skip_recipes:
-                doc["recipes"] += recipe_rows(name, model, imatrix, base, work, budgets, a.jobs, a.threads, presets)
+                doc["recipes"] += recipe_rows(name, model, imatrix, base, work, budgets, a.jobs, a.threads, presets,
+                                              a.types)
         if a.json:
             a.json.write_text(json.dumps(doc, indent=1))
     for name, rows in doc["presets"].items():
