@@ -516,8 +516,10 @@ def recipe(model_in, out_path, budget, gpu_budget, overrides, imatrix_path, cali
     by measured KLDs, then an exact knapsack solve.  `quantkit quantize MODEL OUT --custom-q RECIPE`
     reproduces exactly the predicted size.  See docs/recipe.md."""
     from .api import make_recipe
+    from .recipe_search import CACHE_FILE, default_cache_dir
 
-    with _RecipeProgress(show=not as_json) as progress:
+    cache = Path(cache_dir or default_cache_dir()) / CACHE_FILE
+    with _RecipeProgress(show=not as_json) as progress, _resume_note(cache):
         r = make_recipe(model_in, out_path, tensor_type_file_out=tt_path, budget=budget, gpu_budget=gpu_budget,
                         override_tensor=overrides, imatrix=imatrix_path, calibration=calib_path, types=types or None,
                         bandwidth=bandwidth, min_speed=min_speed, measure=measure, cache_dir=cache_dir,
@@ -527,6 +529,17 @@ def recipe(model_in, out_path, budget, gpu_budget, overrides, imatrix_path, cali
         _print_json({**r.to_json(), "output": str(out_path), "tensor_type_file_out": str(tt_path) if tt_path else None})
         return
     _render_recipe(r, out_path, tt_path)
+
+
+@contextlib.contextmanager
+def _resume_note(cache: Path):
+    """An interrupted search says where its finished jobs are kept (quantkit.main prints the note)."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        e.add_note(f"recipe: the sensitivity jobs that finished are kept in {cache}: the same command goes on "
+                   f"from them")
+        raise
 
 
 class _RecipeProgress(contextlib.ExitStack):

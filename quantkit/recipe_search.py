@@ -38,7 +38,7 @@ from .inputs import read_text
 from .placement import parse_placement
 from .plan import PlanOptions, make_plan
 from .presets import ModelInfo
-from .recipe_emit import check_reproduces, compact_rules, recipe_text, tensor_type_file_text
+from .recipe_emit import check_reproduces, compact_rules, custom_q_arg, recipe_text, tensor_type_file_text
 from .recipes import load_recipe
 from .sensitivity import (SensitivityCache, calibrate, cached_run, fast_error, fast_jobs, fingerprint, measure_jobs,
                           measure_sample, measured_kld)
@@ -164,6 +164,7 @@ class RecipeResult:
             "types": [type_name(t) for t in self.types],
             "rules": [{"pattern": p, "type": type_name(t)} for p, t in self.rules],
             "recipe": self.recipe_text, "tensor_type_file": self.tensor_type_file_text,
+            "custom_q_arg": custom_q_arg(self.rules),
             "groups": self.rows(), "jobs": self.jobs, "seconds": self.seconds,
         }
 

@@ -123,6 +123,7 @@ def test_cli_json_and_table(tiny, tmp_path, capsys):
     assert rc == 0, err
     doc = json.loads(stdout)
     assert doc["output"] == str(out) and doc["recipe"] == out.read_text()
+    assert doc["custom_q_arg"] == ",".join(doc["tensor_type_file"].split())     # ik's llama-quantize --custom-q
     assert doc["total_bytes"] == api.plan_quantize(tiny["model"], custom_q=str(out)).bytes_out
     assert doc["budgets"] == {"cpu": int(4.5 * tiny["n"] / 8), "gpu": None}
     assert doc["speed"]["bandwidth"] == {"cpu": 50e9} and doc["speed"]["tokens_per_s"] > 0
@@ -217,3 +218,16 @@ def test_hf_checkpoint_fast_only(tmp_path, capsys):
         search_recipe(hf, budget="6bpw", types="q8_0,q4_0", calibration=tmp_path / "c.txt", measure=2,
                       cache_dir=tmp_path / "cache", **FAST)
     assert not math.isnan(r.predicted_kld)
+
+
+def test_interrupt_says_the_jobs_are_kept(tiny, tmp_path, capsys, monkeypatch):
+    # Ctrl-C during the search: exit 130, and the line that says the finished jobs are in the cache
+    def interrupted(*args, on_progress=None, **kwargs):
+        on_progress("fast", 1, 10, "blk.0.attn")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(api, "make_recipe", interrupted)
+    rc, stdout, err = run_main(capsys, "recipe", tiny["model"], "-o", tmp_path / "r.recipe", "--budget", "4bpw",
+                               "--cache", tmp_path / "cache")
+    assert rc == 130
+    assert f"kept in {tmp_path / 'cache' / 'sensitivity.jsonl'}: the same command goes on" in err
+    assert not (tmp_path / "r.recipe").exists()
