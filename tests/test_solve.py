@@ -149,6 +149,28 @@ def test_300_classes_12_items_fast(fraction):
     assert sol.cost <= greedy_cost(classes, capacity[0]) + 1e-12
 
 
+def test_300_classes_two_devices_fast():
+    """CPU and GPU byte budgets: groups on one device each, so two independent problems."""
+    classes = recipe_like(300, 12, seed=2, devices=2)
+    capacity = budget(classes, 0.3)
+    start = time.monotonic()
+    sol = solve(classes, capacity, time_limit=60)
+    check_solution(classes, capacity, sol)
+    assert sol.optimal and time.monotonic() - start < 10
+
+
+def test_coupled_speed_budget_keeps_its_time_limit():
+    """A speed budget couples the devices (seconds per token = bytes / bandwidth summed over both):
+    out of time, the best found within about the limit, with a bound below it."""
+    classes = recipe_like(100, 12, seed=1, devices=2, speed=True)
+    capacity = budget(classes, 0.3)[:2] + budget(classes, 0.2)[2:]
+    start = time.monotonic()
+    sol = solve(classes, capacity, time_limit=1.0)
+    assert time.monotonic() - start < 5
+    check_solution(classes, capacity, sol)
+    assert sol.bound <= sol.cost and sol.gap < 0.01
+
+
 def greedy_cost(classes, cap):
     """A simple feasible answer: start from the lightest item of each class and take the best
     cost-per-byte upgrades of each class's hull while they fit."""
@@ -272,8 +294,11 @@ def test_malformed_input_is_a_value_error():
         solve([[Item(float("nan"), (1,))]], (1,))
     with pytest.raises(ValueError, match="finite"):
         solve([[Item(1, (-1,))]], (1,))
-    with pytest.raises(ValueError, match=">= 0"):
+    with pytest.raises(ValueError, match="NaN"):
         solve([[Item(1, (1,))]], (float("nan"),))
+    # a negative capacity (a budget less than what the kept tensors take) is an infeasible budget
+    with pytest.raises(InfeasibleBudget, match=r"resource 0 0 \(budget -5\)"):
+        solve([[Item(1, (0,))]], (-5,))
 
 
 def test_lower_hull():
