@@ -7,7 +7,7 @@ Fast jobs: every (group, type) of SmolLM2 (fallbacks as the planner writes them)
 calibration imatrix of tests' golden data.  Measured jobs: ``--samples`` pairs picked by
 measure_sample, each a mean KLD over the calibration text's scored tokens, timed one by one
 after the base pass (reported apart: a worker pays it once).  Then the calibration is fitted on
-half of the measured samples and its predictions compared with the other half.
+every other measured sample of each kind and its predictions compared with the others.
 """
 from __future__ import annotations
 
@@ -77,17 +77,23 @@ def main() -> None:
     c = np.mean([t[1] for t in times])
     print(f"measured: {len(jobs)} jobs, {w:.2f} s each (cpu {c:.2f} s)")
 
-    fit_keys, test_keys = picks[0::2], picks[1::2]
+    # every other sample of each kind fits the calibration, the rest are held out
+    nth: dict[str, int] = {}
+    fit_keys, test_keys = [], []
+    for k in picks:
+        kind = gs.group(k[0]).kind
+        (fit_keys if nth.get(kind, 0) % 2 == 0 else test_keys).append(k)
+        nth[kind] = nth.get(kind, 0) + 1
     p = S.calibrate(gs, fast, {k: measured[k] for k in fit_keys})
     ratios = []
     for k in test_keys:
         g = gs.group(k[0])
-        predicted = p.factor(g.kind) * fast[k]
+        predicted = p.factor(g.kind, float(np.mean(g.layers)) if g.layers else None) * fast[k]
         if measured[k] > 0 and predicted > 0:
             ratios.append(predicted / measured[k])
             print(f"  held out {k[0]:>20} {k[1]:>7}: predicted {predicted:.4g}  measured {measured[k]:.4g}")
     logs = np.log(ratios)
-    print(f"calibration: factors {({k: round(v, 4) for k, v in p.factors.items()})}; held-out predicted/measured: "
+    print(f"calibration: factors {({k: f'{v:.3g}' for k, v in p.factors.items()})}; held-out predicted/measured: "
           f"geometric mean {math.exp(logs.mean()):.2f}, within 2x {np.mean(np.abs(logs) < math.log(2)):.0%}")
 
 

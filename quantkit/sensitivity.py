@@ -369,11 +369,12 @@ def _quantized(info: TensorInfo, qtype: QuantType, weights, flavor: str) -> _Mem
 
 def first_layer(names, n_layer: int) -> int:
     """Where a pass must start when ``names`` change: -1 the embedding (token_embd, and any tensor
-    outside the blocks but the output head), a layer index, or n_layer for the head alone."""
+    outside the blocks but the output head), a layer index, or n_layer for the head alone (also
+    for blocks past the runtime's layers, DeepSeek's next-token-prediction block, which no pass reads)."""
     start = n_layer
     for name in names:
         layer = layer_of(name)
-        if layer is not None and 0 <= layer < n_layer:
+        if layer is not None and layer >= 0:
             start = min(start, layer)
         elif not name.startswith("output."):
             return -1
@@ -421,18 +422,30 @@ def _type_key(group, option) -> tuple[str, str]:
     return group.key, type_name(option.qtype)
 
 
+def _depth(group) -> float | None:
+    """Where a group sits in the model: its layers' mean (None outside the blocks)."""
+    return float(np.mean(group.layers)) if group.layers else None
+
+
 @dataclass
 class Predictor:
     """Predicted KLD of a (group, option): the measured value where one was measured, else the
-    fast error times its kind's factor (``factors``; ``overall`` for a kind without samples)."""
-    factors: dict[str, float]
+    fast error times its kind's factor.  The factor follows depth where a kind's samples sit in
+    several layers (``profiles``: log factor at each sampled depth, interpolated in between, the
+    end values beyond): the same weighted error costs more in some layers than in others (an early
+    layer's error passes through every later one).  A kind without samples: ``overall``."""
+    factors: dict[str, float]                       # per kind: the geometric mean factor
     overall: float
     fast: dict
     measured: dict
-    spread: dict[str, float] = field(default_factory=dict)    # per kind: std of log(measured / fitted)
+    spread: dict[str, float] = field(default_factory=dict)    # per kind: rms of log(measured / fitted)
     samples: dict[str, int] = field(default_factory=dict)
+    profiles: dict[str, tuple] = field(default_factory=dict)  # per kind: (depths, log factors)
 
-    def factor(self, kind: str) -> float:
+    def factor(self, kind: str, depth: float | None = None) -> float:
+        profile = self.profiles.get(kind)
+        if profile is not None and depth is not None:
+            return math.exp(float(np.interp(depth, *profile)))
         return self.factors.get(kind, self.overall)
 
     def kld(self, group, option) -> float:
@@ -441,37 +454,46 @@ class Predictor:
             return self.measured[key]
         if key not in self.fast:
             raise QuantkitError(f"no sensitivity of {group.key} as {key[1]} was computed")
-        return self.factor(group.kind) * self.fast[key]
+        return self.factor(group.kind, _depth(group)) * self.fast[key]
 
     def to_json(self) -> dict:
-        return {"factors": self.factors, "overall": self.overall, "spread": self.spread, "samples": self.samples}
-
-
-def _log_fit(pairs) -> tuple[float, float]:
-    """c minimising Σ (log m − log(c f))²: the geometric mean of m / f (KLDs span decades: a
-    least-squares fit of the values themselves would follow the largest alone); and the spread."""
-    logs = np.array([math.log(m / f) for f, m in pairs])
-    return math.exp(float(logs.mean())), float(logs.std())
+        return {"factors": self.factors, "overall": self.overall, "spread": self.spread, "samples": self.samples,
+                "profiles": {k: [list(map(float, d)), list(map(float, v))] for k, (d, v) in self.profiles.items()}}
 
 
 def calibrate(groupset, fast: dict, measured: dict) -> Predictor:
-    """Fit predicted KLD = c_kind * fast error on the measured samples of each kind (a kind
-    without samples: the fit over all kinds; no samples at all: c = 1, the fast error itself).
-    ``fast`` / ``measured``: {(group key, type name): value}; samples whose fast error or KLD is
-    0 (a type the input already has) say nothing about the factor and are left out."""
-    kind_of = {g.key: g.kind for g in groupset.groups}
+    """Fit predicted KLD = c * fast error on the measured samples: per kind c is the geometric mean
+    of measured / fast (least squares of the logs: KLDs span decades, and a fit of the values would
+    follow the largest alone), and where the kind's samples sit in two or more depths, a profile
+    over depth (the mean log ratio at each, :class:`Predictor`).  A kind without samples: the fit
+    over all kinds; no samples at all: c = 1, the fast error itself.  ``fast`` / ``measured``:
+    {(group key, type name): value}; samples whose fast error or KLD is 0 (a type the input
+    already has) say nothing about c and are left out."""
+    groups = {g.key: g for g in groupset.groups}
     by_kind: dict[str, list] = {}
     for key, m in measured.items():
         f = fast.get(key)
-        if f is not None and f > 0 and m > 0 and key[0] in kind_of:
-            by_kind.setdefault(kind_of[key[0]], []).append((f, m))
-    factors, spread = {}, {}
-    for kind, pairs in by_kind.items():
-        factors[kind], spread[kind] = _log_fit(pairs)
-    every = [p for pairs in by_kind.values() for p in pairs]
-    overall = _log_fit(every)[0] if every else 1.0
+        if f is not None and f > 0 and m > 0 and key[0] in groups:
+            g = groups[key[0]]
+            by_kind.setdefault(g.kind, []).append((_depth(g), math.log(m / f)))
+    factors, spread, profiles = {}, {}, {}
+    for kind, points in by_kind.items():
+        logs = np.array([v for _, v in points])
+        factors[kind] = math.exp(float(logs.mean()))
+        at: dict[float, list] = {}
+        for depth, v in points:
+            if depth is not None:
+                at.setdefault(depth, []).append(v)
+        fitted = np.full(len(points), logs.mean())
+        if len(at) >= 2:
+            depths = sorted(at)
+            profiles[kind] = (np.array(depths), np.array([np.mean(at[d]) for d in depths]))
+            fitted = np.array([np.interp(d, *profiles[kind]) if d is not None else logs.mean() for d, _ in points])
+        spread[kind] = float(np.sqrt(np.mean((logs - fitted) ** 2)))
+    every = [v for points in by_kind.values() for _, v in points]
+    overall = math.exp(float(np.mean(every))) if every else 1.0
     return Predictor(factors, overall, dict(fast), dict(measured), spread,
-                     {kind: len(pairs) for kind, pairs in by_kind.items()})
+                     {kind: len(points) for kind, points in by_kind.items()}, profiles)
 
 
 # ---------------------------------------------------------------- jobs of a group set
@@ -480,12 +502,13 @@ def _tensor_types(group, option) -> tuple[tuple[str, QuantType], ...]:
     return tuple((name, option.types[name]) for name in group.tensors)
 
 
-def fast_jobs(groupset, model_path, *, imatrix=None, max_elements: int = MAX_ELEMENTS,
-              seed: int = 0) -> list[tuple[tuple[str, str], FastJob]]:
-    """A fast job for every (group, option) of the group set, keyed (group key, type name)."""
+def fast_jobs(groupset, model_path, *, imatrix=None, max_elements: int = MAX_ELEMENTS, seed: int = 0,
+              threads: int | None = None) -> list[tuple[tuple[str, str], FastJob]]:
+    """A fast job for every (group, option) of the group set, keyed (group key, type name).
+    ``threads``: each job's threads (cores / workers where workers share a machine)."""
     imatrix_id = file_fingerprint(imatrix, "--imatrix") if imatrix else ""
     return [(_type_key(g, o), FastJob(str(model_path), _tensor_types(g, o), str(imatrix) if imatrix else None,
-                                      groupset.flavor, max_elements, seed, imatrix_id))
+                                      groupset.flavor, max_elements, seed, imatrix_id, threads))
             for g in groupset.groups for o in g.options]
 
 
@@ -506,36 +529,48 @@ def measure_jobs(groupset, samples, model_path, calibration, *, imatrix=None, n_
     return jobs
 
 
+def _spread_order(n: int) -> list[int]:
+    """0..n-1 in an order that spreads every prefix over the range: the ends, the middle, the
+    quarters, ... (a kind's first samples cover its layers from the first to the last)."""
+    order, seen = [], set()
+    steps = 1
+    while len(order) < n:
+        for k in range(steps + 1):
+            i = round(k * (n - 1) / steps)
+            if i not in seen:
+                seen.add(i)
+                order.append(i)
+        steps *= 2
+    return order
+
+
 def measure_sample(groupset, n: int) -> list[tuple[str, str]]:
     """``n`` (group key, type name) pairs to measure, spread over the kinds (round robin), over
-    each kind's layers (evenly spaced groups) and over its types (smallest first: their KLD stands
-    furthest above the measurement's noise).  Deterministic."""
+    each kind's layers (first, last, middle, quarters ...: the calibration's depth profile) and
+    over its types (cycling through them from the smallest).  Deterministic."""
     by_kind: dict[str, list] = {}
     for g in groupset.groups:
         by_kind.setdefault(g.kind, []).append(g)
-    picks, seen = [], set()
     queues = {}
     for kind, groups in by_kind.items():
         order = []
-        n_groups = len(groups)
+        spread = _spread_order(len(groups))
         max_options = max(len(g.options) for g in groups)
-        for j in range(n_groups * max_options):
-            g = groups[(j * (n_groups // 2 + 1) if n_groups > 2 else j) % n_groups]
-            options = sorted(g.options, key=lambda o: sum(o.nbytes.values()))
-            o = options[(j // n_groups) % len(options)] if options else None
-            if o is not None:
-                order.append(_type_key(g, o))
+        for j in range(len(groups) * max_options):
+            g = groups[spread[j % len(groups)]]
+            options = sorted(g.options, key=lambda o: (sum(o.nbytes.values()), type_name(o.qtype)))
+            if options:
+                order.append(_type_key(g, options[(j + j // len(groups)) % len(options)]))
         queues[kind] = order
+    picks, seen = [], set()
     while len(picks) < n and any(queues.values()):
-        for kind in list(queues):
-            while queues[kind]:
+        for kind in queues:
+            while queues[kind] and len(picks) < n:
                 key = queues[kind].pop(0)
                 if key not in seen:
                     seen.add(key)
                     picks.append(key)
                     break
-            if len(picks) >= n:
-                break
     return picks
 
 

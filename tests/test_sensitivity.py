@@ -234,6 +234,13 @@ def test_kl_divergence_rows_kernel_matches_its_twin():
     assert np.abs(out).max() < 1e-9                    # a model's divergence from itself
 
 
+def test_first_layer():
+    assert S.first_layer(["blk.3.attn_q.weight", "blk.2.ffn_up.weight"], 30) == 2
+    assert S.first_layer(["output.weight"], 30) == 30
+    assert S.first_layer(["blk.61.ffn_down.weight"], 61) == 61          # an MTP block: the head alone
+    assert S.first_layer(["blk.5.attn_q.weight", "token_embd.weight"], 30) == -1
+
+
 def test_measured_needs_gguf(tmp_path):
     d = tmp_path / "hf"
     d.mkdir()
@@ -257,7 +264,10 @@ def test_measure_jobs_and_sample(llama, llama_groups):
 def _groupset(*groups):
     def option(q):
         return SimpleNamespace(qtype=q, types={}, nbytes={"cpu": 1}, bytes_per_token={"cpu": 1})
-    return SimpleNamespace(groups=[SimpleNamespace(key=k, kind=kind, options=[option(q) for q in TYPES])
+
+    def layers(key):
+        return (int(key.split(".")[1]),) if key.startswith("blk.") else ()
+    return SimpleNamespace(groups=[SimpleNamespace(key=k, kind=kind, layers=layers(k), options=[option(q) for q in TYPES])
                                    for k, kind in groups], flavor="ik")
 
 
@@ -279,7 +289,12 @@ def test_calibrate_fits_a_factor_per_kind():
     assert p.kld(g["output"], q2) == pytest.approx(overall * 100)
     assert p.kld(g["output"], q8) == 0.0                                             # measured wins
     assert p.kld(g["blk.0.attn"], g["blk.0.attn"].options[2]) == 2.0
-    assert p.kld(g["blk.1.attn"], g["blk.1.attn"].options[0]) == pytest.approx(math.sqrt(0.02 * 0.05))
+    # attn has samples at two depths: its factor follows them (0.02 at layer 0, 0.05 at layer 1)
+    assert p.kld(g["blk.1.attn"], g["blk.1.attn"].options[0]) == pytest.approx(0.05)
+    assert p.kld(g["blk.0.attn"], g["blk.0.attn"].options[1]) == pytest.approx(0.02 * 10)
+    assert p.factor("attn", 0.5) == pytest.approx(math.sqrt(0.02 * 0.05))      # between: log-linear
+    assert p.factor("attn", 7) == pytest.approx(0.05)                            # beyond: the end value
+    assert p.spread["attn"] == pytest.approx(0.0, abs=1e-12) and p.spread["ffn_down"] == 0.0
     assert S.calibrate(gs, fast, {}).factor("attn") == 1.0                          # nothing measured
     json.dumps(p.to_json())
     with pytest.raises(QuantkitError, match="no sensitivity"):
@@ -287,13 +302,13 @@ def test_calibrate_fits_a_factor_per_kind():
 
 
 def test_calibration_on_the_model_predicts_measured(llama, llama_groups):
-    """A factor fitted on two measured samples of a kind predicts that kind's other samples within 2x."""
+    """A factor fitted on measured samples of a kind predicts that kind's other samples within 2x."""
     keys = [("blk.0.ffn_down", "q2_K"), ("blk.1.ffn_down", "q4_K"), ("blk.1.ffn_down", "q2_K")]
     fast = S.cached_run(S.fast_error, [kj for kj in S.fast_jobs(llama_groups, llama.path) if kj[0] in keys])
     measured = S.cached_run(S.measured_kld, S.measure_jobs(llama_groups, keys, llama.path, llama.text, n_ctx=N_CTX))
     p = S.calibrate(llama_groups, fast, {k: measured[k] for k in keys[:2]})
     g = llama_groups.group("blk.1.ffn_down")
-    predicted = p.factor("ffn_down") * fast[keys[2]]
+    predicted = p.factor("ffn_down", 1.0) * fast[keys[2]]         # layer 1's factor (from its q4_K sample)
     assert measured[keys[2]] / 2 < predicted < measured[keys[2]] * 2
     assert p.kld(g, g.option(T.Q2_K)) == predicted
 
