@@ -8,7 +8,7 @@ from .version import __version__
 _API = ("Quantization", "Repacking", "open_quantization", "plan_quantize", "quantize_model", "open_repack",
         "plan_repack", "repack_model", "inspect_model", "perplexity", "kl_divergence", "generate", "Generation",
         "collect_imatrix", "ImatrixResult", "convert_imatrix", "merge_imatrix", "ImatrixFile", "imatrix_stats",
-        "ImatrixStats", "list_types", "warm_kernels", "KernelWarmup", "QuantkitError")
+        "ImatrixStats", "list_types", "warm_kernels", "KernelWarmup", "make_recipe", "QuantkitError")
 
 
 def __getattr__(name):

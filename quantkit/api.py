@@ -15,8 +15,8 @@ and ``open_repack`` give a context that holds the open model and its plan, and w
 
 ``quantize_model`` / ``repack_model`` do both at once; ``plan_quantize`` / ``plan_repack`` only plan
 (a dry run).  ``inspect_model``, ``list_types``, ``perplexity``, ``kl_divergence``, ``generate``,
-``collect_imatrix``, ``convert_imatrix``, ``merge_imatrix``, ``imatrix_stats`` and ``warm_kernels``
-are the other commands; the long ones take callbacks for a caller that shows progress.  The
+``collect_imatrix``, ``convert_imatrix``, ``merge_imatrix``, ``imatrix_stats``, ``make_recipe`` and
+``warm_kernels`` are the other commands; the long ones take callbacks for a caller that shows progress.  The
 functions print nothing: warnings go to the ``quantkit`` logger.
 """
 from __future__ import annotations
@@ -682,6 +682,36 @@ def imatrix_stats(path, *, chunk_size: int = 512, top: int = 5) -> ImatrixStats:
     path = Path(path)
     raw = _read_imatrices([path], chunk_size)
     return ImatrixStats(path, raw.chunk_size, raw.chunk_count, raw.datasets, raw.stats(top), raw.never_fired())
+
+
+# --------------------------------------------------------------------------- recipe
+def make_recipe(model_in, output=None, *, tensor_type_file_out=None, budget, gpu_budget=None, override_tensor=(),
+                imatrix=None, calibration=None, types=None, bandwidth=None, min_speed=None, measure=None,
+                cache_dir=None, workers=None, ray_address=None, flavor: str = "ik", layer_span: int = 1,
+                calib_ctx: int = 512, calib_chunks: int = 4, on_progress=None, time_limit: float = 30.0):
+    """Search the mix of types that fits ``budget`` with the least predicted KLD
+    (``recipe_search.search_recipe``: the options are its own) and write the recipe to ``output``
+    (a ``--custom-q`` file) and, given, mainline's ``--tensor-type-file`` form to
+    ``tensor_type_file_out`` (None: nothing written).  Every output is checked against the inputs
+    before the search and written whole or not at all.  A ``recipe_search.RecipeResult``."""
+    from .outputs import AtomicOutput, check_outputs
+    from .recipe_search import search_recipe
+
+    outputs = [Path(p) for p in (output, tensor_type_file_out) if p is not None]
+    if outputs:
+        check_outputs(outputs, [model_in, imatrix, calibration], what="-o")
+    result = search_recipe(model_in, budget=budget, gpu_budget=gpu_budget, override_tensor=_many(override_tensor),
+                           imatrix=imatrix, calibration=calibration, types=types, bandwidth=bandwidth,
+                           min_speed=min_speed, measure=measure, cache_dir=cache_dir, workers=workers,
+                           ray_address=ray_address, flavor=flavor, layer_span=layer_span, calib_ctx=calib_ctx,
+                           calib_chunks=calib_chunks, on_progress=on_progress, time_limit=time_limit)
+    if outputs:
+        with AtomicOutput() as out:         # both files or neither
+            if output is not None:
+                out.open(output, "-o").write(result.recipe_text.encode())
+            if tensor_type_file_out is not None:
+                out.open(tensor_type_file_out, "--tensor-type-file-out").write(result.tensor_type_file_text.encode())
+    return result
 
 
 # --------------------------------------------------------------------------- warmup

@@ -469,6 +469,144 @@ def types_(as_json):
         "(both: ik and mainline). runs: quantkit run, perplexity and imatrix compute with it.", 80))
 
 
+@cli.command()
+@click.argument("model_in", metavar="MODEL", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out_path", required=True, type=click.Path(path_type=Path),
+              help="The recipe (a --custom-q file for quantize and ik's llama-quantize).")
+@click.option("--budget", required=True, metavar="SIZE",
+              help="Bytes in host memory (the whole model without --gpu-budget): 220G, 220GiB, a number of bytes, "
+                   "or 4.5bpw (bits per weight of the whole model).")
+@click.option("--gpu-budget", metavar="SIZE", help="Bytes on the GPU: the tensors no -ot rule keeps on the CPU.")
+@click.option("-ot", "--override-tensor", "overrides", multiple=True, metavar="REGEX=cpu|gpu",
+              help="Where tensors live while generating (llama.cpp's -ot, first match wins; CUDA0 means gpu); "
+                   "interleaved _rN types only for CPU tensors.")
+@click.option("--imatrix", "imatrix_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Importance matrix: weights the fast error, and enables the types that need one.")
+@click.option("-f", "--file", "calib_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Calibration text for the measured KLD jobs that calibrate the fast estimates.")
+@click.option("--types", "types", multiple=True, metavar="T1,T2,...",
+              help="Candidate types (default: the flavor's usual mix from q8_0 down to ~2 bpw); repeatable.")
+@click.option("--bandwidth", metavar="cpu=60G,gpu=900G",
+              help="Memory bandwidth per device (bytes/s) for the speed prediction; default: the CPU's, measured.")
+@click.option("--min-speed", type=float, metavar="TOK/S", help="Predicted generation speed floor (tokens/s).")
+@click.option("--measure", type=click.IntRange(min=0), default=None,
+              help="Measured KLD jobs (default with -f: a few per group kind; 0: fast estimates only).")
+@click.option("-c", "--ctx-size", type=click.IntRange(min=16), default=512, show_default=True,
+              help="Tokens per chunk of the calibration text (measured jobs).")
+@click.option("--chunks", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Chunks of the calibration text a measured job scores.")
+@click.option("--cache", "cache_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Directory of the sensitivity cache (default: ~/.cache/quantkit/recipe).")
+@click.option("-j", "--jobs", "workers", type=click.IntRange(min=1), default=None,
+              help="Local worker processes (default: every core).")
+@click.option("--ray", "ray_address", metavar="ADDRESS",
+              help="Run the sensitivity jobs on this Ray cluster (auto, ray://host:port, or local); needs ray.")
+@click.option("--layer-span", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Layers per group: 4 makes blk.0-3.attn one group (fewer jobs, coarser recipe).")
+@click.option("--flavor", type=click.Choice(["ik", "mainline"]), default="ik", show_default=True,
+              help="Whose types and quantizers: ik_llama.cpp's or mainline llama.cpp's.")
+@click.option("--tensor-type-file-out", "tt_path", type=click.Path(path_type=Path),
+              help="Also write the recipe as mainline llama-quantize's --tensor-type-file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def recipe(model_in, out_path, budget, gpu_budget, overrides, imatrix_path, calib_path, types, bandwidth, min_speed,
+           measure, ctx_size, chunks, cache_dir, workers, ray_address, layer_span, flavor, tt_path, as_json):
+    """Find the mix of types for MODEL (GGUF or HF directory) that fits --budget with the least
+    predicted KL divergence, and write it as a recipe: per tensor group (a layer's attention, its
+    ffn_up+gate, each expert kind, embeddings, output) a fast error from quantizing it, calibrated
+    by measured KLDs, then an exact knapsack solve.  `quantkit quantize MODEL OUT --custom-q RECIPE`
+    reproduces exactly the predicted size.  See docs/recipe.md."""
+    from .api import make_recipe
+    from .recipe_search import CACHE_FILE, default_cache_dir
+
+    cache = Path(cache_dir or default_cache_dir()) / CACHE_FILE
+    with _RecipeProgress(show=not as_json) as progress, _resume_note(cache):
+        r = make_recipe(model_in, out_path, tensor_type_file_out=tt_path, budget=budget, gpu_budget=gpu_budget,
+                        override_tensor=overrides, imatrix=imatrix_path, calibration=calib_path, types=types or None,
+                        bandwidth=bandwidth, min_speed=min_speed, measure=measure, cache_dir=cache_dir,
+                        workers=workers, ray_address=ray_address, flavor=flavor, layer_span=layer_span,
+                        calib_ctx=ctx_size, calib_chunks=chunks, on_progress=progress.update)
+    if as_json:
+        _print_json({**r.to_json(), "output": str(out_path), "tensor_type_file_out": str(tt_path) if tt_path else None})
+        return
+    _render_recipe(r, out_path, tt_path)
+
+
+@contextlib.contextmanager
+def _resume_note(cache: Path):
+    """An interrupted search says where its finished jobs are kept (quantkit.main prints the note)."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        e.add_note(f"recipe: the sensitivity jobs that finished are kept in {cache}: the same command goes on "
+                   f"from them")
+        raise
+
+
+class _RecipeProgress(contextlib.ExitStack):
+    """``search_recipe``'s on_progress: a bar (or 20 lines in a log) for each stage of jobs, a line
+    for the others."""
+    TICKS = 20
+
+    def __init__(self, show: bool):
+        super().__init__()
+        self.show, self.stage, self.reporter, self.ticked = show, None, None, 0
+
+    def update(self, stage: str, done: int, total: int, note: str = "") -> None:
+        from .progress import Reporter
+        if not self.show:
+            return
+        if stage != self.stage:
+            self.stage, self.ticked = stage, 0
+            if self.reporter is not None:
+                self.reporter.__exit__(None, None, None)
+                self.reporter = None
+            if total > 1:
+                self.reporter = Reporter(err, "recipe", min(total, self.TICKS), total, unit="jobs").__enter__()
+                self.callback(lambda r=self.reporter: r.__exit__(None, None, None))
+        label = _shown(f"{stage} {done}/{total}{': ' + note if note else ''}", one_line=True)
+        if self.reporter is None:
+            if done == total:
+                err.print(_styled(("recipe", "cyan"), ": ", label))
+            return
+        ticks = self.TICKS * done // total if total > self.TICKS else done
+        while self.ticked < ticks:
+            self.ticked += 1
+            self.reporter.step(label, done)
+
+
+def _render_recipe(r, out_path, tt_path) -> None:
+    """``recipe``'s table and summary: an api.make_recipe result (recipe_search.RecipeResult)."""
+    t = Table(title="recipe", header_style="bold")
+    damage = "pred. KLD" if r.calibrated else "fast error"
+    for col in ("group", "kind", "device", "type", "size", "bpw", damage):
+        t.add_column(col, justify="right" if col in ("size", "bpw", damage) else "left",
+                     overflow="fold" if col == "group" else "ellipsis")
+    for row in r.rows():
+        written = [w for w in row["written"] if w != row["type"]]
+        typ = _styled(row["type"], *([" ", (f"({', '.join(written)} where it falls back)", "dim")] if written else []))
+        _add_row(t, row["group"], row["kind"], row["device"], typ, _fmt_bytes(row["bytes"]), f"{row['bpw']:.2f}",
+                 f"{row['kld']:.3g}")
+    out.print(t)
+    sizes = "; ".join(f"{d} {_fmt_bytes(n)}" + ("" if math.isinf(r.budgets.get(d, math.inf)) else
+                                                 f" of {_fmt_bytes(r.budgets[d])}") for d, n in r.sizes.items())
+    out.print(_styled(("size", "bold"), f": {sizes} ({r.bpw:.3f} bpw over {r.n_elements:,} weights)"))
+    proof = "optimal" if r.optimal else f"best found; no mix is below {r.bound:.4g}"
+    if r.calibrated:
+        out.print(_styled(("predicted KLD", "bold"), f": {r.predicted_kld:.4g} ({proof})"))
+    else:
+        out.print(_styled(("fast error", "bold"), f": {r.predicted_kld:.4g} ({proof}; not a KLD: give -f CALIB.txt "
+                          f"for measured jobs that calibrate it)"))
+    sp = r.speed
+    bw = ", ".join(f"{d} {b / 1e9:.0f} GB/s{' measured' if d in sp.measured else ''}" for d, b in sp.bandwidth.items())
+    floor = f", floor {r.min_speed:g}" if r.min_speed else ""
+    out.print(_styled(("speed", "bold"), f": {sp.tokens_per_s:.1f} tokens/s predicted ({bw}{floor})"))
+    jobs = "; ".join(f"{m} {j['run']} run, {j['cached']} cached, {j['seconds']:.1f} s" for m, j in r.jobs.items())
+    out.print(_styled(("jobs", "bold"), f": {jobs}"))
+    also = f" and {tt_path} (--tensor-type-file)" if tt_path else ""
+    out.print(_styled(("wrote", "green"), f" {out_path}{also}: {counted(len(r.rules), 'rule')}; "
+                      f"quantkit quantize {shlex.quote(str(r.model))} OUT --custom-q {shlex.quote(str(out_path))}"))
+
+
 # --------------------------------------------------------------------------- runtime
 def _threads_option(f):
     return click.option("-t", "--threads", type=click.IntRange(min=1), default=None,

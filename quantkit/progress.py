@@ -24,7 +24,7 @@ from .console import interactive
 LINE = re.compile(r"^[a-z][a-z -]*: \[ *\d+/\d+\] ")
 # the start of every line a long command prints on stderr as it goes (its steps, its notes,
 # perplexity's llama-perplexity lines), never of an error ("quantkit: error: ...") or a warning
-LOG_LINE = re.compile(r"^(?:quantize|repack|imatrix|perplexity|kl-divergence|kl_divergence): ")
+LOG_LINE = re.compile(r"^(?:quantize|repack|imatrix|perplexity|kl-divergence|kl_divergence|recipe): ")
 
 
 def clock(seconds: float) -> str:

@@ -31,6 +31,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("package namespace", ["quantkit"]),
     ("library API", ["quantkit.api"]),
     ("commands over the library", ["quantkit.warmup", "quantkit.catalog", "quantkit.imatrix_tools"]),
+    # the recipe search: groups -> sensitivity (through workers) -> solve -> emit -> speed
+    ("recipe search", ["quantkit.recipe_search"]),
     # the recipe search: its rules written from the groups; the groups of tensors and their candidate
     # types, from the planner and speed
     ("recipe rules", ["quantkit.recipe_emit"]),
