@@ -238,15 +238,21 @@ def add_square_sums(x, sums):
             sums[i] += np.float64(v)
 
 
+@njit(cache=True, inline="always")
+def _row_max(row):
+    m = row[0]
+    for j in range(1, row.shape[0]):
+        m = max(m, row[j])
+    return m
+
+
 @njit(cache=True, parallel=True)
 def target_nll(logits, targets, out):
     """out[r] = -log softmax(logits[r])[targets[r]] as llama-perplexity forms it: exp(logit - max)
     in float, summed in double."""
     n = logits.shape[1]
     for r in prange(logits.shape[0]):
-        m = logits[r, 0]
-        for j in range(1, n):
-            m = max(m, logits[r, j])
+        m = _row_max(logits[r])
         total = 0.0
         for j in range(n):
             total += np.float64(np.exp(logits[r, j] - m))
@@ -260,9 +266,7 @@ def kl_divergence_rows(logits, base_p, base_plp, out):
     double, as  Σ p log p − Σ p (x − max) + log Σ exp(x − max) · Σ p  (one pass after the max)."""
     n = logits.shape[1]
     for r in prange(logits.shape[0]):
-        m = logits[r, 0]
-        for j in range(1, n):
-            m = max(m, logits[r, j])
+        m = _row_max(logits[r])
         total = 0.0
         px = 0.0
         ps = 0.0

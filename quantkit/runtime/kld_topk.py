@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import QuantkitError
 from ..inputs import open_regular
-from ..outputs import AtomicOutput
+from .base_file import BaseFileWriter
 from .scoring import log_softmax
 
 MAGIC = b"_kldtopk"
@@ -131,7 +131,7 @@ def topk_kld(base_top, logits_q: np.ndarray) -> np.ndarray:
                            for r in range(0, n, BLOCK_ROWS)])
 
 
-class TopkWriter:
+class TopkWriter(BaseFileWriter):
     """Writes a top-k base file as LogitsWriter writes the full one: header and tokens first, then
     positions as they come (``add(logits, targets)``), under its name only when the block ends
     without an error."""
@@ -139,11 +139,8 @@ class TopkWriter:
     def __init__(self, path: Path, n_ctx: int, n_vocab: int, chunks: list[np.ndarray], k: int):
         if not 1 <= k <= n_vocab:
             raise QuantkitError(f"--kld-top-k {k}: it must be between 1 and the model's vocabulary of {n_vocab}")
-        self.path, self.n_vocab, self.k = Path(path), n_vocab, k
-        self._head = HEADER.pack(MAGIC, n_ctx, n_vocab, len(chunks), k)
-        self._tokens = np.concatenate(chunks).astype("<i4")
-        self._out = AtomicOutput()
-        self._fh = None
+        super().__init__(path, HEADER.pack(MAGIC, n_ctx, n_vocab, len(chunks), k), chunks, n_vocab)
+        self.k = k
 
     def add(self, logits: np.ndarray, targets: np.ndarray) -> None:
         for r in range(0, len(logits), BLOCK_ROWS):
@@ -154,20 +151,6 @@ class TopkWriter:
             next_tokens = np.asarray(targets[r:r + BLOCK_ROWS], np.int64)[:, None]
             rec["logp_target"] = np.take_along_axis(lp, next_tokens, axis=1)[:, 0]
             self._fh.write(rec.tobytes())
-
-    def __enter__(self):
-        self._out.__enter__()
-        try:
-            self._fh = self._out.open(self.path)
-            self._fh.write(self._head)
-            self._fh.write(self._tokens)
-        except BaseException:
-            self._out.discard()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        return self._out.__exit__(*exc)
 
 
 @dataclass

@@ -30,8 +30,8 @@ import numpy as np
 from ..errors import QuantkitError
 from ..words import counted
 from ..inputs import open_regular
-from ..outputs import AtomicOutput
 from . import kld_topk
+from .base_file import BaseFileWriter
 from .kld_topk import MAGIC as TOPK_MAGIC, TopK, TopkLogitsFile, topk_kld_logprobs
 from .model import NonFiniteLogits
 from .scoring import log_softmax, token_nll
@@ -146,36 +146,16 @@ def quantize_log_probs(logits: np.ndarray) -> np.ndarray:
     return out
 
 
-class LogitsWriter:
-    """Writes a --kl-divergence-base file: header and tokens first, then positions as they come.
-
-    A context manager: the file appears under its name only when the block ends without an error
-    (a temporary file is renamed), so an interrupted run leaves no truncated base file behind."""
+class LogitsWriter(BaseFileWriter):
+    """Writes a --kl-divergence-base file as llama-perplexity does: header and tokens first, then
+    positions as they come (base_file.BaseFileWriter: nothing under its name until it is whole)."""
 
     def __init__(self, path: Path, n_ctx: int, n_vocab: int, chunks: list[np.ndarray]):
-        self.path, self.n_vocab = Path(path), n_vocab
-        self._head = MAGIC + struct.pack("<iii", n_ctx, n_vocab, len(chunks))
-        self._tokens = np.concatenate(chunks).astype("<i4")
-        self._out = AtomicOutput()
-        self._fh = None
+        super().__init__(path, MAGIC + struct.pack("<iii", n_ctx, n_vocab, len(chunks)), chunks, n_vocab)
 
     def add(self, logits: np.ndarray, targets: np.ndarray | None = None) -> None:
         for row in logits:
             self._fh.write(quantize_log_probs(row))
-
-    def __enter__(self):
-        self._out.__enter__()
-        try:
-            self._fh = self._out.open(self.path)
-            self._fh.write(self._head)
-            self._fh.write(self._tokens)
-        except BaseException:
-            self._out.discard()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        return self._out.__exit__(*exc)
 
 
 @dataclass
