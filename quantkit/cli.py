@@ -604,7 +604,7 @@ def _render_recipe(r, out_path, tt_path) -> None:
     out.print(_styled(("jobs", "bold"), f": {jobs}"))
     also = f" and {tt_path} (--tensor-type-file)" if tt_path else ""
     out.print(_styled(("wrote", "green"), f" {out_path}{also}: {counted(len(r.rules), 'rule')}; "
-                      f"quantkit quantize {shlex.quote(str(r.model))} OUT --custom-q {shlex.quote(str(out_path))}"))
+                      + r.quantize_command(out_path)))
 
 
 # --------------------------------------------------------------------------- runtime

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ from .sensitivity import (SensitivityCache, calibrate, cached_run, fast_error, f
                           measure_sample, measured_kld)
 from .solve import InfeasibleBudget, Item, solve
 from .speed import device_seconds, measure_cpu_bandwidth, parse_bandwidth, plan_speed
-from .types import QuantType, type_from_name, type_name, type_name_suggestion
+from .types import QuantType, traits, type_from_name, type_name, type_name_suggestion
 from .workers import run_jobs
 
 RESOURCES = ("cpu", "gpu", "time")      # the solver's resources: bytes per device, seconds per token
@@ -130,6 +131,13 @@ class RecipeResult:
     predictor: object = None            # sensitivity.Predictor: the per-kind factors from fast error to KLD
     jobs: dict = field(default_factory=dict)        # {"fast"|"measured": {"run": n, "cached": n, "seconds": s}}
     seconds: dict = field(default_factory=dict)     # stage -> seconds
+    requantize: bool = False            # the recipe requantizes tensors the input stores quantized
+
+    def quantize_command(self, recipe_path, out: str = "OUT") -> str:
+        """The quantize command line that writes this recipe (with --allow-requantize where the
+        input's tensors are already quantized, as llama-quantize needs it)."""
+        return (f"quantkit quantize {shlex.quote(str(self.model))} {out} --custom-q {shlex.quote(str(recipe_path))}"
+                + (" --allow-requantize" if self.requantize else ""))
 
     @property
     def calibrated(self) -> bool:
@@ -141,9 +149,9 @@ class RecipeResult:
         return 8 * self.total_bytes / self.n_elements if self.n_elements else 0.0
 
     def rows(self) -> list[dict]:
-        """The table: a row per group, in model order."""
+        """The table: a row per group, by layer (token embeddings first, the output last)."""
         rows = []
-        for g in self.groupset.groups:
+        for g in sorted(self.groupset.groups, key=_group_order):
             o = self.chosen[g.key]
             nbytes = sum(o.nbytes.values())
             written = sorted({type_name(t) for t in o.types.values()})
@@ -164,9 +172,15 @@ class RecipeResult:
             "types": [type_name(t) for t in self.types],
             "rules": [{"pattern": p, "type": type_name(t)} for p, t in self.rules],
             "recipe": self.recipe_text, "tensor_type_file": self.tensor_type_file_text,
-            "custom_q_arg": custom_q_arg(self.rules),
+            "custom_q_arg": custom_q_arg(self.rules), "requantize": self.requantize,
             "groups": self.rows(), "jobs": self.jobs, "seconds": self.seconds,
         }
+
+
+def _group_order(g) -> tuple:
+    if g.layers:
+        return (1, min(g.layers))
+    return (0 if "token_embd" in g.key else 2, 0)      # sorted() keeps the model's order within
 
 
 # --------------------------------------------------------------------------- search
@@ -270,7 +284,8 @@ def search_recipe(model_in, *, budget, gpu_budget=None, override_tensor=(), imat
     seconds["total"] = time.perf_counter() - t0
     return RecipeResult(model_in, flavor, gs, choice, chosen, kld, sum(kld.values()), sizes,
                         {"cpu": cap_cpu, "gpu": cap_gpu}, file_bytes, gs.n_elements, speed, min_speed, rules, text,
-                        tt_text, sol.optimal, sol.bound, cand, predictor, sens.jobs, seconds)
+                        tt_text, sol.optimal, sol.bound, cand, predictor, sens.jobs, seconds,
+                        requantize=any(tp.action != "copy" and traits(tp.src_type).quantized for tp in plan.tensors))
 
 
 def default_cache_dir() -> Path:

@@ -70,7 +70,9 @@ def test_recipe_uses_the_budget_it_is_given(tiny):
     assert r.predicted_kld == pytest.approx(sum(r.kld.values()))
     assert r.calibrated and r.to_json()["calibration"]["samples"]
     rows = r.rows()
-    assert [row["group"] for row in rows] == [g.key for g in r.groupset.groups]
+    assert sorted(row["group"] for row in rows) == sorted(g.key for g in r.groupset.groups)
+    layers = [min(r.groupset.group(row["group"]).layers) for row in rows if row["kind"] not in ("token_embd", "output")]
+    assert layers == sorted(layers)                         # by layer number (blk.10 after blk.9), not by name
     assert sum(row["bytes"] for row in rows) + sum(r.groupset.fixed.values()) == r.total_bytes
 
 
@@ -231,3 +233,20 @@ def test_interrupt_says_the_jobs_are_kept(tiny, tmp_path, capsys, monkeypatch):
     assert rc == 130
     assert f"kept in {tmp_path / 'cache' / 'sensitivity.jsonl'}: the same command goes on" in err
     assert not (tmp_path / "r.recipe").exists()
+
+
+def test_a_quantized_input_gets_the_command_that_requantizes(tiny, tmp_path):
+    """The printed quantize command works as printed: a Q8_0 input needs --allow-requantize (as
+    llama-quantize does), an F32 one does not."""
+    assert not tiny["result"].requantize
+    assert "--allow-requantize" not in tiny["result"].quantize_command("r.recipe")
+    q8 = tmp_path / "q8.gguf"
+    api.quantize_model(tiny["model"], q8, "Q8_0")
+    r = api.make_recipe(q8, tmp_path / "r.recipe", budget="6bpw", types="q8_0,q4_K", cache_dir=tmp_path / "c", **FAST)
+    assert r.requantize and r.to_json()["requantize"]
+    assert r.quantize_command(tmp_path / "r.recipe").endswith("--allow-requantize")
+    with pytest.raises(QuantkitError, match="allow-requantize"):
+        api.plan_quantize(q8, custom_q=str(tmp_path / "r.recipe"))
+    result = api.quantize_model(q8, tmp_path / "out.gguf", custom_q=str(tmp_path / "r.recipe"), allow_requantize=True)
+    assert result.bytes_written > 0
+    assert api.plan_quantize(q8, custom_q=str(tmp_path / "r.recipe"), allow_requantize=True).bytes_out == r.total_bytes
