@@ -16,7 +16,7 @@ itself with the worker's traceback as its cause (a bug: the CLI says "internal e
 dies (a crash signal, the out-of-memory killer) is a QuantkitError naming the job and the signal.
 The first failure stops the other workers; results already passed to ``on_result`` stay.
 
-Ray (an optional extra, ``pip install 'quantkit-gguf[ray]'``) is imported only when asked for.  Every
+Ray (an optional extra, ``pip install -e '.[ray]'`` in the clone) is imported only when asked for.  Every
 node imports ``fn``'s module and this one by name, so each needs quantkit installed, the same
 version (Ray also puts the driver's working directory first on its workers' path).  A local instance
 ("local") lives in a temporary folder of its own, removed with it; Ray's notices are kept quiet and
@@ -46,7 +46,7 @@ POLL_S = 0.5            # how often the parent looks up from waiting (a lost int
 STOP_GRACE_S = 5.0      # a worker told to stop that is still alive after this is killed
 # The thread pools a worker's job may start, each sized to the worker's share of the cores.
 THREAD_VARS = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-RAY_INSTALL = "pip install 'quantkit-gguf[ray]'"
+RAY_INSTALL = "pip install -e '.[ray]' in quantkit's clone, or pip install 'ray>=2.9'"
 RAY_LOCAL_OBJECT_STORE = 1 << 28    # jobs and results are small: specs and numbers
 # A local Ray instance's sockets are <temp dir>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store:
 # 64 characters after the folder, and a socket's path holds 107 at most.

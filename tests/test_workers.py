@@ -278,7 +278,8 @@ def test_ray_errors_and_interrupt(ray_env, tmp_path):
 
 def test_without_ray_the_option_is_a_one_line_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)       # import ray raises ImportError
-    with pytest.raises(QuantkitError, match=r"--ray needs Ray, an optional extra of quantkit: pip install 'quantkit-gguf\[ray\]'"):
+    with pytest.raises(QuantkitError, match=r"--ray needs Ray, an optional extra of quantkit: "
+                       r"pip install -e '\.\[ray\]' in quantkit's clone, or pip install 'ray>=2\.9'$"):
         run_jobs(wj.square, range(3), ray_address="local")
 
 
