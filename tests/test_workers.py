@@ -302,3 +302,20 @@ def test_an_unreachable_ray_cluster_is_a_one_line_error_at_once(ray_env, address
     with pytest.raises(QuantkitError, match=f"cannot reach the Ray cluster at {address}: ") as e:
         run_jobs(wj.square, range(3), ray_address=address)
     assert "\n" not in str(e.value) and time.monotonic() - start < 5
+
+
+def test_a_recipe_search_on_a_local_ray_instance_finds_what_this_process_finds(ray_env, tmp_path):
+    """`quantkit recipe --ray local`: the sensitivity jobs of a real search (quantizing in Ray's
+    workers, which import quantkit themselves) give the same errors and the same recipe as the
+    search in this process."""
+    from models import write_llama
+    from quantkit.recipe_search import search_recipe
+
+    model = write_llama(tmp_path / "llama.gguf", n_layer=2)
+    common = dict(budget="5bpw", types="q8_0,q4_K,q2_K", bandwidth="cpu=50G")
+    here = search_recipe(model, workers=1, cache_dir=tmp_path / "c1", **common)
+    on_ray = search_recipe(model, workers=2, ray_address="local", cache_dir=tmp_path / "c2", **common)
+    assert on_ray.jobs["fast"]["run"] == here.jobs["fast"]["run"] > 0
+    assert on_ray.kld == here.kld and on_ray.choice == here.choice
+    assert on_ray.recipe_text == here.recipe_text
+    assert not ray_env[0].is_initialized()
