@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import QuantkitError
 from ..inputs import open_regular
-from .base_file import BaseFileWriter
+from .base_file import BaseFileWriter, read_tokens_and_rows
 from .scoring import log_softmax
 
 MAGIC = b"_kldtopk"
@@ -189,15 +189,7 @@ class TopkLogitsFile:
         if size != need:
             raise QuantkitError(f"{path}: truncated or inconsistent top-k logits file: its header ({header}) "
                                 f"means {need} bytes, the file has {size}")
-        try:
-            tokens = np.fromfile(path, "<i4", count=n_tok, offset=HEADER.size).astype(np.int64)
-            data = np.memmap(path, dtype, mode="r", offset=HEADER.size + 4 * n_tok, shape=(n_pos,))
-        except OSError as e:
-            raise QuantkitError(f"{path}: {e.strerror}") from None
-        bad = np.flatnonzero((tokens < 0) | (tokens >= n_vocab))
-        if bad.size:
-            raise QuantkitError(f"{path}: token {int(tokens[bad[0]])} (chunk {bad[0] // n_ctx + 1}) is outside "
-                                f"the file's vocabulary of {n_vocab}")
+        tokens, data = read_tokens_and_rows(path, HEADER.size, n_tok, n_ctx, n_vocab, dtype, (n_pos,))
         chunks = [tokens[i * n_ctx:(i + 1) * n_ctx] for i in range(n_chunk)]
         targets = np.concatenate([c[n_ctx // 2 + 1:] for c in chunks])
         for r0 in range(0, n_pos, _CHECK_ROWS):

@@ -31,7 +31,7 @@ from ..errors import QuantkitError
 from ..words import counted
 from ..inputs import open_regular
 from . import kld_topk
-from .base_file import BaseFileWriter
+from .base_file import BaseFileWriter, read_tokens_and_rows
 from .kld_topk import MAGIC as TOPK_MAGIC, TopK, TopkLogitsFile, topk_kld_logprobs
 from .model import NonFiniteLogits
 from .scoring import log_softmax, token_nll
@@ -192,15 +192,7 @@ class LogitsFile:
         if size != need:
             raise QuantkitError(f"{path}: truncated or inconsistent logits file: its header ({header}) "
                                 f"means {need} bytes, the file has {size}")
-        try:
-            tokens = np.fromfile(path, "<i4", count=n_tok, offset=20).astype(np.int64)
-            data = np.memmap(path, np.uint16, mode="r", offset=20 + 4 * n_tok, shape=(n_pos, nv))
-        except OSError as e:
-            raise QuantkitError(f"{path}: {e.strerror}") from None
-        bad = np.flatnonzero((tokens < 0) | (tokens >= n_vocab))
-        if bad.size:
-            raise QuantkitError(f"{path}: token {int(tokens[bad[0]])} (chunk {bad[0] // n_ctx + 1}) is outside "
-                                f"the file's vocabulary of {n_vocab}")
+        tokens, data = read_tokens_and_rows(path, 20, n_tok, n_ctx, n_vocab, np.uint16, (n_pos, nv))
         # per row: float32 scale >= 0 and min_log_prob <= 0, finite, and so every log p it stands for
         scale_min = np.ascontiguousarray(data[:, :4]).view(np.float32)
         with np.errstate(all="ignore"):
