@@ -31,7 +31,7 @@ from typing import Callable
 from . import formats
 from .errors import QuantkitError
 from .placement import Placement
-from .plan import TOKEN_EMBD_NAMES, PlanOptions, make_plan
+from .plan import TOKEN_EMBD_NAMES, PlanOptions, imatrix_weights, make_plan
 from .presets import layer_of, tensor_requires_imatrix
 from .recipes import Recipe, Rule
 from .sizes import parse_size
@@ -199,9 +199,7 @@ def imatrix_entries(imat, tensors, flavor: str) -> Callable[[str], bool]:
 
     def has_entry(name: str) -> bool:
         if name not in found:
-            shape = shapes[name]
-            found[name] = (not (flavor == "mainline" and name not in imat)
-                           and imat.weights_for(name, shape[0], shape[2] if len(shape) > 2 else 1) is not None)
+            found[name] = imatrix_weights(imat, name, shapes[name], flavor) is not None
         return found[name]
     return has_entry
 

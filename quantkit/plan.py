@@ -432,6 +432,15 @@ def check_imatrix(plan: Plan, imatrix_given: bool, has_entry) -> None:
         raise QuantkitError(problem)
 
 
+def imatrix_weights(imat, name: str, shape, flavor: str):
+    """Tensor ``name``'s (n_matrices, n_per_row) importance weights as the flavor's llama-quantize
+    looks them up, or None: ik tries other entries where a tensor has none
+    (imatrix.fallback_names), mainline only its own."""
+    if imat is None or (flavor == "mainline" and name not in imat):
+        return None
+    return imat.weights_for(name, shape[0], shape[2] if len(shape) > 2 else 1)
+
+
 def attach_imatrix(plan: Plan, imat) -> tuple[dict, list[str]]:
     """Look up every quantized tensor's importance weights (``imat.weights_for``) as the plan's flavor does.
 
@@ -442,13 +451,8 @@ def attach_imatrix(plan: Plan, imat) -> tuple[dict, list[str]]:
     for tp in plan.tensors:
         if tp.action != "quantize":
             continue
-        n_matrices = tp.shape[2] if len(tp.shape) > 2 else 1
-        # under the input's name: --prune-layers renames blocks, the imatrix knows the old names.  ik
-        # tries other entries where a tensor has none (imatrix.fallback_names); mainline only its own
-        if plan.flavor == "mainline" and tp.input_name not in imat:
-            w = None
-        else:
-            w = imat.weights_for(tp.input_name, tp.shape[0], n_matrices)
+        # under the input's name: --prune-layers renames blocks, the imatrix knows the old names
+        w = imatrix_weights(imat, tp.input_name, tp.shape, plan.flavor)
         if w is None:
             missing.append(tp.name)
         else:

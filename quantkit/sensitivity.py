@@ -38,7 +38,7 @@ from .gguf_io.reader import ModelView, TensorInfo, open_model
 from .hf import open_hf
 from .imatrix import load_imatrix
 from .inputs import read_text
-from .plan import TensorPlan
+from .plan import TensorPlan, imatrix_weights
 from .presets import layer_of
 from .quantize import convert_tensor, quantize_rows, to_float32
 from .runtime.kernels import kl_divergence_rows
@@ -147,10 +147,7 @@ def _imatrix(path):
 def imatrix_rows(imat, info: TensorInfo, flavor: str) -> np.ndarray | None:
     """(n_matrices, n_per_row) importance weights of a tensor as the quantize run looks them up
     (plan.attach_imatrix: mainline only under its own name, ik also its fallbacks), or None."""
-    if imat is None or (flavor == "mainline" and info.name not in imat):
-        return None
-    n_matrices = info.shape[2] if len(info.shape) > 2 else 1
-    return imat.weights_for(info.name, info.shape[0], n_matrices)
+    return imatrix_weights(imat, info.name, info.shape, flavor)
 
 
 def _tensor(model, name: str) -> TensorInfo:
