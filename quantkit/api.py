@@ -230,16 +230,8 @@ def speed_options(override_tensor=(), bandwidth=None):
     """(placement.Placement, {device: bytes/s}) of ``-ot`` values and a ``--bandwidth`` text (or a
     dict): a GPU exists when a gpu bandwidth is given."""
     from .placement import parse_placement
-    from .speed import parse_bandwidth
-    if bandwidth is None:
-        bandwidth = {}
-    elif isinstance(bandwidth, str):
-        bandwidth = parse_bandwidth(bandwidth)
-    else:
-        bandwidth = {str(k): float(v) for k, v in dict(bandwidth).items()}
-        bad = [k for k in bandwidth if k not in ("cpu", "gpu")]
-        if bad:
-            raise QuantkitError(f"bandwidth: unknown device '{bad[0]}' (cpu or gpu)")
+    from .speed import bandwidth_of
+    bandwidth = bandwidth_of(bandwidth)
     return parse_placement(_many(override_tensor), gpu="gpu" in bandwidth), bandwidth
 
 
@@ -247,13 +239,10 @@ def predict_plan_speed(plan, metadata_get, placement=None, bandwidth=None, threa
     """A plan's predicted generation speed (``speed.plan_speed``), measuring the CPU's bandwidth
     (``speed.measure_cpu_bandwidth`` with ``threads``) where ``bandwidth`` has none for it."""
     from .placement import Placement
-    from .speed import measure_cpu_bandwidth, plan_speed
-    placement = placement if placement is not None else Placement()
-    bandwidth = dict(bandwidth or {})
-    measured = ()
-    if "cpu" not in bandwidth:
-        bandwidth["cpu"], measured = measure_cpu_bandwidth(threads), ("cpu",)
-    return plan_speed(plan, metadata_get, placement, bandwidth, measured=measured)
+    from .speed import plan_speed, with_cpu_measured
+    bandwidth, measured = with_cpu_measured(bandwidth or {}, threads)
+    return plan_speed(plan, metadata_get, placement if placement is not None else Placement(), bandwidth,
+                      measured=measured)
 
 
 def plan_quantize(model_in, type: str | None = None, **options):

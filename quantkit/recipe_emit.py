@@ -210,17 +210,19 @@ def custom_q_arg(rules) -> str:
     return ",".join(f"{pattern}={type_name(qtype)}" for pattern, qtype in rules)
 
 
-def check_reproduces(model, rules, choice_types: dict[str, QuantType], flavor: str) -> None:
+def check_reproduces(model, rules, choice_types: dict[str, QuantType], flavor: str):
     """Raise QuantkitError unless the planner, given ``rules`` as a ``--custom-q`` file and as a
     ``--tensor-type-file``, writes every tensor of ``choice_types`` as that type and keeps every
-    other tensor as it is."""
+    other tensor as it is; returns the ``--custom-q`` form's plan."""
     text = recipe_text(rules)
     forms = [("--custom-q", parse_recipe_text(text, "recipe")),
              ("--tensor-type-file", [parse_tensor_type(item, f"tensor-type-file:{i}")
                                      for i, item in enumerate(tensor_type_file_text(rules).split(), 1)])]
+    plans = []
     for form, parsed in forms:
         recipe = Recipe(parsed, "\n".join(map(str, parsed)))
         plan = make_plan(model.tensors, PlanOptions(recipe=recipe, flavor=flavor, allow_requantize=True))
+        plans.append(plan)
         wrong = []
         planned = {tp.name for tp in plan.tensors}
         for tp in plan.tensors:
@@ -234,6 +236,7 @@ def check_reproduces(model, rules, choice_types: dict[str, QuantType], flavor: s
         if wrong:
             raise QuantkitError(f"the recipe ({form}) does not reproduce the chosen types: " + "; ".join(wrong[:3])
                                 + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""))
+    return plans[0]
 
 
 __all__ = ["compact_rules", "recipe_text", "tensor_type_file_text", "custom_q_arg", "check_reproduces", "layers_regex", "names_regex"]

@@ -37,14 +37,11 @@ from .hf import open_hf
 from .imatrix import load_imatrix
 from .inputs import read_text
 from .placement import parse_placement
-from .plan import PlanOptions, make_plan
-from .presets import ModelInfo
 from .recipe_emit import check_reproduces, compact_rules, custom_q_arg, recipe_text, tensor_type_file_text
-from .recipes import load_recipe
 from .sensitivity import (SensitivityCache, calibrate, cached_run, fast_error, fast_jobs, fingerprint, measure_jobs,
                           measure_sample, measured_kld)
 from .solve import InfeasibleBudget, Item, solve
-from .speed import device_seconds, measure_cpu_bandwidth, parse_bandwidth, plan_speed
+from .speed import bandwidth_of, device_seconds, plan_speed, with_cpu_measured
 from .types import QuantType, traits, type_from_name, type_name, type_name_suggestion
 from .workers import run_jobs
 
@@ -226,11 +223,9 @@ def search_recipe(model_in, *, budget, gpu_budget=None, override_tensor=(), imat
         measure = None if calib_path is not None else 0
     if calib_path is not None:
         read_text(calib_path, "-f", MAX_TEXT_BYTES, errors="replace")     # a bad -f fails before any work
-    bw = parse_bandwidth(bandwidth) if bandwidth else {}
+    bw = bandwidth_of(bandwidth or None)
     placement = parse_placement(override_tensor or (), gpu=gpu_budget is not None or "gpu" in bw)
-    measured_bw = () if "cpu" in bw else ("cpu",)
-    if measured_bw:
-        bw["cpu"] = measure_cpu_bandwidth()
+    bw, measured_bw = with_cpu_measured(bw)
     if placement.gpu and "gpu" not in bw:
         raise QuantkitError("--gpu-budget: give the GPU's memory bandwidth too (--bandwidth cpu=60G,gpu=900G) "
                             "for the speed prediction")
@@ -275,7 +270,7 @@ def search_recipe(model_in, *, budget, gpu_budget=None, override_tensor=(), imat
         chosen = {g.key: g.options[i] for g, i in zip(gs.groups, sol.choice)}
         kld = {g.key: costs[k][i] for k, (g, i) in enumerate(zip(gs.groups, sol.choice))}
         choice = {k: o.qtype for k, o in chosen.items()}
-        rules, text, tt_text, plan = _emit(model, gs, chosen, choice, flavor, has_imatrix, model_in)
+        rules, text, tt_text, plan = _emit(model, gs, chosen, choice, flavor, model_in)
         seconds["emit"] = time.perf_counter() - t
 
         speed = plan_speed(plan, model.get, placement, bw, measured=measured_bw)
@@ -397,17 +392,13 @@ def _size(n: float) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB" if n >= 1e5 else f"{int(n):,} bytes"
 
 
-def _emit(model, gs, chosen, choice, flavor, has_imatrix, model_in):
+def _emit(model, gs, chosen, choice, flavor, model_in):
     """The recipe in both forms and the plan it makes, checked to give every tensor the chosen type."""
 
     rules = compact_rules(gs, choice)
     types = {name: t for o in chosen.values() for name, t in o.types.items()}
-    check_reproduces(model, rules, types, flavor)
-    header = [f"quantkit recipe for {model_in.name} ({flavor} flavor)"]
-    text = recipe_text(rules, header)
-    opts = PlanOptions(recipe=load_recipe([text]), flavor=flavor, has_imatrix=has_imatrix, allow_requantize=True,
-                       model=ModelInfo.from_metadata(model.get), metadata=model.metadata)
-    plan = make_plan(model.tensors, opts)
+    plan = check_reproduces(model, rules, types, flavor)
+    text = recipe_text(rules, [f"quantkit recipe for {model_in.name} ({flavor} flavor)"])
     return rules, text, tensor_type_file_text(rules), plan
 
 

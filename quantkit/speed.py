@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,10 +33,9 @@ import numpy as np
 from .errors import QuantkitError
 from .placement import DEVICES, Placement
 from .plan import OUTPUT_NAME, TOKEN_EMBD_NAMES
+from .presets import layer_of
 from .sizes import parse_size
 from .types import QuantType, tensor_nbytes
-
-_BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
 # --------------------------------------------------------------------------- bandwidth
@@ -59,6 +57,30 @@ def parse_bandwidth(text: str) -> dict[str, float]:
         size = size[:-2] if size.lower().endswith("/s") else size
         result[dev] = float(parse_size(size, f"--bandwidth {dev}"))
     return result
+
+
+def bandwidth_of(value) -> dict[str, float]:
+    """--bandwidth as the library takes it: None (none given), a text for parse_bandwidth, or a
+    mapping of device ("cpu", "gpu") to bytes/s."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return parse_bandwidth(value)
+    bandwidth = {str(k): float(v) for k, v in dict(value).items()}
+    bad = [k for k in bandwidth if k not in DEVICES]
+    if bad:
+        raise QuantkitError(f"bandwidth: unknown device '{bad[0]}' (cpu or gpu)")
+    return bandwidth
+
+
+def with_cpu_measured(bandwidth: dict[str, float], threads: int | None = None) -> tuple[dict[str, float], tuple]:
+    """``bandwidth`` with the CPU's measured (measure_cpu_bandwidth) where none is given for it, and
+    the devices so measured."""
+    bandwidth = dict(bandwidth)
+    if "cpu" in bandwidth:
+        return bandwidth, ()
+    bandwidth["cpu"] = measure_cpu_bandwidth(threads)
+    return bandwidth, ("cpu",)
 
 
 def _read_all(chunk: np.ndarray) -> int:
@@ -163,8 +185,7 @@ class Accounting:
         dev = self.placement.device(name)
         size = tensor_nbytes(QuantType(qtype), shape)
         stored[dev] = stored.get(dev, 0) + size
-        m = _BLOCK.match(name)
-        if m is None or int(m[1]) not in self.skip_layers:
+        if layer_of(name) not in self.skip_layers:
             per_token[dev] = per_token.get(dev, 0) + bytes_per_token(name, shape, qtype, self.n_expert,
                                                                      self.n_expert_used)
         if self.tied_output is not None and name == TOKEN_EMBD_NAMES[0]:
@@ -260,5 +281,5 @@ def plan_speed(plan, metadata_get, placement: Placement, bandwidth: dict[str, fl
                          n_expert, n_used, skip_layers=skip, measured=measured)
 
 
-__all__ = ["Accounting", "SpeedPrediction", "bytes_per_token", "device_seconds", "expert_counts", "is_routed_expert",
-           "measure_cpu_bandwidth", "mtp_layers", "parse_bandwidth", "plan_speed", "predict_speed"]
+__all__ = ["Accounting", "SpeedPrediction", "bandwidth_of", "bytes_per_token", "device_seconds", "expert_counts", "is_routed_expert",
+           "measure_cpu_bandwidth", "mtp_layers", "parse_bandwidth", "plan_speed", "predict_speed", "with_cpu_measured"]
