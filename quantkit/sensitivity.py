@@ -44,7 +44,7 @@ from .quantize import convert_tensor, quantize_rows, to_float32
 from .runtime.kernels import kl_divergence_rows
 from .runtime.model import Model
 from .runtime.session import Session, make_ops, set_threads
-from .runtime.scoring import log_softmax
+from .runtime.scoring import log_softmax, scored_span
 from .sensitivity_cache import SensitivityCache, file_fingerprint, fingerprint
 from .text.tokenizer import Tokenizer
 from .types import QuantType, traits, type_name
@@ -297,12 +297,6 @@ class _BasePass:
     plp: list = field(default_factory=list)         # per chunk: Σ p log p of each scored position
 
 
-def _scored(n_ctx: int) -> tuple[int, int]:
-    """(first position whose logits are scored, how many): llama-perplexity's second half."""
-    first = n_ctx // 2
-    return first, n_ctx - 1 - first
-
-
 def _embed(model: Model, chunk: np.ndarray):
     if chunk.min() < 0 or chunk.max() >= model.tok_embd.n_out:
         raise QuantkitError(f"token id outside the vocabulary (0..{model.tok_embd.n_out - 1})")
@@ -323,7 +317,7 @@ def _base_pass(spec: MeasureJob) -> _BasePass:
             model = Model(gguf, ops)
             chunks = Session(gguf, model, Tokenizer.from_model(gguf), 1).chunks(text, spec.n_ctx, spec.chunks)
             base = _BasePass(gguf, ops, chunks)
-            first, n = _scored(spec.n_ctx)
+            first, n = scored_span(spec.n_ctx)
             for i, chunk in enumerate(chunks):
                 cache, pos = model.new_cache(len(chunk)), np.arange(len(chunk))
                 x, states = _embed(model, chunk), []
@@ -393,7 +387,7 @@ def measured_kld(spec: MeasureJob) -> float:
         return 0.0
     model = Model(_Swapped(base.gguf, replaced), base.ops)
     start = first_layer(replaced, model.config.n_layer)
-    first, n = _scored(spec.n_ctx)
+    first, n = scored_span(spec.n_ctx)
     total, count = 0.0, 0
     for i, chunk in enumerate(base.chunks):
         pos = np.arange(len(chunk))

@@ -34,7 +34,7 @@ from . import kernels
 from .model import NonFiniteLogits
 from .ops import Ops
 from .perplexity import check_nll
-from .scoring import token_nll
+from .scoring import scored_span, token_nll
 from .warmup import warm_up
 
 MIN_ROWS = 16                       # llama-imatrix ignores dense products of fewer rows
@@ -163,7 +163,7 @@ def collect(model, chunks: list[np.ndarray], on_chunk=None, all_logits: bool = F
     nll: list[float] = []
     for i, chunk in enumerate(chunks):
         n_ctx = len(chunk)
-        first = n_ctx // 2
+        first, _ = scored_span(n_ctx)
         start = 0 if all_logits else first
         where = f"chunk {i + 1} of {len(chunks)}"
         try:

@@ -34,7 +34,7 @@ import numpy as np
 from ..errors import QuantkitError
 from ..inputs import open_regular
 from .base_file import BaseFileWriter, read_tokens_and_rows
-from .scoring import log_softmax
+from .scoring import log_softmax, scored_span
 
 MAGIC = b"_kldtopk"
 HEADER = struct.Struct("<8siiii")
@@ -182,7 +182,7 @@ class TopkLogitsFile:
             raise QuantkitError(f"{path}: inconsistent top-k logits file header ({header}): n_ctx must be at "
                                 "least 3, n_vocab and n_chunk at least 1, k between 1 and n_vocab")
         n_tok = n_ctx * n_chunk
-        per_chunk = n_ctx - 1 - n_ctx // 2
+        first, per_chunk = scored_span(n_ctx)
         n_pos = n_chunk * per_chunk
         dtype = record_dtype(k)
         need = HEADER.size + 4 * n_tok + dtype.itemsize * n_pos
@@ -191,7 +191,7 @@ class TopkLogitsFile:
                                 f"means {need} bytes, the file has {size}")
         tokens, data = read_tokens_and_rows(path, HEADER.size, n_tok, n_ctx, n_vocab, dtype, (n_pos,))
         chunks = [tokens[i * n_ctx:(i + 1) * n_ctx] for i in range(n_chunk)]
-        targets = np.concatenate([c[n_ctx // 2 + 1:] for c in chunks])
+        targets = np.concatenate([c[first + 1:] for c in chunks])
         for r0 in range(0, n_pos, _CHECK_ROWS):
             problem = _row_problem(np.asarray(data[r0:r0 + _CHECK_ROWS]), targets[r0:r0 + _CHECK_ROWS], n_vocab)
             if problem is not None:

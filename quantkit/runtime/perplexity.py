@@ -34,7 +34,7 @@ from . import kld_topk
 from .base_file import BaseFileWriter, read_tokens_and_rows
 from .kld_topk import MAGIC as TOPK_MAGIC, TopK, TopkLogitsFile, topk_kld_logprobs
 from .model import NonFiniteLogits
-from .scoring import log_softmax, token_nll
+from .scoring import log_softmax, scored_span, token_nll
 from .warmup import warm_up
 
 MAGIC = b"_logits_"
@@ -65,7 +65,7 @@ def chunk_logits(model, chunk: np.ndarray, where: str = "") -> np.ndarray:
     n_ctx = len(chunk)
     cache = model.new_cache(n_ctx)
     try:
-        return model.forward(chunk, cache, logits_from=n_ctx // 2)
+        return model.forward(chunk, cache, logits_from=scored_span(n_ctx)[0])
     except NonFiniteLogits as e:
         raise e.at(where) from None
 
@@ -110,10 +110,9 @@ def perplexity(model, chunks: list[np.ndarray], on_chunk: Callable[[int, PplResu
     warm_up(model, {len(c) for c in chunks})      # before the first chunk, which would be timed
     res = PplResult()
     for i, chunk in enumerate(chunks):
-        n_ctx = len(chunk)
-        first = n_ctx // 2
+        first, n_scored = scored_span(len(chunk))
         where = f"chunk {i + 1} of {len(chunks)}"
-        logits = chunk_logits(model, chunk, where)[:n_ctx - 1 - first]         # positions first .. n_ctx-2
+        logits = chunk_logits(model, chunk, where)[:n_scored]         # positions first .. n_ctx-2
         nll = token_nll(logits, chunk[first + 1:])
         res.nll.extend(nll.tolist())
         check_nll(nll, res.nll, where)
@@ -187,7 +186,7 @@ class LogitsFile:
                                 "n_vocab and n_chunk at least 1")
         n_tok = n_ctx * n_chunk
         nv = 2 * ((n_vocab + 1) // 2) + 4
-        n_pos = n_chunk * (n_ctx - 1 - n_ctx // 2)
+        n_pos = n_chunk * scored_span(n_ctx)[1]
         need = 20 + 4 * n_tok + 2 * nv * n_pos
         if size != need:
             raise QuantkitError(f"{path}: truncated or inconsistent logits file: its header ({header}) "
@@ -361,11 +360,10 @@ def kl_divergence(model, base: "LogitsFile | TopkLogitsFile",
     warm_up(model, {len(c) for c in base.chunks})
     topk = isinstance(base, TopkLogitsFile)
     stats = KldStats(top_k=base.k if topk else None)
-    per_chunk = base.n_ctx - 1 - base.n_ctx // 2
+    first, per_chunk = scored_span(base.n_ctx)
     for i, chunk in enumerate(base.chunks):
         where = f"chunk {i + 1} of {len(base.chunks)}"
         logits = chunk_logits(model, chunk, where)[:per_chunk]
-        first = base.n_ctx // 2
         if topk:
             top, target_lp = base.rows(i * per_chunk, (i + 1) * per_chunk)
             stats.add_topk(logits, top, target_lp, chunk[first + 1:])

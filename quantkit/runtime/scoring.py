@@ -8,6 +8,14 @@ from . import kernels
 from .tiles import by_rows
 
 
+def scored_span(n_ctx: int) -> tuple[int, int]:
+    """(first position whose logits are scored, how many) in a chunk of ``n_ctx`` tokens:
+    llama-perplexity scores the second half, the logits at positions n_ctx/2 .. n_ctx-2 predicting
+    tokens n_ctx/2+1 .. n_ctx-1."""
+    first = n_ctx // 2
+    return first, n_ctx - 1 - first
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     """In float64, as llama-perplexity sums exp in double."""
     x = x.astype(np.float64)
