@@ -123,12 +123,15 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
                       pure: bool = False, allow_requantize: bool = False, strict: bool = False,
                       ignore_imatrix_rules: bool = False, flavor: str = "ik", split_max_size=None,
                       keep_split: bool = False, partial_requant: bool = False,
-                      threads: int | None = None, override_tensor=(), bandwidth=None) -> Quantization:
+                      threads: int | None = None, override_tensor=(), bandwidth=None,
+                      resume: bool = False) -> Quantization:
     """Open ``model_in`` (a GGUF file or a Hugging Face model directory) and plan its quantization
     to ``model_out`` (None: plan only) with llama-quantize's TYPE (a preset, a ggml type or COPY)
     and options.  Checks every option and the output path before reading the model.
     ``override_tensor`` (``-ot REGEX=cpu|gpu``) and ``bandwidth`` ("cpu=60G,gpu=900G" or a dict of
-    bytes/s) are for ``Quantization.speed()``, the predicted generation speed."""
+    bytes/s) are for ``Quantization.speed()``, the predicted generation speed.  ``resume``: write
+    a partial that an interrupted or killed run leaves for the next ``resume`` run to go on from
+    (quantkit.resume)."""
     from . import formats
     from .gguf_io.reader import open_model
     from .hf import open_hf
@@ -154,6 +157,9 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
     if flavor not in ("ik", "mainline"):
         raise QuantkitError(f"flavor: '{flavor}' is none of ik, mainline")
     max_size = _split_size(split_max_size, keep_split)
+    if resume and partial_requant:
+        raise QuantkitError("--resume and --partial-requant cannot be used together (--resume keeps every "
+                            "tensor an interrupted run wrote)")
     if include_weights and exclude_weights:
         raise QuantkitError("--include-weights and --exclude-weights cannot be used together")
     only_copy = type is not None and type.upper() == "COPY"
@@ -218,7 +224,7 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
                 problems.append(e)
         wopts = WriteOptions(split_max_size=max_size, keep_split=keep_split, threads=threads,
                              recipe_text=opts.recipe.text if opts.recipe else None, inputs=read,
-                             partial_requant=partial_requant)
+                             partial_requant=partial_requant, resume=resume)
         if imat is not None:
             wopts.imatrix_info = {"file": str(imatrix_path), "dataset": (imat.datasets or [None])[0],
                                   "entries_count": len(imat), "chunks_count": imat.chunk_count}

@@ -234,6 +234,9 @@ def cli():
                    "would not hold together.")
 @click.option("--partial-requant", is_flag=True,
               help="Keep the output files (shards) that are already complete, write only the missing ones (ik).")
+@click.option("--resume", is_flag=True,
+              help="Write a partial output (with a journal) that an interrupted or killed run keeps; run the same "
+                   "command with --resume again to verify what it wrote and go on from there.")
 @click.option("--imatrix", "imatrix_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Importance matrix (GGUF or legacy .dat).")
 @click.option("--include-weights", multiple=True, help="Use only imatrix entries containing this text.")
@@ -265,7 +268,7 @@ def cli():
                    "-ot; the rest on the GPU when --bandwidth gives one); repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print plan and result as JSON on stdout.")
 def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_types, tensor_type_files, ffn_gate_inp_type,
-             override_kv, prune_layers, partial_requant, imatrix_path, include_weights, exclude_weights, missing_expert,
+             override_kv, prune_layers, partial_requant, resume, imatrix_path, include_weights, exclude_weights, missing_expert,
              token_embedding_type, output_tensor_type, leave_output_tensor, pure, allow_requantize,
              strict, ignore_imatrix_rules, flavor, split_max_size, keep_split, threads, dry_run, as_json,
              bandwidth, override_tensor):
@@ -301,7 +304,7 @@ def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_ty
             leave_output_tensor=leave_output_tensor, pure=pure, allow_requantize=allow_requantize, strict=strict,
             ignore_imatrix_rules=ignore_imatrix_rules, flavor=flavor, split_max_size=split_max_size,
             keep_split=keep_split, partial_requant=partial_requant, threads=threads,
-            override_tensor=override_tensor, bandwidth=bandwidth) as q:
+            override_tensor=override_tensor, bandwidth=bandwidth, resume=resume) as q:
         plan, problems = q.plan, [str(e) for e in q.problems]
         if not dry_run:
             q.check()
@@ -324,6 +327,9 @@ def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_ty
     if result.kept:
         out.print(_styled(("kept", "green"), f" {', '.join(str(p) for p in result.kept)}: already complete "
                           f"(--partial-requant)"))
+    if result.reused_tensors:
+        out.print(_styled(("reused", "green"), f" {result.reused_tensors} tensors ({_fmt_bytes(result.reused_bytes)}) "
+                          f"an interrupted run had written, verified (--resume)"))
     files = ", ".join(str(p) for p in result.paths if p not in result.kept)
     compiled = f"; compiling kernels took {result.compile_seconds:.1f} s before" if result.compile_seconds else ""
     if files:
@@ -976,15 +982,19 @@ def main(argv=None) -> int:
     except (click.exceptions.Abort, Terminated) as e:
         cause = e if isinstance(e, Terminated) else e.__cause__     # click turns interrupts into Abort
         notes = getattr(cause, "__notes__", ())       # what the command says about going on
+        left = "" if getattr(cause, "partial_kept", False) else "; no partial output file was left behind"
         if isinstance(cause, Terminated):
-            err.print(f"quantkit: terminated by {cause.name}; no partial output file was left behind")
+            err.print(f"quantkit: terminated by {cause.name}{left}")
         else:
             err.print("quantkit: interrupted")
         for note in notes:
             err.print(_shown(note))
         return 128 + cause.signum if isinstance(cause, Terminated) else 130
-    except KeyboardInterrupt:
-        err.print("quantkit: interrupted; no partial output file was left behind")
+    except KeyboardInterrupt as e:
+        err.print("quantkit: interrupted" + ("" if getattr(e, "partial_kept", False) else
+                                             "; no partial output file was left behind"))
+        for note in getattr(e, "__notes__", ()):
+            err.print(_shown(note))
         return 130
     except click.ClickException as e:
         e.show()

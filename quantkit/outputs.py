@@ -23,11 +23,19 @@ QuantkitError naming the output.
 The writer holds an flock on its temporary file until commit or discard.  A run that is killed
 (SIGKILL, a crash) leaves its preallocated partial behind with no holder: the next output written
 to that directory removes it and says so.
+
+``quantize --resume`` (:mod:`quantkit.resume`) writes instead under a name of its own that the next
+run can find, ``.<first 64 bytes of the name>.qkresume-<8 hex of the whole name>.partial``, opened
+with :meth:`AtomicOutput.open` ``resumable=True``: an error or a signal closes it but keeps it (and
+its ``.journal``) for the next ``--resume`` run.  Stale-partial sweeps never match these names:
+they are removed only by the ``--resume`` run that completes them (renamed into place) or starts
+them over, or by the user; a run without ``--resume`` of the same OUT leaves them and says so.
 """
 from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import re
@@ -169,6 +177,48 @@ def _temp_name(name: str) -> str:
     return f".{prefix}.qk{os.getpid()}-{secrets.token_hex(4)}.partial"
 
 
+def resumable_names(final: Path) -> tuple[Path, Path]:
+    """The resumable partial file of output ``final`` (a symlink's target, a shard) and its journal:
+    fixed names beside it, so that the next ``--resume`` run finds them."""
+    final = Path(final)
+    raw = os.fsencode(final.name)
+    stem = f".{raw[:PREFIX_BYTES].decode('utf-8', 'ignore')}.qkresume-{hashlib.sha256(raw).hexdigest()[:8]}"
+    return final.parent / f"{stem}.partial", final.parent / f"{stem}.journal"
+
+
+def _open_resumable(path: Path, shown: str) -> int:
+    """An fd (read-write, locked) of the resumable partial at ``path``, made if absent.  What is in
+    the way (a symlink, a hard link: a name another file also has, a FIFO) is never written
+    through: a link is unlinked (its target untouched) and a new file made; anything else that is
+    not a regular file is an error."""
+    for _ in range(4):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+        except OSError as e:
+            if e.errno == errno.ELOOP and os.path.islink(path):
+                os.unlink(path)                 # a symlink in the way: never written through
+                continue
+            if e.errno in (errno.EISDIR, errno.ENXIO):
+                raise QuantkitError(f"{shown}: '{path}' (where --resume keeps its partial output) is not a regular "
+                                    "file; remove it") from None
+            raise QuantkitError(f"{shown}: cannot open '{path}': {e.strerror}") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise QuantkitError(f"{shown}: '{path}' (where --resume keeps its partial output) is "
+                                f"{file_kind(st.st_mode)}; remove it")
+        if st.st_nlink > 1:                     # a hard link to another file (an input?): never written
+            os.close(fd)
+            os.unlink(path)
+            continue
+        if _lock(fd) is False:
+            os.close(fd)
+            raise QuantkitError(f"{shown}: another quantkit run is writing it with --resume (it holds '{path}')")
+        os.set_blocking(fd, True)
+        return fd
+    raise QuantkitError(f"{shown}: cannot open '{path}': it keeps changing")
+
+
 def sweep_stale_partials(directory: Path) -> None:
     """Remove the partial files of quantkit runs that died in ``directory`` (nobody holds their
     lock); once per directory and process."""
@@ -218,6 +268,7 @@ class OutputFile:
         self.fd, self.tmp, self.final, self.shown = fd, tmp, final, shown
         self.pos = 0                # where write() appends
         self.closed = False
+        self.resumable = False      # kept (closed, not removed) by discard: quantize --resume
 
     def fileno(self) -> int:
         return self.fd
@@ -259,6 +310,16 @@ class OutputFile:
         self.closed = True
 
 
+def _keep_mode(fd: int, old: os.stat_result | None) -> None:
+    """A file replacing ``old`` gets its permission bits (and its group where the user may set it)."""
+    if old is not None:
+        try:
+            os.fchmod(fd, stat.S_IMODE(old.st_mode) & 0o777)
+            os.fchown(fd, -1, old.st_gid)
+        except OSError:
+            pass            # another user's group: the directory's default stays
+
+
 class AtomicOutput:
     """Temporary files renamed to their final paths on commit, deleted otherwise.  Also a context
     manager: leaving the block without an exception commits."""
@@ -266,11 +327,24 @@ class AtomicOutput:
     def __init__(self):
         self._pending: list[OutputFile] = []
 
-    def open(self, path: str | os.PathLike, what: str = "OUT") -> OutputFile:
+    def open(self, path: str | os.PathLike, what: str = "OUT", resumable: bool = False) -> OutputFile:
+        """A new temporary file for ``path``; with ``resumable``, the resumable partial of ``path``
+        (made, or opened as an earlier run left it: its bytes are the caller's to check), opened
+        once: asked again, the same file."""
         shown = Path(path)
         final = check_output(shown, what)
         sweep_stale_partials(final.parent)
         old = _stat(final, str(shown))
+        if resumable:
+            for f in self._pending:
+                if f.final == final:
+                    return f
+            tmp = resumable_names(final)[0]
+            f = OutputFile(_open_resumable(tmp, _describe(shown, what)), tmp, final, shown)
+            f.resumable = True
+            self._pending.append(f)
+            _keep_mode(f.fd, old)
+            return f
         for _ in range(16):
             tmp = final.parent / _temp_name(final.name)
             try:
@@ -288,12 +362,7 @@ class AtomicOutput:
                 self._pending.remove(f)
                 os.close(fd)
                 continue
-            if old is not None:
-                try:
-                    os.fchmod(fd, stat.S_IMODE(old.st_mode) & 0o777)
-                    os.fchown(fd, -1, old.st_gid)
-                except OSError:
-                    pass            # another user's group: the directory's default stays
+            _keep_mode(fd, old)
             return f
         raise QuantkitError(f"{_describe(shown, what)}: cannot create a temporary file in '{final.parent}'")
 
@@ -330,7 +399,8 @@ class AtomicOutput:
         pending, self._pending = self._pending, []
         for f in pending:
             try:
-                os.unlink(f.tmp)
+                if not f.resumable:
+                    os.unlink(f.tmp)
             except FileNotFoundError:
                 pass
             finally:

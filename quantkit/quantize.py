@@ -24,7 +24,8 @@ from .gguf_io.constants import KEY_FILE_TYPE, KEY_QUANT_VERSION, MetaValue, Valu
 from .gguf_io.reader import GGUFModel, TensorInfo
 from .gguf_io.writer import GGUFWriter, TensorSpec, encode_shard, plan_shards, shard_paths
 from .formats.limits import row_extent
-from .outputs import check_outputs
+from .outputs import AtomicOutput, check_outputs
+from .resume import resumable_output
 from .inputs import open_regular
 from .kv_override import apply_overrides
 from .plan import Plan, TensorPlan
@@ -54,6 +55,9 @@ class WriteOptions:
     # would write it, is kept; only the missing ones are written, each renamed into place as soon
     # as it is complete (so that an interrupted run leaves whole shards for the next one)
     partial_requant: bool = False
+    # --resume: write a resumable partial with a journal beside OUT, kept after an interrupt or
+    # error; a partial (and journal) left there by such a run is verified and continued (resume.py)
+    resume: bool = False
 
 
 @dataclass
@@ -66,6 +70,9 @@ class Result:
     missing_imatrix: list[str] = field(default_factory=list)
     kept: list[Path] = field(default_factory=list)      # --partial-requant: files already complete
     compile_seconds: float = 0.0        # numba compiling kernels before ``seconds`` started (warm_up_plan)
+    reused_tensors: int = 0             # --resume: tensors an interrupted run had written, verified and kept
+    reused_bytes: int = 0
+    started_over: str | None = None     # --resume: why the partial found was not used
 
     def to_json(self) -> dict:
         return {"files": [str(p) for p in self.paths], "kept": [str(p) for p in self.kept],
@@ -73,6 +80,8 @@ class Result:
                 "seconds": self.seconds,
                 "weights_per_second": self.n_weights / self.seconds if self.seconds else None,
                 "compile_seconds": self.compile_seconds,
+                "reused": {"tensors": self.reused_tensors, "bytes": self.reused_bytes,
+                           "started_over": self.started_over},
                 "missing_imatrix": self.missing_imatrix}
 
 
@@ -332,7 +341,10 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
     # quantization runs its numba kernels on all threads itself, with one writer thread overlapping.
     workers = max(1, opts.threads or os.cpu_count() or 1)
     buffers = ThreadBuffers()
-    with GGUFWriter(paths, shards, workers=workers, keep=keep, commit_each=opts.partial_requant) as writer:
+    output = AtomicOutput()
+    with resumable_output(opts.resume, output, model, plan, paths, shards, imatrix_for, workers) as journal, \
+            GGUFWriter(paths, shards, workers=workers, keep=keep, commit_each=opts.partial_requant, output=output,
+                       resumable=journal is not None) as writer:
         # kernels made ready once the output is reserved (a full disk fails first), untimed
         tw = time.perf_counter()
         compiled = warm_up_plan(model, plan, imatrix_for)
@@ -342,6 +354,12 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
             if shard_of[tp.name] in keep:
                 done += tp.nbytes_in
                 continue
+            if journal is not None and journal.reused(tp.name):
+                writer.skip_tensor(tp.name)         # written and verified by an interrupted run
+                done += tp.nbytes_in
+                if progress:
+                    progress(tp.name, done, total)
+                continue
             ts = time.perf_counter()
             info = model.by_name[tp.input_name]
             if tp.action == "copy":
@@ -350,11 +368,16 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
                 writer.write_tensor_parts(tp.name, repack_parts(info, tp, buffers))
             else:
                 writer.write_tensor(tp.name, convert_tensor(info, tp, imatrix_for(tp), plan.flavor))
+            if journal is not None:
+                journal.record(tp.name)
             per_tensor[tp.name] = time.perf_counter() - ts
             done += tp.nbytes_in
             if progress:
                 progress(tp.name, done, total)
         written = writer.bytes_written
-    n_weights = sum(tp.n_elements for tp in plan.tensors if shard_of[tp.name] not in keep)
+    reused = journal.verified if journal is not None else set()
+    n_weights = sum(tp.n_elements for tp in plan.tensors if shard_of[tp.name] not in keep and tp.name not in reused)
     return Result(paths, written, time.perf_counter() - t0, n_weights, per_tensor,
-                  kept=[p for i, p in enumerate(paths) if i in keep], compile_seconds=compiled.seconds)
+                  kept=[p for i, p in enumerate(paths) if i in keep], compile_seconds=compiled.seconds,
+                  reused_tensors=len(reused), reused_bytes=journal.reused_bytes if journal is not None else 0,
+                  started_over=journal.started_over if journal is not None else None)

@@ -126,10 +126,14 @@ class GGUFWriter:
     ``keep``: indexes of shards that are not written (``--partial-requant`` keeps them as they
     are): their tensors are not fed.  ``commit_each``: rename each shard into place as soon as it
     is complete, not all of them at the end, so that an interrupted run leaves whole shards.
+    ``output``: the AtomicOutput the shards are opened in; with ``resumable``, each shard is its
+    resumable partial (quantize --resume: kept after an error, see :mod:`quantkit.resume`), and
+    :meth:`skip_tensor` passes over a tensor it already holds.
     """
 
     def __init__(self, paths: list[Path], shards: list[tuple[dict[str, MetaValue], list[TensorSpec]]],
-                 workers: int = 1, keep=frozenset(), commit_each: bool = False):
+                 workers: int = 1, keep=frozenset(), commit_each: bool = False,
+                 output: AtomicOutput | None = None, resumable: bool = False):
         if len(paths) != len(shards):
             raise ValueError("one path per shard")
         self.paths, self.shards = [Path(p) for p in paths], shards
@@ -138,7 +142,8 @@ class GGUFWriter:
         self.keep, self.commit_each = frozenset(keep), commit_each
         self._order = [(i, t) for i, (_, specs) in enumerate(shards) if i not in self.keep for t in specs]
         self._next = 0
-        self._out = AtomicOutput()
+        self._out = output if output is not None else AtomicOutput()
+        self.resumable = resumable
         self._fh = None
         self._pos = 0               # where the next tensor starts in the current shard
         self._shard = -1
@@ -191,7 +196,7 @@ class GGUFWriter:
         meta, specs = self.shards[i]
         self.alignment = alignment_of(meta)
         header, size = encode_shard(meta, specs)
-        self._fh = self._out.open(self.paths[i])
+        self._fh = self._out.open(self.paths[i], resumable=self.resumable)
         self._fh.reserve(size)
         self._fh.pwrite(header, 0)
         self._pos = len(header)
@@ -229,6 +234,11 @@ class GGUFWriter:
         self._pos += n + pad
         self.bytes_written += n + pad
         self._next += 1
+
+    def skip_tensor(self, name: str) -> None:
+        """Pass over the next tensor: its bytes are already in place (a resumable partial's)."""
+        spec = self._begin(name)
+        self._finish(spec, spec.nbytes)
 
     def write_tensor(self, name: str, chunks) -> None:
         """Write the next tensor; ``chunks`` is one array/bytes or an iterable of them, in order."""
