@@ -355,10 +355,16 @@ class ResumableRun:
             return
         self._close()
         total = len(self.spans)
-        size = sum(os.path.getsize(f.tmp) for f in self._files if os.path.exists(f.tmp))
+        size = 0
+        for f in self._files:
+            try:
+                size += os.stat(f.tmp).st_size
+            except OSError:
+                pass
         files = ", ".join(f"'{f.tmp}'" for f in self._files)
-        note = (f"quantize: kept the partial output {files} ({size / 1e9:.2f} GB, {held} of {total} tensors "
-                f"done and journaled); run the same command with --resume to go on from there")
+        shown = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB"
+        note = (f"quantize: kept the partial output {files} ({shown}, {held} of {total} tensors done and "
+                f"journaled); run the same command with --resume to go on from there")
         if isinstance(exc, KeyboardInterrupt):
             exc.add_note(note)
             exc.partial_kept = True
