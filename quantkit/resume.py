@@ -64,6 +64,7 @@ FORMAT = 1
 SYNC_SECONDS = 2.0          # at most this much finished work is lost to a kill
 READ_BYTES = 8 << 20        # read back / verified a piece at a time
 _HEX = re.compile(r"^[0-9a-f]{64}$")
+_OURS = re.compile(r"^\..*\.qkresume-[0-9a-f]{8}\.(partial|journal|journal-new)$", re.S)
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,9 @@ def _sha256_of(fd: int, offset: int, nbytes: int, buf: bytearray) -> str | None:
 def fingerprint(model, plan, shards, imatrix_for) -> dict:
     """The journal's first line for this run (see the module docstring)."""
     files = []
-    for p in dict.fromkeys(os.path.realpath(p) for p in
-                           expand_inputs([model.path, *(f.path for f in getattr(model, "files", ()))])):
+    read = expand_inputs([model.path, *(f.path for f in getattr(model, "files", ()))])
+    # an output written into a model directory: its own partial and journal are no input
+    for p in dict.fromkeys(os.path.realpath(p) for p in read if not _OURS.match(Path(p).name)):
         try:
             st = os.stat(p)
             files.append([p, st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino])
@@ -372,8 +374,15 @@ class ResumableRun:
             log.warning(note)
 
     def abandon(self) -> None:
-        """Opening failed: close what was opened (the files stay as they were)."""
+        """Opening failed: close what was opened (the files stay as they were; an empty partial
+        made here goes)."""
         self._stop_thread(abandon=True)
+        for f, fd in zip(self._files, self._fds):
+            try:
+                if os.fstat(fd).st_size == 0:
+                    os.unlink(f.tmp)
+            except OSError:
+                pass
         self._close()
 
 

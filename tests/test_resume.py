@@ -254,3 +254,17 @@ def test_killed_run_resumes_with_fewer_tensors_quantized(tiny, tmp_path):
     assert 1 <= res.reused_tensors <= 8
     assert len(res.tensor_seconds) == 21 - res.reused_tensors        # only the others were quantized
     assert out.read_bytes() == tiny["clean"]
+
+
+def test_output_inside_a_model_directory_resumes(tmp_path):
+    """A Hugging Face model directory is an input by its files: the partial and journal written
+    into it are not, so they do not change the run's fingerprint."""
+    from hf_models import write_tiny_llama
+    hf = write_tiny_llama(tmp_path / "hf", n_layer=2)
+    clean = tmp_path / "clean.gguf"
+    quantize_model(hf, clean, "q8_0", threads=1)
+    out = hf / "out.gguf"
+    interrupted(hf, out, 3, KeyboardInterrupt(), type_="q8_0")
+    res = quantize_model(hf, out, "q8_0", threads=1, resume=True)
+    assert res.reused_tensors == 3 and res.started_over is None
+    assert out.read_bytes() == clean.read_bytes()
