@@ -52,6 +52,7 @@ log = logging.getLogger("quantkit")
 
 PREFIX_BYTES = 64           # of the output's name kept in its temporary name (for people who see it)
 _PARTIAL_RE = re.compile(r"^\..*\.qk(\d+)-[0-9a-f]{8}\.partial$", re.S)
+RESUMABLE_RE = re.compile(r"^\..*\.qkresume-[0-9a-f]{8}\.(partial|journal|journal-new)$", re.S)
 _swept: set[str] = set()    # directories already cleaned of stale partials in this process
 
 
@@ -99,7 +100,8 @@ def check_output(path: str | os.PathLike, what: str = "OUT") -> Path:
 def expand_inputs(inputs: Iterable[str | os.PathLike | None]) -> list[Path]:
     """Every file the given inputs stand for: all shards of a split GGUF named by its first
     shard, the files of a model directory (not its GGUF files: the Hugging Face reader never reads
-    them, they are earlier outputs), and plain files as they are.  ``None`` entries are skipped."""
+    them, they are earlier outputs; nor the partial and journal of a quantize --resume writing
+    there), and plain files as they are.  ``None`` entries are skipped."""
     out: list[Path] = []
     for p in inputs:
         if p is None:
@@ -107,7 +109,8 @@ def expand_inputs(inputs: Iterable[str | os.PathLike | None]) -> list[Path]:
         p = Path(p)
         if os.path.isdir(p):
             try:
-                out += [e for e in p.iterdir() if e.suffix != ".gguf" and os.path.isfile(e)]
+                out += [e for e in p.iterdir() if e.suffix != ".gguf" and not RESUMABLE_RE.match(e.name)
+                        and os.path.isfile(e)]
             except OSError:
                 pass
             continue

@@ -327,7 +327,8 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
     # every shard name against every file read (all input shards, a model directory's files, the
     # imatrix, recipes) before anything is written: --keep-split of A-0000N-of-M.gguf to A.gguf
     # would otherwise write over its input set
-    check_outputs(paths, [model.path, *(f.path for f in getattr(model, "files", ())), *opts.inputs])
+    inputs = [model.path, *(f.path for f in getattr(model, "files", ())), *opts.inputs]
+    check_outputs(paths, inputs)
     keep = set()
     if opts.partial_requant:
         keep = {i for i, (p, (m, s)) in enumerate(zip(paths, shards)) if complete_output(p, m, s)}
@@ -342,7 +343,7 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
     workers = max(1, opts.threads or os.cpu_count() or 1)
     buffers = ThreadBuffers()
     output = AtomicOutput()
-    with resumable_output(opts.resume, output, model, plan, paths, shards, imatrix_for, workers) as journal, \
+    with resumable_output(opts.resume, output, model, plan, paths, shards, imatrix_for, workers, inputs) as journal, \
             GGUFWriter(paths, shards, workers=workers, keep=keep, commit_each=opts.partial_requant, output=output,
                        resumable=journal is not None) as writer:
         # kernels made ready once the output is reserved (a full disk fails first), untimed

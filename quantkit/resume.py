@@ -64,7 +64,6 @@ FORMAT = 1
 SYNC_SECONDS = 2.0          # at most this much finished work is lost to a kill
 READ_BYTES = 8 << 20        # read back / verified a piece at a time
 _HEX = re.compile(r"^[0-9a-f]{64}$")
-_OURS = re.compile(r"^\..*\.qkresume-[0-9a-f]{8}\.(partial|journal|journal-new)$", re.S)
 
 
 @dataclass(frozen=True)
@@ -87,12 +86,18 @@ def _sha256_of(fd: int, offset: int, nbytes: int, buf: bytearray) -> str | None:
     return h.hexdigest()
 
 
+def _stat_or_none(path: Path) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
 def fingerprint(model, plan, shards, imatrix_for) -> dict:
     """The journal's first line for this run (see the module docstring)."""
     files = []
     read = expand_inputs([model.path, *(f.path for f in getattr(model, "files", ()))])
-    # an output written into a model directory: its own partial and journal are no input
-    for p in dict.fromkeys(os.path.realpath(p) for p in read if not _OURS.match(Path(p).name)):
+    for p in dict.fromkeys(os.path.realpath(p) for p in read):
         try:
             st = os.stat(p)
             files.append([p, st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino])
@@ -160,8 +165,9 @@ def _record(line: bytes) -> tuple[str, int, int, str] | None:
 class ResumableRun:
     """The journals and verified tensors of one ``--resume`` run; see the module docstring."""
 
-    def __init__(self, model, plan, paths: list[Path], shards, imatrix_for, workers: int = 1):
+    def __init__(self, model, plan, paths: list[Path], shards, imatrix_for, workers: int = 1, inputs=()):
         self.paths = [Path(p) for p in paths]
+        self.inputs = list(inputs)         # every file the run reads: never its partial or journal
         self.shards = shards
         self.workers = max(1, workers)
         self.fingerprint = fingerprint(model, plan, shards, imatrix_for)
@@ -191,11 +197,22 @@ class ResumableRun:
         """Open every shard's partial in ``output`` (locked), verify what its journal lists, and
         start a new journal holding the fingerprint and the verified tensors."""
         reasons = []
+        read = set()
+        for p in expand_inputs(self.inputs):
+            try:
+                st = os.stat(p)
+                read.add((st.st_dev, st.st_ino))
+            except OSError:
+                pass
         for i, path in enumerate(self.paths):
             f = output.open(path, resumable=True)
+            journal = resumable_names(f.final)[1]
+            for p, st in ((f.tmp, os.fstat(f.fd)), (journal, _stat_or_none(journal))):
+                if st is not None and (st.st_dev, st.st_ino) in read:    # checked before anything is written
+                    raise QuantkitError(f"'{p}' (where --resume keeps the partial output of '{f.shown}') is a file "
+                                        "this run reads; choose another output path")
             self._files.append(f)
             self._fds.append(os.dup(f.fd))
-            journal = resumable_names(f.final)[1]
             self._journals.append(journal)
             try:
                 if os.fstat(f.fd).st_size > self.sizes[i]:
@@ -397,15 +414,16 @@ def note_leftovers(paths: list[Path]) -> None:
 
 @contextmanager
 def resumable_output(enabled: bool, output: AtomicOutput, model, plan, paths, shards, imatrix_for,
-                     workers: int = 1):
+                     workers: int = 1, inputs=()):
     """Around a run's GGUFWriter: with ``enabled``, a :class:`ResumableRun` whose partials are
     opened in ``output`` (the writer's), kept when the block raises, whose journals go when it
-    completes; else None (and a note about partials an earlier --resume run left)."""
+    completes; else None (and a note about partials an earlier --resume run left).  ``inputs``:
+    every file the run reads (never a partial or journal)."""
     if not enabled:
         note_leftovers(paths)
         yield None
         return
-    run = ResumableRun(model, plan, paths, shards, imatrix_for, workers)
+    run = ResumableRun(model, plan, paths, shards, imatrix_for, workers, inputs)
     try:
         run.open(output)
     except BaseException:

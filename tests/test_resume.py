@@ -268,3 +268,17 @@ def test_output_inside_a_model_directory_resumes(tmp_path):
     res = quantize_model(hf, out, "q8_0", threads=1, resume=True)
     assert res.reused_tensors == 3 and res.started_over is None
     assert out.read_bytes() == clean.read_bytes()
+
+
+def test_an_input_in_the_partials_place_is_refused_untouched(tiny, tmp_path, capsys):
+    """IN (or the imatrix, a recipe) named as OUT's partial or journal: refused before any write."""
+    out = tmp_path / "out.gguf"
+    partial, journal = resumable_names(out)
+    partial.write_bytes(tiny["model"].read_bytes())
+    recipe = journal
+    recipe.write_text("output=q8_0\n")
+    snap = Snapshot(tmp_path)
+    for model, extra in ((partial, ()), (tiny["model"], ("--custom-q", recipe))):
+        rc, _, err = run_main(capsys, "quantize", model, out, TYPE, "--resume", *extra)
+        assert rc == 1 and "is a file this run reads" in err, err
+        snap.assert_unchanged()
