@@ -42,6 +42,7 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import re
 import stat
 import threading
@@ -64,6 +65,7 @@ FORMAT = 1
 SYNC_SECONDS = 2.0          # at most this much finished work is lost to a kill
 READ_BYTES = 8 << 20        # read back / verified a piece at a time
 _HEX = re.compile(r"^[0-9a-f]{64}$")
+_FINISH, _ABANDON = object(), object()     # the journal thread's last item
 
 
 @dataclass(frozen=True)
@@ -185,10 +187,8 @@ class ResumableRun:
         self._fds: list[int] = []           # our own dups of the partials: for reading back and syncing
         self._journals: list[Path] = []
         self._journal_fds: list[int] = []
-        self._queue: list[str] = []
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()   # names written, then _FINISH or _ABANDON
         self._journaled = 0
-        self._cv = threading.Condition()
-        self._stop = self._abandon = False
         self._failed: str | None = None
         self._thread: threading.Thread | None = None
 
@@ -298,22 +298,28 @@ class ResumableRun:
 
     def record(self, name: str) -> None:
         """Tensor ``name`` is written: journal it (in the background)."""
-        with self._cv:
-            self._queue.append(name)
-            self._cv.notify()
+        self._queue.put(name)       # no lock: an interrupt here cannot leave one held
 
     def _journal_loop(self) -> None:
+        """Batches of written tensors: hashed, the partial synced, then their lines appended;
+        a batch is what was written until SYNC_SECONDS after the last sync."""
         last = -SYNC_SECONDS
         buf = bytearray(READ_BYTES)
         while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._queue or self._stop)
-                if self._abandon or (self._stop and not self._queue):
+            batch, finish = [], False
+            item = self._queue.get()
+            while True:
+                if item is _ABANDON:
                     return
-                self._cv.wait_for(lambda: self._stop, timeout=max(0.0, last + SYNC_SECONDS - time.monotonic()))
-                if self._abandon:
-                    return
-                batch, self._queue = self._queue, []
+                if item is _FINISH:
+                    finish = True
+                    break
+                batch.append(item)
+                wait = last + SYNC_SECONDS - time.monotonic()
+                try:
+                    item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+                except queue.Empty:
+                    break
             try:
                 lines: dict[int, list[str]] = {}
                 for name in batch:
@@ -334,12 +340,13 @@ class ResumableRun:
                             "an interrupted run will redo the tensors written from here on")
                 return
             last = time.monotonic()
+            if finish:
+                return
 
     def _stop_thread(self, abandon: bool) -> None:
+        """Stop the journal thread: at once (``abandon``), or once every tensor written is journaled."""
         if self._thread is not None:
-            with self._cv:
-                self._stop, self._abandon = True, abandon
-                self._cv.notify()
+            self._queue.put(_ABANDON if abandon else _FINISH)
             self._thread.join()
             self._thread = None
 

@@ -43,6 +43,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("runtime, HF checkpoints and the quantize pipeline", ["quantkit.runtime", "quantkit.hf", "quantkit.quantize",
                                                            "quantkit.repack", "quantkit.imatrix", "quantkit.describe",
                                                            "quantkit.speed"]),
+    # quantize --resume: the journal and verified partials the quantize pipeline writes through
+    ("resumable outputs", ["quantkit.resume"]),
     ("vocabulary, tokenizer and chat templates", ["quantkit.text"]),
     ("GGUF files and the plan", ["quantkit.gguf_io", "quantkit.plan"]),
     ("formats (numpy references, registry) and policy", ["quantkit.formats", "quantkit.outputs",
