@@ -329,7 +329,7 @@ def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_ty
                           f"(--partial-requant)"))
     if result.reused_tensors:
         out.print(_styled(("reused", "green"), f" {result.reused_tensors} tensors ({_fmt_bytes(result.reused_bytes)}) "
-                          f"an interrupted run had written, verified (--resume)"))
+                          f"that an interrupted run had written (checksums verified, --resume)"))
     files = ", ".join(str(p) for p in result.paths if p not in result.kept)
     compiled = f"; compiling kernels took {result.compile_seconds:.1f} s before" if result.compile_seconds else ""
     if files:

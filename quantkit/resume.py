@@ -243,7 +243,7 @@ class ResumableRun:
         except (ValueError, RecursionError):
             head = None
         if not isinstance(head, dict) or head.get("quantkit_resume") != FORMAT:
-            return [], "its journal is not one this quantkit version reads"
+            return [], "its journal is damaged or of another format"
         for key, why in _DIFFERS.items():
             if head.get(key) != self.fingerprint[key]:
                 return [], f"the partial was written {why}"
@@ -260,11 +260,13 @@ class ResumableRun:
 
         def check(r):
             return _sha256_of(fd, r[1], r[2], bytearray(min(READ_BYTES, r[2]) or 1)) == r[3]
+        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="quantkit-resume-verify")
         try:
-            with ThreadPoolExecutor(self.workers, thread_name_prefix="quantkit-resume-verify") as pool:
-                ok = list(pool.map(check, records.values()))
+            ok = list(pool.map(check, records.values()))
         except OSError:
             return [], "its partial could not be read"
+        finally:                # an interrupt waits for the tensors being hashed, not for all of them
+            pool.shutdown(wait=True, cancel_futures=True)
         good = [r for r, k in zip(records.values(), ok) if k]
         for r in good:
             self.verified.add(r[0])
