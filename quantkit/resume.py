@@ -88,6 +88,12 @@ def _sha256_of(fd: int, offset: int, nbytes: int, buf: bytearray) -> str | None:
     return h.hexdigest()
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view.nbytes:
+        view = view[os.write(fd, view):]
+
+
 def _stat_or_none(path: Path) -> os.stat_result | None:
     try:
         return os.stat(path)
@@ -277,7 +283,7 @@ class ResumableRun:
         """A new journal: the fingerprint, then the tensors verified, renamed over the old one
         (an interrupt keeps one or the other whole)."""
         new = journal.with_name(journal.name + "-new")
-        text = "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in
+        text = "".join(json.dumps(x) + "\n" for x in
                        [self.fingerprint, *({"t": t, "o": o, "n": n, "h": h} for t, o, n, h in good)])
         try:
             try:
@@ -286,7 +292,7 @@ class ResumableRun:
                 pass
             fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
             self._journal_fds.append(fd)
-            os.write(fd, text.encode())
+            _write_all(fd, text.encode())
             os.fdatasync(fd)
             os.replace(new, journal)
         except OSError as e:
@@ -329,11 +335,11 @@ class ResumableRun:
                     h = _sha256_of(self._fds[s.shard], s.offset, s.nbytes, buf)
                     if h is not None:
                         lines.setdefault(s.shard, []).append(
-                            json.dumps({"t": name, "o": s.offset, "n": s.nbytes, "h": h}, ensure_ascii=False))
+                            json.dumps({"t": name, "o": s.offset, "n": s.nbytes, "h": h}))
                 for i in lines:
                     os.fdatasync(self._fds[i])      # the tensors' bytes are durable before their lines
                 for i, ls in lines.items():
-                    os.write(self._journal_fds[i], ("\n".join(ls) + "\n").encode())
+                    _write_all(self._journal_fds[i], ("\n".join(ls) + "\n").encode())
                     os.fdatasync(self._journal_fds[i])
                     self._journaled += len(ls)
             except OSError as e:
