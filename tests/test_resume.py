@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from quantkit import outputs
@@ -282,3 +283,21 @@ def test_an_input_in_the_partials_place_is_refused_untouched(tiny, tmp_path, cap
         rc, _, err = run_main(capsys, "quantize", model, out, TYPE, "--resume", *extra)
         assert rc == 1 and "is a file this run reads" in err, err
         snap.assert_unchanged()
+
+
+def test_another_imatrix_of_the_same_name_starts_over(tiny, tmp_path):
+    """The header holds the imatrix's file name and entry count only: its content is fingerprinted."""
+    from quantkit.gguf_io.reader import open_model
+    from quantkit.imatrix import save_dat
+    with open_model(tiny["model"]) as m:
+        shapes = {t.name: t.shape[0] for t in m.tensors if len(t.shape) == 2}
+    imatrix, out = tmp_path / "imatrix.dat", tmp_path / "out.gguf"
+    rng = np.random.default_rng(0)
+    save_dat(imatrix, {n: rng.uniform(0.5, 2, k).astype(np.float32) for n, k in shapes.items()})
+    interrupted(tiny["model"], out, 4, KeyboardInterrupt(), imatrix=imatrix)
+    save_dat(imatrix, {n: rng.uniform(0.5, 2, k).astype(np.float32) for n, k in shapes.items()})
+    res = quantize_model(tiny["model"], out, TYPE, threads=1, resume=True, imatrix=imatrix)
+    assert res.reused_tensors == 0 and "another importance matrix" in res.started_over
+    clean = tmp_path / "clean.gguf"
+    quantize_model(tiny["model"], clean, TYPE, threads=1, imatrix=imatrix)
+    assert out.read_bytes() == clean.read_bytes()
