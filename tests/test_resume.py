@@ -164,6 +164,14 @@ def test_corrupted_partial_and_journal_are_rewritten_not_trusted(tiny, tmp_path,
     assert res.reused_tensors == 5                  # all but the corrupted one
     assert out.read_bytes() == tiny["clean"]
 
+    # a partial cut short (in the middle of the last journaled tensor): the rest is kept
+    interrupted(tiny["model"], out, 4, KeyboardInterrupt())
+    last = journal_lines(out)[-1]
+    os.truncate(partial, last["o"] + last["n"] // 2)
+    res = quantize_model(tiny["model"], out, TYPE, threads=1, resume=True)
+    assert res.reused_tensors == 3
+    assert out.read_bytes() == tiny["clean"]
+
     # a journal cut anywhere, even in its fingerprint line: never a crash, written again
     interrupted(tiny["model"], out, 3, KeyboardInterrupt())
     data = journal.read_bytes()
