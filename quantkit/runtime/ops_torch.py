@@ -51,8 +51,8 @@ class TorchOps:
     def __init__(self, device: str = "cuda", cpu_tensors=(), triton: bool | None = None):
         self.device = torch.device(device)
         self.cpu_tensors = [re.compile(p) for p in cpu_tensors]
-        if triton is None:                          # on CUDA where Triton is installed
-            triton = self.device.type == "cuda" and triton_qmm.available()
+        if triton is None:      # on CUDA where Triton is installed (compiled: not the tests' interpreter)
+            triton = self.device.type == "cuda" and triton_qmm.available() and not triton_qmm.interpreting()
         elif triton and not triton_qmm.available():
             raise ValueError("the Triton kernels need triton, and CUDA or TRITON_INTERPRET=1")
         self.triton = triton
