@@ -125,6 +125,20 @@ def qdecode(w, qtype, n_per_row: int):
 FEW_TOKENS = 4
 
 
+def tiles(block_values: int, m: int) -> dict:
+    """The launch geometry of qmatmul for m tokens: BN rows (and BM tokens) per program, warps.
+    Chosen from the kernels' sm_90 compile statistics (bench/triton_compile.py: ptxas registers,
+    spills, shared memory; no GPU was lent to measure speed): a [BN, QK] decoded block of a
+    256-value type costs registers per value, so those take few rows per program and 8 warps,
+    which keeps both kernels of the legacy and k-quant types at <= 128 registers (per-token) and
+    without spills (tl.dot, but for IQ4_XS's few hundred bytes), in < 100 KB of shared memory."""
+    if block_values > 32:
+        return dict(BN=8, num_warps=8) if m <= FEW_TOKENS else dict(BM=16, BN=16, num_warps=8)
+    if m <= FEW_TOKENS:
+        return dict(BN=32, num_warps=4)
+    return dict(BM=16, BN=64, num_warps=4) if m <= 16 else dict(BM=64, BN=64, num_warps=8)
+
+
 def qmatmul(x, w, qtype):
     """x float32 (M, K) @ decode(w)^T -> float32 (M, N), fused (the decoded rows stay in registers)."""
     import torch
@@ -145,13 +159,11 @@ def qmatmul(x, w, qtype):
     # fused multiply-adds allowed: the products agree to summation-order tolerance, not bit for bit
     geometry = dict(DECODE=dec.fn, QK=dec.block_values, BLOCK_BYTES=dec.block_bytes, META=dec.row_meta_bytes,
                     enable_fp_fusion=True)
+    tile = tiles(dec.block_values, m)
     if m <= FEW_TOKENS:
-        bn = 16 if dec.block_values > 32 else 32
-        qmv_kernel[(triton.cdiv(n, bn), m)](x, w, out, t0, t1, n, k, w.shape[1], x.stride(0), out.stride(0),
-                                            BN=bn, **geometry)
+        qmv_kernel[(triton.cdiv(n, tile["BN"]), m)](x, w, out, t0, t1, n, k, w.shape[1], x.stride(0),
+                                                    out.stride(0), **tile, **geometry)
     else:
-        bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        bn = 32 if dec.block_values > 32 else 64
-        qmm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](x, w, out, t0, t1, m, n, k, w.shape[1], x.stride(0),
-                                                             out.stride(0), BM=bm, BN=bn, **geometry)
+        qmm_kernel[(triton.cdiv(n, tile["BN"]), triton.cdiv(m, tile["BM"]))](
+            x, w, out, t0, t1, m, n, k, w.shape[1], x.stride(0), out.stride(0), **tile, **geometry)
     return out
