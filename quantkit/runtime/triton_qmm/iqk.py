@@ -1,4 +1,5 @@
-"""Triton decoders of ik_llama.cpp's IQK types: IQ2_K .. IQ6_K, IQ2_KS .. IQ5_KS, IQ4_KSS, IQ2_KL.
+"""Triton decoders of ik_llama.cpp's IQK types: IQ2_K .. IQ6_K, IQ2_KS .. IQ5_KS, IQ4_KSS, IQ2_KL, and the
+trellis types IQ1_KT .. IQ4_KT.
 
 Each decodes one 256-value super-block of every row of a tile (the contract of decoders.py) with
 the arithmetic of the reference decoder (formats/decode.py) in its order: the sub-block's float
@@ -21,8 +22,10 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from ...formats._kt_codebook import IQ4_KT_SECOND_OFFSET, KA, OFFSET
 from ...kernels.iq2kl import PAIRS
-from ...tables import (A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES)
+from ...tables import (A_IQ6K, B_IQ6K, C_IQ6K, D_IQ6K, IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ4NL_VALUES,
+                       IQ5NL_VALUES)
 from ...types import QuantType
 from .bits import byte, f16, f32, u16
 from .decoders import for_type
@@ -207,6 +210,89 @@ def iq2_kl(row_ptr, blk_ptr, t0_ptr, t1_ptr, QK: tl.constexpr):
     return _scaled(f16(row_ptr), ls - 32, t0_ptr, 2 * code + p % 2)
 
 
+# ---- trellis (IQ1_KT .. IQ4_KT): a float32 row scale; a code picks a group of 8 (IQ4_KT: 4) values
+# that a hash makes (formats/_kt_codebook.py trellis_values): x = code + offset, then per value
+# x = x * KA (mod 2^32) and the value is the sum of the 4 bytes of x & 0x3f3f3f3f, minus 126 (its
+# absolute value for IQ3_KT).  The decoders compute it (the tables have up to 2^16 x 8 values)
+
+KT_KA = tl.constexpr(int(KA))
+KT_OFFSET = tl.constexpr(OFFSET)
+KT_SECOND_OFFSET = tl.constexpr(IQ4_KT_SECOND_OFFSET)
+
+
+@triton.jit
+def _trellis(code, pos, GROUP: tl.constexpr, IS_ABS: tl.constexpr):
+    """Value ``pos`` (< GROUP) of the group of ``code`` (code + offset, as int32 ≥ 0)."""
+    x = code.to(tl.uint32)
+    v = tl.zeros(code.shape, tl.int32)
+    for k in tl.static_range(GROUP):
+        x = x * KT_KA
+        s = (x & 0x3F3F3F3F).to(tl.int32)
+        t = (s & 0xFF) + ((s >> 8) & 0xFF) + ((s >> 16) & 0xFF) + ((s >> 24) & 0xFF) - 126
+        v = tl.where(pos == k, t, v)
+    if IS_ABS:
+        v = tl.abs(v)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def iq1_kt(row_ptr, blk_ptr, t0_ptr, t1_ptr, QK: tl.constexpr):
+    """56 B: sh[8] | ql[32] | qh[16]; code j of 32-group ib = ql[4 ib + j] | nibble ib // 4 of
+    qh[4 (ib % 4) + j] << 8 | bit 4 + j of sh[ib] << 12; scale: IQ4_NL's value sh & 15 (t0)."""
+    p = tl.arange(0, QK)
+    ib, j = p // 32, p % 32 // 8
+    sh = _at(blk_ptr, ib)
+    code = _at(blk_ptr, 8 + 4 * ib + j) | ((_at(blk_ptr, 40 + 4 * (ib % 4) + j) << (8 - 4 * (ib // 4))) & 0xF00) \
+        | ((sh << (8 - j)) & 0x1000)
+    sl = f32(row_ptr)[:, None] * tl.load(t0_ptr + (sh & 15))
+    return sl * _trellis(code + KT_OFFSET, p % 8, 8, False)
+
+
+@triton.jit
+def _iq23_kt(row_ptr, blk_ptr, t0_ptr, QK: tl.constexpr, THREE: tl.constexpr):
+    """scales[4] | uint16 codes[32] (| qh[32] for IQ3_KT: bit ib of qh[r] negates value r of group
+    ib); group ib's scale nibble ib // 4 of scales[ib % 4]: IQ2_KT's IQ4_NL value (t0), IQ3_KT's itself."""
+    p = tl.arange(0, QK)
+    ib, r = p // 32, p % 32
+    nib = (_at(blk_ptr, ib % 4) >> (4 * (ib // 4))) & 15
+    if THREE:
+        scale = nib.to(tl.float32)
+    else:
+        scale = tl.load(t0_ptr + nib)
+    code = u16(blk_ptr[:, None] + (4 + 2 * (4 * ib + r // 8))[None, :])
+    v = (f32(row_ptr)[:, None] * scale) * _trellis(code + KT_OFFSET, p % 8, 8, THREE)
+    if THREE:
+        v = tl.where(((_at(blk_ptr, 68 + r) >> ib) & 1) == 1, -v, v)
+    return v
+
+
+@triton.jit
+def iq2_kt(row_ptr, blk_ptr, t0_ptr, t1_ptr, QK: tl.constexpr):
+    return _iq23_kt(row_ptr, blk_ptr, t0_ptr, QK, False)
+
+
+@triton.jit
+def iq3_kt(row_ptr, blk_ptr, t0_ptr, t1_ptr, QK: tl.constexpr):
+    return _iq23_kt(row_ptr, blk_ptr, t0_ptr, QK, True)
+
+
+@triton.jit
+def iq4_kt(row_ptr, blk_ptr, t0_ptr, t1_ptr, QK: tl.constexpr):
+    """128 B: 8 uint32 words (bit 0: the second offset, bits 1-7: scale + 64, bits 8 + 3 j..: code bits
+    12-14 of group j of 4 values) | ql[64] (code bits 0-7) | qh[32] (bits 8-11 of group g: nibble
+    g // 32 of qh[g % 32]); 15-bit codes of 4 values."""
+    p = tl.arange(0, QK)
+    ib, g = p // 32, p // 4
+    w = 4 * ib
+    head = _at(blk_ptr, w)
+    top = _at(blk_ptr, w + 1) | (_at(blk_ptr, w + 2) << 8) | (_at(blk_ptr, w + 3) << 16)     # bits 8-31
+    code = _at(blk_ptr, 32 + g) | ((_at(blk_ptr, 96 + g % 32) << (8 - 4 * (g // 32))) & 0xF00) \
+        | (((top >> (3 * (g % 8))) & 7) << 12)
+    offset = tl.where((head & 1) == 1, KT_SECOND_OFFSET, KT_OFFSET)
+    sl = f32(row_ptr)[:, None] * ((head >> 1) - 64).to(tl.float32)
+    return sl * _trellis(code + offset, p % 4, 4, False)
+
+
 def _grid(values) -> np.ndarray:
     return np.ascontiguousarray(values, _F32).reshape(-1)
 
@@ -223,4 +309,8 @@ DECODERS = {
     T.IQ3_KS: for_type(T.IQ3_KS, iq3_ks, (_grid(IQ3NL_VALUES),)),
     T.IQ4_KSS: for_type(T.IQ4_KSS, iq4_kss, (_grid(IQ4K_VALUES),)),
     T.IQ2_KL: for_type(T.IQ2_KL, iq2_kl, (_grid(PAIRS),)),
+    T.IQ1_KT: for_type(T.IQ1_KT, iq1_kt, (_grid(IQ4NL_VALUES),)),
+    T.IQ2_KT: for_type(T.IQ2_KT, iq2_kt, (_grid(IQ4NL_VALUES),)),
+    T.IQ3_KT: for_type(T.IQ3_KT, iq3_kt),
+    T.IQ4_KT: for_type(T.IQ4_KT, iq4_kt),
 }
