@@ -1,0 +1,154 @@
+"""Fused Triton kernels for the torch backend: decode a tile of quantized weight rows in registers
+and multiply it, never writing the decoded rows (issue 28, target 4).
+
+    available() -> bool          triton importable, and a CUDA device or Triton's CPU interpreter
+    supports(qtype) -> bool      a decoder exists for qtype (decoders.DECODERS)
+    qdecode(w, qtype, n_per_row) -> float32 (N, n_per_row)      equal to formats.dequantize bit for bit
+    qmatmul(x, w, qtype) -> float32 (M, N)                      x (M, K) @ decoded(w)^T, fused
+
+``w`` is the uint8 tensor (N, row_bytes) of a weight in its stored layout, on the device; ``x``
+float32 activations there.  The kernels (template.py) take a per-type decoder (decoders.py: the
+contract; legacy.py, kquants.py, ...: the decoders).
+
+Triton's CPU interpreter (``TRITON_INTERPRET=1``) runs the same kernels on CPU tensors, which is
+how the tests check them where there is no GPU.  Triton reads the variable when a ``@triton.jit``
+decorator runs, i.e. when this package's kernel modules are first imported: they are imported
+lazily, on the first qdecode / qmatmul / supports call, so setting the variable any time before
+that works (tests/test_triton_qmm.py sets it when pytest imports the test module, in every
+pytest-xdist worker, before any test runs).  Nothing imports triton or torch until then.
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+from ...types import QuantType
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
+@lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def available() -> bool:
+    """Whether the kernels can run: triton importable, and a CUDA device or the interpreter."""
+    if not _triton_importable():
+        return False
+    if interpreting():
+        return True
+    import torch
+    return torch.cuda.is_available()
+
+
+def _decoders():
+    from .decoders import DECODERS
+    return DECODERS
+
+
+def supports(qtype) -> bool:
+    """Whether qtype has a decoder here (False where triton is missing)."""
+    if not _triton_importable():
+        return False
+    try:
+        qtype = QuantType(qtype)
+    except ValueError:
+        return False
+    return qtype in _decoders()
+
+
+def _decoder(qtype):
+    dec = _decoders().get(QuantType(qtype))
+    if dec is None:
+        raise ValueError(f"no Triton decoder for type {QuantType(qtype).name}")
+    return dec
+
+
+_TABLES: dict = {}
+
+
+def _tables(qtype, dec, device):
+    """The decoder's tables as float32 tensors on ``device`` (uploaded once), padded to two; an
+    unused slot gets a one-element tensor (the kernels need a pointer)."""
+    import numpy as np
+    import torch
+    key = (QuantType(qtype), str(device))
+    hit = _TABLES.get(key)
+    if hit is None:
+        ts = [torch.from_numpy(np.ascontiguousarray(t, np.float32)).to(device) for t in dec.tables]
+        while len(ts) < 2:
+            ts.append(torch.zeros(1, dtype=torch.float32, device=device))
+        hit = _TABLES[key] = tuple(ts)
+    return hit
+
+
+def _check_weights(w, dec, n_per_row: int) -> None:
+    import torch
+    if w.dtype != torch.uint8 or w.dim() != 2:
+        raise ValueError(f"weights must be a 2-D uint8 tensor, got {w.dtype} {tuple(w.shape)}")
+    if n_per_row <= 0 or n_per_row % dec.block_values:
+        raise ValueError(f"row size {n_per_row} is not a positive multiple of {dec.block_values}")
+    if w.shape[1] != dec.row_bytes(n_per_row):
+        raise ValueError(f"{w.shape[1]} bytes per row, expected {dec.row_bytes(n_per_row)} for {n_per_row} values")
+
+
+def qdecode(w, qtype, n_per_row: int):
+    """uint8 (N, row_bytes) -> float32 (N, n_per_row), on w's device."""
+    import torch
+    import triton
+    from .template import decode_kernel
+    dec = _decoder(qtype)
+    _check_weights(w, dec, n_per_row)
+    w = w.contiguous()
+    n = w.shape[0]
+    out = torch.empty((n, n_per_row), dtype=torch.float32, device=w.device)
+    if n == 0:
+        return out
+    t0, t1 = _tables(qtype, dec, w.device)
+    bn = 16
+    decode_kernel[(triton.cdiv(n, bn), n_per_row // dec.block_values)](
+        w, out, t0, t1, n, w.shape[1], n_per_row,
+        DECODE=dec.fn, QK=dec.block_values, BLOCK_BYTES=dec.block_bytes, META=dec.row_meta_bytes, BN=bn)
+    return out
+
+
+# at most this many tokens go through the per-token kernel (weights read once per token); more
+# through tl.dot tiles
+FEW_TOKENS = 4
+
+
+def qmatmul(x, w, qtype):
+    """x float32 (M, K) @ decode(w)^T -> float32 (M, N), fused (the decoded rows stay in registers)."""
+    import torch
+    import triton
+    from .template import qmm_kernel, qmv_kernel
+    dec = _decoder(qtype)
+    if x.dim() != 2:
+        raise ValueError(f"activations must be 2-D, got shape {tuple(x.shape)}")
+    m, k = x.shape
+    _check_weights(w, dec, k)
+    x = x.to(torch.float32).contiguous()
+    w = w.contiguous()
+    n = w.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    t0, t1 = _tables(qtype, dec, w.device)
+    geometry = dict(DECODE=dec.fn, QK=dec.block_values, BLOCK_BYTES=dec.block_bytes, META=dec.row_meta_bytes)
+    if m <= FEW_TOKENS:
+        bn = 16 if dec.block_values > 32 else 32
+        qmv_kernel[(triton.cdiv(n, bn), m)](x, w, out, t0, t1, n, k, w.shape[1], x.stride(0), out.stride(0),
+                                            BN=bn, **geometry)
+    else:
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        bn = 32 if dec.block_values > 32 else 64
+        qmm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](x, w, out, t0, t1, m, n, k, w.shape[1], x.stride(0),
+                                                             out.stride(0), BM=bm, BN=bn, **geometry)
+    return out
