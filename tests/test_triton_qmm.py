@@ -14,9 +14,10 @@ from quantkit.types import type_name
 torch = triton_torch()
 
 LEGACY = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q6_0, T.IQ4_NL, T.MXFP4, T.F16, T.BF16]
+KQUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS]
 
 
-@pytest.mark.parametrize("qtype", LEGACY, ids=type_name)
+@pytest.mark.parametrize("qtype", LEGACY + KQUANTS, ids=type_name)
 def test_kernels_equal_numba_decoders(qtype):
     check_type(qtype)
 

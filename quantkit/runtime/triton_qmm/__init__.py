@@ -115,7 +115,8 @@ def qdecode(w, qtype, n_per_row: int):
     bn = 16
     decode_kernel[(triton.cdiv(n, bn), n_per_row // dec.block_values)](
         w, out, t0, t1, n, w.shape[1], n_per_row,
-        DECODE=dec.fn, QK=dec.block_values, BLOCK_BYTES=dec.block_bytes, META=dec.row_meta_bytes, BN=bn)
+        DECODE=dec.fn, QK=dec.block_values, BLOCK_BYTES=dec.block_bytes, META=dec.row_meta_bytes, BN=bn,
+        enable_fp_fusion=False)     # no fused multiply-adds on a GPU: (d * scale) * q - m rounds as ggml's
     return out
 
 
@@ -141,7 +142,9 @@ def qmatmul(x, w, qtype):
     if m == 0 or n == 0:
         return out
     t0, t1 = _tables(qtype, dec, w.device)
-    geometry = dict(DECODE=dec.fn, QK=dec.block_values, BLOCK_BYTES=dec.block_bytes, META=dec.row_meta_bytes)
+    # fused multiply-adds allowed: the products agree to summation-order tolerance, not bit for bit
+    geometry = dict(DECODE=dec.fn, QK=dec.block_values, BLOCK_BYTES=dec.block_bytes, META=dec.row_meta_bytes,
+                    enable_fp_fusion=True)
     if m <= FEW_TOKENS:
         bn = 16 if dec.block_values > 32 else 32
         qmv_kernel[(triton.cdiv(n, bn), m)](x, w, out, t0, t1, n, k, w.shape[1], x.stride(0), out.stride(0),
