@@ -14,7 +14,14 @@ copy of 2 GiB (bytes read + bytes written per second), so the figure needs no sp
 --bandwidth-gbs to use a nominal figure instead.  On a machine without a GPU, --device torch-cpu
 runs the same code on the CPU (and compares with the CPU's copy bandwidth).
 
-    python bench/gpu.py [--device cuda] [--types f16,q8_0,q4_K] [--size-mb 2200] [--gen 64]
+Each file runs once per --backends entry, side by side: "triton" the fused Triton kernels
+(quantkit/runtime/triton_qmm: tiles decoded in registers, types without a kernel on the torch
+decode), "torch" the torch decode of every type (a decoded tile in memory, then a matmul).  On
+CUDA both run by default (triton where installed); on torch-cpu only torch (Triton's CPU
+interpreter is a correctness check, far too slow for a benchmark).  A table, then one JSON line.
+
+    python bench/gpu.py [--device cuda] [--types f16,q8_0,q4_K] [--backends triton,torch]
+                        [--size-mb 2200] [--gen 64]
 """
 from __future__ import annotations
 
@@ -52,7 +59,7 @@ def copy_bandwidth(device: str) -> float:
     return 2 * a.numel() * a.element_size() / best
 
 
-def child(path: Path, device: str, n_prompt: int, n_gen: int, threads: int) -> dict:
+def child(path: Path, device: str, n_prompt: int, n_gen: int, threads: int, backend: str) -> dict:
     import torch
     from quantkit.gguf_io.reader import open_model
     from quantkit.runtime.model import Model
@@ -65,7 +72,7 @@ def child(path: Path, device: str, n_prompt: int, n_gen: int, threads: int) -> d
             torch.cuda.synchronize()
 
     with open_model(path) as g:
-        ops = make_ops(device, (), threads)
+        ops = make_ops(device, (), threads, triton=backend == "triton")
         model = Model(g, ops=ops)
         weights = [model.w.need(t.name) for t in g.tensors if t.n_dims >= 2]
         per_token = sum(w.nbytes for w in weights if not w.name.startswith("token_embd"))
@@ -90,7 +97,8 @@ def child(path: Path, device: str, n_prompt: int, n_gen: int, threads: int) -> d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--types", default="f16,q8_0,q4_K")
+    ap.add_argument("--types", default="f16,q8_0,q4_K,q5_K,q6_K,iq4_xs,mxfp4")
+    ap.add_argument("--backends", help="triton,torch (default: both on CUDA where triton is installed, else torch)")
     ap.add_argument("--size-mb", type=int, default=2200)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)
@@ -99,11 +107,20 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(Path(args.child), args.device, args.prompt, args.gen, args.threads)))
+        print(json.dumps(child(Path(args.child), args.device, args.prompt, args.gen, args.threads, args.backends)))
         return
     import torch
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --device torch-cpu to exercise the same code on the CPU")
+    from quantkit.runtime import triton_qmm
+    if args.backends:
+        backends = args.backends.split(",")
+        if not set(backends) <= {"triton", "torch"}:
+            raise SystemExit(f"--backends: triton and/or torch, not {args.backends}")
+    else:
+        backends = ["triton", "torch"] if args.device.startswith("cuda") and triton_qmm.available() else ["torch"]
+    if "triton" in backends and not triton_qmm.available():
+        raise SystemExit("--backends triton: needs triton and a CUDA device (or TRITON_INTERPRET=1)")
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU (torch)"
     bw = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else copy_bandwidth(args.device)
     bw_how = "nominal" if args.bandwidth_gbs else "measured device copy, read + write"
@@ -114,22 +131,29 @@ def main() -> None:
         make_model(f16, args.size_mb)
         print(f"llama of {f16.stat().st_size / 1e9:.2f} GB in F16; {name}; "
               f"bandwidth {bw / 1e9:.0f} GB/s ({bw_how}); prompt {args.prompt}, {args.gen} generated")
-        print(f"{'type':6} {'file GB':>8} {'GB/token':>9} {'pp tok/s':>9} {'tg tok/s':>9} "
+        print(f"{'type':6} {'backend':7} {'file GB':>8} {'GB/token':>9} {'pp tok/s':>9} {'tg tok/s':>9} "
               f"{'GB/s read':>10} {'of bandwidth':>13}  placement")
+        rows = []
         for t in args.types.split(","):
             path = f16 if t.lower() == "f16" else d / f"{t}.gguf"
             if path != f16:
                 subprocess.run(qk + ["quantize", str(f16), str(path), t, "--pure"], check=True, capture_output=True)
-            p = subprocess.run([sys.executable, __file__, "--child", str(path), "--device", args.device,
-                                "--prompt", str(args.prompt), "--gen", str(args.gen), "--threads", str(args.threads)],
-                               capture_output=True, text=True)
-            if p.returncode != 0:
-                raise SystemExit(f"{t}: {p.stderr[-3000:]}")
-            r = json.loads(p.stdout.strip().splitlines()[-1])
-            read = r["bytes_per_token"] * r["tg"]
-            where = ", ".join(f"{k}: {v['tensors']} tensors" for k, v in r["placement"].items())
-            print(f"{t:6} {path.stat().st_size / 1e9:8.2f} {r['bytes_per_token'] / 1e9:9.3f} {r['pp']:9.1f} "
-                  f"{r['tg']:9.2f} {read / 1e9:10.1f} {100 * read / bw:12.1f}%  {where}")
+            for backend in backends:
+                p = subprocess.run([sys.executable, __file__, "--child", str(path), "--device", args.device,
+                                    "--prompt", str(args.prompt), "--gen", str(args.gen),
+                                    "--threads", str(args.threads), "--backends", backend],
+                                   capture_output=True, text=True)
+                if p.returncode != 0:
+                    raise SystemExit(f"{t} ({backend}): {p.stderr[-3000:]}")
+                r = json.loads(p.stdout.strip().splitlines()[-1])
+                read = r["bytes_per_token"] * r["tg"]
+                where = ", ".join(f"{k}: {v['tensors']} tensors" for k, v in r["placement"].items())
+                print(f"{t:6} {backend:7} {path.stat().st_size / 1e9:8.2f} {r['bytes_per_token'] / 1e9:9.3f} "
+                      f"{r['pp']:9.1f} {r['tg']:9.2f} {read / 1e9:10.1f} {100 * read / bw:12.1f}%  {where}")
+                rows.append({"type": t, "backend": backend, "file_gb": path.stat().st_size / 1e9,
+                             "bandwidth_fraction": read / bw, **r})
+    print(json.dumps({"device": name, "bandwidth_gbs": bw / 1e9, "bandwidth": bw_how, "prompt": args.prompt,
+                      "gen": args.gen, "rows": rows}))
 
 
 if __name__ == "__main__":

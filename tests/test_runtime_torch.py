@@ -126,7 +126,8 @@ def test_split_run_equals_all_cpu(v3, tmp_path, device):
         model = Model(g, ops=ops)
         placed = ops.placement([model.w.need(t.name) for t in g.tensors if t.n_dims >= 2])
     assert {v for k, v in placed.items() if "exps" in k} == {NUMBA}
-    assert {v for k, v in placed.items() if "exps" not in k} == {f"{ops.device} (torch)"}
+    # on CUDA with triton installed the fused kernels compute the types they support
+    assert {v for k, v in placed.items() if "exps" not in k} <= {f"{ops.device} (torch)", f"{ops.device} (triton)"}
 
 
 def test_torch_cpu_generates_what_cpu_does(v3):

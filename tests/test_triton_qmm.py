@@ -30,3 +30,38 @@ def test_refuses_mismatched_rows():
     with pytest.raises(ValueError, match="uint8"):
         triton_qmm.qmatmul(torch.zeros((1, 256)), w.float(), T.Q8_0)
     assert not triton_qmm.supports(T.Q4_0_R8)          # interleaved: a CPU layout
+
+
+@pytest.fixture(scope="module")
+def q4_k_llama(tmp_path_factory):
+    """A tiny llama quantized with the q4_K mix (q4_K, q5_K and q6_K tensors)."""
+    import quantkit
+    from models import write_llama
+    d = tmp_path_factory.mktemp("triton-llama")
+    path = d / "llama-q4_K.gguf"
+    quantkit.quantize_model(write_llama(d / "llama-f32.gguf", n_layer=1, n_vocab=256), path, "q4_K")
+    return path
+
+
+def _logits(path, ops):
+    from quantkit.gguf_io.reader import open_model
+    from quantkit.runtime.model import Model
+    tokens = [int(t) for t in np.random.default_rng(7).integers(3, 256, 8)]
+    with open_model(path) as g:
+        model = Model(g, ops=ops)
+        placed = set(ops.placement([model.w.need(t.name) for t in g.tensors if t.n_dims >= 2]).values()) \
+            if ops is not None and hasattr(ops, "placement") else None
+        return model.forward(tokens, model.new_cache(8)), placed
+
+
+def test_torch_backend_runs_the_kernels(q4_k_llama):
+    """TorchOps(triton=True) (forced on the CPU under the interpreter) computes every matrix of the
+    model with the fused kernels and gives the numba backend's logits."""
+    from quantkit.runtime import ops_cpu
+    from quantkit.runtime.ops_torch import TorchOps
+    ref, _ = _logits(q4_k_llama, ops_cpu)
+    got, placed = _logits(q4_k_llama, TorchOps("cpu", triton=True))
+    assert placed == {"cpu (triton)"}
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err <= 1e-3, f"max|Δ| = {err:.2e} x max|logit|"
+    assert not TorchOps("cpu").triton                   # off by default where there is no GPU

@@ -9,6 +9,11 @@ copies of the activations, when
     ik_llama.cpp also keeps on the CPU), or
   * its name matches a ``--override-tensor REGEX=cpu`` pattern (``exps=cpu``: the routed experts
     in RAM, everything else on the GPU, as DeepSeek users run ik_llama.cpp).
+On CUDA, where Triton is installed, the products of the types it has a kernel for
+(``triton_qmm.supports``) are fused instead: a Triton kernel decodes each tile of rows in registers
+and multiplies it (``triton_qmm.qmatmul``), never writing the decoded rows; the others keep the
+torch decode.  ``TorchOps(..., triton=True)`` forces the kernels on any device (the CPU under
+Triton's interpreter, TRITON_INTERPRET=1: how the tests run them), ``triton=False`` turns them off.
 Activations are float32 torch tensors on the device; the numerics follow ops_cpu (f16 KV cache,
 f16 copies of the query and of the probabilities, sums of squares and of exponentials in double;
 an f32 cache, cache_type.py, multiplied in float32).
@@ -23,7 +28,7 @@ import numpy as np
 import torch
 
 from ..types import QuantType, traits
-from . import ops_cpu, torch_decode
+from . import ops_cpu, torch_decode, triton_qmm
 from .weights import Weight
 
 F32 = torch.float32
@@ -43,9 +48,14 @@ class TorchOps:
     FUSED_TOKENS = ops_cpu.FUSED_TOKENS
     FEW_TOKENS = ops_cpu.FEW_TOKENS
 
-    def __init__(self, device: str = "cuda", cpu_tensors=()):
+    def __init__(self, device: str = "cuda", cpu_tensors=(), triton: bool | None = None):
         self.device = torch.device(device)
         self.cpu_tensors = [re.compile(p) for p in cpu_tensors]
+        if triton is None:      # on CUDA where Triton is installed (compiled: not the tests' interpreter)
+            triton = self.device.type == "cuda" and triton_qmm.available() and not triton_qmm.interpreting()
+        elif triton and not triton_qmm.available():
+            raise ValueError("the Triton kernels need triton, and CUDA or TRITON_INTERPRET=1")
+        self.triton = triton
         self._bytes: dict[tuple, torch.Tensor] = {}
         self._params: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
 
@@ -59,8 +69,15 @@ class TorchOps:
         return torch_decode.can_decode(w.qtype) and traits(w.qtype).interleave_rows == 1
 
     def where(self, w: Weight) -> str:
-        """Where ``w`` is computed: "cuda:0 (torch)" (the device), or "cpu (numba)"."""
-        return f"{self.device} (torch)" if self.on_device(w) else NUMBA
+        """Where ``w`` is computed: "cuda:0 (torch)" (the device), "cuda:0 (triton)" (the device,
+        by a fused kernel), or "cpu (numba)"."""
+        if not self.on_device(w):
+            return NUMBA
+        return f"{self.device} (triton)" if self.fused(w) else f"{self.device} (torch)"
+
+    def fused(self, w: Weight) -> bool:
+        """Whether w's products on the device run the fused Triton kernel (else the torch decode)."""
+        return self.triton and triton_qmm.supports(w.qtype)
 
     def placement(self, weights) -> dict[str, str]:
         """Tensor name -> :meth:`where` it is computed."""
@@ -116,6 +133,8 @@ class TorchOps:
         x = x.to(F32)
         if w.qtype == QuantType.F16:
             x = _f16_round(x)           # ggml's f16 dot product converts the activations to f16
+        if self.fused(w):
+            return triton_qmm.qmatmul(x, self._device_bytes(w), w.qtype)
         n_out, tile = w.n_out * w.n_matrices, self._tile(w)
         if n_out <= tile:
             return x @ self._decoded(w, 0, n_out).T
@@ -148,6 +167,8 @@ class TorchOps:
         if not self.on_device(w):
             return self.from_host(ops_cpu.embed(w, ids))
         idx = torch.from_numpy(np.asarray(ids, np.int64)).to(self.device)
+        if self.fused(w):
+            return triton_qmm.qdecode(self._device_bytes(w)[idx], w.qtype, w.n_in)
         return torch_decode.decode(self._device_bytes(w)[idx], w.qtype, w.n_in)
 
     # ---- elementwise ----

@@ -57,10 +57,11 @@ class Session:
 DEVICES = ("cpu", "cuda", "torch-cpu")
 
 
-def make_ops(device: str = "cpu", cpu_tensors=(), threads: int = 1):
+def make_ops(device: str = "cpu", cpu_tensors=(), threads: int = 1, triton: bool | None = None):
     """The ops backend for ``device``: "cpu" the numba backend (ops_cpu); "cuda" / "cuda:N" the
     torch backend on that GPU, with tensors matching ``cpu_tensors`` (regexes) kept on the CPU;
-    "torch-cpu" the torch backend on the CPU (the CUDA code path, where no GPU is)."""
+    "torch-cpu" the torch backend on the CPU (the CUDA code path, where no GPU is).  ``triton``:
+    the torch backend's fused Triton kernels (ops_torch.TorchOps; None: on CUDA where installed)."""
     if device == "cpu":
         return ops_cpu
     if not (device in ("cuda", "torch-cpu") or re.fullmatch(r"cuda:\d+", device)):
@@ -74,7 +75,7 @@ def make_ops(device: str = "cpu", cpu_tensors=(), threads: int = 1):
                             f"CUDA build: {torch.version.cuda or 'no'})")
     from .ops_torch import TorchOps
     torch.set_num_threads(threads)
-    return TorchOps("cpu" if device == "torch-cpu" else device, cpu_tensors)
+    return TorchOps("cpu" if device == "torch-cpu" else device, cpu_tensors, triton)
 
 
 def parse_overrides(specs) -> list[str]:
