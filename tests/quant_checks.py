@@ -155,3 +155,37 @@ def iq1_finite_scales(qtype, b: np.ndarray, rng) -> np.ndarray:
         g[:, :8] = halves(4 * g.shape[0]).view(np.uint8).reshape(-1, 8)
     return b
 
+
+# the grid i-quants: a float16 d at byte 0 of every block
+_BLOCK_D_AT_0 = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s")
+
+
+def random_rows(qtype, n_rows: int, seed: int, n_per_row: int = 512) -> np.ndarray:
+    """Random bytes for n_rows rows of qtype, each float16 / float32 scale a random finite value
+    (tests/test_layouts.py, tests/test_triton_qmm_iq.py): every code, packed scale, grid bit, sign
+    and min takes random values."""
+    from quantkit.layouts import LAYOUTS
+    from quantkit.types import QuantType
+    t = traits(qtype)
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n_rows, t.row_size(n_per_row)), dtype=np.uint8)
+    if t.row_meta_size in (4, 8):          # a float32 scale (q8_KV: then the int32 sum of its codes)
+        b[:, :4] = rng.uniform(-2, 2, (n_rows, 1)).astype("<f4").view(np.uint8)
+    elif t.row_meta_size == 2:
+        b[:, :2] = rng.uniform(-2, 2, (n_rows, 1)).astype("<f2").view(np.uint8)
+    if qtype == QuantType.MXFP4:        # an E8M0 exponent byte: 253 and up make d * 12 overflow
+        blocks = b.reshape(n_rows, -1, t.type_size)
+        blocks[:, :, 0] = rng.integers(0, 253, blocks.shape[:2])
+    lay = LAYOUTS.get(qtype)
+    halves = set()
+    if lay is not None:
+        halves = {at for r in lay.runs for at in (r.d_at, r.m_at) if at is not None}
+        if lay.sup is not None:
+            halves |= {at for at in (lay.sup.d_at, lay.sup.dmin_at) if at is not None}
+    elif t.name in _BLOCK_D_AT_0:
+        halves = {0}
+    if halves:
+        blocks = b[:, t.row_meta_size:].reshape(n_rows, -1, t.type_size)
+    for at in halves:
+        blocks[:, :, at:at + 2] = rng.uniform(-2, 2, blocks.shape[:2] + (1,)).astype("<f2").view(np.uint8)
+    return iq1_finite_scales(qtype, b, rng)

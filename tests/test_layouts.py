@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from quant_checks import iq1_finite_scales
+from quant_checks import random_rows
 from quantkit import formats
 from quantkit.formats import decode
 from quantkit.layouts import LAYOUTS
@@ -17,29 +17,6 @@ from quantkit.types import QuantType, traits, type_name
 
 DECODED = [q for q in QuantType if decode.can_decode(q)]
 N_PER_ROW = 512
-
-
-def random_rows(qtype, n_rows: int, seed: int) -> np.ndarray:
-    """Random bytes for n_rows rows of qtype, each float16 / float32 scale a random finite value."""
-    t = traits(qtype)
-    rng = np.random.default_rng(seed)
-    b = rng.integers(0, 256, (n_rows, t.row_size(N_PER_ROW)), dtype=np.uint8)
-    if t.row_meta_size in (4, 8):          # a float32 scale (q8_KV: then the int32 sum of its codes)
-        b[:, :4] = rng.uniform(-2, 2, (n_rows, 1)).astype("<f4").view(np.uint8)
-    elif t.row_meta_size == 2:
-        b[:, :2] = rng.uniform(-2, 2, (n_rows, 1)).astype("<f2").view(np.uint8)
-    if qtype == QuantType.MXFP4:        # an E8M0 exponent byte: 253 and up make d * 12 overflow
-        blocks = b.reshape(n_rows, -1, t.type_size)
-        blocks[:, :, 0] = rng.integers(0, 253, blocks.shape[:2])
-    lay = LAYOUTS.get(qtype)
-    if lay is not None:
-        halves = {at for r in lay.runs for at in (r.d_at, r.m_at) if at is not None}
-        if lay.sup is not None:
-            halves |= {at for at in (lay.sup.d_at, lay.sup.dmin_at) if at is not None}
-        blocks = b[:, t.row_meta_size:].reshape(n_rows, -1, t.type_size)
-        for at in halves:
-            blocks[:, :, at:at + 2] = rng.uniform(-2, 2, blocks.shape[:2] + (1,)).astype("<f2").view(np.uint8)
-    return iq1_finite_scales(qtype, b, rng)
 
 
 @pytest.mark.parametrize("qtype", list(LAYOUTS), ids=type_name)
