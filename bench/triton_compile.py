@@ -57,7 +57,7 @@ def main() -> None:
     from triton.compiler import ASTSource
 
     from quantkit.runtime.triton_qmm import FEW_TOKENS, template, tiles
-    from quantkit.runtime.triton_qmm.decoders import DECODERS
+    from quantkit.runtime.triton_qmm.registry import DECODERS
     from quantkit.types import QuantType, type_name
     types = [QuantType[t.upper()] for t in args.types.split(",")] if args.types else list(DECODERS)
     target = GPUTarget("cuda", args.arch, 32)

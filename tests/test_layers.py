@@ -77,6 +77,11 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
         "interleave kernels (formats.registered's docstring)",
     ("quantkit.runtime.session", "quantkit.runtime.ops_torch"):
         "optional dependency: torch is imported only for --device cuda / torch-cpu",
+    ("quantkit.runtime.triton_qmm", "quantkit.runtime.triton_qmm.registry"):
+        "optional dependency: the family decoders are @triton.jit functions, so triton is imported on "
+        "the first supports()/kernel call, never by importing the package (triton missing: supports() is False)",
+    ("quantkit.runtime.triton_qmm", "quantkit.runtime.triton_qmm.template"):
+        "optional dependency: the kernels are @triton.jit functions, imported on the first launch",
     ("quantkit.text.tokenizer", "quantkit.text.chat"):
         "start-up time of an optional feature: chat.py is built on Jinja2 (50 ms to import), which only "
         "chat templates need (`run --chat`); where it is missing, the error says how to install it",

@@ -2,7 +2,7 @@
 and multiply it, never writing the decoded rows (issue 28, target 4).
 
     available() -> bool          triton importable, and a CUDA device or Triton's CPU interpreter
-    supports(qtype) -> bool      a decoder exists for qtype (decoders.DECODERS)
+    supports(qtype) -> bool      a decoder exists for qtype (registry.DECODERS)
     qdecode(w, qtype, n_per_row) -> float32 (N, n_per_row)      equal to formats.dequantize bit for bit
     qmatmul(x, w, qtype) -> float32 (M, N)                      x (M, K) @ decoded(w)^T, fused
 
@@ -49,7 +49,7 @@ def available() -> bool:
 
 
 def _decoders():
-    from .decoders import DECODERS
+    from .registry import DECODERS
     return DECODERS
 
 

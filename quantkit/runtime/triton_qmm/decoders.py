@@ -22,16 +22,15 @@ past the end are clamped to the last row, and their results never stored).  A de
 its values with the same float32 operations in the same order as the numba decoders
 (formats.dequantize; ggml's dequantize_row_*), so ``qdecode`` equals them bit for bit.
 
-The family modules (legacy.py, kquants.py, and iqk.py / iquants.py, written on this contract by
-another hand) each export ``DECODERS: dict[QuantType, Decoder]``; :data:`DECODERS` merges those
-present.
+The family modules (legacy.py, kquants.py, iqk.py, iquants.py) each export
+``DECODERS: dict[QuantType, Decoder]``; registry.py merges them (apart from this module, which the
+families import: a family module imported first would otherwise import itself half-made).
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
-from ...types import QuantType, traits
+from ...types import traits
 
 
 @dataclass(frozen=True)
@@ -52,23 +51,3 @@ def for_type(qtype, fn, tables=(), block_values: int | None = None, block_bytes:
     t = traits(qtype)
     return Decoder(fn=fn, block_values=block_values or t.block_size, block_bytes=block_bytes or t.type_size,
                    row_meta_bytes=t.row_meta_size, tables=tuple(tables))
-
-
-# the family modules; a missing one (not written yet) contributes nothing
-FAMILIES = ("legacy", "kquants", "iqk", "iquants")
-
-
-def _merged() -> dict[QuantType, Decoder]:
-    merged: dict[QuantType, Decoder] = {}
-    for name in FAMILIES:
-        try:
-            mod = importlib.import_module(f"{__package__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__package__}.{name}":
-                raise
-            continue
-        merged.update(mod.DECODERS)
-    return merged
-
-
-DECODERS: dict[QuantType, Decoder] = _merged()
