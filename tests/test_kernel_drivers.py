@@ -57,3 +57,16 @@ def test_blocks_that_do_not_hold_the_rows_are_refused_before_the_kernel():
     for blocks in (np.zeros((2, 143), np.uint8), np.zeros((1, 144), np.uint8), np.zeros(288, np.uint8)):
         with pytest.raises(ValueError, match="do not hold 2 rows of 256 values"):
             kquants.dequantize_rows(int(QuantType.Q4_K), blocks, FP16_TABLE, out)
+
+
+def test_decoding_calls_the_compiled_driver_directly():
+    """decode_rows reaches the driver's compiled code without its dispatcher (which types the
+    function tuple on every call, ~80 us, a few hundred times per prompt): the signature it looks
+    up is the one the driver is compiled for, and an output it cannot take goes to the dispatcher."""
+    from quantkit.kernels import common
+    blocks = np.zeros((2, 210), np.uint8)                          # two Q6_K rows of 256 values
+    out = np.empty((2, 256), np.float32)
+    decode_rows(kquants.decode_row, int(QuantType.Q6_K), blocks, FP16_TABLE, out)
+    assert common._DRIVER_SIG in common.decode_rows_with.overloads
+    assert common._decode_driver(blocks, FP16_TABLE, out) is not common.decode_rows_with
+    assert common._decode_driver(blocks, FP16_TABLE, np.empty((256, 2), np.float32).T) is common.decode_rows_with

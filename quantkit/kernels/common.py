@@ -292,4 +292,23 @@ def decode_rows(decode_row, qtype, blocks, fp16_table, out, interleave=1):
         blocks.flags.writeable = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
-        decode_rows_with((decode_row,), np.int64(qtype), blocks, fp16_table, out)
+        _decode_driver(blocks, fp16_table, out)((decode_row,), np.int64(qtype), blocks, fp16_table, out)
+
+
+# decode_rows_with's arguments as decode_rows passes them (every row decoder has DECODE_SIG)
+_DRIVER_SIG = (types.UniTuple(types.FunctionType(types.none(*DECODE_SIG)), 1), types.int64,
+               types.Array(types.uint8, 2, "C", readonly=True), types.Array(types.float32, 1, "C"),
+               types.Array(types.float32, 2, "C"))
+
+
+def _decode_driver(blocks, fp16_table, out):
+    """The driver's compiled code itself where the arguments have _DRIVER_SIG's types, else its
+    dispatcher: the dispatcher types the function tuple on every call (~80 us), and a prompt's
+    products decode one tile of rows at a time, a few hundred tiles per forward pass."""
+    if (blocks.dtype == np.uint8 and blocks.flags.c_contiguous and out.dtype == np.float32 and out.flags.c_contiguous
+            and out.flags.aligned and fp16_table.dtype == np.float32 and fp16_table.ndim == 1
+            and fp16_table.flags.c_contiguous and fp16_table.flags.aligned):
+        compiled = decode_rows_with.overloads.get(_DRIVER_SIG)
+        if compiled is not None:
+            return compiled.entry_point
+    return decode_rows_with

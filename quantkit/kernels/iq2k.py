@@ -266,22 +266,30 @@ def decode_row(qtype, b, y, fp16_table):
             o = IQ2_K_BYTES * sb
             d = fp16_at(b, o, fp16_table)
             extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
-            for p in range(QK_K):
-                ib = p // 16
-                ib32 = p // 32
-                ls = ((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) - 8
-                q = (np.int64(b[o + 12 + 32 * (ib32 // 4) + p % 32]) >> (2 * (ib32 % 4))) & 3
-                y[QK_K * sb + p] = (d * F(ls)) * VALUES[q + 4 * ((extra >> ib) & 1)]
+            # per 16 values one scale: worked out once, the values' loop left with loads and a lookup
+            for ib in range(16):
+                ib32 = ib // 2
+                dl = d * F(((np.int64(b[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 0xF) - 8)
+                shift = 4 * ((extra >> ib) & 1)
+                at = o + 12 + 32 * (ib32 // 4) + 16 * (ib % 2)
+                bits = 2 * (ib32 % 4)
+                for j in range(16):
+                    q = (np.int64(b[at + j]) >> bits) & 3
+                    y[QK_K * sb + 16 * ib + j] = dl * VALUES[q + shift]
     else:
         d = fp16_at(b, 0, fp16_table)
         for sb in range(n // QK_K):
             o = IQ2_KS_META + IQ2_KS_BYTES * sb
             extra = np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
-            for p in range(QK_K):
-                ib = p // 32
+            for ib in range(8):
                 ls = (((np.int64(b[o + 2 + ib // 2]) >> (4 * (ib % 2))) & 0xF) | (((extra >> (8 + ib)) & 1) << 4)) - 16
-                q = (np.int64(b[o + 6 + 32 * (ib // 4) + p % 32]) >> (2 * (ib % 4))) & 3
-                y[QK_K * sb + p] = (d * F(ls)) * VALUES[q + 4 * ((extra >> ib) & 1)]
+                dl = d * F(ls)
+                shift = 4 * ((extra >> ib) & 1)
+                at = o + 6 + 32 * (ib // 4)
+                bits = 2 * (ib % 4)
+                for j in range(32):
+                    q = (np.int64(b[at + j]) >> bits) & 3
+                    y[QK_K * sb + 32 * ib + j] = dl * VALUES[q + shift]
 
 
 def dequantize_rows(qtype, blocks, fp16_table, out):

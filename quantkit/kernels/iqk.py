@@ -609,27 +609,33 @@ def decode_row(qtype, b, y, fp16_table):
             d = fp16_at(b, o, fp16_table)
             extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
             signs = np.int64(b[o + 4]) | (np.int64(b[o + 5]) << 8)
-            for p in range(QK_K):
-                ib = p // 16
-                ib32 = p // 32
-                k = p % 32
+            # per 16 values one scale: worked out once, the values' loop left with loads and a lookup
+            for ib in range(16):
+                ib32 = ib // 2
                 mag = (np.int64(b[o + 6 + ib // 2]) >> (4 * (ib % 2))) & 0xF
                 ls = (2 * mag + 1) * (-1 if (signs >> ib) & 1 else 1)
-                q = ((np.int64(b[o + 14 + 32 * (ib32 // 4) + k]) >> (2 * (ib32 % 4))) & 3) | \
-                    (((np.int64(b[o + 78 + k]) >> ib32) & 1) << 2)
-                y[e + p] = (d * F(ls)) * F(IQ3NL_VALUES[q + 8 * ((extra >> ib) & 1)])
+                dl = d * F(ls)
+                shift = 8 * ((extra >> ib) & 1)
+                lo_at = o + 14 + 32 * (ib32 // 4) + 16 * (ib % 2)
+                lo_shift = 2 * (ib32 % 4)
+                hi_at = o + 78 + 16 * (ib % 2)
+                for j in range(16):
+                    q = ((np.int64(b[lo_at + j]) >> lo_shift) & 3) | (((np.int64(b[hi_at + j]) >> ib32) & 1) << 2)
+                    y[e + 16 * ib + j] = dl * F(IQ3NL_VALUES[q + shift])
         elif qtype == IQ4_K:
             o = sb * IQ4_K_BYTES
             d = fp16_at(b, o, fp16_table)
             extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
-            for p in range(QK_K):
-                ib = p // 16
-                g = p // 32
-                k = p % 32
+            for ib in range(16):
                 ls = (((np.int64(b[o + 8 + ib // 2]) >> (4 * (ib % 2))) & 0xF)
                       | (((np.int64(b[o + 4 + ib // 4]) >> (2 * (ib % 4))) & 3) << 4)) - 32
-                q = (np.int64(b[o + 16 + 16 * g + k % 16]) >> (4 * (k // 16))) & 0xF
-                y[e + p] = (d * F(ls)) * F(IQ4K_VALUES[q + 16 * ((extra >> ib) & 1)])
+                dl = d * F(ls)
+                shift = 16 * ((extra >> ib) & 1)
+                at = o + 16 + 16 * (ib // 2)
+                nibble = 4 * (ib % 2)
+                for j in range(16):
+                    q = (np.int64(b[at + j]) >> nibble) & 0xF
+                    y[e + 16 * ib + j] = dl * F(IQ4K_VALUES[q + shift])
         else:
             six = qtype == IQ6_K
             o = sb * (IQ6_K_BYTES if six else IQ5_K_BYTES)
@@ -637,22 +643,29 @@ def decode_row(qtype, b, y, fp16_table):
             extra = np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)
             qs = o + (20 if six else 16)
             qh = o + (148 if six else 144)
-            for p in range(QK_K):
-                ib = p // 16
-                ib32 = p // 32
-                k = p % 32
-                lo = (np.int64(b[qs + 32 * (ib32 // 2) + k]) >> (4 * (ib32 % 2))) & 0xF
+            for ib in range(16):
+                ib32 = ib // 2
                 sh = (extra >> ib) & 1
                 if six:
                     ls = np.int64(np.int8(b[o + 4 + ib]))
-                    q = F(lo | (((np.int64(b[qh + 32 * (ib32 // 4) + k]) >> (2 * (ib32 % 4))) & 3) << 4))
-                    v = (A_IQ6K + q * (B_IQ6K + q * (-C_IQ6K + q * D_IQ6K))) + F(sh)
-                    y[e + p] = (d * F(ls)) * v
                 else:
                     ls = (((np.int64(b[o + 8 + ib // 2]) >> (4 * (ib % 2))) & 0xF)
                           | (((np.int64(b[o + 4 + ib // 4]) >> (2 * (ib % 4))) & 3) << 4)) - 32
-                    q = lo | (((np.int64(b[qh + k]) >> ib32) & 1) << 4)
-                    y[e + p] = (d * F(ls)) * F(IQ5NL_VALUES[q + 32 * sh])
+                dl = d * F(ls)
+                lo_at = qs + 32 * (ib32 // 2) + 16 * (ib % 2)
+                lo_shift = 4 * (ib32 % 2)
+                if six:
+                    for j in range(16):
+                        k = 16 * (ib % 2) + j
+                        lo = (np.int64(b[lo_at + j]) >> lo_shift) & 0xF
+                        q = F(lo | (((np.int64(b[qh + 32 * (ib32 // 4) + k]) >> (2 * (ib32 % 4))) & 3) << 4))
+                        v = (A_IQ6K + q * (B_IQ6K + q * (-C_IQ6K + q * D_IQ6K))) + F(sh)
+                        y[e + 16 * ib + j] = dl * v
+                else:
+                    for j in range(16):
+                        lo = (np.int64(b[lo_at + j]) >> lo_shift) & 0xF
+                        q = lo | (((np.int64(b[qh + 16 * (ib % 2) + j]) >> ib32) & 1) << 4)
+                        y[e + 16 * ib + j] = dl * F(IQ5NL_VALUES[q + 32 * sh])
 
 
 def dequantize_rows(qtype, blocks, fp16_table, out):
