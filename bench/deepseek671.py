@@ -67,6 +67,8 @@ class MadeRows:
     starting at a place derived from the tensor's name and ``r`` (deterministic, reads of the
     same range give the same bytes).  The interface of ``GGUFFile.read``/``view``."""
 
+    read_ahead = True       # numpy copies only: quantize reads the next chunk beside the quantizer
+
     def __init__(self, name: str, qtype, n_per_row: int, pattern):
         from quantkit.types import QuantType, traits
         self.name, self.n_per_row = name, n_per_row
@@ -148,15 +150,17 @@ def kind_of(name: str) -> str:
     return "small"          # norms, router, bias
 
 
-def write_imatrix(path: Path, model) -> Path:
-    """A legacy .dat imatrix with a positive weight per column of every matrix of every 2-D/3-D tensor."""
+def write_imatrix(path: Path, n_expert: int) -> Path:
+    """A legacy .dat imatrix for the whole model (every layer, whatever the run quantizes: a real
+    run loads all of it, ~1 GB at 256 experts), a positive weight per column of every matrix."""
     from quantkit.imatrix import save_dat
+    model = made_model(n_expert)
     rng = np.random.default_rng(28)
     weights = {}
     for t in model.tensors:
-        if len(t.shape) >= 2 and t.name not in ("token_embd.weight",):
+        if len(t.shape) >= 2 and t.name != "token_embd.weight":
             n_mat = t.shape[2] if len(t.shape) == 3 else 1
-            weights[t.name] = (rng.random(t.shape[0] * n_mat, dtype=np.float32) + 0.05)
+            weights[t.name] = rng.random(t.shape[0] * n_mat, dtype=np.float32) + 0.05
     return save_dat(path, weights, 1, chunk_count=1, dataset="made")
 
 
@@ -180,8 +184,8 @@ def child(args) -> None:
         return int(m[1]) in layers and (only is None or only.search(name) is not None)
 
     model = made_model(args.experts, keep)
+    imatrix = Path(args.imatrix)
     with tempfile.TemporaryDirectory(dir=args.workdir) as d:
-        imatrix = write_imatrix(Path(d) / "made.imatrix", model)
         # time in the quantize kernels (all threads busy) against the whole run (the rest: making,
         # decoding, checking rows and Python per chunk, mostly on one thread)
         kernel = [0.0]
@@ -273,13 +277,16 @@ def main() -> None:
     ap.add_argument("--cores", default="16,32,64,128", help="core counts the full run is extrapolated to")
     ap.add_argument("--workdir", default=None, help="where the output is written (removed after)")
     ap.add_argument("--json", default=None, help="also write the JSON report here")
+    ap.add_argument("--imatrix", default=None, help=argparse.SUPPRESS)     # the child's, made by the parent
     args = ap.parse_args()
     if args.child:
         return child(args)
     threads_list = [int(t) for t in args.threads.split(",")]
+    work = tempfile.TemporaryDirectory(dir=args.workdir)
+    imatrix = write_imatrix(Path(work.name) / "made.imatrix", args.experts)
 
     def argv(layers, threads):
-        a = ["--layers", layers, "--experts", str(args.experts), "--threads", str(threads)]
+        a = ["--layers", layers, "--experts", str(args.experts), "--threads", str(threads), "--imatrix", str(imatrix)]
         a += ["--only", args.only] if args.only else []
         a += ["--workdir", args.workdir] if args.workdir else []
         return a + (["--ends"] if args.ends else [])
@@ -299,6 +306,8 @@ def main() -> None:
     if args.rss_layers and args.rss_layers != args.layers:
         rss_run = run_child(argv(args.rss_layers, max(threads_list)))
 
+    work.cleanup()
+
     # per kind: weights/s at each thread count, the serial fraction two counts imply, the full run
     kinds = sorted({k for r in runs.values() for k in r["per_kind"]})
     rate = {th: {k: r["per_kind"][k]["weights"] / r["per_kind"][k]["seconds"]
@@ -316,10 +325,12 @@ def main() -> None:
     for n in cores:
         total = 0.0
         for k, v in plan["kinds"].items():
-            r1 = rate.get(lo, {}).get(k) or rate.get(lo, {}).get("shexp")     # small kinds: like other q8_0
+            # a kind the run did not quantize (the ends, dense layers: q8_0 from BF16) as shexp's
+            like = k if k in rate.get(lo, {}) else "shexp"
+            r1 = rate.get(lo, {}).get(like)
             if r1 is None:
                 continue
-            s = serial.get(k) if serial.get(k) is not None else 0.0
+            s = serial.get(like) if serial.get(like) is not None else 0.0
             total += v["weights"] / r1 * lo * (s + (1 - s) / n)
         full[n] = total
 
@@ -330,7 +341,7 @@ def main() -> None:
           + f"{'serial':>9}")
     for k in sorted(plan["kinds"]):
         v = plan["kinds"][k]
-        cols = "".join(f"{rate[t][k] / 1e6:>12.2f}" if k in rate[t] else f"{'-':>12}" for t in threads_list)
+        cols = "".join(f"{rate[t][k] / 1e6:>12.2f}" if k in rate[t] else f"{'(shexp)':>12}" for t in threads_list)
         s = serial.get(k)
         print(f"{k:<14}{','.join(v['types']):<22}{v['weights'] / 1e9:>14.2f} G{cols}{'' if s is None else f'{s:>9.2f}':>9}")
     for th, r in runs.items():

@@ -194,9 +194,14 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
     n_matrices = info.n_rows // n_rows_per_matrix
     group = traits(tp.dst_type).interleave_rows
     # a source that stores these very blocks (a compressed-tensors int4 checkpoint's q4_0) is copied
+    # (its rows are then taken on this thread alone: no read ahead beside it)
     exact_rows = getattr(info.source, "exact_rows", None)
+    if tp.dst_type not in getattr(info.source, "exact_types", ()):
+        exact_rows = None
     chunks = list(_row_chunks(n_rows_per_matrix, n_matrices, n_per_row, group, get_num_threads()))
-    with ReadAhead(info) as ahead:
+    # read ahead only from sources whose reads are plain preads (a GGUF file): a lazy Hugging Face
+    # tensor may run a numba kernel to read (FP8 -> BF16), which must not run beside the quantizer's
+    with ReadAhead(info, enabled=exact_rows is None and getattr(info.source, "read_ahead", False)) as ahead:
         for i, (m, rows) in enumerate(chunks):
             signals.check()
             if exact_rows is not None:
@@ -213,8 +218,8 @@ class ReadAhead:
     """Rows of one tensor as float32, the next rows' bytes read on a helper thread meanwhile.
     Holds two chunks' bytes at most (the one being decoded and the one being read)."""
 
-    def __init__(self, info: TensorInfo):
-        self.info = info
+    def __init__(self, info: TensorInfo, enabled: bool = True):
+        self.info, self.enabled = info, enabled
         self._pool = None
         self._pending: tuple[slice, object] | None = None
 
@@ -233,7 +238,7 @@ class ReadAhead:
         else:
             raw = read_rows(self.info, rows)
         self._pending = None
-        if next_rows is not None:
+        if next_rows is not None and self.enabled:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="quantkit-read")
             self._pending = (next_rows, self._pool.submit(read_rows, self.info, next_rows))
