@@ -242,6 +242,7 @@ def run_child(argv: list[str]) -> dict:
     doc = json.loads(out.decode().strip().splitlines()[-1])
     doc["wall_seconds"] = time.perf_counter() - t0
     doc["peak_rss_bytes"] = usage.ru_maxrss * 1024
+    doc["cpu_seconds"] = usage.ru_utime + usage.ru_stime      # the whole child, start-up included
     return doc
 
 
@@ -346,7 +347,8 @@ def main() -> None:
         print(f"{k:<14}{','.join(v['types']):<22}{v['weights'] / 1e9:>14.2f} G{cols}{'' if s is None else f'{s:>9.2f}':>9}")
     for th, r in runs.items():
         print(f"run @{th} thread(s): {r['weights'] / 1e6:.1f} M weights in {r['seconds']:.1f} s "
-              f"(kernels {r['kernel_seconds'] / r['seconds']:.0%} of it), peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
+              f"(kernels {r['kernel_seconds'] / r['seconds']:.0%} of it; the child used {r['cpu_seconds']:.0f} CPU s "
+              f"in {r['wall_seconds']:.0f} s), peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
     if rss_run:
         print(f"layers {args.rss_layers} @{max(threads_list)}: peak RSS {rss_run['peak_rss_bytes'] / 2**30:.2f} GiB "
               f"(layers {args.layers}: {runs[max(threads_list)]['peak_rss_bytes'] / 2**30:.2f} GiB)")
