@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -186,19 +187,24 @@ def child(args) -> None:
     model = made_model(args.experts, keep)
     imatrix = Path(args.imatrix)
     with tempfile.TemporaryDirectory(dir=args.workdir) as d:
-        # time in the quantize kernels (all threads busy) against the whole run (the rest: making,
-        # decoding, checking rows and Python per chunk, mostly on one thread)
+        # time in the quantizer and the steps around it that run on all threads (decoding the
+        # input, its extent, checking the output), against the whole run: the rest (making rows,
+        # Python per chunk) runs on one thread, the serial part of the run
         kernel = [0.0]
-        real_quantize = formats.quantize
 
-        def timed_quantize(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return real_quantize(*a, **k)
-            finally:
-                kernel[0] += time.perf_counter() - t0
+        def timed(fn):
+            def run(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    kernel[0] += time.perf_counter() - t0
+            return run
 
-        formats.quantize = timed_quantize
+        formats.quantize = timed(formats.quantize)
+        formats.dequantize = timed(formats.dequantize)
+        formats.find_non_finite = timed(formats.find_non_finite)
+        quantize.row_extent = timed(quantize.row_extent)
         real_warm_up = quantize.warm_up_plan
 
         def warm_up_untimed(*a, **k):       # its kernel calls are compile time, not the run's
@@ -213,13 +219,21 @@ def child(args) -> None:
             kinds = {tp.name: kind_of(tp.name) for tp in q.plan.tensors}
             types = {tp.name: tp.dst_type.name.lower() for tp in q.plan.tensors}
             n_el = {tp.name: tp.n_elements for tp in q.plan.tensors}
-            result = q.write()
+            cpu, last = {}, [resource.getrusage(resource.RUSAGE_SELF)]
+
+            def on_tensor(name, done, total):       # CPU seconds of every thread per tensor
+                now = resource.getrusage(resource.RUSAGE_SELF)
+                cpu[name] = now.ru_utime + now.ru_stime - last[0].ru_utime - last[0].ru_stime
+                last[0] = now
+
+            result = q.write(progress=on_tensor)
         out_bytes = result.bytes_written
     per_kind: dict[str, dict] = {}
     for name, sec in result.tensor_seconds.items():
-        k = per_kind.setdefault(kinds[name], {"weights": 0, "seconds": 0.0, "types": set()})
+        k = per_kind.setdefault(kinds[name], {"weights": 0, "seconds": 0.0, "cpu_seconds": 0.0, "types": set()})
         k["weights"] += n_el[name]
         k["seconds"] += sec
+        k["cpu_seconds"] += cpu.get(name, 0.0)
         k["types"].add(types[name])
     print(json.dumps({"seconds": result.seconds, "compile_seconds": result.compile_seconds,
                       "kernel_seconds": kernel[0], "weights": result.n_weights, "bytes_out": out_bytes,
@@ -313,7 +327,10 @@ def main() -> None:
     kinds = sorted({k for r in runs.values() for k in r["per_kind"]})
     rate = {th: {k: r["per_kind"][k]["weights"] / r["per_kind"][k]["seconds"]
                  for k in kinds if r["per_kind"].get(k, {}).get("seconds")} for th, r in runs.items()}
+    # weights per CPU second (all the child's threads) at the fewest threads: what an idle core
+    # gives, whatever else runs on the machine (wall-clock rates are the machine's share)
     lo, hi = min(threads_list), max(threads_list)
+    cpu_rate = {k: v["weights"] / v["cpu_seconds"] for k, v in runs[lo]["per_kind"].items() if v["cpu_seconds"] > 0}
     serial = {}
     for k in kinds:
         if hi > lo and k in rate[lo] and k in rate[hi]:
@@ -321,30 +338,43 @@ def main() -> None:
             # t(n) = t1 * (s + (1 - s) / n): from two counts, s = (ratio - lo/hi) / (1 - lo/hi) for lo = 1
             s = (ratio * (1 / lo) - 1 / hi) / (1 - 1 / hi) if lo == 1 else None
             serial[k] = None if s is None else min(1.0, max(0.0, s))
+    # the serial part of the run as the 1-thread run shows it: everything outside the parallel
+    # kernels (an upper bound: some of it overlaps them), whatever the machine's load
+    s_1 = 1 - runs[lo]["kernel_seconds"] / runs[lo]["seconds"]
     cores = [int(c) for c in args.cores.split(",")]
-    full = {}
+    full, ideal, outside, unmeasured = {}, {}, {}, set()
     for n in cores:
-        total = 0.0
+        total = total_ideal = total_outside = 0.0
         for k, v in plan["kinds"].items():
-            # a kind the run did not quantize (the ends, dense layers: q8_0 from BF16) as shexp's
-            like = k if k in rate.get(lo, {}) else "shexp"
+            # a kind the run did not quantize (the ends, dense layers) at the rate of a measured kind
+            # of the same types (q8_0 from BF16: shexp's); none: left out, and said so
+            like = k if k in rate.get(lo, {}) else next(
+                (o for o in rate.get(lo, {}) if plan["kinds"][o]["types"] == v["types"]), None)
+            if like is None:
+                unmeasured.add(k)
+                continue
             r1 = rate.get(lo, {}).get(like)
+            c1 = cpu_rate.get(like) if lo == 1 else None
             if r1 is None:
                 continue
             s = serial.get(like) if serial.get(like) is not None else 0.0
             total += v["weights"] / r1 * lo * (s + (1 - s) / n)
-        full[n] = total
+            one_core = v["weights"] / (c1 or r1 / lo)
+            total_ideal += one_core / n
+            total_outside += one_core * (s_1 + (1 - s_1) / n)
+        full[n], ideal[n], outside[n] = total, total_ideal, total_outside
 
     # table
     print(f"\nDeepSeek-V3 671B, IQ2_K_R4 recipe: {plan['bytes_in'] / 2**30:.1f} GiB in, "
           f"{plan['bytes_out'] / 2**30:.1f} GiB out")
     print(f"{'kind':<14}{'types':<22}{'weights (full)':>16}" + "".join(f"{f'Mw/s @{t}':>12}" for t in threads_list)
-          + f"{'serial':>9}")
+          + f"{'serial':>9}{f'Mw/CPU-s @{lo}':>15}")
     for k in sorted(plan["kinds"]):
         v = plan["kinds"][k]
-        cols = "".join(f"{rate[t][k] / 1e6:>12.2f}" if k in rate[t] else f"{'(shexp)':>12}" for t in threads_list)
+        cols = "".join(f"{rate[t][k] / 1e6:>12.2f}" if k in rate[t] else f"{'-':>12}" for t in threads_list)
         s = serial.get(k)
-        print(f"{k:<14}{','.join(v['types']):<22}{v['weights'] / 1e9:>14.2f} G{cols}{'' if s is None else f'{s:>9.2f}':>9}")
+        c = f"{cpu_rate[k] / 1e6:>15.2f}" if k in cpu_rate else f"{'-':>15}"
+        print(f"{k:<14}{','.join(v['types']):<22}{v['weights'] / 1e9:>14.2f} G{cols}{'' if s is None else f'{s:>9.2f}':>9}{c}")
     for th, r in runs.items():
         print(f"run @{th} thread(s): {r['weights'] / 1e6:.1f} M weights in {r['seconds']:.1f} s "
               f"(kernels {r['kernel_seconds'] / r['seconds']:.0%} of it; the child used {r['cpu_seconds']:.0f} CPU s "
@@ -352,11 +382,22 @@ def main() -> None:
     if rss_run:
         print(f"layers {args.rss_layers} @{max(threads_list)}: peak RSS {rss_run['peak_rss_bytes'] / 2**30:.2f} GiB "
               f"(layers {args.layers}: {runs[max(threads_list)]['peak_rss_bytes'] / 2**30:.2f} GiB)")
-    print("full run extrapolated: " + ", ".join(f"{n} cores {full[n] / 3600:.1f} h" for n in cores))
+    print(f"full run on one core: {ideal[cores[0]] * cores[0] / 3600:.1f} h; on N cores (h):")
+    print(f"{'cores':<40}" + "".join(f"{n:>8}" for n in cores))
+    print(f"{'linear (CPU-s rates @1)':<40}" + "".join(f"{ideal[n] / 3600:>8.2f}" for n in cores))
+    print(f"{f'serial = outside kernels @1 ({s_1:.1%})':<40}" + "".join(f"{outside[n] / 3600:>8.2f}" for n in cores))
+    print(f"{f'Amdahl from @{lo}/@{hi} per kind':<40}" + "".join(f"{full[n] / 3600:>8.2f}" for n in cores))
+    if unmeasured:
+        print(f"note: left out of the full run's time (no kind of their types was run): {', '.join(sorted(unmeasured))}")
+    load = os.getloadavg()[0]
+    if load > 1.5 * (os.cpu_count() or 1) or any(v is not None and v > 0.5 for v in serial.values()):
+        print(f"note: load average {load:.1f} on {os.cpu_count()} cores: the thread scaling measured here is "
+              "the machine's share, not quantkit's; rerun on an idle machine")
     report = {"plan": plan, "layers": args.layers, "experts": args.experts, "only": args.only,
               "runs": {str(k): v for k, v in runs.items()}, "rss_run": rss_run,
-              "rates": {str(t): v for t, v in rate.items()}, "serial_fraction": serial,
-              "full_run_seconds": {str(n): s for n, s in full.items()}}
+              "rates": {str(t): v for t, v in rate.items()}, "cpu_rates": cpu_rate, "serial_fraction": serial,
+              "serial_outside_kernels_1": s_1, "load_average": os.getloadavg(),
+              "full_run_seconds": {"linear": ideal, "outside_kernels": outside, "amdahl": full}}
     print(json.dumps(report, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
