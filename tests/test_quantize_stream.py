@@ -16,7 +16,7 @@ from models import write_llama
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     # rows of 256 (attention, gate/up) and 512 (down): llama-quantize's chunks are 64 and 32 rows
-    return write_llama(tmp_path_factory.mktemp("stream") / "llama-f16.gguf", dtype=np.float16, seed=3)
+    return write_llama(tmp_path_factory.mktemp("stream") / "llama-f16.gguf", n_layer=1, dtype=np.float16, seed=3)
 
 
 def test_chunks_grow_with_threads():
