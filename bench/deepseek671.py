@@ -230,7 +230,9 @@ def child(args) -> None:
         out_bytes = result.bytes_written
     per_kind: dict[str, dict] = {}
     for name, sec in result.tensor_seconds.items():
-        k = per_kind.setdefault(kinds[name], {"weights": 0, "seconds": 0.0, "cpu_seconds": 0.0, "types": set()})
+        k = per_kind.setdefault(kinds[name], {"tensors": 0, "weights": 0, "seconds": 0.0, "cpu_seconds": 0.0,
+                                              "types": set()})
+        k["tensors"] += 1
         k["weights"] += n_el[name]
         k["seconds"] += sec
         k["cpu_seconds"] += cpu.get(name, 0.0)
@@ -360,6 +362,9 @@ def main() -> None:
             s = serial.get(like) if serial.get(like) is not None else 0.0
             total += v["weights"] / r1 * lo * (s + (1 - s) / n)
             one_core = v["weights"] / (c1 or r1 / lo)
+            if k == "small":        # norms, router, biases: a fixed cost per tensor, not per weight
+                measured = runs[lo]["per_kind"][k]
+                one_core = v["tensors"] * (measured["cpu_seconds"] or measured["seconds"] * lo) / measured["tensors"]
             total_ideal += one_core / n
             total_outside += one_core * (s_1 + (1 - s_1) / n)
         full[n], ideal[n], outside[n] = total, total_ideal, total_outside
@@ -386,7 +391,8 @@ def main() -> None:
     print(f"{'cores':<40}" + "".join(f"{n:>8}" for n in cores))
     print(f"{'linear (CPU-s rates @1)':<40}" + "".join(f"{ideal[n] / 3600:>8.2f}" for n in cores))
     print(f"{f'serial = outside kernels @1 ({s_1:.1%})':<40}" + "".join(f"{outside[n] / 3600:>8.2f}" for n in cores))
-    print(f"{f'Amdahl from @{lo}/@{hi} per kind':<40}" + "".join(f"{full[n] / 3600:>8.2f}" for n in cores))
+    if hi > lo:
+        print(f"{f'Amdahl from @{lo}/@{hi} per kind':<40}" + "".join(f"{full[n] / 3600:>8.2f}" for n in cores))
     if unmeasured:
         print(f"note: left out of the full run's time (no kind of their types was run): {', '.join(sorted(unmeasured))}")
     load = os.getloadavg()[0]
