@@ -125,7 +125,8 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
                       keep_split: bool = False, partial_requant: bool = False,
                       threads: int | None = None, override_tensor=(), bandwidth=None,
                       resume: bool = False) -> Quantization:
-    """Open ``model_in`` (a GGUF file or a Hugging Face model directory) and plan its quantization
+    """Open ``model_in`` (a GGUF file or a Hugging Face model directory, or a ``ModelView`` the
+    caller made: a model whose rows are made on read, bench/deepseek671.py) and plan its quantization
     to ``model_out`` (None: plan only) with llama-quantize's TYPE (a preset, a ggml type or COPY)
     and options.  Checks every option and the output path before reading the model.
     ``override_tensor`` (``-ot REGEX=cpu|gpu``) and ``bandwidth`` ("cpu=60G,gpu=900G" or a dict of
@@ -144,7 +145,9 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
     from .quantize import WriteOptions
     from .recipes import combined, load_recipe, load_tensor_types
 
-    model_in = Path(model_in)
+    from .gguf_io.reader import ModelView
+    given = model_in if isinstance(model_in, ModelView) else None       # closed with the Quantization
+    model_in = Path(given.path if given is not None else model_in)
     placement, bandwidth = speed_options(override_tensor, bandwidth)
     custom_q, tensor_type, tensor_type_file = _many(custom_q), _many(tensor_type), _many(tensor_type_file)
     custom_q = tuple(map(str, custom_q))
@@ -206,7 +209,8 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
         raise QuantkitError("--keep-split needs a split GGUF input; use --split-max-size with a model directory")
     stack = contextlib.ExitStack()
     with stack:
-        model = stack.enter_context(open_hf(model_in) if model_in.is_dir() else open_model(model_in))
+        model = stack.enter_context(given if given is not None else
+                                    open_hf(model_in) if model_in.is_dir() else open_model(model_in))
         # the C tools load the model with the overrides: an overridden hyper-parameter moves the mix
         opts.model = ModelInfo.from_metadata(overridden_getter(model.get, opts.kv_overrides))
         opts.metadata = model.metadata

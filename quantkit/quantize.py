@@ -10,6 +10,7 @@ import math
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -40,6 +41,7 @@ CHUNK_BYTES = 4 * 1024 * 1024         # float32 rows converted per step (cache-f
 PART_BYTES = 1024 * 1024
 QUANT_VERSION = 2                   # GGML_QNT_VERSION
 LLAMA_CHUNK_ELEMENTS = 32 * 512     # llama-quantize quantizes rows in chunks of at least this many
+ROWS_PER_THREAD = 8                 # rows of a chunk per quantizing thread, at least (load balance)
 
 
 @dataclass
@@ -94,7 +96,11 @@ def read_rows(info: TensorInfo, rows: slice) -> np.ndarray:
 
 def to_float32(info: TensorInfo, rows: slice) -> np.ndarray:
     """Rows of a tensor as float32 (n, n_per_row), decoded from any readable type."""
-    raw = read_rows(info, rows)
+    return decode_rows(info, read_rows(info, rows))
+
+
+def decode_rows(info: TensorInfo, raw: np.ndarray) -> np.ndarray:
+    """Stored rows of ``info`` (read_rows) as float32 (n, n_per_row)."""
     n_per_row = info.shape[0]
     if info.qtype == QuantType.F32:
         return np.ascontiguousarray(raw).view(np.float32).reshape(-1, n_per_row)
@@ -135,12 +141,16 @@ def output_metadata(model: GGUFModel, plan: Plan, opts: WriteOptions) -> dict[st
     return meta
 
 
-def _row_chunks(n_rows_per_matrix: int, n_matrices: int, n_per_row: int, group: int):
+def _row_chunks(n_rows_per_matrix: int, n_matrices: int, n_per_row: int, group: int, threads: int = 1):
     """(matrix index, row slice) pieces: never crossing a matrix, multiples of the row group and of
-    llama-quantize's own chunk (ik's q2_K decides per chunk whether rows are ternary)."""
+    llama-quantize's own chunk (ik's q2_K decides per chunk whether rows are ternary), and at least
+    ROWS_PER_THREAD rows per thread: the quantizers split a chunk's rows between the threads, and a
+    chunk of 144 rows (4 MiB of 7168-wide rows, DeepSeek's experts) leaves a quarter of 64 threads
+    idle."""
     llama_chunk = max(1, -(-LLAMA_CHUNK_ELEMENTS // n_per_row))
     group = math.lcm(group, llama_chunk)
-    rows = max(group, CHUNK_BYTES // (4 * n_per_row) // group * group)
+    rows = max(group, CHUNK_BYTES // (4 * n_per_row) // group * group,
+               -(-ROWS_PER_THREAD * threads // group) * group)
     for m in range(n_matrices):
         base = m * n_rows_per_matrix
         for r in range(0, n_rows_per_matrix, rows):
@@ -181,24 +191,67 @@ def quantize_rows(x: np.ndarray, qtype, imatrix: np.ndarray | None, flavor: str,
 
 
 def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None, flavor: str):
-    """Yield the output bytes of one tensor chunk by chunk.  ``imatrix``: (n_matrices, n_per_row)."""
+    """Yield the output bytes of one tensor chunk by chunk.  ``imatrix``: (n_matrices, n_per_row).
+
+    The next chunk's bytes are read on a helper thread while this one is quantized (pread releases
+    the GIL): a 671B model streams 1.3 TB of BF16 in, and reading it between the quantizer's parallel
+    runs would leave every thread but one idle for as long as the disk takes."""
+    from numba import get_num_threads
     shape = info.shape
     n_per_row = shape[0]
     n_rows_per_matrix = shape[1] if len(shape) > 1 else 1
     n_matrices = info.n_rows // n_rows_per_matrix
     group = traits(tp.dst_type).interleave_rows
     # a source that stores these very blocks (a compressed-tensors int4 checkpoint's q4_0) is copied
+    # (its rows are then taken on this thread alone: no read ahead beside it)
     exact_rows = getattr(info.source, "exact_rows", None)
-    for m, rows in _row_chunks(n_rows_per_matrix, n_matrices, n_per_row, group):
-        signals.check()
-        if exact_rows is not None:
-            q = exact_rows(tp.dst_type, rows.start, rows.stop, info.name)
-            if q is not None:
-                yield q
-                continue
-        x = to_float32(info, rows)
-        w = imatrix[m] if imatrix is not None else None
-        yield quantize_rows(x, tp.dst_type, w, flavor, info.name, rows.start)
+    if tp.dst_type not in getattr(info.source, "exact_types", ()):
+        exact_rows = None
+    chunks = list(_row_chunks(n_rows_per_matrix, n_matrices, n_per_row, group, get_num_threads()))
+    # read ahead only from sources whose reads are plain preads (a GGUF file): a lazy Hugging Face
+    # tensor may run a numba kernel to read (FP8 -> BF16), which must not run beside the quantizer's
+    with ReadAhead(info, enabled=exact_rows is None and getattr(info.source, "read_ahead", False)) as ahead:
+        for i, (m, rows) in enumerate(chunks):
+            signals.check()
+            if exact_rows is not None:
+                q = exact_rows(tp.dst_type, rows.start, rows.stop, info.name)
+                if q is not None:
+                    yield q
+                    continue
+            x = ahead.float32(rows, chunks[i + 1][1] if i + 1 < len(chunks) else None)
+            w = imatrix[m] if imatrix is not None else None
+            yield quantize_rows(x, tp.dst_type, w, flavor, info.name, rows.start)
+
+
+class ReadAhead:
+    """Rows of one tensor as float32, the next rows' bytes read on a helper thread meanwhile.
+    Holds two chunks' bytes at most (the one being decoded and the one being read)."""
+
+    def __init__(self, info: TensorInfo, enabled: bool = True):
+        self.info, self.enabled = info, enabled
+        self._pool = None
+        self._pending: tuple[slice, object] | None = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)     # a read in flight ends first
+        return False
+
+    def float32(self, rows: slice, next_rows: slice | None) -> np.ndarray:
+        """``to_float32(info, rows)``, starting the read of ``next_rows`` (None: no more)."""
+        if self._pending is not None and self._pending[0] == rows:
+            raw = self._pending[1].result()
+        else:
+            raw = read_rows(self.info, rows)
+        self._pending = None
+        if next_rows is not None and self.enabled:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="quantkit-read")
+            self._pending = (next_rows, self._pool.submit(read_rows, self.info, next_rows))
+        return decode_rows(self.info, raw)
 
 
 def repack_parts(info: TensorInfo, tp: TensorPlan, buffers: "ThreadBuffers", part_bytes: int = PART_BYTES):

@@ -162,6 +162,8 @@ class _Cursor:
 class GGUFFile:
     """One GGUF file, memory-mapped read-only."""
 
+    read_ahead = True       # read() is a pread, safe beside the quantizer (quantize.ReadAhead)
+
     def __init__(self, path: str | os.PathLike, nested_arrays: bool = False):
         self.path = Path(path)
         self.nested_arrays = nested_arrays
