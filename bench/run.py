@@ -23,7 +23,11 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 TEXT = REPO.parent / "shared" / "golden" / "imatrix" / "calib-gpl3.txt"
-TARGETS = {"f32": "f32", "q8_0": "q8_0", "q4_K": "q4_K", "iq4_k": "IQ4_K", "iq2_k_r4": "IQ2_K_R4"}
+# file name -> quantize's TYPE (a preset: its mix; a ggml type: every tensor); other --types names are
+# passed to quantize as they are
+TARGETS = {"f32": "f32", "q8_0": "q8_0", "q4_K": "q4_K", "iq4_k": "IQ4_K", "iq4_ks": "iq4_ks", "iq3_k": "iq3_k",
+           "iq2_k_r4": "IQ2_K_R4", "q4_0_r8": "q4_0_r8", "q5_K": "q5_K", "q6_K": "q6_K", "iq4_xs": "iq4_xs",
+           "iq2_xxs": "iq2_xxs", "iq3_s": "iq3_s", "mxfp4": "mxfp4"}
 
 
 def smollm2() -> Path:
@@ -65,10 +69,11 @@ def child_quantkit(path: Path, tokens: list[int], n_gen: int, threads: int) -> d
         t1 = time.perf_counter()
         out = []
         matvec.matvec = timed
+        c1 = time.process_time()
         for _ in range(n_gen):
             out.append(int(np.argmax(logits)))
             logits = model.forward([out[-1]], cache)[-1]
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         matvec.matvec = kernel
         # the weight bytes a step reads, and how fast one thread streams them (numpy, same pages)
         mats = [t for t in g.tensors if len(t.shape) > 1 and t.name not in ("token_embd.weight", "output.weight")]
@@ -77,6 +82,7 @@ def child_quantkit(path: Path, tokens: list[int], n_gen: int, threads: int) -> d
         stream = min(_stream_seconds(weights) for _ in range(3))
     return {"pp": len(tokens) / (t1 - t0), "tg": n_gen / (t2 - t1), "tokens": out,
             "products_ms": 1e3 * in_products[0] / n_gen, "step_ms": 1e3 * (t2 - t1) / n_gen,
+            "step_cpu_ms": 1e3 * (c2 - c1) / n_gen,
             "weights_mb": n_bytes / 1e6, "stream_gbs": n_bytes / stream / 1e9}
 
 
@@ -115,15 +121,17 @@ def child_ik(path: Path, tokens: list[int], n_gen: int, threads: int) -> dict:
         logits = decode(tokens, 0)
         t1 = time.perf_counter()
         out = []
+        c1 = time.process_time()
         for i in range(n_gen):
             out.append(int(np.argmax(logits)))
             logits = decode([out[-1]], len(tokens) + i)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
     finally:
         C.llama_batch_free(batch)
         ctx.close()
         model.close()
-    return {"pp": len(tokens) / (t1 - t0), "tg": n_gen / (t2 - t1), "tokens": out}
+    return {"pp": len(tokens) / (t1 - t0), "tg": n_gen / (t2 - t1), "tokens": out,
+            "step_ms": 1e3 * (t2 - t1) / n_gen, "step_cpu_ms": 1e3 * (c2 - c1) / n_gen}
 
 
 def run_child(tool: str, path: Path, tokens: list[int], args) -> dict:
@@ -167,8 +175,8 @@ def main() -> None:
         for name in args.types.split(","):
             path = f32 if name == "f32" else d / f"{name}.gguf"
             if name != "f32":
-                subprocess.run(qk + ["quantize", str(f32), str(path), TARGETS[name], "--json"], check=True,
-                               capture_output=True)
+                subprocess.run(qk + ["quantize", str(f32), str(path), TARGETS.get(name, name), "--json"],
+                               check=True, capture_output=True)
             best, all_runs = {}, {}
             for tool in ("quantkit", "ik"):
                 runs = all_runs[tool] = [run_child(tool, path, tokens, args) for _ in range(args.repeat)]
