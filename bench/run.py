@@ -143,6 +143,8 @@ def child_ik(path: Path, tokens: list[int], n_gen: int, threads: int) -> dict:
 
 def run_child(tool: str, path: Path, tokens: list[int], args) -> dict:
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
+    if args.omp_wait != "default":
+        env["OMP_WAIT_POLICY"] = args.omp_wait          # both tools' threads are libgomp's
     cmd = [sys.executable, __file__, "--child", tool, str(path), "--threads", str(args.threads),
            "--gen", str(args.gen), "--tokens", json.dumps(tokens)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -158,6 +160,11 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--types", default=",".join(TARGETS))
+    # numba's parallel products and ggml's graph both run on libgomp, whose idle threads spin for a
+    # while (default): on a busy machine a step of 2 threads then waits for descheduled spinners
+    # (SmolLM2 Q8_0 under load 10 on 2 cores: 300-450 ms a step; passive: 14-20 ms, 1 thread: ~40)
+    ap.add_argument("--omp-wait", choices=("default", "passive", "active"), default="default",
+                    help="OMP_WAIT_POLICY for both tools' children")
     ap.add_argument("--child", nargs=2, metavar=("TOOL", "FILE"), help=argparse.SUPPRESS)
     ap.add_argument("--tokens", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -175,7 +182,7 @@ def main() -> None:
                        check=True, capture_output=True)
         tokens = prompt_tokens(f32, args.prompt)
         print(f"SmolLM2-135M, prompt {len(tokens)} tokens, {args.gen} generated (greedy), "
-              f"{args.threads} threads, best of {args.repeat}")
+              f"{args.threads} threads, best of {args.repeat}, OMP_WAIT_POLICY {args.omp_wait}")
         print(f"{'file':10} {'MB':>6} | {'quantkit pp':>11} {'ik pp':>8} {'ratio':>6} | "
               f"{'quantkit tg':>11} {'ik tg':>8} {'ratio':>6} | same tokens")
         where, results = [], []
@@ -214,7 +221,7 @@ def main() -> None:
             print(f"{name:10} {r['step_ms']:8.2f} {r['products_ms']:9.2f} {r['step_ms'] - r['products_ms']:6.2f} "
                   f"{r['step_cpu_ms']:7.2f} | {r['weights_mb']:10.0f} {r['weights_mb'] / r['products_ms']:13.1f} "
                   f"{r['stream_gbs']:20.1f} | {ik_ms:10.2f} {ik_cpu:9.2f}")
-        print(json.dumps({"threads": args.threads, "prompt": len(tokens), "gen": args.gen, "repeat": args.repeat,
+        print(json.dumps({"threads": args.threads, "omp_wait": args.omp_wait, "prompt": len(tokens), "gen": args.gen, "repeat": args.repeat,
                           "results": results}))
 
 
