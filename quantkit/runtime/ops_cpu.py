@@ -96,9 +96,10 @@ def matmul_q(w: Weight, x: np.ndarray, fused: bool | None = None) -> np.ndarray:
     if w.qtype == QuantType.F16:
         x = _f16_round(x)           # ggml's f16 dot product converts the activations to f16
     if fused or (fused is None and x.shape[0] <= FUSED_TOKENS):
-        kind = matvec.kind_of(w.qtype)
-        if kind is not None:
-            return matvec.matvec(kind, w.plain_layout()[1] if matvec.regroups(w.qtype) else w.blocks, x)
+        kernel = matvec.FUSED.get(w.qtype)
+        if kernel is not None:
+            kind, regrouped = kernel
+            return matvec.matvec(kind, w.plain_layout()[1] if regrouped else w.blocks, x)
     n_out, group = w.n_out * w.n_matrices, traits(w.qtype).interleave_rows
     tile = max(group, TILE_VALUES // w.n_in // group * group)
     per_thread = -(-n_out // pool.threads(x.shape[0]))                 # every thread gets a share
