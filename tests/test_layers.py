@@ -73,6 +73,12 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("quantkit.formats", "quantkit.formats._all"):
         "start-up time: the format modules register on first use; `quantkit repack` needs only the "
         "interleave kernels (formats.registered's docstring)",
+    ("quantkit.formats", "quantkit.formats.repacked"):
+        "start-up time: an interleaved type's format is registered once its plain type's module is "
+        "imported on first use (formats.FORMAT_MODULES)",
+    ("quantkit.compiling", "quantkit.kernels.floats"):
+        "start-up time: cli.main imports compiling for every command, and the kernels bring numba "
+        "(~0.3 s), which `--help`, `inspect` or `types` never need",
     ("quantkit.runtime.session", "quantkit.runtime.ops_torch"):
         "optional dependency: torch is imported only for --device cuda / torch-cpu",
     ("quantkit.text.tokenizer", "quantkit.text.chat"):

@@ -1,0 +1,32 @@
+"""Start-up costs a user pays on every command (issue 28): what a command imports before it does
+its job.  The times are measured in bench/startup.py; here the imports that made them are kept out."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from models import write_llama
+
+_CHECK = """
+import contextlib, io, sys
+from quantkit.cli import main
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    assert main(["--help"]) == 0
+    assert main(["inspect", sys.argv[1]]) == 0
+    assert main(["inspect", sys.argv[1], "--json"]) == 0
+assert "numba" not in sys.modules, "a command that compiles nothing imported numba"
+from quantkit import formats
+from quantkit.types import QuantType
+assert formats.can_quantize(QuantType.Q4_K) and formats.can_quantize(QuantType.Q4_K_R4)
+loaded = sorted(m for m in sys.modules if m.startswith("quantkit.formats.") or m.startswith("quantkit.kernels."))
+for lattice in ("iq2xs", "iq3xs", "iq1"):     # seconds of numpy tables on import
+    assert f"quantkit.kernels.{lattice}" not in loaded, loaded
+"""
+
+
+def test_commands_import_only_what_they_use(tmp_path):
+    """`--help` and `inspect` import no numba (~0.3 s); a k-quant's format does not import the
+    i-quant modules, which build their lattice tables on import."""
+    model = write_llama(tmp_path / "m.gguf", n_layer=1, n_embd=256, n_ff=256, n_vocab=256)
+    run = subprocess.run([sys.executable, "-c", _CHECK, str(model)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
