@@ -115,6 +115,13 @@ class Quantization:
         return result
 
 
+def _open_hf(model_dir):
+    """A Hugging Face model directory, opened (quantkit.hf is imported for one only: its converters
+    and vocabularies are ~0.1 s of imports a GGUF input has no use for)."""
+    from .hf import open_hf
+    return open_hf(model_dir)
+
+
 def open_quantization(model_in, model_out=None, type: str | None = None, *, custom_q=(), tensor_type=(),
                       tensor_type_file=(), ffn_gate_inp_type: str | None = None, override_kv=(),
                       prune_layers=None, imatrix=None, include_weights=(), exclude_weights=(),
@@ -131,7 +138,6 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
     bytes/s) are for ``Quantization.speed()``, the predicted generation speed."""
     from . import formats
     from .gguf_io.reader import open_model
-    from .hf import open_hf
     from .kv_override import overridden_getter, parse_kv_overrides
     from .mixes import find_mix, note_exact_copies
     from .outputs import check_outputs
@@ -200,7 +206,7 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
         raise QuantkitError("--keep-split needs a split GGUF input; use --split-max-size with a model directory")
     stack = contextlib.ExitStack()
     with stack:
-        model = stack.enter_context(open_hf(model_in) if model_in.is_dir() else open_model(model_in))
+        model = stack.enter_context(_open_hf(model_in) if model_in.is_dir() else open_model(model_in))
         # the C tools load the model with the overrides: an overridden hyper-parameter moves the mix
         opts.model = ModelInfo.from_metadata(overridden_getter(model.get, opts.kv_overrides))
         opts.metadata = model.metadata

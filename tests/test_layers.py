@@ -76,6 +76,9 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("quantkit.formats", "quantkit.formats.repacked"):
         "start-up time: an interleaved type's format is registered once its plain type's module is "
         "imported on first use (formats.FORMAT_MODULES)",
+    ("quantkit.formats._base", "quantkit.formats.decode"):
+        "start-up time: the reference decoder and the kernel modules it takes tables from are imported "
+        "by the reference path only (formats._base.reference_decoder), not by every quantize",
     ("quantkit.compiling", "quantkit.kernels.floats"):
         "start-up time: cli.main imports compiling for every command, and the kernels bring numba "
         "(~0.3 s), which `--help`, `inspect` or `types` never need",

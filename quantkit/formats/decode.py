@@ -594,10 +594,3 @@ def dequantize(blocks: np.ndarray, qtype, n_per_row: int, products: bool = False
     """:func:`decode` in numpy."""
     b = np.ascontiguousarray(blocks, np.uint8)
     return decode(NUMPY, b.reshape(b.shape[0], -1), qtype, n_per_row, products)
-
-
-@classmethod
-def dequantize_ref(cls, blocks, n_per_row):
-    """``BlockFormat.dequantize_ref`` of every format decoded here (``dequantize_ref =
-    decode.dequantize_ref`` in its class)."""
-    return dequantize(blocks, cls.qtype, n_per_row)
