@@ -18,6 +18,10 @@ numba's kernels are made ready first (one untimed run of each quantkit command),
 are warm-cache start-up, as a user sees it after the first run.
 
     python bench/startup.py [--repeat 5] [--threads 2] [--cases help,inspect,quantize,repack] [--json]
+                            [--baseline /path/to/other/checkout]
+
+``--baseline`` adds a row per case for the quantkit of another checkout (its directory first on
+PYTHONPATH), run alternately with the others: before/after figures under the same load.
 """
 from __future__ import annotations
 
@@ -58,7 +62,8 @@ def make_deepseek(folder: Path, threads: int) -> Path:
                           n_vocab=4096, dtype=np.float32, seed=3)
     out = folder / "ds-q4_K.gguf"
     subprocess.run([sys.executable, "-m", "quantkit", "quantize", str(f32), str(out), "q4_K", "--pure",
-                    "--threads", str(threads)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    "--threads", str(threads)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   cwd=REPO)
     f32.unlink()
     return out
 
@@ -69,6 +74,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cases", default="floor,help,inspect,quantize,repack")
     ap.add_argument("--json", action="store_true", help="Only the JSON document on stdout.")
+    ap.add_argument("--baseline", type=Path, help="Another checkout whose quantkit runs beside (before/after).")
     args = ap.parse_args()
     from conftest import smollm2_file
     smollm2 = smollm2_file()
@@ -80,8 +86,15 @@ def main() -> None:
     th = str(args.threads)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     results = {}
+    def quantkit_env(checkout: Path) -> dict:
+        """The environment that runs the quantkit of ``checkout`` (``python -m`` puts the working
+        directory first on sys.path: the commands run in the temporary directory)."""
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(checkout.resolve()), *filter(None, [os.environ.get("PYTHONPATH", "")])])}
+    env = quantkit_env(REPO)
     with tempfile.TemporaryDirectory(dir=REPO) as d:
         d = Path(d)
+        os.chdir(d)
         out_qk, out_c = d / "qk.gguf", d / "c.gguf"
 
         def clean():
@@ -103,15 +116,26 @@ def main() -> None:
             ours, peer, peer_name = pairs[case]
             if ours[:len(qk)] == qk:
                 clean()
-                timed(ours)             # kernels loaded into numba's cache, files in the page cache
-            mine, theirs = [], []
-            for _ in range(args.repeat):      # alternating, so both see the same load
+                timed(ours, env)        # kernels loaded into numba's cache, files in the page cache
+            base_env = None
+            if args.baseline is not None and ours[:len(qk)] == qk:
+                base_env = quantkit_env(args.baseline)
                 clean()
-                mine.append(timed(ours))
+                timed(ours, base_env)
+            mine, theirs, base = [], [], []
+            for _ in range(args.repeat):      # alternating, so all see the same load
+                clean()
+                mine.append(timed(ours, env))
                 if peer is not None:
                     clean()
                     theirs.append(timed(peer))
+                if base_env is not None:
+                    clean()
+                    base.append(timed(ours, base_env))
             row = {"quantkit": {"wall_s": min(mine)[0], "cpu_s": min(mine)[1], "walls": [r[0] for r in mine]}}
+            if base:
+                row["baseline"] = {"path": str(args.baseline), "wall_s": min(base)[0], "cpu_s": min(base)[1],
+                                   "walls": [r[0] for r in base]}
             if theirs:
                 row["peer"] = {"name": peer_name, "wall_s": min(theirs)[0], "cpu_s": min(theirs)[1],
                                "walls": [r[0] for r in theirs]}
@@ -133,6 +157,9 @@ def main() -> None:
             p = row["peer"]
             line += f"   {p['name']:24} {p['wall_s']:8.3f} {p['cpu_s']:7.3f} {row['gap_s']:7.3f} {row['ratio']:6.2f}"
         print(line)
+        if "baseline" in row:
+            b = row["baseline"]
+            print(f"{'  before':10} {b['wall_s']:11.3f} {b['cpu_s']:7.3f}   (quantkit of {b['path']})")
     print(json.dumps(doc))
 
 

@@ -79,6 +79,12 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("quantkit.formats._base", "quantkit.formats.decode"):
         "start-up time: the reference decoder and the kernel modules it takes tables from are imported "
         "by the reference path only (formats._base.reference_decoder), not by every quantize",
+    ("quantkit.formats.limits", "quantkit.kernels.floats"):
+        "start-up time: `import quantkit.formats` (quantize, imatrix) imports no numba, so a refused "
+        "command never pays for it; the first format a plan uses does",
+    ("quantkit.quantize", "quantkit.formats.interleave"):
+        "start-up time: the shuffle kernels (and numba) only for a plan that repacks; "
+        "api.open_quantization imports quantize for every quantize, a refused one too",
     ("quantkit.compiling", "quantkit.kernels.floats"):
         "start-up time: cli.main imports compiling for every command, and the kernels bring numba "
         "(~0.3 s), which `--help`, `inspect` or `types` never need",

@@ -14,6 +14,7 @@ with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.St
     assert main(["--help"]) == 0
     assert main(["inspect", sys.argv[1]]) == 0
     assert main(["inspect", sys.argv[1], "--json"]) == 0
+    assert main(["quantize", sys.argv[2], sys.argv[2] + ".out", "q8_0"]) == 1      # no GGUF: refused
 assert "numba" not in sys.modules, "a command that compiles nothing imported numba"
 from quantkit import formats
 from quantkit.types import QuantType
@@ -25,8 +26,10 @@ for lattice in ("iq2xs", "iq3xs", "iq1"):     # seconds of numpy tables on impor
 
 
 def test_commands_import_only_what_they_use(tmp_path):
-    """`--help` and `inspect` import no numba (~0.3 s); a k-quant's format does not import the
-    i-quant modules, which build their lattice tables on import."""
+    """`--help`, `inspect` and a refused quantize import no numba (~0.3 s); a k-quant's format does
+    not import the i-quant modules, which build their lattice tables on import."""
     model = write_llama(tmp_path / "m.gguf", n_layer=1, n_embd=256, n_ff=256, n_vocab=256)
-    run = subprocess.run([sys.executable, "-c", _CHECK, str(model)], capture_output=True, text=True)
+    not_gguf = tmp_path / "notes.txt"
+    not_gguf.write_text("not a model\n")
+    run = subprocess.run([sys.executable, "-c", _CHECK, str(model), str(not_gguf)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
