@@ -62,7 +62,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     # the kernels freeze type ids and block sizes from the one table of types
     ("the type table", ["quantkit.types"]),
     # leaves: they import no quantkit module (test_leaves_import_nothing)
-    ("leaves", ["quantkit.errors", "quantkit.kernel_cache", "quantkit.version", "quantkit.tables", "quantkit.grids", "quantkit.cpu", "quantkit.signals",
+    ("leaves", ["quantkit.errors", "quantkit.kernel_cache", "quantkit.version", "quantkit.tables", "quantkit.grids", "quantkit.cpu", "quantkit.signals", "quantkit.omp_wait",
                 "quantkit.suggest", "quantkit.words", "quantkit.console", "quantkit.perplexity_log",
                 "quantkit.gguf_io.constants"]),
 ]

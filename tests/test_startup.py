@@ -33,3 +33,25 @@ def test_commands_import_only_what_they_use(tmp_path):
     not_gguf.write_text("not a model\n")
     run = subprocess.run([sys.executable, "-c", _CHECK, str(model), str(not_gguf)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_batch_commands_let_openmp_workers_sleep(monkeypatch, tmp_path):
+    """quantize and repack set OMP_WAIT_POLICY=passive before their first kernel (quantkit/omp_wait.py:
+    spinning workers of two thread teams made quantizing 3-4x slower on a shared machine), and keep
+    a value the user set."""
+    import contextlib
+    import io
+    import os
+
+    from quantkit.cli import main
+    not_gguf = tmp_path / "notes.txt"
+    not_gguf.write_text("not a model\n")
+    for command in (["quantize", not_gguf, tmp_path / "q.gguf", "q8_0"], ["repack", not_gguf, tmp_path / "r.gguf"]):
+        for given, want in ((None, "passive"), ("active", "active")):
+            if given is None:
+                monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+            else:
+                monkeypatch.setenv("OMP_WAIT_POLICY", given)
+            with contextlib.redirect_stderr(io.StringIO()):
+                assert main([str(a) for a in command]) == 1
+            assert os.environ["OMP_WAIT_POLICY"] == want, command
