@@ -115,6 +115,13 @@ class Quantization:
         return result
 
 
+def _open_hf(model_dir):
+    """A Hugging Face model directory, opened (quantkit.hf is imported for one only: its converters
+    and vocabularies are ~0.1 s of imports a GGUF input has no use for)."""
+    from .hf import open_hf
+    return open_hf(model_dir)
+
+
 def open_quantization(model_in, model_out=None, type: str | None = None, *, custom_q=(), tensor_type=(),
                       tensor_type_file=(), ffn_gate_inp_type: str | None = None, override_kv=(),
                       prune_layers=None, imatrix=None, include_weights=(), exclude_weights=(),
@@ -134,8 +141,7 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
     a partial that an interrupted or killed run leaves for the next ``resume`` run to go on from
     (quantkit.resume)."""
     from . import formats
-    from .gguf_io.reader import open_model
-    from .hf import open_hf
+    from .gguf_io.reader import ModelView, open_model
     from .kv_override import overridden_getter, parse_kv_overrides
     from .mixes import find_mix, note_exact_copies
     from .outputs import check_outputs
@@ -145,7 +151,6 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
     from .quantize import WriteOptions
     from .recipes import combined, load_recipe, load_tensor_types
 
-    from .gguf_io.reader import ModelView
     given = model_in if isinstance(model_in, ModelView) else None       # closed with the Quantization
     model_in = Path(given.path if given is not None else model_in)
     placement, bandwidth = speed_options(override_tensor, bandwidth)
@@ -210,7 +215,7 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
     stack = contextlib.ExitStack()
     with stack:
         model = stack.enter_context(given if given is not None else
-                                    open_hf(model_in) if model_in.is_dir() else open_model(model_in))
+                                    _open_hf(model_in) if model_in.is_dir() else open_model(model_in))
         # the C tools load the model with the overrides: an overridden hyper-parameter moves the mix
         opts.model = ModelInfo.from_metadata(overridden_getter(model.get, opts.kv_overrides))
         opts.metadata = model.metadata

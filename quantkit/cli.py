@@ -292,7 +292,9 @@ def quantize(model_in, model_out, default_type, threads_arg, custom_q, tensor_ty
     replaced (the link stays).
     """
     from .api import open_quantization
+    from .omp_wait import passive_for_batch_jobs
 
+    passive_for_batch_jobs()
     model_out, default_type, threads_arg = _output_and_type(model_in, model_out, default_type, flavor, threads_arg)
     threads = _trailing_threads(threads_arg, threads)
     with open_quantization(
@@ -372,7 +374,9 @@ def repack(model_in, model_out, patterns, undo, bf16, split_max_size, keep_split
     `llama-quantize --repack` and the runtime repack (-rtr).  OUT is written as by quantize: whole
     or not at all, never over an input, through a symlink."""
     from .api import open_repack
+    from .omp_wait import passive_for_batch_jobs
 
+    passive_for_batch_jobs()
     with open_repack(model_in, model_out, pattern=patterns, undo=undo, bf16=bf16, split_max_size=split_max_size,
                      keep_split=keep_split) as r:
         plan, n_moved = r.plan, r.n_moved

@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .kernels import floats
-
 #: where the notice goes (the CLI sets it: a "note:" line on stderr); None: nowhere
 notify: Callable[[str], None] | None = None
 #: QUANTKIT_COMPILE_NOTICE=0 in the environment silences the notice
@@ -60,6 +58,7 @@ def _cache_place(dispatcher) -> str | None:
 def cache_place() -> str | None:
     """Where numba's cache keeps quantkit's kernels (as it does for one of them; every module
     normally gets the same kind of place)."""
+    from .kernels import floats         # numba with it: the CLI imports this module for every command
     return _cache_place(floats.row_extent)
 
 

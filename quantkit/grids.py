@@ -9,6 +9,7 @@ decoder grid; tests/test_grids.py checks that, and entries against the C source.
     IQ2XXS_GRID, IQ2XS_GRID, IQ2S_GRID   uint64 [256/512/1024]: 8 magnitudes in {8, 25, 43}, a byte each
     IQ3XXS_GRID, IQ3S_GRID               uint32 [256/512]: 4 magnitudes (4..62 / 1..15)
     IQ1S_GRID                            uint64 [2048]: 8 values in {-1, 0, 1} (int8 bytes)
+    IQ1S_VALUES                          float32 [2048, 8]: the same values
     KSIGNS_IQ2XS                         uint8 [128]: 7 sign bits + the parity bit (even minus signs)
     KMASK_IQ2XS                          uint8 [8]: 1 << i
     KGRID_2BIT_256/512/1024, KGRID_1BIT_2048, KGRID_256, KGRID_512
@@ -47,3 +48,8 @@ KGRID_1BIT_2048 = _T["KGRID_1BIT_2048"]
 KGRID_256 = _T["KGRID_256"]
 KGRID_512 = _T["KGRID_512"]
 del _T
+#: the decoders' IQ1S_GRID: 8 levels -1/0/+1 per point, as float32 (kernels.iq1 and the reference
+#: decoder formats/decode.py share it; here, so that decoding needs no import of the iq1 kernels,
+#: whose lattice tables take a fraction of a second to build)
+IQ1S_VALUES = IQ1S_GRID.view(np.int8).reshape(-1, 8).astype(np.float32)
+IQ1S_VALUES.setflags(write=False)

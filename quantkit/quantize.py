@@ -33,7 +33,6 @@ from .plan import Plan, TensorPlan
 from .prune import block_count_key
 from .types import QuantType, traits, type_name
 from .version import __version__
-from .formats import interleave
 
 CHUNK_BYTES = 4 * 1024 * 1024         # float32 rows converted per step (cache-friendly)
 # bytes a copy or shuffle part moves: a part's input and output stay in the core's L2 between the
@@ -267,6 +266,7 @@ def repack_parts(info: TensorInfo, tp: TensorPlan, buffers: "ThreadBuffers", par
     group = traits(packed).interleave_rows
     row_size = traits(info.qtype).row_size(n_per_row)
     rows = max(group, part_bytes // row_size // group * group)
+    from .formats import interleave     # numba's kernels: not imported by a quantize that repacks nothing
     shuffle = interleave.interleave if to_packed else interleave.deinterleave
 
     def make(start: int, n: int):

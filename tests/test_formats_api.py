@@ -30,3 +30,16 @@ def test_read_only_inputs(qtype):
     got.flags.writeable = False
     y = formats.dequantize(got, qtype, n)
     assert y.shape == x.shape and y.dtype == np.float32
+
+
+def test_format_modules_match_the_registration():
+    """formats.FORMAT_MODULES (which module a type's format is imported from on first use) names
+    every plain type's module and nothing else; an interleaved type comes from its plain type's."""
+    from quantkit.formats import FORMAT_MODULES
+    listed = {q: m for m, types in FORMAT_MODULES.items() for q in types}
+    plain = {q: f.__module__.rsplit(".", 1)[1] for q, f in registered().items()
+             if f.__module__ != "quantkit.formats.repacked"}
+    assert listed == plain
+    for q, f in registered().items():
+        if f.__module__ == "quantkit.formats.repacked":
+            assert traits(q).base in listed, type_name(q)

@@ -204,6 +204,20 @@ def test_awkward_blocks_match_the_wheel(qtype):
         assert_same_bytes(got, want, qtype, x.shape[1], f"{type_name(qtype)} awkward blocks")
 
 
+@needs_wheel
+def test_q8_0_non_finite_blocks_match_the_wheel():
+    """q8_0's max |x| is taken in lanes where a block is finite; a NaN or an infinity makes C's
+    order of MAX decide (a NaN is kept or dropped by the comparison after it): those blocks match."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    x[0, 3], x[0, 40], x[0, 41] = np.nan, np.nan, 9.0
+    x[1, 70], x[1, 100], x[1, 101] = np.inf, -np.inf, np.nan
+    x[2, 160:192] = np.nan
+    x[3, 5], x[3, 6] = 1e30, -np.inf
+    want = np.frombuffer(ggml.quantize_chunk(int(T.Q8_0), x, None), np.uint8)
+    np.testing.assert_array_equal(formats.quantize(x, T.Q8_0).reshape(-1), want)
+
+
 @pytest.fixture(scope="module")
 def ik_port(shared_dir):
     return load_reference(shared_dir, "ik_quantize")

@@ -64,7 +64,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     # the kernels freeze type ids and block sizes from the one table of types
     ("the type table", ["quantkit.types"]),
     # leaves: they import no quantkit module (test_leaves_import_nothing)
-    ("leaves", ["quantkit.errors", "quantkit.kernel_cache", "quantkit.version", "quantkit.tables", "quantkit.grids", "quantkit.cpu", "quantkit.signals",
+    ("leaves", ["quantkit.errors", "quantkit.kernel_cache", "quantkit.version", "quantkit.tables", "quantkit.grids", "quantkit.cpu", "quantkit.signals", "quantkit.omp_wait",
                 "quantkit.suggest", "quantkit.words", "quantkit.console", "quantkit.perplexity_log",
                 "quantkit.gguf_io.constants"]),
 ]
@@ -75,6 +75,21 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("quantkit.formats", "quantkit.formats._all"):
         "start-up time: the format modules register on first use; `quantkit repack` needs only the "
         "interleave kernels (formats.registered's docstring)",
+    ("quantkit.formats", "quantkit.formats.repacked"):
+        "start-up time: an interleaved type's format is registered once its plain type's module is "
+        "imported on first use (formats.FORMAT_MODULES)",
+    ("quantkit.formats._base", "quantkit.formats.decode"):
+        "start-up time: the reference decoder and the kernel modules it takes tables from are imported "
+        "by the reference path only (formats._base.reference_decoder), not by every quantize",
+    ("quantkit.formats.limits", "quantkit.kernels.floats"):
+        "start-up time: `import quantkit.formats` (quantize, imatrix) imports no numba, so a refused "
+        "command never pays for it; the first format a plan uses does",
+    ("quantkit.quantize", "quantkit.formats.interleave"):
+        "start-up time: the shuffle kernels (and numba) only for a plan that repacks; "
+        "api.open_quantization imports quantize for every quantize, a refused one too",
+    ("quantkit.compiling", "quantkit.kernels.floats"):
+        "start-up time: cli.main imports compiling for every command, and the kernels bring numba "
+        "(~0.3 s), which `--help`, `inspect` or `types` never need",
     ("quantkit.runtime.session", "quantkit.runtime.ops_torch"):
         "optional dependency: torch is imported only for --device cuda / torch-cpu",
     ("quantkit.runtime.triton_qmm", "quantkit.runtime.triton_qmm.registry"):

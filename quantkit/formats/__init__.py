@@ -8,6 +8,9 @@ file of any common type can be requantized.
 """
 from __future__ import annotations
 
+import importlib
+import threading
+
 import numpy as np
 
 from ..types import QuantType, traits, type_name
@@ -28,16 +31,55 @@ _GGUF_PY_DECODABLE = {
 }
 
 
+T = QuantType
+#: the module that registers each plain type's format.  A format module is imported (and so
+#: registered) on the first use of one of its types, not with the package: the i-quant modules build
+#: their lattice tables on import (~2 s of numpy for iq2xs, iq3xs and iq1 together), which a Q4_K_M
+#: quantize or a `quantkit repack` has no use for.  tests/test_formats_api.py holds it to the full
+#: registration (_all.py).
+FORMAT_MODULES: dict[str, tuple[QuantType, ...]] = {
+    "floats": (T.F32, T.F16, T.BF16),
+    "legacy": (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q6_0),
+    "kquants": (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K),
+    "iq4": (T.IQ4_NL, T.IQ4_XS),
+    "iqk": (T.IQ3_K, T.IQ4_K, T.IQ5_K, T.IQ6_K, T.IQ5_KS, T.IQ3_KS, T.IQ4_KS),
+    "iq2k": (T.IQ2_K, T.IQ2_KS),
+    "iq2kl": (T.IQ2_KL,),
+    "iq4kss": (T.IQ4_KSS,),
+    "kt": (T.IQ1_KT, T.IQ2_KT, T.IQ3_KT, T.IQ4_KT),
+    "ternary": (T.IQ1_BN, T.IQ2_BN, T.TQ1_0, T.TQ2_0),
+    "iq3xs": (T.IQ3_XXS, T.IQ3_S),
+    "mxfp4": (T.MXFP4,),
+    "q8kv": (T.Q8_KV, T.Q8_KV_R8, T.Q8_K_R8),
+    "iq1": (T.IQ1_S, T.IQ1_M, T.IQ1_S_R4, T.IQ1_M_R4),
+    "iq2xs": (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S),
+}
+_MODULE_OF = {qtype: module for module, types in FORMAT_MODULES.items() for qtype in types}
+_loading = threading.RLock()
+
+
 def registered() -> dict[QuantType, type[BlockFormat]]:
-    """Every implemented format by type.  The format modules are imported (and so registered) on
-    first use, not with the package: `quantkit repack` needs only the interleave kernels and would
-    otherwise pay ~0.1 s to import and load every quantizer's."""
+    """Every implemented format by type (imports every format module: see :data:`FORMAT_MODULES`)."""
     from . import _all  # noqa: F401  (the import lock makes the registration happen once)
     return _registered()
 
 
 def _format(qtype) -> type[BlockFormat] | None:
-    return registered().get(QuantType(qtype))
+    """``qtype``'s format, its module imported on first use; an interleaved type's (q4_k_r4) is
+    registered once its plain type's module is (formats/repacked.py)."""
+    qtype = QuantType(qtype)
+    fmt = _registered().get(qtype)
+    if fmt is not None:
+        return fmt
+    module = _MODULE_OF.get(qtype) or _MODULE_OF.get(traits(qtype).base)
+    if module is None:
+        return None
+    with _loading:
+        importlib.import_module(f"{__name__}.{module}")
+        if qtype not in _MODULE_OF:
+            from . import repacked
+            repacked.register_available()
+    return _registered().get(qtype)
 
 
 def can_quantize(qtype, flavor: str = "ik", with_imatrix: bool = False) -> bool:

@@ -76,6 +76,16 @@ class BlockFormat:
         return np.zeros((n_rows, cls.traits.row_size(n_per_row)), dtype=np.uint8)
 
 
+@classmethod
+def reference_decoder(cls, blocks: np.ndarray, n_per_row: int) -> np.ndarray:
+    """``BlockFormat.dequantize_ref`` of every format that formats/decode.py decodes
+    (``dequantize_ref = reference_decoder`` in its class).  decode.py is imported on the first call,
+    not with the formats: it and the kernel modules it takes tables from (iq2kl, iqk, kt, ternary)
+    are ~0.1 s of imports that every quantize paid and only the reference path uses."""
+    from . import decode
+    return decode.dequantize(blocks, cls.qtype, n_per_row)
+
+
 def first_non_finite(fmt: type[BlockFormat], blocks: np.ndarray, n_per_row: int) -> tuple[int, int] | None:
     """(row, element or block index) of the first non-finite value a decoder would produce, or None."""
     own = getattr(fmt, "first_non_finite_value", None)  # a format that finds it without decoding all

@@ -23,8 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..grids import IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS
-from ..kernels.iq1 import GRID_VALUES as IQ1S_VALUES
+from ..grids import IQ1S_VALUES, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS
 from ..kernels.iq2kl import PAIRS
 from ..kernels.ternary import POW3
 from ..layouts import LAYOUTS, Layout
@@ -490,7 +489,7 @@ def _q8_kv(xp, b, n_per_row):
     return xp.f32(b, 0) * xp.floats((q ^ 0x80) - 0x80)
 # ---- hand-written: IQ1_S, IQ1_M and ik's IQ1_S_R4, IQ1_M_R4 (formats/iq1.py has the layouts) ----
 #
-# A point index selects 8 levels -1/0/+1 of the lattice (kernels.iq1.GRID_VALUES); y = dl*(level +
+# A point index selects 8 levels -1/0/+1 of the lattice (grids.IQ1S_VALUES); y = dl*(level +
 # shift), shift +-1/8 by a bit, as ggml's dequantize_row_iq1_*: (float)level + delta first.
 
 def _iq1_shift(xp, bit):
@@ -595,10 +594,3 @@ def dequantize(blocks: np.ndarray, qtype, n_per_row: int, products: bool = False
     """:func:`decode` in numpy."""
     b = np.ascontiguousarray(blocks, np.uint8)
     return decode(NUMPY, b.reshape(b.shape[0], -1), qtype, n_per_row, products)
-
-
-@classmethod
-def dequantize_ref(cls, blocks, n_per_row):
-    """``BlockFormat.dequantize_ref`` of every format decoded here (``dequantize_ref =
-    decode.dequantize_ref`` in its class)."""
-    return dequantize(blocks, cls.qtype, n_per_row)

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 from ..kernels import iq1 as kernels
 from ..types import QuantType
-from . import decode
-from ._base import ALL_PATHS, FamilyKernelFormat
+from ._base import ALL_PATHS, FamilyKernelFormat, reference_decoder
 
 _IMATRIX_ONLY = frozenset({("ik", True), ("mainline", True)})
 
@@ -39,7 +38,7 @@ class _IQ1(FamilyKernelFormat):
     """The row kernels of kernels/iq1.py; the reference decoder of formats/decode.py."""
     kernel_module = kernels
     kernel_takes_flavor = True
-    dequantize_ref = decode.dequantize_ref
+    dequantize_ref = reference_decoder
 
 
 class IQ1_S(_IQ1, qtype=QuantType.IQ1_S):

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 from ..kernels import iq2k as kernels
 from ..types import QuantType
-from . import decode
-from ._base import ALL_PATHS, FamilyKernelFormat
+from ._base import ALL_PATHS, FamilyKernelFormat, reference_decoder
 
 
 class _IQ2(FamilyKernelFormat):
     kernel_module = kernels
     quant_paths = ALL_PATHS
-    dequantize_ref = decode.dequantize_ref
+    dequantize_ref = reference_decoder
 
 
 class IQ2_K(_IQ2, qtype=QuantType.IQ2_K):

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 from ..kernels import iq2kl as kernels
 from ..types import QuantType
-from . import decode
-from ._base import ALL_PATHS, KernelFormat
+from ._base import ALL_PATHS, KernelFormat, reference_decoder
 
 
 class IQ2_KL(KernelFormat, qtype=QuantType.IQ2_KL):
     quant_paths = ALL_PATHS
-    dequantize_ref = decode.dequantize_ref
+    dequantize_ref = reference_decoder
     _kernel_quantize = staticmethod(kernels.quantize_rows)
 
     @staticmethod

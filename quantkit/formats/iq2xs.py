@@ -28,8 +28,7 @@ from __future__ import annotations
 
 from ..kernels import iq2xs as kernels
 from ..types import QuantType
-from . import decode
-from ._base import ALL_PATHS, FLAVORS, FamilyKernelFormat
+from ._base import ALL_PATHS, FLAVORS, FamilyKernelFormat, reference_decoder
 
 _IMATRIX_ONLY = frozenset((f, True) for f in FLAVORS)
 
@@ -38,7 +37,7 @@ class _IQ2(FamilyKernelFormat):
     """The row kernels of kernels/iq2xs.py; the reference decoder of formats/decode.py."""
     kernel_module = kernels
     kernel_takes_flavor = True
-    dequantize_ref = decode.dequantize_ref
+    dequantize_ref = reference_decoder
     scale_fields = ((0, "<f2"),)
 
 

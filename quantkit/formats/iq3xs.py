@@ -26,8 +26,7 @@ from __future__ import annotations
 
 from ..kernels import iq3xs as kernels
 from ..types import QuantType
-from . import decode
-from ._base import ALL_PATHS, FamilyKernelFormat
+from ._base import ALL_PATHS, FamilyKernelFormat, reference_decoder
 
 
 class _IQ3(FamilyKernelFormat):
@@ -35,7 +34,7 @@ class _IQ3(FamilyKernelFormat):
     of formats/decode.py."""
     kernel_module = kernels
     quant_paths = ALL_PATHS
-    dequantize_ref = decode.dequantize_ref
+    dequantize_ref = reference_decoder
     scale_fields = ((0, "<f2"),)
 
 

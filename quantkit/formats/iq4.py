@@ -30,8 +30,7 @@ import numpy as np
 from ..kernels import iq4 as kernels
 from ..tables import IQ4NL_VALUES
 from ..types import QuantType
-from . import decode
-from ._base import ALL_PATHS, FamilyKernelFormat
+from ._base import ALL_PATHS, FamilyKernelFormat, reference_decoder
 
 KVALUES = IQ4NL_VALUES.astype(np.int64)
 KV = KVALUES.astype(np.float32)
@@ -42,7 +41,7 @@ class _IQ4(FamilyKernelFormat):
     kernel_module = kernels
     kernel_takes_flavor = True
     quant_paths = ALL_PATHS
-    dequantize_ref = decode.dequantize_ref
+    dequantize_ref = reference_decoder
 
 
 class IQ4_NL(_IQ4, qtype=QuantType.IQ4_NL):

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from ..kernels import iq4kss as kernels
 from ..types import QuantType
-from . import decode
-from ._base import ALL_PATHS, KernelFormat
+from ._base import ALL_PATHS, KernelFormat, reference_decoder
 
 
 class IQ4_KSS(KernelFormat, qtype=QuantType.IQ4_KSS):
     quant_paths = ALL_PATHS
-    dequantize_ref = decode.dequantize_ref
+    dequantize_ref = reference_decoder
     _kernel_quantize = staticmethod(kernels.quantize_rows)
     _kernel_dequantize = staticmethod(kernels.dequantize_rows)

@@ -38,8 +38,7 @@ from __future__ import annotations
 
 from ..kernels import iqk as kernels
 from ..types import QuantType
-from . import decode
-from ._base import ALL_PATHS, FamilyKernelFormat
+from ._base import ALL_PATHS, FamilyKernelFormat, reference_decoder
 
 
 # ---------------------------------------------------------------------------------- formats
@@ -47,7 +46,7 @@ class _SuperBlockIQK(FamilyKernelFormat):
     kernel_module = kernels
     quant_paths = ALL_PATHS
     scale_fields = ((0, "<f2"),)
-    dequantize_ref = decode.dequantize_ref
+    dequantize_ref = reference_decoder
 
 
 class IQ3_K(_SuperBlockIQK, qtype=QuantType.IQ3_K):

@@ -37,8 +37,7 @@ from __future__ import annotations
 
 from ..kernels import kquants as kernels
 from ..types import QuantType
-from . import decode
-from ._base import ALL_PATHS, FamilyKernelFormat
+from ._base import ALL_PATHS, FamilyKernelFormat, reference_decoder
 
 #: llama-quantize hands ggml_quantize_chunk chunks of ceil(16384 / n_per_row) rows (at least one
 #: row); ik's Q2_K TriNet test looks at one chunk at a time (llama-quantize.cpp, min_chunk_size)
@@ -60,7 +59,7 @@ class _KQuant(FamilyKernelFormat):
     kernel_module = kernels
     kernel_takes_flavor = True
     quant_paths = ALL_PATHS
-    dequantize_ref = decode.dequantize_ref
+    dequantize_ref = reference_decoder
 
 
 class Q2_K(_KQuant, qtype=QuantType.Q2_K):

@@ -30,8 +30,7 @@ import numpy as np
 
 from ..kernels import kt as kernels
 from ..types import QuantType
-from . import decode
-from ._base import ALL_PATHS, KernelFormat
+from ._base import ALL_PATHS, KernelFormat, reference_decoder
 from ._kt_codebook import IQ4_KT_SECOND_OFFSET, codebook
 
 
@@ -63,7 +62,7 @@ def _fast_iq4(x, qw, has_qw, out):
 class _KT(KernelFormat):
     """The KT quantizers take the imatrix as it is (no QHelper clean-up)."""
     kind: int = 0
-    dequantize_ref = decode.dequantize_ref
+    dequantize_ref = reference_decoder
 
     @classmethod
     def _kernel_dequantize(cls, blocks, out):

@@ -35,8 +35,7 @@ import numpy as np
 
 from ..kernels import legacy as kernels
 from ..types import QuantType
-from . import decode
-from ._base import BlockFormat, KernelFormat
+from ._base import BlockFormat, KernelFormat, reference_decoder
 
 QK = 32                     # values per block (QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK8_0)
 
@@ -66,7 +65,7 @@ class _LegacyFormat(BlockFormat):
         kernels.dequantize_rows(int(cls.qtype), blocks, kernels.FP16_TABLE, out)
         return out
 
-    dequantize_ref = decode.dequantize_ref
+    dequantize_ref = reference_decoder
 
 
 # Without an imatrix mainline and ik run the same *_ref code; with one they differ (see above).

@@ -49,7 +49,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels.floats import row_extent as row_extent_kernel
 from ..types import QK_K, QuantType, traits, type_name
 
 T = QuantType
@@ -126,6 +125,9 @@ class Excess:
 def row_extent(x: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
     """Per row of ``x`` (n_rows, n_per_row) float32: (max |x|, max |x|·imatrix) as (n_rows, 2)
     float32, max |x| = +inf for a row holding a NaN or an infinity; one pass (kernels.floats)."""
+    # numba with the kernel: importing the formats (every quantize, imatrix, a refused one too)
+    # imports none; the first format a plan uses does
+    from ..kernels.floats import row_extent as row_extent_kernel
     x = np.ascontiguousarray(x, np.float32)
     out = np.empty((x.shape[0], 2), np.float32)
     qw = np.zeros(0, np.float32) if imatrix is None else np.ascontiguousarray(imatrix, np.float32)

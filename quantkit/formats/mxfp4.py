@@ -14,15 +14,14 @@ from __future__ import annotations
 
 from ..kernels import mxfp4 as kernels
 from ..types import QuantType
-from . import decode
-from ._base import ALL_PATHS, FamilyKernelFormat
+from ._base import ALL_PATHS, FamilyKernelFormat, reference_decoder
 
 
 class MXFP4(FamilyKernelFormat, qtype=QuantType.MXFP4):
     kernel_module = kernels
     kernel_takes_flavor = True
     quant_paths = ALL_PATHS
-    dequantize_ref = decode.dequantize_ref
+    dequantize_ref = reference_decoder
     # no float field: the quantizer's exponent is at most 252 (amax <= FLT_MAX < 2^128), and
     # 2^(252 - 128) * 12 is finite, so its output never decodes to inf or nan
     scale_fields = ()

@@ -20,7 +20,7 @@ import numpy as np
 from ..kernels import q8kv as kernels
 from ..types import QK_K, QuantType, type_name
 from . import decode
-from ._base import ALL_PATHS, BlockFormat, FamilyKernelFormat
+from ._base import ALL_PATHS, BlockFormat, FamilyKernelFormat, reference_decoder
 
 T = QuantType
 GROUP = kernels.GROUP
@@ -30,7 +30,7 @@ class Q8_KV(FamilyKernelFormat, qtype=T.Q8_KV):
     kernel_module = kernels
     kernel_takes_flavor = True
     quant_paths = ALL_PATHS                  # ik only: one algorithm for both flavors
-    dequantize_ref = decode.dequantize_ref
+    dequantize_ref = reference_decoder
 
     @classmethod
     def first_non_finite_value(cls, blocks, n_per_row):

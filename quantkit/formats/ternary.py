@@ -23,8 +23,7 @@ from __future__ import annotations
 
 from ..kernels import ternary as kernels
 from ..types import QuantType
-from . import decode
-from ._base import ALL_PATHS, FamilyKernelFormat
+from ._base import ALL_PATHS, FamilyKernelFormat, reference_decoder
 
 MAINLINE_PATHS = frozenset(p for p in ALL_PATHS if p[0] == "mainline")
 
@@ -32,7 +31,7 @@ MAINLINE_PATHS = frozenset(p for p in ALL_PATHS if p[0] == "mainline")
 class _Ternary(FamilyKernelFormat):
     kernel_module = kernels
     quant_paths = ALL_PATHS                 # ik-only types: one algorithm for both flavors
-    dequantize_ref = decode.dequantize_ref
+    dequantize_ref = reference_decoder
 
 
 class IQ1_BN(_Ternary, qtype=QuantType.IQ1_BN):

@@ -27,7 +27,7 @@ import warnings
 import numpy as np
 from numba import NumbaExperimentalFeatureWarning, njit, prange, types
 
-from ..grids import IQ1S_GRID, KGRID_1BIT_2048
+from ..grids import IQ1S_VALUES, KGRID_1BIT_2048
 from ..tables import FP16_TABLE  # noqa: F401  (the decoders' table, which formats pass in)
 from ..types import QuantType as T
 from ..types import traits
@@ -88,7 +88,7 @@ def _lattice():
 
 
 LEVELS, KMAP, NB_START, NB_POINTS = _lattice()
-GRID_VALUES = IQ1S_GRID.view(np.int8).reshape(-1, 8).astype(np.float32)     # the decoders' -1/0/+1
+GRID_VALUES = IQ1S_VALUES                                                   # the decoders' -1/0/+1
 
 
 # ---- shared pieces ----

@@ -1,0 +1,57 @@
+"""Start-up costs a user pays on every command (issue 28): what a command imports before it does
+its job.  The times are measured in bench/startup.py; here the imports that made them are kept out."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from models import write_llama
+
+_CHECK = """
+import contextlib, io, sys
+from quantkit.cli import main
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    assert main(["--help"]) == 0
+    assert main(["inspect", sys.argv[1]]) == 0
+    assert main(["inspect", sys.argv[1], "--json"]) == 0
+    assert main(["quantize", sys.argv[2], sys.argv[2] + ".out", "q8_0"]) == 1      # no GGUF: refused
+assert "numba" not in sys.modules, "a command that compiles nothing imported numba"
+from quantkit import formats
+from quantkit.types import QuantType
+assert formats.can_quantize(QuantType.Q4_K) and formats.can_quantize(QuantType.Q4_K_R4)
+loaded = sorted(m for m in sys.modules if m.startswith("quantkit.formats.") or m.startswith("quantkit.kernels."))
+for lattice in ("iq2xs", "iq3xs", "iq1"):     # seconds of numpy tables on import
+    assert f"quantkit.kernels.{lattice}" not in loaded, loaded
+"""
+
+
+def test_commands_import_only_what_they_use(tmp_path):
+    """`--help`, `inspect` and a refused quantize import no numba (~0.3 s); a k-quant's format does
+    not import the i-quant modules, which build their lattice tables on import."""
+    model = write_llama(tmp_path / "m.gguf", n_layer=1, n_embd=256, n_ff=256, n_vocab=256)
+    not_gguf = tmp_path / "notes.txt"
+    not_gguf.write_text("not a model\n")
+    run = subprocess.run([sys.executable, "-c", _CHECK, str(model), str(not_gguf)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_batch_commands_let_openmp_workers_sleep(monkeypatch, tmp_path):
+    """quantize and repack set OMP_WAIT_POLICY=passive before their first kernel (quantkit/omp_wait.py:
+    spinning workers of two thread teams made quantizing 3-4x slower on a shared machine), and keep
+    a value the user set."""
+    import contextlib
+    import io
+    import os
+
+    from quantkit.cli import main
+    not_gguf = tmp_path / "notes.txt"
+    not_gguf.write_text("not a model\n")
+    for command in (["quantize", not_gguf, tmp_path / "q.gguf", "q8_0"], ["repack", not_gguf, tmp_path / "r.gguf"]):
+        for given, want in ((None, "passive"), ("active", "active")):
+            if given is None:
+                monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+            else:
+                monkeypatch.setenv("OMP_WAIT_POLICY", given)
+            with contextlib.redirect_stderr(io.StringIO()):
+                assert main([str(a) for a in command]) == 1
+            assert os.environ["OMP_WAIT_POLICY"] == want, command
