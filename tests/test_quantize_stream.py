@@ -81,3 +81,21 @@ def test_next_chunk_is_read_while_one_is_quantized(llama, tmp_path, monkeypatch)
         assert all(t.startswith("quantkit-read") for _, _, t in chunks[1:]), (name, chunks)
         multi += len(chunks) > 1
     assert multi >= 5
+
+
+def test_parallel_kernels_release_the_gil():
+    """The quantizers' and decoders' parallel drivers run with the GIL released, so the pipeline's
+    read-ahead and writer threads go on while a chunk is quantized (kernels/common.py)."""
+    import importlib
+    import pkgutil
+
+    import quantkit.kernels as kernels
+    from numba.core.registry import CPUDispatcher
+    parallel = {}
+    for m in pkgutil.iter_modules(kernels.__path__):
+        mod = importlib.import_module(f"quantkit.kernels.{m.name}")
+        for name, obj in vars(mod).items():
+            if isinstance(obj, CPUDispatcher) and obj.targetoptions.get("parallel"):
+                parallel[f"{m.name}.{name}"] = obj.targetoptions.get("nogil", False)
+    assert len(parallel) >= 20
+    assert [k for k, nogil in parallel.items() if not nogil] == []

@@ -242,7 +242,10 @@ def as_row_function(kernel):
     return (kernel,)
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+# Every parallel driver in quantkit.kernels releases the GIL (nogil=True): while one quantizes a chunk,
+# the quantize pipeline's writer and read-ahead threads (quantize.ReadAhead, gguf_io.writer) run their
+# Python between system calls instead of waiting for the whole kernel.
+@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def quantize_rows_with(row_fn, x, qw, has_qw, ik, out):
     """out[r] = row_fn[0](x[r], ...) for every row, rows in parallel."""
     for r in prange(x.shape[0]):
@@ -266,7 +269,7 @@ DECODE_SIG = (types.int64, types.Array(types.uint8, 1, "C", readonly=True), type
               types.Array(types.float32, 1, "C"))
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def decode_rows_with(row_fn, qtype, blocks, fp16_table, out):
     """row_fn[0](qtype, blocks[r], out[r], fp16_table) for every row, rows in parallel."""
     for r in prange(out.shape[0]):

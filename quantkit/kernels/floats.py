@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit, prange
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def fp32_to_bf16_rows(x, out):
     """ggml_compute_fp32_to_bf16 per element: quiet NaNs, otherwise round to nearest even."""
     n_rows, n = x.shape
@@ -25,7 +25,7 @@ def fp32_to_bf16_rows(x, out):
                 out[r, i] = np.uint16(v >> np.uint32(16))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def bf16_to_fp32_rows(b, out):
     n_rows, n = b.shape
     for r in prange(n_rows):
@@ -33,7 +33,7 @@ def bf16_to_fp32_rows(b, out):
             out[r, i] = np.uint32(b[r, i]) << np.uint32(16)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def f16_to_fp32_rows(h, lut, out):
     """F16 bit patterns to float32 through a 65536-entry table (exact, NaN payloads included)."""
     n_rows, n = h.shape
@@ -42,7 +42,7 @@ def f16_to_fp32_rows(h, lut, out):
             out[r, i] = lut[h[r, i]]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def fp8_blocks_to_bf16_rows(q, scale, row_index, table, out):
     """DeepSeek's block-scaled float8 to bf16: out[r, c] = bf16(table[q[r, c]] * scale[row_index[r]
     // 128, c // 128]), the product in float32 and rounded to nearest even (NaN stays a quiet NaN).
@@ -62,7 +62,7 @@ def fp8_blocks_to_bf16_rows(q, scale, row_index, table, out):
                 out[r, c] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def row_extent(x, qw, has_qw, out):
     """Per float32 row of ``x`` (n_rows, n), in one pass: ``out[r, 0]`` = max |x| (+inf when the
     row holds a NaN or an infinity), ``out[r, 1]`` = max |x|·qw (0 without ``has_qw``).

@@ -712,7 +712,7 @@ STATE_KERNELS = {IQ1_M: iq1_m_row_state, IQ1_M_R4: iq1_m_r4_row_state}
 STATE_SIG = ROW_SIG + (types.Array(types.int64, 1, "C"),)
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def _rows_with_state(row_fn, x, qw, has_qw, ik, out, states, todo):
     for t in prange(todo.shape[0]):
         r = todo[t]

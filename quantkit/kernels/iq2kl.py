@@ -247,7 +247,7 @@ def quantize_rows(x, qw, has_qw, out):
     run_rows(iq2_kl_row, x, qw, has_qw, True, out)
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def dequantize_rows(blocks, fp16_table, out):
     n_rows, n = out.shape
     for r in prange(n_rows):

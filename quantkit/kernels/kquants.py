@@ -950,7 +950,7 @@ def quantize_rows(qtype, x, qw, has_qw, ik, out):
     run_rows(ROW_KERNELS[qtype], x, qw, has_qw, ik, out)
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def q2_k_trinet(x, chunk_rows, out):
     """ik's quantize_row_q2_K_ref first looks at the whole chunk it is given: if rounding every value
     to {-max, 0, +max} leaves less than a tenth of Σx², the chunk is stored ternary (d = dmin =

@@ -237,7 +237,7 @@ def fit(x, w, base, codes, cbase, values):
     return F(0), F(0)
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def nearest_clusters(values, centres, near):
     """near[ip] = the near.shape[1] clusters nearest to code ip (float32 squared distance summed in
     order; ties to the lower cluster), as ik's finalize_clusters inserts them."""
@@ -579,19 +579,19 @@ def iq4_row(x, qw, has_qw, y, cb1, cb2):
         store_f32(y, 0, sums[0] / sums[1])
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def quantize_small_rows(x, qw, has_qw, out, one, mid, offsets, members, vt, vt_all, values):
     for r in prange(x.shape[0]):
         small_row(x[r], qw, has_qw, out[r], one, mid, offsets, members, vt, vt_all, values)
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def quantize_iq3_rows(x, qw, has_qw, out, mid, offsets, members, vt, vt_all, values):
     for r in prange(x.shape[0]):
         iq3_row(x[r], qw, has_qw, out[r], mid, offsets, members, vt, vt_all, values)
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def quantize_iq4_rows(x, qw, has_qw, out, cb1, cb2):
     for r in prange(x.shape[0]):
         iq4_row(x[r], qw, has_qw, out[r], cb1, cb2)
@@ -609,7 +609,7 @@ def _group(code, offset, is_abs, g, sl, out, o):
         out[o + k] = sl * (F(abs(v)) if is_abs else F(v))
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def dequantize_rows(blocks, kind, out):
     """kind: 1..4 for IQ1_KT..IQ4_KT."""
     n_rows, n = out.shape

@@ -198,7 +198,7 @@ def _affine_block(xb, y, off, nmax):
         _store_qh(y, off + 4, qh)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def quantize_rows_plain(qtype, x, out):
     """Reference (no imatrix) quantization of every row; also Q8_0 with or without imatrix."""
     n_rows, n = x.shape
@@ -467,7 +467,7 @@ def _search_lanes(xr, qw, has_qw, sigma2, nmax, ik):
     return d, Lt
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def quantize_rows_imatrix(qtype, x, qw, ik, out):
     """Q4_0/Q4_1/Q5_0/Q5_1 with importance weights qw (n_per_row,); ik selects the fork's searches."""
     n_rows, n = x.shape
@@ -507,7 +507,7 @@ def quantize_rows_imatrix(qtype, x, qw, ik, out):
 
 # ---- decoding ----
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def dequantize_rows(qtype, blocks, fp16_table, out):
     """blocks (n_rows, row_size) uint8 -> out (n_rows, n_per_row) float32 (dequantize_row_*)."""
     n_rows, n = out.shape
@@ -566,7 +566,7 @@ def _pack_q6_0(L, y, off):
         y[off + 2 + j % 8] |= ((lo >> 4) | ((hi >> 4) << 2)) << (4 * (j // 8))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def quantize_rows_q6_0(x, qw, has_qw, out):
     """Q6_0 always runs the fork's make_qx_quants (nmax 32): weights ``qw*sqrtf(sigma2 + x²)`` with
     sigma2 = Σx²/n_per_row of the row, or ``x²`` without an imatrix; a row's blocks are searched
@@ -592,7 +592,7 @@ def quantize_rows_q6_0(x, qw, has_qw, out):
             _pack_q6_0(L, y, off)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def dequantize_rows_q6_0(blocks, fp16_table, out):
     n_rows, n = out.shape
     for r in prange(n_rows):

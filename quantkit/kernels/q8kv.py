@@ -117,7 +117,7 @@ def quantize_rows(qtype, x, qw, has_qw, ik, out):
     run_rows(ROW_KERNELS[qtype], x, qw, has_qw, ik, out)
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def quantize_groups8(x, kv, out):
     """Rows x (n_rows, n_per_row), n_rows a multiple of 8 -> out (n_rows, row_size) of q8_KV_r8
     (kv: the 8 rows' float32 d, then their codes) or q8_k_r8 (per 256 values the 8 float16 d,
@@ -138,7 +138,7 @@ def quantize_groups8(x, kv, out):
                                 at + GROUP * Q8_K_R8_HEAD + 4 * k)
 
 
-@njit(cache=True, parallel=True, error_model="numpy")
+@njit(cache=True, parallel=True, nogil=True, error_model="numpy")
 def decode_groups8(packed, packed_row, row_scale, n_per_row, fp16_table, out):
     """Interleaved groups of 8 rows -> float32 rows (out flat, n_per_row each): q8_KV_r8
     (row_scale: 8 float32 d, then the codes) or q8_k_r8 (per 256 values: 8 float16 d, then the
