@@ -101,3 +101,21 @@ def test_f16_rounding_equals_numpys_cast():
     got = ops_cpu._f16_round(x)
     same = (ref.view(np.uint32) == got.view(np.uint32)) | (np.isnan(ref) & np.isnan(got))
     assert same.all(), x[~same][:5]
+
+
+def test_interleaved_rows_are_regrouped_once(monkeypatch):
+    """A batch product of an interleaved type regroups the tensor's rows once (kept beside the
+    file's bytes, as generation's kernels read them), not once per tile and product."""
+    from quantkit.formats import interleave
+    qtype = QuantType.Q4_0_R8
+    blocks = quantized_rows(qtype, N_ROWS, seed=5)
+    w = Weight("w", qtype, (N_PER_ROW, N_ROWS), blocks)
+    x = np.random.default_rng(4).standard_normal((ops_cpu.FUSED_TOKENS + 1, N_PER_ROW)).astype(np.float32)
+    ref = reference_product(blocks, qtype, x)
+    calls = []
+    deinterleave = interleave.deinterleave
+    monkeypatch.setattr(interleave, "deinterleave", lambda *a, **k: calls.append(1) or deinterleave(*a, **k))
+    monkeypatch.setattr(ops_cpu, "TILE_VALUES", N_PER_ROW * 8)     # several tiles per product
+    for _ in range(2):
+        np.testing.assert_allclose(ops_cpu.matmul_q(w, x), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    assert len(calls) == 1

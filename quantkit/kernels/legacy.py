@@ -506,46 +506,82 @@ def quantize_rows_imatrix(qtype, x, qw, ik, out):
 
 
 # ---- decoding ----
+#
+# Q8_0, Q4_0 and Q5_0 each have a row decoder of their own, with 32-bit integers and no test of the
+# type inside the loops over a block: the prompt path decodes every weight of a product once per
+# batch, and the shared loop below decoded Q5_0 at a third of this speed (SmolLM2's 576-wide rows
+# make Q5_0 three quarters of a Q4_K or IQ4_K file).  Same values: a code times d, nothing added.
+
+@njit(cache=True, error_model="numpy")
+def _q8_0_row(b, y, fp16_table):
+    for ib in range(y.shape[0] // QK):
+        o = ib * Q8_0_BYTES
+        d = fp16_at(b, o, fp16_table)
+        for j in range(QK):
+            y[QK * ib + j] = F(np.int8(b[o + 2 + j])) * d
+
+
+@njit(cache=True, error_model="numpy")
+def _q4_0_row(b, y, fp16_table):
+    for ib in range(y.shape[0] // QK):
+        o = ib * Q4_0_BYTES
+        d = fp16_at(b, o, fp16_table)
+        for j in range(16):
+            byte = np.int32(b[o + 2 + j])
+            y[QK * ib + j] = F((byte & 0xF) - 8) * d
+            y[QK * ib + j + 16] = F((byte >> 4) - 8) * d
+
+
+@njit(cache=True, error_model="numpy")
+def _q5_0_row(b, y, fp16_table):
+    for ib in range(y.shape[0] // QK):
+        o = ib * Q5_0_BYTES
+        d = fp16_at(b, o, fp16_table)
+        qh = (np.uint32(b[o + 2]) | (np.uint32(b[o + 3]) << 8) | (np.uint32(b[o + 4]) << 16)
+              | (np.uint32(b[o + 5]) << 24))
+        for j in range(16):
+            byte = np.int32(b[o + 6 + j])
+            q0 = (byte & 0xF) | np.int32(((qh >> j) & 1) << 4)
+            q1 = (byte >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
+            y[QK * ib + j] = F(q0 - 16) * d
+            y[QK * ib + j + 16] = F(q1 - 16) * d
+
+
+@njit(cache=True, error_model="numpy")
+def _affine_row(qtype, b, y, fp16_table):
+    """Q4_1 and Q5_1: code * d + m."""
+    ts = _block_bytes(qtype)
+    for ib in range(y.shape[0] // QK):
+        o = ib * ts
+        e = ib * QK
+        d = fp16_at(b, o, fp16_table)
+        m = fp16_at(b, o + 2, fp16_table)
+        qs = o + 4
+        qh = 0
+        if qtype == Q5_1:
+            for k in range(4):
+                qh |= np.int64(b[qs + k]) << (8 * k)
+            qs += 4
+        for j in range(16):
+            byte = np.int64(b[qs + j])
+            q0 = (byte & 0xF) | (((qh >> j) & 1) << 4)
+            q1 = (byte >> 4) | (((qh >> (j + 16)) & 1) << 4)
+            y[e + j] = F(q0) * d + m
+            y[e + j + 16] = F(q1) * d + m
+
 
 @njit(cache=True, parallel=True, nogil=True)
 def dequantize_rows(qtype, blocks, fp16_table, out):
     """blocks (n_rows, row_size) uint8 -> out (n_rows, n_per_row) float32 (dequantize_row_*)."""
-    n_rows, n = out.shape
-    ts = _block_bytes(qtype)
-    for r in prange(n_rows):
-        b = blocks[r]
-        for ib in range(n // QK):
-            o = ib * ts
-            e = ib * QK
-            d = fp16_at(b, o, fp16_table)
-            if qtype == Q8_0:
-                for j in range(QK):
-                    q = np.int64(b[o + 2 + j])
-                    out[r, e + j] = F(q - 256 if q >= 128 else q) * d
-                continue
-            m = F(0)
-            qs = o + 2
-            if qtype == Q4_1 or qtype == Q5_1:
-                m = fp16_at(b, o + 2, fp16_table)
-                qs += 2
-            qh = 0
-            if qtype == Q5_0 or qtype == Q5_1:
-                for k in range(4):
-                    qh |= np.int64(b[qs + k]) << (8 * k)
-                qs += 4
-            for j in range(16):
-                byte = np.int64(b[qs + j])
-                q0 = (byte & 0xF) | (((qh >> j) & 1) << 4)
-                q1 = (byte >> 4) | (((qh >> (j + 16)) & 1) << 4)
-                if qtype == Q4_0:
-                    out[r, e + j] = F(q0 - 8) * d
-                    out[r, e + j + 16] = F(q1 - 8) * d
-                elif qtype == Q5_0:
-                    out[r, e + j] = F(q0 - 16) * d
-                    out[r, e + j + 16] = F(q1 - 16) * d
-                else:
-                    out[r, e + j] = F(q0) * d + m
-                    out[r, e + j + 16] = F(q1) * d + m
+    for r in prange(out.shape[0]):
+        if qtype == Q8_0:
+            _q8_0_row(blocks[r], out[r], fp16_table)
+        elif qtype == Q4_0:
+            _q4_0_row(blocks[r], out[r], fp16_table)
+        elif qtype == Q5_0:
+            _q5_0_row(blocks[r], out[r], fp16_table)
+        else:
+            _affine_row(qtype, blocks[r], out[r], fp16_table)
 
 
 # ---- Q6_0 (ik_llama.cpp only) ----

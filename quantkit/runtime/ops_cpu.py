@@ -109,8 +109,11 @@ def matmul_q(w: Weight, x: np.ndarray, fused: bool | None = None) -> np.ndarray:
 
     def product(r0):
         r1 = min(n_out, r0 + tile)
-        rows = plain[r0:r1] if plain is not None else w.rows(r0, r1)
-        out[:, r0:r1] = x @ rows.T
+        rows = plain[r0:r1] if plain is not None else w.plain_rows(r0, r1)
+        if r1 - r0 == n_out:
+            np.matmul(x, rows.T, out=out)       # one tile: no copy of the product into out
+        else:
+            out[:, r0:r1] = x @ rows.T
     pool.map(product, range(0, n_out, tile), x.shape[0])
     return out
 

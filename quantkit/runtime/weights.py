@@ -72,6 +72,15 @@ class Weight:
         """Rows ``start:stop`` as float32 (stop - start, n_in); start/stop on interleave boundaries."""
         return self._decode(self.blocks[start:stop])
 
+    def plain_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` as ``rows`` gives them, decoded from ``plain_layout``: an interleaved
+        type's rows are regrouped once for the whole tensor instead of once per call (the products
+        of a prompt decode every tile of every matrix once per batch)."""
+        if not interleave.supports(self.qtype):     # not interleaved, or decoded as stored (iq1_s_r4)
+            return self.rows(start, stop)
+        qtype, blocks = self.plain_layout()
+        return formats.dequantize(blocks[start:stop], qtype, self.n_in)
+
     def gather(self, ids: np.ndarray) -> np.ndarray:
         """Rows ``ids`` (any order, repeats allowed) as float32 (len(ids), n_in), decoded in one
         call: the interleave groups holding them are gathered, decoded, and the rows picked."""
