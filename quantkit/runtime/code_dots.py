@@ -1,6 +1,5 @@
 """Fused generation products of the types whose codes quantkit.layouts cannot describe: the grid
-i-quants (a byte indexes a point of 4 or 8 magnitudes, with sign bits beside), MXFP4 (an E8M0
-block exponent), the ternary types (base-3 digits: TQ1_0, IQ1_BN; 2-bit: TQ2_0, IQ2_BN) and Q8_KV
+i-quants (a byte indexes a point of 4 or 8 magnitudes, with sign bits beside), the ternary types (base-3 digits: TQ1_0, IQ1_BN; 2-bit: TQ2_0, IQ2_BN) and Q8_KV
 (int8 codes under one float32 row scale).
 
 Each block's values are unpacked into a small buffer of int8 codes (a grid point whole, as one
@@ -18,12 +17,12 @@ float values are
     IQ3_XXS                    d * (0.5 + s) * 0.5 * grid * sign    = d/4 * (2s + 1) * grid * sign
     IQ3_S                      d * (1 + 2s) * grid * sign
     IQ1_S / IQ1_M              d * (2s + 1) * (grid ± 1/8)          = d/8 * (2s + 1) * (8 grid ± 1)
-    MXFP4                      2^(e - 128) * kvalues_mxfp4[code]
     TQ1_0 / TQ2_0              d * (t - 1)                          t a base-3 digit / 2-bit code
     IQ1_BN / IQ2_BN            d_row * (t - 1)                      d_row in front of the row
     Q8_KV                      d_row * q
 
-so every product is exact in integers up to the block's float scale.  Interleaved layouts that are
+so every product is exact in integers up to the block's float scale.  (MXFP4, IQ4_NL's block with
+an E8M0 exponent, takes the legacy chunk dots: matvec.E8M0_LAYOUTS.)  Interleaved layouts that are
 their base's rows regrouped reach here as those plain rows (``Weight.plain_layout``), as matvec's
 other types do; those with a layout of their own (ik quantizes iq1_s_r4 and iq1_m_r4 on their own,
 in blocks of 32; q8_KV_r8 and q8_k_r8 keep their rows' scales side by side) are read in place: row
@@ -54,11 +53,6 @@ KSIGNS = KSIGNS_IQ2XS.copy()
 # the fills index these with masked bits of the block: 8, 9, 10, 8, 9 and 11 bits, and 7 for the signs
 assert [len(g) for g in (IQ2XXS_GRID, IQ2XS_GRID, IQ2S_GRID, IQ3XXS_GRID, IQ3S_GRID)] == [256, 512, 1024, 256, 512]
 assert len(G1S_UP) == len(G1S_DOWN) == 2048 and len(KSIGNS) == 128
-
-# ggml-common.h kvalues_mxfp4 (the FP4 E2M1 values, doubled), and ggml_e8m0_to_fp32_half(e):
-# 2^(e - 128), with the two smallest exponents as subnormal bit patterns
-MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
-E8M0_HALF = np.array([0x00200000, 0x00400000] + [(e - 1) << 23 for e in range(2, 256)], np.uint32).view(np.float32)
 POW3 = np.array([1, 3, 9, 27, 81, 243], np.int64)        # tq1_0's pow3
 K_MULT = np.array([81, 27, 9, 3, 1], np.int64)            # IQ1BNQuantizer::k_mult
 
@@ -197,18 +191,6 @@ def _iq1_m(b, o, k, w, sg, sc):
 
 
 @njit(**_INLINE)
-def _mxfp4(b, o, k, words, sg, sc):
-    # block_mxfp4 | e (E8M0) | qs[16]: value j in the low nibble of qs[j], j + 16 in the high |
-    w = words.view(np.int8)
-    for j in range(16):
-        q = np.int64(b[o + 1 + j])
-        w[j] = MXFP4_VALUES[q & 15]
-        w[j + 16] = MXFP4_VALUES[q >> 4]
-    _put_scales(sc, 0, 2, 1)
-    return E8M0_HALF[b[o]]
-
-
-@njit(**_INLINE)
 def _trit(byte, mult):
     """The base-3 digit ``mult`` selects from a byte of 5 (tq1_0's and iq1_bn's packing), minus 1."""
     v = (byte * mult) & 255
@@ -340,7 +322,7 @@ def _q8_k_r8(b, o, k, words, sg, sc):
 FILLS = {
     T.IQ2_XXS: (_iq2_xxs, 256), T.IQ2_XS: (_iq2_xs, 256), T.IQ2_S: (_iq2_s, 256),
     T.IQ3_XXS: (_iq3_xxs, 256), T.IQ3_S: (_iq3_s, 256), T.IQ1_S: (_iq1_s, 256), T.IQ1_M: (_iq1_m, 256),
-    T.MXFP4: (_mxfp4, 32), T.TQ1_0: (_tq1_0, 256), T.TQ2_0: (_tq2_0, 256),
+    T.TQ1_0: (_tq1_0, 256), T.TQ2_0: (_tq2_0, 256),
     T.IQ1_BN: (_iq1_bn, 64), T.IQ2_BN: (_iq2_bn, 64), T.Q8_KV: (_q8_kv, 32),
     T.IQ1_S_R4: (_iq1_s_r4, 32), T.IQ1_M_R4: (_iq1_m_r4, 32), T.Q8_KV_R8: (_q8_kv_r8, 32), T.Q8_K_R8: (_q8_k_r8, 256),
 }

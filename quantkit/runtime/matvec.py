@@ -32,7 +32,8 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .. import kernel_cache  # noqa: F401  (keys numba's cache on quantkit's sources)
-from ..layouts import LAYOUTS
+from ..layouts import LAYOUTS, Layout, Run
+from ..tables import MXFP4_VALUES
 from ..types import TYPE_TRAITS, QuantType
 from . import dot as D
 from .code_dots import FILLS as CODED
@@ -53,9 +54,17 @@ def _padded(grid):
 
 NO_TABLE = np.zeros(16, np.int8)              # the types without a grid
 
+# MXFP4's block is IQ4_NL's with an E8M0 exponent byte for the float16 scale, | e | qs[16] |
+# (value = 2^(e - 128) * kvalues_mxfp4[code]): the legacy chunk dots read it with that scale
+# (dot.chunk_dot's e8m0).  It is not in layouts.LAYOUTS, whose records the reference decoder
+# (formats/decode.py) also reads, with float16 scales; unpacked block by block into integers
+# (code_dots) its products ran 7x slower than ik's.
+E8M0_LAYOUTS = {T.MXFP4: Layout(T.MXFP4, (Run(n=32, xoff=0, off=1, shift=0, mask=15, split=True, d_at=0),),
+                                grid=MXFP4_VALUES)}
+
 # the kernel selector per stored type (each compiles its own loop: _row_dot): the float rows, then
 # every type whose block layout quantkit.layouts declares, then the types code_dots unpacks
-KIND = {q: k for k, q in enumerate((T.F32, T.F16, T.BF16, *LAYOUTS, *CODED))}
+KIND = {q: k for k, q in enumerate((T.F32, T.F16, T.BF16, *LAYOUTS, *E8M0_LAYOUTS, *CODED))}
 FLOAT_KINDS = len(D.FLOAT_FORMATS)      # kinds below this multiply float rows with float activations
 
 
@@ -102,15 +111,15 @@ FUSED = {q: (k, regroups(q)) for q, k in _KIND_OF.items()}
 # Legacy types (a float16 scale per block) are read 8 blocks (256 values) per chunk, and a row's
 # last n % 256 values in chunks of 4, 2 and 1 blocks; super-block types one super-block per chunk.
 
-LEGACY = {q: lay for q, lay in LAYOUTS.items() if lay.sup is None}
+LEGACY = {**{q: lay for q, lay in LAYOUTS.items() if lay.sup is None}, **E8M0_LAYOUTS}
 SUPER = {q: lay for q, lay in LAYOUTS.items() if lay.sup is not None}
-TABLES = {q: NO_TABLE if lay.grid is None else _padded(lay.grid) for q, lay in LAYOUTS.items()}
+TABLES = {q: NO_TABLE if lay.grid is None else _padded(lay.grid) for q, lay in {**LAYOUTS, **E8M0_LAYOUTS}.items()}
 
 
 def _legacy_chunk(lay, n_blocks: int):
     """The chunk dot of n_blocks consecutive blocks of a legacy layout."""
     runs = tuple(r.moved(lay.block_bytes * i, lay.block_values * i) for i in range(n_blocks) for r in lay.runs)
-    return D.chunk_dot(runs, table=lay.grid is not None)
+    return D.chunk_dot(runs, table=lay.grid is not None, e8m0=lay.qtype in E8M0_LAYOUTS)
 
 
 # chunk dots of 8, 4, 2 and 1 blocks, made once (numba caches what uses them): a row's last
