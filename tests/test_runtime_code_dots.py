@@ -28,7 +28,7 @@ T = QuantType
 MAINLINE_ONLY = {T.TQ1_0, T.TQ2_0}
 # the interleaved layouts whose rows are their base's, regrouped: they take the base's product
 # and MXFP4, a legacy layout with an E8M0 scale (matvec.E8M0_LAYOUTS): golden bytes checked here too
-GOLDEN_CHECKED = [*code_dots.FILLS, *matvec.E8M0_LAYOUTS]
+GOLDEN_CHECKED = [*code_dots.TYPES, *matvec.E8M0_LAYOUTS]
 INTERLEAVED = sorted((q for q, t in TYPE_TRAITS.items() if t.interleave_rows > 1 and t.base in GOLDEN_CHECKED
                       and matvec.regroups(q) and matvec.kind_of(q) is not None), key=int)
 

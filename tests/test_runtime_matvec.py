@@ -61,7 +61,7 @@ def rounded(x: np.ndarray, qtype) -> np.ndarray:
 def test_every_kernel_is_reached():
     # code_dots' types are checked on the reference bytes (test_runtime_code_dots.py), here too once
     # their formats are registered
-    kinds = {matvec.kind_of(q) for q in FUSED} | {matvec.kind_of(q) for q in code_dots.FILLS}
+    kinds = {matvec.kind_of(q) for q in FUSED} | {matvec.kind_of(q) for q in code_dots.TYPES}
     assert kinds == set(matvec.KIND.values())
     names = {type_name(q) for q in FUSED}
     for must in ("q8_0_r8", "q4_0_r8", "iq4_nl_r4", "q4_k_r4", "q6_k_r4", "iq4_k_r4", "iq2_k_r4", "iq4_xs_r8"):

@@ -94,70 +94,91 @@ def _iq1_word(idx, delta):
 # sc; returns the block's float factor ----
 
 @njit(**_INLINE)
-def _iq2_xxs(b, o, k, w, sg, sc):
+def _ksigns4(aux):
+    """The sign bytes of 4 x 8 codes from the 4 x 7 bits of aux (ksigns_iq2xs: the 8th bit makes
+    each byte's count of set bits even), as one word, byte l for codes 8 l .. 8 l + 7."""
+    return (np.int64(KSIGNS[aux & 127]) | np.int64(KSIGNS[(aux >> 7) & 127]) << 8
+            | np.int64(KSIGNS[(aux >> 14) & 127]) << 16 | np.int64(KSIGNS[(aux >> 21) & 127]) << 24)
+
+
+# ---- block dots of the grid i-quants: block_dot(b, o, xq, xd, x0) = the 256 values of the block at
+# byte o · the rounded activations xq * xd from x0 on; per 32 values the grid points' indices, sign
+# bytes and scales are read here and the points gathered into a vector register by
+# dot.grid_dot32_* (unpacked into a buffer first, the block cost 3x more) ----
+
+@njit(**_INLINE)
+def _iq2_xxs(b, o, xq, xd, x0):
     # block_iq2_xxs | d | qs[32] u16 |: per 32 values 4 grid bytes, then a u32: 4 x 7 sign bits, scale
+    acc = F(0)
     for ib in range(8):
         q = o + 2 + 8 * ib
         aux = _u32(b, q + 4)
-        _put_scales(sc, 2 * ib, 2, 2 * (aux >> 28) + 1)
-        for l in range(4):
-            w[4 * ib + l] = IQ2XXS_GRID[b[q + l]]
-            sg[4 * ib + l] = KSIGNS[(aux >> 7 * l) & 127]
-    return D.half_at(b, o) * F(0.125)
+        s = 2 * (aux >> 28) + 1
+        idx = (np.int64(b[q]), np.int64(b[q + 1]), np.int64(b[q + 2]), np.int64(b[q + 3]))
+        acc += F(D.grid_dot32_u64(IQ2XXS_GRID, idx, _ksigns4(aux), s, s, xq, x0 + 32 * ib)) * xd[(x0 >> 5) + ib]
+    return D.half_at(b, o) * F(0.125) * acc
 
 
 @njit(**_INLINE)
-def _iq2_xs(b, o, k, w, sg, sc):
+def _iq2_xs(b, o, xq, xd, x0):
     # block_iq2_xs | d | qs[32] u16: grid index (9 bits), sign index (7) | scales[8]: a nibble per 16 |
+    acc = F(0)
     for ib in range(8):
         scb = np.int64(b[o + 66 + ib])
-        sc[2 * ib], sc[2 * ib + 1] = 2 * (scb & 15) + 1, 2 * (scb >> 4) + 1
-        for l in range(4):
-            qs = _u16(b, o + 2 + 2 * (4 * ib + l))
-            w[4 * ib + l] = IQ2XS_GRID[qs & 511]
-            sg[4 * ib + l] = KSIGNS[qs >> 9]
-    return D.half_at(b, o) * F(0.125)
+        q0, q1 = _u16(b, o + 2 + 8 * ib), _u16(b, o + 4 + 8 * ib)
+        q2, q3 = _u16(b, o + 6 + 8 * ib), _u16(b, o + 8 + 8 * ib)
+        signs = (np.int64(KSIGNS[q0 >> 9]) | np.int64(KSIGNS[q1 >> 9]) << 8
+                 | np.int64(KSIGNS[q2 >> 9]) << 16 | np.int64(KSIGNS[q3 >> 9]) << 24)
+        isum = D.grid_dot32_u64(IQ2XS_GRID, (q0 & 511, q1 & 511, q2 & 511, q3 & 511), signs,
+                                2 * (scb & 15) + 1, 2 * (scb >> 4) + 1, xq, x0 + 32 * ib)
+        acc += F(isum) * xd[(x0 >> 5) + ib]
+    return D.half_at(b, o) * F(0.125) * acc
 
 
 @njit(**_INLINE)
-def _iq2_s(b, o, k, w, sg, sc):
+def _iq2_s(b, o, xq, xd, x0):
     # block_iq2_s | d | qs[32] grid low bytes | signs[32] | qh[8]: 2 high bits per index | scales[8] |
+    acc = F(0)
     for ib in range(8):
         qh = np.int64(b[o + 66 + ib])
         scb = np.int64(b[o + 74 + ib])
-        sc[2 * ib], sc[2 * ib + 1] = 2 * (scb & 15) + 1, 2 * (scb >> 4) + 1
-        for l in range(4):
-            w[4 * ib + l] = IQ2S_GRID[np.int64(b[o + 2 + 4 * ib + l]) | ((qh << (8 - 2 * l)) & 0x300)]
-            sg[4 * ib + l] = b[o + 34 + 4 * ib + l]
-    return D.half_at(b, o) * F(0.125)
+        q = o + 2 + 4 * ib
+        idx = (np.int64(b[q]) | ((qh << 8) & 0x300), np.int64(b[q + 1]) | ((qh << 6) & 0x300),
+               np.int64(b[q + 2]) | ((qh << 4) & 0x300), np.int64(b[q + 3]) | ((qh << 2) & 0x300))
+        isum = D.grid_dot32_u64(IQ2S_GRID, idx, _u32(b, o + 34 + 4 * ib), 2 * (scb & 15) + 1, 2 * (scb >> 4) + 1,
+                                xq, x0 + 32 * ib)
+        acc += F(isum) * xd[(x0 >> 5) + ib]
+    return D.half_at(b, o) * F(0.125) * acc
 
 
 @njit(**_INLINE)
-def _iq3_xxs(b, o, k, w, sg, sc):
+def _iq3_xxs(b, o, xq, xd, x0):
     # block_iq3_xxs | d | qs[64]: a grid byte per 4 values | 8 u32: 4 x 7 sign bits, scale |
-    w4 = w.view(np.uint32)
+    acc = F(0)
     for ib in range(8):
         aux = _u32(b, o + 66 + 4 * ib)
-        _put_scales(sc, 2 * ib, 2, 2 * (aux >> 28) + 1)
-        for l in range(4):
-            w4[8 * ib + 2 * l] = IQ3XXS_GRID[b[o + 2 + 8 * ib + 2 * l]]
-            w4[8 * ib + 2 * l + 1] = IQ3XXS_GRID[b[o + 3 + 8 * ib + 2 * l]]
-            sg[4 * ib + l] = KSIGNS[(aux >> 7 * l) & 127]
-    return D.half_at(b, o) * F(0.25)
+        s = 2 * (aux >> 28) + 1
+        q = o + 2 + 8 * ib
+        idx = (np.int64(b[q]), np.int64(b[q + 1]), np.int64(b[q + 2]), np.int64(b[q + 3]),
+               np.int64(b[q + 4]), np.int64(b[q + 5]), np.int64(b[q + 6]), np.int64(b[q + 7]))
+        acc += F(D.grid_dot32_u32(IQ3XXS_GRID, idx, _ksigns4(aux), s, s, xq, x0 + 32 * ib)) * xd[(x0 >> 5) + ib]
+    return D.half_at(b, o) * F(0.25) * acc
 
 
 @njit(**_INLINE)
-def _iq3_s(b, o, k, w, sg, sc):
+def _iq3_s(b, o, xq, xd, x0):
     # block_iq3_s | d | qs[64] | qh[8]: bit 8 of each index | signs[32] | scales[4]: a nibble per 32 |
-    w4 = w.view(np.uint32)
+    acc = F(0)
     for ib in range(8):
         qh = np.int64(b[o + 66 + ib])
-        _put_scales(sc, 2 * ib, 2, 2 * ((np.int64(b[o + 106 + ib // 2]) >> 4 * (ib % 2)) & 15) + 1)
-        for l in range(4):
-            w4[8 * ib + 2 * l] = IQ3S_GRID[np.int64(b[o + 2 + 8 * ib + 2 * l]) | ((qh << (8 - 2 * l)) & 256)]
-            w4[8 * ib + 2 * l + 1] = IQ3S_GRID[np.int64(b[o + 3 + 8 * ib + 2 * l]) | ((qh << (7 - 2 * l)) & 256)]
-            sg[4 * ib + l] = b[o + 74 + 4 * ib + l]
-    return D.half_at(b, o)
+        s = 2 * ((np.int64(b[o + 106 + ib // 2]) >> 4 * (ib % 2)) & 15) + 1
+        q = o + 2 + 8 * ib
+        idx = (np.int64(b[q]) | ((qh << 8) & 256), np.int64(b[q + 1]) | ((qh << 7) & 256),
+               np.int64(b[q + 2]) | ((qh << 6) & 256), np.int64(b[q + 3]) | ((qh << 5) & 256),
+               np.int64(b[q + 4]) | ((qh << 4) & 256), np.int64(b[q + 5]) | ((qh << 3) & 256),
+               np.int64(b[q + 6]) | ((qh << 2) & 256), np.int64(b[q + 7]) | ((qh << 1) & 256))
+        acc += F(D.grid_dot32_u32(IQ3S_GRID, idx, _u32(b, o + 74 + 4 * ib), s, s, xq, x0 + 32 * ib)) * xd[(x0 >> 5) + ib]
+    return D.half_at(b, o) * acc
 
 
 @njit(**_INLINE)
@@ -320,21 +341,47 @@ def _q8_k_r8(b, o, k, words, sg, sc):
 
 # type -> (fill, values per block); block bytes and the row's scale bytes come from types.py
 FILLS = {
-    T.IQ2_XXS: (_iq2_xxs, 256), T.IQ2_XS: (_iq2_xs, 256), T.IQ2_S: (_iq2_s, 256),
-    T.IQ3_XXS: (_iq3_xxs, 256), T.IQ3_S: (_iq3_s, 256), T.IQ1_S: (_iq1_s, 256), T.IQ1_M: (_iq1_m, 256),
+    T.IQ1_S: (_iq1_s, 256), T.IQ1_M: (_iq1_m, 256),
     T.TQ1_0: (_tq1_0, 256), T.TQ2_0: (_tq2_0, 256),
     T.IQ1_BN: (_iq1_bn, 64), T.IQ2_BN: (_iq2_bn, 64), T.Q8_KV: (_q8_kv, 32),
     T.IQ1_S_R4: (_iq1_s_r4, 32), T.IQ1_M_R4: (_iq1_m_r4, 32), T.Q8_KV_R8: (_q8_kv_r8, 32), T.Q8_K_R8: (_q8_k_r8, 256),
 }
 for _q, (_f, _values) in FILLS.items():
     assert traits(_q).block_size == _values, _q
+# type -> block dot (256 values a block, no row scale, rows as stored)
+BLOCK_DOTS = {T.IQ2_XXS: _iq2_xxs, T.IQ2_XS: _iq2_xs, T.IQ2_S: _iq2_s, T.IQ3_XXS: _iq3_xxs, T.IQ3_S: _iq3_s}
+for _q in BLOCK_DOTS:
+    assert traits(_q).block_size == 256 and traits(_q).row_meta_size == 0 and traits(_q).interleave_rows == 1, _q
+# every type whose products are computed here
+TYPES = (*BLOCK_DOTS, *FILLS)
+
+
+@njit(error_model="numpy", nogil=True)
+def new_scratch():
+    """The buffers a row's blocks are unpacked into (``fill``'s w, sg, sc), for the largest block
+    (256 values); made once per task of rows, not per row (three allocations a row cost a third of
+    an IQ3_S product).  Not inlined: numba's parfor pass could hoist an inlined allocation out of
+    the parallel loop, and the threads would share it.  The sign bytes start at 0, which the
+    types without sign bits never change."""
+    return np.empty(32, np.uint64), np.zeros(32, np.uint8), np.empty(16, np.int16)
 
 
 def coded_row(qtype):
-    """``row(b, bo, xq, xd, xsum, xo, n)``: the row of ``qtype`` at byte bo of b · the rounded
-    activations xq * xd from xo on (matvec's row signature; xsum unused).  An interleaved type's
-    row k of a group of R reads its blocks inside the group's, and its row scale among the R in
-    front of them."""
+    """``row(b, bo, xq, xd, xsum, xo, n, w, sg, sc)``: the row of ``qtype`` at byte bo of b · the
+    rounded activations xq * xd from xo on (matvec's row signature; xsum unused), unpacking its
+    blocks into the task's buffers w, sg, sc (:func:`new_scratch`); without those three for the
+    types of BLOCK_DOTS, which unpack nothing.  An interleaved type's row k
+    of a group of R reads its blocks inside the group's, and its row scale among the R in front
+    of them."""
+    if qtype in BLOCK_DOTS:
+        block_dot, block_bytes = BLOCK_DOTS[qtype], traits(qtype).type_size
+
+        def block_row(b, bo, xq, xd, xsum, xo, n):
+            s = F(0)
+            for blk in range(n // 256):
+                s += block_dot(b, bo + block_bytes * blk, xq, xd, xo + 256 * blk)
+            return s
+        return njit(block_row, inline="always", error_model="numpy")
     fill, values = FILLS[qtype]
     t = traits(qtype)
     block_bytes, meta, group = t.type_size, t.row_meta_size, t.interleave_rows
@@ -343,13 +390,10 @@ def coded_row(qtype):
     assert meta in (0, 2, 4, 8) and values % 32 == 0
     groups = values // 32
 
-    def row(b, bo, xq, xd, xsum, xo, n):
+    def row(b, bo, xq, xd, xsum, xo, n, w, sg, sc):
         row_bytes = meta + block_bytes * (n // values)
         k = bo // row_bytes % group
         g0 = bo - k * row_bytes
-        w = np.empty(values // 8, np.uint64)
-        sg = np.zeros(values // 8, np.uint8)
-        sc = np.empty(values // 16, np.int16)
         s = F(0)
         for blk in range(n // values):
             factor = fill(b, g0 + group * (meta + block_bytes * blk), k, w, sg, sc)

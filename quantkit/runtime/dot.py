@@ -678,3 +678,48 @@ def codes_dot32(typingctx, w, wo, sg, so, sc, sco, xq, xo):
         return builder.extract_element(_fold(builder, _madd(builder, _maddubs(builder, u, s), scales), 8, 1),
                                        ir.Constant(_I32, 0))
     return nbt.int32(w, wo, sg, so, sc, sco, xq, xo), codegen
+
+
+def grid_dot32(width):
+    """``dot(grid, idx, signs, s0, s1, xq, xo)`` = Σ_j ±g_j * xq[xo + j] * (s0 for j < 16, else
+    s1) over j < 32, exact in int32: the 32 codes g are the grid points grid[idx[i]] (a tuple of
+    32 / ``width`` indices into a uint32 grid, width 4, or a uint64 one, width 8: each point its
+    ``width`` magnitudes in memory order, all below 128), negated where bit j % 8 of byte j // 8
+    of ``signs`` (4 sign bytes, little-endian) is set.  codes_dot32's sum, with the points
+    gathered into a vector register instead of unpacked into memory first (the i-quants' grids:
+    code_dots.py; a 32-byte load of words stored one by one just before waits for the stores)."""
+    n_pts = 32 // width
+    elt = ir.IntType(8 * width)
+
+    @intrinsic
+    def dot(typingctx, grid, idx, signs, s0, s1, xq, xo):
+        def codegen(context, builder, sig, args):
+            grid_v, idx_v, signs_v, s0_v, s1_v, xq_v, xo_v = args
+            i64 = ir.IntType(64)
+            v32 = ir.VectorType(_I8, 32)
+            gbase = builder.bitcast(_data(context, builder, sig.args[0], grid_v), elt.as_pointer())
+            points = ir.Constant(ir.VectorType(elt, n_pts), [0] * n_pts)
+            for i in range(n_pts):
+                at = _as(builder, builder.extract_value(idx_v, i), i64)
+                points = builder.insert_element(points, builder.load(builder.gep(gbase, [at]), align=width),
+                                                ir.Constant(_I32, i))
+            codes = builder.bitcast(points, v32)
+            x = _load(builder, _data(context, builder, sig.args[5], xq_v), _as(builder, xo_v, i64), 32, _I8)
+            sign_bytes = builder.bitcast(_as(builder, signs_v, _I32), ir.VectorType(_I8, 4))
+            spread = builder.shuffle_vector(sign_bytes, sign_bytes,
+                                            ir.Constant(ir.VectorType(_I32, 32), [j // 8 for j in range(32)]))
+            neg = builder.icmp_unsigned("!=", builder.and_(spread, ir.Constant(v32, [1 << (j % 8) for j in range(32)])),
+                                        ir.Constant(v32, [0] * 32))
+            x = builder.select(neg, builder.sub(ir.Constant(v32, [0] * 32), x), x)      # |x| <= 127: round_q8
+            v16 = ir.VectorType(_I16, 16)
+            two = builder.insert_element(ir.Constant(v16, [0] * 16), _as(builder, s0_v, _I16), ir.Constant(_I32, 0))
+            two = builder.insert_element(two, _as(builder, s1_v, _I16), ir.Constant(_I32, 8))
+            scales = builder.shuffle_vector(two, two, ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [8] * 8))
+            # the magnitudes are unsigned bytes below 128: pmaddubsw takes them as they are
+            return builder.extract_element(_fold(builder, _madd(builder, _maddubs(builder, codes, x), scales), 8, 1),
+                                           ir.Constant(_I32, 0))
+        return nbt.int32(grid, idx, signs, s0, s1, xq, xo), codegen
+    return dot
+
+
+grid_dot32_u32, grid_dot32_u64 = grid_dot32(4), grid_dot32(8)

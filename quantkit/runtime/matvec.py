@@ -36,8 +36,9 @@ from ..layouts import LAYOUTS, Layout, Run
 from ..tables import MXFP4_VALUES
 from ..types import TYPE_TRAITS, QuantType
 from . import dot as D
-from .code_dots import FILLS as CODED
-from .code_dots import coded_row
+from .code_dots import TYPES as CODED
+from . import code_dots
+from .code_dots import coded_row, new_scratch
 from .kernels import _f16_value as half_round
 
 F = np.float32
@@ -196,27 +197,46 @@ def _super_row(qtype):
     return njit(row, inline="always")
 
 
-def row_dot(kind, b, bo, x, xq, xd, xsum, xo, n):
+def row_dot(kind, b, bo, x, xq, xd, xsum, xo, n, scratch):
     """The row at byte bo of b (of the type ``kind``) · x[xo:xo + n] (float types) or · the
-    rounded activations xq * xd from xo on (the others).
+    rounded activations xq * xd from xo on (the others); ``scratch``: the task's buffers
+    (:func:`task_scratch`).
     Offsets, not views: a view per row costs a reference count up and down, shared by the threads."""
     raise NotImplementedError("called from numba code only")
 
 
 @overload(row_dot, prefer_literal=True, inline="always")
-def _row_dot(kind, b, bo, x, xq, xd, xsum, xo, n):
+def _row_dot(kind, b, bo, x, xq, xd, xsum, xo, n, scratch):
     if not isinstance(kind, types.IntegerLiteral):
         return None
     k = kind.literal_value
     if k < FLOAT_KINDS:
         frow = _float_row(k)
-        return lambda kind, b, bo, x, xq, xd, xsum, xo, n: frow(b, bo, x, xo, n)
+        return lambda kind, b, bo, x, xq, xd, xsum, xo, n, scratch: frow(b, bo, x, xo, n)
     qtype = _TYPE_OF_KIND[k]
+    if qtype in code_dots.FILLS:
+        crow = coded_row(qtype)
+        return lambda kind, b, bo, x, xq, xd, xsum, xo, n, scratch: crow(b, bo, xq, xd, xsum, xo, n, scratch[0], scratch[1], scratch[2])
     if qtype in CODED:
-        row = coded_row(qtype)
-    else:
-        row = _legacy_row(qtype) if qtype in LEGACY else _super_row(qtype)
-    return lambda kind, b, bo, x, xq, xd, xsum, xo, n: row(b, bo, xq, xd, xsum, xo, n)
+        brow = coded_row(qtype)
+        return lambda kind, b, bo, x, xq, xd, xsum, xo, n, scratch: brow(b, bo, xq, xd, xsum, xo, n)
+    row = _legacy_row(qtype) if qtype in LEGACY else _super_row(qtype)
+    return lambda kind, b, bo, x, xq, xd, xsum, xo, n, scratch: row(b, bo, xq, xd, xsum, xo, n)
+
+
+def task_scratch(kind):
+    """The buffers the rows of one task unpack their blocks into: code_dots' types only (the
+    others get none, and allocate nothing)."""
+    raise NotImplementedError("called from numba code only")
+
+
+@overload(task_scratch, prefer_literal=True, inline="always")
+def _task_scratch(kind):
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    if _TYPE_OF_KIND[kind.literal_value] in code_dots.FILLS:
+        return lambda kind: new_scratch()
+    return lambda kind: ()
 
 
 ROWS_PER_TASK = 16
@@ -256,9 +276,10 @@ def _matvec(blocks, x, out, kind):
     if kind >= FLOAT_KINDS:
         round_q8(x, xq.reshape(n_tok, n_in), xd.reshape(n_tok, n_in // 32), xsum.reshape(n_tok, n_in // 32))
     for task in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        scratch = task_scratch(kind)
         for r in range(task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK)):
             for t in range(n_tok):
-                out[t, r] = row_dot(kind, flat, r * row_size, xf, xq, xd, xsum, t * n_in, n_in)
+                out[t, r] = row_dot(kind, flat, r * row_size, xf, xq, xd, xsum, t * n_in, n_in, scratch)
 
 
 _U8_2D, _F32_2D = types.Array(types.uint8, 2, "C"), types.Array(types.float32, 2, "C")
