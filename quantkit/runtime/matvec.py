@@ -13,9 +13,11 @@ last blocks in chunks of 4, 2 and 1) the kernel runs one :func:`dot.chunk_dot`, 
 type's layout (quantkit/layouts.py: its runs, where their bits sit); it reads the scales from the
 blocks themselves: float16 block scales (legacy types), or a float16 super-block scale and packed
 integer sub-block scales (and grid choices, mins) whose bit positions the layout's ``Super`` lists
-(k-quants and IQK types).  The types whose codes the layouts cannot describe (grid i-quants with
-sign bits, MXFP4, the ternary types, Q8_KV) are unpacked block by block into integers instead
-(code_dots.py), then multiplied the same way.  Each type compiles its own loop: the type is a literal argument of
+(k-quants and IQK types); MXFP4, IQ4_NL's block with an E8M0 exponent for its scale, takes the
+legacy chunk dots with that scale (``E8M0_LAYOUTS``).  The types whose codes the layouts cannot
+describe are multiplied by code_dots.py: the grid i-quants with sign bits gather each 32 values'
+grid points into a vector register, the ternary types, Q8_KV and IQ1_S/IQ1_M are unpacked block by
+block into integers, then multiplied the same way.  Each type compiles its own loop: the type is a literal argument of
 the kernel (``_kernel``).  The loop passes byte and value offsets, never views, down to the
 chunks: a view per row would count a reference up and down on an array both threads share.
 
