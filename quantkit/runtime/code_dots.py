@@ -1,8 +1,11 @@
 """Fused generation products of the types whose codes quantkit.layouts cannot describe: the grid
-i-quants (a byte indexes a point of 4 or 8 magnitudes, with sign bits beside), the ternary types (base-3 digits: TQ1_0, IQ1_BN; 2-bit: TQ2_0, IQ2_BN) and Q8_KV
-(int8 codes under one float32 row scale).
+i-quants (a byte indexes a point of 4 or 8 magnitudes, with sign bits beside), the ternary types
+(base-3 digits: TQ1_0, IQ1_BN; 2-bit: TQ2_0, IQ2_BN) and Q8_KV (int8 codes under one float32 row
+scale).
 
-Each block's values are unpacked into a small buffer of int8 codes (a grid point whole, as one
+The grid i-quants with sign bits (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: ``BLOCK_DOTS``) read per
+32 values their grid points' indices, sign bytes and scales, and dot.grid_dot32_* gathers the
+points into a vector register and multiplies them there.  For the others each block's values are unpacked into a small buffer of int8 codes (a grid point whole, as one
 word of 8 or 4 codes, its sign bits beside it) and their integer scales per 16 values, and
 multiplied with the activations rounded to 8 bits per 32 (matvec.round_q8) as integers, 32 at a
 time in vector registers (dot.codes_dot32; a plain numba loop over the values ran 30-90x slower
