@@ -79,6 +79,10 @@ def chunk_twin(dot, a, o, tab, xq, xd, xo):
 
     def half(at):
         return float(a[o + at:o + at + 2].view(np.float16)[0])
+
+    def scale(at):
+        # an E8M0 exponent byte (MXFP4): 2^(e - 128), or a float16
+        return 2.0 ** (int(a[o + at]) - 128) if dot.e8m0 else half(at)
     total = 0.0
     for k, r in enumerate(runs):
         n = r.n
@@ -104,7 +108,7 @@ def chunk_twin(dot, a, o, tab, xq, xd, xo):
             else:
                 code = code - r.bias
         if sup is None:
-            value = half(r.d_at) * code + (0.0 if r.m_at is None else half(r.m_at))
+            value = scale(r.d_at) * code + (0.0 if r.m_at is None else half(r.m_at))
         else:
             value = (1.0 if sup.d_at is None else half(sup.d_at)) * sup.scales[k].value(a, o) * code
             if sup.mins:

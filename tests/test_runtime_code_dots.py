@@ -27,7 +27,9 @@ from quantkit.types import TYPE_TRAITS, QuantType, traits, type_name
 T = QuantType
 MAINLINE_ONLY = {T.TQ1_0, T.TQ2_0}
 # the interleaved layouts whose rows are their base's, regrouped: they take the base's product
-INTERLEAVED = sorted((q for q, t in TYPE_TRAITS.items() if t.interleave_rows > 1 and t.base in code_dots.FILLS
+# and MXFP4, a legacy layout with an E8M0 scale (matvec.E8M0_LAYOUTS): golden bytes checked here too
+GOLDEN_CHECKED = [*code_dots.TYPES, *matvec.E8M0_LAYOUTS]
+INTERLEAVED = sorted((q for q, t in TYPE_TRAITS.items() if t.interleave_rows > 1 and t.base in GOLDEN_CHECKED
                       and matvec.regroups(q) and matvec.kind_of(q) is not None), key=int)
 
 
@@ -66,7 +68,7 @@ def _check_product(w: Weight, ref_rows: np.ndarray):
                                    err_msg=f"{type_name(w.qtype)} tokens={n_tok}")
 
 
-@pytest.mark.parametrize("qtype", list(code_dots.FILLS), ids=type_name)
+@pytest.mark.parametrize("qtype", GOLDEN_CHECKED, ids=type_name)
 def test_fused_product_equals_the_reference_decoder_times_rounded_activations(shared_dir, qtype):
     if qtype not in MAINLINE_ONLY and peers.load_ggml() is None:
         pytest.skip("the ik-llama-cpp-python wheel is not installed")

@@ -61,7 +61,7 @@ def rounded(x: np.ndarray, qtype) -> np.ndarray:
 def test_every_kernel_is_reached():
     # code_dots' types are checked on the reference bytes (test_runtime_code_dots.py), here too once
     # their formats are registered
-    kinds = {matvec.kind_of(q) for q in FUSED} | {matvec.kind_of(q) for q in code_dots.FILLS}
+    kinds = {matvec.kind_of(q) for q in FUSED} | {matvec.kind_of(q) for q in code_dots.TYPES}
     assert kinds == set(matvec.KIND.values())
     names = {type_name(q) for q in FUSED}
     for must in ("q8_0_r8", "q4_0_r8", "iq4_nl_r4", "q4_k_r4", "q6_k_r4", "iq4_k_r4", "iq2_k_r4", "iq4_xs_r8"):
@@ -155,6 +155,10 @@ def check_chunk(name, chunk, n_bytes, tab):
         halves += [at for at in (chunk.sup.d_at, chunk.sup.dmin_at) if at is not None]
     for at in halves:
         a[o + at:o + at + 2] = np.frombuffer(np.float16(rng.uniform(-2, 2)).tobytes(), np.uint8)
+    if chunk.e8m0:
+        # E8M0 exponents 2^(e - 128) around 1, and (blocks 2 and 3) the subnormal ones, e = 0 and 1
+        for i, r in enumerate(chunk.runs):
+            a[o + r.d_at] = {1: 0, 2: 1}.get(i, rng.integers(120, 136))
     n_values = max(r.xoff + r.n for r in chunk.runs)
     xo = 64
     xq = rng.integers(-127, 128, xo + n_values).astype(np.int8)

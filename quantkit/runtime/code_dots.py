@@ -1,9 +1,11 @@
 """Fused generation products of the types whose codes quantkit.layouts cannot describe: the grid
-i-quants (a byte indexes a point of 4 or 8 magnitudes, with sign bits beside), MXFP4 (an E8M0
-block exponent), the ternary types (base-3 digits: TQ1_0, IQ1_BN; 2-bit: TQ2_0, IQ2_BN) and Q8_KV
-(int8 codes under one float32 row scale).
+i-quants (a byte indexes a point of 4 or 8 magnitudes, with sign bits beside), the ternary types
+(base-3 digits: TQ1_0, IQ1_BN; 2-bit: TQ2_0, IQ2_BN) and Q8_KV (int8 codes under one float32 row
+scale).
 
-Each block's values are unpacked into a small buffer of int8 codes (a grid point whole, as one
+The grid i-quants with sign bits (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: ``BLOCK_DOTS``) read per
+32 values their grid points' indices, sign bytes and scales, and dot.grid_dot32_* gathers the
+points into a vector register and multiplies them there.  For the others each block's values are unpacked into a small buffer of int8 codes (a grid point whole, as one
 word of 8 or 4 codes, its sign bits beside it) and their integer scales per 16 values, and
 multiplied with the activations rounded to 8 bits per 32 (matvec.round_q8) as integers, 32 at a
 time in vector registers (dot.codes_dot32; a plain numba loop over the values ran 30-90x slower
@@ -18,12 +20,12 @@ float values are
     IQ3_XXS                    d * (0.5 + s) * 0.5 * grid * sign    = d/4 * (2s + 1) * grid * sign
     IQ3_S                      d * (1 + 2s) * grid * sign
     IQ1_S / IQ1_M              d * (2s + 1) * (grid ± 1/8)          = d/8 * (2s + 1) * (8 grid ± 1)
-    MXFP4                      2^(e - 128) * kvalues_mxfp4[code]
     TQ1_0 / TQ2_0              d * (t - 1)                          t a base-3 digit / 2-bit code
     IQ1_BN / IQ2_BN            d_row * (t - 1)                      d_row in front of the row
     Q8_KV                      d_row * q
 
-so every product is exact in integers up to the block's float scale.  Interleaved layouts that are
+so every product is exact in integers up to the block's float scale.  (MXFP4, IQ4_NL's block with
+an E8M0 exponent, takes the legacy chunk dots: matvec.E8M0_LAYOUTS.)  Interleaved layouts that are
 their base's rows regrouped reach here as those plain rows (``Weight.plain_layout``), as matvec's
 other types do; those with a layout of their own (ik quantizes iq1_s_r4 and iq1_m_r4 on their own,
 in blocks of 32; q8_KV_r8 and q8_k_r8 keep their rows' scales side by side) are read in place: row
@@ -54,11 +56,6 @@ KSIGNS = KSIGNS_IQ2XS.copy()
 # the fills index these with masked bits of the block: 8, 9, 10, 8, 9 and 11 bits, and 7 for the signs
 assert [len(g) for g in (IQ2XXS_GRID, IQ2XS_GRID, IQ2S_GRID, IQ3XXS_GRID, IQ3S_GRID)] == [256, 512, 1024, 256, 512]
 assert len(G1S_UP) == len(G1S_DOWN) == 2048 and len(KSIGNS) == 128
-
-# ggml-common.h kvalues_mxfp4 (the FP4 E2M1 values, doubled), and ggml_e8m0_to_fp32_half(e):
-# 2^(e - 128), with the two smallest exponents as subnormal bit patterns
-MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
-E8M0_HALF = np.array([0x00200000, 0x00400000] + [(e - 1) << 23 for e in range(2, 256)], np.uint32).view(np.float32)
 POW3 = np.array([1, 3, 9, 27, 81, 243], np.int64)        # tq1_0's pow3
 K_MULT = np.array([81, 27, 9, 3, 1], np.int64)            # IQ1BNQuantizer::k_mult
 
@@ -100,70 +97,91 @@ def _iq1_word(idx, delta):
 # sc; returns the block's float factor ----
 
 @njit(**_INLINE)
-def _iq2_xxs(b, o, k, w, sg, sc):
+def _ksigns4(aux):
+    """The sign bytes of 4 x 8 codes from the 4 x 7 bits of aux (ksigns_iq2xs: the 8th bit makes
+    each byte's count of set bits even), as one word, byte l for codes 8 l .. 8 l + 7."""
+    return (np.int64(KSIGNS[aux & 127]) | np.int64(KSIGNS[(aux >> 7) & 127]) << 8
+            | np.int64(KSIGNS[(aux >> 14) & 127]) << 16 | np.int64(KSIGNS[(aux >> 21) & 127]) << 24)
+
+
+# ---- block dots of the grid i-quants: block_dot(b, o, xq, xd, x0) = the 256 values of the block at
+# byte o · the rounded activations xq * xd from x0 on; per 32 values the grid points' indices, sign
+# bytes and scales are read here and the points gathered into a vector register by
+# dot.grid_dot32_* (unpacked into a buffer first, the block cost 3x more) ----
+
+@njit(**_INLINE)
+def _iq2_xxs(b, o, xq, xd, x0):
     # block_iq2_xxs | d | qs[32] u16 |: per 32 values 4 grid bytes, then a u32: 4 x 7 sign bits, scale
+    acc = F(0)
     for ib in range(8):
         q = o + 2 + 8 * ib
         aux = _u32(b, q + 4)
-        _put_scales(sc, 2 * ib, 2, 2 * (aux >> 28) + 1)
-        for l in range(4):
-            w[4 * ib + l] = IQ2XXS_GRID[b[q + l]]
-            sg[4 * ib + l] = KSIGNS[(aux >> 7 * l) & 127]
-    return D.half_at(b, o) * F(0.125)
+        s = 2 * (aux >> 28) + 1
+        idx = (np.int64(b[q]), np.int64(b[q + 1]), np.int64(b[q + 2]), np.int64(b[q + 3]))
+        acc += F(D.grid_dot32_u64(IQ2XXS_GRID, idx, _ksigns4(aux), s, s, xq, x0 + 32 * ib)) * xd[(x0 >> 5) + ib]
+    return D.half_at(b, o) * F(0.125) * acc
 
 
 @njit(**_INLINE)
-def _iq2_xs(b, o, k, w, sg, sc):
+def _iq2_xs(b, o, xq, xd, x0):
     # block_iq2_xs | d | qs[32] u16: grid index (9 bits), sign index (7) | scales[8]: a nibble per 16 |
+    acc = F(0)
     for ib in range(8):
         scb = np.int64(b[o + 66 + ib])
-        sc[2 * ib], sc[2 * ib + 1] = 2 * (scb & 15) + 1, 2 * (scb >> 4) + 1
-        for l in range(4):
-            qs = _u16(b, o + 2 + 2 * (4 * ib + l))
-            w[4 * ib + l] = IQ2XS_GRID[qs & 511]
-            sg[4 * ib + l] = KSIGNS[qs >> 9]
-    return D.half_at(b, o) * F(0.125)
+        q0, q1 = _u16(b, o + 2 + 8 * ib), _u16(b, o + 4 + 8 * ib)
+        q2, q3 = _u16(b, o + 6 + 8 * ib), _u16(b, o + 8 + 8 * ib)
+        signs = (np.int64(KSIGNS[q0 >> 9]) | np.int64(KSIGNS[q1 >> 9]) << 8
+                 | np.int64(KSIGNS[q2 >> 9]) << 16 | np.int64(KSIGNS[q3 >> 9]) << 24)
+        isum = D.grid_dot32_u64(IQ2XS_GRID, (q0 & 511, q1 & 511, q2 & 511, q3 & 511), signs,
+                                2 * (scb & 15) + 1, 2 * (scb >> 4) + 1, xq, x0 + 32 * ib)
+        acc += F(isum) * xd[(x0 >> 5) + ib]
+    return D.half_at(b, o) * F(0.125) * acc
 
 
 @njit(**_INLINE)
-def _iq2_s(b, o, k, w, sg, sc):
+def _iq2_s(b, o, xq, xd, x0):
     # block_iq2_s | d | qs[32] grid low bytes | signs[32] | qh[8]: 2 high bits per index | scales[8] |
+    acc = F(0)
     for ib in range(8):
         qh = np.int64(b[o + 66 + ib])
         scb = np.int64(b[o + 74 + ib])
-        sc[2 * ib], sc[2 * ib + 1] = 2 * (scb & 15) + 1, 2 * (scb >> 4) + 1
-        for l in range(4):
-            w[4 * ib + l] = IQ2S_GRID[np.int64(b[o + 2 + 4 * ib + l]) | ((qh << (8 - 2 * l)) & 0x300)]
-            sg[4 * ib + l] = b[o + 34 + 4 * ib + l]
-    return D.half_at(b, o) * F(0.125)
+        q = o + 2 + 4 * ib
+        idx = (np.int64(b[q]) | ((qh << 8) & 0x300), np.int64(b[q + 1]) | ((qh << 6) & 0x300),
+               np.int64(b[q + 2]) | ((qh << 4) & 0x300), np.int64(b[q + 3]) | ((qh << 2) & 0x300))
+        isum = D.grid_dot32_u64(IQ2S_GRID, idx, _u32(b, o + 34 + 4 * ib), 2 * (scb & 15) + 1, 2 * (scb >> 4) + 1,
+                                xq, x0 + 32 * ib)
+        acc += F(isum) * xd[(x0 >> 5) + ib]
+    return D.half_at(b, o) * F(0.125) * acc
 
 
 @njit(**_INLINE)
-def _iq3_xxs(b, o, k, w, sg, sc):
+def _iq3_xxs(b, o, xq, xd, x0):
     # block_iq3_xxs | d | qs[64]: a grid byte per 4 values | 8 u32: 4 x 7 sign bits, scale |
-    w4 = w.view(np.uint32)
+    acc = F(0)
     for ib in range(8):
         aux = _u32(b, o + 66 + 4 * ib)
-        _put_scales(sc, 2 * ib, 2, 2 * (aux >> 28) + 1)
-        for l in range(4):
-            w4[8 * ib + 2 * l] = IQ3XXS_GRID[b[o + 2 + 8 * ib + 2 * l]]
-            w4[8 * ib + 2 * l + 1] = IQ3XXS_GRID[b[o + 3 + 8 * ib + 2 * l]]
-            sg[4 * ib + l] = KSIGNS[(aux >> 7 * l) & 127]
-    return D.half_at(b, o) * F(0.25)
+        s = 2 * (aux >> 28) + 1
+        q = o + 2 + 8 * ib
+        idx = (np.int64(b[q]), np.int64(b[q + 1]), np.int64(b[q + 2]), np.int64(b[q + 3]),
+               np.int64(b[q + 4]), np.int64(b[q + 5]), np.int64(b[q + 6]), np.int64(b[q + 7]))
+        acc += F(D.grid_dot32_u32(IQ3XXS_GRID, idx, _ksigns4(aux), s, s, xq, x0 + 32 * ib)) * xd[(x0 >> 5) + ib]
+    return D.half_at(b, o) * F(0.25) * acc
 
 
 @njit(**_INLINE)
-def _iq3_s(b, o, k, w, sg, sc):
+def _iq3_s(b, o, xq, xd, x0):
     # block_iq3_s | d | qs[64] | qh[8]: bit 8 of each index | signs[32] | scales[4]: a nibble per 32 |
-    w4 = w.view(np.uint32)
+    acc = F(0)
     for ib in range(8):
         qh = np.int64(b[o + 66 + ib])
-        _put_scales(sc, 2 * ib, 2, 2 * ((np.int64(b[o + 106 + ib // 2]) >> 4 * (ib % 2)) & 15) + 1)
-        for l in range(4):
-            w4[8 * ib + 2 * l] = IQ3S_GRID[np.int64(b[o + 2 + 8 * ib + 2 * l]) | ((qh << (8 - 2 * l)) & 256)]
-            w4[8 * ib + 2 * l + 1] = IQ3S_GRID[np.int64(b[o + 3 + 8 * ib + 2 * l]) | ((qh << (7 - 2 * l)) & 256)]
-            sg[4 * ib + l] = b[o + 74 + 4 * ib + l]
-    return D.half_at(b, o)
+        s = 2 * ((np.int64(b[o + 106 + ib // 2]) >> 4 * (ib % 2)) & 15) + 1
+        q = o + 2 + 8 * ib
+        idx = (np.int64(b[q]) | ((qh << 8) & 256), np.int64(b[q + 1]) | ((qh << 7) & 256),
+               np.int64(b[q + 2]) | ((qh << 6) & 256), np.int64(b[q + 3]) | ((qh << 5) & 256),
+               np.int64(b[q + 4]) | ((qh << 4) & 256), np.int64(b[q + 5]) | ((qh << 3) & 256),
+               np.int64(b[q + 6]) | ((qh << 2) & 256), np.int64(b[q + 7]) | ((qh << 1) & 256))
+        acc += F(D.grid_dot32_u32(IQ3S_GRID, idx, _u32(b, o + 74 + 4 * ib), s, s, xq, x0 + 32 * ib)) * xd[(x0 >> 5) + ib]
+    return D.half_at(b, o) * acc
 
 
 @njit(**_INLINE)
@@ -194,18 +212,6 @@ def _iq1_m(b, o, k, w, sg, sc):
             delta = -1 if qh & (0x08 << 4 * (l % 2)) else 1
             w[4 * ib + l] = _iq1_word(np.int64(b[o + 4 * ib + l]) | (high & 0x700), delta)
     return d * F(0.125)
-
-
-@njit(**_INLINE)
-def _mxfp4(b, o, k, words, sg, sc):
-    # block_mxfp4 | e (E8M0) | qs[16]: value j in the low nibble of qs[j], j + 16 in the high |
-    w = words.view(np.int8)
-    for j in range(16):
-        q = np.int64(b[o + 1 + j])
-        w[j] = MXFP4_VALUES[q & 15]
-        w[j + 16] = MXFP4_VALUES[q >> 4]
-    _put_scales(sc, 0, 2, 1)
-    return E8M0_HALF[b[o]]
 
 
 @njit(**_INLINE)
@@ -338,21 +344,47 @@ def _q8_k_r8(b, o, k, words, sg, sc):
 
 # type -> (fill, values per block); block bytes and the row's scale bytes come from types.py
 FILLS = {
-    T.IQ2_XXS: (_iq2_xxs, 256), T.IQ2_XS: (_iq2_xs, 256), T.IQ2_S: (_iq2_s, 256),
-    T.IQ3_XXS: (_iq3_xxs, 256), T.IQ3_S: (_iq3_s, 256), T.IQ1_S: (_iq1_s, 256), T.IQ1_M: (_iq1_m, 256),
-    T.MXFP4: (_mxfp4, 32), T.TQ1_0: (_tq1_0, 256), T.TQ2_0: (_tq2_0, 256),
+    T.IQ1_S: (_iq1_s, 256), T.IQ1_M: (_iq1_m, 256),
+    T.TQ1_0: (_tq1_0, 256), T.TQ2_0: (_tq2_0, 256),
     T.IQ1_BN: (_iq1_bn, 64), T.IQ2_BN: (_iq2_bn, 64), T.Q8_KV: (_q8_kv, 32),
     T.IQ1_S_R4: (_iq1_s_r4, 32), T.IQ1_M_R4: (_iq1_m_r4, 32), T.Q8_KV_R8: (_q8_kv_r8, 32), T.Q8_K_R8: (_q8_k_r8, 256),
 }
 for _q, (_f, _values) in FILLS.items():
     assert traits(_q).block_size == _values, _q
+# type -> block dot (256 values a block, no row scale, rows as stored)
+BLOCK_DOTS = {T.IQ2_XXS: _iq2_xxs, T.IQ2_XS: _iq2_xs, T.IQ2_S: _iq2_s, T.IQ3_XXS: _iq3_xxs, T.IQ3_S: _iq3_s}
+for _q in BLOCK_DOTS:
+    assert traits(_q).block_size == 256 and traits(_q).row_meta_size == 0 and traits(_q).interleave_rows == 1, _q
+# every type whose products are computed here
+TYPES = (*BLOCK_DOTS, *FILLS)
+
+
+@njit(error_model="numpy", nogil=True)
+def new_scratch():
+    """The buffers a row's blocks are unpacked into (``fill``'s w, sg, sc), for the largest block
+    (256 values); made once per task of rows, not per row (three allocations a row cost a third of
+    an IQ3_S product).  Not inlined: numba's parfor pass could hoist an inlined allocation out of
+    the parallel loop, and the threads would share it.  The sign bytes start at 0, which the
+    types without sign bits never change."""
+    return np.empty(32, np.uint64), np.zeros(32, np.uint8), np.empty(16, np.int16)
 
 
 def coded_row(qtype):
-    """``row(b, bo, xq, xd, xsum, xo, n)``: the row of ``qtype`` at byte bo of b · the rounded
-    activations xq * xd from xo on (matvec's row signature; xsum unused).  An interleaved type's
-    row k of a group of R reads its blocks inside the group's, and its row scale among the R in
-    front of them."""
+    """``row(b, bo, xq, xd, xsum, xo, n, w, sg, sc)``: the row of ``qtype`` at byte bo of b · the
+    rounded activations xq * xd from xo on (matvec's row signature; xsum unused), unpacking its
+    blocks into the task's buffers w, sg, sc (:func:`new_scratch`); without those three for the
+    types of BLOCK_DOTS, which unpack nothing.  An interleaved type's row k
+    of a group of R reads its blocks inside the group's, and its row scale among the R in front
+    of them."""
+    if qtype in BLOCK_DOTS:
+        block_dot, block_bytes = BLOCK_DOTS[qtype], traits(qtype).type_size
+
+        def block_row(b, bo, xq, xd, xsum, xo, n):
+            s = F(0)
+            for blk in range(n // 256):
+                s += block_dot(b, bo + block_bytes * blk, xq, xd, xo + 256 * blk)
+            return s
+        return njit(block_row, inline="always", error_model="numpy")
     fill, values = FILLS[qtype]
     t = traits(qtype)
     block_bytes, meta, group = t.type_size, t.row_meta_size, t.interleave_rows
@@ -361,13 +393,10 @@ def coded_row(qtype):
     assert meta in (0, 2, 4, 8) and values % 32 == 0
     groups = values // 32
 
-    def row(b, bo, xq, xd, xsum, xo, n):
+    def row(b, bo, xq, xd, xsum, xo, n, w, sg, sc):
         row_bytes = meta + block_bytes * (n // values)
         k = bo // row_bytes % group
         g0 = bo - k * row_bytes
-        w = np.empty(values // 8, np.uint64)
-        sg = np.zeros(values // 8, np.uint8)
-        sc = np.empty(values // 16, np.int16)
         s = F(0)
         for blk in range(n // values):
             factor = fill(b, g0 + group * (meta + block_bytes * blk), k, w, sg, sc)

@@ -209,6 +209,26 @@ def _half_vector(builder, base, o, offsets):
     return half_to_float(builder, vec)
 
 
+def _e8m0_vector(builder, base, o, offsets):
+    """<8 x float>: lane i 2^(e - 128) for the E8M0 byte e at base[o + offsets[i]] (at most 8; the
+    other lanes 0), as ggml_e8m0_to_fp32_half: the float32 whose exponent field is e - 1 (e >= 2),
+    the subnormals 2^-128 and 2^-127 for e = 0 and 1 (tables.E8M0_HALF)."""
+    assert len(offsets) <= 8
+    v8 = ir.VectorType(_I32, 8)
+    e = ir.Constant(v8, [0] * 8)
+    for lane, off in enumerate(offsets):
+        byte = builder.load(builder.gep(base, [builder.add(o, ir.Constant(ir.IntType(64), off))]))
+        e = builder.insert_element(e, builder.zext(byte, _I32), ir.Constant(_I32, lane))
+
+    def splat(v):
+        return ir.Constant(v8, [v] * 8)
+    normal = builder.shl(builder.sub(e, splat(1)), splat(23))
+    small = builder.shl(splat(0x00200000), builder.and_(e, splat(1)))
+    used = ir.Constant(ir.VectorType(ir.IntType(1), 8), [lane < len(offsets) for lane in range(8)])
+    bits = builder.select(builder.icmp_unsigned(">=", e, splat(2)), normal, small)
+    return builder.bitcast(builder.select(used, bits, splat(0)), ir.VectorType(_F32, 8))
+
+
 def _load8(builder, base, off, n):
     """<8 x float>: base[off:off + n] (n <= 8), the other lanes 0 (nothing past n is read)."""
     v = _load(builder, base, off, n, _F32)
@@ -376,7 +396,7 @@ def _folds_bias(r):
     return r.bias != 0 and r.d_at is not None and r.shift is not None
 
 
-def chunk_dot(runs, table=False, sup=None):
+def chunk_dot(runs, table=False, sup=None, e8m0=False):
     """``dot(a, o, tab, xq, xd, xsum, xo)`` = Σ_k Σ_j value_kj * x_(xo + xoff_k + j) over the static
     ``runs`` (:class:`Run`) of a chunk starting at byte o of a and value xo of x (xo a multiple of
     32), where
@@ -390,7 +410,8 @@ def chunk_dot(runs, table=False, sup=None):
                                               over the 32
 
     With ``table`` a code is the int8 tab[window_k + code], a 16-entry window of the grid (moved
-    by the super-block's grid bits).
+    by the super-block's grid bits).  With ``e8m0`` a legacy run's scale at d_at is an E8M0 byte,
+    2^(e - 128) (MXFP4), not a float16.
 
     The runs of each 32 values (one of 32, two of 16 or four of 8) are multiplied together: their
     codes as one vector of 32 bytes times the 32 activation bytes, added in pairs into 16-bit lanes
@@ -404,6 +425,7 @@ def chunk_dot(runs, table=False, sup=None):
     groups = _groups(runs)
     assert (sup is None) == all(r.d_at is not None for r in runs)
     assert sup is None or len(sup.scales) == len(runs)
+    assert not e8m0 or (sup is None and all(r.m_at is None for r in runs))
 
     @intrinsic
     def dot(typingctx, a, o, tab, xq, xd, xsum, xo):
@@ -436,7 +458,7 @@ def chunk_dot(runs, table=False, sup=None):
             assert list(groups) == list(range(n_groups)) and n_groups <= 8
             firsts = [members[0][1] for members in groups.values()]
             if sup is None:
-                d_vec = _half_vector(builder, base, o_v, [r.d_at for r in firsts])
+                d_vec = (_e8m0_vector if e8m0 else _half_vector)(builder, base, o_v, [r.d_at for r in firsts])
             else:
                 d_vec = _splat(builder, ir.Constant(_F32, 1.0) if sup.d_at is None else half(sup.d_at), 8)
                 run_scales = _small_ints(builder, base, o_v, sup.scales)
@@ -559,7 +581,7 @@ def chunk_dot(runs, table=False, sup=None):
             acc = builder.fmul(total, group_scales) if left_out is None else _fma(builder, total, group_scales, left_out)
             return builder.extract_element(_fold(builder, acc, 8, 1), ir.Constant(_I32, 0))
         return nbt.float32(a, o, tab, xq, xd, xsum, xo), codegen
-    dot.runs, dot.table, dot.sup = runs, table, sup         # for the twin in tests/runtime_twins.py
+    dot.runs, dot.table, dot.sup, dot.e8m0 = runs, table, sup, e8m0     # for the twin in tests/runtime_twins.py
     return dot
 
 
@@ -656,3 +678,48 @@ def codes_dot32(typingctx, w, wo, sg, so, sc, sco, xq, xo):
         return builder.extract_element(_fold(builder, _madd(builder, _maddubs(builder, u, s), scales), 8, 1),
                                        ir.Constant(_I32, 0))
     return nbt.int32(w, wo, sg, so, sc, sco, xq, xo), codegen
+
+
+def grid_dot32(width):
+    """``dot(grid, idx, signs, s0, s1, xq, xo)`` = Σ_j ±g_j * xq[xo + j] * (s0 for j < 16, else
+    s1) over j < 32, exact in int32: the 32 codes g are the grid points grid[idx[i]] (a tuple of
+    32 / ``width`` indices into a uint32 grid, width 4, or a uint64 one, width 8: each point its
+    ``width`` magnitudes in memory order, all below 128), negated where bit j % 8 of byte j // 8
+    of ``signs`` (4 sign bytes, little-endian) is set.  codes_dot32's sum, with the points
+    gathered into a vector register instead of unpacked into memory first (the i-quants' grids:
+    code_dots.py; a 32-byte load of words stored one by one just before waits for the stores)."""
+    n_pts = 32 // width
+    elt = ir.IntType(8 * width)
+
+    @intrinsic
+    def dot(typingctx, grid, idx, signs, s0, s1, xq, xo):
+        def codegen(context, builder, sig, args):
+            grid_v, idx_v, signs_v, s0_v, s1_v, xq_v, xo_v = args
+            i64 = ir.IntType(64)
+            v32 = ir.VectorType(_I8, 32)
+            gbase = builder.bitcast(_data(context, builder, sig.args[0], grid_v), elt.as_pointer())
+            points = ir.Constant(ir.VectorType(elt, n_pts), [0] * n_pts)
+            for i in range(n_pts):
+                at = _as(builder, builder.extract_value(idx_v, i), i64)
+                points = builder.insert_element(points, builder.load(builder.gep(gbase, [at]), align=width),
+                                                ir.Constant(_I32, i))
+            codes = builder.bitcast(points, v32)
+            x = _load(builder, _data(context, builder, sig.args[5], xq_v), _as(builder, xo_v, i64), 32, _I8)
+            sign_bytes = builder.bitcast(_as(builder, signs_v, _I32), ir.VectorType(_I8, 4))
+            spread = builder.shuffle_vector(sign_bytes, sign_bytes,
+                                            ir.Constant(ir.VectorType(_I32, 32), [j // 8 for j in range(32)]))
+            neg = builder.icmp_unsigned("!=", builder.and_(spread, ir.Constant(v32, [1 << (j % 8) for j in range(32)])),
+                                        ir.Constant(v32, [0] * 32))
+            x = builder.select(neg, builder.sub(ir.Constant(v32, [0] * 32), x), x)      # |x| <= 127: round_q8
+            v16 = ir.VectorType(_I16, 16)
+            two = builder.insert_element(ir.Constant(v16, [0] * 16), _as(builder, s0_v, _I16), ir.Constant(_I32, 0))
+            two = builder.insert_element(two, _as(builder, s1_v, _I16), ir.Constant(_I32, 8))
+            scales = builder.shuffle_vector(two, two, ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [8] * 8))
+            # the magnitudes are unsigned bytes below 128: pmaddubsw takes them as they are
+            return builder.extract_element(_fold(builder, _madd(builder, _maddubs(builder, codes, x), scales), 8, 1),
+                                           ir.Constant(_I32, 0))
+        return nbt.int32(grid, idx, signs, s0, s1, xq, xo), codegen
+    return dot
+
+
+grid_dot32_u32, grid_dot32_u64 = grid_dot32(4), grid_dot32(8)

@@ -13,9 +13,11 @@ last blocks in chunks of 4, 2 and 1) the kernel runs one :func:`dot.chunk_dot`, 
 type's layout (quantkit/layouts.py: its runs, where their bits sit); it reads the scales from the
 blocks themselves: float16 block scales (legacy types), or a float16 super-block scale and packed
 integer sub-block scales (and grid choices, mins) whose bit positions the layout's ``Super`` lists
-(k-quants and IQK types).  The types whose codes the layouts cannot describe (grid i-quants with
-sign bits, MXFP4, the ternary types, Q8_KV) are unpacked block by block into integers instead
-(code_dots.py), then multiplied the same way.  Each type compiles its own loop: the type is a literal argument of
+(k-quants and IQK types); MXFP4, IQ4_NL's block with an E8M0 exponent for its scale, takes the
+legacy chunk dots with that scale (``E8M0_LAYOUTS``).  The types whose codes the layouts cannot
+describe are multiplied by code_dots.py: the grid i-quants with sign bits gather each 32 values'
+grid points into a vector register, the ternary types, Q8_KV and IQ1_S/IQ1_M are unpacked block by
+block into integers, then multiplied the same way.  Each type compiles its own loop: the type is a literal argument of
 the kernel (``_kernel``).  The loop passes byte and value offsets, never views, down to the
 chunks: a view per row would count a reference up and down on an array both threads share.
 
@@ -32,11 +34,13 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .. import kernel_cache  # noqa: F401  (keys numba's cache on quantkit's sources)
-from ..layouts import LAYOUTS
+from ..layouts import LAYOUTS, Layout, Run
+from ..tables import MXFP4_VALUES
 from ..types import TYPE_TRAITS, QuantType
 from . import dot as D
-from .code_dots import FILLS as CODED
-from .code_dots import coded_row
+from .code_dots import TYPES as CODED
+from . import code_dots
+from .code_dots import coded_row, new_scratch
 from .kernels import _f16_value as half_round
 
 F = np.float32
@@ -53,9 +57,17 @@ def _padded(grid):
 
 NO_TABLE = np.zeros(16, np.int8)              # the types without a grid
 
+# MXFP4's block is IQ4_NL's with an E8M0 exponent byte for the float16 scale, | e | qs[16] |
+# (value = 2^(e - 128) * kvalues_mxfp4[code]): the legacy chunk dots read it with that scale
+# (dot.chunk_dot's e8m0).  It is not in layouts.LAYOUTS, whose records the reference decoder
+# (formats/decode.py) also reads, with float16 scales; unpacked block by block into integers
+# (code_dots) its products ran 7x slower than ik's.
+E8M0_LAYOUTS = {T.MXFP4: Layout(T.MXFP4, (Run(n=32, xoff=0, off=1, shift=0, mask=15, split=True, d_at=0),),
+                                grid=MXFP4_VALUES)}
+
 # the kernel selector per stored type (each compiles its own loop: _row_dot): the float rows, then
 # every type whose block layout quantkit.layouts declares, then the types code_dots unpacks
-KIND = {q: k for k, q in enumerate((T.F32, T.F16, T.BF16, *LAYOUTS, *CODED))}
+KIND = {q: k for k, q in enumerate((T.F32, T.F16, T.BF16, *LAYOUTS, *E8M0_LAYOUTS, *CODED))}
 FLOAT_KINDS = len(D.FLOAT_FORMATS)      # kinds below this multiply float rows with float activations
 
 
@@ -102,15 +114,15 @@ FUSED = {q: (k, regroups(q)) for q, k in _KIND_OF.items()}
 # Legacy types (a float16 scale per block) are read 8 blocks (256 values) per chunk, and a row's
 # last n % 256 values in chunks of 4, 2 and 1 blocks; super-block types one super-block per chunk.
 
-LEGACY = {q: lay for q, lay in LAYOUTS.items() if lay.sup is None}
+LEGACY = {**{q: lay for q, lay in LAYOUTS.items() if lay.sup is None}, **E8M0_LAYOUTS}
 SUPER = {q: lay for q, lay in LAYOUTS.items() if lay.sup is not None}
-TABLES = {q: NO_TABLE if lay.grid is None else _padded(lay.grid) for q, lay in LAYOUTS.items()}
+TABLES = {q: NO_TABLE if lay.grid is None else _padded(lay.grid) for q, lay in {**LAYOUTS, **E8M0_LAYOUTS}.items()}
 
 
 def _legacy_chunk(lay, n_blocks: int):
     """The chunk dot of n_blocks consecutive blocks of a legacy layout."""
     runs = tuple(r.moved(lay.block_bytes * i, lay.block_values * i) for i in range(n_blocks) for r in lay.runs)
-    return D.chunk_dot(runs, table=lay.grid is not None)
+    return D.chunk_dot(runs, table=lay.grid is not None, e8m0=lay.qtype in E8M0_LAYOUTS)
 
 
 # chunk dots of 8, 4, 2 and 1 blocks, made once (numba caches what uses them): a row's last
@@ -187,27 +199,46 @@ def _super_row(qtype):
     return njit(row, inline="always")
 
 
-def row_dot(kind, b, bo, x, xq, xd, xsum, xo, n):
+def row_dot(kind, b, bo, x, xq, xd, xsum, xo, n, scratch):
     """The row at byte bo of b (of the type ``kind``) · x[xo:xo + n] (float types) or · the
-    rounded activations xq * xd from xo on (the others).
+    rounded activations xq * xd from xo on (the others); ``scratch``: the task's buffers
+    (:func:`task_scratch`).
     Offsets, not views: a view per row costs a reference count up and down, shared by the threads."""
     raise NotImplementedError("called from numba code only")
 
 
 @overload(row_dot, prefer_literal=True, inline="always")
-def _row_dot(kind, b, bo, x, xq, xd, xsum, xo, n):
+def _row_dot(kind, b, bo, x, xq, xd, xsum, xo, n, scratch):
     if not isinstance(kind, types.IntegerLiteral):
         return None
     k = kind.literal_value
     if k < FLOAT_KINDS:
         frow = _float_row(k)
-        return lambda kind, b, bo, x, xq, xd, xsum, xo, n: frow(b, bo, x, xo, n)
+        return lambda kind, b, bo, x, xq, xd, xsum, xo, n, scratch: frow(b, bo, x, xo, n)
     qtype = _TYPE_OF_KIND[k]
+    if qtype in code_dots.FILLS:
+        crow = coded_row(qtype)
+        return lambda kind, b, bo, x, xq, xd, xsum, xo, n, scratch: crow(b, bo, xq, xd, xsum, xo, n, scratch[0], scratch[1], scratch[2])
     if qtype in CODED:
-        row = coded_row(qtype)
-    else:
-        row = _legacy_row(qtype) if qtype in LEGACY else _super_row(qtype)
-    return lambda kind, b, bo, x, xq, xd, xsum, xo, n: row(b, bo, xq, xd, xsum, xo, n)
+        brow = coded_row(qtype)
+        return lambda kind, b, bo, x, xq, xd, xsum, xo, n, scratch: brow(b, bo, xq, xd, xsum, xo, n)
+    row = _legacy_row(qtype) if qtype in LEGACY else _super_row(qtype)
+    return lambda kind, b, bo, x, xq, xd, xsum, xo, n, scratch: row(b, bo, xq, xd, xsum, xo, n)
+
+
+def task_scratch(kind):
+    """The buffers the rows of one task unpack their blocks into: code_dots' types only (the
+    others get none, and allocate nothing)."""
+    raise NotImplementedError("called from numba code only")
+
+
+@overload(task_scratch, prefer_literal=True, inline="always")
+def _task_scratch(kind):
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    if _TYPE_OF_KIND[kind.literal_value] in code_dots.FILLS:
+        return lambda kind: new_scratch()
+    return lambda kind: ()
 
 
 ROWS_PER_TASK = 16
@@ -247,9 +278,10 @@ def _matvec(blocks, x, out, kind):
     if kind >= FLOAT_KINDS:
         round_q8(x, xq.reshape(n_tok, n_in), xd.reshape(n_tok, n_in // 32), xsum.reshape(n_tok, n_in // 32))
     for task in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        scratch = task_scratch(kind)
         for r in range(task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK)):
             for t in range(n_tok):
-                out[t, r] = row_dot(kind, flat, r * row_size, xf, xq, xd, xsum, t * n_in, n_in)
+                out[t, r] = row_dot(kind, flat, r * row_size, xf, xq, xd, xsum, t * n_in, n_in, scratch)
 
 
 _U8_2D, _F32_2D = types.Array(types.uint8, 2, "C"), types.Array(types.float32, 2, "C")
