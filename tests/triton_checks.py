@@ -8,9 +8,10 @@ collection, before any test runs, in every pytest-xdist worker, so no kernel mod
 loaded without it.  Set TRITON_INTERPRET=0 on a GPU machine to check the compiled kernels instead.
 
     triton_torch()            -> torch, or the module is skipped where triton or torch is missing
-    check_type(qtype, ...)    qdecode bit-exact against formats.dequantize; qmatmul close to
+    check_rows(qtype, w, n)   qdecode bit-exact against formats.dequantize; qmatmul close to
                               formats.dequantize(w) @ x on a few tokens (per-token kernel) and on a
                               batch (tl.dot kernel)
+    check_type(qtype, ...)    check_rows on quantkit's quantization of awkward rows
 """
 from __future__ import annotations
 
@@ -56,14 +57,20 @@ def stored_rows(x: np.ndarray, qtype) -> np.ndarray:
 
 
 def check_type(qtype, n_rows: int = 5, n_per_row: int = 256, seed: int = 0) -> None:
-    """qdecode equals formats.dequantize bit for bit (n_rows: not a multiple of the kernels' row
-    tile, so the clamped tail is exercised); qmatmul on 3 tokens and on 20 agrees with the decoded
-    rows' float32 product to summation-order tolerance."""
+    """check_rows on quantkit's own quantization of awkward rows (n_rows: not a multiple of the
+    kernels' row tile, so the clamped tail is exercised)."""
+    triton_torch()
+    check_rows(qtype, stored_rows(awkward_rows(n_rows, n_per_row, int(qtype)), qtype), n_per_row, seed)
+
+
+def check_rows(qtype, w: np.ndarray, n_per_row: int, seed: int = 0, reference: bool = False) -> np.ndarray:
+    """qdecode of the stored rows ``w`` equals formats.dequantize (its reference decoder with
+    ``reference``) bit for bit; qmatmul on 3 tokens and on 20 agrees with the decoded rows' float32
+    product to summation-order tolerance.  Returns the decoded rows."""
     torch = triton_torch()
     from quantkit.runtime import triton_qmm
     assert triton_qmm.available() and triton_qmm.supports(qtype)
-    w = stored_rows(awkward_rows(n_rows, n_per_row, int(qtype)), qtype)
-    expect = formats.dequantize(w, qtype, n_per_row)
+    expect = formats.dequantize(w, qtype, n_per_row, reference=reference)
     got = triton_qmm.qdecode(torch.from_numpy(w), qtype, n_per_row).numpy()
     assert got.shape == expect.shape
     bad = np.flatnonzero(got.view(np.uint32) != expect.view(np.uint32))
@@ -78,3 +85,4 @@ def check_type(qtype, n_rows: int = 5, n_per_row: int = 256, seed: int = 0) -> N
         assert y.shape == ref.shape and y.dtype == np.float32
         # float32 sums of n_per_row products of |x| < ~5: a few ulps of the largest |row| sum
         np.testing.assert_allclose(y, ref, rtol=0, atol=4e-6 * 5 * scale + 1e-30)
+    return expect
