@@ -135,7 +135,7 @@ def matmul_q_t(w: Weight, x: np.ndarray) -> np.ndarray:
     out = np.zeros((x.shape[0], w.n_in), F32)
     for r0 in range(0, w.n_out, tile):
         r1 = min(w.n_out, r0 + tile)
-        out += x[:, r0:r1] @ w.rows(r0, r1)
+        out += x[:, r0:r1] @ w.plain_rows(r0, r1)
     return out
 
 
