@@ -14,8 +14,9 @@ time user+sys of that run, from os.wait4):
             row-interleaved layout beside `llama-quantize --repack`
 * floor     `python -c pass` (the interpreter's own start-up, for scale)
 
-numba's kernels are made ready first (one untimed run of each quantkit command), so the figures
-are warm-cache start-up, as a user sees it after the first run.
+numba's kernels are made ready first (one untimed run of each quantkit command, which also writes
+quantkit's bytecode: the children run without PYTHONDONTWRITEBYTECODE, as an installed package
+does), so the figures are warm-cache start-up, as a user sees it after the first run.
 
     python bench/startup.py [--repeat 5] [--threads 2] [--cases help,inspect,quantize,repack] [--json]
                             [--baseline /path/to/other/checkout]
@@ -38,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "bench")]
 
-from quantize import llama_quantize  # noqa: E402
+from quantize import installed_env, llama_quantize  # noqa: E402
 
 
 def timed(cmd: list[str], env=None) -> tuple[float, float, int]:
@@ -88,8 +89,9 @@ def main() -> None:
     results = {}
     def quantkit_env(checkout: Path) -> dict:
         """The environment that runs the quantkit of ``checkout`` (``python -m`` puts the working
-        directory first on sys.path: the commands run in the temporary directory)."""
-        return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        directory first on sys.path: the commands run in the temporary directory), with bytecode
+        written and read as in an installed package (quantize.installed_env)."""
+        return {**installed_env(), "PYTHONPATH": os.pathsep.join(
             [str(checkout.resolve()), *filter(None, [os.environ.get("PYTHONPATH", "")])])}
     env = quantkit_env(REPO)
     with tempfile.TemporaryDirectory(dir=REPO) as d:
