@@ -28,6 +28,14 @@ current one, and the ``.nbc`` data files that no index there owns any more.  Onl
 are in such a directory (it is quantkit's ``__pycache__``, or a folder numba names after the source
 directory), and only ``.nbi`` / ``.nbc`` files are touched.
 
+Loading: numba's ``Cache.load_overload`` first refreshes the whole target context (imports and
+installs every typing and lowering registry numba has: ~0.2-0.3 s, most of a small quantize's
+kernel loading) although rebuilding a cached library needs none of them: it unpickles the function
+descriptor and environment, links the stored object code and asks for the entry point.  The one
+thing it needs is numba's runtime (NRT, which allocating kernels call).  :func:`install` makes
+quantkit's kernels (those with this locator) load with just that; everything else, and every
+compile (numba's compiler refreshes the contexts itself), is numba's own path.
+
 Every module with ``cache=True`` kernels imports this module before its first decorator (the
 kernels package does so in its ``__init__``); tests/test_kernel_cache.py checks that every cached
 dispatcher in quantkit got this locator.
@@ -42,7 +50,7 @@ import threading
 from pathlib import Path
 
 import numba
-from numba.core.caching import CacheImpl, _CacheLocator
+from numba.core.caching import Cache, CacheImpl, _CacheLocator
 
 #: the package whose sources key the cache
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -153,10 +161,26 @@ class PackageLocator(_CacheLocator):
         return self._inner.get_disambiguator()
 
 
+_numba_load_overload = Cache.load_overload
+
+
+def _load_overload(self, sig, target_context):
+    """``Cache.load_overload`` for quantkit's kernels without the target context's refresh (the
+    module docstring says why): numba's runtime made ready, then numba's own load from the cache."""
+    if not isinstance(getattr(self._impl, "locator", None), PackageLocator):
+        return _numba_load_overload(self, sig, target_context)
+    from numba.core.runtime import rtsys
+    rtsys.initialize(target_context)
+    with self._guard_against_spurious_io_errors():
+        return self._load_overload(sig, target_context)
+
+
 def install() -> None:
-    """Put :class:`PackageLocator` first in numba's cache locators (once)."""
+    """Put :class:`PackageLocator` first in numba's cache locators, and load quantkit's kernels
+    without refreshing numba's target context (once)."""
     if PackageLocator not in CacheImpl._locator_classes:
         CacheImpl._locator_classes.insert(0, PackageLocator)
+    Cache.load_overload = _load_overload
 
 
 install()
