@@ -23,7 +23,6 @@ import warnings
 from pathlib import Path
 
 import click
-from rich.table import Table
 from rich.text import Text
 
 from .version import __version__
@@ -42,6 +41,13 @@ INSPECT_VALUE_WIDTH = 120       # columns of inspect's value column, where a lon
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _CONTROL_OR_NEWLINE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def Table(*args, **kwargs):
+    """rich's Table, imported when a command draws one through rich (~20 ms that quantize, which
+    prints its plan through quantkit.text_table, is spared)."""
+    from rich.table import Table
+    return Table(*args, **kwargs)
 
 
 def _shown(value, limit: int | None = None, one_line: bool = False) -> str:
@@ -137,30 +143,27 @@ def _shape(shape) -> str:
 
 # --------------------------------------------------------------------------- rendering
 def render_plan(plan, show_tensors: bool = True) -> None:
+    from .text_table import Column, print_table
     if show_tensors:
-        t = Table(title="plan", show_lines=False, header_style="bold")
-        for col in ("tensor", "shape", "source", "target", "size", "rule / note"):
-            # names and rules fold where the width is short (a narrow terminal, COLUMNS): never cut
-            whole = col in ("tensor", "rule / note")
-            t.add_column(col, no_wrap=not whole, overflow="fold" if whole else "ellipsis",
-                         justify="right" if col == "size" else "left")
+        # names and rules fold where the width is short (a narrow terminal, COLUMNS): never cut
+        columns = [Column("tensor", overflow="fold"), Column("shape", no_wrap=True), Column("source", no_wrap=True),
+                   Column("target", no_wrap=True), Column("size", "right", no_wrap=True),
+                   Column("rule / note", overflow="fold")]
+        rows = []
         for p in plan.tensors:
-            source = _styled(type_name(p.src_type), " ", ("=", "dim") if p.action == "copy" else "→")
+            source = (type_name(p.src_type), " ", ("=", "dim") if p.action == "copy" else "→")
             target = type_name(p.dst_type)
             if p.fallback:
-                target = _styled((target, "yellow"), " ", (f"(was {type_name(p.requested)})", "dim"))
-            note = _styled(p.rule + ("; " + "; ".join(p.notes) if p.notes else ""),
-                           *([" ", ("+imatrix", "dim")] if p.imatrix else []))
-            _add_row(t, p.name, _shape(p.shape), source, target, _fmt_bytes(p.nbytes_out), note)
-        out.print(t)
+                target = ((target, "yellow"), " ", (f"(was {type_name(p.requested)})", "dim"))
+            note = (_shown(p.rule + ("; " + "; ".join(p.notes) if p.notes else "")),
+                    *([" ", ("+imatrix", "dim")] if p.imatrix else []))
+            rows.append((_shown(p.name), _shape(p.shape), source, target, _fmt_bytes(p.nbytes_out), note))
+        print_table(out, "plan", columns, rows)
     for title, rows in (("by type", plan.by_type()), ("by rule", plan.by_rule())):
-        t = Table(title=title, header_style="bold")
-        for col in (title.split()[1], "tensors", "weights", "size", "bpw"):
-            t.add_column(col, justify="left" if col in ("type", "rule") else "right",
-                         overflow="fold" if col == "rule" else "ellipsis")
-        for r in rows:
-            _add_row(t, r["group"], r["tensors"], f"{r['elements']:,}", _fmt_bytes(r["bytes"]), f"{r['bpw']:.3f}")
-        out.print(t)
+        columns = [Column(title.split()[1], overflow="fold" if title == "by rule" else "ellipsis"),
+                   *(Column(c, "right") for c in ("tensors", "weights", "size", "bpw"))]
+        print_table(out, title, columns, [(_shown(r["group"]), str(r["tensors"]), f"{r['elements']:,}",
+                                           _fmt_bytes(r["bytes"]), f"{r['bpw']:.3f}") for r in rows])
     bpw = 8 * plan.bytes_out / plan.n_elements if plan.n_elements else 0
     out.print(_styled(("total", "bold"), f": {counted(len(plan.tensors), 'tensor')}, {plan.n_elements:,} weights, "
                       f"{plan.bytes_in / GIB:.3f} GiB → {plan.bytes_out / GIB:.3f} GiB, {bpw:.3f} bpw, "
