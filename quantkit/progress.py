@@ -16,9 +16,6 @@ from __future__ import annotations
 import re
 import time
 
-from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                           TransferSpeedColumn)
-
 from .console import interactive
 
 LINE = re.compile(r"^[a-z][a-z -]*: \[ *\d+/\d+\] ")
@@ -54,6 +51,9 @@ class Reporter:
     def __enter__(self) -> "Reporter":
         self.t0 = time.perf_counter()
         if self.mode == "bar":
+            # imported for a bar only (a log's lines need none of rich.progress: ~20 ms of start-up)
+            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                       TransferSpeedColumn)
             amount = ((DownloadColumn(), TransferSpeedColumn()) if self.unit == "bytes" else
                       (TextColumn(f"{{task.completed:.0f}}/{{task.total:.0f}} {self.unit}"),))
             # stdout is not redirected: what a command prints there (perplexity's line) stays there

@@ -215,3 +215,29 @@ def test_corrupt_inputs_name_file_and_offset(tmp_path, case):
         open_model(path)
     msg = str(e.value)
     assert str(path) in msg and "offset" in msg and "\n" not in msg
+
+
+def test_string_array_errors_name_the_string_and_its_offset(tmp_path):
+    """The vocabulary loop (reader._Cursor.strings): a string that is not UTF-8, one that runs past
+    the end and a length field cut short each name the string's index and where it starts."""
+    words = ["a" * 20, "b" * 20, "c" * 20, "d" * 20]
+    meta = {"general.architecture": MetaValue(ValueType.STRING, "llama"),
+            "tokenizer.ggml.tokens": MetaValue(ValueType.ARRAY, words, ValueType.STRING)}
+    data, _ = encode_header(meta, [])
+    data = data[:data.index(b"d" * 20) + 20]        # the file ends with the last string
+    assert open_model(_corrupt(tmp_path, data)).metadata["tokenizer.ggml.tokens"].value == words
+    what = "value of 'tokenizer.ggml.tokens'"
+    third = data.index(struct.pack("<Q", 20) + b"c")       # the length field of string 2
+    bad = bytearray(data)
+    bad[third + 9] = 0xFF
+    with pytest.raises(GGUFFormatError, match=rf"@ offset {third}: {what}\[2\] is not valid UTF-8"):
+        open_model(_corrupt(tmp_path, bytes(bad)))
+    bad = bytearray(data)
+    bad[third:third + 8] = struct.pack("<Q", 1000)
+    with pytest.raises(GGUFFormatError, match=rf"@ offset {third}: truncated file: {what}\[2\] runs past the "
+                                              rf"end of the file \({len(data)} bytes\)"):
+        open_model(_corrupt(tmp_path, bytes(bad)))
+    last = data.index(struct.pack("<Q", 20) + b"d")
+    with pytest.raises(GGUFFormatError, match=rf"@ offset {last}: truncated file: {what}\[3\] runs past the "
+                                              rf"end of the file \({last + 4} bytes\)"):
+        open_model(_corrupt(tmp_path, data[:last + 4]))     # inside the last string's length field

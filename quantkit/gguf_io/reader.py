@@ -103,22 +103,29 @@ class _Cursor:
             self.fail(f"{what} is not valid UTF-8", at)
 
     def strings(self, n: int, what: str) -> list[str]:
-        """n strings in a row (a vocabulary: 100k+ of them, so one tight loop, not n string() calls)."""
-        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        """n strings in a row (a vocabulary: 100k+ of them, so one tight loop, not n string() calls;
+        its bounds and UTF-8 failures are told apart once the loop stops)."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), [None] * n
         unpack_len = _U64.unpack_from
-        for i in range(n):
-            if pos + 8 > end or pos + 8 + unpack_len(buf, pos)[0] > end:
+        i, at = 0, pos
+        try:
+            for i in range(n):
+                at = pos
+                pos += 8
+                stop = pos + unpack_len(buf, at)[0]     # struct.error: the length runs past the end
+                if stop > end:
+                    break
+                out[i] = str(buf[pos:stop], "utf-8")
+                pos = stop
+            else:
                 self.pos = pos
-                self.fail(f"truncated file: {what}[{i}] runs past the end of the file ({end} bytes)")
-            n_bytes = unpack_len(buf, pos)[0]
-            pos += 8
-            try:
-                out.append(str(buf[pos:pos + n_bytes], "utf-8"))
-            except UnicodeDecodeError:
-                self.fail(f"{what}[{i}] is not valid UTF-8", pos - 8)
-            pos += n_bytes
-        self.pos = pos
-        return out
+                return out
+        except struct.error:
+            pass
+        except UnicodeDecodeError:
+            self.fail(f"{what}[{i}] is not valid UTF-8", at)
+        self.pos = at
+        self.fail(f"truncated file: {what}[{i}] runs past the end of the file ({end} bytes)")
 
     def value(self, vtype: int, what: str, depth: int = 0) -> MetaValue:
         at = self.pos

@@ -49,6 +49,9 @@ class TensorSpec:
         return tensor_nbytes(self.qtype, self.shape)
 
 
+_U64 = struct.Struct("<Q")
+
+
 def _pack_string(s: str) -> bytes:
     b = s.encode("utf-8")
     return struct.pack("<Q", len(b)) + b
@@ -60,8 +63,9 @@ def _pack_value(mv: MetaValue) -> bytes:
     if mv.vtype != ValueType.ARRAY:
         return struct.pack(SCALAR_FORMAT[mv.vtype], mv.value)
     head = struct.pack("<iQ", int(mv.elem_type), len(mv.value))
-    if mv.elem_type == ValueType.STRING:
-        return head + b"".join(_pack_string(s) for s in mv.value)
+    if mv.elem_type == ValueType.STRING:       # a vocabulary: 100k+ strings, one tight loop
+        pack_len = _U64.pack
+        return head + b"".join([pack_len(len(b)) + b for b in [s.encode("utf-8") for s in mv.value]])
     return head + np.asarray(mv.value, dtype=SCALAR_DTYPE[mv.elem_type]).tobytes()
 
 
