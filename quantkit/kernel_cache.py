@@ -50,7 +50,9 @@ import threading
 from pathlib import Path
 
 import numba
-from numba.core.caching import Cache, CacheImpl, _CacheLocator
+from numba.core import config
+from numba.core.caching import (Cache, CacheImpl, InTreeCacheLocator, UserProvidedCacheLocator, UserWideCacheLocator,
+                                _CacheLocator)
 
 #: the package whose sources key the cache
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -70,10 +72,18 @@ def package_stamp() -> str:
 
 
 def _in_package(py_file: str) -> bool:
+    return _folder_in(os.path.dirname(py_file), PACKAGE_DIR)
+
+
+@functools.lru_cache(maxsize=None)
+def _folder_in(folder: str, package: Path) -> bool:
+    """Whether ``folder`` is ``package`` or inside it (once per folder: ~90 kernels are defined in
+    a handful of folders)."""
     try:
-        return PACKAGE_DIR in Path(py_file).resolve().parents
+        resolved = Path(folder).resolve()
     except OSError:
         return False
+    return resolved == package or package in resolved.parents
 
 
 _pruned: set[str] = set()          # cache directories pruned in this process
@@ -122,6 +132,11 @@ def prune(cache_dir: str) -> list[str]:
     return removed
 
 
+# numba's locators whose place (and whether it is usable) depends only on the source's folder
+_PER_FOLDER = (InTreeCacheLocator, UserProvidedCacheLocator, UserWideCacheLocator)
+_chosen: dict[tuple, type] = {}
+
+
 class PackageLocator(_CacheLocator):
     """numba's choice of place for a quantkit function's cache, stamped with :func:`package_stamp`."""
 
@@ -132,11 +147,20 @@ class PackageLocator(_CacheLocator):
     def from_function(cls, py_func, py_file):
         if not _in_package(py_file):
             return None
+        # numba's from_function checks the place for each kernel (a temporary file written in it):
+        # once a folder's kernels have a place, the next kernel of that folder gets the same one
+        key = (os.path.dirname(py_file), config.CACHE_DIR, os.environ.get("XDG_CACHE_HOME"),
+               tuple(CacheImpl._locator_classes))
+        chosen = _chosen.get(key)
+        if chosen is not None:
+            return cls(chosen(py_func, py_file))
         for locator_class in CacheImpl._locator_classes:
             if locator_class is cls:
                 continue
             inner = locator_class.from_function(py_func, py_file)
             if inner is not None:
+                if type(inner) in _PER_FOLDER:
+                    _chosen[key] = type(inner)
                 return cls(inner)
         return None
 
