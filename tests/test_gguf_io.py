@@ -241,3 +241,31 @@ def test_string_array_errors_name_the_string_and_its_offset(tmp_path):
     with pytest.raises(GGUFFormatError, match=rf"@ offset {last}: truncated file: {what}\[3\] runs past the "
                                               rf"end of the file \({last + 4} bytes\)"):
         open_model(_corrupt(tmp_path, data[:last + 4]))     # inside the last string's length field
+
+
+def test_a_vocabulary_read_is_written_back_as_its_bytes_until_it_changes(tmp_path):
+    """String arrays keep their encoded bytes from the file (the writer copies an unchanged
+    vocabulary instead of encoding 100k+ strings again); a changed one is encoded as it now is."""
+    words = ["a", "é", "", "名字" * 3, "z" * 300]
+    meta = {"general.architecture": MetaValue(ValueType.STRING, "llama"),
+            "tokenizer.ggml.tokens": MetaValue(ValueType.ARRAY, list(words), ValueType.STRING)}
+    data, _ = encode_header(meta, [])
+    path = _corrupt(tmp_path, data)
+
+    def tokens_of(header: bytes) -> list[str]:
+        (tmp_path / "written.gguf").write_bytes(header)
+        with open_model(tmp_path / "written.gguf") as m:
+            return list(m.metadata["tokenizer.ggml.tokens"].value)
+    with open_model(path) as m:
+        read = m.metadata
+    assert read["tokenizer.ggml.tokens"].value == words
+    assert read["tokenizer.ggml.tokens"].value.encoded_if_unchanged() is not None
+    assert encode_header(read, [])[0] == data
+    for change in (lambda t: t.append("new"), lambda t: t.__setitem__(1, "e"), lambda t: t.pop()):
+        with open_model(path) as m:
+            changed = m.metadata
+        tokens = changed["tokenizer.ggml.tokens"].value
+        change(tokens)
+        assert tokens.encoded_if_unchanged() is None
+        header, _ = encode_header(changed, [])
+        assert header != data and tokens_of(header) == list(tokens)

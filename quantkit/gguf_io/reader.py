@@ -19,8 +19,8 @@ from ..inputs import open_regular
 from ..types import QuantType, is_known_type_id, traits
 from .constants import (DEFAULT_ALIGNMENT, GGUF_MAGIC, KEY_ALIGNMENT, KEY_ARCHITECTURE, KEY_SPLIT_COUNT, KEY_SPLIT_NO,
                         KEY_SPLIT_TENSORS, MAX_DIMS, MAX_NAME_BYTES, SCALAR_DTYPE, SCALAR_FORMAT,
-                        SCALAR_SIZE, SPLIT_KEYS, SPLIT_NAME_RE, MetaValue, ValueType, pad_to,
-                        split_shard_name)
+                        SCALAR_SIZE, SPLIT_KEYS, SPLIT_NAME_RE, MetaValue, StringArray, ValueType,
+                        pad_to, split_shard_name)
 
 _INT64_MAX = 2**63 - 1
 
@@ -102,10 +102,11 @@ class _Cursor:
         except UnicodeDecodeError:
             self.fail(f"{what} is not valid UTF-8", at)
 
-    def strings(self, n: int, what: str) -> list[str]:
+    def strings(self, n: int, what: str) -> StringArray:
         """n strings in a row (a vocabulary: 100k+ of them, so one tight loop, not n string() calls;
-        its bounds and UTF-8 failures are told apart once the loop stops)."""
+        its bounds and UTF-8 failures are told apart once the loop stops), with their bytes."""
         buf, pos, end, out = self.buf, self.pos, len(self.buf), [None] * n
+        first = pos
         unpack_len = _U64.unpack_from
         i, at = 0, pos
         try:
@@ -119,7 +120,7 @@ class _Cursor:
                 pos = stop
             else:
                 self.pos = pos
-                return out
+                return StringArray(out, bytes(buf[first:pos]))
         except struct.error:
             pass
         except UnicodeDecodeError:

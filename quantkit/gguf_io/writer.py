@@ -35,7 +35,7 @@ from ..outputs import AtomicOutput
 from ..types import QuantType, tensor_nbytes
 from .constants import (DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION, KEY_ALIGNMENT, KEY_SPLIT_COUNT,
                         KEY_SPLIT_NO, KEY_SPLIT_TENSORS, SCALAR_DTYPE, SCALAR_FORMAT, SPLIT_KEYS, MetaValue,
-                        ValueType, pad_to, split_shard_name)
+                        StringArray, ValueType, pad_to, split_shard_name)
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,9 @@ def _pack_value(mv: MetaValue) -> bytes:
         return struct.pack(SCALAR_FORMAT[mv.vtype], mv.value)
     head = struct.pack("<iQ", int(mv.elem_type), len(mv.value))
     if mv.elem_type == ValueType.STRING:       # a vocabulary: 100k+ strings, one tight loop
+        encoded = mv.value.encoded_if_unchanged() if isinstance(mv.value, StringArray) else None
+        if encoded is not None:             # as read from a file, unchanged
+            return head + encoded
         pack_len = _U64.pack
         return head + b"".join([pack_len(len(b)) + b for b in [s.encode("utf-8") for s in mv.value]])
     return head + np.asarray(mv.value, dtype=SCALAR_DTYPE[mv.elem_type]).tobytes()
