@@ -143,6 +143,8 @@ def main() -> None:
                                "walls": [r[0] for r in theirs]}
                 row["ratio"] = row["quantkit"]["wall_s"] / row["peer"]["wall_s"]
                 row["gap_s"] = row["quantkit"]["wall_s"] - row["peer"]["wall_s"]
+                # CPU seconds of the same runs: what a loaded machine distorts least
+                row["cpu_gap_s"] = row["quantkit"]["cpu_s"] - row["peer"]["cpu_s"]
             results[case] = row
             clean()
     doc = {"threads": args.threads, "repeat": args.repeat, "best_of": "wall", "cases": results,
@@ -151,13 +153,15 @@ def main() -> None:
         print(json.dumps(doc, indent=1))
         return
     print(f"whole commands, best of {args.repeat} (wall; CPU = user+sys of that run), {args.threads} threads")
-    print(f"{'case':10} {'quantkit s':>11} {'cpu s':>7}   {'peer':24} {'peer s':>8} {'cpu s':>7} {'gap s':>7} {'ratio':>6}")
+    print(f"{'case':10} {'quantkit s':>11} {'cpu s':>7}   {'peer':24} {'peer s':>8} {'cpu s':>7} {'gap s':>7} {'ratio':>6}"
+          f" {'cpu gap':>8}")
     for case, row in results.items():
         q = row["quantkit"]
         line = f"{case:10} {q['wall_s']:11.3f} {q['cpu_s']:7.3f}"
         if "peer" in row:
             p = row["peer"]
-            line += f"   {p['name']:24} {p['wall_s']:8.3f} {p['cpu_s']:7.3f} {row['gap_s']:7.3f} {row['ratio']:6.2f}"
+            line += (f"   {p['name']:24} {p['wall_s']:8.3f} {p['cpu_s']:7.3f} {row['gap_s']:7.3f} {row['ratio']:6.2f}"
+                     f" {row['cpu_gap_s']:8.3f}")
         print(line)
         if "baseline" in row:
             b = row["baseline"]
