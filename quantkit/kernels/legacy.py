@@ -73,45 +73,31 @@ def _pack_codes(L, y, off, high_bits):
 # These loops are kept free of data-dependent branches (selects, float min/max, truncating
 # conversions) so that they run at a few cycles per value; the C reference is auto-vectorised.
 
-@njit(cache=True)
-def _absmax(xr, o, lanes):
-    """max |x| over the block xr[o:o + QK] as C computes it (amax = MAX(amax, fabsf(v)) from 0).
-    The max of finite values is the same in any order, so it is taken in 8 lanes (``lanes``: 8
-    float32 of scratch), which vectorises; a block holding a NaN or an infinity (a - a != 0),
-    where C's order decides, is done again in C's order."""
-    bad = F(0)
-    for k in range(8):
-        lanes[k] = F(0)
-    for j in range(0, QK, 8):
-        for k in range(8):
-            a = abs(xr[o + j + k])
-            bad += a - a
-            lanes[k] = lanes[k] if lanes[k] > a else a
-    amax = F(0)
-    if bad != 0:
+@njit(cache=True, error_model="numpy")
+def _q8_0_quantize_row(xr, y):
+    """quantize_row_q8_0_ref of one row: per block d = max|x| / 127, taken in C's order
+    (amax = MAX(amax, fabsf(v)) from 0, which decides where a NaN or an infinity is), and each
+    value round(x / d) as C's roundf (halves away from zero).  On block slices, one block after
+    the other: ~2.4 ns a value on 2 loaded threads, where the former per-value row indexing with
+    8 max lanes took ~7.5 (most of an F16 model's q8_0 quantize), the same bytes."""
+    for ib in range(xr.shape[0] // QK):
+        xb = xr[ib * QK:(ib + 1) * QK]
+        amax = F(0)
         for j in range(QK):
-            v = abs(xr[o + j])
-            amax = amax if amax > v else v
-        return amax
-    for k in range(8):
-        amax = amax if amax > lanes[k] else lanes[k]
-    return amax
-
-
-@njit(cache=True)
-def _q8_0_block(xr, o, y, off, lanes):
-    """The block xr[o:o + QK] at y[off:] (indices into the row, not a slice of it: a block view
-    and a call per block made this several times slower)."""
-    d = _absmax(xr, o, lanes) / F(127)
-    id_ = F(1) / d if d != 0 else F(0)
-    store_fp16(y, off, d)
-    for j in range(QK):
-        # C roundf (halves away from zero): v - trunc(v) is exact in float32
-        v = xr[o + j] * id_
-        t = np.trunc(v)
-        frac = v - t
-        q = t + F(frac >= F(0.5)) - F(frac <= F(-0.5))
-        y[off + 2 + j] = np.uint8(np.int32(q) & 0xFF)
+            a = abs(xb[j])
+            amax = amax if amax > a else a
+        d = amax / F(127)
+        id_ = F(1) / d if d != 0 else F(0)
+        off = ib * Q8_0_BYTES
+        store_fp16(y, off, d)
+        yb = y[off + 2:off + Q8_0_BYTES]
+        for j in range(QK):
+            # C roundf (halves away from zero): v - trunc(v) is exact in float32
+            v = xb[j] * id_
+            t = np.trunc(v)
+            frac = v - t
+            q = t + F(frac >= F(0.5)) - F(frac <= F(-0.5))
+            yb[j] = np.uint8(np.int32(q) & 0xFF)
 
 
 @njit(cache=True)
@@ -205,11 +191,10 @@ def quantize_rows_plain(qtype, x, out):
     ts = _block_bytes(qtype)
     for r in prange(n_rows):
         y = out[r]
-        lanes = np.empty(8, np.float32)
+        if qtype == Q8_0:
+            _q8_0_quantize_row(x[r], y)
+            continue
         for ib in range(n // QK):
-            if qtype == Q8_0:
-                _q8_0_block(x[r], ib * QK, y, ib * ts, lanes)
-                continue
             xb = x[r, ib * QK:(ib + 1) * QK]
             if qtype == Q4_0:
                 _centered_block(xb, y, ib * ts, 8)
