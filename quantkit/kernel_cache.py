@@ -204,7 +204,9 @@ def install() -> None:
     without refreshing numba's target context (once)."""
     if PackageLocator not in CacheImpl._locator_classes:
         CacheImpl._locator_classes.insert(0, PackageLocator)
-    Cache.load_overload = _load_overload
+    # numba's private load steps (numba >= 0.49): another numba without them keeps its own load
+    if hasattr(Cache, "_load_overload") and hasattr(Cache, "_guard_against_spurious_io_errors"):
+        Cache.load_overload = _load_overload
 
 
 install()
