@@ -226,13 +226,13 @@ FILLS = {
 }
 for _q, (_f, _values) in FILLS.items():
     assert traits(_q).block_size == _values, _q
-# type -> (block dot, its grid): 256 values a block, no row scale, rows as stored (grid_dot.py)
-BLOCK_DOTS = {T.IQ2_XXS: (G.iq2_xxs_block, IQ2XXS_GRID), T.IQ2_XS: (G.iq2_xs_block, IQ2XS_GRID),
-              T.IQ2_S: (G.iq2_s_block, IQ2S_GRID), T.IQ3_XXS: (G.iq3_xxs_block, IQ3XXS_GRID),
-              T.IQ3_S: (G.iq3_s_block, IQ3S_GRID), T.IQ1_S: (G.iq1_s_block, IQ1S_GRID),
-              T.IQ1_M: (G.iq1_m_block, IQ1S_GRID)}
+# type -> (its grid_dot.BLOCKS name, its grid): 256 values a block, no row scale, rows as stored
+BLOCK_DOTS = {T.IQ2_XXS: ("iq2_xxs", IQ2XXS_GRID), T.IQ2_XS: ("iq2_xs", IQ2XS_GRID), T.IQ2_S: ("iq2_s", IQ2S_GRID),
+              T.IQ3_XXS: ("iq3_xxs", IQ3XXS_GRID), T.IQ3_S: ("iq3_s", IQ3S_GRID), T.IQ1_S: ("iq1_s", IQ1S_GRID),
+              T.IQ1_M: ("iq1_m", IQ1S_GRID)}
 for _q in BLOCK_DOTS:
     assert traits(_q).block_size == 256 and traits(_q).row_meta_size == 0 and traits(_q).interleave_rows == 1, _q
+    assert G.block_bytes(BLOCK_DOTS[_q][0]) == traits(_q).type_size, _q
 # every type whose products are computed here
 TYPES = (*BLOCK_DOTS, *FILLS)
 
@@ -255,12 +255,19 @@ def coded_row(qtype):
     of a group of R reads its blocks inside the group's, and its row scale among the R in front
     of them."""
     if qtype in BLOCK_DOTS:
-        (block_dot, grid), block_bytes = BLOCK_DOTS[qtype], traits(qtype).type_size
+        (name, grid), block_bytes = BLOCK_DOTS[qtype], traits(qtype).type_size
+        dot1, dot2 = G.BLOCKS[1][name], G.BLOCKS[2][name]
 
         def block_row(b, bo, xq, xd, xsum, xo, n):
+            # two blocks a call (their chains interleaved), a row's odd last one alone
             s = F(0)
-            for blk in range(n // 256):
-                s += block_dot(b, bo + block_bytes * blk, grid, xq, xd, xo + 256 * blk)
+            nb = n // 256
+            blk = 0
+            while blk + 2 <= nb:
+                s = dot2(b, bo + block_bytes * blk, grid, xq, xd, xo + 256 * blk, s)
+                blk += 2
+            if blk < nb:
+                s = dot1(b, bo + block_bytes * blk, grid, xq, xd, xo + 256 * blk, s)
             return s
         return njit(block_row, inline="always", error_model="numpy")
     fill, values = FILLS[qtype]

@@ -81,15 +81,16 @@ def _gather(builder, grid, idx, elt):
     return builder.call(fn, [ptrs, _c(elt.width // 8, _I32), _vec(ir.IntType(1), [1] * n), ir.Constant(vt, [0] * n)])
 
 
-def _parity_signs(builder, fields):
-    """<n x i8> sign bytes from <n x i32> 7-bit fields: the field, its parity as bit 7
-    (ksigns_iq2xs: the 8th sign makes each byte's count of set bits even)."""
-    n = fields.type.count
-    p = builder.xor(fields, builder.lshr(fields, _vec(_I32, [4] * n)))
-    p = builder.xor(p, builder.lshr(p, _vec(_I32, [2] * n)))
-    p = builder.xor(p, builder.lshr(p, _vec(_I32, [1] * n)))
-    p = builder.shl(builder.and_(p, _vec(_I32, [1] * n)), _vec(_I32, [7] * n))
-    return builder.trunc(builder.or_(fields, p), ir.VectorType(_I8, n))
+def _parity_words(builder, w):
+    """Sign words (<8 x i32>) from 4 7-bit fields per word, one per byte (bit 7 clear): each
+    byte's parity set as its bit 7 (ksigns_iq2xs: the 8th sign makes each byte's count of set bits
+    even).  Shifts right by 4, 2, 1 bring into bit 0 of a byte only bits of that byte."""
+    def splat(v):
+        return _vec(_I32, [v] * 8)
+    p = builder.xor(w, builder.lshr(w, splat(4)))
+    p = builder.xor(p, builder.lshr(p, splat(2)))
+    p = builder.xor(p, builder.lshr(p, splat(1)))
+    return builder.or_(w, builder.shl(builder.and_(p, splat(0x01010101)), splat(7)))
 
 
 def _odd(builder, v):
@@ -99,37 +100,42 @@ def _odd(builder, v):
     return builder.add(builder.shl(v, _vec(t, [1] * n)), _vec(t, [1] * n))
 
 
-def _block_sum(builder, codes, signs, scales, xq, x0, xd):
-    """Σ_g float(Σ_(j in group g) ±codes_j * xq[x0 + 32 g + j] * scale) * xd[x0 / 32 + g], added in
-    group order from 0; codes <256 x i8>: magnitudes below 128 with signs <8 x i32> (bit j of
-    lane g negates value 32 g + j), or signed codes (signs None; |code| < 128); scales <8 x i32>
-    (one per 32 values) or <16 x i16> (one per 16)."""
+def _block_sums(builder, blocks, xq, xd):
+    """For each block (codes, signs, scales, x0) of ``blocks``: Σ_g float(Σ_(j in group g) ±codes_j *
+    xq[x0 + 32 g + j] * scale) * xd[x0 / 32 + g], added in group order from 0; codes <256 x i8>:
+    magnitudes below 128 with signs <8 x i32> (bit j of lane g negates value 32 g + j), or signed
+    codes (signs None; |code| < 128); scales <8 x i32> (one per 32 values) or <16 x i16> (one per
+    16).  The blocks' work is emitted interleaved, group by group: a block's own chain (gathered
+    points, products, lane sums, 8 float additions in order) is long, and the other block's
+    instructions fill its waits."""
     v32 = ir.VectorType(_I8, 32)
     zero = ir.Constant(v32, [0] * 32)
-    per_32 = scales.type.element == _I32
     ones = _vec(_I16, [1] * 16)
-    isums = []
+    isums = [[] for _ in blocks]
     for g in range(8):
-        w = _shuffle(builder, codes, range(32 * g, 32 * g + 32))
-        x = _load(builder, xq, builder.add(x0, _c(32 * g)), 32, _I8)
-        if signs is None:
-            w, x = _abs_sign(builder, w, x)
-        else:
-            # the 32 sign bits as a mask (a k-register move with AVX-512, a compare elsewhere)
-            neg = builder.bitcast(builder.extract_element(signs, _c(g, _I32)), ir.VectorType(ir.IntType(1), 32))
-            x = builder.select(neg, builder.sub(zero, x), x)            # |x| <= 127: round_q8
-        sc = ones if per_32 else _shuffle(builder, scales, [2 * g] * 8 + [2 * g + 1] * 8)
-        isums.append(_madd(builder, _maddubs(builder, w, x), sc))
-    isum = _lane_sums(builder, isums)
-    if per_32:
-        isum = builder.mul(isum, scales)
+        for k, (codes, signs, scales, x0) in enumerate(blocks):
+            w = _shuffle(builder, codes, range(32 * g, 32 * g + 32))
+            x = _load(builder, xq, builder.add(x0, _c(32 * g)), 32, _I8)
+            if signs is None:
+                w, x = _abs_sign(builder, w, x)
+            else:
+                # the 32 sign bits as a mask (a k-register move with AVX-512, a compare elsewhere)
+                neg = builder.bitcast(builder.extract_element(signs, _c(g, _I32)), ir.VectorType(ir.IntType(1), 32))
+                x = builder.select(neg, builder.sub(zero, x), x)            # |x| <= 127: round_q8
+            sc = ones if scales.type.element == _I32 else _shuffle(builder, scales, [2 * g] * 8 + [2 * g + 1] * 8)
+            isums[k].append(_madd(builder, _maddubs(builder, w, x), sc))
     vf8 = ir.VectorType(_F32, 8)
-    xdv = _load(builder, xd, builder.lshr(x0, _c(5)), 8, _F32)
-    prod = builder.fmul(builder.sitofp(isum, vf8), xdv)
-    acc = ir.Constant(_F32, 0.0)
+    prods = []
+    for k, (codes, signs, scales, x0) in enumerate(blocks):
+        isum = _lane_sums(builder, isums[k])
+        if scales.type.element == _I32:
+            isum = builder.mul(isum, scales)
+        xdv = _load(builder, xd, builder.lshr(x0, _c(5)), 8, _F32)
+        prods.append(builder.fmul(builder.sitofp(isum, vf8), xdv))
+    accs = [ir.Constant(_F32, 0.0)] * len(blocks)
     for g in range(8):
-        acc = builder.fadd(acc, builder.extract_element(prod, _c(g, _I32)))
-    return acc
+        accs = [builder.fadd(acc, builder.extract_element(prod, _c(g, _I32))) for acc, prod in zip(accs, prods)]
+    return accs
 
 
 @dataclass
@@ -142,34 +148,40 @@ class Unpacked:
     deltas: ir.Value | None = None  # IQ1: <256 / width x i8> added to 8 times each point's codes
 
 
-def _grid_block(unpack, width, factor):
-    """The intrinsic ``dot(b, o, grid, xq, xd, x0)`` -> float32: the block at byte o of b · the
-    rounded activations xq * xd from value x0 on, ``unpack(builder, base)`` giving the block's
-    :class:`Unpacked` and the grid's points ``width`` bytes each; the result is (d * factor) * acc
-    (:func:`_block_sum`), d the block's float16."""
+def _grid_blocks(unpack, width, factor, block_bytes, n):
+    """The intrinsic ``dot(b, o, grid, xq, xd, x0, s)`` -> float32: s + r_0 + ... + r_(n-1), added in
+    that order, r_k the block at byte o + k block_bytes of b · the rounded activations xq * xd
+    from value x0 + 256 k on: (d * factor) * acc (:func:`_block_sums`), d the block's float16;
+    ``unpack(builder, base)`` gives a block's :class:`Unpacked`, the grid's points are ``width``
+    bytes each.  All n blocks' indices are unpacked and their points gathered first."""
     elt = ir.IntType(8 * width)
-    n_pts = 256 // width
+    assert (256 // width) * width == 256
 
     @intrinsic
-    def dot(typingctx, b, o, grid, xq, xd, x0):
+    def dot(typingctx, b, o, grid, xq, xd, x0, s):
         def codegen(context, builder, sig, args):
-            b_v, o_v, grid_v, xq_v, xd_v, x0_v = args
-            base = builder.gep(_data(context, builder, sig.args[0], b_v), [_as(builder, o_v, _I64)])
-            u = unpack(builder, base)
+            b_v, o_v, grid_v, xq_v, xd_v, x0_v, s_v = args
+            data = _data(context, builder, sig.args[0], b_v)
             grid = builder.bitcast(_data(context, builder, sig.args[2], grid_v), elt.as_pointer())
-            codes = builder.bitcast(_gather(builder, grid, u.idx, elt), ir.VectorType(_I8, 256))
-            if u.deltas is not None:
-                spread = _shuffle(builder, u.deltas, [j // width for j in range(256)])
-                codes = builder.add(builder.shl(codes, _vec(_I8, [3] * 256)), spread)
-            acc = _block_sum(builder, codes, u.signs, u.scales, _data(context, builder, sig.args[3], xq_v),
-                             _as(builder, x0_v, _I64), _data(context, builder, sig.args[4], xd_v))
-            bits = u.d if u.d is not None else builder.load(builder.bitcast(base, _I16.as_pointer()), align=1)
-            d = half_to_float(builder, bits)
-            if factor != 1:
-                d = builder.fmul(d, ir.Constant(_F32, factor))
-            return builder.fmul(d, acc)
-        assert n_pts * width == 256
-        return nbt.float32(b, o, grid, xq, xd, x0), codegen
+            blocks, ds = [], []
+            for k in range(n):
+                base = builder.gep(data, [builder.add(_as(builder, o_v, _I64), _c(block_bytes * k))])
+                u = unpack(builder, base)
+                codes = builder.bitcast(_gather(builder, grid, u.idx, elt), ir.VectorType(_I8, 256))
+                if u.deltas is not None:
+                    spread = _shuffle(builder, u.deltas, [j // width for j in range(256)])
+                    codes = builder.add(builder.shl(codes, _vec(_I8, [3] * 256)), spread)
+                blocks.append((codes, u.signs, u.scales, builder.add(_as(builder, x0_v, _I64), _c(256 * k))))
+                bits = u.d if u.d is not None else builder.load(builder.bitcast(base, _I16.as_pointer()), align=1)
+                d = half_to_float(builder, bits)
+                ds.append(builder.fmul(d, ir.Constant(_F32, factor)) if factor != 1 else d)
+            accs = _block_sums(builder, blocks, _data(context, builder, sig.args[3], xq_v),
+                               _data(context, builder, sig.args[4], xd_v))
+            total = s_v
+            for d, acc in zip(ds, accs):
+                total = builder.fadd(total, builder.fmul(d, acc))
+            return total
+        return nbt.float32(b, o, grid, xq, xd, x0, s), codegen
     return dot
 
 
@@ -183,10 +195,10 @@ def _nibbles16(builder, raw8):
 def _aux_signs_scales(builder, aux):
     """IQ2_XXS / IQ3_XXS: from 8 u32 (<8 x i32>), each 4 x 7 sign bits and a 4-bit scale on top,
     the sign words and the scales 2 s + 1 per 32."""
-    fields = builder.and_(builder.lshr(_shuffle(builder, aux, [j // 4 for j in range(32)]),
-                                       _vec(_I32, [7 * (j % 4) for j in range(32)])), _vec(_I32, [127] * 32))
-    signs = builder.bitcast(_parity_signs(builder, fields), ir.VectorType(_I32, 8))
-    return signs, _odd(builder, builder.lshr(aux, _vec(_I32, [28] * 8)))
+    # field l (bits 7 l .. 7 l + 6) to byte l
+    fields = [builder.and_(builder.shl(aux, _vec(_I32, [l] * 8)), _vec(_I32, [127 << 8 * l] * 8)) for l in range(4)]
+    w = builder.or_(builder.or_(fields[0], fields[1]), builder.or_(fields[2], fields[3]))
+    return _parity_words(builder, w), _odd(builder, builder.lshr(aux, _vec(_I32, [28] * 8)))
 
 
 def _unpack_iq2_xxs(builder, base):
@@ -199,9 +211,10 @@ def _unpack_iq2_xxs(builder, base):
 
 def _unpack_iq2_xs(builder, base):
     # block_iq2_xs | d | qs[32] u16: grid index (9 bits), sign index (7) | scales[8]: a nibble per 16 |
-    q = builder.zext(_words(builder, base, 2, 32, _I16), ir.VectorType(_I32, 32))
-    idx = builder.and_(q, _vec(_I32, [511] * 32))
-    signs = builder.bitcast(_parity_signs(builder, builder.lshr(q, _vec(_I32, [9] * 32))), ir.VectorType(_I32, 8))
+    q16 = _words(builder, base, 2, 32, _I16)
+    idx = builder.and_(builder.zext(q16, ir.VectorType(_I32, 32)), _vec(_I32, [511] * 32))
+    fields = builder.trunc(builder.lshr(q16, _vec(_I16, [9] * 32)), ir.VectorType(_I8, 32))
+    signs = _parity_words(builder, builder.bitcast(fields, ir.VectorType(_I32, 8)))
     return Unpacked(idx, signs, _nibbles16(builder, _bytes(builder, base, 66, 8)))
 
 
@@ -271,11 +284,17 @@ def _unpack_iq1_m(builder, base):
     return Unpacked(idx, None, scales, d=d, deltas=_iq1_deltas(builder, neg))
 
 
-iq2_xxs_block = _grid_block(_unpack_iq2_xxs, 8, 0.125)
-iq2_xs_block = _grid_block(_unpack_iq2_xs, 8, 0.125)
-iq2_s_block = _grid_block(_unpack_iq2_s, 8, 0.125)
-iq3_xxs_block = _grid_block(_unpack_iq3_xxs, 4, 0.25)
-iq3_s_block = _grid_block(_unpack_iq3_s, 4, 1)
+# type name -> (unpack, grid point bytes, factor, block bytes)
+_TYPES = {"iq2_xxs": (_unpack_iq2_xxs, 8, 0.125, 66), "iq2_xs": (_unpack_iq2_xs, 8, 0.125, 74),
+          "iq2_s": (_unpack_iq2_s, 8, 0.125, 82), "iq3_xxs": (_unpack_iq3_xxs, 4, 0.25, 98),
+          "iq3_s": (_unpack_iq3_s, 4, 1, 110), "iq1_s": (_unpack_iq1_s, 8, 0.125, 50),
+          "iq1_m": (_unpack_iq1_m, 8, 0.125, 56)}
 
-iq1_s_block = _grid_block(_unpack_iq1_s, 8, 0.125)
-iq1_m_block = _grid_block(_unpack_iq1_m, 8, 0.125)
+
+def block_bytes(name: str) -> int:
+    """The bytes of a block of the type ``name`` (a key of each BLOCKS[n])."""
+    return _TYPES[name][3]
+
+
+#: blocks per call -> type name -> the intrinsic (``_grid_blocks``)
+BLOCKS = {n: {name: _grid_blocks(*spec, n) for name, spec in _TYPES.items()} for n in (1, 2)}
