@@ -3,10 +3,13 @@ i-quants (a byte indexes a point of 4 or 8 magnitudes, with sign bits beside), t
 (base-3 digits: TQ1_0, IQ1_BN; 2-bit: TQ2_0, IQ2_BN) and Q8_KV (int8 codes under one float32 row
 scale).
 
-The grid i-quants with sign bits (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: ``BLOCK_DOTS``) are
-multiplied a block of 256 at a time by grid_dot.py, all in vector registers: indices, gathered
-grid points, signs, scales (read per 32 values by scalar numba code and gathered by
-dot.grid_dot32_*, IQ3_S ran at 0.8-1 GB/s, IQ2_XXS at 0.9; 3.5x and 2x faster so).  For the others each block's values are unpacked into a small buffer of int8 codes (a grid point whole, as one
+The grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: ``BLOCK_DOTS``) are
+multiplied two blocks of 256 at a time by grid_dot.py, all in vector registers: indices, gathered
+grid points, signs, scales (read per 32 values by scalar numba code and gathered by the former
+dot.grid_dot32_*, IQ3_S ran at 0.8-1 GB/s, IQ2_XXS at 0.9, IQ2_XS at 0.7; IQ1_S and IQ1_M,
+unpacked as the others below, at 0.9 and 0.6; all 1.6-3.5 GB/s so, on one Zen 4 thread of a busy
+machine).  For the others each block's values are unpacked
+into a small buffer of int8 codes (a grid point whole, as one
 word of 8 or 4 codes, its sign bits beside it) and their integer scales per 16 values, and
 multiplied with the activations rounded to 8 bits per 32 (matvec.round_q8) as integers, 32 at a
 time in vector registers (dot.codes_dot32; a plain numba loop over the values ran 30-90x slower

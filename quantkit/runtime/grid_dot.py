@@ -1,25 +1,31 @@
-"""Block dots of the grid i-quants with sign bits (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), written
-as LLVM vector IR (numba intrinsics) for runtime/code_dots.py: one call multiplies a whole block
-of 256 values with the activations rounded to 8 bits per 32 (matvec.round_q8).
+"""Block dots of the grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S with sign bits; IQ1_S,
+IQ1_M with signed grid points), written as LLVM vector IR (numba intrinsics) for
+runtime/code_dots.py: one call multiplies two whole blocks of 256 values (or a row's odd last
+one) with the activations rounded to 8 bits per 32 (matvec.round_q8).
 
-A block's 256 values are 64 grid points of 4 magnitudes (uint32 grids) or 32 of 8 (uint64 grids),
-each magnitude an unsigned byte below 128, a sign bit per value and an odd integer scale per 16 or
-32 values.  Per block, in vectors:
+A block's 256 values are 64 grid points of 4 values (uint32 grids) or 32 of 8 (uint64 grids),
+with an odd integer scale per 16 or 32 values.  Per block, in vectors:
 
     indices     the points' grid indices, all of them at once (bytes widened to 32-bit lanes,
                 high bits from their own bytes, tested bit by bit per lane)
     points      gathered from the grid (llvm.masked.gather: vpgatherdd / vpgatherdq where the
-                target has AVX2, loads one by one elsewhere: the same bytes)
-    signs       4 bytes per 32 values, bit j % 8 negating value j: stored whole (IQ2_S, IQ3_S), or
-                7 bits each whose 8th is their parity (ksigns_iq2xs, computed: the same bytes)
-    group sum   Σ_j |g_j| * (±xq_j) in pairs (pmaddubsw), then in pairs times the scales (pmaddwd),
-                per 32 values, the 8 groups' lanes added into one vector (dot._lane_sums)
-    float       acc = Σ_g float(sum_g) * xd_g, added in group order from 0, then factor * acc
+                target has them and LLVM deems them fast, loads one by one elsewhere: the same
+                bytes); IQ1: 8 times the point's values (-1, 0, 1) plus its delta, +-1
+    signs       a 32-bit word per 32 values, bit j negating value j (an AVX-512 mask register):
+                stored whole (IQ2_S, IQ3_S), or 4 x 7 bits whose 8th is their byte's parity
+                (ksigns_iq2xs, computed on 8 words: the same bytes); IQ1's points carry their sign
+    group sum   Σ_j |g_j| * (±xq_j) in pairs (pmaddubsw), then in pairs times the scales per 16
+                or 1 (pmaddwd), per 32 values; the 8 groups' lanes added into one vector
+                (dot._lane_sums), times the scales per 32
+    float       acc = Σ_g float(sum_g) * xd_g, added in group order from 0; the row's sum
+                s = s + (d * factor) * acc, block after block
 
-The float part is code_dots' scalar loop's, step by step (each product rounded, then added in
-the same order: the same bits as the grid_dot32 path it replaces); the integer sums are exact,
-however they are added.  Each scalar read of the former path went through numba's index
-wrap-around checks (a select per byte), and a block cost ~500 cycles: 0.8 GB/s on IQ3_S.
+The float part is code_dots' former loop's, step by step (each product rounded, then added in
+the same order: the same bits as the grid_dot32 / fill + codes_dot32 paths it replaces); the
+integer sums are exact, however they are added.  Each scalar read of the former path went
+through numba's index wrap-around checks (a select per byte): an IQ3_S block cost ~350 cycles
+(1 GB/s), ~75 now, most of it the 64 gathered loads (without them ~25: measured on Zen 4).  Two
+blocks a call give the core a second, independent chain to run while one waits (4-12%).
 
 On targets without AVX2 / SSSE3 the products take dot.py's fallbacks (the same integers), so
 NUMBA_CPU_NAME=generic gives the same bits.
