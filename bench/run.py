@@ -34,7 +34,8 @@ IMATRIX = TEXT.parent / "smollm2-q4_1-gpl3.gguf"
 # passed to quantize as they are
 TARGETS = {"f32": "f32", "q8_0": "q8_0", "q4_K": "q4_K", "iq4_k": "IQ4_K", "iq4_ks": "iq4_ks", "iq3_k": "iq3_k",
            "iq2_k_r4": "IQ2_K_R4", "q4_0_r8": "q4_0_r8", "q5_K": "q5_K", "q6_K": "q6_K", "iq4_xs": "iq4_xs",
-           "iq2_xxs": "iq2_xxs", "iq3_s": "iq3_s", "mxfp4": "mxfp4"}
+           "iq2_xxs": "iq2_xxs", "iq3_s": "iq3_s", "mxfp4": "mxfp4", "iq2_xs": "iq2_xs", "iq2_s": "iq2_s",
+           "iq3_xxs": "iq3_xxs", "iq1_s": "iq1_s", "iq1_m": "iq1_m"}
 
 
 def smollm2() -> Path:

@@ -3,9 +3,13 @@ i-quants (a byte indexes a point of 4 or 8 magnitudes, with sign bits beside), t
 (base-3 digits: TQ1_0, IQ1_BN; 2-bit: TQ2_0, IQ2_BN) and Q8_KV (int8 codes under one float32 row
 scale).
 
-The grid i-quants with sign bits (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: ``BLOCK_DOTS``) read per
-32 values their grid points' indices, sign bytes and scales, and dot.grid_dot32_* gathers the
-points into a vector register and multiplies them there.  For the others each block's values are unpacked into a small buffer of int8 codes (a grid point whole, as one
+The grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: ``BLOCK_DOTS``) are
+multiplied two blocks of 256 at a time by grid_dot.py, all in vector registers: indices, gathered
+grid points, signs, scales (read per 32 values by scalar numba code and gathered by the former
+dot.grid_dot32_*, IQ3_S ran at 0.8-1 GB/s, IQ2_XXS at 0.9, IQ2_XS at 0.7; IQ1_S and IQ1_M,
+unpacked as the others below, at 0.9 and 0.6; all 1.6-3.5 GB/s so, on one Zen 4 thread of a busy
+machine).  For the others each block's values are unpacked
+into a small buffer of int8 codes (a grid point whole, as one
 word of 8 or 4 codes, its sign bits beside it) and their integer scales per 16 values, and
 multiplied with the activations rounded to 8 bits per 32 (matvec.round_q8) as integers, 32 at a
 time in vector registers (dot.codes_dot32; a plain numba loop over the values ran 30-90x slower
@@ -37,10 +41,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..grids import (IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID,
-                     KSIGNS_IQ2XS)
+from ..grids import IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID
 from ..types import QuantType, traits
 from . import dot as D
+from . import grid_dot as G
 
 F = np.float32
 T = QuantType
@@ -52,10 +56,9 @@ assert np.little_endian
 _G1S = IQ1S_GRID.view(np.int8).astype(np.int64)
 G1S_UP = (8 * _G1S + 1).astype(np.int8).view(np.uint64)
 G1S_DOWN = (8 * _G1S - 1).astype(np.int8).view(np.uint64)
-KSIGNS = KSIGNS_IQ2XS.copy()
-# the fills index these with masked bits of the block: 8, 9, 10, 8, 9 and 11 bits, and 7 for the signs
+# the block dots and fills index these with masked bits of the block: 8, 9, 10, 8, 9 and 11 bits
 assert [len(g) for g in (IQ2XXS_GRID, IQ2XS_GRID, IQ2S_GRID, IQ3XXS_GRID, IQ3S_GRID)] == [256, 512, 1024, 256, 512]
-assert len(G1S_UP) == len(G1S_DOWN) == 2048 and len(KSIGNS) == 128
+assert len(G1S_UP) == len(G1S_DOWN) == 2048
 POW3 = np.array([1, 3, 9, 27, 81, 243], np.int64)        # tq1_0's pow3
 K_MULT = np.array([81, 27, 9, 3, 1], np.int64)            # IQ1BNQuantizer::k_mult
 
@@ -70,12 +73,6 @@ def _u16(b, o):
 @njit(**_INLINE)
 def _u32(b, o):
     return _u16(b, o) | _u16(b, o + 2) << 16
-
-
-@njit(**_INLINE)
-def _signed(g, signs, bit):
-    """g with the sign bit ``bit`` of the byte ``signs``."""
-    return -g if (signs >> bit) & 1 else g
 
 
 @njit(**_INLINE)
@@ -95,124 +92,6 @@ def _iq1_word(idx, delta):
 # in whole, 8 codes a word, or 4 in a uint32 view), the sign byte of each 8 codes in sg (bit j
 # negates code j; left 0 by the types without sign bits) and their integer scales per 16 values in
 # sc; returns the block's float factor ----
-
-@njit(**_INLINE)
-def _ksigns4(aux):
-    """The sign bytes of 4 x 8 codes from the 4 x 7 bits of aux (ksigns_iq2xs: the 8th bit makes
-    each byte's count of set bits even), as one word, byte l for codes 8 l .. 8 l + 7."""
-    return (np.int64(KSIGNS[aux & 127]) | np.int64(KSIGNS[(aux >> 7) & 127]) << 8
-            | np.int64(KSIGNS[(aux >> 14) & 127]) << 16 | np.int64(KSIGNS[(aux >> 21) & 127]) << 24)
-
-
-# ---- block dots of the grid i-quants: block_dot(b, o, xq, xd, x0) = the 256 values of the block at
-# byte o · the rounded activations xq * xd from x0 on; per 32 values the grid points' indices, sign
-# bytes and scales are read here and the points gathered into a vector register by
-# dot.grid_dot32_* (unpacked into a buffer first, the block cost 3x more) ----
-
-@njit(**_INLINE)
-def _iq2_xxs(b, o, xq, xd, x0):
-    # block_iq2_xxs | d | qs[32] u16 |: per 32 values 4 grid bytes, then a u32: 4 x 7 sign bits, scale
-    acc = F(0)
-    for ib in range(8):
-        q = o + 2 + 8 * ib
-        aux = _u32(b, q + 4)
-        s = 2 * (aux >> 28) + 1
-        idx = (np.int64(b[q]), np.int64(b[q + 1]), np.int64(b[q + 2]), np.int64(b[q + 3]))
-        acc += F(D.grid_dot32_u64(IQ2XXS_GRID, idx, _ksigns4(aux), s, s, xq, x0 + 32 * ib)) * xd[(x0 >> 5) + ib]
-    return D.half_at(b, o) * F(0.125) * acc
-
-
-@njit(**_INLINE)
-def _iq2_xs(b, o, xq, xd, x0):
-    # block_iq2_xs | d | qs[32] u16: grid index (9 bits), sign index (7) | scales[8]: a nibble per 16 |
-    acc = F(0)
-    for ib in range(8):
-        scb = np.int64(b[o + 66 + ib])
-        q0, q1 = _u16(b, o + 2 + 8 * ib), _u16(b, o + 4 + 8 * ib)
-        q2, q3 = _u16(b, o + 6 + 8 * ib), _u16(b, o + 8 + 8 * ib)
-        signs = (np.int64(KSIGNS[q0 >> 9]) | np.int64(KSIGNS[q1 >> 9]) << 8
-                 | np.int64(KSIGNS[q2 >> 9]) << 16 | np.int64(KSIGNS[q3 >> 9]) << 24)
-        isum = D.grid_dot32_u64(IQ2XS_GRID, (q0 & 511, q1 & 511, q2 & 511, q3 & 511), signs,
-                                2 * (scb & 15) + 1, 2 * (scb >> 4) + 1, xq, x0 + 32 * ib)
-        acc += F(isum) * xd[(x0 >> 5) + ib]
-    return D.half_at(b, o) * F(0.125) * acc
-
-
-@njit(**_INLINE)
-def _iq2_s(b, o, xq, xd, x0):
-    # block_iq2_s | d | qs[32] grid low bytes | signs[32] | qh[8]: 2 high bits per index | scales[8] |
-    acc = F(0)
-    for ib in range(8):
-        qh = np.int64(b[o + 66 + ib])
-        scb = np.int64(b[o + 74 + ib])
-        q = o + 2 + 4 * ib
-        idx = (np.int64(b[q]) | ((qh << 8) & 0x300), np.int64(b[q + 1]) | ((qh << 6) & 0x300),
-               np.int64(b[q + 2]) | ((qh << 4) & 0x300), np.int64(b[q + 3]) | ((qh << 2) & 0x300))
-        isum = D.grid_dot32_u64(IQ2S_GRID, idx, _u32(b, o + 34 + 4 * ib), 2 * (scb & 15) + 1, 2 * (scb >> 4) + 1,
-                                xq, x0 + 32 * ib)
-        acc += F(isum) * xd[(x0 >> 5) + ib]
-    return D.half_at(b, o) * F(0.125) * acc
-
-
-@njit(**_INLINE)
-def _iq3_xxs(b, o, xq, xd, x0):
-    # block_iq3_xxs | d | qs[64]: a grid byte per 4 values | 8 u32: 4 x 7 sign bits, scale |
-    acc = F(0)
-    for ib in range(8):
-        aux = _u32(b, o + 66 + 4 * ib)
-        s = 2 * (aux >> 28) + 1
-        q = o + 2 + 8 * ib
-        idx = (np.int64(b[q]), np.int64(b[q + 1]), np.int64(b[q + 2]), np.int64(b[q + 3]),
-               np.int64(b[q + 4]), np.int64(b[q + 5]), np.int64(b[q + 6]), np.int64(b[q + 7]))
-        acc += F(D.grid_dot32_u32(IQ3XXS_GRID, idx, _ksigns4(aux), s, s, xq, x0 + 32 * ib)) * xd[(x0 >> 5) + ib]
-    return D.half_at(b, o) * F(0.25) * acc
-
-
-@njit(**_INLINE)
-def _iq3_s(b, o, xq, xd, x0):
-    # block_iq3_s | d | qs[64] | qh[8]: bit 8 of each index | signs[32] | scales[4]: a nibble per 32 |
-    acc = F(0)
-    for ib in range(8):
-        qh = np.int64(b[o + 66 + ib])
-        s = 2 * ((np.int64(b[o + 106 + ib // 2]) >> 4 * (ib % 2)) & 15) + 1
-        q = o + 2 + 8 * ib
-        idx = (np.int64(b[q]) | ((qh << 8) & 256), np.int64(b[q + 1]) | ((qh << 7) & 256),
-               np.int64(b[q + 2]) | ((qh << 6) & 256), np.int64(b[q + 3]) | ((qh << 5) & 256),
-               np.int64(b[q + 4]) | ((qh << 4) & 256), np.int64(b[q + 5]) | ((qh << 3) & 256),
-               np.int64(b[q + 6]) | ((qh << 2) & 256), np.int64(b[q + 7]) | ((qh << 1) & 256))
-        acc += F(D.grid_dot32_u32(IQ3S_GRID, idx, _u32(b, o + 74 + 4 * ib), s, s, xq, x0 + 32 * ib)) * xd[(x0 >> 5) + ib]
-    return D.half_at(b, o) * acc
-
-
-@njit(**_INLINE)
-def _iq1_s(b, o, k, w, sg, sc):
-    # block_iq1_s | d | qs[32]: grid low bytes | qh[8] u16: 4 x 3 high bits, scale (3), delta sign |
-    for ib in range(8):
-        qh = _u16(b, o + 34 + 2 * ib)
-        _put_scales(sc, 2 * ib, 2, 2 * ((qh >> 12) & 7) + 1)
-        delta = -1 if qh & 0x8000 else 1
-        for l in range(4):
-            w[4 * ib + l] = _iq1_word(np.int64(b[o + 2 + 4 * ib + l]) | (((qh >> 3 * l) & 7) << 8), delta)
-    return D.half_at(b, o) * F(0.125)
-
-
-@njit(**_INLINE)
-def _iq1_m(b, o, k, w, sg, sc):
-    # block_iq1_m | qs[32] | qh[16]: 3 high bits + delta sign per 8 | scales[8]: 4 u16, 3 bits per 16
-    # values, the float16 d in their top nibbles |
-    s0, s1, s2, s3 = _u16(b, o + 48), _u16(b, o + 50), _u16(b, o + 52), _u16(b, o + 54)
-    d = D.half_bits((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000))
-    for ib in range(8):
-        s16 = _u16(b, o + 48 + 2 * (ib // 2))
-        for h in range(2):
-            sc[2 * ib + h] = 2 * ((s16 >> (6 * (ib % 2) + 3 * h)) & 7) + 1
-        for l in range(4):
-            qh = np.int64(b[o + 32 + 2 * ib + l // 2])
-            high = (qh << 8) if l % 2 == 0 else (qh << 4)
-            delta = -1 if qh & (0x08 << 4 * (l % 2)) else 1
-            w[4 * ib + l] = _iq1_word(np.int64(b[o + 4 * ib + l]) | (high & 0x700), delta)
-    return d * F(0.125)
-
 
 @njit(**_INLINE)
 def _trit(byte, mult):
@@ -344,17 +223,19 @@ def _q8_k_r8(b, o, k, words, sg, sc):
 
 # type -> (fill, values per block); block bytes and the row's scale bytes come from types.py
 FILLS = {
-    T.IQ1_S: (_iq1_s, 256), T.IQ1_M: (_iq1_m, 256),
     T.TQ1_0: (_tq1_0, 256), T.TQ2_0: (_tq2_0, 256),
     T.IQ1_BN: (_iq1_bn, 64), T.IQ2_BN: (_iq2_bn, 64), T.Q8_KV: (_q8_kv, 32),
     T.IQ1_S_R4: (_iq1_s_r4, 32), T.IQ1_M_R4: (_iq1_m_r4, 32), T.Q8_KV_R8: (_q8_kv_r8, 32), T.Q8_K_R8: (_q8_k_r8, 256),
 }
 for _q, (_f, _values) in FILLS.items():
     assert traits(_q).block_size == _values, _q
-# type -> block dot (256 values a block, no row scale, rows as stored)
-BLOCK_DOTS = {T.IQ2_XXS: _iq2_xxs, T.IQ2_XS: _iq2_xs, T.IQ2_S: _iq2_s, T.IQ3_XXS: _iq3_xxs, T.IQ3_S: _iq3_s}
+# type -> (its grid_dot.BLOCKS name, its grid): 256 values a block, no row scale, rows as stored
+BLOCK_DOTS = {T.IQ2_XXS: ("iq2_xxs", IQ2XXS_GRID), T.IQ2_XS: ("iq2_xs", IQ2XS_GRID), T.IQ2_S: ("iq2_s", IQ2S_GRID),
+              T.IQ3_XXS: ("iq3_xxs", IQ3XXS_GRID), T.IQ3_S: ("iq3_s", IQ3S_GRID), T.IQ1_S: ("iq1_s", IQ1S_GRID),
+              T.IQ1_M: ("iq1_m", IQ1S_GRID)}
 for _q in BLOCK_DOTS:
     assert traits(_q).block_size == 256 and traits(_q).row_meta_size == 0 and traits(_q).interleave_rows == 1, _q
+    assert G.block_bytes(BLOCK_DOTS[_q][0]) == traits(_q).type_size, _q
 # every type whose products are computed here
 TYPES = (*BLOCK_DOTS, *FILLS)
 
@@ -377,12 +258,19 @@ def coded_row(qtype):
     of a group of R reads its blocks inside the group's, and its row scale among the R in front
     of them."""
     if qtype in BLOCK_DOTS:
-        block_dot, block_bytes = BLOCK_DOTS[qtype], traits(qtype).type_size
+        (name, grid), block_bytes = BLOCK_DOTS[qtype], traits(qtype).type_size
+        dot1, dot2 = G.BLOCKS[1][name], G.BLOCKS[2][name]
 
         def block_row(b, bo, xq, xd, xsum, xo, n):
+            # two blocks a call (their chains interleaved), a row's odd last one alone
             s = F(0)
-            for blk in range(n // 256):
-                s += block_dot(b, bo + block_bytes * blk, xq, xd, xo + 256 * blk)
+            nb = n // 256
+            blk = 0
+            while blk + 2 <= nb:
+                s = dot2(b, bo + block_bytes * blk, grid, xq, xd, xo + 256 * blk, s)
+                blk += 2
+            if blk < nb:
+                s = dot1(b, bo + block_bytes * blk, grid, xq, xd, xo + 256 * blk, s)
             return s
         return njit(block_row, inline="always", error_model="numpy")
     fill, values = FILLS[qtype]
