@@ -71,9 +71,9 @@ def prompt(shared_dir, smollm2_path) -> list[int]:
     return peers.ik_tokenize(smollm2_path, text)[:N_PROMPT]
 
 
-def our_logits(path, tokens) -> np.ndarray:
+def our_logits(path, tokens, ops=ops_cpu) -> np.ndarray:
     with open_model(path) as g:
-        m = Model(g, ops_cpu)
+        m = Model(g, ops)
         return m.forward(tokens, m.new_cache(len(tokens)))
 
 
@@ -110,7 +110,7 @@ def test_f32_logits_match_ik(files, prompt):
 def test_quantized_logits_match_ik_on_dequantized_file(files, prompt, name, tmp_path):
     dequantized = tmp_path / "dequantized-f32.gguf"
     quantkit.quantize_model(files[name], dequantized, "f32", allow_requantize=True)
-    ours = our_logits(files[name], prompt)
+    ours = our_logits(files[name], prompt, ops_cpu.float_products)      # what the stored weights mean
     theirs = peers.ik_logits(dequantized, prompt, all_positions=True, n_threads=2)
     rel, same = compare(ours, theirs)
     print(f"\n  {name} vs ik on its F32 dequantization: max|Δ|/max|logit| = {rel:.2e}, "

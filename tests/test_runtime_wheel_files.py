@@ -157,11 +157,11 @@ def mix(request, model):
     return name, path, dequantized, tokens
 
 
-def _ours(path, tokens, steps: bool) -> np.ndarray:
+def _ours(path, tokens, steps: bool, ops=ops_cpu) -> np.ndarray:
     """quantkit's logits of every position: in one batch, or the first N_PROMPT in one and each
     further token alone (a generation step)."""
     with open_model(path) as g:
-        m = Model(g, ops_cpu)
+        m = Model(g, ops)
         cache = m.new_cache(len(tokens))
         if not steps:
             return m.forward(tokens, cache)
@@ -175,7 +175,7 @@ def _compare(ours, theirs) -> tuple[float, float]:
 
 def test_batch_logits_match_ik_on_the_reference_decoding(mix):
     name, path, dequantized, tokens = mix
-    ours = _ours(path, tokens, steps=False)
+    ours = _ours(path, tokens, steps=False, ops=ops_cpu.float_products)     # what the stored weights mean
     theirs = peers.ik_logits(dequantized, tokens, all_positions=True, n_threads=2)
     rel, same = _compare(ours, theirs)
     print(f"\n  {name} vs ik on its F32 decoding: max|Δ|/max|logit| = {rel:.2e}, same top token {100 * same:.1f}%")

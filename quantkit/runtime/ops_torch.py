@@ -47,6 +47,7 @@ class TorchOps:
     # the numba backend's: tensors kept on the CPU are computed by it
     FUSED_TOKENS = ops_cpu.FUSED_TOKENS
     FEW_TOKENS = ops_cpu.FEW_TOKENS
+    FLOAT_BATCHES = ops_cpu.FLOAT_BATCHES       # what the tensors kept on the CPU do
 
     def __init__(self, device: str = "cuda", cpu_tensors=(), triton: bool | None = None):
         self.device = torch.device(device)
