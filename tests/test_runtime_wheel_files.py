@@ -6,7 +6,8 @@ matrix (iq1_s / iq2_xxs / iq2_xs need one): one file of mainline's i-quants and 
 ternary, q8_KV and interleaved types.  tq1_0 / tq2_0, which ik cannot load, are written by
 gguf-py's quantizer.  As issue 6's logit tests (tests/test_runtime_llama.py) check the other types:
 
-* batch (the prompt's product: decoded tiles, float activations): quantkit on the quantized file
+* batch (the prompt's product, as ``--float-products`` computes it: decoded tiles, float
+  activations): quantkit on the quantized file
   against ik_llama.cpp on the same weights decoded to F32 by the reference decoder (the wheel's
   ``to_float``; gguf-py's for tq1_0 / tq2_0), max |Δ| <= 2e-3 x max |logit|;
 * generation steps (one token at a time: the fused products, 8-bit activations): against the
