@@ -45,7 +45,7 @@ from models import write_llama
 from quantkit import cpu
 from quantkit.runtime import dot, kernels, matvec
 from quantkit.types import QuantType, type_name
-from test_runtime_matvec import FUSED, _chunks, check_chunk, check_fused_product, product_cases, rows_of
+from test_runtime_matvec import FUSED, _chunks, check_batch_product, check_chunk, check_fused_product, product_cases, rows_of
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = "QUANTKIT_TEST_GENERIC_ROWS"             # the child's matrices (.npz), quantized by the parent
@@ -59,6 +59,7 @@ CHILD_CHECKS = [
     "tests/test_generic_cpu.py::test_the_child_compiles_for_the_generic_cpu",
     "tests/test_generic_cpu.py::test_half_widening_is_exact_for_every_half",
     "tests/test_generic_cpu.py::test_fused_products_of_every_kernel",
+    "tests/test_generic_cpu.py::test_batch_products_token_for_token",
     "tests/test_runtime_matvec.py::test_attention_of_a_few_tokens_equals_the_batched_path",
     "tests/test_runtime_matvec.py::test_latent_attention_of_a_few_tokens_reads_the_value_view",
     "tests/test_formats_kt.py::test_golden",
@@ -221,6 +222,21 @@ def test_fused_products_of_every_kernel():
         check_fused_product(qtype, lambda q, n_rows, n, seed: matrices[_key(q, n, seed)])
 
 
+# a batch's kernels (matmul8) of one type per path of the byte products: signed codes, a folded
+# bias, a min, high bits, a legacy grid, E8M0 scales, mins, run mins, a paired grid, a row scale
+BATCH_TYPES = [QuantType[n] for n in ("Q8_0", "Q4_1", "Q5_0", "IQ4_NL", "MXFP4", "Q4_K", "Q2_K", "Q6_K", "IQ4_K",
+                                      "IQ4_KS")]
+
+
+@child_only
+def test_batch_products_token_for_token():
+    """A batch's products the bits of the generation step's, token for token, on this target too."""
+    with np.load(os.environ[ROWS]) as stored:
+        matrices = dict(stored)
+    for qtype in BATCH_TYPES:
+        check_batch_product(qtype, lambda q, n_rows, n, seed: matrices[_key(q, n, seed)])
+
+
 def _generic_env(tmp_path: Path) -> dict[str, str]:
     env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(tmp_path / "numba-generic"),
            ROWS: str(tmp_path / "rows.npz")}
@@ -233,7 +249,7 @@ def test_generic_cpu_target(tmp_path, shared_dir):
     """The checks above (CHILD_CHECKS) in a child that compiles for NUMBA_CPU_NAME=generic, and a
     `quantkit run` there that gives the host's greedy tokens."""
     matrices = {_key(q, n, seed): rows_of(q, n_rows, n, seed)
-                for q in KERNEL_TYPES for n, n_rows, seed in product_cases(q)}
+                for q in {*KERNEL_TYPES, *BATCH_TYPES} for n, n_rows, seed in product_cases(q)}
     np.savez(tmp_path / "rows.npz", **matrices)
     env = _generic_env(tmp_path)
     start = time.perf_counter()
@@ -249,7 +265,8 @@ def test_generic_cpu_target(tmp_path, shared_dir):
     src = write_llama(tmp_path / "tiny-f32.gguf", n_layer=2, vocab=True)
     model = tmp_path / "tiny-q4_k_m.gguf"
     quantkit.quantize_model(src, model, "Q4_K_M")
-    args = ("run", model, "-p", "hello world", "-n", "6", "--temp", "0", "--json")
+    # a prompt of more than FUSED_TOKENS tokens: a batch's products (matmul8) as well as the steps'
+    args = ("run", model, "-p", "hello world, the quick brown fox jumps", "-n", "6", "--temp", "0", "--json")
     start = time.perf_counter()
     rc, out, err = run_cli(*args, env=env)
     assert rc == 0, (rc, err[-3000:])
@@ -259,3 +276,4 @@ def test_generic_cpu_target(tmp_path, shared_dir):
     assert rc == 0, (rc, err[-3000:])
     host = json.loads(out)
     assert len(generic["tokens"]) == 6 and generic["tokens"] == host["tokens"], (generic["tokens"], host["tokens"])
+    assert len(host["prompt_tokens"]) > 4, host["prompt_tokens"]           # ops_cpu.FUSED_TOKENS
