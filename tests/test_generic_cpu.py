@@ -50,7 +50,7 @@ from test_runtime_matvec import FUSED, _chunks, check_batch_product, check_chunk
 REPO = Path(__file__).resolve().parent.parent
 ROWS = "QUANTKIT_TEST_GENERIC_ROWS"             # the child's matrices (.npz), quantized by the parent
 IN_CHILD = ROWS in os.environ
-FEATURES = ("sse2", "ssse3", "avx2", "f16c", "fma", "avx512")
+FEATURES = ("sse2", "ssse3", "avx2", "f16c", "fma", "avx512", "avx512bw", "vnni")
 # one type per fused kernel whose type quantkit writes (code_dots' types once their formats are
 # registered), and an interleaved one (regrouped into plain rows first)
 KERNEL_TYPES = [*(q for q in matvec.KIND if q in FUSED), QuantType.IQ4_K_R4]
@@ -82,7 +82,10 @@ def _on(t: cpu.Target) -> set[str]:
     ("nehalem", "", {"sse2", "ssse3"}),
     ("sandybridge", "", {"sse2", "ssse3"}),                 # AVX, but neither AVX2 nor F16C
     ("haswell", "", {"sse2", "ssse3", "avx2", "f16c", "fma"}),
-    ("skylake-avx512", "", {"sse2", "ssse3", "avx2", "f16c", "fma", "avx512"}),
+    ("skylake-avx512", "", {"sse2", "ssse3", "avx2", "f16c", "fma", "avx512", "avx512bw"}),
+    ("icelake-server", "", {"sse2", "ssse3", "avx2", "f16c", "fma", "avx512", "avx512bw", "vnni"}),
+    ("alderlake", "", {"sse2", "ssse3", "avx2", "f16c", "fma", "vnni"}),        # AVX-VNNI, no AVX-512
+    ("znver4", "-avx512vnni", {"sse2", "ssse3", "avx2", "f16c", "fma", "avx512", "avx512bw"}),
     ("x86-64", "+avx2,-f16c", {"sse2", "ssse3", "avx2"}),   # explicit features over the model's
     ("haswell", "-avx", {"sse2", "ssse3"}),                 # and what they imply (-avx: no AVX2)
 ])
@@ -95,7 +98,7 @@ def test_the_child_compiles_for_the_generic_cpu():
     """quantkit.cpu reads numba's target (NUMBA_CPU_NAME here), not the host's CPU."""
     t = cpu.target()
     assert t.cpu == "generic"
-    assert not (t.ssse3 or t.avx2 or dot._AVX2 or dot._SSSE3)
+    assert not (t.ssse3 or t.avx2 or dot._AVX2 or dot._SSSE3 or dot._VNNI or dot._AVX512BW)
     if t.x86:
         assert _on(t) == {"sse2"}
 
@@ -184,9 +187,9 @@ def test_half_widening_is_exact_for_every_half():
 
 
 # chunks that take every path of the byte products: a legacy block's 32-lane grid lookup and folded
-# bias (IQ4_NL), a paired grid lookup (IQ4_K), signed codes (Q6_K), a run's mins (Q2_K), a 64-entry
-# grid (IQ6_K)
-TIER_CHUNKS = ("iq4_nlx8", "iq4_k", "q6_K", "q2_K", "iq6_k")
+# bias (IQ4_NL), a word of high bits (Q5_0), signed codes in a legacy block (Q8_0), a paired grid
+# lookup (IQ4_K), signed codes (Q6_K), a run's mins (Q2_K), a 64-entry grid (IQ6_K)
+TIER_CHUNKS = ("iq4_nlx8", "q5_0x8", "q8_0x2", "iq4_k", "q6_K", "q2_K", "iq6_k")
 
 
 def _tier(name):
@@ -194,20 +197,24 @@ def _tier(name):
     return pytest.param(name, marks=pytest.mark.skipif(not getattr(cpu.target(), name), reason=f"no {name} in the target"))
 
 
-@pytest.mark.parametrize("tier", [_tier("ssse3"), _tier("sse2"), "plain"])
+@pytest.mark.parametrize("tier", [_tier("avx2"), _tier("ssse3"), _tier("sse2"), "plain"])
 def test_byte_products_of_every_instruction_tier(tier, monkeypatch):
-    """The chunk dots built for the tiers below the target's, compiled and run here: SSSE3 (128-bit
-    halves: Nehalem, Sandybridge), SSE2 (x86-64's baseline: the generic target, also run whole in
-    test_generic_cpu_target) and plain IR (no x86 instruction at all: other architectures), each
-    against its numpy twin on random bytes."""
-    monkeypatch.setattr(dot, "_AVX2", False)
-    monkeypatch.setattr(dot, "_SSSE3", tier == "ssse3")
-    monkeypatch.setattr(dot, "_SSE2", tier in ("ssse3", "sse2"))
+    """The chunk dots built for the tiers below the target's, compiled and run here: AVX2 without
+    VNNI or AVX-512BW (Haswell to Zen 3), SSSE3 (128-bit halves: Nehalem, Sandybridge), SSE2
+    (x86-64's baseline: the generic target, also run whole in test_generic_cpu_target) and plain IR
+    (no x86 instruction at all: other architectures), each against its numpy twin on random bytes,
+    and bit for bit against the target's own chunk dot on the same bytes."""
+    monkeypatch.setattr(dot, "_VNNI", False)
+    monkeypatch.setattr(dot, "_AVX512BW", False)
+    monkeypatch.setattr(dot, "_AVX2", tier == "avx2")
+    monkeypatch.setattr(dot, "_SSSE3", tier in ("avx2", "ssse3"))
+    monkeypatch.setattr(dot, "_SSE2", tier in ("avx2", "ssse3", "sse2"))
     chunks = {name: (chunk, n_bytes, tab) for name, chunk, n_bytes, tab in _chunks()}
     for name in TIER_CHUNKS:
         chunk, n_bytes, tab = chunks[name]
-        fresh = dot.chunk_dot(chunk.runs, table=chunk.table, sup=chunk.sup)      # compiled on the tier's IR
-        check_chunk(name, fresh, n_bytes, tab)
+        fresh = dot.chunk_dot(chunk.runs, table=chunk.table, sup=chunk.sup, e8m0=chunk.e8m0)   # the tier's IR
+        got = check_chunk(name, fresh, n_bytes, tab)
+        assert np.float32(got).view(np.uint32) == np.float32(check_chunk(name, chunk, n_bytes, tab)).view(np.uint32), name
 
 
 def _key(qtype, n, seed) -> str:

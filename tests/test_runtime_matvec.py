@@ -180,7 +180,8 @@ def test_chunk_dot_equals_its_twin_on_random_bytes(name, chunk, n_bytes, tab):
 
 def check_chunk(name, chunk, n_bytes, tab):
     """Any bytes (not only what a quantizer writes), at an offset inside a longer row: random
-    codes, packed scales, mins and grid bits; float16 fields hold random finite values."""
+    codes, packed scales, mins and grid bits; float16 fields hold random finite values.  Returns
+    the chunk dot's value (the same bytes for the same name)."""
     rng = np.random.default_rng(len(name))
     o = 3 * n_bytes
     a = rng.integers(0, 256, o + n_bytes + 8, dtype=np.uint8)
@@ -202,6 +203,7 @@ def check_chunk(name, chunk, n_bytes, tab):
     got = call(a, o, tab, xq, xd, xsum, xo)
     ref = runtime_twins.chunk_twin(chunk, a, o, tab, xq, xd, xo)
     assert abs(got - ref) <= 1e-5 * max(1.0, abs(ref)), (got, ref)
+    return got
 
 
 def _random_cache(cls, args, n_ctx, rng):
