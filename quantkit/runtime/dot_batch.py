@@ -26,9 +26,9 @@ from numba.core import types as nbt
 from numba.extending import intrinsic
 
 from ..layouts import Run
-from .dot import (_F32, _I8, _I16, _I32, _abs_sign, _concat, _data, _e8m0_vector, _fma, _fold, _folds_bias,
-                  _groups, _half_vector, _lane_sums, _load, _load8, _lookup, _madd, _maddubs, _max_code,
-                  _paired, _pshufb, _small_ints, _splat)
+from .dot import (_F32, _I8, _I16, _I32, _VNNI, _abs_sign, _concat, _data, _dpbusd, _e8m0_vector, _fma, _fold,
+                  _folds_bias, _groups, _half_vector, _lane_sums, _load, _load8, _lookup, _madd, _maddubs,
+                  _max_code, _paired, _pshufb, _small_ints, _splat)
 from ..cpu import half_to_float
 
 
@@ -192,7 +192,11 @@ def chunk_dot_batch(runs, table=False, sup=None, e8m0=False):
                 for g, w, signed, lane_scales, lane_mins in codes:
                     x = _load(builder, xqb, builder.add(xo_t, c(32 * g)), 32, _I8)
                     u, s = _abs_sign(builder, w, x) if signed else (w, x)
-                    isums.append(_madd(builder, _maddubs(builder, u, s), lane_scales))
+                    if lane_scales is ones and _VNNI:
+                        # a legacy group: its 32 byte products in one vpdpbusd (as chunk_dot's)
+                        isums.append(_dpbusd(builder, u, s))
+                    else:
+                        isums.append(_madd(builder, _maddubs(builder, u, s), lane_scales))
                     if lane_mins is not None:
                         xpairs = _maddubs(builder, ir.Constant(v32, [1] * 32), x)
                         msums.append(_madd(builder, xpairs, lane_mins))
