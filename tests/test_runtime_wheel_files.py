@@ -215,7 +215,7 @@ def test_torch_backend_decodes_them_as_the_numba_backend(mix):
     missing = sorted(t.name.lower() for t in plain if not torch_decode.can_decode(t))
     if missing:
         pytest.skip(f"{name}: no torch decoder yet for {', '.join(missing)} (formats/decode.py)")
-    ref = _ours(path, tokens, steps=False)
+    ref = _ours(path, tokens, steps=False, ops=ops_cpu.float_products)     # a batch in float32, as torch's
     with open_model(path) as g:
         ops = make_ops("torch-cpu", (), 2)
         m = Model(g, ops=ops)
