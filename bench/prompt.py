@@ -46,7 +46,10 @@ def write_files(workdir: Path, names: list[str]) -> dict[str, Path]:
     for name in names:
         path = f32 if name == "f32" else workdir / f"{name}.gguf"
         if not path.exists():
-            quantkit.quantize_model(f32, path, _all_targets()[name], threads=2)
+            # the very-low-bit i-quants need an imatrix: SmolLM2's golden one, as bench/run.py gives them
+            from run import IMATRIX
+            imatrix = IMATRIX if name.lower().startswith(("iq1", "iq2_x", "iq2_s")) else None
+            quantkit.quantize_model(f32, path, _all_targets()[name], threads=2, imatrix=imatrix)
         paths[name] = path
     return paths
 
