@@ -381,7 +381,8 @@ def read_text_file(path, max_bytes: int = MAX_TEXT_BYTES) -> str:
 
 def perplexity(model, text_file, *, ctx_size: int = 512, chunks: int | None = None, kl_divergence_base=None,
                threads: int | None = None, device: str = "cpu", override_tensor=(), on_start=None,
-               on_chunk=None, max_text_bytes: int = MAX_TEXT_BYTES, cache_type="f16", kld_top_k: int | None = None):
+               on_chunk=None, max_text_bytes: int = MAX_TEXT_BYTES, cache_type="f16", kld_top_k: int | None = None,
+               float_products: bool = False):
     """Perplexity of ``model`` on ``text_file``, llama-perplexity's way (chunks of ``ctx_size``
     tokens, the second half of each scored): a ``runtime.perplexity.PplResult`` (``.ppl``,
     ``.ppl_error``, ``.chunk_ppl``).  ``kl_divergence_base``: also save the logits there for a
@@ -390,7 +391,10 @@ def perplexity(model, text_file, *, ctx_size: int = 512, chunks: int | None = No
     position instead of 2 x n_vocab; its KLD is a lower bound of the full one).
     ``on_start(n_chunks)`` is called once the text is cut into chunks, ``on_chunk(i, result so
     far)`` after each chunk.  ``cache_type``: the KV cache's type, "f16"
-    or "f32", or a (K, V) pair (llama.cpp's -ctk/-ctv; runtime/cache_type.py)."""
+    or "f32", or a (K, V) pair (llama.cpp's -ctk/-ctv; runtime/cache_type.py).  ``float_products``:
+    a batch's quantized products in float32 (decoded tiles and BLAS: what the stored weights mean
+    with float32 activations) instead of with activations rounded to 8 bits per 32 as ggml's and a
+    generation step's are (runtime/ops_cpu.py; the CPU device only)."""
     from .outputs import check_outputs
     from .runtime import perplexity as ppl
     from .runtime.kld_topk import TopkWriter
@@ -412,7 +416,7 @@ def perplexity(model, text_file, *, ctx_size: int = 512, chunks: int | None = No
         check_outputs([kl_divergence_base], [model, text_file], what="--kl-divergence-base")
     text = read_text_file(text_file, max_text_bytes)        # before the model loads: a bad -f fails fast
     with open_session(model, threads, device=device, cpu_tensors=parse_overrides(_many(override_tensor)),
-                      cache_type=cache_type) as s:
+                      cache_type=cache_type, float_products=float_products) as s:
         chunk_list = s.chunks(text, ctx_size, chunks)
         if on_start is not None:
             on_start(len(chunk_list))
@@ -426,18 +430,20 @@ def perplexity(model, text_file, *, ctx_size: int = 512, chunks: int | None = No
 
 
 def kl_divergence(model, kl_divergence_base, *, chunks: int | None = None, threads: int | None = None,
-                  device: str = "cpu", override_tensor=(), on_start=None, on_chunk=None, cache_type="f16"):
+                  device: str = "cpu", override_tensor=(), on_start=None, on_chunk=None, cache_type="f16",
+                  float_products: bool = False):
     """KL divergence of ``model`` from the base model whose logits ``perplexity(...,
     kl_divergence_base=FILE)`` saved (llama-perplexity's --kl-divergence), in either form (full or
     top-k, told by the file's magic): a ``runtime.perplexity.KldStats`` (``.summary()``: KLD,
     top-token, Δp statistics; from a top-k base the KLD is over its top-k tokens and the rest, a
-    lower bound of the full one, and ``"kld_top_k"`` says K).  ``cache_type``:
+    lower bound of the full one, and ``"kld_top_k"`` says K).  ``cache_type``, ``float_products``:
     see :func:`perplexity`."""
     from .runtime import perplexity as ppl
     from .runtime.session import open_session, parse_overrides
 
     with open_session(Path(model), threads, device=device,
-                      cpu_tensors=parse_overrides(_many(override_tensor)), cache_type=cache_type) as s:
+                      cpu_tensors=parse_overrides(_many(override_tensor)), cache_type=cache_type,
+                      float_products=float_products) as s:
         base = ppl.read_base(Path(kl_divergence_base))
         if chunks:
             base.chunks = base.chunks[:chunks]
@@ -469,19 +475,21 @@ def _placement(session) -> dict | None:
 def generate(model, prompt: str, *, n_predict: int = 128, temp: float = 0.8, top_k: int = 40, top_p: float = 0.95,
              seed: int | None = None, chat: bool = False, ctx_size: int | None = None, threads: int | None = None,
              device: str = "cpu", override_tensor=(), on_placement=None, on_prompt=None,
-             on_piece=None, cache_type="f16") -> Generation:
+             on_piece=None, cache_type="f16", float_products: bool = False) -> Generation:
     """Generate up to ``n_predict`` tokens after ``prompt`` with quantkit's reference runtime
     (llama-cli's sampling options; ``temp=0`` is greedy): a ``Generation``.  Callbacks, for a caller
     that streams: ``on_placement(placement)`` once the model is loaded and the prompt fits,
     ``on_prompt(text)`` when the first token is about to be computed (kernels ready),
-    ``on_piece(text)`` as each piece of text becomes printable.  ``cache_type``: see :func:`perplexity`."""
+    ``on_piece(text)`` as each piece of text becomes printable.  ``cache_type``, ``float_products``:
+    see :func:`perplexity`."""
     from .runtime.generate import GenerationStats, Sampler, SamplerOptions, context_size
     from .runtime.generate import generate as generate_tokens
     from .runtime.session import TextStream, open_session, parse_overrides
 
     sampler = Sampler(SamplerOptions(temp=temp, top_k=top_k, top_p=top_p, seed=seed))     # checks the options
     with open_session(Path(model), threads, device=device,
-                      cpu_tensors=parse_overrides(_many(override_tensor)), cache_type=cache_type) as s:
+                      cpu_tensors=parse_overrides(_many(override_tensor)), cache_type=cache_type,
+                      float_products=float_products) as s:
         tok = s.tokenizer
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = tok.encode(text, add_special=True, parse_special=chat)
@@ -528,7 +536,7 @@ def collect_imatrix(model, text_file, output="imatrix.gguf", *, ctx_size: int = 
                     activations: str = "mainline", threads: int | None = None, device: str = "cpu",
                     override_tensor=(), on_start=None, on_chunk=None, on_save=None,
                     max_text_bytes: int = MAX_TEXT_BYTES, partial_experts: str = "keep",
-                    cache_type="f16") -> ImatrixResult:
+                    cache_type="f16", float_products: bool = False) -> ImatrixResult:
     """Collect an importance matrix of ``model`` over ``text_file`` as llama-imatrix does and write it
     to ``output`` (.dat: the legacy format, else GGUF): an ``ImatrixResult``.  ``in_file``: imatrix
     files to start from, ``chunk``: chunks of the text to skip (those they hold).
@@ -536,8 +544,9 @@ def collect_imatrix(model, text_file, output="imatrix.gguf", *, ctx_size: int = 
     llama-imatrix) or ``ik`` (ik_llama.cpp's: see quantkit.imatrix_tools).  The output is
     saved every ``output_frequency`` chunks; an interrupt (KeyboardInterrupt) carries ``saved`` and
     ``n_chunks``: how many of this run's chunks the output holds.  Callbacks: ``on_start(n_chunks)``,
-    ``on_chunk(i, nll of the chunk's tokens)``, ``on_save(chunks saved so far)``.  ``cache_type``:
-    see :func:`perplexity`."""
+    ``on_chunk(i, nll of the chunk's tokens)``, ``on_save(chunks saved so far)``.  ``cache_type``,
+    ``float_products``: see :func:`perplexity` (with ``activations="mainline"`` the products of the
+    types mainline rounds activations for are float32 ones after that rounding anyway)."""
     import math
 
     from . import signals
@@ -566,7 +575,8 @@ def collect_imatrix(model, text_file, output="imatrix.gguf", *, ctx_size: int = 
         ops = MainlineRounding(ops) if activations == "mainline" else ops
         return ObservingOps(ops, stats, {t.name: tuple(t.shape) for t in gguf.tensors})
     with open_session(model, threads, wrap_ops=observing, device=device,
-                      cpu_tensors=parse_overrides(_many(override_tensor)), cache_type=cache_type) as s:
+                      cpu_tensors=parse_overrides(_many(override_tensor)), cache_type=cache_type,
+                      float_products=float_products) as s:
         chunk_list = s.chunks(text, ctx_size, chunks, skip=chunk)
         if on_start is not None:
             on_start(len(chunk_list))

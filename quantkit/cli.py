@@ -626,6 +626,12 @@ def _threads_option(f):
                         help="Threads (default: all cores).")(f)
 
 
+def _float_products_option(f):
+    return click.option("--float-products", is_flag=True,
+                        help="Multiply a batch (the prompt, a chunk) with float32 activations and decoded weights "
+                             "instead of activations rounded to 8 bits as a generation step's (CPU device).")(f)
+
+
 def _device_options(f):
     f = click.option("-ctv", "--cache-type-v", "cache_type_v", default="f16", show_default=True,
                      help="V cache type: f16 or f32 (as llama.cpp's -ctv).")(f)
@@ -652,9 +658,10 @@ def _device_options(f):
               help="Context size (default: prompt + n-predict).")
 @_threads_option
 @_device_options
+@_float_products_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of streaming.")
 def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size, threads, device, overrides,
-        cache_type_k, cache_type_v, as_json):
+        cache_type_k, cache_type_v, float_products, as_json):
     """Generate text from PROMPT with quantkit's reference runtime, streaming it, then print prompt
     and generation speed (tokens/s)."""
     from .api import generate
@@ -675,7 +682,7 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
     g = generate(model_path, prompt, n_predict=n_predict, temp=temp, top_k=top_k, top_p=top_p, seed=seed, chat=chat,
                  ctx_size=ctx_size, threads=threads, device=device, override_tensor=overrides,
                  on_placement=on_placement, on_prompt=on_prompt, on_piece=on_piece,
-                 cache_type=(cache_type_k, cache_type_v))
+                 cache_type=(cache_type_k, cache_type_v), float_products=float_products)
     stats = g.stats
     if as_json:
         _print_json({"prompt": g.prompt, "prompt_tokens": g.prompt_tokens, "text": g.text,
@@ -707,9 +714,10 @@ def run(model_path, prompt, n_predict, temp, top_k, top_p, seed, chat, ctx_size,
                    "from this one is a lower bound of the full KLD.")
 @_threads_option
 @_device_options
+@_float_products_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, kld_top_k, threads, device, overrides,
-               cache_type_k, cache_type_v, as_json):
+               cache_type_k, cache_type_v, float_products, as_json):
     """Perplexity of MODEL on a text, llama-perplexity's way (chunks of --ctx-size tokens, the
     second half of each scored), or KL divergence against a base model's saved logits."""
     from . import api
@@ -740,7 +748,7 @@ def perplexity(model_path, text_path, ctx_size, chunks, kld_base, kld, kld_top_k
         if log is not None:
             log.chunk(i, r, reporter.elapsed)
     session = dict(threads=threads, device=device, override_tensor=overrides, on_start=on_start, on_chunk=on_chunk,
-                   cache_type=(cache_type_k, cache_type_v))
+                   cache_type=(cache_type_k, cache_type_v), float_products=float_products)
     with shown:
         if kld:
             stats = api.kl_divergence(model_path, kld_base, chunks=chunks, **session)

@@ -38,6 +38,9 @@ class Target:
     fma: bool           # fused multiply-add instructions (no kernel's result depends on it: the
                         # kernels' multiply-adds are llvm.fma, libm's exact fmaf without FMA)
     avx512: bool        # 512-bit registers (AVX-512F)
+    avx512bw: bool = False  # byte and word ops on 512 bits (AVX-512BW: vpshufb, vpabsb, vpmovb2m on zmm)
+    vnni: bool = False      # vpdpbusd on 256 bits (AVX-512 VNNI with VL, or AVX-VNNI): unsigned x signed
+                            # bytes, 4 at a time, added into 32-bit lanes, without pmaddubsw's saturation
 
     @property
     def x86(self) -> bool:
@@ -79,6 +82,23 @@ define float @probe_fma(float %a, float %b, float %c) {
   %r = call float @llvm.fma.f32(float %a, float %b, float %c)
   ret float %r
 }
+declare i32 @llvm.vector.reduce.add.v32i32(<32 x i32>)
+define i32 @probe_vnni(<32 x i8>* %p, <32 x i8>* %q) {
+  %a = load <32 x i8>, <32 x i8>* %p, align 1
+  %b = load <32 x i8>, <32 x i8>* %q, align 1
+  %u = zext <32 x i8> %a to <32 x i32>
+  %s = sext <32 x i8> %b to <32 x i32>
+  %m = mul <32 x i32> %u, %s
+  %r = call i32 @llvm.vector.reduce.add.v32i32(<32 x i32> %m)
+  ret i32 %r
+}
+define void @probe_avx512bw(<64 x i8>* %p, <64 x i8>* %q) {
+  %a = load <64 x i8>, <64 x i8>* %p, align 1
+  %b = load <64 x i8>, <64 x i8>* %q, align 1
+  %s = add <64 x i8> %a, %b
+  store <64 x i8> %s, <64 x i8>* %p, align 1
+  ret void
+}
 """.replace("BYTE_PERMUTATION", ", ".join(f"i32 {i}" for i in (15, 3, 14, 2, 13, 1, 12, 0, 11, 7, 10, 6, 9, 5, 8, 4))) \
     + "".join(_VECTOR_ADD.format(name=name, lanes=lanes) for name, lanes in (("sse2", 4), ("avx2", 8), ("avx512", 16)))
 
@@ -115,7 +135,12 @@ def _features(triple: str, cpu: str, features: str) -> Target:
                   avx2=x86 and uses("avx2", "vpaddd", "%ymm"),
                   f16c=f16_native,
                   fma=uses("fma", "fmadd"),
-                  avx512=x86 and uses("avx512", "%zmm"))
+                  avx512=x86 and uses("avx512", "%zmm"),
+                  # bytes added in one zmm instruction (AVX-512F alone adds them as two ymm halves)
+                  avx512bw=x86 and uses("avx512bw", "vpaddb", "%zmm"),
+                  # a sum of unsigned-by-signed byte products, which LLVM selects as vpdpbusd where
+                  # the target has VNNI (AVX-512 VNNI or AVX-VNNI: both have the 256-bit form)
+                  vnni=x86 and uses("vnni", "vpdpbusd", "%ymm"))
 
 
 @functools.cache

@@ -45,12 +45,12 @@ from models import write_llama
 from quantkit import cpu
 from quantkit.runtime import dot, kernels, matvec
 from quantkit.types import QuantType, type_name
-from test_runtime_matvec import FUSED, _chunks, check_chunk, check_fused_product, product_cases, rows_of
+from test_runtime_matvec import FUSED, _chunks, check_batch_product, check_chunk, check_fused_product, product_cases, rows_of
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = "QUANTKIT_TEST_GENERIC_ROWS"             # the child's matrices (.npz), quantized by the parent
 IN_CHILD = ROWS in os.environ
-FEATURES = ("sse2", "ssse3", "avx2", "f16c", "fma", "avx512")
+FEATURES = ("sse2", "ssse3", "avx2", "f16c", "fma", "avx512", "avx512bw", "vnni")
 # one type per fused kernel whose type quantkit writes (code_dots' types once their formats are
 # registered), and an interleaved one (regrouped into plain rows first)
 KERNEL_TYPES = [*(q for q in matvec.KIND if q in FUSED), QuantType.IQ4_K_R4]
@@ -59,6 +59,7 @@ CHILD_CHECKS = [
     "tests/test_generic_cpu.py::test_the_child_compiles_for_the_generic_cpu",
     "tests/test_generic_cpu.py::test_half_widening_is_exact_for_every_half",
     "tests/test_generic_cpu.py::test_fused_products_of_every_kernel",
+    "tests/test_generic_cpu.py::test_batch_products_token_for_token",
     "tests/test_runtime_matvec.py::test_attention_of_a_few_tokens_equals_the_batched_path",
     "tests/test_runtime_matvec.py::test_latent_attention_of_a_few_tokens_reads_the_value_view",
     "tests/test_formats_kt.py::test_golden",
@@ -81,7 +82,10 @@ def _on(t: cpu.Target) -> set[str]:
     ("nehalem", "", {"sse2", "ssse3"}),
     ("sandybridge", "", {"sse2", "ssse3"}),                 # AVX, but neither AVX2 nor F16C
     ("haswell", "", {"sse2", "ssse3", "avx2", "f16c", "fma"}),
-    ("skylake-avx512", "", {"sse2", "ssse3", "avx2", "f16c", "fma", "avx512"}),
+    ("skylake-avx512", "", {"sse2", "ssse3", "avx2", "f16c", "fma", "avx512", "avx512bw"}),
+    ("icelake-server", "", {"sse2", "ssse3", "avx2", "f16c", "fma", "avx512", "avx512bw", "vnni"}),
+    ("alderlake", "", {"sse2", "ssse3", "avx2", "f16c", "fma", "vnni"}),        # AVX-VNNI, no AVX-512
+    ("znver4", "-avx512vnni", {"sse2", "ssse3", "avx2", "f16c", "fma", "avx512", "avx512bw"}),
     ("x86-64", "+avx2,-f16c", {"sse2", "ssse3", "avx2"}),   # explicit features over the model's
     ("haswell", "-avx", {"sse2", "ssse3"}),                 # and what they imply (-avx: no AVX2)
 ])
@@ -94,7 +98,7 @@ def test_the_child_compiles_for_the_generic_cpu():
     """quantkit.cpu reads numba's target (NUMBA_CPU_NAME here), not the host's CPU."""
     t = cpu.target()
     assert t.cpu == "generic"
-    assert not (t.ssse3 or t.avx2 or dot._AVX2 or dot._SSSE3)
+    assert not (t.ssse3 or t.avx2 or dot._AVX2 or dot._SSSE3 or dot._VNNI or dot._AVX512BW)
     if t.x86:
         assert _on(t) == {"sse2"}
 
@@ -183,9 +187,9 @@ def test_half_widening_is_exact_for_every_half():
 
 
 # chunks that take every path of the byte products: a legacy block's 32-lane grid lookup and folded
-# bias (IQ4_NL), a paired grid lookup (IQ4_K), signed codes (Q6_K), a run's mins (Q2_K), a 64-entry
-# grid (IQ6_K)
-TIER_CHUNKS = ("iq4_nlx8", "iq4_k", "q6_K", "q2_K", "iq6_k")
+# bias (IQ4_NL), a word of high bits (Q5_0), signed codes in a legacy block (Q8_0), a paired grid
+# lookup (IQ4_K), signed codes (Q6_K), a run's mins (Q2_K), a 64-entry grid (IQ6_K)
+TIER_CHUNKS = ("iq4_nlx8", "q5_0x8", "q8_0x2", "iq4_k", "q6_K", "q2_K", "iq6_k")
 
 
 def _tier(name):
@@ -193,20 +197,24 @@ def _tier(name):
     return pytest.param(name, marks=pytest.mark.skipif(not getattr(cpu.target(), name), reason=f"no {name} in the target"))
 
 
-@pytest.mark.parametrize("tier", [_tier("ssse3"), _tier("sse2"), "plain"])
+@pytest.mark.parametrize("tier", [_tier("avx2"), _tier("ssse3"), _tier("sse2"), "plain"])
 def test_byte_products_of_every_instruction_tier(tier, monkeypatch):
-    """The chunk dots built for the tiers below the target's, compiled and run here: SSSE3 (128-bit
-    halves: Nehalem, Sandybridge), SSE2 (x86-64's baseline: the generic target, also run whole in
-    test_generic_cpu_target) and plain IR (no x86 instruction at all: other architectures), each
-    against its numpy twin on random bytes."""
-    monkeypatch.setattr(dot, "_AVX2", False)
-    monkeypatch.setattr(dot, "_SSSE3", tier == "ssse3")
-    monkeypatch.setattr(dot, "_SSE2", tier in ("ssse3", "sse2"))
+    """The chunk dots built for the tiers below the target's, compiled and run here: AVX2 without
+    VNNI or AVX-512BW (Haswell to Zen 3), SSSE3 (128-bit halves: Nehalem, Sandybridge), SSE2
+    (x86-64's baseline: the generic target, also run whole in test_generic_cpu_target) and plain IR
+    (no x86 instruction at all: other architectures), each against its numpy twin on random bytes,
+    and bit for bit against the target's own chunk dot on the same bytes."""
+    monkeypatch.setattr(dot, "_VNNI", False)
+    monkeypatch.setattr(dot, "_AVX512BW", False)
+    monkeypatch.setattr(dot, "_AVX2", tier == "avx2")
+    monkeypatch.setattr(dot, "_SSSE3", tier in ("avx2", "ssse3"))
+    monkeypatch.setattr(dot, "_SSE2", tier in ("avx2", "ssse3", "sse2"))
     chunks = {name: (chunk, n_bytes, tab) for name, chunk, n_bytes, tab in _chunks()}
     for name in TIER_CHUNKS:
         chunk, n_bytes, tab = chunks[name]
-        fresh = dot.chunk_dot(chunk.runs, table=chunk.table, sup=chunk.sup)      # compiled on the tier's IR
-        check_chunk(name, fresh, n_bytes, tab)
+        fresh = dot.chunk_dot(chunk.runs, table=chunk.table, sup=chunk.sup, e8m0=chunk.e8m0)   # the tier's IR
+        got = check_chunk(name, fresh, n_bytes, tab)
+        assert np.float32(got).view(np.uint32) == np.float32(check_chunk(name, chunk, n_bytes, tab)).view(np.uint32), name
 
 
 def _key(qtype, n, seed) -> str:
@@ -221,6 +229,21 @@ def test_fused_products_of_every_kernel():
         check_fused_product(qtype, lambda q, n_rows, n, seed: matrices[_key(q, n, seed)])
 
 
+# a batch's kernels (matmul8) of one type per path of the byte products: signed codes, a folded
+# bias, a min, high bits, a legacy grid, E8M0 scales, mins, run mins, a paired grid, a row scale
+BATCH_TYPES = [QuantType[n] for n in ("Q8_0", "Q4_1", "Q5_0", "IQ4_NL", "MXFP4", "Q4_K", "Q2_K", "Q6_K", "IQ4_K",
+                                      "IQ4_KS")]
+
+
+@child_only
+def test_batch_products_token_for_token():
+    """A batch's products the bits of the generation step's, token for token, on this target too."""
+    with np.load(os.environ[ROWS]) as stored:
+        matrices = dict(stored)
+    for qtype in BATCH_TYPES:
+        check_batch_product(qtype, lambda q, n_rows, n, seed: matrices[_key(q, n, seed)])
+
+
 def _generic_env(tmp_path: Path) -> dict[str, str]:
     env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(tmp_path / "numba-generic"),
            ROWS: str(tmp_path / "rows.npz")}
@@ -233,7 +256,7 @@ def test_generic_cpu_target(tmp_path, shared_dir):
     """The checks above (CHILD_CHECKS) in a child that compiles for NUMBA_CPU_NAME=generic, and a
     `quantkit run` there that gives the host's greedy tokens."""
     matrices = {_key(q, n, seed): rows_of(q, n_rows, n, seed)
-                for q in KERNEL_TYPES for n, n_rows, seed in product_cases(q)}
+                for q in {*KERNEL_TYPES, *BATCH_TYPES} for n, n_rows, seed in product_cases(q)}
     np.savez(tmp_path / "rows.npz", **matrices)
     env = _generic_env(tmp_path)
     start = time.perf_counter()
@@ -249,7 +272,8 @@ def test_generic_cpu_target(tmp_path, shared_dir):
     src = write_llama(tmp_path / "tiny-f32.gguf", n_layer=2, vocab=True)
     model = tmp_path / "tiny-q4_k_m.gguf"
     quantkit.quantize_model(src, model, "Q4_K_M")
-    args = ("run", model, "-p", "hello world", "-n", "6", "--temp", "0", "--json")
+    # a prompt of more than FUSED_TOKENS tokens: a batch's products (matmul8) as well as the steps'
+    args = ("run", model, "-p", "hello world, the quick brown fox jumps", "-n", "6", "--temp", "0", "--json")
     start = time.perf_counter()
     rc, out, err = run_cli(*args, env=env)
     assert rc == 0, (rc, err[-3000:])
@@ -259,3 +283,4 @@ def test_generic_cpu_target(tmp_path, shared_dir):
     assert rc == 0, (rc, err[-3000:])
     host = json.loads(out)
     assert len(generic["tokens"]) == 6 and generic["tokens"] == host["tokens"], (generic["tokens"], host["tokens"])
+    assert len(host["prompt_tokens"]) > 4, host["prompt_tokens"]           # ops_cpu.FUSED_TOKENS

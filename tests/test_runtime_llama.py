@@ -71,9 +71,9 @@ def prompt(shared_dir, smollm2_path) -> list[int]:
     return peers.ik_tokenize(smollm2_path, text)[:N_PROMPT]
 
 
-def our_logits(path, tokens) -> np.ndarray:
+def our_logits(path, tokens, ops=ops_cpu) -> np.ndarray:
     with open_model(path) as g:
-        m = Model(g, ops_cpu)
+        m = Model(g, ops)
         return m.forward(tokens, m.new_cache(len(tokens)))
 
 
@@ -110,7 +110,7 @@ def test_f32_logits_match_ik(files, prompt):
 def test_quantized_logits_match_ik_on_dequantized_file(files, prompt, name, tmp_path):
     dequantized = tmp_path / "dequantized-f32.gguf"
     quantkit.quantize_model(files[name], dequantized, "f32", allow_requantize=True)
-    ours = our_logits(files[name], prompt)
+    ours = our_logits(files[name], prompt, ops_cpu.float_products)      # what the stored weights mean
     theirs = peers.ik_logits(dequantized, prompt, all_positions=True, n_threads=2)
     rel, same = compare(ours, theirs)
     print(f"\n  {name} vs ik on its F32 dequantization: max|Δ|/max|logit| = {rel:.2e}, "
@@ -159,7 +159,7 @@ def test_torch_backend_matches_numba_backend(files, prompt, name):
     interleaved IQ2_K_R4) stay on the CPU, and a split run (ffn tensors on the CPU) agrees too."""
     torch = pytest.importorskip("torch")
     from quantkit.runtime.session import make_ops
-    ref = our_logits(files[name], prompt)
+    ref = our_logits(files[name], prompt, ops_cpu.float_products)     # a batch in float32, as the torch backend
     runs = [("torch-cpu", ())] + ([("cuda", ())] if torch.cuda.is_available() else []) + [("torch-cpu", ("ffn_",))]
     for device, cpu_tensors in runs:
         with open_model(files[name]) as g:
@@ -199,8 +199,9 @@ def test_cached_decoding_equals_full_forward(files, prompt):
 
 @pytest.mark.parametrize("name", ["q4_K", "iq2_k_r4"])
 def test_quantized_generation_steps_stay_as_close_to_ik_as_batches(files, prompt, name):
-    """Generation steps multiply the packed rows with 8-bit activations (matvec.py), batches with
-    float ones: both stay as close to ik_llama.cpp's logits of the same positions.  Files: q5_0,
+    """Generation steps multiply the packed rows with 8-bit activations (matvec.py), batches too
+    (matmul8.py, the same bits per token): both stay as close to ik_llama.cpp's logits of the same
+    positions.  Files: q5_0,
     q8_0, q4_K, q6_K rows (q4_K) and iq4_nl, q5_0 and regrouped iq2_k_r4 rows (iq2_k_r4)."""
     tokens, n_prompt = prompt[:40], 16
     full = our_logits(files[name], tokens)[n_prompt:]

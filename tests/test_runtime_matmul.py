@@ -1,8 +1,9 @@
-"""Every type the runtime computes with: its matrix product equals dequantize-then-numpy.
+"""Every type the runtime computes with: its float matrix product equals dequantize-then-numpy.
 
 The reference decodes with each format's plain-numpy twin (``reference=True``) and multiplies in
-float64; the runtime reads the stored bytes through its own path (tiles of rows, interleaved row
-groups, expert slices of 3-D tensors).  Weights are real quantizer output of random rows, so scales
+float64; the runtime reads the stored bytes through its float path (``fused=False``: tiles of
+rows, interleaved row groups, expert slices of 3-D tensors; the 8-bit products a batch takes by
+default are checked against the fused kernel in test_runtime_matvec).  Weights are real quantizer output of random rows, so scales
 are what files hold.
 """
 from __future__ import annotations
@@ -57,7 +58,7 @@ def test_matmul_equals_dequantize_then_numpy(qtype):
     if qtype == QuantType.F16:           # ggml's f16 product rounds the activations to f16 first
         x = x.astype(np.float16).astype(np.float32)
     ref = reference_product(blocks, qtype, x)
-    got = ops_cpu.matmul_q(w, x)
+    got = ops_cpu.matmul_q(w, x, fused=False)
     assert got.shape == (5, N_ROWS) and got.dtype == np.float32
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
 
@@ -74,7 +75,7 @@ def test_expert_slices_and_tiles(qtype, monkeypatch):
     monkeypatch.setattr(ops_cpu, "TILE_VALUES", N_PER_ROW * 8)     # several tiles per matrix
     for e in range(n_expert):
         ref = reference_product(blocks[e * N_ROWS:(e + 1) * N_ROWS], qtype, x)
-        np.testing.assert_allclose(ops_cpu.matmul_q(w.expert(e), x), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+        np.testing.assert_allclose(ops_cpu.matmul_q(w.expert(e), x, fused=False), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
 
 
 def test_embedding_rows_of_an_interleaved_type():
@@ -117,5 +118,5 @@ def test_interleaved_rows_are_regrouped_once(monkeypatch):
     monkeypatch.setattr(interleave, "deinterleave", lambda *a, **k: calls.append(1) or deinterleave(*a, **k))
     monkeypatch.setattr(ops_cpu, "TILE_VALUES", N_PER_ROW * 8)     # several tiles per product
     for _ in range(2):
-        np.testing.assert_allclose(ops_cpu.matmul_q(w, x), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+        np.testing.assert_allclose(ops_cpu.matmul_q(w, x, fused=False), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
     assert len(calls) == 1

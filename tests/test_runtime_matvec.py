@@ -15,7 +15,7 @@ from numba import njit
 from quantkit import formats
 from quantkit.formats import interleave
 from quantkit.formats import decode
-from quantkit.runtime import code_dots, dot, kernels, matvec, ops_cpu
+from quantkit.runtime import code_dots, dot, kernels, matmul8, matvec, ops_cpu
 from quantkit.runtime.weights import Weight
 from quantkit.types import QuantType, traits, type_name
 
@@ -104,16 +104,50 @@ def test_fused_product_equals_decoded_rows_times_rounded_activations(qtype):
     check_fused_product(qtype)
 
 
-def test_batches_keep_float_activations():
-    """From FUSED_TOKENS + 1 tokens on, the product is the float one (decoded tiles and BLAS)."""
+# the types whose batches matmul8 multiplies: one per kernel, and interleaved ones (their plain rows)
+BATCHED = [q for q in FUSED if matmul8.supports(matvec.kind_of(q))]
+BATCH_TYPES = [*{matvec.kind_of(q): q for q in reversed(BATCHED)}.values(), T.Q4_0_R8, T.IQ4_K_R4]
+
+
+def check_batch_product(qtype, rows=rows_of):
+    """A batch's product (more than FUSED_TOKENS tokens: matmul8) token for token the bits of the
+    generation step's fused kernel (matvec), so a prompt's logits are its steps' (also run by
+    test_generic_cpu on the generic CPU target).  37 tokens: a whole block of 32 and a part one."""
+    for n, n_rows, seed in product_cases(qtype)[:2]:
+        blocks = rows(qtype, n_rows, n, seed)
+        w = Weight("w", qtype, (n, n_rows), blocks)
+        x = np.random.default_rng(seed).standard_normal((37, n)).astype(np.float32) * 3
+        x[3, :32] = 0                                   # an all-zero block: scale 0
+        kind, regrouped = matvec.FUSED[qtype]
+        steps = matvec.matvec(kind, w.plain_layout()[1] if regrouped else w.blocks, x)
+        for n_tok in (ops_cpu.FUSED_TOKENS + 1, 37):
+            got = ops_cpu.matmul_q(w, x[:n_tok])
+            np.testing.assert_array_equal(got.view(np.uint32), steps[:n_tok].view(np.uint32),
+                                          err_msg=f"{type_name(qtype)} n={n} tokens={n_tok}")
+
+
+@pytest.mark.parametrize("qtype", BATCH_TYPES, ids=type_name)
+def test_batch_product_equals_the_fused_kernel_token_for_token(qtype):
+    check_batch_product(qtype)
+
+
+def test_float_products_of_a_batch():
+    """ops_cpu.float_products (--float-products): from FUSED_TOKENS + 1 tokens on the product is the
+    float one (decoded tiles and BLAS), as fused=False asks of any backend; a few tokens and
+    fused=True stay the 8-bit ones."""
     qtype, n = T.Q4_K, 512
     blocks = rows_of(qtype, 16, n, seed=1)
     w = Weight("w", qtype, (n, 16), blocks)
     x = np.random.default_rng(2).standard_normal((ops_cpu.FUSED_TOKENS + 1, n)).astype(np.float32)
     ref = x.astype(np.float64) @ decoded(blocks, qtype, n).T
-    np.testing.assert_allclose(ops_cpu.matmul_q(w, x), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
-    few = ops_cpu.matmul_q(w, x[:1])
-    assert np.abs(few - ref[:1]).max() > 1e-4 * np.abs(ref).max()       # rounded activations differ
+    fp = ops_cpu.float_products
+    for got in (fp.matmul_q(w, x), ops_cpu.matmul_q(w, x, fused=False), fp.matmul_q_heads([w, w], np.stack([x, x], 1))[:, 1]):
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    eight = ops_cpu.matmul_q(w, x)
+    assert np.abs(eight - ref).max() > 1e-4 * np.abs(ref).max()         # rounded activations differ
+    np.testing.assert_array_equal(fp.matmul_q(w, x, fused=True), eight)
+    np.testing.assert_array_equal(fp.matmul_q(w, x[:2]), eight[:2])
+    assert fp.FLOAT_BATCHES and not ops_cpu.FLOAT_BATCHES and fp.rmsnorm is ops_cpu.rmsnorm
 
 
 def test_activation_rounding_equals_the_q8_0_kernel():
@@ -146,7 +180,8 @@ def test_chunk_dot_equals_its_twin_on_random_bytes(name, chunk, n_bytes, tab):
 
 def check_chunk(name, chunk, n_bytes, tab):
     """Any bytes (not only what a quantizer writes), at an offset inside a longer row: random
-    codes, packed scales, mins and grid bits; float16 fields hold random finite values."""
+    codes, packed scales, mins and grid bits; float16 fields hold random finite values.  Returns
+    the chunk dot's value (the same bytes for the same name)."""
     rng = np.random.default_rng(len(name))
     o = 3 * n_bytes
     a = rng.integers(0, 256, o + n_bytes + 8, dtype=np.uint8)
@@ -168,6 +203,7 @@ def check_chunk(name, chunk, n_bytes, tab):
     got = call(a, o, tab, xq, xd, xsum, xo)
     ref = runtime_twins.chunk_twin(chunk, a, o, tab, xq, xd, xo)
     assert abs(got - ref) <= 1e-5 * max(1.0, abs(ref)), (got, ref)
+    return got
 
 
 def _random_cache(cls, args, n_ctx, rng):

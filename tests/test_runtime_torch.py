@@ -78,7 +78,8 @@ def v3(tmp_path_factory):
 def logits(path, device="cpu", cpu_tensors=()) -> tuple[np.ndarray, object]:
     tokens = [int(t) for t in np.random.default_rng(7).integers(3, 512, N_TOKENS)]
     with open_model(path) as g:
-        ops = make_ops(device, cpu_tensors, 2)
+        # the numba backend's batches as the torch backend's: float32 products
+        ops = make_ops(device, cpu_tensors, 2, float_products=device == "cpu")
         model = Model(g, ops=ops)
         return model.forward(tokens, model.new_cache(N_TOKENS)), ops
 

@@ -6,7 +6,8 @@ matrix (iq1_s / iq2_xxs / iq2_xs need one): one file of mainline's i-quants and 
 ternary, q8_KV and interleaved types.  tq1_0 / tq2_0, which ik cannot load, are written by
 gguf-py's quantizer.  As issue 6's logit tests (tests/test_runtime_llama.py) check the other types:
 
-* batch (the prompt's product: decoded tiles, float activations): quantkit on the quantized file
+* batch (the prompt's product, as ``--float-products`` computes it: decoded tiles, float
+  activations): quantkit on the quantized file
   against ik_llama.cpp on the same weights decoded to F32 by the reference decoder (the wheel's
   ``to_float``; gguf-py's for tq1_0 / tq2_0), max |Δ| <= 2e-3 x max |logit|;
 * generation steps (one token at a time: the fused products, 8-bit activations): against the
@@ -157,11 +158,11 @@ def mix(request, model):
     return name, path, dequantized, tokens
 
 
-def _ours(path, tokens, steps: bool) -> np.ndarray:
+def _ours(path, tokens, steps: bool, ops=ops_cpu) -> np.ndarray:
     """quantkit's logits of every position: in one batch, or the first N_PROMPT in one and each
     further token alone (a generation step)."""
     with open_model(path) as g:
-        m = Model(g, ops_cpu)
+        m = Model(g, ops)
         cache = m.new_cache(len(tokens))
         if not steps:
             return m.forward(tokens, cache)
@@ -175,7 +176,7 @@ def _compare(ours, theirs) -> tuple[float, float]:
 
 def test_batch_logits_match_ik_on_the_reference_decoding(mix):
     name, path, dequantized, tokens = mix
-    ours = _ours(path, tokens, steps=False)
+    ours = _ours(path, tokens, steps=False, ops=ops_cpu.float_products)     # what the stored weights mean
     theirs = peers.ik_logits(dequantized, tokens, all_positions=True, n_threads=2)
     rel, same = _compare(ours, theirs)
     print(f"\n  {name} vs ik on its F32 decoding: max|Δ|/max|logit| = {rel:.2e}, same top token {100 * same:.1f}%")
@@ -214,7 +215,7 @@ def test_torch_backend_decodes_them_as_the_numba_backend(mix):
     missing = sorted(t.name.lower() for t in plain if not torch_decode.can_decode(t))
     if missing:
         pytest.skip(f"{name}: no torch decoder yet for {', '.join(missing)} (formats/decode.py)")
-    ref = _ours(path, tokens, steps=False)
+    ref = _ours(path, tokens, steps=False, ops=ops_cpu.float_products)     # a batch in float32, as torch's
     with open_model(path) as g:
         ops = make_ops("torch-cpu", (), 2)
         m = Model(g, ops=ops)

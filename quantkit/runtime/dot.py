@@ -45,12 +45,20 @@ from ..layouts import Run
 
 # which x86 intrinsics the byte products may emit: those of the target numba compiles for
 # (quantkit.cpu), never more: LLVM aborts the process on an instruction it cannot select.
-# AVX2: 256-bit pshufb / pmaddubsw / pmaddwd / psignb; SSSE3: the same on two 128-bit halves;
-# neither (NUMBA_CPU_NAME=generic, other architectures): plain vector IR, the same integers, with
-# SSE2's pmaddwd where there is SSE2 (x86-64's baseline)
+# AVX2: 256-bit pshufb / pmaddubsw / pmaddwd / psignb, and a block's 16 bytes of nibbles loaded into
+# both 128-bit halves and shifted per half (no cross-half insert); SSSE3: the same on two 128-bit
+# halves; neither (NUMBA_CPU_NAME=generic, other architectures): plain vector IR, the same integers,
+# with SSE2's pmaddwd where there is SSE2 (x86-64's baseline)
 _AVX2 = target().avx2
 _SSSE3 = target().ssse3
 _SSE2 = target().sse2
+# VNNI (AVX-512 VNNI, AVX-VNNI): a legacy group's 32 byte products added in fours into 32-bit lanes
+# by one vpdpbusd (exact: no 16-bit saturation), the integers of pmaddubsw then pmaddwd by 1;
+# AVX-512BW: a word of high bits (Q5_0's) made a byte mask (kmov) instead of spread over the lanes
+# and tested.  On Zen 4 (512-bit ops in two halves) a chunk's groups two per zmm register ran no
+# faster than 256 bits: the chunks stay on 256-bit vectors.
+_VNNI = target().vnni
+_AVX512BW = target().avx512bw
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 
@@ -281,6 +289,14 @@ def _maddubs(builder, u, s):
     return _pairs(builder, builder.mul(u16, s16), 32)
 
 
+def _dpbusd(builder, u, s):
+    """<8 x i32>: lane i = Σ_j<4 u[4i + j] * s[4i + j], u unsigned and s signed <32 x i8>, exact
+    in int32 (vpdpbusd: AVX-512 VNNI or AVX-VNNI; only where _VNNI)."""
+    v8 = ir.VectorType(_I32, 8)
+    return _x86(builder, "llvm.x86.avx512.vpdpbusd.256", v8, ir.Constant(v8, [0] * 8),
+                builder.bitcast(u, v8), builder.bitcast(s, v8))
+
+
 def _pairs(builder, v, n):
     even = ir.Constant(ir.VectorType(_I32, n // 2), list(range(0, n, 2)))
     odd = ir.Constant(ir.VectorType(_I32, n // 2), list(range(1, n, 2)))
@@ -507,8 +523,13 @@ def chunk_dot(runs, table=False, sup=None, e8m0=False):
                         # a block of 16 bytes holds 32 codes: low nibbles first, then the high ones
                         h8 = ir.VectorType(_I8, n // 2)
                         raw = _load(builder, base, at, n // 2, _I8)
-                        both = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(h8, [4] * (n // 2))),
-                                                      ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+                        if _AVX2 and n == 32:
+                            twice = builder.shuffle_vector(raw, raw, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2))
+                            q4 = ir.VectorType(ir.IntType(64), 4)
+                            both = builder.bitcast(builder.lshr(builder.bitcast(twice, q4), ir.Constant(q4, [0, 0, 4, 4])), v8)
+                        else:
+                            both = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(h8, [4] * (n // 2))),
+                                                          ir.Constant(ir.VectorType(_I32, n), list(range(n))))
                         code = builder.and_(both, b8(15))
                     else:
                         # bytes all the way: the shifts are constants here, which x86 does on bytes
@@ -519,7 +540,13 @@ def chunk_dot(runs, table=False, sup=None, e8m0=False):
                             high = _load(builder, base, builder.add(o_v, c(r.hoff)), n, _I8)
                             high = builder.and_(builder.lshr(high, b8(r.hshift)), b8(r.hmask))
                             code = builder.or_(code, builder.shl(high, b8(r.hpos)))
-                        if r.hword is not None:
+                        if r.hword is not None and _AVX512BW:
+                            word = builder.load(builder.bitcast(builder.gep(base, [builder.add(o_v, c(r.hword))]), _I32.as_pointer()), align=1)
+                            if r.hbase:
+                                word = builder.lshr(word, ir.Constant(_I32, r.hbase))
+                            bits = builder.bitcast(_as(builder, word, ir.IntType(n)), ir.VectorType(ir.IntType(1), n))
+                            code = builder.or_(code, builder.select(bits, b8(1 << r.hpos), b8(0)))
+                        elif r.hword is not None:
                             # bit hbase + j of the word, in byte lane j: spread the word's bytes over
                             # the lanes (byte (hbase + j) // 8 to lane j), test one bit per lane
                             word = _load(builder, base, builder.add(o_v, c(r.hword)), 4, _I8)
@@ -556,19 +583,20 @@ def chunk_dot(runs, table=False, sup=None, e8m0=False):
                     w, signed = _pshufb(builder, builder.load(builder.gep(pair_tables, [c(0), pick])), w), True
                 x = _load(builder, xqb, builder.add(xo_v, c(32 * g)), 32, _I8)
                 u, s = _abs_sign(builder, w, x) if signed else (w, x)
-                p16 = _maddubs(builder, u, s)
                 r0 = members[0][1]
                 if r0.d_at is None:
                     # the runs' integer scales, each over the 16-bit lanes of its values
                     lanes = 16 // len(members)
                     lane_runs = ir.Constant(ir.VectorType(_I32, 16), [members[j // lanes][0] for j in range(16)])
-                    isum = _madd(builder, p16, builder.shuffle_vector(run_scales, run_scales, lane_runs))
+                    isum = _madd(builder, _maddubs(builder, u, s), builder.shuffle_vector(run_scales, run_scales, lane_runs))
                     if sup.run_mins:
                         # Σx over each run (bytes times 1, in pairs) times the run's min
                         xpairs = _maddubs(builder, ir.Constant(ir.VectorType(_I8, 32), [1] * 32), x)
                         msums.append(_madd(builder, xpairs, builder.shuffle_vector(run_mins, run_mins, lane_runs)))
+                elif _VNNI:
+                    isum = _dpbusd(builder, u, s)
                 else:
-                    isum = _madd(builder, p16, ones)
+                    isum = _madd(builder, _maddubs(builder, u, s), ones)
                 isums.append(isum)
             if msums:
                 # - dmin * xd_g * Σ_k m_k Σx over run k, per group

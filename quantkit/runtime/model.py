@@ -159,8 +159,10 @@ class Model:
         """Logits (n, n_vocab) of the last layer's output x, a numpy array (the first at position
         ``first_pos``, named in the error for logits that are not finite)."""
         x = self.ops.rmsnorm(x, self.vector("output_norm.weight"), self.config.rms_eps)
-        # a batch's last logits alone stay a batch's (float activations): fused only for a generation step
-        logits = self.ops.host(self.ops.matmul_q(self.output, x, fused=fused))
+        # a batch's last logits alone stay a batch's: its kind of product (8-bit, as a generation
+        # step's, or float32 with ops.FLOAT_BATCHES), whatever their count
+        logits = self.ops.host(self.ops.matmul_q(self.output, x, fused=True if fused else
+                                                 (False if self.ops.FLOAT_BATCHES else None)))
         finite = np.isfinite(logits).all(axis=1)
         if not finite.all():
             raise NonFiniteLogits(first_pos + int(np.argmin(finite)))

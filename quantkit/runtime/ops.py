@@ -36,6 +36,9 @@ class Ops(Protocol):
     # backend has them); the warm-up runs one pass per path: FUSED_TOKENS, FEW_TOKENS (ops_cpu's)
     FUSED_TOKENS: int
     FEW_TOKENS: int
+    # whether a batch's quantized products (more than FUSED_TOKENS tokens) are float32 ones
+    # (decoded tiles) rather than 8-bit ones: the head of a batch asks for the same kind
+    FLOAT_BATCHES: bool
 
     # ---- values in and out of the backend ----
     def host(self, x: Any) -> np.ndarray: ...

@@ -7,12 +7,15 @@ the KV cache holds float16, and ggml multiplies it with float16 copies of its ot
 query for K·Q, the softmax probabilities for V·P); a float32 cache (-ctk/-ctv f32, cache_type.py)
 is multiplied with both as they are.
 
-Quantized weights meet their activations in two ways.  A batch (a prompt, a perplexity chunk)
-decodes tiles of rows to float32 and multiplies with BLAS: it computes what the stored weights
-mean with float32 activations, which tests check against ik_llama.cpp on the dequantized (F32)
-file to float precision.  A generation step (at most FUSED_TOKENS tokens) multiplies the packed
-rows directly (matvec.py) and, as ggml does in its quantized dot products, rounds the activations
-to 8 bits per 32 first.  How ggml rounds depends on its build and on the batch size (ik_llama.cpp's
+Quantized weights meet their activations in two ways.  By default, as ggml does in its quantized
+dot products, the activations are rounded to 8 bits per 32 and multiplied with the packed rows: a
+generation step's few tokens by matvec.py, a batch's (a prompt, a perplexity chunk) by matmul8.py,
+which gives each token the same bits (a prompt's logits are those of its tokens one step at a
+time).  The float products (``fused=False``, and a batch's products under
+:data:`float_products`, the ``--float-products`` of run / perplexity / imatrix) decode tiles of
+rows to float32 and multiply with BLAS: they compute what the stored weights mean with float32
+activations, which tests check against ik_llama.cpp on the dequantized (F32) file to float
+precision.  How ggml rounds depends on its build and on the batch size (ik_llama.cpp's
 wheel gives the same position logits that differ by several percent of max |logit| between a batch
 of 4 and one of 64 tokens); quantkit's generation steps stay as close to ik_llama.cpp as its
 batches do (tests/test_runtime_llama.py).
@@ -25,7 +28,7 @@ import math
 import numpy as np
 
 from ..types import QuantType, traits
-from . import kernels, matvec
+from . import kernels, matmul8, matvec
 from .cache_type import CACHE_TYPES
 from .tiles import FEW_TOKENS, by_rows, pool
 from .weights import Weight
@@ -37,6 +40,8 @@ TILE_VALUES = 1 << 20
 # products of at most this many tokens multiply the packed rows directly (matvec.py) where a
 # fused kernel exists: each row is read once per token, with no decoded float32 copy
 FUSED_TOKENS = 4
+# a batch's quantized products here are 8-bit ones (matmul8.py; :class:`FloatProducts`: float32)
+FLOAT_BATCHES = False
 # attention work items: at most this many query positions, and this many query rows (positions x
 # the query heads of one key head), per item
 QUERY_BLOCK = 64
@@ -87,19 +92,26 @@ def _f16_round(x: np.ndarray) -> np.ndarray:
 def matmul_q(w: Weight, x: np.ndarray, fused: bool | None = None) -> np.ndarray:
     """x (n_tokens, n_in) @ w^T -> (n_tokens, n_out), reading w in its stored type.
 
-    ``fused``: multiply the packed rows with 8-bit activations (matvec.py), as a generation step
-    does; by default when x has at most FUSED_TOKENS rows.
+    ``fused``: multiply the packed rows with 8-bit activations, as a generation step does (for up
+    to FUSED_TOKENS tokens matvec.py, for more matmul8.py: per token the same bits); False: the
+    float products below; None (the default): fused where w's type has a kernel for that many
+    tokens (:class:`FloatProducts` makes it False for a batch).
 
-    Rows of w are decoded a tile at a time into float32 and multiplied with BLAS, so a product
-    touches each stored byte once and never holds more than one decoded tile per thread."""
+    Otherwise rows of w are decoded a tile at a time into float32 and multiplied with BLAS, so a
+    product touches each stored byte once and never holds more than one decoded tile per thread."""
     x = np.ascontiguousarray(x, F32)
     if w.qtype == QuantType.F16:
         x = _f16_round(x)           # ggml's f16 dot product converts the activations to f16
-    if fused or (fused is None and x.shape[0] <= FUSED_TOKENS):
+    if fused is not False:
         kernel = matvec.FUSED.get(w.qtype)
         if kernel is not None:
             kind, regrouped = kernel
-            return matvec.matvec(kind, w.plain_layout()[1] if regrouped else w.blocks, x)
+            if x.shape[0] <= FUSED_TOKENS:
+                return matvec.matvec(kind, w.plain_layout()[1] if regrouped else w.blocks, x)
+            if matmul8.supports(kind):
+                return matmul8.matmul8(kind, w.plain_layout()[1] if regrouped else w.blocks, x)
+            if fused:
+                return matvec.matvec(kind, w.plain_layout()[1] if regrouped else w.blocks, x)
     n_out, group = w.n_out * w.n_matrices, traits(w.qtype).interleave_rows
     tile = max(group, TILE_VALUES // w.n_in // group * group)
     per_thread = -(-n_out // pool.threads(x.shape[0]))                 # every thread gets a share
@@ -579,7 +591,8 @@ def moe_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate_exps: Weig
     ``activation`` "swiglu_oai" (:func:`swiglu_oai`) instead of silu(gate) * up."""
     mm = matmul or matmul_q
     n_tok, n_used = ids.shape
-    fused = n_tok <= FUSED_TOKENS       # a generation step; in a batch even an expert's few tokens take the float path
+    # a generation step's; in a batch even an expert's few tokens take the batch's kind of product
+    fused = True if n_tok <= FUSED_TOKENS else None
     out = np.zeros((n_tok, n_used, down_exps.n_out), F32)                      # (n_tokens, n_used, n_embd)
     act = swiglu_oai if activation == "swiglu_oai" else silu_mul
     for e in np.unique(ids):
@@ -615,3 +628,40 @@ def swiglu_oai(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     x = np.minimum(np.asarray(gate, F32), SWIGLU_OAI_LIMIT)
     y = np.clip(np.asarray(up, F32), -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
     return (x / (F32(1) + np.exp(-SWIGLU_OAI_ALPHA * x)) * (y + F32(1))).astype(F32)
+
+
+class FloatProducts:
+    """The CPU backend with a batch's quantized products in float32: products of more than
+    FUSED_TOKENS tokens decode tiles of rows and multiply with BLAS (``matmul_q(fused=False)``),
+    computing what the stored weights mean with float32 activations (the tests that compare with
+    ik_llama.cpp on dequantized files use it); a generation step's products stay 8-bit ones.
+    Everything else is the module's (:data:`float_products` is the one instance)."""
+    FLOAT_BATCHES = True
+
+    def __getattr__(self, name):
+        try:
+            return globals()[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def matmul_q(self, w: Weight, x: np.ndarray, fused: bool | None = None) -> np.ndarray:
+        if fused is None and x.shape[0] > FUSED_TOKENS:
+            fused = False
+        return matmul_q(w, x, fused)
+
+    def matmul_q_heads(self, ws, x: np.ndarray, transposed: bool = False) -> np.ndarray:
+        if transposed:
+            return matmul_q_heads(ws, x, transposed)
+        return np.stack([self.matmul_q(w, x[:, h]) for h, w in enumerate(ws)], axis=1)
+
+    def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None, **options):
+        """The module's, a batch's expert products (even of an expert's few tokens) in float32."""
+        mm = matmul or self.matmul_q
+        if ids.shape[0] > FUSED_TOKENS:
+            def batch_mm(w, h, fused=None):
+                return mm(w, h, False)
+        return moe_ffn(x, ids, weights, gate_exps, up_exps, down_exps,
+                       matmul=batch_mm if ids.shape[0] > FUSED_TOKENS else mm, **options)
+
+
+float_products = FloatProducts()

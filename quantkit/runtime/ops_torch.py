@@ -47,6 +47,8 @@ class TorchOps:
     # the numba backend's: tensors kept on the CPU are computed by it
     FUSED_TOKENS = ops_cpu.FUSED_TOKENS
     FEW_TOKENS = ops_cpu.FEW_TOKENS
+    # a batch's products are float32 ones, on the device and (ops_cpu.float_products) on the CPU
+    FLOAT_BATCHES = True
 
     def __init__(self, device: str = "cuda", cpu_tensors=(), triton: bool | None = None):
         self.device = torch.device(device)
@@ -127,9 +129,10 @@ class TorchOps:
 
     def matmul_q(self, w: Weight, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
         """x (n_tokens, n_in) @ w^T -> (n_tokens, n_out), decoding w a tile of rows at a time
-        (``fused``: see ops_cpu.matmul_q, for the tensors computed on the host)."""
+        (``fused``: see ops_cpu.matmul_q, for the tensors computed on the host: a batch's in float32,
+        as the device's, ops_cpu.float_products)."""
         if not self.on_device(w):
-            return self.from_host(ops_cpu.matmul_q(w, self.host(x), fused))
+            return self.from_host(ops_cpu.float_products.matmul_q(w, self.host(x), fused))
         x = x.to(F32)
         if w.qtype == QuantType.F16:
             x = _f16_round(x)           # ggml's f16 dot product converts the activations to f16

@@ -57,13 +57,18 @@ class Session:
 DEVICES = ("cpu", "cuda", "torch-cpu")
 
 
-def make_ops(device: str = "cpu", cpu_tensors=(), threads: int = 1, triton: bool | None = None):
+def make_ops(device: str = "cpu", cpu_tensors=(), threads: int = 1, triton: bool | None = None,
+             float_products: bool = False):
     """The ops backend for ``device``: "cpu" the numba backend (ops_cpu); "cuda" / "cuda:N" the
     torch backend on that GPU, with tensors matching ``cpu_tensors`` (regexes) kept on the CPU;
     "torch-cpu" the torch backend on the CPU (the CUDA code path, where no GPU is).  ``triton``:
-    the torch backend's fused Triton kernels (ops_torch.TorchOps; None: on CUDA where installed)."""
+    the torch backend's fused Triton kernels (ops_torch.TorchOps; None: on CUDA where installed).
+    ``float_products``: the numba backend's batches multiply in float32 (decoded tiles and BLAS)
+    instead of with 8-bit activations (ops_cpu.FloatProducts); the CPU backend's option only."""
     if device == "cpu":
-        return ops_cpu
+        return ops_cpu.float_products if float_products else ops_cpu
+    if float_products:
+        raise QuantkitError(f"--float-products is an option of the CPU backend (--device cpu), not of --device {device}")
     if not (device in ("cuda", "torch-cpu") or re.fullmatch(r"cuda:\d+", device)):
         raise QuantkitError(f"unknown device '{device}' (cpu, cuda, cuda:N or torch-cpu)")
     try:
@@ -92,13 +97,13 @@ def parse_overrides(specs) -> list[str]:
 
 @contextmanager
 def open_session(path, threads: int | None = None, wrap_ops=None, device: str = "cpu",
-                 cpu_tensors=(), cache_type="f16") -> Iterator[Session]:
-    """``device``/``cpu_tensors``: see :func:`make_ops`.  ``wrap_ops(gguf, ops)``: the ops backend
+                 cpu_tensors=(), cache_type="f16", float_products: bool = False) -> Iterator[Session]:
+    """``device``/``cpu_tensors``/``float_products``: see :func:`make_ops`.  ``wrap_ops(gguf, ops)``: the ops backend
     the model computes with, built around the device's (an observer, a rounding wrapper).
     ``cache_type``: the KV cache's type, "f16" or "f32", or a (K, V) pair (cache_type.py)."""
     cache_types(cache_type)                 # a bad type fails before the model loads
     n = set_threads(threads)
-    ops = make_ops(device, cpu_tensors, n)
+    ops = make_ops(device, cpu_tensors, n, float_products=float_products)
     gguf = open_model(path)
     try:
         model = Model(gguf, ops=ops if wrap_ops is None else wrap_ops(gguf, ops), cache_type=cache_type)

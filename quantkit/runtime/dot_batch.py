@@ -1,0 +1,215 @@
+"""The chunk dots of a batch: :func:`dot.chunk_dot` for a block of tokens, each chunk's packed
+codes unpacked once and multiplied with every token's activations (runtime/matmul8.py drives it).
+
+A prompt's products multiply each weight row with many tokens.  Unpacking a chunk's codes (shifts,
+masks, grid lookups, integer scales) costs as much as multiplying them with one token, so the
+batch's kernel does it once per chunk and token block instead of once per token, as ik_llama.cpp's
+integer GEMMs (iqk_mul_mat) do.
+
+Per token the result is the same bits as ``dot.chunk_dot``'s: the integer sums are exact however
+they are formed, and the float work per chunk is the same operations in the same order (the 8
+lanes of group sums converted once, ``d_g * xd_g`` times them, fused with what the products leave
+out: a folded bias, mins; the lanes folded as a tree of halves), then added to the token's
+running row sum as ``s += chunk`` does in matvec's row loops.  So a prompt's logits are the
+generation steps' (tests/test_runtime_matmul8.py compares the two kernels on every type they
+cover, generic CPU too).
+
+The codes are unpacked by :func:`_group_codes`, the unpacking part of chunk_dot's IR (dot.py keeps
+its own, inlined in its codegen: a change there that changed the codes would show in the
+comparison with matvec).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils
+from numba.core import types as nbt
+from numba.extending import intrinsic
+
+from ..layouts import Run
+from .dot import (_F32, _I8, _I16, _I32, _VNNI, _abs_sign, _concat, _data, _dpbusd, _e8m0_vector, _fma, _fold,
+                  _folds_bias, _groups, _half_vector, _lane_sums, _load, _load8, _lookup, _madd, _maddubs,
+                  _max_code, _paired, _pshufb, _small_ints, _splat)
+from ..cpu import half_to_float
+
+
+def _group_codes(builder, base, o_v, tb, members, table, sup, pair_tables, grid_bits, c):
+    """(<32 x i8> codes of one 32-value group, whether they are signed): the group's runs
+    unpacked and joined, as chunk_dot unpacks them (dot.py)."""
+    pieces, signed = [], False
+    paired = _paired(members, table, sup)
+    for k, r in members:
+        n = r.n
+        v8 = ir.VectorType(_I8, n)
+
+        def b8(v):
+            return ir.Constant(v8, [v] * n)
+        at = builder.add(o_v, c(r.off))
+        if r.shift is None:
+            code, signed = _load(builder, base, at, n, _I8), True
+        elif r.split:
+            h8 = ir.VectorType(_I8, n // 2)
+            raw = _load(builder, base, at, n // 2, _I8)
+            both = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(h8, [4] * (n // 2))),
+                                          ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+            code = builder.and_(both, b8(15))
+        else:
+            code = builder.and_(builder.lshr(_load(builder, base, at, n, _I8), b8(r.shift)), b8(r.mask))
+        if r.shift is not None:
+            if r.hoff is not None:
+                high = _load(builder, base, builder.add(o_v, c(r.hoff)), n, _I8)
+                high = builder.and_(builder.lshr(high, b8(r.hshift)), b8(r.hmask))
+                code = builder.or_(code, builder.shl(high, b8(r.hpos)))
+            if r.hword is not None:
+                word = _load(builder, base, builder.add(o_v, c(r.hword)), 4, _I8)
+                spread = builder.shuffle_vector(word, word, ir.Constant(ir.VectorType(_I32, n),
+                                                                        [(r.hbase + j) // 8 for j in range(n)]))
+                bit = ir.Constant(v8, [1 << ((r.hbase + j) % 8) for j in range(n)])
+                hit = builder.icmp_unsigned("!=", builder.and_(spread, bit), b8(0))
+                code = builder.or_(code, builder.select(hit, b8(1 << r.hpos), b8(0)))
+            if paired:
+                pass                        # looked up below, with the other run
+            elif table:
+                window = c(0)
+                if sup is not None and sup.grid:
+                    window = builder.mul(grid_bits(k, 1), c(sup.grid_step))
+                low = builder.and_(code, b8(15)) if _max_code(r) >= 16 else code
+                parts = [_lookup(builder, _load(builder, tb, builder.add(window, c(16 * i)), 16, _I8), low, n)
+                         for i in range(_max_code(r) // 16 + 1)]
+                bit = 16
+                while len(parts) > 1:
+                    upper = builder.icmp_unsigned("!=", builder.and_(code, b8(bit)), b8(0))
+                    parts = [builder.select(upper, parts[i + 1], parts[i]) for i in range(0, len(parts), 2)]
+                    bit *= 2
+                code, signed = parts[0], True
+            elif r.bias and not _folds_bias(r):
+                code, signed = builder.sub(code, b8(r.bias)), True
+        pieces.append(code)
+    w = _concat(builder, pieces)
+    if paired:
+        pick = c(0)
+        if sup is not None and sup.grid:
+            pick = grid_bits(members[0][0], 3)
+        w, signed = _pshufb(builder, builder.load(builder.gep(pair_tables, [c(0), pick])), w), True
+    return w, signed
+
+
+def chunk_dot_batch(runs, table=False, sup=None, e8m0=False):
+    """``dot(a, o, tab, xq, xd, xsum, xo, stride, n_tok, acc)``: for t < n_tok,
+    acc[t] += chunk_dot(runs, table, sup, e8m0)(a, o, tab, xq, xd, xsum, xo + t * stride) (dot.py),
+    the same bits, with the chunk's codes and scales unpacked once for all the tokens (``stride``:
+    the values between two tokens' activations, a multiple of 32)."""
+    runs = tuple(Run(*r) for r in runs)
+    groups = _groups(runs)
+    assert (sup is None) == all(r.d_at is not None for r in runs)
+    assert sup is None or len(sup.scales) == len(runs)
+    assert not e8m0 or (sup is None and all(r.m_at is None for r in runs))
+
+    @intrinsic
+    def dot(typingctx, a, o, tab, xq, xd, xsum, xo, stride, n_tok, acc):
+        def codegen(context, builder, sig, args):
+            a_v, o_v, tab_v, xq_v, xd_v, xs_v, xo_v, stride_v, nt_v, acc_v = args
+            i64 = ir.IntType(64)
+            vf8 = ir.VectorType(_F32, 8)
+            base = _data(context, builder, sig.args[0], a_v)
+            tb = _data(context, builder, sig.args[2], tab_v)
+            xqb = _data(context, builder, sig.args[3], xq_v)
+            xdb = _data(context, builder, sig.args[4], xd_v)
+            xsb = _data(context, builder, sig.args[5], xs_v)
+            accb = _data(context, builder, sig.args[9], acc_v)
+
+            def c(v):
+                return ir.Constant(i64, v)
+
+            def half(at):
+                ptr = builder.bitcast(builder.gep(base, [builder.add(o_v, c(at))]), ir.HalfType().as_pointer())
+                return half_to_float(builder, builder.load(ptr, align=1))
+
+            def grid_bits(k, mask):
+                at, b = sup.grid[k]
+                byte = builder.zext(builder.load(builder.gep(base, [builder.add(o_v, c(at))])), i64)
+                return builder.and_(builder.lshr(byte, c(b)), c(mask))
+
+            # ---- what does not depend on the token: scales, mins, the codes ----
+            n_groups = len(groups)
+            assert list(groups) == list(range(n_groups)) and n_groups <= 8
+            firsts = [members[0][1] for members in groups.values()]
+            if sup is None:
+                d_vec = (_e8m0_vector if e8m0 else _half_vector)(builder, base, o_v, [r.d_at for r in firsts])
+            else:
+                d_vec = _splat(builder, ir.Constant(_F32, 1.0) if sup.d_at is None else half(sup.d_at), 8)
+                run_scales = _small_ints(builder, base, o_v, sup.scales)
+            coef = None
+            if any(_folds_bias(r) or r.m_at is not None for r in firsts):
+                bias = ir.Constant(vf8, [-float(r.bias) if _folds_bias(r) else 0.0 for r in firsts] + [0.0] * (8 - n_groups))
+                coef = builder.fmul(d_vec, bias)
+                if firsts[0].m_at is not None:
+                    coef = builder.fadd(coef, _half_vector(builder, base, o_v, [r.m_at for r in firsts]))
+            if sup is not None and sup.mins:
+                m16 = _small_ints(builder, base, o_v, sup.mins)
+                m8 = builder.sitofp(builder.shuffle_vector(m16, m16, ir.Constant(ir.VectorType(_I32, 8), list(range(8)))), vf8)
+            if sup is not None and (sup.mins or sup.run_mins):
+                dmin = builder.fsub(ir.Constant(_F32, 0.0), half(sup.dmin_at))
+            ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
+            v32 = ir.VectorType(_I8, 32)
+            pair_tables = None
+            if any(_paired(m, table, sup) for m in groups.values()):
+                t16 = [_load(builder, tb, c(0), 16, _I8)]
+                if sup is not None and sup.grid:
+                    t16.append(_load(builder, tb, c(sup.grid_step), 16, _I8))
+                both = ir.Constant(ir.VectorType(_I32, 32), list(range(32)))
+                pair_tables = cgutils.alloca_once(builder, ir.ArrayType(v32, 4))
+                for p in range(4):
+                    lo, hi = t16[(p & 1) % len(t16)], t16[(p >> 1) % len(t16)]
+                    builder.store(builder.shuffle_vector(lo, hi, both), builder.gep(pair_tables, [c(0), c(p)]))
+            if sup is not None and sup.run_mins:
+                run_mins = _small_ints(builder, base, o_v, sup.run_mins)
+            codes = []
+            for g, members in groups.items():
+                w, signed = _group_codes(builder, base, o_v, tb, members, table, sup, pair_tables, grid_bits, c)
+                lane_runs = None
+                if members[0][1].d_at is None:
+                    lanes = 16 // len(members)
+                    lane_runs = ir.Constant(ir.VectorType(_I32, 16), [members[j // lanes][0] for j in range(16)])
+                    lane_scales = builder.shuffle_vector(run_scales, run_scales, lane_runs)
+                    lane_mins = builder.shuffle_vector(run_mins, run_mins, lane_runs) if sup.run_mins else None
+                else:
+                    lane_scales, lane_mins = ones, None
+                codes.append((g, w, signed, lane_scales, lane_mins))
+
+            # ---- per token: the products, then chunk_dot's float work, added to acc[t] ----
+            xo0 = xo_v
+            with cgutils.for_range(builder, nt_v) as loop:
+                t = loop.index
+                xo_t = builder.add(xo0, builder.mul(t, stride_v))
+                xblock = builder.lshr(xo_t, c(5))
+                group_scales = builder.fmul(d_vec, _load8(builder, xdb, xblock, n_groups))
+                left_out = None
+                if coef is not None:
+                    left_out = builder.fmul(coef, _load8(builder, xsb, xblock, n_groups))
+                if sup is not None and sup.mins:
+                    left_out = builder.fmul(builder.fmul(m8, _load8(builder, xsb, xblock, n_groups)), _splat(builder, dmin, 8))
+                isums, msums = [], []
+                for g, w, signed, lane_scales, lane_mins in codes:
+                    x = _load(builder, xqb, builder.add(xo_t, c(32 * g)), 32, _I8)
+                    u, s = _abs_sign(builder, w, x) if signed else (w, x)
+                    if lane_scales is ones and _VNNI:
+                        # a legacy group: its 32 byte products in one vpdpbusd (as chunk_dot's)
+                        isums.append(_dpbusd(builder, u, s))
+                    else:
+                        isums.append(_madd(builder, _maddubs(builder, u, s), lane_scales))
+                    if lane_mins is not None:
+                        xpairs = _maddubs(builder, ir.Constant(v32, [1] * 32), x)
+                        msums.append(_madd(builder, xpairs, lane_mins))
+                if msums:
+                    run_left = builder.fmul(builder.fmul(builder.sitofp(_lane_sums(builder, msums), vf8),
+                                                         _load8(builder, xdb, xblock, n_groups)), _splat(builder, dmin, 8))
+                    left_out = run_left if left_out is None else builder.fadd(left_out, run_left)
+                total = builder.sitofp(_lane_sums(builder, isums), vf8)
+                res = builder.fmul(total, group_scales) if left_out is None else _fma(builder, total, group_scales, left_out)
+                chunk = builder.extract_element(_fold(builder, res, 8, 1), ir.Constant(_I32, 0))
+                ptr = builder.gep(accb, [t])
+                builder.store(builder.fadd(builder.load(ptr), chunk), ptr)
+            return context.get_dummy_value()
+        return nbt.none(a, o, tab, xq, xd, xsum, xo, stride, n_tok, acc), codegen
+    dot.runs, dot.table, dot.sup, dot.e8m0 = runs, table, sup, e8m0
+    return dot
