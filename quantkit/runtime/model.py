@@ -53,6 +53,7 @@ class Model:
         self.w.need("output_norm.weight")
         self._norms = {}
         self._linears = {}                  # name -> (weight, bias or None)
+        self._groups = {}                   # names -> ([weight], [bias or None]) of linears()
         # load every layer now: a missing tensor fails early
         if self.config.mla:
             self.mla_heads = [deepseek2.load_layer(self, i) for i in range(self.config.n_layer)]
@@ -86,19 +87,32 @@ class Model:
             v = self._norms[name] = self.ops.param(self.w.need(name).vector())
         return v
 
-    def linear(self, name: str, x: np.ndarray) -> np.ndarray:
-        """x @ ``name``.weight^T (+ ``name``.bias)."""
+    def _weight_bias(self, name: str):
         wb = self._linears.get(name)
         if wb is None:
             wb = self._linears[name] = (self.w.need(name + ".weight"), self.vector(name + ".bias"))
-        y = self.ops.matmul_q(wb[0], x)
-        return y if wb[1] is None else y + wb[1]
+        return wb
+
+    def linear(self, name: str, x: np.ndarray) -> np.ndarray:
+        """x @ ``name``.weight^T (+ ``name``.bias)."""
+        w, b = self._weight_bias(name)
+        y = self.ops.matmul_q(w, x)
+        return y if b is None else y + b
+
+    def linears(self, names: tuple[str, ...], x: np.ndarray) -> list:
+        """[linear(name, x) for name in names]: products that share their input, which the backend
+        may compute together (ops.matmul_q_many: one launch for a generation step's q/k/v)."""
+        group = self._groups.get(names)
+        if group is None:
+            wbs = [self._weight_bias(n) for n in names]
+            group = self._groups[names] = ([w for w, _ in wbs], [b for _, b in wbs])
+        ys = self.ops.matmul_q_many(group[0], x)
+        return [y if b is None else y + b for y, b in zip(ys, group[1])]
 
     def ffn(self, prefix: str, x: np.ndarray, suffix: str = "") -> np.ndarray:
         """SwiGLU feed-forward ffn_down(silu(ffn_gate x) * ffn_up x) of tensors ``prefix``ffn_*``suffix``."""
-        ops = self.ops
-        g = ops.silu_mul(self.linear(prefix + "ffn_gate" + suffix, x), self.linear(prefix + "ffn_up" + suffix, x))
-        return self.linear(prefix + "ffn_down" + suffix, g)
+        gate, up = self.linears((prefix + "ffn_gate" + suffix, prefix + "ffn_up" + suffix), x)
+        return self.linear(prefix + "ffn_down" + suffix, self.ops.silu_mul(gate, up))
 
     def _head_norm(self, name: str, x, n_heads: int):
         """Per-head RMSNorm (Qwen3's and GLM's q_norm/k_norm) of x (n_tokens, n_heads, head_dim) where
@@ -112,9 +126,10 @@ class Model:
     def _attention(self, i: int, h: np.ndarray, pos: np.ndarray, cache) -> np.ndarray:
         """Grouped-query self-attention of layer i (llama, qwen3, glm4moe) -> (n_tokens, n_embd)."""
         c, ops, p, n = self.config, self.ops, f"blk.{i}.", h.shape[0]
-        q = self.linear(p + "attn_q", h).reshape(n, c.n_head, c.head_dim)
-        k = self.linear(p + "attn_k", h).reshape(n, c.n_head_kv, c.head_dim)
-        v = self.linear(p + "attn_v", h).reshape(n, c.n_head_kv, c.head_dim)
+        q, k, v = self.linears((p + "attn_q", p + "attn_k", p + "attn_v"), h)
+        q = q.reshape(n, c.n_head, c.head_dim)
+        k = k.reshape(n, c.n_head_kv, c.head_dim)
+        v = v.reshape(n, c.n_head_kv, c.head_dim)
         q = self._head_norm(p + "attn_q_norm.weight", q, c.n_head)
         k = self._head_norm(p + "attn_k_norm.weight", k, c.n_head_kv)
         q = ops.rope(q, pos, c.n_rot, c.rope_base, c.rope_scale, neox=c.rope_neox)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import numpy as np
 
@@ -116,6 +117,44 @@ def matmul_q(w: Weight, x: np.ndarray, fused: bool | None = None) -> np.ndarray:
             out[:, r0:r1] = x @ rows.T
     pool.map(product, range(0, n_out, tile), x.shape[0])
     return out
+
+
+def matmul_q_many(ws, x: np.ndarray) -> list[np.ndarray]:
+    """[matmul_q(w, x) for w in ws], the same values: weights that share their input (attn_q/k/v,
+    ffn_gate/up).  A generation step's (at most FUSED_TOKENS tokens) are computed in one parallel
+    launch with the input rounded once (matvec.Products) where every weight has a fused kernel;
+    each result is then a view of one array."""
+    x = np.ascontiguousarray(x, F32)
+    if x.shape[0] <= FUSED_TOKENS:
+        products = _products(ws)
+        if products is not None:
+            return products(x)
+    return [matmul_q(w, x) for w in ws]
+
+
+# id of each weight -> (weak references to them, their matvec.Products or None): made once per
+# group of weights (the Products hold the addresses of their rows)
+_PRODUCTS: dict[tuple[int, ...], tuple] = {}
+
+
+def _products(ws):
+    key = tuple(map(id, ws))
+    hit = _PRODUCTS.get(key)
+    if hit is not None and all(r() is w for r, w in zip(hit[0], ws)):
+        return hit[1]
+    parts = []
+    for w in ws:
+        kernel = matvec.FUSED.get(w.qtype)
+        # F16 rows take f16-rounded activations (matmul_q): not one input for all
+        if kernel is None or w.qtype == QuantType.F16 or w.n_in != ws[0].n_in:
+            parts = None
+            break
+        kind, regrouped = kernel
+        parts.append((kind, w.plain_layout()[1] if regrouped else w.blocks))
+    products = None if parts is None else matvec.Products(parts)
+    refs = [weakref.ref(w, lambda _, key=key: _PRODUCTS.pop(key, None)) for w in ws]
+    _PRODUCTS[key] = (refs, products)
+    return products
 
 
 def matmul_q_t(w: Weight, x: np.ndarray) -> np.ndarray:
