@@ -385,20 +385,26 @@ def _rows_fn(kind: int) -> int:
 
 
 # a product table's columns, one row per weight
-T_FN, T_BLOCKS, T_ROWS, T_ROW_SIZE, T_OUT, T_FIRST_TASK, T_STRIDE = range(7)
+T_FN, T_BLOCKS, T_ROWS, T_ROW_SIZE, T_OUT, T_FIRST_TASK = range(6)
+_TABLE_COLUMNS = 6
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def _products(table, x, xq, xd, xsum, rounded):
+def _products(table, x, out, rounded):
     """Every weight of ``table`` (int64, one row per weight: its rows function, blocks address,
-    rows, row size, output address (n_tokens, rows) float32, first task; a last row holding the
-    total of tasks in T_FIRST_TASK) · x (n_tokens, n_in) float32, all in one parallel loop over
-    tasks of ROWS_PER_TASK rows.  ``rounded``: x rounded into xq / xd / xsum first (the weights
-    are not all float)."""
+    rows, row size, first column in out, first task; a last row holding the total of tasks in
+    T_FIRST_TASK) · x (n_tokens, n_in) float32 -> out (n_tokens, all rows) float32, the weights'
+    columns side by side, in one parallel loop over tasks of ROWS_PER_TASK rows.  ``rounded``: x
+    rounded to 8 bits first (the weights are not all float)."""
     n_tok, n_in = x.shape
+    # np.empty: under parallel=True each np.zeros is a parallel loop of its own
+    xq = np.empty(n_tok * n_in, np.int8)
+    xd = np.empty(n_tok * n_in // 32, F)
+    xsum = np.empty(n_tok * n_in // 32, F)
     if rounded:
         round_q8(x, xq.reshape(n_tok, n_in), xd.reshape(n_tok, n_in // 32), xsum.reshape(n_tok, n_in // 32))
-    xa, qa, da, sa = x.ctypes.data, xq.ctypes.data, xd.ctypes.data, xsum.ctypes.data
+    xa, qa, da, sa, oa = x.ctypes.data, xq.ctypes.data, xd.ctypes.data, xsum.ctypes.data, out.ctypes.data
+    stride = out.shape[1]
     n_w = table.shape[0] - 1
     for task in prange(table[n_w, T_FIRST_TASK]):
         w = 0
@@ -407,57 +413,46 @@ def _products(table, x, xq, xd, xsum, rounded):
         n_rows = table[w, T_ROWS]
         r0 = (task - table[w, T_FIRST_TASK]) * ROWS_PER_TASK
         _call_rows(table[w, T_FN], table[w, T_BLOCKS], table[w, T_ROW_SIZE], r0, min(n_rows, r0 + ROWS_PER_TASK),
-                   n_in, n_tok, xa, qa, da, sa, table[w, T_OUT], table[w, T_STRIDE])
-
-
-_TABLE_COLUMNS = 7
+                   n_in, n_tok, xa, qa, da, sa, oa + 4 * table[w, T_OUT], stride)
 
 
 class Products:
     """The products of several weights with one input, in one parallel launch (:func:`_products`):
     ``parts`` [(kind, blocks (n_rows, row_size) uint8)], all rows of the same length; calling it
-    with x (n_tokens, n_in) float32 returns each weight's (n_tokens, n_rows) float32, the same
-    values matvec gives (views of one output array: columns side by side)."""
+    with x (n_tokens, n_in) float32 (C-contiguous) returns each weight's (n_tokens, n_rows)
+    float32, the same values matvec gives (views of one output array: columns side by side)."""
 
     def __init__(self, parts):
         self.blocks = [np.ascontiguousarray(b, np.uint8) for _, b in parts]     # kept: the table holds their addresses
         kinds = [k for k, _ in parts]
         self.rounded = any(k >= FLOAT_KINDS for k in kinds)
         rows = np.array([b.shape[0] for b in self.blocks], np.int64)
-        self.bounds = np.concatenate([[0], np.cumsum(rows)])
-        tasks = -(-rows // ROWS_PER_TASK)
+        bounds = np.concatenate([[0], np.cumsum(rows)])
+        self.n_out = int(bounds[-1])
+        self.columns = [slice(int(bounds[i]), int(bounds[i + 1])) for i in range(len(parts))]
         table = np.zeros((len(parts) + 1, _TABLE_COLUMNS), np.int64)
         table[:-1, T_FN] = [_rows_fn(k) for k in kinds]
         table[:-1, T_BLOCKS] = [b.ctypes.data for b in self.blocks]
         table[:-1, T_ROWS] = rows
         table[:-1, T_ROW_SIZE] = [b.shape[1] for b in self.blocks]
-        table[:, T_FIRST_TASK] = np.concatenate([[0], np.cumsum(tasks)])
-        table[:-1, T_STRIDE] = self.bounds[-1]
+        table[:-1, T_OUT] = bounds[:-1]
+        table[:, T_FIRST_TASK] = np.concatenate([[0], np.cumsum(-(-rows // ROWS_PER_TASK))])
         self.table = table
-        self._out_offsets = 4 * self.bounds[:-1]
-        self._scratch = {}
 
     def __call__(self, x: np.ndarray) -> list[np.ndarray]:
-        n_tok, n_in = x.shape
-        scratch = self._scratch.get(x.shape)
-        if scratch is None:
-            scratch = self._scratch[x.shape] = (np.empty(n_tok * n_in, np.int8), np.empty(n_tok * n_in // 32, F),
-                                                np.empty(n_tok * n_in // 32, F))
-        out = np.empty((n_tok, self.bounds[-1]), F)
-        self.table[:-1, T_OUT] = out.ctypes.data + self._out_offsets
-        _PRODUCTS(self.table, x, *scratch, self.rounded)
-        b = self.bounds
-        return [out[:, b[i]:b[i + 1]] for i in range(len(self.blocks))]
+        out = np.empty((x.shape[0], self.n_out), F)
+        _PRODUCTS(self.table, x, out, self.rounded)
+        return [out[:, c] for c in self.columns]
 
 
 def _products_entry():
-    sig = (types.Array(types.int64, 2, "C"), _F32_2D, types.Array(types.int8, 1, "C"), types.Array(types.float32, 1, "C"),
-           types.Array(types.float32, 1, "C"), types.boolean)
+    sig = (types.Array(types.int64, 2, "C"), _F32_2D, _F32_2D, types.boolean)
     _products.compile(sig)
     return _products.overloads[sig].entry_point
 
 
 def _PRODUCTS(*args):
+    """_products' compiled entry point, made ready on the first call (then called directly)."""
     global _PRODUCTS
     _PRODUCTS = _products_entry()
     return _PRODUCTS(*args)

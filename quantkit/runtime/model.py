@@ -52,7 +52,6 @@ class Model:
         self.output = self.w.get("output.weight") or self.tok_embd
         self.w.need("output_norm.weight")
         self._norms = {}
-        self._linears = {}                  # name -> (weight, bias or None)
         self._groups = {}                   # names -> ([weight], [bias or None]) of linears()
         # load every layer now: a missing tensor fails early
         if self.config.mla:
@@ -87,25 +86,18 @@ class Model:
             v = self._norms[name] = self.ops.param(self.w.need(name).vector())
         return v
 
-    def _weight_bias(self, name: str):
-        wb = self._linears.get(name)
-        if wb is None:
-            wb = self._linears[name] = (self.w.need(name + ".weight"), self.vector(name + ".bias"))
-        return wb
-
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
         """x @ ``name``.weight^T (+ ``name``.bias)."""
-        w, b = self._weight_bias(name)
-        y = self.ops.matmul_q(w, x)
-        return y if b is None else y + b
+        return self.linears((name,), x)[0]
 
     def linears(self, names: tuple[str, ...], x: np.ndarray) -> list:
         """[linear(name, x) for name in names]: products that share their input, which the backend
-        may compute together (ops.matmul_q_many: one launch for a generation step's q/k/v)."""
+        computes together (ops.matmul_q_many: a generation step's q/k/v in one launch, and each
+        dense product without the per-call preparations of matmul_q)."""
         group = self._groups.get(names)
         if group is None:
-            wbs = [self._weight_bias(n) for n in names]
-            group = self._groups[names] = ([w for w, _ in wbs], [b for _, b in wbs])
+            group = self._groups[names] = ([self.w.need(n + ".weight") for n in names],
+                                           [self.vector(n + ".bias") for n in names])
         ys = self.ops.matmul_q_many(group[0], x)
         return [y if b is None else y + b for y, b in zip(ys, group[1])]
 
@@ -175,7 +167,8 @@ class Model:
         ``first_pos``, named in the error for logits that are not finite)."""
         x = self.ops.rmsnorm(x, self.vector("output_norm.weight"), self.config.rms_eps)
         # a batch's last logits alone stay a batch's (float activations): fused only for a generation step
-        logits = self.ops.host(self.ops.matmul_q(self.output, x, fused=fused))
+        ops = self.ops
+        logits = ops.host(ops.matmul_q_many([self.output], x)[0] if fused else ops.matmul_q(self.output, x, fused=False))
         finite = np.isfinite(logits).all(axis=1)
         if not finite.all():
             raise NonFiniteLogits(first_pos + int(np.argmin(finite)))

@@ -382,7 +382,7 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float
     if n_tok <= FUSED_TOKENS and k_f16 and v_f16:
         out = np.empty((n_tok, n_head, v_dim), F32)
         k16, v16 = cache.bits
-        kernels.attend_few(_f16_round(q), k16[layer], v16[layer], pos0, F32(scale), out)
+        kernels.attend_few(np.ascontiguousarray(q, F32), k16[layer], v16[layer], pos0, F32(scale), out)
         return out.reshape(n_tok, n_head * v_dim)
     if n_tok <= FUSED_TOKENS and not (k_f16 or v_f16):
         return _attend_few_f32(q, cache, layer, pos0, scale).reshape(n_tok, n_head * v_dim)
