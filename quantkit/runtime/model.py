@@ -50,6 +50,7 @@ class Model:
         self.tok_embd = self.w.need("token_embd.weight")
         # tied embeddings: no output.weight, the token embedding doubles as the output matrix
         self.output = self.w.get("output.weight") or self.tok_embd
+        self._head = [self.output]          # the head as matmul_q_many takes it (made once: a step makes no list)
         self.w.need("output_norm.weight")
         self._norms = {}
         self._groups = {}                   # names -> ([weight], [bias or None]) of linears()
@@ -81,9 +82,9 @@ class Model:
     def vector(self, name: str) -> np.ndarray | None:
         """A 1-D tensor (norm weight, bias) as float32 (where the ops backend keeps it), or None
         when the file has none."""
-        v = self._norms.get(name)
-        if v is None and name in self.w:
-            v = self._norms[name] = self.ops.param(self.w.need(name).vector())
+        v = self._norms.get(name, self)         # self: not looked up yet
+        if v is self:
+            v = self._norms[name] = self.ops.param(self.w.need(name).vector()) if name in self.w else None
         return v
 
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
@@ -168,7 +169,7 @@ class Model:
         x = self.ops.rmsnorm(x, self.vector("output_norm.weight"), self.config.rms_eps)
         # a batch's last logits alone stay a batch's (float activations): fused only for a generation step
         ops = self.ops
-        logits = ops.host(ops.matmul_q_many([self.output], x)[0] if fused else ops.matmul_q(self.output, x, fused=False))
+        logits = ops.host(ops.matmul_q_many(self._head, x)[0] if fused else ops.matmul_q(self.output, x, fused=False))
         finite = np.isfinite(logits).all(axis=1)
         if not finite.all():
             raise NonFiniteLogits(first_pos + int(np.argmin(finite)))

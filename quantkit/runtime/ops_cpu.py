@@ -133,14 +133,15 @@ def matmul_q_many(ws, x: np.ndarray) -> list[np.ndarray]:
 
 
 # id of each weight -> (weak references to them, their matvec.Products or None): made once per
-# group of weights (the Products hold the addresses of their rows)
+# group of weights (the Products hold the addresses of their rows).  An entry is removed when one
+# of its weights dies, before its id can be reused: a hit is always the same weights
 _PRODUCTS: dict[tuple[int, ...], tuple] = {}
 
 
 def _products(ws):
     key = tuple(map(id, ws))
     hit = _PRODUCTS.get(key)
-    if hit is not None and all(r() is w for r, w in zip(hit[0], ws)):
+    if hit is not None:
         return hit[1]
     parts = []
     for w in ws:
