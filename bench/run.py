@@ -61,11 +61,17 @@ def child_quantkit(path: Path, tokens: list[int], n_gen: int, threads: int) -> d
     from quantkit.runtime.session import set_threads
     set_threads(threads)
     in_products = [0.0]
-    kernel = matvec.matvec
+    kernel, products = matvec.matvec, matvec.Products.__call__
 
     def timed(kind, blocks, x):                 # where a generation step's time goes
         t = time.perf_counter()
         y = kernel(kind, blocks, x)
+        in_products[0] += time.perf_counter() - t
+        return y
+
+    def timed_products(self, x):                # several weights in one launch (q/k/v, gate/up)
+        t = time.perf_counter()
+        y = products(self, x)
         in_products[0] += time.perf_counter() - t
         return y
     with open_model(path) as g:
@@ -76,13 +82,13 @@ def child_quantkit(path: Path, tokens: list[int], n_gen: int, threads: int) -> d
         logits = model.forward(tokens, cache, logits_from=len(tokens) - 1)[-1]
         t1 = time.perf_counter()
         out = []
-        matvec.matvec = timed
+        matvec.matvec, matvec.Products.__call__ = timed, timed_products
         c1 = time.process_time()
         for _ in range(n_gen):
             out.append(int(np.argmax(logits)))
             logits = model.forward([out[-1]], cache)[-1]
         t2, c2 = time.perf_counter(), time.process_time()
-        matvec.matvec = kernel
+        matvec.matvec, matvec.Products.__call__ = kernel, products
         # the weight bytes a step reads, and how fast one thread streams them (numpy, same pages)
         mats = [t for t in g.tensors if len(t.shape) > 1 and t.name not in ("token_embd.weight", "output.weight")]
         weights = [model.w.need(t.name).blocks for t in mats] + [model.output.blocks]

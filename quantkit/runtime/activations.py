@@ -64,6 +64,9 @@ class MainlineRounding:
             self._last = (x, block, rounded)
         return self._ops.matmul_q(w, rounded, False)     # rounded here, mainline's way
 
+    def matmul_q_many(self, ws, x):
+        return [self.matmul_q(w, x) for w in ws]            # each rounded its type's way
+
     def moe_ffn(self, x, ids, weights, gate_exps, up_exps, down_exps, matmul=None, **options):
         """The backend's, every expert product rounded first; ``options`` (a fused gate_up_exps,
         an architecture's biases or activation) go to the backend as they are."""

@@ -132,6 +132,9 @@ class ObservingOps:
             self.stats.add_expert(base, int(m.group(2)), n_expert, seen)
         return self._ops.matmul_q(w, x, fused, **options)      # options: an architecture's, as they are
 
+    def matmul_q_many(self, ws, x):
+        return [self.matmul_q(w, x) for w in ws]            # each observed
+
     def matmul_q_heads(self, ws, x, transposed: bool = False):
         if not transposed:                      # transposed: the input runs along the rows (see above)
             name = ws[0].name.split("[")[0]     # heads: row slices "name[r0:r1]"

@@ -312,15 +312,15 @@ def _exp_shifted(e, n, m):
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def attend_few(q16, keys, values, pos0, scale, out):
+def attend_few(q, keys, values, pos0, scale, out):
     """Causal grouped-query attention of a few tokens, straight from the float16 cache:
-    q16 (n_tokens, n_head, k_dim) float32 queries already rounded to f16; keys (n_ctx, n_head_kv,
+    q (n_tokens, n_head, k_dim) float32 queries (rounded to f16 here, as ggml's copy for K·Q); keys (n_ctx, n_head_kv,
     k_dim) and values (n_ctx, n_head_kv, v_dim) uint16 (float16 bits, rows contiguous); token t
     sits at position pos0 + t and sees keys 0 .. pos0 + t -> out (n_tokens, n_head, v_dim).
 
     The numbers of ops_cpu.attention's batched path: scores q·k in float, times ``scale``, the
     exponentials of (score - max) summed in double, the probabilities rounded to f16, then Σ p v."""
-    n_tok, n_head, k_dim = q16.shape
+    n_tok, n_head, k_dim = q.shape
     g = n_head // keys.shape[1]
     v_dim = values.shape[2]
     for job in prange(n_tok * n_head):
@@ -329,7 +329,9 @@ def attend_few(q16, keys, values, pos0, scale, out):
         n_seen = pos0 + t + 1
         e = np.empty(n_seen, F32)
         m = -np.inf
-        qv = q16[t, h]                          # one view per job: a view per key costs its reference count
+        qv = np.empty(k_dim, F32)               # the query rounded to f16 (a separate pass cost a call and an array)
+        for d in range(k_dim):
+            qv[d] = _f16_value(q[t, h, d])
         for j in range(n_seen):
             s = _half_row_dot(keys, j, hk, qv, k_dim) * scale
             e[j] = s

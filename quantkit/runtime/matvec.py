@@ -30,8 +30,9 @@ the tests compare with.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from llvmlite import ir
+from numba import carray, njit, prange, types
+from numba.extending import intrinsic, overload
 
 from .. import kernel_cache  # noqa: F401  (keys numba's cache on quantkit's sources)
 from ..layouts import LAYOUTS, Layout, Run
@@ -308,3 +309,159 @@ def matvec(kind: int, blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
     out = np.empty((x.shape[0], blocks.shape[0]), F)
     (_ENTRY.get(kind) or _kernel(kind))(blocks, x, out, kind)
     return out
+
+
+# ---- several weights in one parallel launch (a generation step's q/k/v, gate/up) ----
+#
+# A launch of a parallel numba loop costs 2-10 us of waking and joining threads (more where the
+# machine is busy), and a SmolLM2 step made 211 of them, each with its own Python call and its own
+# rounding of the same activations.  :func:`products` multiplies any number of weights, each of
+# any kind, with one input rounded once, in one parallel loop over all their tasks of rows.  Each
+# kind's loop over a range of rows is compiled once as a C function (``_rows_fn``), and the loop
+# calls it through its address: one driver serves every mix of kinds (a driver per combination of
+# literal kinds would compile once per mix a file has).  The row dots are row_dot's, so each
+# output value is the same bits as ``_matvec`` gives.
+
+_ADDR = types.int64
+
+
+@intrinsic
+def _pointer(typingctx, addr, dtype):
+    """The int64 address ``addr`` as a pointer to ``dtype`` values (a numba carray's data)."""
+    elt = dtype.dtype if isinstance(dtype, types.NumberClass) else dtype
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(elt)))
+    return types.CPointer(elt)(addr, dtype), codegen
+
+
+_ROWS_ARGS = 12          # rows(b, row_size, r0, r1, n_in, n_tok, x, xq, xd, xsum, out, out_stride)
+
+
+@intrinsic
+def _call_rows(typingctx, fn, b, row_size, r0, r1, n_in, n_tok, x, xq, xd, xsum, out, out_stride):
+    """Call the C function at address ``fn`` (a ``_rows_fn``) with its 12 int64 arguments."""
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(ir.VoidType(), [i64] * (_ROWS_ARGS + 1))
+        # the kind: a literal of the compiled rows function, which its C wrapper takes and ignores
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [ir.Constant(i64, 0), *args[1:]])
+        return context.get_dummy_value()
+    return types.none(*([_ADDR] * (_ROWS_ARGS + 1))), codegen
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def _rows(kind, b, row_size, r0, r1, n_in, n_tok, x, xq, xd, xsum, out, out_stride):
+    """Rows r0..r1 of a weight of the type ``kind`` selects (a literal: each kind compiles its own;
+    n_rows x row_size uint8 at address b) · each of the n_tok tokens of x (float32, address) or of
+    its rounding (xq int8, xd, xsum float32) -> out[t * out_stride + r] (float32, address).  Called
+    by :func:`_products` through the address of its C wrapper (``_rows_fn``)."""
+    flat = carray(_pointer(b, np.uint8), r1 * row_size)
+    xf = carray(_pointer(x, np.float32), n_tok * n_in)
+    q = carray(_pointer(xq, np.int8), n_tok * n_in)
+    d = carray(_pointer(xd, np.float32), n_tok * n_in // 32)
+    s = carray(_pointer(xsum, np.float32), n_tok * n_in // 32)
+    o = carray(_pointer(out, np.float32), n_tok * out_stride)
+    scratch = task_scratch(kind)
+    for r in range(r0, r1):
+        for t in range(n_tok):
+            o[t * out_stride + r] = row_dot(kind, flat, r * row_size, xf, q, d, s, t * n_in, n_in, scratch)
+
+
+_ROWS: dict[int, int] = {}          # kind -> address of the C wrapper of _rows compiled for it
+
+
+def _rows_fn(kind: int) -> int:
+    """The address of ``_rows``' C wrapper for the literal ``kind`` (compiled, or loaded from
+    numba's cache, on first use: through the dispatcher, which announces compiles), called with
+    the kind then the 12 int64 arguments."""
+    addr = _ROWS.get(kind)
+    if addr is None:
+        sig = (types.literal(kind), *([_ADDR] * _ROWS_ARGS))
+        _rows.compile(sig)
+        cres = _rows.overloads[sig]
+        addr = _ROWS[kind] = cres.library.get_pointer_to_function(cres.fndesc.llvm_cfunc_wrapper_name)
+    return addr
+
+
+# a product table's columns, one row per weight
+T_FN, T_BLOCKS, T_ROWS, T_ROW_SIZE, T_OUT, T_FIRST_TASK = range(6)
+_TABLE_COLUMNS = 6
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _products(table, x, out, rounded):
+    """Every weight of ``table`` (int64, one row per weight: its rows function, blocks address,
+    rows, row size, first column in out, first task; a last row holding the total of tasks in
+    T_FIRST_TASK) · x (n_tokens, n_in) float32 -> out (n_tokens, all rows) float32, the weights'
+    columns side by side, in one parallel loop over tasks of ROWS_PER_TASK rows.  ``rounded``: x
+    rounded to 8 bits first (the weights are not all float)."""
+    n_tok, n_in = x.shape
+    # np.empty: under parallel=True each np.zeros is a parallel loop of its own
+    xq = np.empty(n_tok * n_in, np.int8)
+    xd = np.empty(n_tok * n_in // 32, F)
+    xsum = np.empty(n_tok * n_in // 32, F)
+    if rounded:
+        round_q8(x, xq.reshape(n_tok, n_in), xd.reshape(n_tok, n_in // 32), xsum.reshape(n_tok, n_in // 32))
+    xa, qa, da, sa, oa = x.ctypes.data, xq.ctypes.data, xd.ctypes.data, xsum.ctypes.data, out.ctypes.data
+    stride = out.shape[1]
+    n_w = table.shape[0] - 1
+    for task in prange(table[n_w, T_FIRST_TASK]):
+        w = 0
+        while task >= table[w + 1, T_FIRST_TASK]:
+            w += 1
+        n_rows = table[w, T_ROWS]
+        r0 = (task - table[w, T_FIRST_TASK]) * ROWS_PER_TASK
+        _call_rows(table[w, T_FN], table[w, T_BLOCKS], table[w, T_ROW_SIZE], r0, min(n_rows, r0 + ROWS_PER_TASK),
+                   n_in, n_tok, xa, qa, da, sa, oa + 4 * table[w, T_OUT], stride)
+
+
+# the kinds Products multiplies: not those whose rows unpack blocks into task buffers (code_dots.FILLS:
+# iq1_s, iq1_m, the ternary types, q8_KV, ...): called through _rows' C wrapper an IQ1_S row gave
+# other values than _matvec's (found by test_runtime_wheel_files' mainline mix, not understood yet);
+# their products keep matvec
+PRODUCT_KINDS = frozenset(k for q, k in KIND.items() if q not in code_dots.FILLS)
+
+
+class Products:
+    """The products of several weights with one input, in one parallel launch (:func:`_products`):
+    ``parts`` [(kind, blocks (n_rows, row_size) uint8)], all rows of the same length; calling it
+    with x (n_tokens, n_in) float32 (C-contiguous) returns each weight's (n_tokens, n_rows)
+    float32, the same values matvec gives (views of one output array: columns side by side)."""
+
+    def __init__(self, parts):
+        self.blocks = [np.ascontiguousarray(b, np.uint8) for _, b in parts]     # kept: the table holds their addresses
+        kinds = [k for k, _ in parts]
+        if not PRODUCT_KINDS.issuperset(kinds):
+            raise ValueError("Products: a kind outside PRODUCT_KINDS")
+        self.rounded = any(k >= FLOAT_KINDS for k in kinds)
+        rows = np.array([b.shape[0] for b in self.blocks], np.int64)
+        bounds = np.concatenate([[0], np.cumsum(rows)])
+        self.n_out = int(bounds[-1])
+        self.columns = [slice(int(bounds[i]), int(bounds[i + 1])) for i in range(len(parts))]
+        table = np.zeros((len(parts) + 1, _TABLE_COLUMNS), np.int64)
+        table[:-1, T_FN] = [_rows_fn(k) for k in kinds]
+        table[:-1, T_BLOCKS] = [b.ctypes.data for b in self.blocks]
+        table[:-1, T_ROWS] = rows
+        table[:-1, T_ROW_SIZE] = [b.shape[1] for b in self.blocks]
+        table[:-1, T_OUT] = bounds[:-1]
+        table[:, T_FIRST_TASK] = np.concatenate([[0], np.cumsum(-(-rows // ROWS_PER_TASK))])
+        self.table = table
+
+    def __call__(self, x: np.ndarray) -> list[np.ndarray]:
+        out = np.empty((x.shape[0], self.n_out), F)
+        _PRODUCTS(self.table, x, out, self.rounded)
+        return [out[:, c] for c in self.columns]
+
+
+def _products_entry():
+    sig = (types.Array(types.int64, 2, "C"), _F32_2D, _F32_2D, types.boolean)
+    _products.compile(sig)
+    return _products.overloads[sig].entry_point
+
+
+def _PRODUCTS(*args):
+    """_products' compiled entry point, made ready on the first call (then called directly)."""
+    global _PRODUCTS
+    _PRODUCTS = _products_entry()
+    return _PRODUCTS(*args)

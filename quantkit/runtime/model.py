@@ -50,9 +50,10 @@ class Model:
         self.tok_embd = self.w.need("token_embd.weight")
         # tied embeddings: no output.weight, the token embedding doubles as the output matrix
         self.output = self.w.get("output.weight") or self.tok_embd
+        self._head = [self.output]          # the head as matmul_q_many takes it (made once: a step makes no list)
         self.w.need("output_norm.weight")
         self._norms = {}
-        self._linears = {}                  # name -> (weight, bias or None)
+        self._groups = {}                   # names -> ([weight], [bias or None]) of linears()
         # load every layer now: a missing tensor fails early
         if self.config.mla:
             self.mla_heads = [deepseek2.load_layer(self, i) for i in range(self.config.n_layer)]
@@ -81,24 +82,30 @@ class Model:
     def vector(self, name: str) -> np.ndarray | None:
         """A 1-D tensor (norm weight, bias) as float32 (where the ops backend keeps it), or None
         when the file has none."""
-        v = self._norms.get(name)
-        if v is None and name in self.w:
-            v = self._norms[name] = self.ops.param(self.w.need(name).vector())
+        v = self._norms.get(name, self)         # self: not looked up yet
+        if v is self:
+            v = self._norms[name] = self.ops.param(self.w.need(name).vector()) if name in self.w else None
         return v
 
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
         """x @ ``name``.weight^T (+ ``name``.bias)."""
-        wb = self._linears.get(name)
-        if wb is None:
-            wb = self._linears[name] = (self.w.need(name + ".weight"), self.vector(name + ".bias"))
-        y = self.ops.matmul_q(wb[0], x)
-        return y if wb[1] is None else y + wb[1]
+        return self.linears((name,), x)[0]
+
+    def linears(self, names: tuple[str, ...], x: np.ndarray) -> list:
+        """[linear(name, x) for name in names]: products that share their input, which the backend
+        computes together (ops.matmul_q_many: a generation step's q/k/v in one launch, and each
+        dense product without the per-call preparations of matmul_q)."""
+        group = self._groups.get(names)
+        if group is None:
+            group = self._groups[names] = ([self.w.need(n + ".weight") for n in names],
+                                           [self.vector(n + ".bias") for n in names])
+        ys = self.ops.matmul_q_many(group[0], x)
+        return [y if b is None else y + b for y, b in zip(ys, group[1])]
 
     def ffn(self, prefix: str, x: np.ndarray, suffix: str = "") -> np.ndarray:
         """SwiGLU feed-forward ffn_down(silu(ffn_gate x) * ffn_up x) of tensors ``prefix``ffn_*``suffix``."""
-        ops = self.ops
-        g = ops.silu_mul(self.linear(prefix + "ffn_gate" + suffix, x), self.linear(prefix + "ffn_up" + suffix, x))
-        return self.linear(prefix + "ffn_down" + suffix, g)
+        gate, up = self.linears((prefix + "ffn_gate" + suffix, prefix + "ffn_up" + suffix), x)
+        return self.linear(prefix + "ffn_down" + suffix, self.ops.silu_mul(gate, up))
 
     def _head_norm(self, name: str, x, n_heads: int):
         """Per-head RMSNorm (Qwen3's and GLM's q_norm/k_norm) of x (n_tokens, n_heads, head_dim) where
@@ -112,9 +119,10 @@ class Model:
     def _attention(self, i: int, h: np.ndarray, pos: np.ndarray, cache) -> np.ndarray:
         """Grouped-query self-attention of layer i (llama, qwen3, glm4moe) -> (n_tokens, n_embd)."""
         c, ops, p, n = self.config, self.ops, f"blk.{i}.", h.shape[0]
-        q = self.linear(p + "attn_q", h).reshape(n, c.n_head, c.head_dim)
-        k = self.linear(p + "attn_k", h).reshape(n, c.n_head_kv, c.head_dim)
-        v = self.linear(p + "attn_v", h).reshape(n, c.n_head_kv, c.head_dim)
+        q, k, v = self.linears((p + "attn_q", p + "attn_k", p + "attn_v"), h)
+        q = q.reshape(n, c.n_head, c.head_dim)
+        k = k.reshape(n, c.n_head_kv, c.head_dim)
+        v = v.reshape(n, c.n_head_kv, c.head_dim)
         q = self._head_norm(p + "attn_q_norm.weight", q, c.n_head)
         k = self._head_norm(p + "attn_k_norm.weight", k, c.n_head_kv)
         q = ops.rope(q, pos, c.n_rot, c.rope_base, c.rope_scale, neox=c.rope_neox)
@@ -161,8 +169,9 @@ class Model:
         x = self.ops.rmsnorm(x, self.vector("output_norm.weight"), self.config.rms_eps)
         # a batch's last logits alone stay a batch's: its kind of product (8-bit, as a generation
         # step's, or float32 with ops.FLOAT_BATCHES), whatever their count
-        logits = self.ops.host(self.ops.matmul_q(self.output, x, fused=True if fused else
-                                                 (False if self.ops.FLOAT_BATCHES else None)))
+        ops = self.ops
+        logits = ops.host(ops.matmul_q_many(self._head, x)[0] if fused else
+                          ops.matmul_q(self.output, x, fused=False if ops.FLOAT_BATCHES else None))
         finite = np.isfinite(logits).all(axis=1)
         if not finite.all():
             raise NonFiniteLogits(first_pos + int(np.argmin(finite)))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import numpy as np
 
@@ -128,6 +129,45 @@ def matmul_q(w: Weight, x: np.ndarray, fused: bool | None = None) -> np.ndarray:
             out[:, r0:r1] = x @ rows.T
     pool.map(product, range(0, n_out, tile), x.shape[0])
     return out
+
+
+def matmul_q_many(ws, x: np.ndarray) -> list[np.ndarray]:
+    """[matmul_q(w, x) for w in ws], the same values: weights that share their input (attn_q/k/v,
+    ffn_gate/up).  A generation step's (at most FUSED_TOKENS tokens) are computed in one parallel
+    launch with the input rounded once (matvec.Products) where every weight has a fused kernel;
+    each result is then a view of one array."""
+    x = np.ascontiguousarray(x, F32)
+    if x.shape[0] <= FUSED_TOKENS:
+        products = _products(ws)
+        if products is not None:
+            return products(x)
+    return [matmul_q(w, x) for w in ws]
+
+
+# id of each weight -> (weak references to them, their matvec.Products or None): made once per
+# group of weights (the Products hold the addresses of their rows).  An entry is removed when one
+# of its weights dies, before its id can be reused: a hit is always the same weights
+_PRODUCTS: dict[tuple[int, ...], tuple] = {}
+
+
+def _products(ws):
+    key = tuple(map(id, ws))
+    hit = _PRODUCTS.get(key)
+    if hit is not None:
+        return hit[1]
+    parts = []
+    for w in ws:
+        kernel = matvec.FUSED.get(w.qtype)
+        # F16 rows take f16-rounded activations (matmul_q): not one input for all
+        if kernel is None or kernel[0] not in matvec.PRODUCT_KINDS or w.qtype == QuantType.F16 or w.n_in != ws[0].n_in:
+            parts = None
+            break
+        kind, regrouped = kernel
+        parts.append((kind, w.plain_layout()[1] if regrouped else w.blocks))
+    products = None if parts is None else matvec.Products(parts)
+    refs = [weakref.ref(w, lambda _, key=key: _PRODUCTS.pop(key, None)) for w in ws]
+    _PRODUCTS[key] = (refs, products)
+    return products
 
 
 def matmul_q_t(w: Weight, x: np.ndarray) -> np.ndarray:
@@ -355,7 +395,7 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float
     if n_tok <= FUSED_TOKENS and k_f16 and v_f16:
         out = np.empty((n_tok, n_head, v_dim), F32)
         k16, v16 = cache.bits
-        kernels.attend_few(_f16_round(q), k16[layer], v16[layer], pos0, F32(scale), out)
+        kernels.attend_few(np.ascontiguousarray(q, F32), k16[layer], v16[layer], pos0, F32(scale), out)
         return out.reshape(n_tok, n_head * v_dim)
     if n_tok <= FUSED_TOKENS and not (k_f16 or v_f16):
         return _attend_few_f32(q, cache, layer, pos0, scale).reshape(n_tok, n_head * v_dim)
@@ -648,6 +688,11 @@ class FloatProducts:
         if fused is None and x.shape[0] > FUSED_TOKENS:
             fused = False
         return matmul_q(w, x, fused)
+
+    def matmul_q_many(self, ws, x: np.ndarray) -> list[np.ndarray]:
+        if x.shape[0] > FUSED_TOKENS:
+            return [self.matmul_q(w, x) for w in ws]
+        return matmul_q_many(ws, x)
 
     def matmul_q_heads(self, ws, x: np.ndarray, transposed: bool = False) -> np.ndarray:
         if transposed:

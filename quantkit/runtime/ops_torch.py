@@ -161,6 +161,9 @@ class TorchOps:
             out += x[:, r0:r1] @ self._decoded(w, r0, r1)
         return out
 
+    def matmul_q_many(self, ws, x: torch.Tensor) -> list:
+        return [self.matmul_q(w, x) for w in ws]
+
     def matmul_q_heads(self, ws, x: torch.Tensor, transposed: bool = False) -> torch.Tensor:
         mm = self.matmul_q_t if transposed else self.matmul_q
         return torch.stack([mm(w, x[:, h]) for h, w in enumerate(ws)], dim=1)
