@@ -248,7 +248,7 @@ def test_products_of_weights_sharing_an_input_are_each_weights_matvec():
     gives each weight the bits of its own product; ops_cpu.matmul_q_many computes one weight's
     product apart where its activations differ (F16 rows: rounded to f16) and a batch's as matmul_q."""
     n = 256
-    cases = ((T.Q8_0, 40, 1), (T.F32, 5, 2), (T.Q4_K, 17, 3), (T.IQ2_XXS, 33, 4))
+    cases = ((T.Q8_0, 40, 1), (T.F32, 5, 2), (T.Q4_K, 17, 3), (T.IQ2_XXS, 33, 4), (T.IQ1_S, 9, 5))
     parts = [(matvec.kind_of(q), rows_of(q, n_rows, n, seed)) for q, n_rows, seed in cases]
     products = matvec.Products(parts)
     rng = np.random.default_rng(7)
@@ -259,9 +259,9 @@ def test_products_of_weights_sharing_an_input_are_each_weights_matvec():
         for (kind, blocks), y in zip(parts, got):
             np.testing.assert_array_equal(y, matvec.matvec(kind, blocks, x))
     ws = [Weight(f"w{i}", q, (n, n_rows), rows_of(q, n_rows, n, i)) for i, (q, n_rows) in
-          enumerate(((T.Q8_0, 24), (T.F16, 8), (T.Q4_K, 16), (T.IQ1_S, 8)))]
+          enumerate(((T.Q8_0, 24), (T.F16, 8), (T.Q4_K, 16), (T.TQ2_0, 8)))]
     with pytest.raises(ValueError):         # unpacked-block kinds keep matvec (matvec.PRODUCT_KINDS)
-        matvec.Products([(matvec.kind_of(T.IQ1_S), ws[3].blocks)])
+        matvec.Products([(matvec.kind_of(T.TQ2_0), ws[3].blocks)])
     for n_tok in (2, ops_cpu.FUSED_TOKENS + 1):
         x = rng.standard_normal((n_tok, n)).astype(np.float32)
         for w, y in zip(ws, ops_cpu.matmul_q_many(ws, x)):
