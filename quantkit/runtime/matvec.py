@@ -390,17 +390,19 @@ _TABLE_COLUMNS = 6
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
-def _products(table, x, out, rounded):
+def _products(table, x, out, rounded, xq, xd, xsum):
     """Every weight of ``table`` (int64, one row per weight: its rows function, blocks address,
     rows, row size, first column in out, first task; a last row holding the total of tasks in
     T_FIRST_TASK) · x (n_tokens, n_in) float32 -> out (n_tokens, all rows) float32, the weights'
     columns side by side, in one parallel loop over tasks of ROWS_PER_TASK rows.  ``rounded``: x
-    rounded to 8 bits first (the weights are not all float)."""
+    rounded to 8 bits first (the weights are not all float), into xq (n_tokens * n_in int8), xd
+    and xsum (n_tokens * n_in / 32 float32).
+
+    Every array whose address the loop passes on is an argument, held by the caller: an array
+    made here would be freed after its last use as an array, before the loop that reads it through
+    its address, and its memory reused (the parallel loop's own allocations, a task's unpacking
+    buffers): the steps' results changed from run to run."""
     n_tok, n_in = x.shape
-    # np.empty: under parallel=True each np.zeros is a parallel loop of its own
-    xq = np.empty(n_tok * n_in, np.int8)
-    xd = np.empty(n_tok * n_in // 32, F)
-    xsum = np.empty(n_tok * n_in // 32, F)
     if rounded:
         round_q8(x, xq.reshape(n_tok, n_in), xd.reshape(n_tok, n_in // 32), xsum.reshape(n_tok, n_in // 32))
     xa, qa, da, sa, oa = x.ctypes.data, xq.ctypes.data, xd.ctypes.data, xsum.ctypes.data, out.ctypes.data
@@ -417,9 +419,8 @@ def _products(table, x, out, rounded):
 
 
 # the kinds Products multiplies: not those whose rows unpack blocks into task buffers (code_dots.FILLS:
-# iq1_s, iq1_m, the ternary types, q8_KV, ...): called through _rows' C wrapper an IQ1_S row gave
-# other values than _matvec's (found by test_runtime_wheel_files' mainline mix, not understood yet);
-# their products keep matvec
+# the ternary types, q8_KV, iq1_s_r4, ...), which keep matvec.  (Their buffers were what first
+# showed that _products freed its rounded activations before the loop read them: see _products.)
 PRODUCT_KINDS = frozenset(k for q, k in KIND.items() if q not in code_dots.FILLS)
 
 
@@ -449,13 +450,16 @@ class Products:
         self.table = table
 
     def __call__(self, x: np.ndarray) -> list[np.ndarray]:
-        out = np.empty((x.shape[0], self.n_out), F)
-        _PRODUCTS(self.table, x, out, self.rounded)
+        n_tok, n_in = x.shape
+        out = np.empty((n_tok, self.n_out), F)
+        xq, xd, xsum = np.empty(n_tok * n_in, np.int8), np.empty(n_tok * n_in // 32, F), np.empty(n_tok * n_in // 32, F)
+        _PRODUCTS(self.table, x, out, self.rounded, xq, xd, xsum)
         return [out[:, c] for c in self.columns]
 
 
 def _products_entry():
-    sig = (types.Array(types.int64, 2, "C"), _F32_2D, _F32_2D, types.boolean)
+    f32 = types.Array(types.float32, 1, "C")
+    sig = (types.Array(types.int64, 2, "C"), _F32_2D, _F32_2D, types.boolean, types.Array(types.int8, 1, "C"), f32, f32)
     _products.compile(sig)
     return _products.overloads[sig].entry_point
 
