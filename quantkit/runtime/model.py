@@ -168,10 +168,12 @@ class Model:
         ``first_pos``, named in the error for logits that are not finite)."""
         x = self.ops.rmsnorm(x, self.vector("output_norm.weight"), self.config.rms_eps)
         # a batch's last logits alone stay a batch's: its kind of product (8-bit, as a generation
-        # step's, or float32 with ops.FLOAT_BATCHES), whatever their count
+        # step's, or float32 with ops.FLOAT_BATCHES), whatever their count.  8-bit ones go through
+        # matmul_q_many as a step's do (a few rows: the same launch and bits as a step's head), so
+        # the warm-up's step makes ready the kernel a prompt's last logits use
         ops = self.ops
-        logits = ops.host(ops.matmul_q_many(self._head, x)[0] if fused else
-                          ops.matmul_q(self.output, x, fused=False if ops.FLOAT_BATCHES else None))
+        logits = ops.host(ops.matmul_q_many(self._head, x)[0] if fused or not ops.FLOAT_BATCHES else
+                          ops.matmul_q(self.output, x, fused=False))
         finite = np.isfinite(logits).all(axis=1)
         if not finite.all():
             raise NonFiniteLogits(first_pos + int(np.argmin(finite)))
