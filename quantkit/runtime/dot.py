@@ -412,6 +412,87 @@ def _folds_bias(r):
     return r.bias != 0 and r.d_at is not None and r.shift is not None
 
 
+def _group_codes(builder, base, o_v, tb, members, table, sup, pair_tables, grid_bits, c):
+    """(<32 x i8> codes of one 32-value group, whether they are signed): the group's runs
+    unpacked and joined (``c``: an i32 constant; ``grid_bits(k, mask)``: run k's grid choice;
+    ``pair_tables``: a paired group's four tables, None where no group is paired).  chunk_dot
+    and dot_batch.chunk_dot_batch both unpack with it: the same codes for both."""
+    pieces, signed = [], False
+    paired = _paired(members, table, sup)
+    for k, r in members:
+        n = r.n
+        v8 = ir.VectorType(_I8, n)
+
+        def b8(v):
+            return ir.Constant(v8, [v] * n)
+        at = builder.add(o_v, c(r.off))
+        if r.shift is None:
+            code, signed = _load(builder, base, at, n, _I8), True
+        elif r.split:
+            # a block of 16 bytes holds 32 codes: low nibbles first, then the high ones
+            h8 = ir.VectorType(_I8, n // 2)
+            raw = _load(builder, base, at, n // 2, _I8)
+            if _AVX2 and n == 32:
+                twice = builder.shuffle_vector(raw, raw, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2))
+                q4 = ir.VectorType(ir.IntType(64), 4)
+                both = builder.bitcast(builder.lshr(builder.bitcast(twice, q4), ir.Constant(q4, [0, 0, 4, 4])), v8)
+            else:
+                both = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(h8, [4] * (n // 2))),
+                                              ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+            code = builder.and_(both, b8(15))
+        else:
+            # bytes all the way: the shifts are constants here, which x86 does on bytes
+            # as a 16-bit shift and a mask; codes fit in int8
+            code = builder.and_(builder.lshr(_load(builder, base, at, n, _I8), b8(r.shift)), b8(r.mask))
+        if r.shift is not None:
+            if r.hoff is not None:
+                high = _load(builder, base, builder.add(o_v, c(r.hoff)), n, _I8)
+                high = builder.and_(builder.lshr(high, b8(r.hshift)), b8(r.hmask))
+                code = builder.or_(code, builder.shl(high, b8(r.hpos)))
+            if r.hword is not None and _AVX512BW:
+                word = builder.load(builder.bitcast(builder.gep(base, [builder.add(o_v, c(r.hword))]), _I32.as_pointer()), align=1)
+                if r.hbase:
+                    word = builder.lshr(word, ir.Constant(_I32, r.hbase))
+                bits = builder.bitcast(_as(builder, word, ir.IntType(n)), ir.VectorType(ir.IntType(1), n))
+                code = builder.or_(code, builder.select(bits, b8(1 << r.hpos), b8(0)))
+            elif r.hword is not None:
+                # bit hbase + j of the word, in byte lane j: spread the word's bytes over
+                # the lanes (byte (hbase + j) // 8 to lane j), test one bit per lane
+                word = _load(builder, base, builder.add(o_v, c(r.hword)), 4, _I8)
+                spread = builder.shuffle_vector(word, word, ir.Constant(ir.VectorType(_I32, n),
+                                                                        [(r.hbase + j) // 8 for j in range(n)]))
+                bit = ir.Constant(v8, [1 << ((r.hbase + j) % 8) for j in range(n)])
+                hit = builder.icmp_unsigned("!=", builder.and_(spread, bit), b8(0))
+                code = builder.or_(code, builder.select(hit, b8(1 << r.hpos), b8(0)))
+            if paired:
+                pass                        # looked up below, with the other run
+            elif table:
+                window = c(0)
+                if sup is not None and sup.grid:
+                    window = builder.mul(grid_bits(k, 1), c(sup.grid_step))
+                # 16 grid entries per lookup: with 5- or 6-bit codes every 16-entry
+                # part is looked up and bits 4 (and 5) of the code pick
+                low = builder.and_(code, b8(15)) if _max_code(r) >= 16 else code
+                parts = [_lookup(builder, _load(builder, tb, builder.add(window, c(16 * i)), 16, _I8), low, n)
+                         for i in range(_max_code(r) // 16 + 1)]
+                bit = 16
+                while len(parts) > 1:
+                    upper = builder.icmp_unsigned("!=", builder.and_(code, b8(bit)), b8(0))
+                    parts = [builder.select(upper, parts[i + 1], parts[i]) for i in range(0, len(parts), 2)]
+                    bit *= 2
+                code, signed = parts[0], True
+            elif r.bias and not _folds_bias(r):
+                code, signed = builder.sub(code, b8(r.bias)), True
+        pieces.append(code)
+    w = _concat(builder, pieces)
+    if paired:
+        pick = c(0)
+        if sup is not None and sup.grid:
+            pick = grid_bits(members[0][0], 3)
+        w, signed = _pshufb(builder, builder.load(builder.gep(pair_tables, [c(0), pick])), w), True
+    return w, signed
+
+
 def chunk_dot(runs, table=False, sup=None, e8m0=False):
     """``dot(a, o, tab, xq, xd, xsum, xo)`` = Σ_k Σ_j value_kj * x_(xo + xoff_k + j) over the static
     ``runs`` (:class:`Run`) of a chunk starting at byte o of a and value xo of x (xo a multiple of
@@ -495,6 +576,7 @@ def chunk_dot(runs, table=False, sup=None, e8m0=False):
             ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
             isums, msums = [], []
             v32 = ir.VectorType(_I8, 32)
+            pair_tables = None
             if any(_paired(m, table, sup) for m in groups.values()):
                 # the 4 pair tables [window(bit a) | window(bit b)] of a paired group, on the stack
                 t16 = [_load(builder, tb, c(0), 16, _I8)]
@@ -508,79 +590,7 @@ def chunk_dot(runs, table=False, sup=None, e8m0=False):
             if sup is not None and sup.run_mins:
                 run_mins = _small_ints(builder, base, o_v, sup.run_mins)
             for gi, (g, members) in enumerate(groups.items()):
-                pieces, signed = [], False
-                paired = _paired(members, table, sup)
-                for k, r in members:
-                    n = r.n
-                    v8 = ir.VectorType(_I8, n)
-
-                    def b8(v):
-                        return ir.Constant(v8, [v] * n)
-                    at = builder.add(o_v, c(r.off))
-                    if r.shift is None:
-                        code, signed = _load(builder, base, at, n, _I8), True
-                    elif r.split:
-                        # a block of 16 bytes holds 32 codes: low nibbles first, then the high ones
-                        h8 = ir.VectorType(_I8, n // 2)
-                        raw = _load(builder, base, at, n // 2, _I8)
-                        if _AVX2 and n == 32:
-                            twice = builder.shuffle_vector(raw, raw, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2))
-                            q4 = ir.VectorType(ir.IntType(64), 4)
-                            both = builder.bitcast(builder.lshr(builder.bitcast(twice, q4), ir.Constant(q4, [0, 0, 4, 4])), v8)
-                        else:
-                            both = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(h8, [4] * (n // 2))),
-                                                          ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-                        code = builder.and_(both, b8(15))
-                    else:
-                        # bytes all the way: the shifts are constants here, which x86 does on bytes
-                        # as a 16-bit shift and a mask; codes fit in int8
-                        code = builder.and_(builder.lshr(_load(builder, base, at, n, _I8), b8(r.shift)), b8(r.mask))
-                    if r.shift is not None:
-                        if r.hoff is not None:
-                            high = _load(builder, base, builder.add(o_v, c(r.hoff)), n, _I8)
-                            high = builder.and_(builder.lshr(high, b8(r.hshift)), b8(r.hmask))
-                            code = builder.or_(code, builder.shl(high, b8(r.hpos)))
-                        if r.hword is not None and _AVX512BW:
-                            word = builder.load(builder.bitcast(builder.gep(base, [builder.add(o_v, c(r.hword))]), _I32.as_pointer()), align=1)
-                            if r.hbase:
-                                word = builder.lshr(word, ir.Constant(_I32, r.hbase))
-                            bits = builder.bitcast(_as(builder, word, ir.IntType(n)), ir.VectorType(ir.IntType(1), n))
-                            code = builder.or_(code, builder.select(bits, b8(1 << r.hpos), b8(0)))
-                        elif r.hword is not None:
-                            # bit hbase + j of the word, in byte lane j: spread the word's bytes over
-                            # the lanes (byte (hbase + j) // 8 to lane j), test one bit per lane
-                            word = _load(builder, base, builder.add(o_v, c(r.hword)), 4, _I8)
-                            spread = builder.shuffle_vector(word, word, ir.Constant(ir.VectorType(_I32, n),
-                                                                                    [(r.hbase + j) // 8 for j in range(n)]))
-                            bit = ir.Constant(v8, [1 << ((r.hbase + j) % 8) for j in range(n)])
-                            hit = builder.icmp_unsigned("!=", builder.and_(spread, bit), b8(0))
-                            code = builder.or_(code, builder.select(hit, b8(1 << r.hpos), b8(0)))
-                        if paired:
-                            pass                        # looked up below, with the other run
-                        elif table:
-                            window = c(0)
-                            if sup is not None and sup.grid:
-                                window = builder.mul(grid_bits(k, 1), c(sup.grid_step))
-                            # 16 grid entries per lookup: with 5- or 6-bit codes every 16-entry
-                            # part is looked up and bits 4 (and 5) of the code pick
-                            low = builder.and_(code, b8(15)) if _max_code(r) >= 16 else code
-                            parts = [_lookup(builder, _load(builder, tb, builder.add(window, c(16 * i)), 16, _I8), low, n)
-                                     for i in range(_max_code(r) // 16 + 1)]
-                            bit = 16
-                            while len(parts) > 1:
-                                upper = builder.icmp_unsigned("!=", builder.and_(code, b8(bit)), b8(0))
-                                parts = [builder.select(upper, parts[i + 1], parts[i]) for i in range(0, len(parts), 2)]
-                                bit *= 2
-                            code, signed = parts[0], True
-                        elif r.bias and not _folds_bias(r):
-                            code, signed = builder.sub(code, b8(r.bias)), True
-                    pieces.append(code)
-                w = _concat(builder, pieces)
-                if paired:
-                    pick = c(0)
-                    if sup is not None and sup.grid:
-                        pick = grid_bits(members[0][0], 3)
-                    w, signed = _pshufb(builder, builder.load(builder.gep(pair_tables, [c(0), pick])), w), True
+                w, signed = _group_codes(builder, base, o_v, tb, members, table, sup, pair_tables, grid_bits, c)
                 x = _load(builder, xqb, builder.add(xo_v, c(32 * g)), 32, _I8)
                 u, s = _abs_sign(builder, w, x) if signed else (w, x)
                 r0 = members[0][1]

@@ -14,9 +14,7 @@ running row sum as ``s += chunk`` does in matvec's row loops.  So a prompt's log
 generation steps' (tests/test_runtime_matmul8.py compares the two kernels on every type they
 cover, generic CPU too).
 
-The codes are unpacked by :func:`_group_codes`, the unpacking part of chunk_dot's IR (dot.py keeps
-its own, inlined in its codegen: a change there that changed the codes would show in the
-comparison with matvec).
+The codes are unpacked by ``dot._group_codes``, which chunk_dot unpacks with too.
 """
 from __future__ import annotations
 
@@ -26,71 +24,10 @@ from numba.core import types as nbt
 from numba.extending import intrinsic
 
 from ..layouts import Run
-from .dot import (_F32, _I8, _I16, _I32, _VNNI, _abs_sign, _concat, _data, _dpbusd, _e8m0_vector, _fma, _fold,
-                  _folds_bias, _groups, _half_vector, _lane_sums, _load, _load8, _lookup, _madd, _maddubs,
-                  _max_code, _paired, _pshufb, _small_ints, _splat)
+from .dot import (_F32, _I8, _I16, _I32, _VNNI, _abs_sign, _data, _dpbusd, _e8m0_vector, _fma, _fold,
+                  _folds_bias, _group_codes, _groups, _half_vector, _lane_sums, _load, _load8, _madd, _maddubs,
+                  _paired, _small_ints, _splat)
 from ..cpu import half_to_float
-
-
-def _group_codes(builder, base, o_v, tb, members, table, sup, pair_tables, grid_bits, c):
-    """(<32 x i8> codes of one 32-value group, whether they are signed): the group's runs
-    unpacked and joined, as chunk_dot unpacks them (dot.py)."""
-    pieces, signed = [], False
-    paired = _paired(members, table, sup)
-    for k, r in members:
-        n = r.n
-        v8 = ir.VectorType(_I8, n)
-
-        def b8(v):
-            return ir.Constant(v8, [v] * n)
-        at = builder.add(o_v, c(r.off))
-        if r.shift is None:
-            code, signed = _load(builder, base, at, n, _I8), True
-        elif r.split:
-            h8 = ir.VectorType(_I8, n // 2)
-            raw = _load(builder, base, at, n // 2, _I8)
-            both = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(h8, [4] * (n // 2))),
-                                          ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-            code = builder.and_(both, b8(15))
-        else:
-            code = builder.and_(builder.lshr(_load(builder, base, at, n, _I8), b8(r.shift)), b8(r.mask))
-        if r.shift is not None:
-            if r.hoff is not None:
-                high = _load(builder, base, builder.add(o_v, c(r.hoff)), n, _I8)
-                high = builder.and_(builder.lshr(high, b8(r.hshift)), b8(r.hmask))
-                code = builder.or_(code, builder.shl(high, b8(r.hpos)))
-            if r.hword is not None:
-                word = _load(builder, base, builder.add(o_v, c(r.hword)), 4, _I8)
-                spread = builder.shuffle_vector(word, word, ir.Constant(ir.VectorType(_I32, n),
-                                                                        [(r.hbase + j) // 8 for j in range(n)]))
-                bit = ir.Constant(v8, [1 << ((r.hbase + j) % 8) for j in range(n)])
-                hit = builder.icmp_unsigned("!=", builder.and_(spread, bit), b8(0))
-                code = builder.or_(code, builder.select(hit, b8(1 << r.hpos), b8(0)))
-            if paired:
-                pass                        # looked up below, with the other run
-            elif table:
-                window = c(0)
-                if sup is not None and sup.grid:
-                    window = builder.mul(grid_bits(k, 1), c(sup.grid_step))
-                low = builder.and_(code, b8(15)) if _max_code(r) >= 16 else code
-                parts = [_lookup(builder, _load(builder, tb, builder.add(window, c(16 * i)), 16, _I8), low, n)
-                         for i in range(_max_code(r) // 16 + 1)]
-                bit = 16
-                while len(parts) > 1:
-                    upper = builder.icmp_unsigned("!=", builder.and_(code, b8(bit)), b8(0))
-                    parts = [builder.select(upper, parts[i + 1], parts[i]) for i in range(0, len(parts), 2)]
-                    bit *= 2
-                code, signed = parts[0], True
-            elif r.bias and not _folds_bias(r):
-                code, signed = builder.sub(code, b8(r.bias)), True
-        pieces.append(code)
-    w = _concat(builder, pieces)
-    if paired:
-        pick = c(0)
-        if sup is not None and sup.grid:
-            pick = grid_bits(members[0][0], 3)
-        w, signed = _pshufb(builder, builder.load(builder.gep(pair_tables, [c(0), pick])), w), True
-    return w, signed
 
 
 def chunk_dot_batch(runs, table=False, sup=None, e8m0=False):

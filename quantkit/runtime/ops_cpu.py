@@ -12,7 +12,8 @@ dot products, the activations are rounded to 8 bits per 32 and multiplied with t
 generation step's few tokens by matvec.py, a batch's (a prompt, a perplexity chunk) by matmul8.py,
 which gives each token the same bits (a prompt's logits are those of its tokens one step at a
 time).  The float products (``fused=False``, and a batch's products under
-:data:`float_products`, the ``--float-products`` of run / perplexity / imatrix) decode tiles of
+:data:`float_products`: ``--float-products`` of run / perplexity, ``float_products=True`` of the
+library's runtime calls, collect_imatrix's included) decode tiles of
 rows to float32 and multiply with BLAS: they compute what the stored weights mean with float32
 activations, which tests check against ik_llama.cpp on the dequantized (F32) file to float
 precision.  How ggml rounds depends on its build and on the batch size (ik_llama.cpp's
