@@ -78,7 +78,11 @@ def child(path: Path, device: str, n_prompt: int, n_gen: int, threads: int, back
         per_token = sum(w.nbytes for w in weights if not w.name.startswith("token_embd"))
         on_device = ops.placement_summary(weights) if hasattr(ops, "placement_summary") else {}
         tokens = [int(t) for t in np.random.default_rng(1).integers(1, 1000, n_prompt)]
-        model.forward(tokens[:4], model.new_cache(8))           # upload the weights, warm the kernels
+        # upload the weights and compile every kernel the timed runs use: a step's (per-token) and
+        # the prompt's (above triton_qmm.FUSED_BATCH: the decode kernel).  Without the prompt-sized
+        # warm-up the prompt's figure included Triton's compiles (the H200 run of session 4)
+        model.forward(tokens[:4], model.new_cache(8))
+        model.forward(tokens, model.new_cache(n_prompt))
         sync()
         cache = model.new_cache(n_prompt + n_gen)
         t0 = time.perf_counter()

@@ -4,7 +4,7 @@ qmatmul uses (triton_qmm.tiles).  This checks that the CUDA path builds on a mac
 (Triton's own ptxas, an sm_90 / H100 target by default) and what the tile sizes cost; speed needs a
 GPU (bench/gpu.py).
 
-    python bench/triton_compile.py [--types q8_0,q4_K] [--arch 90] [--tokens 64]
+    python bench/triton_compile.py [--types q8_0,q4_K] [--arch 90] [--tokens 16]
 
 A table, then one JSON line.  Types: every one with a decoder by default.
 """
@@ -50,13 +50,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", help="comma-separated (default: every type with a decoder)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100)")
-    ap.add_argument("--tokens", type=int, default=64, help="batch size whose tl.dot geometry is compiled")
+    ap.add_argument("--tokens", type=int, default=16, help="batch size whose tl.dot geometry is compiled (at most FUSED_BATCH)")
     args = ap.parse_args()
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from quantkit.runtime.triton_qmm import FEW_TOKENS, template, tiles
+    from quantkit.runtime.triton_qmm import FEW_TOKENS, FUSED_BATCH, template, tiles
     from quantkit.runtime.triton_qmm.registry import DECODERS
     from quantkit.types import QuantType, type_name
     types = [QuantType[t.upper()] for t in args.types.split(",")] if args.types else list(DECODERS)
@@ -69,7 +69,7 @@ def main() -> None:
     for qtype in types:
         dec = DECODERS[qtype]
         geometry = dict(DECODE=dec.fn, QK=dec.block_values, BLOCK_BYTES=dec.block_bytes, META=dec.row_meta_bytes)
-        for kern, m in ((template.qmv_kernel, 1), (template.qmm_kernel, max(args.tokens, FEW_TOKENS + 1))):
+        for kern, m in ((template.qmv_kernel, 1), (template.qmm_kernel, min(max(args.tokens, FEW_TOKENS + 1), FUSED_BATCH))):
             tile = tiles(dec.block_values, m)
             warps = tile.pop("num_warps")
             sig = {a: common.get(a, "constexpr") for a in kern.arg_names}

@@ -22,6 +22,15 @@ def test_kernels_equal_numba_decoders(qtype):
     check_type(qtype)
 
 
+@pytest.mark.parametrize("qtype, n_per_row", [(T.Q8_0, 96), (T.MXFP4, 352), (T.Q4_K, 768)], ids=str)
+def test_rows_whose_block_count_a_step_does_not_divide(qtype, n_per_row):
+    """The per-token kernel reads NB blocks of a row per step (triton_qmm.tiles): a row of 3 or 11
+    blocks ends inside a step, whose blocks past the row's end must add nothing."""
+    from quantkit.runtime import triton_qmm
+    assert (n_per_row // 32 if qtype != T.Q4_K else 3) % triton_qmm.tiles(256 if qtype == T.Q4_K else 32, 1)["NB"]
+    check_type(qtype, n_per_row=n_per_row)
+
+
 def test_refuses_mismatched_rows():
     from quantkit.runtime import triton_qmm
     w = torch.zeros((2, 34 * 8), dtype=torch.uint8)

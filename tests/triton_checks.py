@@ -65,8 +65,9 @@ def check_type(qtype, n_rows: int = 5, n_per_row: int = 256, seed: int = 0) -> N
 
 def check_rows(qtype, w: np.ndarray, n_per_row: int, seed: int = 0, reference: bool = False) -> np.ndarray:
     """qdecode of the stored rows ``w`` equals formats.dequantize (its reference decoder with
-    ``reference``) bit for bit; qmatmul on 3 tokens and on 20 agrees with the decoded rows' float32
-    product to summation-order tolerance.  Returns the decoded rows."""
+    ``reference``) bit for bit; qmatmul on 3 tokens (the per-token kernel), 12 (tl.dot) and 20
+    (decoded tiles and a matmul, above FUSED_BATCH) agrees with the decoded rows' float32 product
+    to summation-order tolerance.  Returns the decoded rows."""
     torch = triton_torch()
     from quantkit.runtime import triton_qmm
     assert triton_qmm.available() and triton_qmm.supports(qtype)
@@ -78,7 +79,8 @@ def check_rows(qtype, w: np.ndarray, n_per_row: int, seed: int = 0, reference: b
                           f"{got.flat[bad[0]]} != {expect.flat[bad[0]]}"
     rng = np.random.default_rng(seed)
     scale = float(np.abs(expect).sum(1).max())
-    for n_tokens in (3, 20):
+    assert 3 <= triton_qmm.FEW_TOKENS < 12 <= triton_qmm.FUSED_BATCH < 20      # each path once
+    for n_tokens in (3, 12, 20):
         x = rng.standard_normal((n_tokens, n_per_row)).astype(np.float32)
         ref = x.astype(np.float64) @ expect.T.astype(np.float64)
         y = triton_qmm.qmatmul(torch.from_numpy(x), torch.from_numpy(w), qtype).numpy()

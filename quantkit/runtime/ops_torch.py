@@ -60,6 +60,7 @@ class TorchOps:
         self.triton = triton
         self._bytes: dict[tuple, torch.Tensor] = {}
         self._params: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+        self._angle_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---- placement and transfers ----
 
@@ -200,18 +201,34 @@ class TorchOps:
 
     def rope(self, x, pos, n_rot, freq_base, freq_scale=1.0, neox=False):
         """ops_cpu.rope: the same angles (computed on the host), the rotation on the device."""
-        return self._rotate(x, n_rot, *ops_cpu.rope_angles(pos, n_rot, freq_base, freq_scale), neox)
+        return self._rotate(x, self._angles(ops_cpu.rope_angles, pos, n_rot, freq_base, freq_scale), n_rot, neox)
 
     def rope_ext(self, x, pos, n_rot, freq_base, freq_scale=1.0, ext_factor=0.0, mscale=1.0,
                  beta_fast=32.0, beta_slow=1.0, n_ctx_orig=0, neox=False):
         """ops_cpu.rope_ext (YaRN): the same angles, rotated on the device."""
-        cos, sin = ops_cpu.rope_ext_angles(pos, n_rot, freq_base, freq_scale, ext_factor, mscale,
-                                           beta_fast, beta_slow, n_ctx_orig)
-        return self._rotate(x, n_rot, cos, sin, neox)
+        angles = self._angles(ops_cpu.rope_ext_angles, pos, n_rot, freq_base, freq_scale, ext_factor, mscale,
+                              beta_fast, beta_slow, n_ctx_orig)
+        return self._rotate(x, angles, n_rot, neox)
 
-    def _rotate(self, x, n_rot, cos, sin, neox):
+    def _angles(self, make, pos, *params):
+        """(cos, sin) of ``make(pos, *params)`` on the device, (n_tokens, 1, n_rot / 2).  A pass asks
+        for the same positions' angles in every layer, for q and k: they are uploaded once.  An
+        upload from the host waits for the device's queue to empty, so one per layer and tensor
+        kept the host from running ahead of the device (on an H200, bench/gpu.py: 1333 waits in
+        18 passes)."""
+        pos = np.asarray(pos)
+        key = (make, pos.dtype.str, pos.shape, pos.tobytes(), params)
+        hit = self._angle_cache.get(key)
+        if hit is None:
+            if len(self._angle_cache) >= 8:
+                self._angle_cache.clear()
+            cos, sin = make(pos, *params)
+            hit = self._angle_cache[key] = (self.from_host(cos)[:, None, :], self.from_host(sin)[:, None, :])
+        return hit
+
+    def _rotate(self, x, angles, n_rot, neox):
         half = n_rot // 2
-        c, s = self.from_host(cos)[:, None, :], self.from_host(sin)[:, None, :]
+        c, s = angles
         x = x.clone()
         ia, ib = (slice(0, half), slice(half, n_rot)) if neox else (slice(0, n_rot, 2), slice(1, n_rot, 2))
         a, b = x[..., ia].clone(), x[..., ib].clone()

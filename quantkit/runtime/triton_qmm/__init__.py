@@ -5,6 +5,8 @@ and multiply it, never writing the decoded rows (issue 28, target 4).
     supports(qtype) -> bool      a decoder exists for qtype (registry.DECODERS)
     qdecode(w, qtype, n_per_row) -> float32 (N, n_per_row)      equal to formats.dequantize bit for bit
     qmatmul(x, w, qtype) -> float32 (M, N)                      x (M, K) @ decoded(w)^T, fused
+                                                                (decoded tiles, then a matmul,
+                                                                above FUSED_BATCH tokens)
 
 ``w`` is the uint8 tensor (N, row_bytes) of a weight in its stored layout, on the device; ``x``
 float32 activations there.  The kernels (template.py) take a per-type decoder (decoders.py: the
@@ -123,24 +125,33 @@ def qdecode(w, qtype, n_per_row: int):
 # at most this many tokens go through the per-token kernel (weights read once per token); more
 # through tl.dot tiles
 FEW_TOKENS = 4
+# above this many tokens: tiles of rows decoded (qdecode), then a float32 matmul (cuBLAS on CUDA).
+# On an H200 (bench/gpu_kernels.py, 28672 x 8192, 512 tokens) that took 5.1-5.8 ms a type (about
+# 46 TFLOP/s) where the tl.dot kernel took 12-135 ms: its IEEE float32 tl.dot does not use the
+# tensor cores
+FUSED_BATCH = 16
+DECODED_TILE_VALUES = 1 << 26          # values of one decoded tile (256 MB of float32)
 
 
 def tiles(block_values: int, m: int) -> dict:
-    """The launch geometry of qmatmul for m tokens: BN rows (and BM tokens) per program, warps.
-    Chosen from the kernels' sm_90 compile statistics (bench/triton_compile.py: ptxas registers,
-    spills, shared memory; no GPU was lent to measure speed): a [BN, QK] decoded block of a
-    256-value type costs registers per value, so those take few rows per program and 8 warps,
-    which keeps both kernels of the legacy and k-quant types at <= 128 registers (per-token) and
-    without spills (tl.dot, but for IQ4_XS's few hundred bytes), in < 100 KB of shared memory."""
+    """The launch geometry of qmatmul for m tokens: BN rows (BM tokens) per program, NB blocks of a
+    row per step of the per-token kernel, warps.  The per-token geometry is the fastest that
+    bench/gpu_kernels.py --sweep measured on an H200 (a 28672 x 8192 weight, GB/s of weights read):
+    q8_0 1697 at BN 16 / NB 8 / 4 warps (1082 at the earlier BN 32 / NB 1), f16 473 (236); q4_K 436
+    at BN 4 / NB 4 / 4 warps (297 at BN 8 / NB 1; 8 warps were slower for every 256-value type),
+    iq4_k 396 (262), iq2_xxs 93 (84).  The tl.dot geometry keeps both kernels of the legacy and
+    k-quant types at <= 128 registers (per-token) and without spills (tl.dot, but for IQ4_XS's few
+    hundred bytes), in < 100 KB of shared memory (bench/triton_compile.py)."""
     if block_values > 32:
-        return dict(BN=8, num_warps=8) if m <= FEW_TOKENS else dict(BM=16, BN=16, num_warps=8)
+        return dict(BN=4, NB=4, num_warps=4) if m <= FEW_TOKENS else dict(BM=16, BN=16, num_warps=8)
     if m <= FEW_TOKENS:
-        return dict(BN=32, num_warps=4)
-    return dict(BM=16, BN=64, num_warps=4) if m <= 16 else dict(BM=64, BN=64, num_warps=8)
+        return dict(BN=16, NB=8, num_warps=4)
+    return dict(BM=16, BN=64, num_warps=4)              # FEW_TOKENS < m <= FUSED_BATCH
 
 
 def qmatmul(x, w, qtype):
-    """x float32 (M, K) @ decode(w)^T -> float32 (M, N), fused (the decoded rows stay in registers)."""
+    """x float32 (M, K) @ decode(w)^T -> float32 (M, N): fused (the decoded rows stay in registers)
+    up to FUSED_BATCH tokens, decoded tiles of rows and a float32 matmul above."""
     import torch
     import triton
     from .template import qmm_kernel, qmv_kernel
@@ -154,6 +165,13 @@ def qmatmul(x, w, qtype):
     n = w.shape[0]
     out = torch.empty((m, n), dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
+        return out
+    if m > FUSED_BATCH:
+        tile = max(1, DECODED_TILE_VALUES // k)
+        if n <= tile:
+            return x @ qdecode(w, qtype, k).T
+        for r0 in range(0, n, tile):
+            out[:, r0:r0 + tile] = x @ qdecode(w[r0:r0 + tile], qtype, k).T
         return out
     t0, t1 = _tables(qtype, dec, w.device)
     # fused multiply-adds allowed: the products agree to summation-order tolerance, not bit for bit

@@ -3,9 +3,10 @@ registers with a :class:`decoders.Decoder`'s device function and multiplies it a
 decoded rows are never written to memory.
 
 * :func:`decode_kernel` only decodes (``qdecode``: what the tests hold to the numba decoders);
-* :func:`qmv_kernel`, for a few tokens (generation): per token and tile of BN rows, the decoded
-  [BN, QK] block times the token's QK activations, summed element-wise in float32 over the row and
-  reduced once at the end;
+* :func:`qmv_kernel`, for a few tokens (generation): per token and tile of BN rows, NB blocks of
+  each row at a step (the decoder sees BN x NB (row, block) pairs as its rows: more bytes in flight
+  per step, NB times fewer steps), the decoded values times the token's activations summed
+  element-wise in float32 and reduced once at the end;
 * :func:`qmm_kernel`, for a batch (prompt processing): [BM, QK] activations times the decoded
   block's transpose with ``tl.dot`` (IEEE float32, not TF32: the torch fallback's precision).
 
@@ -44,19 +45,30 @@ def decode_kernel(w_ptr, out_ptr, t0_ptr, t1_ptr, N, row_bytes, n_per_row,
 @triton.jit
 def qmv_kernel(x_ptr, w_ptr, out_ptr, t0_ptr, t1_ptr, N, K, row_bytes, stride_xm, stride_om,
                DECODE: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr, META: tl.constexpr,
-               BN: tl.constexpr):
-    """out[m, rows] = x[m] . w[rows]; grid (cdiv(N, BN), M)."""
+               BN: tl.constexpr, NB: tl.constexpr):
+    """out[m, rows] = x[m] . w[rows]; grid (cdiv(N, BN), M).
+
+    Pair p = r * NB + b of a step is block kb + b of row r: a row's NB blocks are adjacent in
+    memory, so neighbouring pairs read neighbouring bytes.  Blocks past the row's last (the last
+    step of a row whose block count NB does not divide) decode block 0 again (a valid pointer) and
+    add nothing: tl.where, not a multiply by 0, which would turn an infinite weight into NaN."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.program_id(1)
     row_ptr = _row_pointers(w_ptr, rows, N, row_bytes)
+    pair_row = tl.reshape(tl.broadcast_to(row_ptr[:, None], (BN, NB)), (BN * NB,))
+    sub = tl.arange(0, BN * NB) % NB
     x_row = x_ptr + m.to(tl.int64) * stride_xm
     ks = tl.arange(0, QK)
-    acc = tl.zeros((BN, QK), dtype=tl.float32)
-    for kb in range(0, K // QK):
-        w = DECODE(row_ptr, row_ptr + META + kb * BLOCK_BYTES, t0_ptr, t1_ptr, QK)
-        x = tl.load(x_row + kb * QK + ks)
-        acc += w * x[None, :]
-    out = tl.sum(acc, axis=1)
+    n_blocks = K // QK
+    acc = tl.zeros((BN * NB, QK), dtype=tl.float32)
+    for kb in range(0, n_blocks, NB):
+        blk = kb + sub
+        inside = blk < n_blocks
+        blk = tl.where(inside, blk, 0)
+        w = DECODE(pair_row, pair_row + META + blk * BLOCK_BYTES, t0_ptr, t1_ptr, QK)
+        x = tl.load(x_row + blk[:, None] * QK + ks[None, :])
+        acc += tl.where(inside[:, None], w * x, 0.0)
+    out = tl.sum(tl.reshape(acc, (BN, NB * QK)), axis=1)
     tl.store(out_ptr + m.to(tl.int64) * stride_om + rows, out, mask=rows < N)
 
 
