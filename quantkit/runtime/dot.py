@@ -495,6 +495,18 @@ def _group_codes(chunk, members, pair_tables):
     return w, signed
 
 
+def _chunk_runs(runs, sup, e8m0):
+    """(the runs as :class:`Run` records, their 32-value groups) of a chunk_dot or
+    chunk_dot_batch: a legacy chunk's runs each with its block's scale (d_at), a super-block's
+    with an integer scale each (``sup``), E8M0 scales only for legacy runs without mins."""
+    runs = tuple(Run(*r) for r in runs)
+    groups = _groups(runs)
+    assert (sup is None) == all(r.d_at is not None for r in runs)
+    assert sup is None or len(sup.scales) == len(runs)
+    assert not e8m0 or (sup is None and all(r.m_at is None for r in runs))
+    return runs, groups
+
+
 class _Chunk:
     """The reads of one chunk's kernel that do not depend on the activations, shared by chunk_dot
     and dot_batch.chunk_dot_batch so that both read a chunk the same way: the data pointers of the
@@ -620,11 +632,7 @@ def chunk_dot(runs, table=False, sup=None, e8m0=False):
     out afterwards instead (-bias * d * xsum).  The groups' sums then meet in one vector, which is
     converted once and scaled by d_g * xd_g.  Bytes, scales and activations are read at offsets
     fixed when the kernel is compiled: a chunk is straight-line vector code."""
-    runs = tuple(Run(*r) for r in runs)
-    groups = _groups(runs)
-    assert (sup is None) == all(r.d_at is not None for r in runs)
-    assert sup is None or len(sup.scales) == len(runs)
-    assert not e8m0 or (sup is None and all(r.m_at is None for r in runs))
+    runs, groups = _chunk_runs(runs, sup, e8m0)
 
     @intrinsic
     def dot(typingctx, a, o, tab, xq, xd, xsum, xo):

@@ -24,9 +24,8 @@ from numba.core import cgutils
 from numba.core import types as nbt
 from numba.extending import intrinsic
 
-from ..layouts import Run
-from .dot import (_F32, _I8, _I16, _I32, _VNNI, _Chunk, _abs_sign, _data, _dpbusd, _fma, _fold, _group_codes,
-                  _groups, _lane_sums, _load, _load8, _madd, _maddubs, _splat)
+from .dot import (_F32, _I8, _I16, _I32, _VNNI, _Chunk, _abs_sign, _chunk_runs, _data, _dpbusd, _fma, _fold,
+                  _group_codes, _lane_sums, _load, _load8, _madd, _maddubs, _splat)
 
 
 def chunk_dot_batch(runs, table=False, sup=None, e8m0=False):
@@ -34,11 +33,7 @@ def chunk_dot_batch(runs, table=False, sup=None, e8m0=False):
     acc[t] += chunk_dot(runs, table, sup, e8m0)(a, o, tab, xq, xd, xsum, xo + t * stride) (dot.py),
     the same bits, with the chunk's codes and scales unpacked once for all the tokens (``stride``:
     the values between two tokens' activations, a multiple of 32)."""
-    runs = tuple(Run(*r) for r in runs)
-    groups = _groups(runs)
-    assert (sup is None) == all(r.d_at is not None for r in runs)
-    assert sup is None or len(sup.scales) == len(runs)
-    assert not e8m0 or (sup is None and all(r.m_at is None for r in runs))
+    runs, groups = _chunk_runs(runs, sup, e8m0)
 
     @intrinsic
     def dot(typingctx, a, o, tab, xq, xd, xsum, xo, stride, n_tok, acc):
