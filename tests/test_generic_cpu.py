@@ -221,12 +221,19 @@ def _key(qtype, n, seed) -> str:
     return f"{type_name(qtype)}-{n}-{seed}"
 
 
-@child_only
-def test_fused_products_of_every_kernel():
+def _stored_rows():
+    """``rows(qtype, n_rows, n, seed)``: the matrix the parent quantized (test_generic_cpu_target),
+    as test_runtime_matvec.rows_of makes it, read from the parent's file instead of quantized here."""
     with np.load(os.environ[ROWS]) as stored:
         matrices = dict(stored)
+    return lambda q, n_rows, n, seed: matrices[_key(q, n, seed)]
+
+
+@child_only
+def test_fused_products_of_every_kernel():
+    rows = _stored_rows()
     for qtype in KERNEL_TYPES:
-        check_fused_product(qtype, lambda q, n_rows, n, seed: matrices[_key(q, n, seed)])
+        check_fused_product(qtype, rows)
 
 
 # a batch's kernels (matmul8) of one type per path of the byte products: signed codes, a folded
@@ -238,10 +245,9 @@ BATCH_TYPES = [QuantType[n] for n in ("Q8_0", "Q4_1", "Q5_0", "IQ4_NL", "MXFP4",
 @child_only
 def test_batch_products_token_for_token():
     """A batch's products the bits of the generation step's, token for token, on this target too."""
-    with np.load(os.environ[ROWS]) as stored:
-        matrices = dict(stored)
+    rows = _stored_rows()
     for qtype in BATCH_TYPES:
-        check_batch_product(qtype, lambda q, n_rows, n, seed: matrices[_key(q, n, seed)])
+        check_batch_product(qtype, rows)
 
 
 def _generic_env(tmp_path: Path) -> dict[str, str]:

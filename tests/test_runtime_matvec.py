@@ -260,14 +260,27 @@ def test_products_of_weights_sharing_an_input_are_each_weights_matvec():
             np.testing.assert_array_equal(y, matvec.matvec(kind, blocks, x))
     ws = [Weight(f"w{i}", q, (n, n_rows), rows_of(q, n_rows, n, i)) for i, (q, n_rows) in
           enumerate(((T.Q8_0, 24), (T.F16, 8), (T.Q4_K, 16), (T.TQ2_0, 8)))]
-    with pytest.raises(ValueError):         # unpacked-block kinds keep matvec (matvec.PRODUCT_KINDS)
-        matvec.Products([(matvec.kind_of(T.TQ2_0), ws[3].blocks)])
     for n_tok in (2, ops_cpu.FUSED_TOKENS + 1):
         x = rng.standard_normal((n_tok, n)).astype(np.float32)
-        for w, y in zip(ws, ops_cpu.matmul_q_many(ws, x)):
-            np.testing.assert_array_equal(y, ops_cpu.matmul_q(w, x))
-        for w, y in zip(ws[::2], ops_cpu.matmul_q_many(ws[::2], x)):
-            np.testing.assert_array_equal(y, ops_cpu.matmul_q(w, x))
+        for group in (ws, ws[::2], ws[2:]):             # with F16 rows: each apart; then in one launch
+            for w, y in zip(group, ops_cpu.matmul_q_many(group, x)):
+                np.testing.assert_array_equal(y, ops_cpu.matmul_q(w, x))
+
+
+def test_products_of_unpacked_block_kinds_are_each_weights_matvec():
+    """The kinds whose rows unpack their blocks into buffers (code_dots.FILLS: ternary, q8_KV,
+    iq1_s_r4, ...) through matvec.Products beside a legacy kind: each of the weight's tasks (three
+    each: more rows than ROWS_PER_TASK) makes its own buffers on its thread, and every weight's
+    product is the bits of its own matvec, call after call."""
+    n, n_rows = 256, 2 * matvec.ROWS_PER_TASK + 8
+    qtypes = (T.Q4_0, *code_dots.FILLS)
+    parts = [(matvec.kind_of(q), rows_of(q, n_rows, n, int(q))) for q in qtypes]
+    products = matvec.Products(parts)
+    rng = np.random.default_rng(8)
+    for n_tok in (1, 3, 1, 1):
+        x = rng.standard_normal((n_tok, n)).astype(np.float32)
+        for q, (kind, blocks), y in zip(qtypes, parts, products(x)):
+            np.testing.assert_array_equal(y, matvec.matvec(kind, blocks, x), err_msg=type_name(q))
 
 
 def test_the_dispatch_table_is_each_types_kernel_and_row_layout():

@@ -412,11 +412,13 @@ def _folds_bias(r):
     return r.bias != 0 and r.d_at is not None and r.shift is not None
 
 
-def _group_codes(builder, base, o_v, tb, members, table, sup, pair_tables, grid_bits, c):
+def _group_codes(chunk, members, pair_tables):
     """(<32 x i8> codes of one 32-value group, whether they are signed): the group's runs
-    unpacked and joined (``c``: an i32 constant; ``grid_bits(k, mask)``: run k's grid choice;
-    ``pair_tables``: a paired group's four tables, None where no group is paired).  chunk_dot
-    and dot_batch.chunk_dot_batch both unpack with it: the same codes for both."""
+    ``members`` unpacked from the chunk (a :class:`_Chunk`) and joined (``pair_tables``: what
+    chunk.pair_tables() made).  chunk_dot and dot_batch.chunk_dot_batch both unpack with it: the
+    same codes for both."""
+    builder, base, o_v, tb, c = chunk.builder, chunk.base, chunk.o, chunk.tab, chunk.c
+    table, sup, grid_bits = chunk.table, chunk.sup, chunk.grid_bits
     pieces, signed = [], False
     paired = _paired(members, table, sup)
     for k, r in members:
@@ -493,6 +495,118 @@ def _group_codes(builder, base, o_v, tb, members, table, sup, pair_tables, grid_
     return w, signed
 
 
+def _chunk_runs(runs, sup, e8m0):
+    """(the runs as :class:`Run` records, their 32-value groups) of a chunk_dot or
+    chunk_dot_batch: a legacy chunk's runs each with its block's scale (d_at), a super-block's
+    with an integer scale each (``sup``), E8M0 scales only for legacy runs without mins."""
+    runs = tuple(Run(*r) for r in runs)
+    groups = _groups(runs)
+    assert (sup is None) == all(r.d_at is not None for r in runs)
+    assert sup is None or len(sup.scales) == len(runs)
+    assert not e8m0 or (sup is None and all(r.m_at is None for r in runs))
+    return runs, groups
+
+
+class _Chunk:
+    """The reads of one chunk's kernel that do not depend on the activations, shared by chunk_dot
+    and dot_batch.chunk_dot_batch so that both read a chunk the same way: the data pointers of the
+    kernel's first six arguments (a, o, tab, xq, xd, xsum: ``base``, ``o``, ``tab``, ``xq``,
+    ``xd``, ``xsum``) and one method per part of the chunk, each emitting its loads where it is
+    called (chunk_dot interleaves them with its float work; the batch's kernel calls them all
+    before its token loop).  ``groups``: the chunk's 32-value groups (:func:`_groups`), lane g of
+    the 8-lane float vectors below being group g."""
+
+    def __init__(self, context, builder, sig, args, groups, table, sup, e8m0):
+        self.builder, self.groups, self.table, self.sup, self.e8m0 = builder, groups, table, sup, e8m0
+        a_v, self.o, tab_v, xq_v, xd_v, xs_v = args[:6]
+        self.base = _data(context, builder, sig.args[0], a_v)
+        self.tab = _data(context, builder, sig.args[2], tab_v)
+        self.xq = _data(context, builder, sig.args[3], xq_v)
+        self.xd = _data(context, builder, sig.args[4], xd_v)
+        self.xsum = _data(context, builder, sig.args[5], xs_v)
+        self.n_groups = len(groups)
+        assert list(groups) == list(range(self.n_groups)) and self.n_groups <= 8
+        self.firsts = [members[0][1] for members in groups.values()]
+
+    @staticmethod
+    def c(v):
+        """An i64 constant."""
+        return ir.Constant(ir.IntType(64), v)
+
+    def half(self, at):
+        """The float16 at byte o + at, as a float."""
+        b = self.builder
+        ptr = b.bitcast(b.gep(self.base, [b.add(self.o, self.c(at))]), ir.HalfType().as_pointer())
+        return half_to_float(b, b.load(ptr, align=1))
+
+    def grid_bits(self, k, mask):
+        """Run k's grid bit (mask 1), or with the next run's above it (mask 3)."""
+        b, c = self.builder, self.c
+        at, bit = self.sup.grid[k]
+        byte = b.zext(b.load(b.gep(self.base, [b.add(self.o, c(at))])), ir.IntType(64))
+        return b.and_(b.lshr(byte, c(bit)), c(mask))
+
+    def scales(self):
+        """(d_vec, run_scales): lane g group g's float scale (its block's float16 or E8M0 byte; a
+        super-block's d, 1.0 where it has none), and a super-block's integer run scales
+        (<16 x i32>; None for blocks)."""
+        b, sup = self.builder, self.sup
+        if sup is None:
+            read = _e8m0_vector if self.e8m0 else _half_vector
+            return read(b, self.base, self.o, [r.d_at for r in self.firsts]), None
+        d = ir.Constant(_F32, 1.0) if sup.d_at is None else self.half(sup.d_at)
+        return _splat(b, d, 8), _small_ints(b, self.base, self.o, sup.scales)
+
+    def bias_coef(self, d_vec):
+        """Lane g: what group g's products leave out per unit of its Σx, -bias * d_g (a folded
+        bias) + m_g (a float16 min); None where no group has either."""
+        b, firsts = self.builder, self.firsts
+        if not any(_folds_bias(r) or r.m_at is not None for r in firsts):
+            return None
+        bias = ir.Constant(ir.VectorType(_F32, 8),
+                           [-float(r.bias) if _folds_bias(r) else 0.0 for r in firsts] + [0.0] * (8 - self.n_groups))
+        coef = b.fmul(d_vec, bias)
+        if firsts[0].m_at is not None:
+            coef = b.fadd(coef, _half_vector(b, self.base, self.o, [r.m_at for r in firsts]))
+        return coef
+
+    def mins(self):
+        """A super-block's mins m_g as float lanes (None where it has none)."""
+        if self.sup is None or not self.sup.mins:
+            return None
+        b = self.builder
+        m16 = _small_ints(b, self.base, self.o, self.sup.mins)
+        return b.sitofp(b.shuffle_vector(m16, m16, ir.Constant(ir.VectorType(_I32, 8), list(range(8)))),
+                        ir.VectorType(_F32, 8))
+
+    def neg_dmin(self):
+        """- dmin, the super-block's float16 scale of its mins."""
+        return self.builder.fsub(ir.Constant(_F32, 0.0), self.half(self.sup.dmin_at))
+
+    def pair_tables(self):
+        """The 4 pair tables [window(bit a) | window(bit b)] of a paired group, on the stack; None
+        where no group is paired."""
+        b, c, sup = self.builder, self.c, self.sup
+        if not any(_paired(m, self.table, sup) for m in self.groups.values()):
+            return None
+        v32 = ir.VectorType(_I8, 32)
+        t16 = [_load(b, self.tab, c(0), 16, _I8)]
+        if sup is not None and sup.grid:
+            t16.append(_load(b, self.tab, c(sup.grid_step), 16, _I8))
+        both = ir.Constant(ir.VectorType(_I32, 32), list(range(32)))
+        tables = cgutils.alloca_once(b, ir.ArrayType(v32, 4))
+        for p in range(4):
+            lo, hi = t16[(p & 1) % len(t16)], t16[(p >> 1) % len(t16)]
+            b.store(b.shuffle_vector(lo, hi, both), b.gep(tables, [c(0), c(p)]))
+        return tables
+
+    def run_mins(self):
+        """A super-block's integer run mins (<16 x i32>; None where it has none)."""
+        if self.sup is None or not self.sup.run_mins:
+            return None
+        return _small_ints(self.builder, self.base, self.o, self.sup.run_mins)
+
+
 def chunk_dot(runs, table=False, sup=None, e8m0=False):
     """``dot(a, o, tab, xq, xd, xsum, xo)`` = Σ_k Σ_j value_kj * x_(xo + xoff_k + j) over the static
     ``runs`` (:class:`Run`) of a chunk starting at byte o of a and value xo of x (xo a multiple of
@@ -518,80 +632,35 @@ def chunk_dot(runs, table=False, sup=None, e8m0=False):
     out afterwards instead (-bias * d * xsum).  The groups' sums then meet in one vector, which is
     converted once and scaled by d_g * xd_g.  Bytes, scales and activations are read at offsets
     fixed when the kernel is compiled: a chunk is straight-line vector code."""
-    runs = tuple(Run(*r) for r in runs)
-    groups = _groups(runs)
-    assert (sup is None) == all(r.d_at is not None for r in runs)
-    assert sup is None or len(sup.scales) == len(runs)
-    assert not e8m0 or (sup is None and all(r.m_at is None for r in runs))
+    runs, groups = _chunk_runs(runs, sup, e8m0)
 
     @intrinsic
     def dot(typingctx, a, o, tab, xq, xd, xsum, xo):
         def codegen(context, builder, sig, args):
-            a_v, o_v, tab_v, xq_v, xd_v, xs_v, xo_v = args
-            i64 = ir.IntType(64)
+            ch = _Chunk(context, builder, sig, args, groups, table, sup, e8m0)
+            c, n_groups, xo_v = ch.c, ch.n_groups, args[6]
             vf8 = ir.VectorType(_F32, 8)
-            base = _data(context, builder, sig.args[0], a_v)
-            tb = _data(context, builder, sig.args[2], tab_v)
-            xqb = _data(context, builder, sig.args[3], xq_v)
-            xdb = _data(context, builder, sig.args[4], xd_v)
-            xsb = _data(context, builder, sig.args[5], xs_v)
-            xblock = builder.lshr(xo_v, ir.Constant(i64, 5))
-
-            def c(v):
-                return ir.Constant(i64, v)
-
-            def half(at):
-                ptr = builder.bitcast(builder.gep(base, [builder.add(o_v, c(at))]), ir.HalfType().as_pointer())
-                return half_to_float(builder, builder.load(ptr, align=1))
-
-            def grid_bits(k, mask):
-                """Run k's grid bit (mask 1), or with the next run's above it (mask 3)."""
-                at, b = sup.grid[k]
-                byte = builder.zext(builder.load(builder.gep(base, [builder.add(o_v, c(at))])), i64)
-                return builder.and_(builder.lshr(byte, c(b)), c(mask))
+            xblock = builder.lshr(xo_v, c(5))
             # per 32-group g (lane g): its scale (the block's float16, or the super-block's d)
             # times xd, and what the products leave out, times xsum: a folded bias, a min
-            n_groups = len(groups)
-            assert list(groups) == list(range(n_groups)) and n_groups <= 8
-            firsts = [members[0][1] for members in groups.values()]
-            if sup is None:
-                d_vec = (_e8m0_vector if e8m0 else _half_vector)(builder, base, o_v, [r.d_at for r in firsts])
-            else:
-                d_vec = _splat(builder, ir.Constant(_F32, 1.0) if sup.d_at is None else half(sup.d_at), 8)
-                run_scales = _small_ints(builder, base, o_v, sup.scales)
-            group_scales = builder.fmul(d_vec, _load8(builder, xdb, xblock, n_groups))
+            d_vec, run_scales = ch.scales()
+            group_scales = builder.fmul(d_vec, _load8(builder, ch.xd, xblock, n_groups))
             left_out = None
-            if any(_folds_bias(r) or r.m_at is not None for r in firsts):
-                bias = ir.Constant(vf8, [-float(r.bias) if _folds_bias(r) else 0.0 for r in firsts] + [0.0] * (8 - n_groups))
-                coef = builder.fmul(d_vec, bias)
-                if firsts[0].m_at is not None:
-                    coef = builder.fadd(coef, _half_vector(builder, base, o_v, [r.m_at for r in firsts]))
-                left_out = builder.fmul(coef, _load8(builder, xsb, xblock, n_groups))
-            if sup is not None and sup.mins:
+            coef = ch.bias_coef(d_vec)
+            if coef is not None:
+                left_out = builder.fmul(coef, _load8(builder, ch.xsum, xblock, n_groups))
+            m8 = ch.mins()
+            if m8 is not None:
                 # - dmin * m_g * xsum_g
-                m16 = _small_ints(builder, base, o_v, sup.mins)
-                m8 = builder.sitofp(builder.shuffle_vector(m16, m16, ir.Constant(ir.VectorType(_I32, 8), list(range(8)))), vf8)
-                dmin = builder.fsub(ir.Constant(_F32, 0.0), half(sup.dmin_at))
-                left_out = builder.fmul(builder.fmul(m8, _load8(builder, xsb, xblock, n_groups)), _splat(builder, dmin, 8))
+                dmin = ch.neg_dmin()
+                left_out = builder.fmul(builder.fmul(m8, _load8(builder, ch.xsum, xblock, n_groups)), _splat(builder, dmin, 8))
             ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
             isums, msums = [], []
-            v32 = ir.VectorType(_I8, 32)
-            pair_tables = None
-            if any(_paired(m, table, sup) for m in groups.values()):
-                # the 4 pair tables [window(bit a) | window(bit b)] of a paired group, on the stack
-                t16 = [_load(builder, tb, c(0), 16, _I8)]
-                if sup is not None and sup.grid:
-                    t16.append(_load(builder, tb, c(sup.grid_step), 16, _I8))
-                both = ir.Constant(ir.VectorType(_I32, 32), list(range(32)))
-                pair_tables = cgutils.alloca_once(builder, ir.ArrayType(v32, 4))
-                for p in range(4):
-                    lo, hi = t16[(p & 1) % len(t16)], t16[(p >> 1) % len(t16)]
-                    builder.store(builder.shuffle_vector(lo, hi, both), builder.gep(pair_tables, [c(0), c(p)]))
-            if sup is not None and sup.run_mins:
-                run_mins = _small_ints(builder, base, o_v, sup.run_mins)
-            for gi, (g, members) in enumerate(groups.items()):
-                w, signed = _group_codes(builder, base, o_v, tb, members, table, sup, pair_tables, grid_bits, c)
-                x = _load(builder, xqb, builder.add(xo_v, c(32 * g)), 32, _I8)
+            pair_tables = ch.pair_tables()
+            run_mins = ch.run_mins()
+            for g, members in groups.items():
+                w, signed = _group_codes(ch, members, pair_tables)
+                x = _load(builder, ch.xq, builder.add(xo_v, c(32 * g)), 32, _I8)
                 u, s = _abs_sign(builder, w, x) if signed else (w, x)
                 r0 = members[0][1]
                 if r0.d_at is None:
@@ -610,9 +679,9 @@ def chunk_dot(runs, table=False, sup=None, e8m0=False):
                 isums.append(isum)
             if msums:
                 # - dmin * xd_g * Σ_k m_k Σx over run k, per group
-                dmin = _splat(builder, builder.fsub(ir.Constant(_F32, 0.0), half(sup.dmin_at)), 8)
+                dmin = _splat(builder, ch.neg_dmin(), 8)
                 run_left = builder.fmul(builder.fmul(builder.sitofp(_lane_sums(builder, msums), vf8),
-                                                     _load8(builder, xdb, xblock, n_groups)), dmin)
+                                                     _load8(builder, ch.xd, xblock, n_groups)), dmin)
                 left_out = run_left if left_out is None else builder.fadd(left_out, run_left)
             # lane g: group g's sum; one conversion and one multiply-add for the chunk
             total = builder.sitofp(_lane_sums(builder, isums), vf8)

@@ -14,7 +14,8 @@ running row sum as ``s += chunk`` does in matvec's row loops.  So a prompt's log
 generation steps' (tests/test_runtime_matmul8.py compares the two kernels on every type they
 cover, generic CPU too).
 
-The codes are unpacked by ``dot._group_codes``, which chunk_dot unpacks with too.
+A chunk's scales, mins and pair tables are read by ``dot._Chunk`` and its codes unpacked by
+``dot._group_codes``, as chunk_dot reads and unpacks them.
 """
 from __future__ import annotations
 
@@ -23,11 +24,8 @@ from numba.core import cgutils
 from numba.core import types as nbt
 from numba.extending import intrinsic
 
-from ..layouts import Run
-from .dot import (_F32, _I8, _I16, _I32, _VNNI, _abs_sign, _data, _dpbusd, _e8m0_vector, _fma, _fold,
-                  _folds_bias, _group_codes, _groups, _half_vector, _lane_sums, _load, _load8, _madd, _maddubs,
-                  _paired, _small_ints, _splat)
-from ..cpu import half_to_float
+from .dot import (_F32, _I8, _I16, _I32, _VNNI, _Chunk, _abs_sign, _chunk_runs, _data, _dpbusd, _fma, _fold,
+                  _group_codes, _lane_sums, _load, _load8, _madd, _maddubs, _splat)
 
 
 def chunk_dot_batch(runs, table=False, sup=None, e8m0=False):
@@ -35,74 +33,29 @@ def chunk_dot_batch(runs, table=False, sup=None, e8m0=False):
     acc[t] += chunk_dot(runs, table, sup, e8m0)(a, o, tab, xq, xd, xsum, xo + t * stride) (dot.py),
     the same bits, with the chunk's codes and scales unpacked once for all the tokens (``stride``:
     the values between two tokens' activations, a multiple of 32)."""
-    runs = tuple(Run(*r) for r in runs)
-    groups = _groups(runs)
-    assert (sup is None) == all(r.d_at is not None for r in runs)
-    assert sup is None or len(sup.scales) == len(runs)
-    assert not e8m0 or (sup is None and all(r.m_at is None for r in runs))
+    runs, groups = _chunk_runs(runs, sup, e8m0)
 
     @intrinsic
     def dot(typingctx, a, o, tab, xq, xd, xsum, xo, stride, n_tok, acc):
         def codegen(context, builder, sig, args):
-            a_v, o_v, tab_v, xq_v, xd_v, xs_v, xo_v, stride_v, nt_v, acc_v = args
-            i64 = ir.IntType(64)
-            vf8 = ir.VectorType(_F32, 8)
-            base = _data(context, builder, sig.args[0], a_v)
-            tb = _data(context, builder, sig.args[2], tab_v)
-            xqb = _data(context, builder, sig.args[3], xq_v)
-            xdb = _data(context, builder, sig.args[4], xd_v)
-            xsb = _data(context, builder, sig.args[5], xs_v)
-            accb = _data(context, builder, sig.args[9], acc_v)
-
-            def c(v):
-                return ir.Constant(i64, v)
-
-            def half(at):
-                ptr = builder.bitcast(builder.gep(base, [builder.add(o_v, c(at))]), ir.HalfType().as_pointer())
-                return half_to_float(builder, builder.load(ptr, align=1))
-
-            def grid_bits(k, mask):
-                at, b = sup.grid[k]
-                byte = builder.zext(builder.load(builder.gep(base, [builder.add(o_v, c(at))])), i64)
-                return builder.and_(builder.lshr(byte, c(b)), c(mask))
-
             # ---- what does not depend on the token: scales, mins, the codes ----
-            n_groups = len(groups)
-            assert list(groups) == list(range(n_groups)) and n_groups <= 8
-            firsts = [members[0][1] for members in groups.values()]
-            if sup is None:
-                d_vec = (_e8m0_vector if e8m0 else _half_vector)(builder, base, o_v, [r.d_at for r in firsts])
-            else:
-                d_vec = _splat(builder, ir.Constant(_F32, 1.0) if sup.d_at is None else half(sup.d_at), 8)
-                run_scales = _small_ints(builder, base, o_v, sup.scales)
-            coef = None
-            if any(_folds_bias(r) or r.m_at is not None for r in firsts):
-                bias = ir.Constant(vf8, [-float(r.bias) if _folds_bias(r) else 0.0 for r in firsts] + [0.0] * (8 - n_groups))
-                coef = builder.fmul(d_vec, bias)
-                if firsts[0].m_at is not None:
-                    coef = builder.fadd(coef, _half_vector(builder, base, o_v, [r.m_at for r in firsts]))
-            if sup is not None and sup.mins:
-                m16 = _small_ints(builder, base, o_v, sup.mins)
-                m8 = builder.sitofp(builder.shuffle_vector(m16, m16, ir.Constant(ir.VectorType(_I32, 8), list(range(8)))), vf8)
+            ch = _Chunk(context, builder, sig, args, groups, table, sup, e8m0)
+            c, n_groups = ch.c, ch.n_groups
+            xo_v, stride_v, nt_v = args[6:9]
+            accb = _data(context, builder, sig.args[9], args[9])
+            vf8 = ir.VectorType(_F32, 8)
+            d_vec, run_scales = ch.scales()
+            coef = ch.bias_coef(d_vec)
+            m8 = ch.mins()
             if sup is not None and (sup.mins or sup.run_mins):
-                dmin = builder.fsub(ir.Constant(_F32, 0.0), half(sup.dmin_at))
+                dmin = ch.neg_dmin()
             ones = ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
             v32 = ir.VectorType(_I8, 32)
-            pair_tables = None
-            if any(_paired(m, table, sup) for m in groups.values()):
-                t16 = [_load(builder, tb, c(0), 16, _I8)]
-                if sup is not None and sup.grid:
-                    t16.append(_load(builder, tb, c(sup.grid_step), 16, _I8))
-                both = ir.Constant(ir.VectorType(_I32, 32), list(range(32)))
-                pair_tables = cgutils.alloca_once(builder, ir.ArrayType(v32, 4))
-                for p in range(4):
-                    lo, hi = t16[(p & 1) % len(t16)], t16[(p >> 1) % len(t16)]
-                    builder.store(builder.shuffle_vector(lo, hi, both), builder.gep(pair_tables, [c(0), c(p)]))
-            if sup is not None and sup.run_mins:
-                run_mins = _small_ints(builder, base, o_v, sup.run_mins)
+            pair_tables = ch.pair_tables()
+            run_mins = ch.run_mins()
             codes = []
             for g, members in groups.items():
-                w, signed = _group_codes(builder, base, o_v, tb, members, table, sup, pair_tables, grid_bits, c)
+                w, signed = _group_codes(ch, members, pair_tables)
                 lane_runs = None
                 if members[0][1].d_at is None:
                     lanes = 16 // len(members)
@@ -119,15 +72,15 @@ def chunk_dot_batch(runs, table=False, sup=None, e8m0=False):
                 t = loop.index
                 xo_t = builder.add(xo0, builder.mul(t, stride_v))
                 xblock = builder.lshr(xo_t, c(5))
-                group_scales = builder.fmul(d_vec, _load8(builder, xdb, xblock, n_groups))
+                group_scales = builder.fmul(d_vec, _load8(builder, ch.xd, xblock, n_groups))
                 left_out = None
                 if coef is not None:
-                    left_out = builder.fmul(coef, _load8(builder, xsb, xblock, n_groups))
-                if sup is not None and sup.mins:
-                    left_out = builder.fmul(builder.fmul(m8, _load8(builder, xsb, xblock, n_groups)), _splat(builder, dmin, 8))
+                    left_out = builder.fmul(coef, _load8(builder, ch.xsum, xblock, n_groups))
+                if m8 is not None:
+                    left_out = builder.fmul(builder.fmul(m8, _load8(builder, ch.xsum, xblock, n_groups)), _splat(builder, dmin, 8))
                 isums, msums = [], []
                 for g, w, signed, lane_scales, lane_mins in codes:
-                    x = _load(builder, xqb, builder.add(xo_t, c(32 * g)), 32, _I8)
+                    x = _load(builder, ch.xq, builder.add(xo_t, c(32 * g)), 32, _I8)
                     u, s = _abs_sign(builder, w, x) if signed else (w, x)
                     if lane_scales is ones and _VNNI:
                         # a legacy group: its 32 byte products in one vpdpbusd (as chunk_dot's)
@@ -139,7 +92,7 @@ def chunk_dot_batch(runs, table=False, sup=None, e8m0=False):
                         msums.append(_madd(builder, xpairs, lane_mins))
                 if msums:
                     run_left = builder.fmul(builder.fmul(builder.sitofp(_lane_sums(builder, msums), vf8),
-                                                         _load8(builder, xdb, xblock, n_groups)), _splat(builder, dmin, 8))
+                                                         _load8(builder, ch.xd, xblock, n_groups)), _splat(builder, dmin, 8))
                     left_out = run_left if left_out is None else builder.fadd(left_out, run_left)
                 total = builder.sitofp(_lane_sums(builder, isums), vf8)
                 res = builder.fmul(total, group_scales) if left_out is None else _fma(builder, total, group_scales, left_out)

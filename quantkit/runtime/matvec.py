@@ -362,6 +362,10 @@ def _rows(kind, b, row_size, r0, r1, n_in, n_tok, x, xq, xd, xsum, out, out_stri
     d = carray(_pointer(xd, np.float32), n_tok * n_in // 32)
     s = carray(_pointer(xsum, np.float32), n_tok * n_in // 32)
     o = carray(_pointer(out, np.float32), n_tok * out_stride)
+    # the buffers code_dots.FILLS kinds unpack a row's blocks into (the ternary types, q8_KV,
+    # iq1_s_r4, ...): made by each call, i.e. each task of rows on its thread, and held as arrays
+    # until its rows are done; no two tasks share them (they were what first showed _products
+    # freeing its rounded activations before the loop read them: see _products)
     scratch = task_scratch(kind)
     for r in range(r0, r1):
         for t in range(n_tok):
@@ -418,12 +422,6 @@ def _products(table, x, out, rounded, xq, xd, xsum):
                    n_in, n_tok, xa, qa, da, sa, oa + 4 * table[w, T_OUT], stride)
 
 
-# the kinds Products multiplies: not those whose rows unpack blocks into task buffers (code_dots.FILLS:
-# the ternary types, q8_KV, iq1_s_r4, ...), which keep matvec.  (Their buffers were what first
-# showed that _products freed its rounded activations before the loop read them: see _products.)
-PRODUCT_KINDS = frozenset(k for q, k in KIND.items() if q not in code_dots.FILLS)
-
-
 class Products:
     """The products of several weights with one input, in one parallel launch (:func:`_products`):
     ``parts`` [(kind, blocks (n_rows, row_size) uint8)], all rows of the same length; calling it
@@ -433,8 +431,6 @@ class Products:
     def __init__(self, parts):
         self.blocks = [np.ascontiguousarray(b, np.uint8) for _, b in parts]     # kept: the table holds their addresses
         kinds = [k for k, _ in parts]
-        if not PRODUCT_KINDS.issuperset(kinds):
-            raise ValueError("Products: a kind outside PRODUCT_KINDS")
         self.rounded = any(k >= FLOAT_KINDS for k in kinds)
         rows = np.array([b.shape[0] for b in self.blocks], np.int64)
         bounds = np.concatenate([[0], np.cumsum(rows)])

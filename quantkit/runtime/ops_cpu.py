@@ -160,7 +160,7 @@ def _products(ws):
     for w in ws:
         kernel = matvec.FUSED.get(w.qtype)
         # F16 rows take f16-rounded activations (matmul_q): not one input for all
-        if kernel is None or kernel[0] not in matvec.PRODUCT_KINDS or w.qtype == QuantType.F16 or w.n_in != ws[0].n_in:
+        if kernel is None or w.qtype == QuantType.F16 or w.n_in != ws[0].n_in:
             parts = None
             break
         kind, regrouped = kernel
