@@ -214,32 +214,55 @@ def _random_cache(cls, args, n_ctx, rng):
     return cache
 
 
+def _ggml_attention(q, keys, values, pos0, scale):
+    """ggml's attention numbers in float64 where ggml keeps float32: the query rounded to f16, the
+    scores' softmax, the probabilities rounded to f16, then Σ p v.  q (n_tok, n_head, k_dim), keys
+    (n_kv, n_head_kv, k_dim), values (n_kv, n_head_kv, v_dim) as float16 -> (n_tok, n_head, v_dim)."""
+    n_tok, n_head, _ = q.shape
+    g = n_head // keys.shape[1]
+    q16 = q.astype(np.float16).astype(np.float64)
+    out = np.empty((n_tok, n_head, values.shape[2]))
+    for t in range(n_tok):
+        n_seen = pos0 + t + 1
+        for h in range(n_head):
+            s = keys[:n_seen, h // g].astype(np.float64) @ q16[t, h] * scale
+            e = np.exp(s - s.max())
+            p = (e / e.sum()).astype(np.float16).astype(np.float64)
+            out[t, h] = p @ values[:n_seen, h // g].astype(np.float64)
+    return out
+
+
 @pytest.mark.parametrize("n_head,n_head_kv,head_dim", [(9, 3, 64), (4, 4, 44), (6, 2, 8)])
-def test_attention_of_a_few_tokens_equals_the_batched_path(n_head, n_head_kv, head_dim, monkeypatch):
-    """kernels.attend_few (straight from the f16 cache) == the BLAS path, including head sizes with
-    an 8-wide and a scalar tail and grouped-query heads."""
+def test_attention_of_a_batch_is_its_steps_and_ggmls_numbers(n_head, n_head_kv, head_dim):
+    """Attention over an f16 cache (kernels.attend_few, for any number of tokens): a batch's rows
+    are each token's own step, bit for bit (odd and even batches: the kernel visits the tokens
+    from both ends), and ggml's numbers to float32 rounding; head sizes with an 8-wide and a
+    scalar tail, grouped-query heads."""
     rng = np.random.default_rng(head_dim)
     cache = _random_cache(ops_cpu.KVCache, (2, 40, n_head_kv, head_dim, head_dim), 40, rng)
-    for pos0, n_tok in ((0, 1), (17, 1), (30, 3)):
+    for pos0, n_tok in ((0, 1), (17, 1), (30, 3), (0, 7), (11, 24)):
         q = rng.standard_normal((n_tok, n_head, head_dim)).astype(np.float32)
         got = ops_cpu.attention(q, cache, 1, pos0, 0.125)
-        monkeypatch.setattr(ops_cpu, "FUSED_TOKENS", 0)
-        ref = ops_cpu.attention(q, cache, 1, pos0, 0.125)
-        monkeypatch.undo()
-        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+        steps = np.concatenate([ops_cpu.attention(q[t:t + 1], cache, 1, pos0 + t, 0.125) for t in range(n_tok)])
+        assert np.array_equal(got.view(np.uint32), steps.view(np.uint32))
+        ref = _ggml_attention(q, cache.k[1], cache.v[1], pos0, 0.125).reshape(n_tok, -1)
+        # a probability near an f16 rounding boundary may round the other way from a float64
+        # score: one f16 ulp (2^-11 relative) of p, times |v|
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2.0 ** -10 * np.abs(cache.v[1]).max())
 
 
-def test_latent_attention_of_a_few_tokens_reads_the_value_view(monkeypatch):
+def test_latent_attention_reads_the_value_view():
     """MLA: the values are a strided view of the cache rows (their last kv_lora_rank entries)."""
     rng = np.random.default_rng(5)
     cache = _random_cache(ops_cpu.MLACache, (1, 24, 16, 64), 24, rng)
-    q_rope = rng.standard_normal((2, 4, 16)).astype(np.float32)
-    q_lat = rng.standard_normal((2, 4, 64)).astype(np.float32)
-    got = ops_cpu.attention_mla(q_rope, q_lat, cache, 0, 10, 0.1)
-    monkeypatch.setattr(ops_cpu, "FUSED_TOKENS", 0)
-    ref = ops_cpu.attention_mla(q_rope, q_lat, cache, 0, 10, 0.1)
-    assert got.shape == (2, 4, 64)
-    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+    for n_tok in (2, 9):
+        q_rope = rng.standard_normal((n_tok, 4, 16)).astype(np.float32)
+        q_lat = rng.standard_normal((n_tok, 4, 64)).astype(np.float32)
+        got = ops_cpu.attention_mla(q_rope, q_lat, cache, 0, 10, 0.1)
+        assert got.shape == (n_tok, 4, 64)
+        values = cache.k[0, :, :, 16:]
+        ref = _ggml_attention(np.concatenate([q_rope, q_lat], -1), cache.k[0], values, 10, 0.1)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2.0 ** -10 * np.abs(values).max())
 
 
 def test_products_of_weights_sharing_an_input_are_each_weights_matvec():

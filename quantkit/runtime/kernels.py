@@ -318,13 +318,18 @@ def attend_few(q, keys, values, pos0, scale, out):
     k_dim) and values (n_ctx, n_head_kv, v_dim) uint16 (float16 bits, rows contiguous); token t
     sits at position pos0 + t and sees keys 0 .. pos0 + t -> out (n_tokens, n_head, v_dim).
 
-    The numbers of ops_cpu.attention's batched path: scores q·k in float, times ``scale``, the
-    exponentials of (score - max) summed in double, the probabilities rounded to f16, then Σ p v."""
+    ggml's numbers: scores q·k in float, times ``scale``, the exponentials of (score - max) summed
+    in double, the probabilities rounded to f16, then Σ p v; each (token, head) in a fixed order,
+    whatever the CPU and the number of tokens (a prompt's attention is its steps').
+
+    Token t's work grows with t, and prange gives each thread a contiguous run of jobs: the jobs
+    visit the tokens 0, n-1, 1, n-2, ... so that every run holds early and late ones alike."""
     n_tok, n_head, k_dim = q.shape
     g = n_head // keys.shape[1]
     v_dim = values.shape[2]
     for job in prange(n_tok * n_head):
-        t, h = job // n_head, job % n_head
+        jt, h = job // n_head, job % n_head
+        t = jt // 2 if jt % 2 == 0 else n_tok - 1 - jt // 2
         hk = h // g
         n_seen = pos0 + t + 1
         e = np.empty(n_seen, F32)
