@@ -27,11 +27,14 @@ comes from a weighted search whose details differ between the projects:
 Q8_0 ignores the imatrix in both projects.
 
 The quantizers are the numba kernels of :mod:`quantkit.kernels.legacy`, which keep the C evaluation
-order of every float32 (or double) expression, except Q8_0's: numpy's (formats/q8_0_numpy.py, the
-same bytes as its numba kernel), so that a q8_0 quantize of a float model never imports numba.  The
-kernels module is imported on the first use of a kernel.  The reference decoder is formats/decode.py's.
+order of every float32 (or double) expression.  Q8_0 has a numpy twin (formats/q8_0_numpy.py, the
+same bytes), run while numba is not imported: a q8_0 quantize of a float model never imports it
+(~0.3 s), while a plan that loads kernels anyway gets the kernel, ~4x less CPU a value.  The kernels
+module is imported on the first use of a kernel.  The reference decoder is formats/decode.py's.
 """
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
@@ -61,8 +64,8 @@ class _LegacyFormat(BlockFormat):
         n_rows, n = x.shape
         out = cls.empty_blocks(n_rows, n)
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if cls.qtype == QuantType.Q8_0:
-            q8_0_numpy.quantize_rows(x, out)
+        if cls.qtype == QuantType.Q8_0 and "numba" not in sys.modules:
+            q8_0_numpy.quantize_rows(x, out)        # the same bytes without importing numba
         elif imatrix is None:
             _kernels().quantize_rows_plain(int(cls.qtype), x, out)
         else:
