@@ -66,7 +66,7 @@ class _LegacyFormat(BlockFormat):
         x = np.ascontiguousarray(x, dtype=np.float32)
         if cls.qtype == QuantType.Q8_0 and "numba" not in sys.modules:
             q8_0_numpy.quantize_rows(x, out)        # the same bytes without importing numba
-        elif imatrix is None:
+        elif imatrix is None or cls.qtype == QuantType.Q8_0:
             _kernels().quantize_rows_plain(int(cls.qtype), x, out)
         else:
             _kernels().quantize_rows_imatrix(int(cls.qtype), x, np.ascontiguousarray(imatrix, np.float32),
