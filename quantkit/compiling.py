@@ -59,7 +59,7 @@ def cache_place() -> str | None:
     """Where numba's cache keeps quantkit's kernels (as it does for one of them; every module
     normally gets the same kind of place)."""
     from .kernels import floats         # numba with it: the CLI imports this module for every command
-    return _cache_place(floats.row_extent)
+    return _cache_place(floats.fp32_to_bf16_rows)
 
 
 def notice_line(what: str, cache: str | None) -> str:

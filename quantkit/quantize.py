@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import formats, signals
+from . import formats, row_threads, signals
 from .compiling import CompileLog, announced
 from .errors import QuantkitError
 from .gguf_io.constants import KEY_FILE_TYPE, KEY_QUANT_VERSION, MetaValue, ValueType
@@ -189,13 +190,33 @@ def quantize_rows(x: np.ndarray, qtype, imatrix: np.ndarray | None, flavor: str,
     return q
 
 
+def _threads() -> int:
+    """The threads a chunk's rows are split between: numba's where it is loaded (its kernels run on
+    as many), else row_threads' (the numpy conversions'); the same count in a quantize command."""
+    numba = sys.modules.get("numba")
+    return numba.get_num_threads() if numba is not None else row_threads.threads()
+
+
+def needs_numba(model: GGUFModel, plan: Plan) -> bool:
+    """Whether running ``plan`` calls a numba kernel: every conversion does but those numpy does
+    alone (formats.numpy_only: F16/BF16/F32 to q8_0, F16 or F32) and copies, and so may a source
+    that is not a GGUF file's plain bytes (a Hugging Face tensor may run a kernel to be read)."""
+    for tp in plan.tensors:
+        if tp.action == "copy":
+            continue
+        if tp.action == "repack" or not formats.numpy_only(tp.src_type, tp.dst_type):
+            return True
+        if not getattr(model.by_name[tp.input_name].source, "read_ahead", False):
+            return True
+    return False
+
+
 def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None, flavor: str):
     """Yield the output bytes of one tensor chunk by chunk.  ``imatrix``: (n_matrices, n_per_row).
 
     The next chunk's bytes are read on a helper thread while this one is quantized (pread releases
     the GIL): a 671B model streams 1.3 TB of BF16 in, and reading it between the quantizer's parallel
     runs would leave every thread but one idle for as long as the disk takes."""
-    from numba import get_num_threads
     shape = info.shape
     n_per_row = shape[0]
     n_rows_per_matrix = shape[1] if len(shape) > 1 else 1
@@ -206,7 +227,7 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
     exact_rows = getattr(info.source, "exact_rows", None)
     if tp.dst_type not in getattr(info.source, "exact_types", ()):
         exact_rows = None
-    chunks = list(_row_chunks(n_rows_per_matrix, n_matrices, n_per_row, group, get_num_threads()))
+    chunks = list(_row_chunks(n_rows_per_matrix, n_matrices, n_per_row, group, _threads()))
     # read ahead only from sources whose reads are plain preads (a GGUF file): a lazy Hugging Face
     # tensor may run a numba kernel to read (FP8 -> BF16), which must not run beside the quantizer's
     with ReadAhead(info, enabled=exact_rows is None and getattr(info.source, "read_ahead", False)) as ahead:
@@ -336,7 +357,10 @@ def warm_up_plan(model: GGUFModel, plan: Plan,
     the first such tensor go through the run's own path (read, decode, checks, quantize), and a
     repack shuffles one row group.  Kernels that compile say so once (compiling.announced).
 
-    An input the run will refuse is left to the run to report, in its order."""
+    An input the run will refuse is left to the run to report, in its order.  A plan that needs no
+    numba kernel (:func:`needs_numba`) has nothing to make ready."""
+    if not needs_numba(model, plan):
+        return CompileLog(plan_label(plan))
     seen = set()
     with announced(plan_label(plan)) as log:
         for tp in plan.tensors:
@@ -366,7 +390,8 @@ def run_plan(model: GGUFModel, plan: Plan, out: Path, opts: WriteOptions,
              imatrix_for: Callable[[TensorPlan], np.ndarray | None] = lambda tp: None,
              progress: Callable[[str, int, int], None] | None = None) -> Result:
     """Write the planned model to ``out`` (or its shards).  ``progress(name, done, total)`` in bytes."""
-    if opts.threads:
+    row_threads.set_threads(opts.threads)
+    if opts.threads and needs_numba(model, plan):      # else numba stays unimported (~0.3 s)
         import numba
         numba.set_num_threads(max(1, min(opts.threads, numba.config.NUMBA_NUM_THREADS)))
     meta = output_metadata(model, plan, opts)

@@ -306,3 +306,66 @@ def test_non_finite_check_agrees_with_decoding(qtype):
         return
     block = traits(qtype).block_size
     assert found == (int(bad[0][0]), int(bad[0][1]) // block)
+
+
+# ---- 4. the numpy paths that spare a q8_0 quantize numba: against numba's kernels and tables ----
+
+def q8_0_trouble_rows() -> np.ndarray:
+    """Rows where q8_0's every rule decides: NaNs before, between and after the max (C's MAX keeps
+    or drops them), infinities, scales that are subnormal or whose inverse overflows, fp16 overflow,
+    exact halves and their float32 neighbours (roundf), signed zeros; 4096 wide, so that a row
+    spans several of the quantizer's steps and threads."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((24, 4096)).astype(np.float32)
+    x[0, 3], x[0, 40], x[0, 41] = np.nan, np.nan, 9.0
+    x[1, 64:96] = np.nan
+    x[1, 127] = np.nan                                        # a NaN last in its block
+    x[2, 70], x[2, 100], x[2, 101] = np.inf, -np.inf, np.nan
+    x[3, :32] = np.float32(1e-40) * rng.standard_normal(32).astype(np.float32)     # subnormal values
+    x[3, 32:64] = np.float32(3e-37) * rng.standard_normal(32).astype(np.float32)   # 1/d overflows
+    x[3, 64:96] = np.float32(127 * 2.0 ** -126) * rng.standard_normal(32).astype(np.float32)
+    x[4, :32] = np.float32(1e6)
+    x[4, 40] = np.float32(65519 * 127)                         # d just below / above fp16's max
+    x[4, 80] = np.float32(65521 * 127)
+    halves = np.arange(-126, 127, dtype=np.float32) + np.float32(0.5)
+    near = np.concatenate([halves, np.nextafter(halves, np.float32(0)), np.nextafter(halves, np.float32(200)),
+                           np.nextafter(halves, -np.float32(200))])
+    for r in range(5, 5 + 8):                                  # amax 127: id 1, v = x exactly
+        x[r] = rng.choice(near, 4096).astype(np.float32)
+        x[r, ::32] = np.float32(127)
+    x[13] = -0.0
+    x[14, ::7] = -0.0
+    x[15] *= np.float32(1e-3)
+    x[16] *= np.float32(3e4)
+    return x
+
+
+def test_q8_0_numpy_quantizer_is_numba_kernel_twin():
+    from quantkit import row_threads
+    from quantkit.formats import q8_0_numpy
+    from quantkit.kernels import legacy
+    x = np.concatenate([q8_0_trouble_rows(), random_rows(12, 8, 4096)])
+    want = np.zeros((x.shape[0], traits(T.Q8_0).row_size(x.shape[1])), np.uint8)
+    legacy.quantize_rows_plain(int(T.Q8_0), x, want)
+    before = row_threads.threads()
+    try:
+        for n in (1, 3):
+            row_threads.set_threads(n)
+            got = np.zeros_like(want)
+            q8_0_numpy.quantize_rows(x, got)
+            np.testing.assert_array_equal(got, want, err_msg=f"{n} threads")
+    finally:
+        row_threads.set_threads(before)
+    np.testing.assert_array_equal(formats.quantize(x, T.Q8_0), want)
+
+
+def test_f16_and_bf16_decoders_give_every_bit_pattern_exactly():
+    """The numpy decoders against numba's table (F16, NaN payloads included) and the plain shift
+    (BF16), bit for bit over all 65536 patterns."""
+    from quantkit.tables import FP16_TABLE
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    blocks = h.view(np.uint8).reshape(64, -1)
+    got = formats.dequantize(blocks, T.F16, 1024)
+    np.testing.assert_array_equal(got.reshape(-1).view(np.uint32), FP16_TABLE[h].view(np.uint32))
+    got = formats.dequantize(blocks, T.BF16, 1024)
+    np.testing.assert_array_equal(got.reshape(-1).view(np.uint32), h.astype(np.uint32) << 16)

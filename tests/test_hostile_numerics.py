@@ -177,9 +177,9 @@ def test_imatrix_products_past_the_bound_are_refused(qt):
 
 
 def test_row_extent_equals_numpy_and_flags_every_non_finite_row():
-    """The one-pass input scan (kernels.floats.row_extent) against numpy: max |x| and max |x|·w per
-    row, +inf wherever a NaN or an infinity stands, in any column (the first, the last, a vector
-    tail of the 70-wide rows)."""
+    """The input scan (formats.limits.row_extent) against plain numpy: max |x| and max |x|·w per
+    row, +inf wherever a NaN or an infinity stands, in any column (the first, the last, the tail
+    of the 70-wide rows)."""
     rng = np.random.default_rng(5)
     x = (rng.standard_normal((40, 70)) * 10.0 ** rng.integers(-30, 30, (40, 1))).astype(np.float32)
     w = rng.random(70).astype(np.float32) * 1e3

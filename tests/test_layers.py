@@ -64,7 +64,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     # the kernels freeze type ids and block sizes from the one table of types
     ("the type table", ["quantkit.types"]),
     # leaves: they import no quantkit module (test_leaves_import_nothing)
-    ("leaves", ["quantkit.errors", "quantkit.kernel_cache", "quantkit.version", "quantkit.tables", "quantkit.grids", "quantkit.cpu", "quantkit.signals", "quantkit.omp_wait",
+    ("leaves", ["quantkit.errors", "quantkit.row_threads", "quantkit.kernel_cache", "quantkit.version", "quantkit.tables", "quantkit.grids", "quantkit.cpu", "quantkit.signals", "quantkit.omp_wait",
                 "quantkit.suggest", "quantkit.words", "quantkit.console", "quantkit.perplexity_log",
                 "quantkit.gguf_io.constants"]),
 ]
@@ -81,9 +81,11 @@ FUNCTION_LEVEL_ALLOWED: dict[tuple[str, str], str] = {
     ("quantkit.formats._base", "quantkit.formats.decode"):
         "start-up time: the reference decoder and the kernel modules it takes tables from are imported "
         "by the reference path only (formats._base.reference_decoder), not by every quantize",
-    ("quantkit.formats.limits", "quantkit.kernels.floats"):
-        "start-up time: `import quantkit.formats` (quantize, imatrix) imports no numba, so a refused "
-        "command never pays for it; the first format a plan uses does",
+    ("quantkit.formats.legacy", "quantkit.kernels.legacy"):
+        "start-up time: registering Q8_0 (numpy's quantizer, formats/q8_0_numpy.py) imports no numba, "
+        "so a q8_0 quantize of a float model never pays for it; the other legacy types' kernels do",
+    ("quantkit.formats.floats", "quantkit.kernels.floats"):
+        "start-up time: F16/BF16 decode in numpy; only encoding BF16 needs the kernel (and numba)",
     ("quantkit.quantize", "quantkit.formats.interleave"):
         "start-up time: the shuffle kernels (and numba) only for a plan that repacks; "
         "api.open_quantization imports quantize for every quantize, a refused one too",

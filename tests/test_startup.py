@@ -55,3 +55,33 @@ def test_batch_commands_let_openmp_workers_sleep(monkeypatch, tmp_path):
             with contextlib.redirect_stderr(io.StringIO()):
                 assert main([str(a) for a in command]) == 1
             assert os.environ["OMP_WAIT_POLICY"] == want, command
+
+
+_Q8_0_CHECK = """
+import contextlib, io, sys
+from quantkit.cli import main
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    assert main(["quantize", sys.argv[1], sys.argv[2], "q8_0", "--threads", "2"]) == 0
+assert "numba" not in sys.modules, "a q8_0 quantize of an F16 model imported numba"
+"""
+
+
+def test_q8_0_of_a_float_model_imports_no_numba_and_writes_the_kernels_bytes(tmp_path):
+    """F16 -> q8_0 (and F32 -> q8_0 for the 1-D norms: copies) runs numpy alone (formats/q8_0_numpy.py,
+    quantize.needs_numba): no numba import (~0.3 s of the command).  The file is the one numba's
+    kernels write, byte for byte (this process has numba loaded, so formats take the kernel)."""
+    import contextlib
+    import io
+
+    import numba  # noqa: F401  (the kernel path below)
+    import numpy as np
+
+    from quantkit.cli import main
+    model = write_llama(tmp_path / "m.gguf", n_layer=1, n_embd=256, n_ff=512, n_vocab=512, dtype=np.float16)
+    numpy_out, kernel_out = tmp_path / "numpy.gguf", tmp_path / "kernel.gguf"
+    run = subprocess.run([sys.executable, "-c", _Q8_0_CHECK, str(model), str(numpy_out)], capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["quantize", str(model), str(kernel_out), "q8_0", "--threads", "2"]) == 0
+    assert numpy_out.read_bytes() == kernel_out.read_bytes()

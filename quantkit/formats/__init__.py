@@ -19,7 +19,7 @@ from ._base import registered as _registered
 from .limits import first_excess
 
 __all__ = ["quantize", "dequantize", "can_quantize", "can_dequantize", "find_non_finite", "non_finite_column",
-           "first_excess", "FLAVORS", "BlockFormat"]
+           "first_excess", "numpy_only", "FLAVORS", "BlockFormat"]
 
 # gguf-py decodes these mainline layouts; ids where the fork differs are left out.
 _GGUF_PY_DECODABLE = {
@@ -85,6 +85,13 @@ def _format(qtype) -> type[BlockFormat] | None:
 def can_quantize(qtype, flavor: str = "ik", with_imatrix: bool = False) -> bool:
     fmt = _format(qtype)
     return fmt is not None and (flavor, with_imatrix) in fmt.quant_paths
+
+
+def numpy_only(src, dst) -> bool:
+    """Whether rows of ``src`` become ``dst`` without a numba kernel: decoded (F32 needs no
+    decoding) and quantized by numpy alone (BlockFormat.numpy_decode / numpy_quantize)."""
+    src_fmt, dst_fmt = _format(src), _format(dst)
+    return (src_fmt is not None and dst_fmt is not None and src_fmt.numpy_decode and dst_fmt.numpy_quantize)
 
 
 def can_dequantize(qtype) -> bool:

@@ -47,6 +47,10 @@ class BlockFormat:
     #: check look at those instead of decoding whole tensors.  None: decode and check everything.
     #: A row-scaled type lists its row scale (offset in the row) only where that alone decides.
     scale_fields: ClassVar[tuple[tuple[int, str], ...] | None] = None
+    #: ``quantize`` / ``dequantize_fast`` run numpy alone (no numba kernel): a quantize whose every
+    #: conversion is such a pair never imports numba (formats.numpy_only)
+    numpy_quantize: ClassVar[bool] = False
+    numpy_decode: ClassVar[bool] = False
 
     def __init_subclass__(cls, qtype: QuantType | None = None, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -27,15 +27,28 @@ comes from a weighted search whose details differ between the projects:
 Q8_0 ignores the imatrix in both projects.
 
 The quantizers are the numba kernels of :mod:`quantkit.kernels.legacy`, which keep the C evaluation
-order of every float32 (or double) expression; the reference decoder is formats/decode.py's.
+order of every float32 (or double) expression.  Q8_0 has a numpy twin (formats/q8_0_numpy.py, the
+same bytes), run while numba is not imported: a q8_0 quantize of a float model never imports it
+(~0.3 s), while a plan that loads kernels anyway gets the kernel, ~4x less CPU a value.  The kernels
+module is imported on the first use of a kernel.  The reference decoder is formats/decode.py's.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
-from ..kernels import legacy as kernels
+from ..tables import FP16_TABLE
 from ..types import QuantType
+from . import q8_0_numpy
 from ._base import BlockFormat, KernelFormat, reference_decoder
+
+
+def _kernels():
+    """kernels/legacy.py (numba), on first use: importing this module registers Q8_0, whose
+    quantizer needs none of it."""
+    from ..kernels import legacy
+    return legacy
 
 QK = 32                     # values per block (QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK8_0)
 
@@ -51,18 +64,20 @@ class _LegacyFormat(BlockFormat):
         n_rows, n = x.shape
         out = cls.empty_blocks(n_rows, n)
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if imatrix is None or cls.qtype == QuantType.Q8_0:
-            kernels.quantize_rows_plain(int(cls.qtype), x, out)
+        if cls.qtype == QuantType.Q8_0 and "numba" not in sys.modules:
+            q8_0_numpy.quantize_rows(x, out)        # the same bytes without importing numba
+        elif imatrix is None or cls.qtype == QuantType.Q8_0:
+            _kernels().quantize_rows_plain(int(cls.qtype), x, out)
         else:
-            kernels.quantize_rows_imatrix(int(cls.qtype), x, np.ascontiguousarray(imatrix, np.float32),
-                                          flavor == "ik", out)
+            _kernels().quantize_rows_imatrix(int(cls.qtype), x, np.ascontiguousarray(imatrix, np.float32),
+                                             flavor == "ik", out)
         return out
 
     @classmethod
     def dequantize_fast(cls, blocks, n_per_row):
         out = np.empty((blocks.shape[0], n_per_row), np.float32)
         blocks = np.ascontiguousarray(blocks, np.uint8)
-        kernels.dequantize_rows(int(cls.qtype), blocks, kernels.FP16_TABLE, out)
+        _kernels().dequantize_rows(int(cls.qtype), blocks, FP16_TABLE, out)
         return out
 
     dequantize_ref = reference_decoder
@@ -103,6 +118,7 @@ class Q5_1(_LegacyFormat, qtype=QuantType.Q5_1):
 class Q8_0(_LegacyFormat, qtype=QuantType.Q8_0):
     """``d = amax/127``, ``q = roundf(x/d)``; the imatrix is ignored by both projects."""
     quant_paths = _LEGACY_PATHS
+    numpy_quantize = True
     scale_fields = ((0, "<f2"),)
 
 
@@ -118,8 +134,10 @@ class Q6_0(KernelFormat, _LegacyFormat, qtype=QuantType.Q6_0):
     nmax = 32
     scale_fields = ((0, "<f2"),)
     quant_paths = _LEGACY_PATHS
-    _kernel_quantize = staticmethod(kernels.quantize_rows_q6_0)
+    @staticmethod
+    def _kernel_quantize(x, qw, has_qw, out):
+        _kernels().quantize_rows_q6_0(x, qw, has_qw, out)
 
     @staticmethod
     def _kernel_dequantize(blocks, out):
-        kernels.dequantize_rows_q6_0(blocks, kernels.FP16_TABLE, out)
+        _kernels().dequantize_rows_q6_0(blocks, FP16_TABLE, out)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..row_threads import over_rows, scratch
 from ..types import QK_K, QuantType, traits, type_name
 
 T = QuantType
@@ -124,15 +125,25 @@ class Excess:
 
 def row_extent(x: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
     """Per row of ``x`` (n_rows, n_per_row) float32: (max |x|, max |x|·imatrix) as (n_rows, 2)
-    float32, max |x| = +inf for a row holding a NaN or an infinity; one pass (kernels.floats)."""
-    # numba with the kernel: importing the formats (every quantize, imatrix, a refused one too)
-    # imports none; the first format a plan uses does
-    from ..kernels.floats import row_extent as row_extent_kernel
+    float32, max |x| = +inf for a row holding a NaN or an infinity (0 in the second column without
+    an imatrix).  numpy on rows split between threads (no numba: a q8_0 quantize imports none)."""
     x = np.ascontiguousarray(x, np.float32)
-    out = np.empty((x.shape[0], 2), np.float32)
-    qw = np.zeros(0, np.float32) if imatrix is None else np.ascontiguousarray(imatrix, np.float32)
-    row_extent_kernel(x, qw, imatrix is not None, out)
+    out = np.zeros((x.shape[0], 2), np.float32)
+    qw = None if imatrix is None else np.ascontiguousarray(imatrix, np.float32)
+    if x.size:
+        over_rows(lambda a, b: _row_extent(x[a:b], qw, out[a:b]), x.shape[0], x.shape[1])
     return out
+
+
+def _row_extent(x: np.ndarray, qw: np.ndarray | None, out: np.ndarray) -> None:
+    a = np.abs(x, out=scratch("extent.a", x.shape, np.float32))
+    big = a.max(axis=1)                         # NaN where the row holds one
+    big[np.isnan(big)] = np.inf
+    out[:, 0] = big
+    if qw is not None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            a *= qw
+        out[:, 1] = a.max(axis=1)
 
 
 def first_excess(x: np.ndarray, qtype, imatrix: np.ndarray | None = None,

@@ -1,7 +1,9 @@
-"""numba kernels for BF16 rows (F32 and F16 are plain numpy casts).
+"""numba kernels for float rows: float32 to BF16 (ggml's rounding), DeepSeek's FP8 blocks to BF16.
 
-Both work on bit patterns: ``x`` / ``out`` are uint32 views of float32 rows, ``b`` / ``out`` uint16
-views of the bf16 bytes, all shaped (n_rows, n_per_row).
+Decoding F16 and BF16 is numpy (formats/floats.py), as is the input scan before quantizing
+(formats/limits.row_extent): a q8_0 quantize of a float model then needs no kernel at all.  These work
+on bit patterns: ``x`` is a uint32 view of float32 rows, ``out`` a uint16 view of the bf16 bytes, all
+shaped (n_rows, n_per_row).
 """
 from __future__ import annotations
 
@@ -26,23 +28,6 @@ def fp32_to_bf16_rows(x, out):
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def bf16_to_fp32_rows(b, out):
-    n_rows, n = b.shape
-    for r in prange(n_rows):
-        for i in range(n):
-            out[r, i] = np.uint32(b[r, i]) << np.uint32(16)
-
-
-@njit(cache=True, parallel=True, nogil=True)
-def f16_to_fp32_rows(h, lut, out):
-    """F16 bit patterns to float32 through a 65536-entry table (exact, NaN payloads included)."""
-    n_rows, n = h.shape
-    for r in prange(n_rows):
-        for i in range(n):
-            out[r, i] = lut[h[r, i]]
-
-
-@njit(cache=True, parallel=True, nogil=True)
 def fp8_blocks_to_bf16_rows(q, scale, row_index, table, out):
     """DeepSeek's block-scaled float8 to bf16: out[r, c] = bf16(table[q[r, c]] * scale[row_index[r]
     // 128, c // 128]), the product in float32 and rounded to nearest even (NaN stays a quiet NaN).
@@ -60,26 +45,3 @@ def fp8_blocks_to_bf16_rows(q, scale, row_index, table, out):
                 out[r, c] = np.uint16((u >> np.uint32(16)) | np.uint32(64))
             else:
                 out[r, c] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-
-
-@njit(cache=True, parallel=True, nogil=True)
-def row_extent(x, qw, has_qw, out):
-    """Per float32 row of ``x`` (n_rows, n), in one pass: ``out[r, 0]`` = max |x| (+inf when the
-    row holds a NaN or an infinity), ``out[r, 1]`` = max |x|·qw (0 without ``has_qw``).
-
-    What the quantizer's input checks need (quantize.quantize_rows, formats/limits.py), without the
-    |x| copy and the separate isfinite pass numpy would make.  ``a - a`` is 0 for a finite value
-    and NaN for NaN or inf, so the NaN test is one sum a row (it vectorizes; a branch would not)."""
-    n_rows, n = x.shape
-    for r in prange(n_rows):
-        big = np.float32(0)
-        prod = np.float32(0)
-        nan = np.float32(0)
-        for i in range(n):
-            a = abs(x[r, i])
-            nan += a - a
-            big = max(big, a)
-            if has_qw:
-                prod = max(prod, a * qw[i])
-        out[r, 0] = big if nan == 0 else np.inf
-        out[r, 1] = prod

@@ -1,0 +1,96 @@
+"""Q8_0's quantizer in numpy: ggml's ``quantize_row_q8_0_ref`` byte for byte, without numba.
+
+Per block of 32 values (specs/ggml-quants.md §1.2)::
+
+    amax = MAX(amax, fabsf(x[j])) from 0, in order     d = amax / 127     id = d ? 1/d : 0
+    block = fp16(d)[0:2]  int8(roundf(x[j] * id))[2:34]     (roundf: halves away from zero)
+
+numba's kernel (kernels/legacy.py ``_q8_0_quantize_row``) computes the same bytes; this one exists
+because a q8_0 quantize of an F16/BF16/F32 model needs no other kernel, and importing numba and
+loading its cached kernels is ~0.3-0.5 s of such a command.  Rows are split between threads
+(row_threads.py: numpy releases the GIL in its loops), each step writing into the thread's
+reused work arrays.
+
+Where every block is plain (no NaN or infinity, ``d`` a normal float32 or 0) each step is one numpy
+operation over all blocks; a block holding a NaN, or whose scale is subnormal, takes the exact path
+below with C's order of MAX (a NaN is kept or dropped by the comparison after it) and x86's int8
+cast (a NaN, an infinity or a value beyond int32 is code 0), as numba's kernel does.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..row_threads import over_rows, scratch
+
+QK = 32
+BLOCK_BYTES = 2 + QK
+_FLT_MIN = np.float32(np.finfo(np.float32).tiny)
+_SIGN_BIT = np.uint32(0x80000000)
+_BELOW_HALF_BITS = np.float32(0.5 - 2.0 ** -25).view(np.uint32)     # nextafter(0.5, 0)
+
+
+#: blocks quantized per step: the step's work arrays stay in a core's L2 cache
+STEP_BLOCKS = 8192
+
+
+def quantize_rows(x: np.ndarray, out: np.ndarray) -> None:
+    """Q8_0 blocks of float32 rows ``x`` (n_rows, n_per_row), C-contiguous, into ``out`` (n_rows,
+    n_per_row // 32 * 34) uint8."""
+    n_rows, n = x.shape
+    over_rows(lambda a, b: _quantize_steps(x[a:b].reshape(-1, QK), out[a:b].reshape(-1, BLOCK_BYTES)), n_rows, n)
+
+
+def _quantize_steps(xb: np.ndarray, ob: np.ndarray) -> None:
+    for s in range(0, xb.shape[0], STEP_BLOCKS):
+        _quantize(xb[s:s + STEP_BLOCKS], ob[s:s + STEP_BLOCKS])
+
+
+def _c_order_max(a: np.ndarray) -> np.ndarray:
+    """``amax = amax > a[j] ? amax : a[j]`` from 0 over j, per row of ``a`` (n, 32), as C's MAX."""
+    amax = np.zeros(a.shape[0], np.float32)
+    for j in range(QK):
+        amax = np.where(amax > a[:, j], amax, a[:, j])
+    return amax
+
+
+def _quantize(xb: np.ndarray, ob: np.ndarray) -> None:
+    """Blocks ``xb`` (n, 32) float32 into ``ob`` (n, 34) uint8."""
+    nb = xb.shape[0]
+    a = np.abs(xb, out=scratch("q8_0.a", (nb, QK), np.float32))
+    # max |x| of each block by halving (a reduction along 32 values costs numpy a call per block);
+    # a NaN anywhere in a block makes its max NaN
+    m = np.maximum(a[:, :16], a[:, 16:], out=scratch("q8_0.m16", (nb, 16), np.float32))
+    for w in (8, 4, 2):
+        m = np.maximum(m[:, :w], m[:, w:], out=scratch(f"q8_0.m{w}", (nb, w), np.float32))
+    amax = np.maximum(m[:, 0], m[:, 1], out=scratch("q8_0.amax", (nb,), np.float32))
+    nan = np.isnan(amax)
+    if nan.any():
+        amax[nan] = _c_order_max(a[nan])
+    with np.errstate(all="ignore"):
+        d = amax / np.float32(127)
+        inv = np.zeros_like(d)
+        np.divide(np.float32(1), d, out=inv, where=d != 0)          # a NaN d gives a NaN inverse, as in C
+        v = np.multiply(xb, inv[:, None], out=scratch("q8_0.v", (nb, QK), np.float32))
+        # roundf(v) = trunc(v + copysign(0.5 - 2^-25, v)) for every finite float32 v: a half gets
+        # within half an ulp of the next integer and rounds up to it (to even where it is exactly
+        # halfway: 1 - 2^-25 -> 1), while below a half the sum stays more than half an ulp short
+        # of it; v has the sign of x (inv >= 0), so the constant takes x's sign bit
+        half = np.bitwise_and(xb.view(np.uint32), _SIGN_BIT, out=scratch("q8_0.half", (nb, QK), np.uint32))
+        half |= _BELOW_HALF_BITS
+        np.add(v, half.view(np.float32), out=v)
+        d16 = d.astype("<f2")
+    codes = ob[:, 2:].view(np.int8)
+    plain = np.isfinite(amax) & ((d >= _FLT_MIN) | (d == 0))
+    if plain.all():
+        np.copyto(codes, v, casting="unsafe")       # the cast truncates; |v| < 128 here
+    else:
+        # C's (int8_t)roundf(v) on x86: a NaN, an infinity or a value beyond int32 truncates to
+        # INT32_MIN (low byte 0); other values keep their low byte
+        with np.errstate(invalid="ignore"):
+            q = np.trunc(v)
+            inside = np.abs(q) < np.float32(2.0 ** 31)          # False for NaN
+        codes[:] = (np.where(inside, q, 0).astype(np.int64) & 0xFF).astype(np.uint8).view(np.int8)
+        bits, nan_d = d.view(np.uint32), np.isnan(d)
+        d16 = d16.view(np.uint16)
+        d16[nan_d] = ((bits[nan_d] >> 16) & 0x8000) | 0x7E00          # GGML_FP32_TO_FP16's NaN
+    ob[:, :2] = d16.view(np.uint8).reshape(-1, 2)
