@@ -194,55 +194,63 @@ IQ2_K_R4_BLOCK = 304
 _IQ2NL_PLUS32 = [int(v) + 32 for v in IQ2NL_VALUES] + [0] * 8
 
 
-@intrinsic
-def iq2_k_r4_chunk(typingctx, a, o, xq, xd, xsum, xo, out, oo):
-    """out[oo:oo + 4] += the 4 rows' dots of the IQ2_K_R4 super-block at byte o of a with the
-    rounded activations from value xo on (each lane the plain IQ2_K chunk dot of that row's
-    super-block: dot.chunk_dot with IQ2_K's layout)."""
-    def codegen(context, builder, sig, args):
-        a_v, o_v, xq_v, xd_v, xs_v, xo_v, out_v, oo_v = args
-        base = D._data(context, builder, sig.args[0], a_v)
-        xqb = D._data(context, builder, sig.args[2], xq_v)
-        xdb = D._data(context, builder, sig.args[3], xd_v)
-        xblock = builder.lshr(xo_v, _c(5))
-        v8i = ir.VectorType(_I32, 8)
-        vf4 = ir.VectorType(_F32, 4)
-        d = half_to_float(builder, D._load(builder, base, o_v, 4, _I16))
-        # lane byte m (32-bit lane q = m // 4: row q % 4, half q // 4): its extra byte q
-        extra = D._load(builder, base, builder.add(o_v, _c(8)), 8, _I8)
-        extra = _shuffle(builder, extra, [m // 4 for m in range(32)])
-        table = _vec(_I8, _IQ2NL_PLUS32 * 2)
-        ones8 = _vec(_I8, [1] * 32)
-        ones16 = _vec(_I16, [1] * 16)
-        lanes = []
-        for ib in range(8):
-            x = D._load(builder, xqb, builder.add(xo_v, _c(32 * ib)), 32, _I8)
-            bits = D._load(builder, base, builder.add(o_v, _c(48 + 32 * ib)), 32, _I8)
-            window = builder.shl(builder.and_(builder.lshr(extra, _vec(_I8, [ib] * 32)), _vec(_I8, [1] * 32)),
-                                 _vec(_I8, [2] * 32))
-            pairs = []
-            for j in range(4):
-                code = builder.and_(builder.lshr(bits, _vec(_I8, [2 * j] * 32)), _vec(_I8, [3] * 32))
-                u = D._pshufb(builder, table, builder.add(code, window))
-                pairs.append((u, _shuffle(builder, x, [16 * (m // 16) + 4 * j + m % 4 for m in range(32)])))
-            dots = _byte_dot(builder, pairs)
-            # Σ xq over each 16 values, in the lanes of its half: sums of 4 (pairs, then pairs of
-            # pairs), then added over the 4 lanes of each half
-            s4 = D._madd(builder, D._maddubs(builder, ones8, x), ones16)
-            s4 = builder.add(s4, _shuffle(builder, s4, [1, 0, 3, 2, 5, 4, 7, 6]))
-            s16 = builder.add(s4, _shuffle(builder, s4, [2, 3, 0, 1, 6, 7, 4, 5]))
-            # scale of lane q: nibble ib // 4 of scales[8 (ib % 4) + q], minus 8
-            sc = D._load(builder, base, builder.add(o_v, _c(16 + 8 * (ib % 4))), 8, _I8)
-            sc = builder.and_(builder.lshr(sc, _vec(_I8, [4 * (ib // 4)] * 8)), _vec(_I8, [15] * 8))
-            sc = builder.sub(builder.zext(sc, v8i), _vec(_I32, [8] * 8))
-            isum8 = builder.mul(sc, builder.sub(dots, builder.mul(s16, _vec(_I32, [32] * 8))))
-            isum = builder.add(_shuffle(builder, isum8, [0, 1, 2, 3]), _shuffle(builder, isum8, [4, 5, 6, 7]))
-            xd_g = _splat_f(builder, builder.load(builder.gep(xdb, [builder.add(xblock, _c(ib))])), 4)
-            lanes.append(builder.fmul(builder.sitofp(isum, vf4), builder.fmul(d, xd_g)))
-        zero = ir.Constant(vf4, [0.0] * 4)
-        _accumulate(context, builder, sig.args[6], out_v, oo_v, _fold8(builder, lanes, zero), 4)
-        return context.get_dummy_value()
-    return nbt.none(a, o, xq, xd, xsum, xo, out, oo), codegen
+def iq2_k_r4_chunk_dot():
+    """``chunk(a, o, xq, xd, xsum, xo, out, oo)``: out[oo:oo + 4] += the 4 rows' dots of the
+    IQ2_K_R4 super-block at byte o of a with the rounded activations from value xo on (each lane
+    the plain IQ2_K chunk dot of that row's super-block: dot.chunk_dot with IQ2_K's layout)."""
+    @intrinsic
+    def chunk(typingctx, a, o, xq, xd, xsum, xo, out, oo):
+        return nbt.none(a, o, xq, xd, xsum, xo, out, oo), _iq2_k_r4_codegen
+    return chunk
+
+
+def _iq2_k_r4_codegen(context, builder, sig, args):
+    """IQ2_K_R4's chunk as LLVM IR (the instruction tiers dot.py's flags select when it runs)."""
+    a_v, o_v, xq_v, xd_v, xs_v, xo_v, out_v, oo_v = args
+    base = D._data(context, builder, sig.args[0], a_v)
+    xqb = D._data(context, builder, sig.args[2], xq_v)
+    xdb = D._data(context, builder, sig.args[3], xd_v)
+    xblock = builder.lshr(xo_v, _c(5))
+    v8i = ir.VectorType(_I32, 8)
+    vf4 = ir.VectorType(_F32, 4)
+    d = half_to_float(builder, D._load(builder, base, o_v, 4, _I16))
+    # lane byte m (32-bit lane q = m // 4: row q % 4, half q // 4): its extra byte q
+    extra = D._load(builder, base, builder.add(o_v, _c(8)), 8, _I8)
+    extra = _shuffle(builder, extra, [m // 4 for m in range(32)])
+    table = _vec(_I8, _IQ2NL_PLUS32 * 2)
+    ones8 = _vec(_I8, [1] * 32)
+    ones16 = _vec(_I16, [1] * 16)
+    lanes = []
+    for ib in range(8):
+        x = D._load(builder, xqb, builder.add(xo_v, _c(32 * ib)), 32, _I8)
+        bits = D._load(builder, base, builder.add(o_v, _c(48 + 32 * ib)), 32, _I8)
+        window = builder.shl(builder.and_(builder.lshr(extra, _vec(_I8, [ib] * 32)), _vec(_I8, [1] * 32)),
+                             _vec(_I8, [2] * 32))
+        pairs = []
+        for j in range(4):
+            code = builder.and_(builder.lshr(bits, _vec(_I8, [2 * j] * 32)), _vec(_I8, [3] * 32))
+            u = D._pshufb(builder, table, builder.add(code, window))
+            pairs.append((u, _shuffle(builder, x, [16 * (m // 16) + 4 * j + m % 4 for m in range(32)])))
+        dots = _byte_dot(builder, pairs)
+        # Σ xq over each 16 values, in the lanes of its half: sums of 4 (pairs, then pairs of
+        # pairs), then added over the 4 lanes of each half
+        s4 = D._madd(builder, D._maddubs(builder, ones8, x), ones16)
+        s4 = builder.add(s4, _shuffle(builder, s4, [1, 0, 3, 2, 5, 4, 7, 6]))
+        s16 = builder.add(s4, _shuffle(builder, s4, [2, 3, 0, 1, 6, 7, 4, 5]))
+        # scale of lane q: nibble ib // 4 of scales[8 (ib % 4) + q], minus 8
+        sc = D._load(builder, base, builder.add(o_v, _c(16 + 8 * (ib % 4))), 8, _I8)
+        sc = builder.and_(builder.lshr(sc, _vec(_I8, [4 * (ib // 4)] * 8)), _vec(_I8, [15] * 8))
+        sc = builder.sub(builder.zext(sc, v8i), _vec(_I32, [8] * 8))
+        isum8 = builder.mul(sc, builder.sub(dots, builder.mul(s16, _vec(_I32, [32] * 8))))
+        isum = builder.add(_shuffle(builder, isum8, [0, 1, 2, 3]), _shuffle(builder, isum8, [4, 5, 6, 7]))
+        xd_g = _splat_f(builder, builder.load(builder.gep(xdb, [builder.add(xblock, _c(ib))])), 4)
+        lanes.append(builder.fmul(builder.sitofp(isum, vf4), builder.fmul(d, xd_g)))
+    zero = ir.Constant(vf4, [0.0] * 4)
+    _accumulate(context, builder, sig.args[6], out_v, oo_v, _fold8(builder, lanes, zero), 4)
+    return context.get_dummy_value()
+
+
+iq2_k_r4_chunk = iq2_k_r4_chunk_dot()
 
 
 @njit(inline="always", error_model="numpy")

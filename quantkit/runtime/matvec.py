@@ -21,8 +21,11 @@ block into integers, then multiplied the same way.  Each type compiles its own l
 the kernel (``_kernel``).  The loop passes byte and value offsets, never views, down to the
 chunks: a view per row would count a reference up and down on an array both threads share.
 
-Interleaved types (``_r4``/``_r8``) are regrouped into their plain rows once, on first use (see
-``Weight.plain_layout``), and take the plain type's kernel; those with a layout of their own
+Interleaved types (``_r4``/``_r8``) with a group kernel (``STEP``: q4_0_r8, iq2_k_r4) are read as
+stored, the R rows of a group at once, one row per vector lane (group_dot.py: each row the bits of
+the plain kernel's); the others are regrouped into their plain rows once, on first use (see
+``Weight.plain_layout``), and take the plain type's kernel, as a batch's products of every
+interleaved type do (matmul8); those with a layout of their own
 (code_dots: iq1_s_r4, iq1_m_r4, q8_KV_r8, q8_k_r8) are read as stored.  The numpy twin is decoding the rows
 and multiplying with the rounded activations (``formats.dequantize(...) @ round_q8(x)``), which
 the tests compare with.
