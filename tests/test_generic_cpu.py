@@ -43,9 +43,10 @@ import quantkit
 from hostile import run_cli
 from models import write_llama
 from quantkit import cpu
-from quantkit.runtime import dot, kernels, matvec
+from quantkit.runtime import dot, group_dot, kernels, matvec
 from quantkit.types import QuantType, type_name
-from test_runtime_matvec import FUSED, _chunks, check_batch_product, check_chunk, check_fused_product, product_cases, rows_of
+from test_runtime_matvec import (FUSED, STEP_TYPES, _chunks, check_batch_product, check_chunk, check_fused_product,
+                                 check_step_product, product_cases, rows_of)
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = "QUANTKIT_TEST_GENERIC_ROWS"             # the child's matrices (.npz), quantized by the parent
@@ -60,6 +61,7 @@ CHILD_CHECKS = [
     "tests/test_generic_cpu.py::test_half_widening_is_exact_for_every_half",
     "tests/test_generic_cpu.py::test_fused_products_of_every_kernel",
     "tests/test_generic_cpu.py::test_batch_products_token_for_token",
+    "tests/test_generic_cpu.py::test_interleaved_step_products",
     "tests/test_runtime_matvec.py::test_attention_of_a_few_tokens_equals_the_batched_path",
     "tests/test_runtime_matvec.py::test_latent_attention_of_a_few_tokens_reads_the_value_view",
     "tests/test_formats_kt.py::test_golden",
@@ -236,6 +238,53 @@ def test_fused_products_of_every_kernel():
         check_fused_product(qtype, rows)
 
 
+@child_only
+def test_interleaved_step_products():
+    """The group kernels of interleaved types (group_dot) the bits of the plain kernel, here too."""
+    with np.load(os.environ[ROWS]) as stored:
+        matrices = dict(stored)
+    for qtype in STEP_TYPES:
+        check_step_product(qtype, lambda q, n_rows, n, seed: matrices[_key(q, n, seed)])
+
+
+# the group kernels' chunks checked per tier: (type, chunk factory, values: one chunk's)
+GROUP_CHUNKS = ((QuantType.Q4_0_R8, lambda: group_dot.q4_0_r8_chunk(8), 256),
+                (QuantType.Q4_0_R8, lambda: group_dot.q4_0_r8_chunk(2), 64),
+                (QuantType.IQ2_K_R4, group_dot.iq2_k_r4_chunk_dot, 256))
+
+
+@pytest.mark.parametrize("tier", [_tier("avx2"), _tier("ssse3"), _tier("sse2"), "plain"])
+def test_group_products_of_every_instruction_tier(tier, monkeypatch):
+    """The group kernels' chunks (group_dot: R interleaved rows at once) built for the tiers below
+    the target's, compiled and run here, bit for bit the target's kernel on the same rows (which
+    test_runtime_matvec holds to the plain kernel's bits): a product of one chunk's values is
+    that chunk."""
+    cases = []
+    for qtype, make, n in GROUP_CHUNKS:          # the target's results first: compiled unpatched
+        group = QuantType(qtype)
+        blocks = rows_of(group, 2 * matvec._GROUP_ROWS[matvec.STEP[group]], n, n)
+        x = np.random.default_rng(n).standard_normal((1, n)).astype(np.float32) * 3
+        xq, xd, xs = np.empty((1, n), np.int8), np.empty((1, n // 32), np.float32), np.empty((1, n // 32), np.float32)
+        matvec.round_q8(x, xq, xd, xs)
+        cases.append((make, blocks, xq.reshape(-1), xd.reshape(-1), xs.reshape(-1),
+                      matvec.matvec(matvec.STEP[group], blocks, x).reshape(-1)))
+    monkeypatch.setattr(dot, "_VNNI", False)
+    monkeypatch.setattr(dot, "_AVX512BW", False)
+    monkeypatch.setattr(dot, "_AVX2", tier == "avx2")
+    monkeypatch.setattr(dot, "_SSSE3", tier in ("avx2", "ssse3"))
+    monkeypatch.setattr(dot, "_SSE2", tier in ("avx2", "ssse3", "sse2"))
+    for make, blocks, xq, xd, xs, want in cases:
+        chunk = make()                                 # the tier's IR
+
+        @njit
+        def run(b, xq, xd, xs, out, rows, row_size):
+            for r in range(0, out.shape[0], rows):
+                chunk(b, r * row_size, xq, xd, xs, 0, out, r)
+        got = np.zeros(blocks.shape[0], np.float32)
+        run(blocks.reshape(-1), xq, xd, xs, got, blocks.shape[0] // 2, blocks.shape[1])
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 # a batch's kernels (matmul8) of one type per path of the byte products: signed codes, a folded
 # bias, a min, high bits, a legacy grid, E8M0 scales, mins, run mins, a paired grid, a row scale
 BATCH_TYPES = [QuantType[n] for n in ("Q8_0", "Q4_1", "Q5_0", "IQ4_NL", "MXFP4", "Q4_K", "Q2_K", "Q6_K", "IQ4_K",
@@ -262,7 +311,7 @@ def test_generic_cpu_target(tmp_path, shared_dir):
     """The checks above (CHILD_CHECKS) in a child that compiles for NUMBA_CPU_NAME=generic, and a
     `quantkit run` there that gives the host's greedy tokens."""
     matrices = {_key(q, n, seed): rows_of(q, n_rows, n, seed)
-                for q in {*KERNEL_TYPES, *BATCH_TYPES} for n, n_rows, seed in product_cases(q)}
+                for q in {*KERNEL_TYPES, *BATCH_TYPES, *STEP_TYPES} for n, n_rows, seed in product_cases(q)}
     np.savez(tmp_path / "rows.npz", **matrices)
     env = _generic_env(tmp_path)
     start = time.perf_counter()

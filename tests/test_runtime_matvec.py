@@ -66,6 +66,9 @@ def test_every_kernel_is_reached():
     names = {type_name(q) for q in FUSED}
     for must in ("q8_0_r8", "q4_0_r8", "iq4_nl_r4", "q4_k_r4", "q6_k_r4", "iq4_k_r4", "iq2_k_r4", "iq4_xs_r8"):
         assert must in names, must
+    # group kernels of their own (after every plain kind), for the types bench/run.py measures
+    assert {T.Q4_0_R8, T.IQ2_K_R4} <= set(matvec.STEP)
+    assert min(matvec.STEP.values()) == len(matvec.KIND)
 
 
 def _widths(qtype):
@@ -102,6 +105,63 @@ def check_fused_product(qtype, rows=rows_of):
 @pytest.mark.parametrize("qtype", FUSED, ids=type_name)
 def test_fused_product_equals_decoded_rows_times_rounded_activations(qtype):
     check_fused_product(qtype)
+
+
+# interleaved types whose generation steps read the stored groups of rows (runtime/group_dot.py)
+STEP_TYPES = sorted(matvec.STEP, key=int)
+
+
+def check_step_product(qtype, rows=rows_of):
+    """An interleaved type's generation kernel (matvec.STEP: R stored rows at once) gives every row
+    the bits of the plain kernel over the regrouped rows (matvec.FUSED's), for 1 and FUSED_TOKENS
+    tokens, alone, through ops_cpu.matmul_q (which then regroups nothing) and beside other weights
+    in one matvec.Products launch (also run by test_generic_cpu on the generic CPU target)."""
+    step = matvec.STEP[qtype]
+    kind, regrouped = matvec.FUSED[qtype]
+    assert regrouped
+    for n, n_rows, seed in product_cases(qtype):
+        blocks = rows(qtype, n_rows, n, seed)
+        w = Weight("w", qtype, (n, n_rows), blocks)
+        plain = interleave.deinterleave(blocks, qtype, n)
+        products = matvec.Products([(kind, plain), (step, blocks)])
+        for n_tok in (1, ops_cpu.FUSED_TOKENS):
+            x = np.random.default_rng(seed + n_tok).standard_normal((n_tok, n)).astype(np.float32) * 3
+            x[0, 32:64] = 0                                 # an all-zero block: scale 0
+            want = matvec.matvec(kind, plain, x).view(np.uint32)
+            msg = f"{type_name(qtype)} n={n} tokens={n_tok}"
+            np.testing.assert_array_equal(matvec.matvec(step, blocks, x).view(np.uint32), want, err_msg=msg)
+            np.testing.assert_array_equal(ops_cpu.matmul_q(w, x).view(np.uint32), want, err_msg=msg)
+            both = products(x)
+            np.testing.assert_array_equal(both[1].view(np.uint32), want, err_msg=msg)
+            np.testing.assert_array_equal(both[0].view(np.uint32), want, err_msg=msg)
+        assert not w._plain                                 # the step read the stored groups
+
+
+@pytest.mark.parametrize("qtype", STEP_TYPES, ids=type_name)
+def test_interleaved_step_kernel_equals_the_plain_kernel_row_for_row(qtype):
+    check_step_product(qtype)
+
+
+def test_interleaved_step_kernels_refuse_partial_groups_and_other_lengths():
+    """The group kernels read whole groups of rows without bounds checks: matvec and Products
+    refuse a row count that is not a multiple of the group, rows of another length than x's, and
+    Products an input of another length than its rows'."""
+    for qtype in STEP_TYPES:
+        group = traits(qtype).interleave_rows
+        n = 256 if traits(qtype).block_size == 256 else 64
+        blocks = rows_of(qtype, 2 * group, n, 1)
+        step = matvec.STEP[qtype]
+        x = np.ones((1, n), np.float32)
+        with pytest.raises(ValueError, match="multiple"):
+            matvec.matvec(step, blocks[:group + group // 2], x)
+        with pytest.raises(ValueError, match="multiple"):
+            matvec.Products([(step, blocks[:group // 2])])
+        with pytest.raises(ValueError, match="values"):
+            matvec.matvec(step, blocks, np.ones((1, 2 * n), np.float32))
+        with pytest.raises(ValueError, match="values"):
+            matvec.Products([(step, blocks)])(np.ones((1, 2 * n), np.float32))
+        with pytest.raises(ValueError, match="lengths"):
+            matvec.Products([(step, blocks), (matvec.kind_of(T.Q8_0), rows_of(T.Q8_0, 4, 2 * n, 1))])
 
 
 # the types whose batches matmul8 multiplies: one per kernel, and interleaved ones (their plain rows)

@@ -21,8 +21,11 @@ block into integers, then multiplied the same way.  Each type compiles its own l
 the kernel (``_kernel``).  The loop passes byte and value offsets, never views, down to the
 chunks: a view per row would count a reference up and down on an array both threads share.
 
-Interleaved types (``_r4``/``_r8``) are regrouped into their plain rows once, on first use (see
-``Weight.plain_layout``), and take the plain type's kernel; those with a layout of their own
+Interleaved types (``_r4``/``_r8``) with a group kernel (``STEP``: q4_0_r8, iq2_k_r4) are read as
+stored, the R rows of a group at once, one row per vector lane (group_dot.py: each row the bits of
+the plain kernel's); the others are regrouped into their plain rows once, on first use (see
+``Weight.plain_layout``), and take the plain type's kernel, as a batch's products of every
+interleaved type do (matmul8); those with a layout of their own
 (code_dots: iq1_s_r4, iq1_m_r4, q8_KV_r8, q8_k_r8) are read as stored.  The numpy twin is decoding the rows
 and multiplying with the rounded activations (``formats.dequantize(...) @ round_q8(x)``), which
 the tests compare with.
@@ -37,8 +40,9 @@ from numba.extending import intrinsic, overload
 from .. import kernel_cache  # noqa: F401  (keys numba's cache on quantkit's sources)
 from ..layouts import LAYOUTS, Layout, Run
 from ..tables import MXFP4_VALUES
-from ..types import TYPE_TRAITS, QuantType
+from ..types import TYPE_TRAITS, QuantType, traits, type_name
 from . import dot as D
+from . import group_dot
 from .code_dots import TYPES as CODED
 from . import code_dots
 from .code_dots import coded_row, new_scratch
@@ -109,6 +113,26 @@ def kind_of(qtype: QuantType) -> int | None:
 # microsecond per product, 200 products a SmolLM2 step)
 FUSED = {q: (k, regroups(q)) for q, k in _KIND_OF.items()}
 
+# interleaved types whose generation steps read the stored groups of rows, R rows at once
+# (group_dot.py): stored type -> kernel selector, after every kind above.  FUSED keeps their
+# regrouped base kind, which a batch's products (matmul8) take
+STEP = {q: len(KIND) + i for i, q in enumerate(group_dot.ROWS)}
+_GROUP_ROWS = {k: traits(q).interleave_rows for q, k in STEP.items()}
+
+
+def check_rows(kind: int, blocks: np.ndarray, n_in: int) -> None:
+    """ValueError unless ``blocks`` (n_rows, row_size) are whole rows of n_in values of the type
+    ``kind`` selects, in whole groups for an interleaved kind: the kernels read without bounds
+    checks."""
+    qtype = _TYPE_OF_KIND[kind]
+    t = traits(qtype)
+    n_rows, row_size = blocks.shape
+    group = _GROUP_ROWS.get(kind, 1)
+    if n_in % t.block_size or row_size != t.row_size(n_in):
+        raise ValueError(f"{type_name(qtype)}: rows of {row_size} bytes are not {n_in} values")
+    if n_rows % group:
+        raise ValueError(f"{type_name(qtype)}: {n_rows} rows are not a multiple of {group}")
+
 
 # ---- the chunk dots of each type, from its layout (quantkit.layouts) ----
 #
@@ -132,7 +156,7 @@ CHUNK_BLOCKS = (8, 4, 2, 1)
 _LEGACY_CHUNKS = {q: tuple(_legacy_chunk(lay, n) for n in CHUNK_BLOCKS) for q, lay in LEGACY.items()}
 SUPER_CHUNKS = {q: D.chunk_dot(lay.runs, table=lay.grid is not None, sup=lay.sup) for q, lay in SUPER.items()}
 
-_TYPE_OF_KIND = {k: q for q, k in KIND.items()}
+_TYPE_OF_KIND = {k: q for q, k in {**KIND, **STEP}.items()}
 
 
 # ---- row dots, one compiled loop per type ----
@@ -242,7 +266,38 @@ def _task_scratch(kind):
     return lambda kind: ()
 
 
+def rows_into(kind, b, row_size, r0, r1, xf, xq, xd, xsum, n_tok, n_in, out, out_stride):
+    """out[t * out_stride + r] = row r of b (rows of row_size bytes, of the type ``kind``) · token
+    t, for the rows r0..r1 and the n_tok tokens of xf (float32) or of their rounding xq, xd, xsum:
+    a task's rows, one at a time (row_dot), or for an interleaved kind (STEP) a group of rows at a
+    time (group_dot: r0, r1 on group boundaries)."""
+    raise NotImplementedError("called from numba code only")
+
+
+@overload(rows_into, prefer_literal=True, inline="always")
+def _rows_into(kind, b, row_size, r0, r1, xf, xq, xd, xsum, n_tok, n_in, out, out_stride):
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    group = _GROUP_ROWS.get(kind.literal_value)
+    if group is not None:
+        grow = group_dot.ROWS[_TYPE_OF_KIND[kind.literal_value]]
+
+        def grouped(kind, b, row_size, r0, r1, xf, xq, xd, xsum, n_tok, n_in, out, out_stride):
+            for r in range(r0, r1, group):
+                for t in range(n_tok):
+                    grow(b, r * row_size, xq, xd, xsum, t * n_in, n_in, out, t * out_stride + r)
+        return grouped
+
+    def rows(kind, b, row_size, r0, r1, xf, xq, xd, xsum, n_tok, n_in, out, out_stride):
+        scratch = task_scratch(kind)
+        for r in range(r0, r1):
+            for t in range(n_tok):
+                out[t * out_stride + r] = row_dot(kind, b, r * row_size, xf, xq, xd, xsum, t * n_in, n_in, scratch)
+    return rows
+
+
 ROWS_PER_TASK = 16
+assert all(ROWS_PER_TASK % g == 0 for g in _GROUP_ROWS.values())     # a task's rows are whole groups
 
 
 @njit(**_OPTS)
@@ -278,11 +333,10 @@ def _matvec(blocks, x, out, kind):
     xsum = np.empty(n_tok * n_in // 32, F)
     if kind >= FLOAT_KINDS:
         round_q8(x, xq.reshape(n_tok, n_in), xd.reshape(n_tok, n_in // 32), xsum.reshape(n_tok, n_in // 32))
+    of = out.reshape(n_tok * n_rows)
     for task in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        scratch = task_scratch(kind)
-        for r in range(task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK)):
-            for t in range(n_tok):
-                out[t, r] = row_dot(kind, flat, r * row_size, xf, xq, xd, xsum, t * n_in, n_in, scratch)
+        rows_into(kind, flat, row_size, task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK),
+                  xf, xq, xd, xsum, n_tok, n_in, of, n_rows)
 
 
 _U8_2D, _F32_2D = types.Array(types.uint8, 2, "C"), types.Array(types.float32, 2, "C")
@@ -306,6 +360,8 @@ def matvec(kind: int, blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
     token)."""
     blocks = np.ascontiguousarray(blocks, np.uint8)
     x = np.ascontiguousarray(x, F)
+    if kind in _GROUP_ROWS:
+        check_rows(kind, blocks, x.shape[1])
     out = np.empty((x.shape[0], blocks.shape[0]), F)
     (_ENTRY.get(kind) or _kernel(kind))(blocks, x, out, kind)
     return out
@@ -363,13 +419,10 @@ def _rows(kind, b, row_size, r0, r1, n_in, n_tok, x, xq, xd, xsum, out, out_stri
     s = carray(_pointer(xsum, np.float32), n_tok * n_in // 32)
     o = carray(_pointer(out, np.float32), n_tok * out_stride)
     # the buffers code_dots.FILLS kinds unpack a row's blocks into (the ternary types, q8_KV,
-    # iq1_s_r4, ...): made by each call, i.e. each task of rows on its thread, and held as arrays
-    # until its rows are done; no two tasks share them (they were what first showed _products
-    # freeing its rounded activations before the loop read them: see _products)
-    scratch = task_scratch(kind)
-    for r in range(r0, r1):
-        for t in range(n_tok):
-            o[t * out_stride + r] = row_dot(kind, flat, r * row_size, xf, q, d, s, t * n_in, n_in, scratch)
+    # iq1_s_r4, ...): made by rows_into in each call, i.e. each task of rows on its thread, and held
+    # as arrays until its rows are done; no two tasks share them (they were what first showed
+    # _products freeing its rounded activations before the loop read them: see _products)
+    rows_into(kind, flat, row_size, r0, r1, xf, q, d, s, n_tok, n_in, o, out_stride)
 
 
 _ROWS: dict[int, int] = {}          # kind -> address of the C wrapper of _rows compiled for it
@@ -431,6 +484,16 @@ class Products:
     def __init__(self, parts):
         self.blocks = [np.ascontiguousarray(b, np.uint8) for _, b in parts]     # kept: the table holds their addresses
         kinds = [k for k, _ in parts]
+        # the values per row each part's row size stands for: an input of another length is
+        # refused (the kernels read without bounds checks), as are partial groups of rows
+        n_ins = set()
+        for k, b in zip(kinds, self.blocks):
+            t = traits(_TYPE_OF_KIND[k])
+            n_ins.add((b.shape[1] - t.row_meta_size) // t.type_size * t.block_size)
+            check_rows(k, b, (b.shape[1] - t.row_meta_size) // t.type_size * t.block_size)
+        if len(n_ins) > 1:
+            raise ValueError("Products: rows of different lengths")
+        self.n_in = n_ins.pop() if n_ins else 0
         self.rounded = any(k >= FLOAT_KINDS for k in kinds)
         rows = np.array([b.shape[0] for b in self.blocks], np.int64)
         bounds = np.concatenate([[0], np.cumsum(rows)])
@@ -447,6 +510,8 @@ class Products:
 
     def __call__(self, x: np.ndarray) -> list[np.ndarray]:
         n_tok, n_in = x.shape
+        if n_in != self.n_in or not x.flags.c_contiguous or x.dtype != F:
+            raise ValueError(f"Products: x of {n_in} values (float32, C-contiguous) for rows of {self.n_in}")
         out = np.empty((n_tok, self.n_out), F)
         xq, xd, xsum = np.empty(n_tok * n_in, np.int8), np.empty(n_tok * n_in // 32, F), np.empty(n_tok * n_in // 32, F)
         _PRODUCTS(self.table, x, out, self.rounded, xq, xd, xsum)

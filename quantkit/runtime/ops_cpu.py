@@ -109,6 +109,9 @@ def matmul_q(w: Weight, x: np.ndarray, fused: bool | None = None) -> np.ndarray:
         if kernel is not None:
             kind, regrouped = kernel
             if x.shape[0] <= FUSED_TOKENS:
+                step = matvec.STEP.get(w.qtype)         # interleaved rows read as stored, R at once
+                if step is not None:
+                    return matvec.matvec(step, w.blocks, x)
                 return matvec.matvec(kind, w.plain_layout()[1] if regrouped else w.blocks, x)
             if matmul8.supports(kind):
                 return matmul8.matmul8(kind, w.plain_layout()[1] if regrouped else w.blocks, x)
@@ -164,7 +167,8 @@ def _products(ws):
             parts = None
             break
         kind, regrouped = kernel
-        parts.append((kind, w.plain_layout()[1] if regrouped else w.blocks))
+        step = matvec.STEP.get(w.qtype)
+        parts.append((step, w.blocks) if step is not None else (kind, w.plain_layout()[1] if regrouped else w.blocks))
     products = None if parts is None else matvec.Products(parts)
     refs = [weakref.ref(w, lambda _, key=key: _PRODUCTS.pop(key, None)) for w in ws]
     _PRODUCTS[key] = (refs, products)
