@@ -20,8 +20,9 @@ from numba import njit, types
 from numba.extending import overload
 
 from . import matvec
-from .dot import f32_at, half_at
+from .dot import _VNNI, f32_at, half_at
 from .dot_batch import chunk_dot_batch
+from .dot_tiles import CHUNK_BYTES, TOKENS, tile_chunk, unpack_chunk
 from .matvec import CHUNK_BLOCKS, LEGACY, SUPER, TABLES, E8M0_LAYOUTS
 from .tiles import by_rows
 
@@ -30,6 +31,8 @@ F = np.float32
 # tokens multiplied with one unpacked chunk: their 8-bit activations (TOKEN_BLOCK x n_in bytes)
 # stay in L1/L2 while a thread's rows stream past them
 TOKEN_BLOCK = 32
+# with vpdpbusd (VNNI) the tiles of dot_tiles.py, else dot_batch's chunk dots per token
+TILED = _VNNI
 
 
 def _legacy_chunks(qtype):
@@ -132,7 +135,245 @@ def _round(x, xq, xd, xsum, r0, r1):
     matvec.round_q8(x[r0:r1], xq[r0:r1], xd[r0:r1], xsum[r0:r1])
 
 
-_U8_2D, _I8_2D, _F32_2D = (types.Array(t, 2, "C") for t in (types.uint8, types.int8, types.float32))
+
+# ---- tiles of rows x tokens (dot_tiles.py: vpdpbusd with a token per lane; CPUs with VNNI) ----
+
+# rows multiplied together with a block of TOKENS tokens: each 4 activation bytes of the 8 tokens
+# loaded once for all of them (their codes unpacked once per row for the whole batch)
+TILE_ROWS = 4
+
+
+def _run_n(qtype) -> int:
+    """The values per run whose activation sums a type's run mins take (Q2_K), else 0."""
+    sup = SUPER[qtype].sup if qtype in SUPER else None
+    return SUPER[qtype].runs[0].n if sup is not None and sup.run_mins else 0
+
+
+def _legacy_tile_parts(qtype):
+    lay = LEGACY[qtype]
+    out = []
+    for n in CHUNK_BLOCKS:
+        runs = tuple(r.moved(lay.block_bytes * i, lay.block_values * i) for i in range(n) for r in lay.runs)
+        e8m0 = qtype in E8M0_LAYOUTS
+        out.append((unpack_chunk(runs, table=lay.grid is not None, e8m0=e8m0), tile_chunk(runs, e8m0=e8m0, rows=TILE_ROWS)))
+    return tuple(out)
+
+
+def _legacy_tiled(qtype):
+    """(unpack(b, bo, buf, co, n): the row at byte bo unpacked chunk by chunk from buf[co] on;
+    tile(buf, co, rstride, xp, xpo, xd, xs, xdo, xr, xro, n, acc): TILE_ROWS such rows times a
+    token block, the chunks of matvec._legacy_row (8, 4, 2 and 1 blocks) in its order."""
+    (u8, t8), (u4, t4), (u2, t2), (u1, t1) = _legacy_tile_parts(qtype)
+    block_bytes = LEGACY[qtype].block_bytes
+    table = TABLES[qtype]
+    cb = CHUNK_BYTES
+
+    def unpack(b, bo, buf, co, n):
+        nb = n // 32
+        ib = 0
+        while ib + 8 <= nb:
+            u8(b, bo + block_bytes * ib, table, buf, co)
+            ib += 8
+            co += cb
+        if ib + 4 <= nb:
+            u4(b, bo + block_bytes * ib, table, buf, co)
+            ib += 4
+            co += cb
+        if ib + 2 <= nb:
+            u2(b, bo + block_bytes * ib, table, buf, co)
+            ib += 2
+            co += cb
+        if ib < nb:
+            u1(b, bo + block_bytes * ib, table, buf, co)
+
+    def tile(buf, co, rstride, xp, xpo, xd, xs, xdo, xr, xro, n, acc):
+        nb = n // 32
+        ib = 0
+        while ib + 8 <= nb:
+            t8(buf, co, rstride, xp, xpo + 256 * ib, xd, xs, xdo + 8 * ib, xr, xro, acc)
+            ib += 8
+            co += cb
+        if ib + 4 <= nb:
+            t4(buf, co, rstride, xp, xpo + 256 * ib, xd, xs, xdo + 8 * ib, xr, xro, acc)
+            ib += 4
+            co += cb
+        if ib + 2 <= nb:
+            t2(buf, co, rstride, xp, xpo + 256 * ib, xd, xs, xdo + 8 * ib, xr, xro, acc)
+            ib += 2
+            co += cb
+        if ib < nb:
+            t1(buf, co, rstride, xp, xpo + 256 * ib, xd, xs, xdo + 8 * ib, xr, xro, acc)
+    return njit(unpack, inline="always"), njit(tile, inline="always")
+
+
+def _super_tiled(qtype):
+    """As _legacy_tiled for a super-block type: a chunk per super-block (matvec._super_row)."""
+    lay = SUPER[qtype]
+    u = unpack_chunk(lay.runs, table=lay.grid is not None, sup=lay.sup)
+    t = tile_chunk(lay.runs, sup=lay.sup, rows=TILE_ROWS)
+    table = TABLES[qtype]
+    block_bytes, meta = lay.block_bytes, lay.row_scale_bytes
+    cb = CHUNK_BYTES
+    run_n = _run_n(qtype)
+    xr_step = 256 // run_n * TOKENS if run_n else 0
+
+    def unpack(b, bo, buf, co, n):
+        for sb in range(n // 256):
+            u(b, bo + meta + block_bytes * sb, table, buf, co + cb * sb)
+
+    def tile(buf, co, rstride, xp, xpo, xd, xs, xdo, xr, xro, n, acc):
+        for sb in range(n // 256):
+            t(buf, co + cb * sb, rstride, xp, xpo + 2048 * sb, xd, xs, xdo + 64 * sb, xr, xro + xr_step * sb, acc)
+    return njit(unpack, inline="always"), njit(tile, inline="always")
+
+
+def _row_scale(qtype):
+    """finish(b, bo, s): a row's sum s times the row's scale in front of its blocks, if it has one
+    (matvec._super_row: the same multiply)."""
+    meta = SUPER[qtype].row_scale_bytes if qtype in SUPER else 0
+
+    def finish(b, bo, s):
+        if meta == 4:
+            return s * f32_at(b, bo)
+        if meta == 2:
+            return s * half_at(b, bo)
+        return s
+    return njit(finish, inline="always")
+
+
+def tiled(kind, part):
+    """``part`` (0 unpack, 1 tile, 2 finish) of the tiled products of the type ``kind``."""
+    raise NotImplementedError("called from numba code only")
+
+
+def n_chunks(kind, n):
+    raise NotImplementedError("called from numba code only")
+
+
+_TILED: dict = {}
+
+
+@overload(tiled, prefer_literal=True, inline="always")
+def _tiled(kind, part):
+    if not isinstance(kind, types.IntegerLiteral) or not isinstance(part, types.IntegerLiteral):
+        return None
+    qtype = _TYPE_OF_KIND[kind.literal_value]
+    fns = _TILED.get(qtype)
+    if fns is None:
+        fns = _TILED[qtype] = (*(_legacy_tiled(qtype) if qtype in LEGACY else _super_tiled(qtype)), _row_scale(qtype))
+    fn = fns[part.literal_value]
+    return lambda kind, part: fn
+
+
+@overload(n_chunks, prefer_literal=True, inline="always")
+def _n_chunks_ov(kind, n):
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    qtype = _TYPE_OF_KIND[kind.literal_value]
+    if qtype in SUPER:
+        return lambda kind, n: n // 256
+
+    def legacy(kind, n):
+        nb = n // 32
+        return nb // 8 + (nb % 8 >= 4) + (nb % 4 >= 2) + (nb % 2)
+    return legacy
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def _tile_rows(blocks, xp, xd, xs, xr, out, r0, r1, kind):
+    """out[t, r] for the rows r0 <= r < r1 of ``blocks`` (the type ``kind``, a literal) and every
+    token t < out.shape[0]: the rows unpacked TILE_ROWS at a time, then multiplied with each
+    block of TOKENS packed tokens (:func:`_pack`)."""
+    n_tok = out.shape[0]
+    n_blk, n_in = xp.shape[0], xp.shape[1] // TOKENS
+    row_size = blocks.shape[1]
+    flat = blocks.reshape(blocks.shape[0] * row_size)
+    xpf, xdf, xsf, xrf = xp.reshape(xp.size), xd.reshape(xd.size), xs.reshape(xs.size), xr.reshape(xr.size)
+    rstride = n_chunks(kind, n_in) * CHUNK_BYTES
+    buf = np.empty(TILE_ROWS * rstride, np.uint8)
+    acc = np.empty(TILE_ROWS * TOKENS, F)
+    unpack, tile, finish = tiled(kind, 0), tiled(kind, 1), tiled(kind, 2)
+    for rb in range(r0, r1, TILE_ROWS):
+        for i in range(TILE_ROWS):
+            # past r1: the last row again (its sums computed, never stored)
+            unpack(flat, min(rb + i, r1 - 1) * row_size, buf, i * rstride, n_in)
+        nr = min(TILE_ROWS, r1 - rb)
+        for blk in range(n_blk):
+            acc[:] = F(0)
+            tile(buf, 0, rstride, xpf, blk * xp.shape[1], xdf, xsf, blk * xd.shape[1], xrf, blk * xr.shape[1], n_in, acc)
+            nt = min(TOKENS, n_tok - blk * TOKENS)
+            for i in range(nr):
+                for t in range(nt):
+                    out[blk * TOKENS + t, rb + i] = finish(flat, (rb + i) * row_size, acc[TOKENS * i + t])
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def _pack(x, xp, xd, xs, xr, run_n, b0, b1):
+    """Token blocks b0 <= blk < b1 of x (n_tokens, n_in) rounded as matvec.round_q8 rounds them
+    and packed for dot_tiles: xp[blk, 32 k + 4 t + j] = xq[TOKENS blk + t, 4 k + j] + 128 (uint8);
+    xd, xs[blk, TOKENS g + t]: the scale and sum of group g; xr[blk, TOKENS k + t]: Σ xq over run k
+    of run_n values (run mins); tokens past n_tokens all zero."""
+    n_tok, n_in = x.shape
+    ng = n_in // 32
+    xq = np.empty((TOKENS, n_in), np.int8)
+    xd1 = np.empty((TOKENS, ng), F)
+    xs1 = np.empty((TOKENS, ng), F)
+    for blk in range(b0, b1):
+        t0 = blk * TOKENS
+        nt = min(TOKENS, n_tok - t0)
+        matvec.round_q8(x[t0:t0 + nt], xq[:nt], xd1[:nt], xs1[:nt])
+        for t in range(nt, TOKENS):
+            xq[t, :] = 0
+            xd1[t, :] = F(0)
+            xs1[t, :] = F(0)
+        for k in range(n_in // 4):
+            for t in range(TOKENS):
+                for j in range(4):
+                    xp[blk, 32 * k + 4 * t + j] = np.uint8(np.int32(xq[t, 4 * k + j]) + 128)
+        for g in range(ng):
+            for t in range(TOKENS):
+                xd[blk, TOKENS * g + t] = xd1[t, g]
+                xs[blk, TOKENS * g + t] = xs1[t, g]
+        if run_n > 0:
+            for k in range(n_in // run_n):
+                for t in range(TOKENS):
+                    total = 0
+                    for j in range(run_n * k, run_n * k + run_n):
+                        total += np.int32(xq[t, j])
+                    xr[blk, TOKENS * k + t] = total
+
+
+_TILE_ENTRY: dict[int, object] = {}
+
+
+def _tile_kernel(kind: int):
+    fn = _TILE_ENTRY.get(kind)
+    if fn is None:
+        sig = (_U8_2D, _U8_2D, _F32_2D, _F32_2D, _I32_2D, _F32_2D, types.int64, types.int64, types.literal(kind))
+        _tile_rows.compile(sig)
+        fn = _TILE_ENTRY[kind] = _tile_rows.overloads[sig].entry_point
+    return fn
+
+
+_RUN_N = {matvec.KIND[q]: _run_n(q) for q in (*LEGACY, *SUPER)}
+
+
+def _matmul_tiled(kind: int, blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
+    n_tok, n_in = x.shape
+    n_blk = -(-n_tok // TOKENS)
+    run_n = _RUN_N[kind]
+    xp = np.empty((n_blk, n_in * TOKENS), np.uint8)
+    xd = np.empty((n_blk, n_in // 32 * TOKENS), F)
+    xs = np.empty((n_blk, n_in // 32 * TOKENS), F)
+    xr = np.empty((n_blk, (n_in // run_n if run_n else 1) * TOKENS), np.int32)
+    by_rows(lambda b0, b1: _pack(x, xp, xd, xs, xr, run_n, b0, b1), n_blk, n_tok)
+    out = np.empty((n_tok, blocks.shape[0]), F)
+    fn = _TILE_ENTRY.get(kind) or _tile_kernel(kind)
+    by_rows(lambda r0, r1: fn(blocks, xp, xd, xs, xr, out, r0, r1, kind), blocks.shape[0], n_tok)
+    return out
+
+
+_U8_2D, _I8_2D, _F32_2D, _I32_2D = (types.Array(t, 2, "C") for t in (types.uint8, types.int8, types.float32, types.int32))
 _ENTRY: dict[int, object] = {}
 
 
@@ -157,6 +398,8 @@ def matmul8(kind: int, blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
     8 bits per 32; row for row and token for token the bits of ``matvec.matvec``."""
     blocks = np.ascontiguousarray(blocks, np.uint8)
     x = np.ascontiguousarray(x, F)
+    if TILED:
+        return _matmul_tiled(kind, blocks, x)
     n_tok, n_in = x.shape
     xq = np.empty((n_tok, n_in), np.int8)
     xd = np.empty((n_tok, n_in // 32), F)
