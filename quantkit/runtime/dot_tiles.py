@@ -42,15 +42,17 @@ from numba.extending import intrinsic
 from ..layouts import Run
 from .dot import (_F32, _I8, _I16, _I32, _data, _e8m0_vector, _fma, _folds_bias, _group_codes, _groups, _half_vector,
                   _load, _paired, _small_ints, _splat, _x86)
-from ..cpu import half_to_float
+from ..cpu import half_to_float, target
 
-TOKENS = 8                  # tokens per vector: a 32-bit lane each of a 256-bit register
+# tokens per vector: a 32-bit lane each of a 512-bit register (AVX-512), else of a 256-bit one
+TOKENS = 16 if target().avx512 else 8
 CODES, D, LO, DMIN, CORR, SCALES, MINS = 0, 256, 288, 320, 336, 400, 464
 CHUNK_BYTES = 528
 
 _I64 = ir.IntType(64)
 _VF8 = ir.VectorType(_F32, 8)
-_VI8 = ir.VectorType(_I32, 8)
+_VFT = ir.VectorType(_F32, TOKENS)
+_VIT = ir.VectorType(_I32, TOKENS)
 
 
 def _c(v):
@@ -171,8 +173,8 @@ def _reduce_add(builder, v, n):
 
 
 def _dpbusd(builder, acc, u, s):
-    """acc + lane i: Σ_j<4 u[4i + j] * s[4i + j] (u unsigned, s signed bytes; <8 x i32> each)."""
-    return _x86(builder, "llvm.x86.avx512.vpdpbusd.256", _VI8, acc, u, s)
+    """acc + lane i: Σ_j<4 u[4i + j] * s[4i + j] (u unsigned, s signed bytes; <TOKENS x i32> each)."""
+    return _x86(builder, f"llvm.x86.avx512.vpdpbusd.{32 * TOKENS}", _VIT, acc, u, s)
 
 
 def tile_chunk(runs, sup=None, e8m0=False, rows=4):
@@ -206,23 +208,23 @@ def tile_chunk(runs, sup=None, e8m0=False, rows=4):
                 return builder.load(_ptr(builder, b, builder.add(row_at[r], _c(off)), t), align=4)
 
             def lanes(base, off, t):
-                return builder.load(_ptr(builder, base, off, ir.VectorType(t, 8)), align=4)
+                return builder.load(_ptr(builder, base, off, ir.VectorType(t, TOKENS)), align=4)
 
             res = [dict() for _ in range(rows)]
             for g, members in groups.items():
-                xv = [builder.bitcast(_load(builder, xpb, builder.add(xpo_v, _c(32 * (8 * g + j))), 32, _I8), _VI8)
+                xv = [builder.bitcast(_load(builder, xpb, builder.add(xpo_v, _c(4 * TOKENS * (8 * g + j))), 4 * TOKENS, _I8), _VIT)
                       for j in range(8)]
-                xd_g = lanes(xdb, builder.add(xdo_v, _c(8 * g)), _F32)
-                xs_g = lanes(xsb, builder.add(xdo_v, _c(8 * g)), _F32) if (coef or mins) else None
+                xd_g = lanes(xdb, builder.add(xdo_v, _c(TOKENS * g)), _F32)
+                xs_g = lanes(xsb, builder.add(xdo_v, _c(TOKENS * g)), _F32) if (coef or mins) else None
                 xr_k = {}
                 if run_mins:
                     for k, r in members:
-                        xr_k[k] = lanes(xrb, builder.add(xro_v, _c(8 * (r.xoff // run_n))), _I32)
+                        xr_k[k] = lanes(xrb, builder.add(xro_v, _c(TOKENS * (r.xoff // run_n))), _I32)
                 for r in range(rows):
                     def sums(first, n, corr_at):
-                        s = _splat(builder, scalar(r, corr_at, _I32), 8)
+                        s = _splat(builder, scalar(r, corr_at, _I32), TOKENS)
                         for j in range(first // 4, (first + n) // 4):
-                            w = _splat(builder, scalar(r, CODES + 32 * g + 4 * j, _I32), 8)
+                            w = _splat(builder, scalar(r, CODES + 32 * g + 4 * j, _I32), TOKENS)
                             s = _dpbusd(builder, s, xv[j], w)
                         return s
                     if sup is None:
@@ -231,34 +233,70 @@ def tile_chunk(runs, sup=None, e8m0=False, rows=4):
                         isum = None
                         for k, run in members:
                             part = builder.mul(sums(run.xoff - 32 * g, run.n, CORR + 4 * k),
-                                               _splat(builder, scalar(r, SCALES + 4 * k, _I32), 8))
+                                               _splat(builder, scalar(r, SCALES + 4 * k, _I32), TOKENS))
                             isum = part if isum is None else builder.add(isum, part)
-                    total = builder.sitofp(isum, _VF8)
-                    scale = builder.fmul(_splat(builder, scalar(r, D + 4 * g, _F32), 8), xd_g)
+                    total = builder.sitofp(isum, _VFT)
+                    scale = builder.fmul(_splat(builder, scalar(r, D + 4 * g, _F32), TOKENS), xd_g)
                     left = None
                     if coef:
-                        left = builder.fmul(_splat(builder, scalar(r, LO + 4 * g, _F32), 8), xs_g)
+                        left = builder.fmul(_splat(builder, scalar(r, LO + 4 * g, _F32), TOKENS), xs_g)
                     if mins:
-                        left = builder.fmul(builder.fmul(_splat(builder, scalar(r, LO + 4 * g, _F32), 8), xs_g),
-                                            _splat(builder, scalar(r, DMIN, _F32), 8))
+                        left = builder.fmul(builder.fmul(_splat(builder, scalar(r, LO + 4 * g, _F32), TOKENS), xs_g),
+                                            _splat(builder, scalar(r, DMIN, _F32), TOKENS))
                     if run_mins:
                         msum = None
                         for k, _ in members:
-                            part = builder.mul(_splat(builder, scalar(r, MINS + 4 * k, _I32), 8), xr_k[k])
+                            part = builder.mul(_splat(builder, scalar(r, MINS + 4 * k, _I32), TOKENS), xr_k[k])
                             msum = part if msum is None else builder.add(msum, part)
-                        run_left = builder.fmul(builder.fmul(builder.sitofp(msum, _VF8), xd_g),
-                                                _splat(builder, scalar(r, DMIN, _F32), 8))
+                        run_left = builder.fmul(builder.fmul(builder.sitofp(msum, _VFT), xd_g),
+                                                _splat(builder, scalar(r, DMIN, _F32), TOKENS))
                         left = run_left if left is None else builder.fadd(left, run_left)
                     res[r][g] = builder.fmul(total, scale) if left is None else _fma(builder, total, scale, left)
-            zero = ir.Constant(_VF8, [0.0] * 8)
+            zero = ir.Constant(_VFT, [0.0] * TOKENS)
             for r in range(rows):
                 v = [res[r].get(g, zero) for g in range(8)]
                 # _fold's tree of halves over the 8 groups: lanes g and g + 4, then g and g + 2
                 a = [builder.fadd(v[i], v[i + 4]) for i in range(4)]
                 c2 = [builder.fadd(a[i], a[i + 2]) for i in range(2)]
                 chunk = builder.fadd(c2[0], c2[1])
-                ptr = _ptr(builder, accb, _c(8 * r), _VF8)
+                ptr = _ptr(builder, accb, _c(TOKENS * r), _VFT)
                 builder.store(builder.fadd(builder.load(ptr, align=4), chunk), ptr, align=4)
             return context.get_dummy_value()
         return nbt.none(buf, bo, rstride, xp, xpo, xd, xs, xdo, xr, xro, acc), codegen
     return tile
+
+
+# ---- the activations: 32 values at a time, rounded as matvec.round_q8 and packed ----
+
+@intrinsic
+def amax32(typingctx, x, xo):
+    """max |x[xo + j]| over j < 32 (x float32 1-D), taken on the bits: of values that are not NaN
+    the largest magnitude has the largest bits as an unsigned integer (and a NaN, larger ones)."""
+    def codegen(context, builder, sig, args):
+        v = _load(builder, _data(context, builder, sig.args[0], args[0]), args[1], 32, _I32)
+        v = builder.and_(v, ir.Constant(ir.VectorType(_I32, 32), [0x7FFFFFFF] * 32))
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [v.type]), "llvm.vector.reduce.umax.v32i32")
+        return builder.bitcast(builder.call(fn, [v]), _F32)
+    return nbt.float32(x, xo), codegen
+
+
+@intrinsic
+def quantize32(typingctx, x, xo, inv, xp, po):
+    """The codes q_j = int8(rint(x[xo + j] * inv)) of 32 values (round_q8's operations) stored as
+    q_j + 128 at xp[po + 4 TOKENS (j // 4) + j % 4] (:func:`tile_chunk`'s packed tokens); Σ q_j."""
+    def codegen(context, builder, sig, args):
+        x_v, xo_v, inv_v, xp_v, po_v = args
+        v = _load(builder, _data(context, builder, sig.args[0], x_v), xo_v, 32, _F32)
+        v = builder.fmul(v, _splat(builder, inv_v, 32))
+        rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v.type, [v.type]), "llvm.rint.v32f32")
+        # through int32 then its low byte, as x86 converts round_q8's scalars (a value out of
+        # range: a NaN of inf * 0, gives the same byte)
+        q = builder.trunc(builder.fptosi(builder.call(rint, [v]), ir.VectorType(_I32, 32)), ir.VectorType(_I8, 32))
+        u = builder.xor(q, ir.Constant(ir.VectorType(_I8, 32), [-128] * 32))
+        out = _data(context, builder, sig.args[3], xp_v)
+        dwords = builder.bitcast(u, ir.VectorType(_I32, 8))
+        for k in range(8):
+            _store(builder, builder.extract_element(dwords, ir.Constant(_I32, k)), out,
+                   builder.add(po_v, _c(4 * TOKENS * k)))
+        return _reduce_add(builder, builder.sext(q, ir.VectorType(_I32, 32)), 32)
+    return nbt.int32(x, xo, inv, xp, po), codegen

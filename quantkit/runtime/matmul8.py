@@ -22,7 +22,8 @@ from numba.extending import overload
 from . import matvec
 from .dot import _VNNI, f32_at, half_at
 from .dot_batch import chunk_dot_batch
-from .dot_tiles import CHUNK_BYTES, TOKENS, tile_chunk, unpack_chunk
+from .dot_tiles import CHUNK_BYTES, TOKENS, amax32, quantize32, tile_chunk, unpack_chunk
+from .kernels import _f16_value as half_round
 from .matvec import CHUNK_BLOCKS, LEGACY, SUPER, TABLES, E8M0_LAYOUTS
 from .tiles import by_rows
 
@@ -190,19 +191,19 @@ def _legacy_tiled(qtype):
         nb = n // 32
         ib = 0
         while ib + 8 <= nb:
-            t8(buf, co, rstride, xp, xpo + 256 * ib, xd, xs, xdo + 8 * ib, xr, xro, acc)
+            t8(buf, co, rstride, xp, xpo + 32 * TOKENS * ib, xd, xs, xdo + TOKENS * ib, xr, xro, acc)
             ib += 8
             co += cb
         if ib + 4 <= nb:
-            t4(buf, co, rstride, xp, xpo + 256 * ib, xd, xs, xdo + 8 * ib, xr, xro, acc)
+            t4(buf, co, rstride, xp, xpo + 32 * TOKENS * ib, xd, xs, xdo + TOKENS * ib, xr, xro, acc)
             ib += 4
             co += cb
         if ib + 2 <= nb:
-            t2(buf, co, rstride, xp, xpo + 256 * ib, xd, xs, xdo + 8 * ib, xr, xro, acc)
+            t2(buf, co, rstride, xp, xpo + 32 * TOKENS * ib, xd, xs, xdo + TOKENS * ib, xr, xro, acc)
             ib += 2
             co += cb
         if ib < nb:
-            t1(buf, co, rstride, xp, xpo + 256 * ib, xd, xs, xdo + 8 * ib, xr, xro, acc)
+            t1(buf, co, rstride, xp, xpo + 32 * TOKENS * ib, xd, xs, xdo + TOKENS * ib, xr, xro, acc)
     return njit(unpack, inline="always"), njit(tile, inline="always")
 
 
@@ -223,7 +224,7 @@ def _super_tiled(qtype):
 
     def tile(buf, co, rstride, xp, xpo, xd, xs, xdo, xr, xro, n, acc):
         for sb in range(n // 256):
-            t(buf, co + cb * sb, rstride, xp, xpo + 2048 * sb, xd, xs, xdo + 64 * sb, xr, xro + xr_step * sb, acc)
+            t(buf, co + cb * sb, rstride, xp, xpo + 256 * TOKENS * sb, xd, xs, xdo + 8 * TOKENS * sb, xr, xro + xr_step * sb, acc)
     return njit(unpack, inline="always"), njit(tile, inline="always")
 
 
@@ -310,37 +311,38 @@ def _tile_rows(blocks, xp, xd, xs, xr, out, r0, r1, kind):
 @njit(cache=True, error_model="numpy", nogil=True)
 def _pack(x, xp, xd, xs, xr, run_n, b0, b1):
     """Token blocks b0 <= blk < b1 of x (n_tokens, n_in) rounded as matvec.round_q8 rounds them
-    and packed for dot_tiles: xp[blk, 32 k + 4 t + j] = xq[TOKENS blk + t, 4 k + j] + 128 (uint8);
-    xd, xs[blk, TOKENS g + t]: the scale and sum of group g; xr[blk, TOKENS k + t]: Σ xq over run k
+    (the same operations: the same bits; dot_tiles.amax32 and quantize32) and packed for the
+    tiles: xp[blk, 4 TOKENS k + 4 t + j] = xq[TOKENS blk + t, 4 k + j] + 128 (uint8); xd,
+    xs[blk, TOKENS g + t]: the scale and sum of group g; xr[blk, TOKENS k + t]: Σ xq over run k
     of run_n values (run mins); tokens past n_tokens all zero."""
     n_tok, n_in = x.shape
-    ng = n_in // 32
-    xq = np.empty((TOKENS, n_in), np.int8)
-    xd1 = np.empty((TOKENS, ng), F)
-    xs1 = np.empty((TOKENS, ng), F)
+    xf = x.reshape(n_tok * n_in)
+    zero = np.zeros(32, F)
     for blk in range(b0, b1):
-        t0 = blk * TOKENS
-        nt = min(TOKENS, n_tok - t0)
-        matvec.round_q8(x[t0:t0 + nt], xq[:nt], xd1[:nt], xs1[:nt])
-        for t in range(nt, TOKENS):
-            xq[t, :] = 0
-            xd1[t, :] = F(0)
-            xs1[t, :] = F(0)
-        for k in range(n_in // 4):
-            for t in range(TOKENS):
-                for j in range(4):
-                    xp[blk, 32 * k + 4 * t + j] = np.uint8(np.int32(xq[t, 4 * k + j]) + 128)
-        for g in range(ng):
-            for t in range(TOKENS):
-                xd[blk, TOKENS * g + t] = xd1[t, g]
-                xs[blk, TOKENS * g + t] = xs1[t, g]
-        if run_n > 0:
-            for k in range(n_in // run_n):
-                for t in range(TOKENS):
-                    total = 0
-                    for j in range(run_n * k, run_n * k + run_n):
-                        total += np.int32(xq[t, j])
-                    xr[blk, TOKENS * k + t] = total
+        row = xp[blk]
+        for t in range(TOKENS):
+            tok = blk * TOKENS + t
+            for g in range(n_in // 32):
+                at = TOKENS * g + t
+                po = 4 * TOKENS * 8 * g + 4 * t
+                if tok >= n_tok:
+                    quantize32(zero, 0, F(0), row, po)
+                    xd[blk, at] = F(0)
+                    xs[blk, at] = F(0)
+                else:
+                    xo = tok * n_in + 32 * g
+                    amax = amax32(xf, xo)
+                    inv = F(127.0) / amax if amax > 0 else F(0)
+                    total = quantize32(xf, xo, inv, row, po)
+                    d = half_round(amax / F(127.0))
+                    xd[blk, at] = d
+                    xs[blk, at] = d * F(total)
+                if run_n > 0:
+                    for k in range(32 // run_n):
+                        total = 0
+                        for i in range(run_n * k, run_n * k + run_n):
+                            total += np.int32(row[po + 4 * TOKENS * (i // 4) + i % 4]) - 128
+                        xr[blk, TOKENS * (32 // run_n * g + k) + t] = total
 
 
 _TILE_ENTRY: dict[int, object] = {}
