@@ -210,8 +210,22 @@ def tile_chunk(runs, sup=None, e8m0=False, rows=4):
             def lanes(base, off, t):
                 return builder.load(_ptr(builder, base, off, ir.VectorType(t, TOKENS)), align=4)
 
+            zero = ir.Constant(_VFT, [0.0] * TOKENS)
             res = [dict() for _ in range(rows)]
-            for g, members in groups.items():
+
+            def fold(r, g):
+                """_fold's tree of halves over the 8 groups, ((g0 + g4) + (g2 + g6)) + ((g1 + g5)
+                + (g3 + g7)), each sum formed as soon as its terms are (few registers live)."""
+                v = res[r]
+                for key, a, b in (((4, g % 4), g % 4, g % 4 + 4), ((2, g % 2), (4, g % 2), (4, g % 2 + 2)),
+                                  ((1, 0), (2, 0), (2, 1))):
+                    if key not in v and a in v and b in v:
+                        v[key] = builder.fadd(v.pop(a), v.pop(b))
+            for r in range(rows):
+                for g in range(len(groups), 8):
+                    res[r][g] = zero
+            for g in sorted(groups, key=lambda g: (g % 2, g % 4 // 2, g // 4)):
+                members = groups[g]
                 xv = [builder.bitcast(_load(builder, xpb, builder.add(xpo_v, _c(4 * TOKENS * (8 * g + j))), 4 * TOKENS, _I8), _VIT)
                       for j in range(8)]
                 xd_g = lanes(xdb, builder.add(xdo_v, _c(TOKENS * g)), _F32)
@@ -252,13 +266,12 @@ def tile_chunk(runs, sup=None, e8m0=False, rows=4):
                                                 _splat(builder, scalar(r, DMIN, _F32), TOKENS))
                         left = run_left if left is None else builder.fadd(left, run_left)
                     res[r][g] = builder.fmul(total, scale) if left is None else _fma(builder, total, scale, left)
-            zero = ir.Constant(_VFT, [0.0] * TOKENS)
+                    fold(r, g)
             for r in range(rows):
-                v = [res[r].get(g, zero) for g in range(8)]
-                # _fold's tree of halves over the 8 groups: lanes g and g + 4, then g and g + 2
-                a = [builder.fadd(v[i], v[i + 4]) for i in range(4)]
-                c2 = [builder.fadd(a[i], a[i + 2]) for i in range(2)]
-                chunk = builder.fadd(c2[0], c2[1])
+                for g in range(len(groups), 8):
+                    fold(r, g)
+                chunk = res[r].pop((1, 0))
+                assert not res[r]
                 ptr = _ptr(builder, accb, _c(TOKENS * r), _VFT)
                 builder.store(builder.fadd(builder.load(ptr, align=4), chunk), ptr, align=4)
             return context.get_dummy_value()

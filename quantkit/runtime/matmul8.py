@@ -25,7 +25,7 @@ from .dot_batch import chunk_dot_batch
 from .dot_tiles import CHUNK_BYTES, TOKENS, amax32, quantize32, tile_chunk, unpack_chunk
 from .kernels import _f16_value as half_round
 from .matvec import CHUNK_BLOCKS, LEGACY, SUPER, TABLES, E8M0_LAYOUTS
-from .tiles import by_rows
+from .tiles import by_rows, pool
 
 F = np.float32
 
@@ -141,7 +141,7 @@ def _round(x, xq, xd, xsum, r0, r1):
 
 # rows multiplied together with a block of TOKENS tokens: each 4 activation bytes of the 8 tokens
 # loaded once for all of them (their codes unpacked once per row for the whole batch)
-TILE_ROWS = 4
+TILE_ROWS = 8 if TOKENS == 16 else 4
 
 
 def _run_n(qtype) -> int:
@@ -360,19 +360,39 @@ def _tile_kernel(kind: int):
 _RUN_N = {matvec.KIND[q]: _run_n(q) for q in (*LEGACY, *SUPER)}
 
 
-def _matmul_tiled(kind: int, blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
+def _matmul_tiled(parts, x: np.ndarray) -> list[np.ndarray]:
+    """[x · the rows of blocks for (kind, blocks) in parts]: x rounded and packed once (_pack),
+    then the rows of all the parts split between the tile pool's threads in one hand-off, in
+    whole tiles of TILE_ROWS where they can be."""
     n_tok, n_in = x.shape
     n_blk = -(-n_tok // TOKENS)
-    run_n = _RUN_N[kind]
+    run_n = max(_RUN_N[kind] for kind, _ in parts)
+    assert all(_RUN_N[kind] in (0, run_n) for kind, _ in parts)
     xp = np.empty((n_blk, n_in * TOKENS), np.uint8)
     xd = np.empty((n_blk, n_in // 32 * TOKENS), F)
     xs = np.empty((n_blk, n_in // 32 * TOKENS), F)
     xr = np.empty((n_blk, (n_in // run_n if run_n else 1) * TOKENS), np.int32)
     by_rows(lambda b0, b1: _pack(x, xp, xd, xs, xr, run_n, b0, b1), n_blk, n_tok)
-    out = np.empty((n_tok, blocks.shape[0]), F)
-    fn = _TILE_ENTRY.get(kind) or _tile_kernel(kind)
-    by_rows(lambda r0, r1: fn(blocks, xp, xd, xs, xr, out, r0, r1, kind), blocks.shape[0], n_tok)
-    return out
+    outs = [np.empty((n_tok, blocks.shape[0]), F) for _, blocks in parts]
+    fns = [_TILE_ENTRY.get(kind) or _tile_kernel(kind) for kind, _ in parts]
+    sizes = [blocks.shape[0] for _, blocks in parts]
+    total = sum(sizes)
+
+    def rows(r0, r1):
+        # rows r0 <= r < r1 of the parts' rows one after the other
+        first = 0
+        for (kind, blocks), out, fn, size in zip(parts, outs, fns, sizes):
+            a, b = max(r0 - first, 0), min(r1 - first, size)
+            if a < b:
+                fn(blocks, xp, xd, xs, xr, out, a, b, kind)
+            first += size
+    n = pool.threads(n_tok)
+    if n <= 1 or total < 2 * n * TILE_ROWS:
+        rows(0, total)
+    else:
+        step = -(-total // (n * TILE_ROWS)) * TILE_ROWS
+        pool.map(lambda r0: rows(r0, min(total, r0 + step)), range(0, total, step), n_tok)
+    return outs
 
 
 _U8_2D, _I8_2D, _F32_2D, _I32_2D = (types.Array(t, 2, "C") for t in (types.uint8, types.int8, types.float32, types.int32))
@@ -401,7 +421,7 @@ def matmul8(kind: int, blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
     blocks = np.ascontiguousarray(blocks, np.uint8)
     x = np.ascontiguousarray(x, F)
     if TILED:
-        return _matmul_tiled(kind, blocks, x)
+        return _matmul_tiled([(kind, blocks)], x)[0]
     n_tok, n_in = x.shape
     xq = np.empty((n_tok, n_in), np.int8)
     xd = np.empty((n_tok, n_in // 32), F)
@@ -411,3 +431,13 @@ def matmul8(kind: int, blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
     fn = _ENTRY.get(kind) or _kernel(kind)
     by_rows(lambda r0, r1: fn(blocks, xq, xd, xsum, out, r0, r1, kind), blocks.shape[0], n_tok)
     return out
+
+
+def matmul8_many(parts, x: np.ndarray) -> list[np.ndarray]:
+    """[matmul8(kind, blocks, x) for kind, blocks in parts], the same bits: products that share
+    their input (attn_q/k/v, ffn_gate/up), which are rounded once where the tiles multiply them."""
+    x = np.ascontiguousarray(x, F)
+    parts = [(kind, np.ascontiguousarray(blocks, np.uint8)) for kind, blocks in parts]
+    if TILED:
+        return _matmul_tiled(parts, x)
+    return [matmul8(kind, blocks, x) for kind, blocks in parts]
