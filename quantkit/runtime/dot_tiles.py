@@ -7,11 +7,12 @@ the chunk on a vector of groups and its 8 lanes folded into one value.  For a ba
 are formed the other way round, as ik_llama.cpp's GEMM tiles do: lane t is token t, so no sum ever
 crosses lanes.
 
-    activations   packed per block of 8 tokens: the 4 bytes j..j+3 of each token side by side,
-                  32 bytes per 4 values, made unsigned (xq + 128, :func:`pack_tokens`)
-                      | t0: x0 x1 x2 x3 | t1: x0 x1 x2 x3 | ... | t7: x0 x1 x2 x3 |
+    activations   packed per block of TOKENS tokens (16 with AVX-512, else 8): the 4 bytes
+                  j..j+3 of each token side by side, 4 TOKENS bytes per 4 values, made unsigned
+                  (xq + 128, matmul8._pack with :func:`quantize32`)
+                      | t0: x0 x1 x2 x3 | t1: x0 x1 x2 x3 | ... | t15: x0 x1 x2 x3 |
     weights       a row's chunk unpacked once (:func:`unpack_chunk`: the codes of dot._group_codes,
-                  its scales), each 4 codes broadcast to the 8 lanes (vpdpbusd's m32bcst operand)
+                  its scales), each 4 codes broadcast to the lanes (vpdpbusd's m32bcst operand)
     group sum     vpdpbusd(-128 Σ codes, xq + 128, codes) over the group's 8 dwords (per run with
                   integer run scales, then times them): lane t = Σ code_j xq_j of token t, exact
 
@@ -180,11 +181,11 @@ def _dpbusd(builder, acc, u, s):
 def tile_chunk(runs, sup=None, e8m0=False, rows=4):
     """``tile(buf, bo, rstride, xp, xpo, xd, xs, xdo, xr, xro, acc)``: for the ``rows`` unpacked
     chunks at buf[bo + r * rstride] (:func:`unpack_chunk` of the same runs) and a block of TOKENS
-    tokens, acc[8 r + t] += chunk_dot of row r and token t (the same bits).
+    tokens, acc[TOKENS r + t] += chunk_dot of row r and token t (the same bits).
 
-    xp: the packed activations (:func:`pack_tokens`), the chunk's first 4 values of the block's
-    tokens at byte xpo; xd, xs: the tokens' scales and sums per 32 values, float32, 8 tokens side by
-    side, the chunk's first group's at xdo; xr: Σ xq per run of a super-block's run mins (int32,
+    xp: the packed activations (matmul8._pack), the chunk's first 4 values of the block's
+    tokens at byte xpo; xd, xs: the tokens' scales and sums per 32 values, float32, TOKENS tokens side
+    by side, the chunk's first group's at xdo; xr: Σ xq per run of a super-block's run mins (int32,
     likewise, at xro)."""
     runs, groups, firsts, coef = _check(runs, sup, e8m0)
     mins = sup is not None and bool(sup.mins)
