@@ -191,6 +191,20 @@ def test_batch_product_equals_the_fused_kernel_token_for_token(qtype):
     check_batch_product(qtype)
 
 
+def test_batch_products_of_a_shared_input_equal_the_fused_kernel():
+    """ops_cpu.matmul_q_many of a batch (matmul8_many: the input rounded once, the rows of all the
+    weights split between the threads together, tiles of rows cut at the weights' ends) gives each
+    weight the bits of the generation step's kernel, a type with run mins among them."""
+    n, n_tok = 512, 21
+    shapes = [(T.Q8_0, 24), (T.Q2_K, 40), (T.Q4_K, 7), (T.IQ4_KS, 16)]
+    ws = [Weight("w", q, (n, n_rows), rows_of(q, n_rows, n, seed)) for seed, (q, n_rows) in enumerate(shapes)]
+    x = np.random.default_rng(5).standard_normal((n_tok, n)).astype(np.float32) * 3
+    x[2, 64:96] = 0
+    for w, got in zip(ws, ops_cpu.matmul_q_many(ws, x)):
+        steps = matvec.matvec(matvec.FUSED[w.qtype][0], w.blocks, x)
+        np.testing.assert_array_equal(got.view(np.uint32), steps.view(np.uint32), err_msg=type_name(w.qtype))
+
+
 def test_float_products_of_a_batch():
     """ops_cpu.float_products (--float-products): from FUSED_TOKENS + 1 tokens on the product is the
     float one (decoded tiles and BLAS), as fused=False asks of any backend; a few tokens and

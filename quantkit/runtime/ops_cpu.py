@@ -145,7 +145,24 @@ def matmul_q_many(ws, x: np.ndarray) -> list[np.ndarray]:
         products = _products(ws)
         if products is not None:
             return products(x)
+    else:
+        parts = _batch_parts(ws)
+        if parts is not None:
+            return matmul8.matmul8_many(parts, x)
     return [matmul_q(w, x) for w in ws]
+
+
+def _batch_parts(ws):
+    """[(kind, rows)] of weights whose batch products matmul8 computes from one input (as
+    matmul_q would, one by one), or None."""
+    parts = []
+    for w in ws:
+        kernel = matvec.FUSED.get(w.qtype)
+        if kernel is None or not matmul8.supports(kernel[0]) or w.n_in != ws[0].n_in:
+            return None
+        kind, regrouped = kernel
+        parts.append((kind, w.plain_layout()[1] if regrouped else w.blocks))
+    return parts
 
 
 # id of each weight -> (weak references to them, their matvec.Products or None): made once per
