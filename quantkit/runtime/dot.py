@@ -509,21 +509,25 @@ def _chunk_runs(runs, sup, e8m0):
 
 class _Chunk:
     """The reads of one chunk's kernel that do not depend on the activations, shared by chunk_dot
-    and dot_batch.chunk_dot_batch so that both read a chunk the same way: the data pointers of the
-    kernel's first six arguments (a, o, tab, xq, xd, xsum: ``base``, ``o``, ``tab``, ``xq``,
-    ``xd``, ``xsum``) and one method per part of the chunk, each emitting its loads where it is
+    and dot_batch.chunk_dot_batch (and dot_tiles.unpack_chunk) so that all read a chunk the same
+    way: the data pointers of the kernel's first six arguments (a, o, tab, xq, xd, xsum: ``base``,
+    ``o``, ``tab``, ``xq``, ``xd``, ``xsum``; the first three alone with ``activations=False``) and
+    one method per part of the chunk, each emitting its loads where it is
     called (chunk_dot interleaves them with its float work; the batch's kernel calls them all
     before its token loop).  ``groups``: the chunk's 32-value groups (:func:`_groups`), lane g of
     the 8-lane float vectors below being group g."""
 
-    def __init__(self, context, builder, sig, args, groups, table, sup, e8m0):
+    def __init__(self, context, builder, sig, args, groups, table, sup, e8m0, activations=True):
         self.builder, self.groups, self.table, self.sup, self.e8m0 = builder, groups, table, sup, e8m0
-        a_v, self.o, tab_v, xq_v, xd_v, xs_v = args[:6]
+        a_v, self.o, tab_v = args[:3]
         self.base = _data(context, builder, sig.args[0], a_v)
         self.tab = _data(context, builder, sig.args[2], tab_v)
-        self.xq = _data(context, builder, sig.args[3], xq_v)
-        self.xd = _data(context, builder, sig.args[4], xd_v)
-        self.xsum = _data(context, builder, sig.args[5], xs_v)
+        # a kernel that reads the chunk alone (dot_tiles.unpack_chunk) has no activation arguments
+        self.xq = self.xd = self.xsum = None
+        if activations:
+            self.xq = _data(context, builder, sig.args[3], args[3])
+            self.xd = _data(context, builder, sig.args[4], args[4])
+            self.xsum = _data(context, builder, sig.args[5], args[5])
         self.n_groups = len(groups)
         assert list(groups) == list(range(self.n_groups)) and self.n_groups <= 8
         self.firsts = [members[0][1] for members in groups.values()]

@@ -40,10 +40,8 @@ from numba.core import cgutils
 from numba.core import types as nbt
 from numba.extending import intrinsic
 
-from ..layouts import Run
-from .dot import (_F32, _I8, _I16, _I32, _data, _e8m0_vector, _fma, _folds_bias, _group_codes, _groups, _half_vector,
-                  _load, _paired, _small_ints, _splat, _x86)
-from ..cpu import half_to_float, target
+from .dot import _F32, _I8, _I16, _I32, _Chunk, _chunk_runs, _data, _fma, _folds_bias, _group_codes, _load, _splat, _x86
+from ..cpu import target
 
 # tokens per vector: a 32-bit lane each of a 512-bit register (AVX-512), else of a 256-bit one
 TOKENS = 16 if target().avx512 else 8
@@ -69,11 +67,7 @@ def _store(builder, value, base, off):
 
 
 def _check(runs, sup, e8m0):
-    runs = tuple(Run(*r) for r in runs)
-    groups = _groups(runs)
-    assert (sup is None) == all(r.d_at is not None for r in runs)
-    assert sup is None or len(sup.scales) == len(runs)
-    assert not e8m0 or (sup is None and all(r.m_at is None for r in runs))
+    runs, groups = _chunk_runs(runs, sup, e8m0)
     assert list(groups) == list(range(len(groups))) and len(groups) <= 8 and (sup is None or len(runs) <= 16)
     firsts = [members[0][1] for members in groups.values()]
     coef = sup is None and any(_folds_bias(r) or r.m_at is not None for r in firsts)
@@ -85,73 +79,45 @@ def _check(runs, sup, e8m0):
 def unpack_chunk(runs, table=False, sup=None, e8m0=False):
     """``unpack(a, o, tab, buf, bo)``: the chunk of ``runs`` at byte o of a (as dot.chunk_dot
     reads it) unpacked into buf[bo:bo + CHUNK_BYTES] (the layout in the module's docstring)."""
-    runs, groups, firsts, coef = _check(runs, sup, e8m0)
+    runs, groups, _, coef = _check(runs, sup, e8m0)
 
     @intrinsic
     def unpack(typingctx, a, o, tab, buf, bo):
         def codegen(context, builder, sig, args):
-            a_v, o_v, tab_v, buf_v, bo_v = args
-            base = _data(context, builder, sig.args[0], a_v)
-            tb = _data(context, builder, sig.args[2], tab_v)
-            out = _data(context, builder, sig.args[3], buf_v)
+            # the chunk read as chunk_dot reads it (dot._Chunk: the same loads and float operations)
+            ch = _Chunk(context, builder, sig, args, groups, table, sup, e8m0, activations=False)
+            bo_v = args[4]
+            out = _data(context, builder, sig.args[3], args[3])
 
             def at(off):
                 return builder.add(bo_v, _c(off))
 
-            def half(off):
-                ptr = _ptr(builder, base, builder.add(o_v, _c(off)), ir.HalfType())
-                return half_to_float(builder, builder.load(ptr, align=1))
-
-            def grid_bits(k, mask):
-                off, b = sup.grid[k]
-                byte = builder.zext(builder.load(builder.gep(base, [builder.add(o_v, _c(off))])), _I64)
-                return builder.and_(builder.lshr(byte, _c(b)), _c(mask))
-
             # the scales and left-out coefficients: chunk_dot's d_vec, coef, m8 and -dmin
-            zero8 = ir.Constant(_VF8, [0.0] * 8)
-            if sup is None:
-                d_vec = (_e8m0_vector if e8m0 else _half_vector)(builder, base, o_v, [r.d_at for r in firsts])
-            else:
-                d_vec = _splat(builder, ir.Constant(_F32, 1.0) if sup.d_at is None else half(sup.d_at), 8)
-            lo = zero8
+            d_vec, run_scales = ch.scales()
+            lo = ir.Constant(_VF8, [0.0] * 8)
             if coef:
-                bias = ir.Constant(_VF8, [-float(r.bias) if _folds_bias(r) else 0.0 for r in firsts]
-                                   + [0.0] * (8 - len(firsts)))
-                lo = builder.fmul(d_vec, bias)
-                if firsts[0].m_at is not None:
-                    lo = builder.fadd(lo, _half_vector(builder, base, o_v, [r.m_at for r in firsts]))
-            w16 = ir.VectorType(_I16, 16)
-            to8 = ir.Constant(ir.VectorType(_I32, 8), list(range(8)))
+                lo = ch.bias_coef(d_vec)
             if sup is not None and sup.mins:
-                m16 = _small_ints(builder, base, o_v, sup.mins)
-                lo = builder.sitofp(builder.shuffle_vector(m16, m16, to8), _VF8)
+                lo = ch.mins()
             dmin = ir.Constant(_F32, 0.0)
             if sup is not None and (sup.mins or sup.run_mins):
-                dmin = builder.fsub(ir.Constant(_F32, 0.0), half(sup.dmin_at))
+                dmin = ch.neg_dmin()
             _store(builder, d_vec, out, at(D))
             _store(builder, lo, out, at(LO))
             _store(builder, dmin, out, at(DMIN))
             v16i32 = ir.VectorType(_I32, 16)
             if sup is not None:
-                _store(builder, builder.sext(_small_ints(builder, base, o_v, sup.scales), v16i32), out, at(SCALES))
-                mins = _small_ints(builder, base, o_v, sup.run_mins) if sup.run_mins else ir.Constant(w16, [0] * 16)
+                _store(builder, builder.sext(run_scales, v16i32), out, at(SCALES))
+                mins = ch.run_mins()
+                if mins is None:
+                    mins = ir.Constant(ir.VectorType(_I16, 16), [0] * 16)
                 _store(builder, builder.sext(mins, v16i32), out, at(MINS))
 
             # the codes, as chunk_dot unpacks them, and -128 Σ codes per run (per group: legacy)
-            v32 = ir.VectorType(_I8, 32)
-            pair_tables = None
-            if any(_paired(m, table, sup) for m in groups.values()):
-                t16 = [_load(builder, tb, _c(0), 16, _I8)]
-                if sup is not None and sup.grid:
-                    t16.append(_load(builder, tb, _c(sup.grid_step), 16, _I8))
-                both = ir.Constant(ir.VectorType(_I32, 32), list(range(32)))
-                pair_tables = cgutils.alloca_once(builder, ir.ArrayType(v32, 4))
-                for p in range(4):
-                    lo_t, hi_t = t16[(p & 1) % len(t16)], t16[(p >> 1) % len(t16)]
-                    builder.store(builder.shuffle_vector(lo_t, hi_t, both), builder.gep(pair_tables, [_c(0), _c(p)]))
+            pair_tables = ch.pair_tables()
             wide = ir.VectorType(_I32, 32)
             for g, members in groups.items():
-                w, _ = _group_codes(builder, base, o_v, tb, members, table, sup, pair_tables, grid_bits, _c)
+                w, _ = _group_codes(ch, members, pair_tables)
                 _store(builder, w, out, at(CODES + 32 * g))
                 codes = builder.sext(w, wide)
                 spans = [(g, 0, 32)] if sup is None else [(k, r.xoff - 32 * g, r.n) for k, r in members]
