@@ -137,21 +137,17 @@ def _fma32(a, b, c):
 
 
 def expf(x: np.ndarray) -> np.ndarray:
-    """kernels.expf (ggml's ggml_v_expf, AVX2 form), written with whole arrays."""
+    """kernels.expf (ggml's ggml_v_expf, AVX-512 form), written with whole arrays."""
     x = np.asarray(x, F32)
     h = lambda s: F32(float.fromhex(s))                                    # noqa: E731
     with np.errstate(all="ignore"):
         z = _fma32(x, h("0x1.715476p+0"), h("0x1.8p23"))
         n = z - h("0x1.8p23")
         b = _fma32(-n, h("0x1.7f7d1cp-20"), _fma32(-n, h("0x1.62e4p-1"), x))
-        e = z.view(np.uint32) << np.uint32(23)
-        k = (e + np.uint32(0x3F800000)).view(F32)
         u = b * b
         j = _fma32(_fma32(_fma32(h("0x1.0e4020p-7"), b, h("0x1.573e2ep-5")), u,
-                          _fma32(h("0x1.555e66p-3"), b, h("0x1.fffdb6p-2"))), u, h("0x1.ffffecp-1") * b)
-        g = np.where(n <= 0, np.uint32(0x82000000), np.uint32(0))
-        s1 = (g + np.uint32(0x7F000000)).view(F32)
-        s2 = (e - g).view(F32)
-        a = np.abs(n)
-        res = np.where(a > 126, _fma32(s2, j, s2) * s1, _fma32(j, k, k))
-        return np.where(a > 192, s1 * s1, res).astype(F32)
+                          _fma32(h("0x1.555e66p-3"), b, h("0x1.fffdb6p-2"))), u,
+                   _fma32(h("0x1.ffffecp-1"), b, F32(1)))
+        # scalef(j, n): j * 2^n rounded once (exact in float64, then one rounding to float32)
+        res = (j.astype(np.float64) * np.exp2(np.where(np.abs(n) > 192, 0, n).astype(np.float64))).astype(F32)
+        return np.where(np.abs(n) > 192, np.where(n > 0, F32(np.inf), F32(0)), res).astype(F32)
