@@ -30,7 +30,7 @@ def causal_softmax_f16(scores: np.ndarray, pos0: int, rows_per_pos: int, scale: 
     s = scores * F32(scale)
     seen = np.arange(n_kv)[None, :] <= (pos0 + np.arange(n_rows) // rows_per_pos)[:, None]
     s = np.where(seen, s, -np.inf)
-    s = np.exp(s - s.max(axis=-1, keepdims=True))
+    s = expf(s - s.max(axis=-1, keepdims=True))
     inv_total = (1.0 / s.sum(axis=-1, keepdims=True, dtype=np.float64)).astype(F32)
     return f16_round(s * inv_total)
 
@@ -58,7 +58,7 @@ def round_q8_K(x: np.ndarray) -> np.ndarray:
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    return gate / (F32(1) + np.exp(-gate)) * up
+    return gate / (F32(1) + expf(-gate)) * up
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -128,3 +128,26 @@ def kl_divergence_rows(logits, base_p, base_plp):
     lq = x - x.max(axis=1, keepdims=True)
     lq -= np.log(np.exp(lq).sum(axis=1, keepdims=True))
     return base_plp - (base_p * lq).sum(axis=1)
+
+
+def _fma32(a, b, c):
+    """float32 a * b + c rounded once, through float64 (the product is exact there; the sum's two
+    roundings agree with one except in ties that the tests' values do not reach)."""
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(F32)
+
+
+def expf(x: np.ndarray) -> np.ndarray:
+    """kernels.expf (ggml's ggml_v_expf, AVX-512 form), written with whole arrays."""
+    x = np.asarray(x, F32)
+    h = lambda s: F32(float.fromhex(s))                                    # noqa: E731
+    with np.errstate(all="ignore"):
+        z = _fma32(x, h("0x1.715476p+0"), h("0x1.8p23"))
+        n = z - h("0x1.8p23")
+        b = _fma32(-n, h("0x1.7f7d1cp-20"), _fma32(-n, h("0x1.62e4p-1"), x))
+        u = b * b
+        j = _fma32(_fma32(_fma32(h("0x1.0e4020p-7"), b, h("0x1.573e2ep-5")), u,
+                          _fma32(h("0x1.555e66p-3"), b, h("0x1.fffdb6p-2"))), u,
+                   _fma32(h("0x1.ffffecp-1"), b, F32(1)))
+        # scalef(j, n): j * 2^n rounded once (exact in float64, then one rounding to float32)
+        res = (j.astype(np.float64) * np.exp2(np.where(np.abs(n) > 192, 0, n).astype(np.float64))).astype(F32)
+        return np.where(np.abs(n) > 192, np.where(n > 0, F32(np.inf), F32(0)), res).astype(F32)

@@ -38,6 +38,30 @@ def test_f16_round_equals_numpy_cast_on_every_range():
     np.testing.assert_array_equal(ref.f16_round(x), expect)
 
 
+def test_expf_is_ggml_v_expf_within_few_ulp_of_exp():
+    """kernels.expf (the softmax's and SiLU's exponential) == its twin bit for bit, within 2.5 ulp
+    of exp over the normal range (2.22 measured), and its edges: exp(-inf) = 0, +inf
+    above 88.73, 0 far below, NaN stays NaN, a gradual underflow in between."""
+    rng = np.random.default_rng(11)
+    x = np.concatenate([np.linspace(-104, 89, 200_003), rng.standard_normal(100_000) * 30,
+                        [0.0, -0.0, np.inf, -np.inf, np.nan, 88.72, 88.73, -87.3, -103.5, -200.0, 1e10]])
+    x = x.astype(F32).reshape(1, -1)
+    got = x.copy()
+    kernels.exp_shifted_rows(got, np.zeros(1, F32))                     # exp(x - 0), in place
+    got, x = got[0], x[0]
+    np.testing.assert_array_equal(got, ref.expf(x))                     # NaN where NaN, any payload
+    with np.errstate(over="ignore"):
+        exact = np.exp(x.astype(np.float64))
+    normal = np.isfinite(exact) & (exact >= 2.0 ** -126) & (exact < np.finfo(F32).max)
+    ulp = np.spacing(exact[normal].astype(F32)).astype(np.float64)
+    assert (np.abs(got[normal] - exact[normal]) / ulp).max() <= 2.5
+    tiny = (exact > 0) & (exact < 2.0 ** -126)                           # f32 subnormals: 2^-149 apart
+    assert (np.abs(got[tiny] - exact[tiny]) <= 2 * 2.0 ** -149).all() and (got[tiny] > 0).any()
+    edge = dict(zip(x[-11:].tolist(), got[-11:].tolist()))
+    assert edge[0.0] == 1.0 and edge[-np.inf] == 0.0 and edge[np.inf] == np.inf and edge[-200.0] == 0.0
+    assert edge[1e10] == np.inf and np.isnan(got[-7]) and np.isfinite(edge[float(F32(88.72))])
+
+
 @pytest.mark.parametrize("pos0,rows_per_pos", [(0, 1), (0, 3), (5, 2), (40, 1)])
 def test_causal_softmax_f16(pos0, rows_per_pos):
     rng = np.random.default_rng(pos0 + rows_per_pos)
@@ -47,7 +71,8 @@ def test_causal_softmax_f16(pos0, rows_per_pos):
     expect = ref.causal_softmax_f16(s, pos0, rows_per_pos, 0.125)
     got = s.copy()
     ops_cpu.causal_softmax_f16(got, pos0, rows_per_pos, 0.125)
-    # exp may differ in its last bit between numpy and numba, which can move an f16 rounding
+    # numpy sums a row pairwise, the kernel in order: a last-bit difference of the factor can move
+    # an f16 rounding
     np.testing.assert_allclose(got, expect, rtol=2 ** -10, atol=0)
     # masked keys are exact zeros and every row sums to 1 up to f16 rounding
     future = np.arange(n_kv)[None, :] > (pos0 + np.arange(len(s)) // rows_per_pos)[:, None]
@@ -77,7 +102,7 @@ def test_silu_mul_and_rmsnorm(loop):
     g, u = rng.standard_normal((2, 9, 100)).astype(F32) * 5
     got = np.empty_like(g)
     silu_mul(g, u, got)
-    np.testing.assert_allclose(got, ref.silu_mul(g, u), rtol=1e-6, atol=1e-30)
+    np.testing.assert_array_equal(got, ref.silu_mul(g, u))
     x = awkward_values(rng, (9, 100))
     w = rng.standard_normal(100).astype(F32)
     got = np.empty_like(x)
@@ -108,6 +133,45 @@ def test_attention_equals_dense_reference(n_head, n_head_kv, pos0, n_tok):
     # BLAS may sum a score in another order for another block shape, and a last-bit difference
     # can move a probability's f16 rounding (2^-11 relative): tolerances of that size
     np.testing.assert_allclose(got.reshape(n_tok, n_head, v_dim), expect, rtol=1e-3, atol=2e-4)
+
+
+@pytest.mark.parametrize("neox,n_tok", [(False, 1), (True, 3)])
+def test_rope_store_is_rope_rope_and_store(neox, n_tok):
+    """ops_cpu.rope_store (one kernel for a step: q and k rotated, k and v written to the f16
+    cache as float16 bits) == rope, rope and KVCache.store apart, bit for bit: values that round to
+    f16 subnormals, ties, overflow to inf, NaN; grouped-query heads, a partial rotation (n_rot <
+    head_dim); another cache position and layer untouched."""
+    rng = np.random.default_rng(n_tok)
+    n_head, n_head_kv, head_dim, n_rot, pos0 = 6, 2, 16, 12, 5
+    q = awkward_values(rng, (n_tok, n_head, head_dim))
+    k, v = awkward_values(rng, (n_tok, n_head_kv, head_dim)), awkward_values(rng, (n_tok, n_head_kv, head_dim))
+    v[0, 0, :6] = [1 + 2.0 ** -11, 2.0 ** -24 * 1.5, 65519.0, 65520.0, -1e30, np.nan]
+    pos = np.arange(pos0, pos0 + n_tok)
+    caches = [ops_cpu.KVCache(2, 12, n_head_kv, head_dim, head_dim) for _ in range(2)]
+    with np.errstate(over="ignore", invalid="ignore"):
+        got = ops_cpu.rope_store(q.copy(), k.copy(), v, caches[0], 1, pos, n_rot, 10000.0, 0.5, neox)
+        expect = ops_cpu.rope(q.copy(), pos, n_rot, 10000.0, 0.5, neox)
+        caches[1].store(1, pos0, ops_cpu.rope(k.copy(), pos, n_rot, 10000.0, 0.5, neox), v)
+    np.testing.assert_array_equal(got, expect)
+    for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+        nan = np.isnan(b)
+        assert (np.isnan(a) == nan).all() and nan.any() == (a is caches[0].v)
+        np.testing.assert_array_equal(a.view(np.uint16)[~nan], b.view(np.uint16)[~nan])
+    assert not caches[0].k[0].any() and not caches[0].k[1, pos0 + n_tok:].any()
+    with pytest.raises(ValueError, match="context is full"):
+        ops_cpu.rope_store(q.copy(), k.copy(), v, caches[0], 1, pos + 12 - pos0 - n_tok + 1, n_rot, 10000.0)
+
+
+def test_add_rmsnorm_is_the_add_then_the_norm():
+    """ops_cpu.add_rmsnorm == x + y and rmsnorm of it, bit for bit: a step's rows (one kernel) and
+    a batch's (the two apart)."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal(96).astype(F32)
+    for n in (1, 4, 9):
+        x, y = awkward_values(rng, (n, 96)), awkward_values(rng, (n, 96))
+        total, h = ops_cpu.add_rmsnorm(x, y, w, 1e-6)
+        np.testing.assert_array_equal(total, x + y)
+        np.testing.assert_array_equal(h, ops_cpu.rmsnorm(x + y, w, 1e-6))
 
 
 @pytest.mark.parametrize("neox", [False, True])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .. import kernel_cache  # noqa: F401  (keys numba's cache on quantkit's sources)
@@ -70,6 +71,81 @@ def _f16_value(x):
     return r if a < F32(65520.0) else x * F32(np.inf)
 
 
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a * b + c rounded once (float32): llvm.fma, as dot.py's vector ones (an FMA instruction where
+    numba's target has one, libm's correctly rounded fmaf where not: the same bits on every CPU);
+    a loop of them still vectorizes."""
+    if not (a == b == c == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f = ir.FloatType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f, [f, f, f]), "llvm.fma.f32")
+        return builder.call(fn, args)
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@njit(cache=True, inline="always")
+def _f16_bits(x):
+    """x rounded to float16 (ties to even) as its bits, uint16: numpy's float32 -> float16 cast
+    (any NaN becomes the quiet NaN 0x7e00, with x's sign).  From v = _f16_value(x), exact in
+    float16, branch-free:
+
+      normal     |v| >= 2^-14  v's bits u >> 13, less the exponent bias difference (127 - 15) << 10
+      subnormal  |v| <  2^-14  |v| * 2^24, an integer below 1024
+      inf, NaN   0x7c00, 0x7e00
+      and v's sign bit, from bit 31 to bit 15."""
+    v = _f16_value(x)
+    u = _f32_bits(v)
+    a = abs(v)
+    normal = ((u >> np.uint32(13)) - np.uint32(112 << 10)) & np.uint32(0x7FFF)
+    sub = np.uint32((a if a < F32(2.0 ** -14) else F32(0.0)) * F32(2.0 ** 24))
+    r = normal if a >= F32(2.0 ** -14) else sub
+    r = r if a <= F32(65504.0) else (np.uint32(0x7C00) if a == F32(np.inf) else np.uint32(0x7E00))
+    return np.uint16(r | ((u >> np.uint32(16)) & np.uint32(0x8000)))
+
+
+# ggml_v_expf's constants, as its hexadecimal float literals
+_ROUNDER = F32(float.fromhex("0x1.8p23"))                       # adding it rounds to an integer
+_LOG2E = F32(float.fromhex("0x1.715476p+0"))
+_LN2_HI, _LN2_LO = F32(float.fromhex("0x1.62e4p-1")), F32(float.fromhex("0x1.7f7d1cp-20"))
+_EXP_C1, _EXP_C2, _EXP_C3, _EXP_C4, _EXP_C5 = (F32(float.fromhex(h)) for h in (
+    "0x1.ffffecp-1", "0x1.fffdb6p-2", "0x1.555e66p-3", "0x1.573e2ep-5", "0x1.0e4020p-7"))
+
+
+@njit(cache=True, inline="always")
+def expf(x):
+    """exp(x) in float32 as ggml's ggml_v_expf computes it (its AVX-512 form, adapted from Arm's
+    optimized routines; at most 2.3 ulp from exp, measured): branch-free, so a loop over it
+    vectorizes, where numba's np.exp is a call to libm's expf per value (the attention and SiLU of
+    a generation step spent most of their time there).
+
+      n = round(x / ln 2)             the 1.5 * 2^23 trick: z = x * (1 / ln 2) + 1.5 * 2^23 (fused)
+      b = x - n ln 2                  ln 2 in two parts, each subtracted by a fused multiply-add
+      j = 1 + b + b^2/2 + ...         a degree-5 polynomial of exp(b), Estrin's order
+      exp(x) = j * 2^n                k = 2^n built from z's low bits shifted into the exponent;
+                                      _mm512_scalef_ps rounds j * 2^n once, and so do the products here
+
+    Where |n| > 126 (2^n not a normal float) 2^n is applied in two exact steps, 2^(n -+ 64) then
+    2^(+-64) (one rounding, the last); where |n| > 192 the result is +inf above, +0 below (exp(-inf)
+    = 0); NaN stays NaN.  (The AVX2 form, fma(j - 1, k, k), gave the SmolLM2 q4_K prompt 84% of
+    ik_llama.cpp's top tokens, this one 91%: tests/test_runtime_llama.py.)
+    """
+    z = _fma(x, _LOG2E, _ROUNDER)
+    n = z - _ROUNDER
+    b = _fma(-n, _LN2_LO, _fma(-n, _LN2_HI, x))
+    e = _f32_bits(z) << np.uint32(23)
+    k = _bits_f32(e + np.uint32(0x3F800000))                    # 2^n: e plus the bits of 1.0
+    u = b * b
+    j = _fma(_fma(_fma(_EXP_C5, b, _EXP_C4), u, _fma(_EXP_C3, b, _EXP_C2)), u, _fma(_EXP_C1, b, F32(1.0)))
+    a = abs(n)
+    big = np.uint32(64 << 23) if n > F32(0.0) else np.uint32((-64 << 23) & 0xFFFFFFFF)
+    wide = (j * _bits_f32(e - big + np.uint32(0x3F800000))) * _bits_f32(big + np.uint32(0x3F800000))
+    res = wide if a > F32(126.0) else j * k
+    return (F32(np.inf) if n > F32(0.0) else F32(0.0)) if a > F32(192.0) else res
+
+
 # Each elementwise step is a row kernel with two loops over the rows: ``*_rows`` (parallel) and
 # ``*_few`` (one after the other: for the few rows of a generation step a parallel launch costs
 # more than the work).
@@ -111,6 +187,16 @@ def scale_mask_max(scores, pos0, rows_per_pos, scale, row_max):
         for j in range(n_seen, n_kv):
             scores[r, j] = -np.inf
         row_max[r] = m
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def exp_shifted_rows(scores, row_max):
+    """Softmax, middle step, in place: scores[r] <- exp(scores[r] - row_max[r]) (:func:`expf`,
+    as attend_few's; a key masked with -inf gives 0)."""
+    for r in prange(scores.shape[0]):
+        m = row_max[r]
+        for j in range(scores.shape[1]):
+            scores[r, j] = expf(scores[r, j] - m)
 
 
 @njit(cache=True, parallel=True)
@@ -157,21 +243,23 @@ def round_q8_K_rows(x, out):
                 out[r, i] = min(np.float32(np.rint(iscale * x[r, i])), F32(127.0)) * d
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, error_model="numpy", inline="always")
 def _silu_mul_row(gate, up, r, out):
     for i in range(gate.shape[1]):
         g = gate[r, i]
-        out[r, i] = g / (F32(1.0) + np.exp(-g)) * up[r, i]
+        out[r, i] = g / (F32(1.0) + expf(-g)) * up[r, i]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, error_model="numpy", parallel=True)
 def silu_mul_rows(gate, up, out):
-    """out = silu(gate) * up = gate / (1 + exp(-gate)) * up, all (n_rows, n) float32."""
+    """out = silu(gate) * up = gate / (1 + exp(-gate)) * up, all (n_rows, n) float32 (ggml's
+    ggml_vec_mul_silu_f32 with its :func:`expf`).  numpy's error model: the divisor (>= 1, inf or
+    NaN) needs no zero check, which would keep the loop from vectorizing (8x slower)."""
     for r in prange(gate.shape[0]):
         _silu_mul_row(gate, up, r, out)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def silu_mul_few(gate, up, out):
     for r in range(gate.shape[0]):
         _silu_mul_row(gate, up, r, out)
@@ -226,6 +314,32 @@ def rotate_pairs(x, cos, sin, n_rot, neox):
 def rotate_few(x, cos, sin, n_rot, neox):
     for t in range(x.shape[0]):
         _rotate_token(x, t, cos, sin, n_rot, neox)
+
+
+@njit(cache=True)
+def rope_store_few(q, k, v, cos, sin, n_rot, neox, k_rows, v_rows, pos0):
+    """A generation step's rotary embedding and cache write in one call: q (n_tokens, n_head, k_dim)
+    and k (n_tokens, n_head_kv, k_dim) rotated in place as :func:`rotate_few` does, then k and v
+    (n_tokens, n_head_kv, v_dim) written as float16 bits (:func:`_f16_bits`: numpy's cast, what
+    KVCache.store writes) into k_rows / v_rows (n_ctx, n_head_kv, dim) uint16 at positions pos0.."""
+    for t in range(q.shape[0]):
+        _rotate_token(q, t, cos, sin, n_rot, neox)
+        _rotate_token(k, t, cos, sin, n_rot, neox)
+        for h in range(k.shape[1]):
+            for d in range(k.shape[2]):
+                k_rows[pos0 + t, h, d] = _f16_bits(k[t, h, d])
+            for d in range(v.shape[2]):
+                v_rows[pos0 + t, h, d] = _f16_bits(v[t, h, d])
+
+
+@njit(cache=True)
+def add_rmsnorm_few(x, y, weight, eps, total, out):
+    """total = x + y (float32) and out = its :func:`rmsnorm_few`, rows in turn: a residual add and
+    the norm after it (the same operations in the same order as the two apart)."""
+    for r in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            total[r, i] = x[r, i] + y[r, i]
+        _rmsnorm_row(total, r, weight, eps, out)
 
 
 @njit(cache=True)
@@ -303,10 +417,13 @@ def _half_row_axpy(a, i, h, p, y, n):
 @njit(cache=True, error_model="numpy", inline="always")
 def _exp_shifted(e, n, m):
     """e[:n] <- exp(e[:n] - m); returns 1 / their sum, summed in double and rounded to float (what
-    both attention kernels multiply the exponentials by)."""
+    both attention kernels multiply the exponentials by).  Two loops: the exponentials vectorize,
+    the sum keeps its order (one value after the other).  The difference in float32, as ggml's."""
+    m = F32(m)
+    for j in range(n):
+        e[j] = expf(e[j] - m)
     total = 0.0
     for j in range(n):
-        e[j] = np.exp(e[j] - m)
         total += np.float64(e[j])
     return F32(1.0 / total)
 
@@ -342,10 +459,12 @@ def attend_few(q, keys, values, pos0, scale, out):
             e[j] = s
             m = max(m, s)
         inv_total = _exp_shifted(e, n_seen, m)
+        for j in range(n_seen):                 # the probabilities, rounded to f16 (a loop that vectorizes)
+            e[j] = _f16_value(e[j] * inv_total)
         y = out[t, h]
         y[:] = 0
         for j in range(n_seen):
-            _half_row_axpy(values, j, hk, _f16_value(e[j] * inv_total), y, v_dim)
+            _half_row_axpy(values, j, hk, e[j], y, v_dim)
 
 
 # ---- a float32 cache (llama.cpp's -ctk/-ctv f32): ggml multiplies it in float32, rounding nothing ----

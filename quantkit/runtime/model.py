@@ -125,9 +125,7 @@ class Model:
         v = v.reshape(n, c.n_head_kv, c.head_dim)
         q = self._head_norm(p + "attn_q_norm.weight", q, c.n_head)
         k = self._head_norm(p + "attn_k_norm.weight", k, c.n_head_kv)
-        q = ops.rope(q, pos, c.n_rot, c.rope_base, c.rope_scale, neox=c.rope_neox)
-        k = ops.rope(k, pos, c.n_rot, c.rope_base, c.rope_scale, neox=c.rope_neox)
-        cache.store(i, cache.n_past, k, v)
+        q = ops.rope_store(q, k, v, cache, i, pos, c.n_rot, c.rope_base, c.rope_scale, neox=c.rope_neox)
         a = ops.attention(q, cache, i, cache.n_past, ops.attention_scale(c.head_dim))  # (n, n_head * head_dim)
         return self.linear(p + "attn_output", a)
 
@@ -159,8 +157,8 @@ class Model:
             return gptoss.layer(self, i, x, pos, cache)
         p = f"blk.{i}."
         h = ops.rmsnorm(x, self.vector(p + "attn_norm.weight"), c.rms_eps)
-        x = x + (deepseek2.attention(self, i, h, pos, cache) if c.mla else self._attention(i, h, pos, cache))
-        h = ops.rmsnorm(x, self.vector(p + c.ffn_norm + ".weight"), c.rms_eps)
+        a = deepseek2.attention(self, i, h, pos, cache) if c.mla else self._attention(i, h, pos, cache)
+        x, h = ops.add_rmsnorm(x, a, self.vector(p + c.ffn_norm + ".weight"), c.rms_eps)
         return x + (deepseek2.moe(self, i, h) if c.moe and i >= c.moe.n_dense_lead else self.ffn(p, h))
 
     def head(self, x, first_pos: int, fused: bool = False) -> np.ndarray:

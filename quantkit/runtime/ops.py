@@ -60,16 +60,22 @@ class Ops(Protocol):
     # ---- elementwise ----
     def rmsnorm(self, x: Any, weight: Any, eps: float) -> Any: ...
 
+    # (x + y, rmsnorm(x + y)): a residual add and the norm after it, the same values as the two apart
+    def add_rmsnorm(self, x: Any, y: Any, weight: Any, eps: float) -> tuple[Any, Any]: ...
+
     def layer_norm(self, x: Any, weight: Any, bias: Any, eps: float) -> Any: ...
 
     def silu_mul(self, gate: Any, up: Any) -> Any: ...
 
-    def rope(self, x: Any, pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0,
-             neox: bool = False) -> Any: ...
-
     def rope_ext(self, x: Any, pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0,
                  ext_factor: float = 0.0, mscale: float = 1.0, beta_fast: float = 32.0, beta_slow: float = 1.0,
                  n_ctx_orig: int = 0, neox: bool = False) -> Any: ...
+
+    # the rotary embedding of q and of k (the first n_rot dims; neox: (x[i], x[i + n_rot/2]) pairs,
+    # else adjacent ones), then cache.store(layer, pos[0], k, v) (positions pos in a row); returns
+    # the roped q.  One operation: a step's rope and cache write are one kernel on the CPU
+    def rope_store(self, q: Any, k: Any, v: Any, cache: Cache, layer: int, pos: np.ndarray, n_rot: int,
+                   freq_base: float, freq_scale: float = 1.0, neox: bool = False) -> Any: ...
 
     # ---- attention ----
     # k_type / v_type / cache_type: "f16" or "f32" (cache_type.py)

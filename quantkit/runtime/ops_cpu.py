@@ -238,6 +238,20 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
+def add_rmsnorm(x: np.ndarray, y: np.ndarray, weight: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """(x + y, rmsnorm(x + y, weight, eps)): a residual add and the norm after it.  A generation
+    step's few rows take one kernel (kernels.add_rmsnorm_few: the same float operations in the same
+    order, so the same bits); a batch's are the two apart."""
+    x, y = np.ascontiguousarray(x, F32), np.ascontiguousarray(y, F32)
+    if x.ndim == 2 and x.shape == y.shape and x.shape[0] <= FUSED_TOKENS:
+        weight = np.ascontiguousarray(weight, F32)
+        total, out = np.empty_like(x), np.empty_like(x)
+        kernels.add_rmsnorm_few(x, y, weight, float(eps), total, out)
+        return total, out
+    total = x + y
+    return total, rmsnorm(total, weight, eps)
+
+
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
     """(x - mean) / sqrt(variance + eps) * weight + bias, per row (a LayerNorm: the DSA indexer's
     k_norm); mean and variance in double."""
@@ -318,6 +332,34 @@ def rope_ext(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq_
     cos, sin = rope_ext_angles(pos, n_rot, freq_base, freq_scale, ext_factor, mscale, beta_fast, beta_slow,
                                n_ctx_orig)
     return _rotate(x, n_rot, cos, sin, neox)
+
+
+def rope_store(q: np.ndarray, k: np.ndarray, v: np.ndarray, cache, layer: int, pos: np.ndarray, n_rot: int,
+               freq_base: float, freq_scale: float = 1.0, neox: bool = False) -> np.ndarray:
+    """:func:`rope` of q (n_tokens, n_head, k_dim) and of k (n_tokens, n_head_kv, k_dim), then
+    ``cache.store(layer, pos[0], k, v)`` (the positions ``pos`` follow each other); returns q.
+
+    A generation step's few tokens with C-contiguous q/k/v and a float16 :class:`KVCache` take one
+    kernel (kernels.rope_store_few: the same rotation, and the cache's float16 bits as numpy's cast
+    writes them), instead of two rotations, their angles' look-up and two casting copies."""
+    n = q.shape[0]
+    if n == 0:
+        return q
+    pos0 = int(pos[0])
+    fused = (n <= FUSED_TOKENS and type(cache) is KVCache and cache.k.dtype == np.float16
+             and cache.v.dtype == np.float16 and k.shape[0] == v.shape[0] == n
+             and k.shape[1:] == cache.k.shape[2:] and v.shape[1:] == cache.v.shape[2:] and q.shape[2] == k.shape[2]
+             and all(a.dtype == F32 and a.flags.c_contiguous and a.ndim == 3 for a in (q, k, v)))
+    if not fused:
+        q = rope(q, pos, n_rot, freq_base, freq_scale, neox)
+        k = rope(k, pos, n_rot, freq_base, freq_scale, neox)
+        cache.store(layer, pos0, k, v)
+        return q
+    cache._check_room(pos0, n)
+    cos, sin = rope_angles(pos, n_rot, freq_base, freq_scale)
+    k16, v16 = cache.bits
+    kernels.rope_store_few(q, k, v, cos, sin, n_rot, neox, k16[layer], v16[layer], pos0)
+    return q
 
 
 def _rotate(x: np.ndarray, n_rot: int, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
@@ -497,12 +539,12 @@ def attention_sinks(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale:
 def causal_softmax_f16(scores: np.ndarray, pos0: int, rows_per_pos: int, scale: float, to_f16: bool = True) -> None:
     """In place: each row of ``scores`` (n_rows, n_kv) becomes the f16-rounded softmax of ``scale *
     scores`` over the keys its query may see (row r's query is at position pos0 + r // rows_per_pos
-    and sees keys 0 .. that position), zeros after them.  numpy's SIMD exp between two kernels.
+    and sees keys 0 .. that position), zeros after them.  The exponentials are kernels.expf's, as
+    a generation step's (kernels.attend_few).
     ``to_f16`` False: the probabilities stay float32 (what ggml multiplies an f32 V cache with)."""
     row_max = np.empty(scores.shape[0], F32)
     kernels.scale_mask_max(scores, pos0, rows_per_pos, F32(scale), row_max)
-    np.subtract(scores, row_max[:, None], out=scores)
-    np.exp(scores, out=scores)
+    kernels.exp_shifted_rows(scores, row_max)
     if to_f16:
         kernels.normalize_f16(scores)
     else:

@@ -186,6 +186,11 @@ class TorchOps:
         scale = (1.0 / torch.sqrt((xd * xd).sum(dim=-1) / x.shape[-1] + eps)).to(F32)
         return (x * scale[:, None]) * self._vec(weight)
 
+    def add_rmsnorm(self, x: torch.Tensor, y: torch.Tensor, weight, eps: float):
+        """(x + y, rmsnorm(x + y)), as ops_cpu.add_rmsnorm."""
+        x = x + y
+        return x, self.rmsnorm(x, weight, eps)
+
     def layer_norm(self, x: torch.Tensor, weight, bias, eps: float) -> torch.Tensor:
         """ops_cpu.layer_norm: mean and variance in double."""
         xd = x.to(torch.float64)
@@ -209,6 +214,14 @@ class TorchOps:
         angles = self._angles(ops_cpu.rope_ext_angles, pos, n_rot, freq_base, freq_scale, ext_factor, mscale,
                               beta_fast, beta_slow, n_ctx_orig)
         return self._rotate(x, angles, n_rot, neox)
+
+    def rope_store(self, q, k, v, cache, layer, pos, n_rot, freq_base, freq_scale=1.0, neox=False):
+        """ops_cpu.rope_store: rope of q and k, then k and v stored at positions pos; the roped q."""
+        q = self.rope(q, pos, n_rot, freq_base, freq_scale, neox)
+        k = self.rope(k, pos, n_rot, freq_base, freq_scale, neox)
+        if len(pos):
+            cache.store(layer, int(pos[0]), k, v)
+        return q
 
     def _angles(self, make, pos, *params):
         """(cos, sin) of ``make(pos, *params)`` on the device, (n_tokens, 1, n_rot / 2).  A pass asks
