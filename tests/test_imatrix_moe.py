@@ -239,9 +239,14 @@ def test_torch_backend_collects_the_same(made, tmp_path):
                              device="torch-cpu")
     ours, theirs = RawImatrix.from_file(made.gguf, CTX), RawImatrix.from_file(tmp_path / "torch.gguf", CTX)
     assert set(ours.sums) == set(theirs.sums)
+    # DeepSeek-V3.2's sparse attention keeps each query's top keys by index scores that the two
+    # backends sum in different orders (BLAS's, torch's): a near tie can keep another key, which
+    # moves the following layers' activations of that position by more than rounding (seen with
+    # OpenBLAS's Haswell kernels: 6 of 2048 sums 0.5% apart; its SkylakeX ones: within 1e-3)
+    rtol = 1e-2 if made.spec is MOE_MODELS["deepseek32"] else 1e-3
     for name in ours.sums:
         np.testing.assert_array_equal(ours.counts[name], theirs.counts[name], err_msg=name)
-        np.testing.assert_allclose(ours.sums[name], theirs.sums[name], rtol=1e-3, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(ours.sums[name], theirs.sums[name], rtol=rtol, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("name", FUSED)

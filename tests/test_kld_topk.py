@@ -32,6 +32,7 @@ from quantkit.runtime.kld_topk import HEADER, TopkLogitsFile, TopkWriter, record
 from quantkit.runtime.model import Model
 from quantkit.runtime.perplexity import read_base
 from quantkit.runtime.scoring import log_softmax
+from quantkit.runtime.session import set_threads
 
 LLAMA = dict(n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=320, vocab=True)
 N_VOCAB = LLAMA["n_vocab"]
@@ -56,9 +57,19 @@ def tiny(tmp_path_factory):
 
 
 def chunk_logits(path, tokens) -> np.ndarray:
-    with open_model(path) as g:
-        m = Model(g, ops_cpu)
-        return m.forward(np.asarray(tokens), m.new_cache(len(tokens)))
+    """Logits of a chunk on one thread, as the library's runs below (threads=1) compute them: this
+    tiny model's float32 weights go through BLAS in tiles of rows, and with some of OpenBLAS's
+    kernels (Haswell's, which it picks on a Zen 5) a product's last bits depend on the tiles'
+    shapes, so on the row split between threads."""
+    import numba
+    before = numba.get_num_threads()
+    set_threads(1)
+    try:
+        with open_model(path) as g:
+            m = Model(g, ops_cpu)
+            return m.forward(np.asarray(tokens), m.new_cache(len(tokens)))
+    finally:
+        numba.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
