@@ -31,8 +31,7 @@ from quantkit.runtime import ops_cpu
 from quantkit.runtime.kld_topk import HEADER, TopkLogitsFile, TopkWriter, record_dtype, topk_kld, topk_of
 from quantkit.runtime.model import Model
 from quantkit.runtime.perplexity import read_base
-from quantkit.runtime.scoring import log_softmax
-from quantkit.runtime.session import set_threads
+from quantkit.runtime.scoring import log_softmax, scored_span
 
 LLAMA = dict(n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=320, vocab=True)
 N_VOCAB = LLAMA["n_vocab"]
@@ -57,19 +56,20 @@ def tiny(tmp_path_factory):
 
 
 def chunk_logits(path, tokens) -> np.ndarray:
-    """Logits of a chunk on one thread, as the library's runs below (threads=1) compute them: this
-    tiny model's float32 weights go through BLAS in tiles of rows, and with some of OpenBLAS's
-    kernels (Haswell's, which it picks on a Zen 5) a product's last bits depend on the tiles'
-    shapes, so on the row split between threads."""
-    import numba
-    before = numba.get_num_threads()
-    set_threads(1)
-    try:
-        with open_model(path) as g:
-            m = Model(g, ops_cpu)
-            return m.forward(np.asarray(tokens), m.new_cache(len(tokens)))
-    finally:
-        numba.set_num_threads(before)
+    with open_model(path) as g:
+        m = Model(g, ops_cpu)
+        return m.forward(np.asarray(tokens), m.new_cache(len(tokens)))
+
+
+def scored_logits(path, chunk) -> np.ndarray:
+    """The logits a perplexity run scores of ``chunk`` (scored_span), computed as the run does: the
+    output head over those positions alone.  Its float32 weights go through BLAS, and with some
+    of OpenBLAS's kernels (Haswell's, which it picks on a Zen 5) a product's last bits depend on
+    how many tokens it multiplies at once."""
+    first, n = scored_span(len(chunk))
+    with open_model(path) as g:
+        m = Model(g, ops_cpu)
+        return m.forward(np.asarray(chunk), m.new_cache(len(chunk)), logits_from=first)[:n]
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,7 @@ def test_topk_base_file_round_trip(tiny, bases, logits, monkeypatch):
     assert isinstance(f, TopkLogitsFile) and (f.n_ctx, f.n_vocab, f.k, len(f.chunks)) == (CTX, N_VOCAB, 8, CHUNKS)
     # the rows are the base model's top 8 of those chunks, in float32
     chunk = f.chunks[1]
-    p = chunk_logits(tiny["base"], chunk)[CTX // 2:CTX - 1]
+    p = scored_logits(tiny["base"], chunk)
     want = topk_of(p, 8)
     top, target_lp = f.rows(PER_CHUNK, 2 * PER_CHUNK)
     assert (top.ids == want.ids).all()
@@ -176,7 +176,7 @@ def test_topk_base_file_round_trip(tiny, bases, logits, monkeypatch):
                                   .astype(np.float32))
     # --kl-divergence on it: the KLD is topk_kld's, the rest as from the full base
     stats = quantkit.kl_divergence(tiny["quant"], path, threads=1)
-    q = chunk_logits(tiny["quant"], chunk)[CTX // 2:CTX - 1]
+    q = scored_logits(tiny["quant"], chunk)
     np.testing.assert_allclose(stats.kld[PER_CHUNK:2 * PER_CHUNK], topk_kld((top.ids, top.logp, top.log_rest), q),
                                rtol=1e-6, atol=1e-9)
     doc = stats.summary()
