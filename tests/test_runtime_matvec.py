@@ -288,6 +288,20 @@ def _random_cache(cls, args, n_ctx, rng):
     return cache
 
 
+def test_a_value_beyond_float16_is_cached_as_inf_without_a_warning():
+    """The f16 caches store +-inf for values beyond float16's range, as ggml's conversion does,
+    and print nothing (numpy's cast warns: the warm-up's pass of token 0 printed it)."""
+    import warnings
+    caches = [ops_cpu.KVCache(1, 4, 1, 8, 8), ops_cpu.MLACache(1, 4, 4, 8)]
+    big = np.full((2, 1, 8), 1e6, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        caches[0].store(0, 1, big, -big)
+        caches[1].store(0, 1, big[:, :, :4], -big[:, 0])
+    assert np.isposinf(caches[0].k[0, 1:3]).all() and np.isneginf(caches[0].v[0, 1:3]).all()
+    assert np.isposinf(caches[1].k[0, 1:3, 0, :4]).all() and np.isneginf(caches[1].k[0, 1:3, 0, 4:]).all()
+
+
 def _ggml_attention(q, keys, values, pos0, scale):
     """ggml's attention numbers in float64 where ggml keeps float32: the query rounded to f16, the
     scores' softmax, the probabilities rounded to f16, then Σ p v.  q (n_tok, n_head, k_dim), keys

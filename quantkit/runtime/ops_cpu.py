@@ -400,8 +400,11 @@ class KVCache:
     def store(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
         n = k.shape[0]
         self._check_room(pos0, n)
-        self.k[layer, pos0:pos0 + n] = k
-        self.v[layer, pos0:pos0 + n] = v
+        # a value beyond float16's range becomes +-inf, as ggml's conversion makes it (the logits
+        # then are not finite, which the caller reports); numpy would also print a warning
+        with np.errstate(over="ignore", invalid="ignore"):
+            self.k[layer, pos0:pos0 + n] = k
+            self.v[layer, pos0:pos0 + n] = v
 
     def clear(self) -> None:
         self.n_past = 0
@@ -436,8 +439,9 @@ class MLACache(KVCache):
         """k_rope (n_tokens, 1, n_rot), kv (n_tokens, kv_lora_rank)."""
         n = kv.shape[0]
         self._check_room(pos0, n)
-        self.k[layer, pos0:pos0 + n, 0, :self.n_rot] = k_rope.reshape(n, self.n_rot)
-        self.k[layer, pos0:pos0 + n, 0, self.n_rot:] = kv
+        with np.errstate(over="ignore", invalid="ignore"):         # +-inf beyond float16, as KVCache.store
+            self.k[layer, pos0:pos0 + n, 0, :self.n_rot] = k_rope.reshape(n, self.n_rot)
+            self.k[layer, pos0:pos0 + n, 0, self.n_rot:] = kv
 
 
 def attention(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float, sinks: np.ndarray | None = None,
