@@ -104,19 +104,13 @@ def matmul_q(w: Weight, x: np.ndarray, fused: bool | None = None) -> np.ndarray:
     x = np.ascontiguousarray(x, F32)
     if w.qtype == QuantType.F16:
         x = _f16_round(x)           # ggml's f16 dot product converts the activations to f16
-    if fused is not False:
-        kernel = matvec.FUSED.get(w.qtype)
-        if kernel is not None:
-            kind, regrouped = kernel
-            if x.shape[0] <= FUSED_TOKENS:
-                step = matvec.STEP.get(w.qtype)         # interleaved rows read as stored, R at once
-                if step is not None:
-                    return matvec.matvec(step, w.blocks, x)
-                return matvec.matvec(kind, w.plain_layout()[1] if regrouped else w.blocks, x)
-            if matmul8.supports(kind):
-                return matmul8.matmul8(kind, w.plain_layout()[1] if regrouped else w.blocks, x)
-            if fused:
-                return matvec.matvec(kind, w.plain_layout()[1] if regrouped else w.blocks, x)
+    if fused is not False and w.qtype in matvec.FUSED:
+        if x.shape[0] <= FUSED_TOKENS:
+            return matvec.matvec(*_kernel_rows(w, step=True), x)
+        if matmul8.supports(matvec.FUSED[w.qtype][0]):
+            return matmul8.matmul8(*_kernel_rows(w), x)
+        if fused:
+            return matvec.matvec(*_kernel_rows(w), x)
     n_out, group = w.n_out * w.n_matrices, traits(w.qtype).interleave_rows
     tile = max(group, TILE_VALUES // w.n_in // group * group)
     per_thread = -(-n_out // pool.threads(x.shape[0]))                 # every thread gets a share
@@ -133,6 +127,17 @@ def matmul_q(w: Weight, x: np.ndarray, fused: bool | None = None) -> np.ndarray:
             out[:, r0:r1] = x @ rows.T
     pool.map(product, range(0, n_out, tile), x.shape[0])
     return out
+
+
+def _kernel_rows(w: Weight, step: bool = False) -> tuple[int, np.ndarray]:
+    """(kind, rows) that the fused kernels multiply for w (a type in matvec.FUSED): in a
+    generation step (``step``) an interleaved type with a group kernel (matvec.STEP) on its stored
+    rows, R at once; otherwise its plain kind, on its rows regrouped into plain ones where its
+    layout interleaves them (made on first use)."""
+    if step and w.qtype in matvec.STEP:
+        return matvec.STEP[w.qtype], w.blocks
+    kind, regrouped = matvec.FUSED[w.qtype]
+    return kind, w.plain_layout()[1] if regrouped else w.blocks
 
 
 def matmul_q_many(ws, x: np.ndarray) -> list[np.ndarray]:
@@ -160,8 +165,7 @@ def _batch_parts(ws):
         kernel = matvec.FUSED.get(w.qtype)
         if kernel is None or not matmul8.supports(kernel[0]) or w.n_in != ws[0].n_in:
             return None
-        kind, regrouped = kernel
-        parts.append((kind, w.plain_layout()[1] if regrouped else w.blocks))
+        parts.append(_kernel_rows(w))
     return parts
 
 
@@ -178,14 +182,11 @@ def _products(ws):
         return hit[1]
     parts = []
     for w in ws:
-        kernel = matvec.FUSED.get(w.qtype)
         # F16 rows take f16-rounded activations (matmul_q): not one input for all
-        if kernel is None or w.qtype == QuantType.F16 or w.n_in != ws[0].n_in:
+        if w.qtype not in matvec.FUSED or w.qtype == QuantType.F16 or w.n_in != ws[0].n_in:
             parts = None
             break
-        kind, regrouped = kernel
-        step = matvec.STEP.get(w.qtype)
-        parts.append((step, w.blocks) if step is not None else (kind, w.plain_layout()[1] if regrouped else w.blocks))
+        parts.append(_kernel_rows(w, step=True))
     products = None if parts is None else matvec.Products(parts)
     refs = [weakref.ref(w, lambda _, key=key: _PRODUCTS.pop(key, None)) for w in ws]
     _PRODUCTS[key] = (refs, products)
