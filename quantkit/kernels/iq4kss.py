@@ -31,6 +31,9 @@ def _squeeze_table() -> np.ndarray:
 SQUEEZE = _squeeze_table()
 IQ4_CT = thresholds(IQ4_V).astype(np.float32)          # code = number of these <= x
 IQ4_SCT = thresholds(IQ4_SV).astype(np.float32)
+#: both halves in one constant table, the shifted one at 16: the lane loops look values up in a
+#: global (a constant to LLVM, which then gathers); a table chosen at run time keeps them scalar
+IQ4_BOTH = np.concatenate((IQ4_V, IQ4_SV)).astype(np.float32)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -106,18 +109,106 @@ def _codes_lanes(xt, isc, ct, cp, cm):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _sums(xb, wb, codes, k_lane, shifted, dl, q4):
-    """_trial's sums for one block from precomputed codes (codes[:, k_lane]), parity pruned."""
-    sx = F(0)
-    s2 = F(0)
+def _odd(q):
+    """1 where the 4-bit code q has an odd number of set bits (bit operations: no table lookup in
+    the lane loop)."""
+    t = q ^ (q >> 2)
+    return (t ^ (t >> 1)) & 1
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _candidate(q, o, x, w, dl, e0, half, best, jbest, qbest, j):
+    """One step of _prune's search, without branches: code q + o (o in -2, -1, 1, 2) where it is a
+    code of the other parity, scored as _prune scores it, taken if strictly below ``best``."""
+    iq = q + o
+    valid = (iq >= 0) & (iq <= 15) & (_odd(iq) != _odd(q))
+    ic = min(max(iq, 0), 15)
+    diff1 = dl * IQ4_BOTH[half + ic] - x
+    score = w * (diff1 * diff1 - e0)
+    take = valid & (score < best)
+    return (score if take else best), (j if take else jbest), (ic if take else qbest)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _pruned_lane(q0, q1, q2, q3, x0, x1, x2, x3, w0, w1, w2, w3, dl, half):
+    """_prune of one word's codes (q0..q3 at values x0..x3, weights w0..w3) as straight-line code:
+    every candidate is scored in _prune's order (code j, then the candidates of CANDIDATES[q]
+    ascending: q-2, q-1, q+1, q+2) and the word's parity picks the result, so that LLVM runs the
+    lane loop around it 16 blocks per instruction."""
+    best = FLT_MAX
+    jbest = -1
+    qbest = 0
+    e0 = dl * IQ4_V[q0] - x0
+    e0 = e0 * e0
+    best, jbest, qbest = _candidate(q0, -2, x0, w0, dl, e0, half, best, jbest, qbest, 0)
+    best, jbest, qbest = _candidate(q0, -1, x0, w0, dl, e0, half, best, jbest, qbest, 0)
+    best, jbest, qbest = _candidate(q0, 1, x0, w0, dl, e0, half, best, jbest, qbest, 0)
+    best, jbest, qbest = _candidate(q0, 2, x0, w0, dl, e0, half, best, jbest, qbest, 0)
+    e0 = dl * IQ4_V[q1] - x1
+    e0 = e0 * e0
+    best, jbest, qbest = _candidate(q1, -2, x1, w1, dl, e0, half, best, jbest, qbest, 1)
+    best, jbest, qbest = _candidate(q1, -1, x1, w1, dl, e0, half, best, jbest, qbest, 1)
+    best, jbest, qbest = _candidate(q1, 1, x1, w1, dl, e0, half, best, jbest, qbest, 1)
+    best, jbest, qbest = _candidate(q1, 2, x1, w1, dl, e0, half, best, jbest, qbest, 1)
+    e0 = dl * IQ4_V[q2] - x2
+    e0 = e0 * e0
+    best, jbest, qbest = _candidate(q2, -2, x2, w2, dl, e0, half, best, jbest, qbest, 2)
+    best, jbest, qbest = _candidate(q2, -1, x2, w2, dl, e0, half, best, jbest, qbest, 2)
+    best, jbest, qbest = _candidate(q2, 1, x2, w2, dl, e0, half, best, jbest, qbest, 2)
+    best, jbest, qbest = _candidate(q2, 2, x2, w2, dl, e0, half, best, jbest, qbest, 2)
+    e0 = dl * IQ4_V[q3] - x3
+    e0 = e0 * e0
+    best, jbest, qbest = _candidate(q3, -2, x3, w3, dl, e0, half, best, jbest, qbest, 3)
+    best, jbest, qbest = _candidate(q3, -1, x3, w3, dl, e0, half, best, jbest, qbest, 3)
+    best, jbest, qbest = _candidate(q3, 1, x3, w3, dl, e0, half, best, jbest, qbest, 3)
+    best, jbest, qbest = _candidate(q3, 2, x3, w3, dl, e0, half, best, jbest, qbest, 3)
+    odd = _odd(q0 ^ q1 ^ q2 ^ q3) == 1
+    if odd:
+        jbest = jbest
+    else:
+        jbest = -1
+    q0 = qbest if jbest == 0 else q0
+    q1 = qbest if jbest == 1 else q1
+    q2 = qbest if jbest == 2 else q2
+    q3 = qbest if jbest == 3 else q3
+    return q0, q1, q2, q3
+
+
+@njit(**_OPTS)
+def _sums_lanes(xt, wt, codes, isc, shifted, sx, s2):
+    """_sums of every lane (block) b at once: the trial's codes codes[:, b] parity pruned at the
+    scale 1/isc[b], and sx[b], s2[b] the weighted sums of their values, accumulated in _sums' order
+    (word k, then its four codes) so that every lane's floats are those of the scalar loop."""
+    nl = xt.shape[1]
+    half = 16 if shifted else 0
+    for b in range(nl):
+        sx[b] = F(0)
+        s2[b] = F(0)
     for k in range(8):
-        for j in range(4):
-            q4[j] = codes[_group_pos(k, j), k_lane]
-        _prune(q4, xb, wb, k, shifted, dl)
-        for j in range(4):
-            p = _group_pos(k, j)
-            sx, s2 = weighted_sums(xb[p], wb[p], IQ4_SV[q4[j]] if shifted else IQ4_V[q4[j]], sx, s2)
-    return sx, s2
+        p0 = 2 * k
+        p1 = 2 * k + 16
+        p2 = 2 * k + 1
+        p3 = 2 * k + 17
+        for b in range(nl):
+            dl = F(1) / isc[b]
+            x0 = xt[p0, b]
+            x1 = xt[p1, b]
+            x2 = xt[p2, b]
+            x3 = xt[p3, b]
+            w0 = wt[p0, b]
+            w1 = wt[p1, b]
+            w2 = wt[p2, b]
+            w3 = wt[p3, b]
+            q0, q1, q2, q3 = _pruned_lane(codes[p0, b], codes[p1, b], codes[p2, b], codes[p3, b],
+                                          x0, x1, x2, x3, w0, w1, w2, w3, dl, half)
+            a = sx[b]
+            c = s2[b]
+            a, c = weighted_sums(x0, w0, IQ4_BOTH[half + q0], a, c)
+            a, c = weighted_sums(x1, w1, IQ4_BOTH[half + q1], a, c)
+            a, c = weighted_sums(x2, w2, IQ4_BOTH[half + q2], a, c)
+            a, c = weighted_sums(x3, w3, IQ4_BOTH[half + q3], a, c)
+            sx[b] = a
+            s2[b] = c
 
 
 @njit(**_OPTS)
@@ -137,6 +228,12 @@ def iq4_kss_row(xr, qw, has_qw, ik, y):
     isc = np.empty(nb, np.float32)
     cp = np.empty((32, nb), np.int32)
     cm = np.empty((32, nb), np.int32)
+    wt = np.empty((32, nb), np.float32)
+    to_lanes(w, 32, wt)
+    sp = np.empty(nb, np.float32)
+    s2p = np.empty(nb, np.float32)
+    sm = np.empty(nb, np.float32)
+    s2m = np.empty(nb, np.float32)
     for b in range(nb):
         amax, mx[b] = first_absmax(xr[32 * b:32 * b + 32])
         scales[b] = -mx[b] / IQ4_V[0] if amax >= ZERO_EPS else F(0)
@@ -149,16 +246,13 @@ def iq4_kss_row(xr, qw, has_qw, ik, y):
                 _codes_lanes(xt, isc, IQ4_SCT, cp, cm)
             else:
                 _codes_lanes(xt, isc, IQ4_CT, cp, cm)
+            _sums_lanes(xt, wt, cp, isc, half == 1, sp, s2p)
+            _sums_lanes(xt, wt, cm, isc, half == 1, sm, s2m)
             for b in range(nb):
                 if scales[b] == 0:
                     continue
-                xb = xr[32 * b:32 * b + 32]
-                wb = w[32 * b:32 * b + 32]
-                dl = F(1) / isc[b]
-                sp, s2p = _sums(xb, wb, cp, b, half == 1, dl, q4)
-                sm, s2m = _sums(xb, wb, cm, b, half == 1, dl, q4)
-                _, db, bb = take_trial(sp, s2p, scales[b], best[b])
-                _, scales[b], best[b] = take_trial(sm, s2m, db, bb)
+                _, db, bb = take_trial(sp[b], s2p[b], scales[b], best[b])
+                _, scales[b], best[b] = take_trial(sm[b], s2m[b], db, bb)
     d, idv = ks_row_scale(scales)
     if d == 0:
         return
