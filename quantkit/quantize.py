@@ -25,7 +25,8 @@ from .errors import QuantkitError
 from .gguf_io.constants import KEY_FILE_TYPE, KEY_QUANT_VERSION, MetaValue, ValueType
 from .gguf_io.reader import GGUFModel, TensorInfo
 from .gguf_io.writer import GGUFWriter, TensorSpec, encode_shard, plan_shards, shard_paths
-from .formats.limits import row_extent
+from .formats import q8_0_numpy
+from .formats.limits import row_extent, sum_factor
 from .outputs import AtomicOutput, check_outputs
 from .resume import resumable_output
 from .inputs import open_regular
@@ -228,6 +229,12 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
     if tp.dst_type not in getattr(info.source, "exact_types", ()):
         exact_rows = None
     chunks = list(_row_chunks(n_rows_per_matrix, n_matrices, n_per_row, group, _threads()))
+    # F16 -> Q8_0 straight from the half bits (formats/q8_0_numpy.py): the same bytes without the
+    # float32 rows nor quantize_rows' checks, which find nothing there but what the quantizer
+    # raises on: NaN and infinity (its chunk then takes the float32 path, which names the value);
+    # no search to overflow (sum_factor 0); a scale max|x|/127 <= 65504/127, finite in fp16
+    from_halves = (info.qtype == QuantType.F16 and tp.dst_type == QuantType.Q8_0 and exact_rows is None
+                   and sys.byteorder == "little" and not sum_factor(tp.dst_type, n_per_row, imatrix is not None))
     # read ahead only from sources whose reads are plain preads (a GGUF file): a lazy Hugging Face
     # tensor may run a numba kernel to read (FP8 -> BF16), which must not run beside the quantizer's
     with ReadAhead(info, enabled=exact_rows is None and getattr(info.source, "read_ahead", False)) as ahead:
@@ -238,13 +245,22 @@ def convert_tensor(info: TensorInfo, tp: TensorPlan, imatrix: np.ndarray | None,
                 if q is not None:
                     yield q
                     continue
-            x = ahead.float32(rows, chunks[i + 1][1] if i + 1 < len(chunks) else None)
+            raw = ahead.raw(rows, chunks[i + 1][1] if i + 1 < len(chunks) else None)
+            if from_halves:
+                q = np.empty((raw.shape[0], traits(QuantType.Q8_0).row_size(n_per_row)), np.uint8)
+                try:
+                    q8_0_numpy.quantize_f16_rows(np.ascontiguousarray(raw).view(np.uint16), q)
+                    yield q
+                    continue
+                except q8_0_numpy.NonFinite:
+                    pass
+            x = decode_rows(info, raw)
             w = imatrix[m] if imatrix is not None else None
             yield quantize_rows(x, tp.dst_type, w, flavor, info.name, rows.start)
 
 
 class ReadAhead:
-    """Rows of one tensor as float32, the next rows' bytes read on a helper thread meanwhile.
+    """Stored rows of one tensor, the next rows' bytes read on a helper thread meanwhile.
     Holds two chunks' bytes at most (the one being decoded and the one being read)."""
 
     def __init__(self, info: TensorInfo, enabled: bool = True):
@@ -260,8 +276,8 @@ class ReadAhead:
             self._pool.shutdown(wait=True, cancel_futures=True)     # a read in flight ends first
         return False
 
-    def float32(self, rows: slice, next_rows: slice | None) -> np.ndarray:
-        """``to_float32(info, rows)``, starting the read of ``next_rows`` (None: no more)."""
+    def raw(self, rows: slice, next_rows: slice | None) -> np.ndarray:
+        """``read_rows(info, rows)``, starting the read of ``next_rows`` (None: no more)."""
         if self._pending is not None and self._pending[0] == rows:
             raw = self._pending[1].result()
         else:
@@ -271,7 +287,7 @@ class ReadAhead:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="quantkit-read")
             self._pending = (next_rows, self._pool.submit(read_rows, self.info, next_rows))
-        return decode_rows(self.info, raw)
+        return raw
 
 
 def repack_parts(info: TensorInfo, tp: TensorPlan, buffers: "ThreadBuffers", part_bytes: int = PART_BYTES):

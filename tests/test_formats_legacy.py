@@ -359,6 +359,41 @@ def test_q8_0_numpy_quantizer_is_numba_kernel_twin():
     np.testing.assert_array_equal(formats.quantize(x, T.Q8_0), want)
 
 
+def test_q8_0_of_half_bits_is_numba_kernel_twin():
+    """quantize_f16_rows (an F16 model's rows, quantized from their bits) against numba's kernel on
+    the widened values: every finite half in shuffled blocks (so under many block maxima), blocks of
+    subnormals and signed zeros only, and Gaussian rows, on 1 and 3 threads; a NaN or an infinity
+    anywhere raises NonFinite."""
+    from quantkit import row_threads
+    from quantkit.formats import q8_0_numpy
+    from quantkit.kernels import legacy
+    rng = np.random.default_rng(28)
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    finite = h[(h & 0x7FFF) < 0x7C00]
+    tiny = h[(h & 0x7FFF) < 0x0400]
+    rows = [rng.permutation(finite)[:finite.size // 2048 * 2048].reshape(-1, 2048) for _ in range(2)]
+    rows += [rng.choice(tiny, (8, 2048)), np.full((1, 2048), 0x8000, np.uint16), np.zeros((1, 2048), np.uint16),
+             (rng.standard_normal((16, 2048)) * 0.02).astype(np.float16).view(np.uint16)]
+    bits = np.ascontiguousarray(np.concatenate(rows))
+    x = bits.view(np.float16).astype(np.float32)
+    want = np.zeros((x.shape[0], traits(T.Q8_0).row_size(x.shape[1])), np.uint8)
+    legacy.quantize_rows_plain(int(T.Q8_0), x, want)
+    before = row_threads.threads()
+    try:
+        for n in (1, 3):
+            row_threads.set_threads(n)
+            got = np.zeros_like(want)
+            q8_0_numpy.quantize_f16_rows(bits, got)
+            np.testing.assert_array_equal(got, want, err_msg=f"{n} threads")
+            for bad in (0x7C00, 0xFC00, 0x7E00, 0xFFFF):
+                b = bits.copy()
+                b[-3, 77] = bad
+                with pytest.raises(q8_0_numpy.NonFinite):
+                    q8_0_numpy.quantize_f16_rows(b, np.zeros_like(want))
+    finally:
+        row_threads.set_threads(before)
+
+
 def test_f16_and_bf16_decoders_give_every_bit_pattern_exactly():
     """The numpy decoders against numba's table (F16, NaN payloads included) and the plain shift
     (BF16), bit for bit over all 65536 patterns."""

@@ -15,6 +15,10 @@ Where every block is plain (no NaN or infinity, ``d`` a normal float32 or 0) eac
 operation over all blocks; a block holding a NaN, or whose scale is subnormal, takes the exact path
 below with C's order of MAX (a NaN is kept or dropped by the comparison after it) and x86's int8
 cast (a NaN, an infinity or a value beyond int32 is code 0), as numba's kernel does.
+
+An F16 model's rows are quantized from their half bits (``quantize_f16_rows``), never widened to
+float32 arrays first: numpy's float16 -> float32 cast is a scalar loop (~0.8 G values/s, slower
+than all of the quantizer's other steps together), and every finite half is a plain block.
 """
 from __future__ import annotations
 
@@ -43,6 +47,75 @@ def quantize_rows(x: np.ndarray, out: np.ndarray) -> None:
 def _quantize_steps(xb: np.ndarray, ob: np.ndarray) -> None:
     for s in range(0, xb.shape[0], STEP_BLOCKS):
         _quantize(xb[s:s + STEP_BLOCKS], ob[s:s + STEP_BLOCKS])
+
+
+class NonFinite(ValueError):
+    """An F16 row holds a NaN or an infinity: ``quantize_f16_rows`` leaves such rows to the float32
+    path, which names the value (the quantize command refuses it)."""
+
+
+#: (bits & 0x7fff) << 13 is |x| * 2^-112 as float32 bits for every finite half x (subnormals too:
+#: their mantissa lands in float32's subnormal range), so a multiply by 2^112 gives |x| exactly
+_HALF_TO_FLOAT_SCALE = np.float32(2.0 ** 112)
+_HALF_INF_BITS = 0x7C00         # |x|'s bits at or above it: infinity or NaN
+
+
+def quantize_f16_rows(bits: np.ndarray, out: np.ndarray) -> None:
+    """Q8_0 blocks of F16 rows given as their little-endian half bits ``bits`` (n_rows, n_per_row)
+    uint16, C-contiguous, into ``out`` (n_rows, n_per_row // 32 * 34) uint8: the bytes
+    ``quantize_rows`` gives for the same values widened to float32.  Raises NonFinite (``out`` then
+    partly written) where a row holds a NaN or an infinity."""
+    n_rows, n = bits.shape
+    over_rows(lambda a, b: _f16_steps(bits[a:b].reshape(-1, QK), out[a:b].reshape(-1, BLOCK_BYTES)), n_rows, n)
+
+
+def _f16_steps(hb: np.ndarray, ob: np.ndarray) -> None:
+    for s in range(0, hb.shape[0], STEP_BLOCKS):
+        _quantize_f16(hb[s:s + STEP_BLOCKS], ob[s:s + STEP_BLOCKS])
+
+
+def _block_max(u: np.ndarray) -> np.ndarray:
+    """max over each row of ``u`` (n, 32) uint16, by maxima of neighbouring pairs over the whole
+    array (a maximum of two halves of each row runs numpy's loop once per row: 3x slower)."""
+    m = u.reshape(-1)
+    while m.size > u.shape[0]:
+        pairs = m.reshape(-1, 2)
+        m = np.maximum(pairs[:, 0], pairs[:, 1], out=scratch(f"q8_0.max{pairs.shape[0]}", (pairs.shape[0],), u.dtype))
+    return m
+
+
+def _quantize_f16(hb: np.ndarray, ob: np.ndarray) -> None:
+    """Blocks of half bits ``hb`` (n, 32) uint16 into ``ob`` (n, 34) uint8.
+
+    ggml's arithmetic on |x| (roundf and x * id are odd functions: the sign is put back on the
+    int8 code), with every step one numpy operation over all blocks of the step:
+
+        u = bits & 0x7fff        amax = max u (as halves and as integers: the same order)
+        d = amax / 127    id = d ? 1/d : 0    (d is 0 or a normal float32: amax >= 2^-24)
+        |q| = trunc(|x| * id + (0.5 - 2^-25))        (roundf, as _quantize explains)
+        q = (|q| ^ m) - m with m = 0xff for a negative x (bit 15 set), else 0
+    """
+    nb = hb.shape[0]
+    u = np.bitwise_and(hb, np.uint16(0x7FFF), out=scratch("q8_0.u", (nb, QK), np.uint16))
+    amax_bits = _block_max(u)
+    if nb and int(amax_bits.max()) >= _HALF_INF_BITS:
+        raise NonFinite
+    amax = amax_bits.view(np.float16).astype(np.float32)
+    d = amax / np.float32(127)
+    inv = np.zeros_like(d)
+    np.divide(np.float32(1), d, out=inv, where=d != 0)
+    v = np.left_shift(u, 13, out=scratch("q8_0.v", (nb, QK), np.uint32), dtype=np.uint32).view(np.float32)
+    v *= _HALF_TO_FLOAT_SCALE                           # |x|
+    v *= inv[:, None]
+    v += np.float32(0.5 - 2.0 ** -25)
+    mag = scratch("q8_0.mag", (nb, QK), np.uint8)
+    np.copyto(mag, v, casting="unsafe")                 # |q| <= 127: the cast truncates
+    neg = np.right_shift(hb.view(np.int16), 15, out=u.view(np.int16))      # -1 where x < 0, else 0
+    m = scratch("q8_0.neg", (nb, QK), np.uint8)
+    np.copyto(m, neg, casting="unsafe")
+    mag ^= m
+    np.subtract(mag, m, out=ob[:, 2:])
+    ob[:, :2] = d.astype("<f2").view(np.uint8).reshape(-1, 2)
 
 
 def _c_order_max(a: np.ndarray) -> np.ndarray:
