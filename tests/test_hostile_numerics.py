@@ -223,6 +223,21 @@ def test_a_huge_weight_is_refused_in_process(tmp_path, qtype):
     assert not (tmp_path / "q.gguf").exists()
 
 
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+def test_a_non_finite_half_is_refused_by_q8_0(tmp_path, value):
+    """An F16 model's q8_0 runs from the half bits (q8_0_numpy.quantize_f16_rows); the chunk with a
+    NaN or an infinity goes the float32 way, which names it."""
+    model = write_llama(tmp_path / "m.gguf", n_layer=1, n_embd=256, n_ff=256, vocab=False, dtype=np.float16)
+    r = gguf.GGUFReader(str(model), "r+")
+    t = next(t for t in r.tensors if t.name == "blk.0.attn_q.weight")
+    t.data[5, 200] = value
+    r.data.flush()
+    del r
+    line = refusal(lambda: quantkit.quantize_model(model, tmp_path / "q.gguf", "q8_0"))
+    assert "blk.0.attn_q.weight" in line and "non-finite" in line and "row 5, column 200" in line
+    assert not (tmp_path / "q.gguf").exists()
+
+
 # ---- item 11: imatrix values ----
 
 def imatrix_gguf(path, entries, chunk_size=16):
