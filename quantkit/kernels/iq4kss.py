@@ -31,9 +31,6 @@ def _squeeze_table() -> np.ndarray:
 SQUEEZE = _squeeze_table()
 IQ4_CT = thresholds(IQ4_V).astype(np.float32)          # code = number of these <= x
 IQ4_SCT = thresholds(IQ4_SV).astype(np.float32)
-#: both halves in one constant table, the shifted one at 16: the lane loops look values up in a
-#: global (a constant to LLVM, which then gathers); a table chosen at run time keeps them scalar
-IQ4_BOTH = np.concatenate((IQ4_V, IQ4_SV)).astype(np.float32)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -108,79 +105,56 @@ def _codes_lanes(xt, isc, ct, cp, cm):
             cm[i, k] = c_minus if -a < OVERFLOW else 0
 
 
-@njit(cache=True, error_model="numpy", inline="always")
-def _odd(q):
-    """1 where the 4-bit code q has an odd number of set bits (bit operations: no table lookup in
-    the lane loop)."""
-    t = q ^ (q >> 2)
-    return (t ^ (t >> 1)) & 1
+def _neighbour_tables(values: np.ndarray) -> np.ndarray:
+    """Row i, entry q: values[q + o] for the offsets o = (-2, -1, 1, 2), where code q + o is one of
+    CANDIDATES[q] (a code, of the other parity), else +inf.  An inf value scores inf or NaN in
+    _prune's test, which never takes it, so the lane loop scores all four offsets of every code
+    with no test of whether each is a candidate."""
+    out = np.full((4, 16), np.inf, np.float32)
+    for q in range(16):
+        for i, o in enumerate((-2, -1, 1, 2)):
+            if 0 <= q + o <= 15 and q + o in CANDIDATES[q]:         # (-1 pads CANDIDATES' rows)
+                out[i, q] = values[q + o]
+    return out
+
+
+IQ4_NM2, IQ4_NM1, IQ4_NP1, IQ4_NP2 = _neighbour_tables(IQ4_V)
+IQ4_SNM2, IQ4_SNM1, IQ4_SNP1, IQ4_SNP2 = _neighbour_tables(IQ4_SV)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _candidate(q, o, x, w, dl, e0, half, best, jbest, qbest, j):
-    """One step of _prune's search, without branches: code q + o (o in -2, -1, 1, 2) where it is a
-    code of the other parity, scored as _prune scores it, taken if strictly below ``best``."""
-    iq = q + o
-    valid = (iq >= 0) & (iq <= 15) & (_odd(iq) != _odd(q))
-    ic = min(max(iq, 0), 15)
-    diff1 = dl * IQ4_BOTH[half + ic] - x
+def _score(v, x, w, dl, e0, best, vbest, jbest, j):
+    """One candidate of _prune (value v for the value x of weight w; e0 the code's own squared
+    error): taken where its score is strictly below ``best``."""
+    diff1 = dl * v - x
     score = w * (diff1 * diff1 - e0)
-    take = valid & (score < best)
-    return (score if take else best), (j if take else jbest), (ic if take else qbest)
+    take = score < best
+    return (score if take else best), (v if take else vbest), (j if take else jbest)
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _pruned_lane(q0, q1, q2, q3, x0, x1, x2, x3, w0, w1, w2, w3, dl, half):
-    """_prune of one word's codes (q0..q3 at values x0..x3, weights w0..w3) as straight-line code:
-    every candidate is scored in _prune's order (code j, then the candidates of CANDIDATES[q]
-    ascending: q-2, q-1, q+1, q+2) and the word's parity picks the result, so that LLVM runs the
-    lane loop around it 16 blocks per instruction."""
-    best = FLT_MAX
-    jbest = -1
-    qbest = 0
-    e0 = dl * IQ4_V[q0] - x0
+def _code_candidates(q, x, w, dl, down2, down1, up1, up2, best, vbest, jbest, j):
+    """_prune's four candidates of code j (q at value x), ascending: q-2, q-1, q+1, q+2."""
+    e0 = dl * IQ4_V[q] - x
     e0 = e0 * e0
-    best, jbest, qbest = _candidate(q0, -2, x0, w0, dl, e0, half, best, jbest, qbest, 0)
-    best, jbest, qbest = _candidate(q0, -1, x0, w0, dl, e0, half, best, jbest, qbest, 0)
-    best, jbest, qbest = _candidate(q0, 1, x0, w0, dl, e0, half, best, jbest, qbest, 0)
-    best, jbest, qbest = _candidate(q0, 2, x0, w0, dl, e0, half, best, jbest, qbest, 0)
-    e0 = dl * IQ4_V[q1] - x1
-    e0 = e0 * e0
-    best, jbest, qbest = _candidate(q1, -2, x1, w1, dl, e0, half, best, jbest, qbest, 1)
-    best, jbest, qbest = _candidate(q1, -1, x1, w1, dl, e0, half, best, jbest, qbest, 1)
-    best, jbest, qbest = _candidate(q1, 1, x1, w1, dl, e0, half, best, jbest, qbest, 1)
-    best, jbest, qbest = _candidate(q1, 2, x1, w1, dl, e0, half, best, jbest, qbest, 1)
-    e0 = dl * IQ4_V[q2] - x2
-    e0 = e0 * e0
-    best, jbest, qbest = _candidate(q2, -2, x2, w2, dl, e0, half, best, jbest, qbest, 2)
-    best, jbest, qbest = _candidate(q2, -1, x2, w2, dl, e0, half, best, jbest, qbest, 2)
-    best, jbest, qbest = _candidate(q2, 1, x2, w2, dl, e0, half, best, jbest, qbest, 2)
-    best, jbest, qbest = _candidate(q2, 2, x2, w2, dl, e0, half, best, jbest, qbest, 2)
-    e0 = dl * IQ4_V[q3] - x3
-    e0 = e0 * e0
-    best, jbest, qbest = _candidate(q3, -2, x3, w3, dl, e0, half, best, jbest, qbest, 3)
-    best, jbest, qbest = _candidate(q3, -1, x3, w3, dl, e0, half, best, jbest, qbest, 3)
-    best, jbest, qbest = _candidate(q3, 1, x3, w3, dl, e0, half, best, jbest, qbest, 3)
-    best, jbest, qbest = _candidate(q3, 2, x3, w3, dl, e0, half, best, jbest, qbest, 3)
-    odd = _odd(q0 ^ q1 ^ q2 ^ q3) == 1
-    if odd:
-        jbest = jbest
-    else:
-        jbest = -1
-    q0 = qbest if jbest == 0 else q0
-    q1 = qbest if jbest == 1 else q1
-    q2 = qbest if jbest == 2 else q2
-    q3 = qbest if jbest == 3 else q3
-    return q0, q1, q2, q3
+    best, vbest, jbest = _score(down2[q], x, w, dl, e0, best, vbest, jbest, j)
+    best, vbest, jbest = _score(down1[q], x, w, dl, e0, best, vbest, jbest, j)
+    best, vbest, jbest = _score(up1[q], x, w, dl, e0, best, vbest, jbest, j)
+    return _score(up2[q], x, w, dl, e0, best, vbest, jbest, j)
 
 
-@njit(**_OPTS)
-def _sums_lanes(xt, wt, codes, isc, shifted, sx, s2):
-    """_sums of every lane (block) b at once: the trial's codes codes[:, b] parity pruned at the
-    scale 1/isc[b], and sx[b], s2[b] the weighted sums of their values, accumulated in _sums' order
-    (word k, then its four codes) so that every lane's floats are those of the scalar loop."""
+@njit(cache=True, error_model="numpy", inline="always")
+def _trial_lanes(xt, wt, codes, isc, values, down2, down1, up1, up2, sx, s2):
+    """One trial of the scale search for every lane (block) b at once: the codes codes[:, b]
+    parity pruned at the scale 1/isc[b] (_prune's choice, every candidate scored in its order and
+    the word's parity deciding whether the best one replaces its code), and sx[b], s2[b] the
+    weighted sums of the values, accumulated in C's order (word k, then its four codes): every
+    lane's floats are those of ik's scalar loop.  Straight-line code, so that LLVM runs the lane
+    loop 16 blocks per instruction (the table lookups are gathers: ``values`` and the neighbour
+    rows down2..up2, the table half and its _neighbour_tables, are module constants where this is
+    inlined; tables chosen at run time would keep the loop scalar).  A zero block's lane computes
+    garbage that the caller skips."""
     nl = xt.shape[1]
-    half = 16 if shifted else 0
     for b in range(nl):
         sx[b] = F(0)
         s2[b] = F(0)
@@ -191,6 +165,10 @@ def _sums_lanes(xt, wt, codes, isc, shifted, sx, s2):
         p3 = 2 * k + 17
         for b in range(nl):
             dl = F(1) / isc[b]
+            q0 = codes[p0, b]
+            q1 = codes[p1, b]
+            q2 = codes[p2, b]
+            q3 = codes[p3, b]
             x0 = xt[p0, b]
             x1 = xt[p1, b]
             x2 = xt[p2, b]
@@ -199,16 +177,33 @@ def _sums_lanes(xt, wt, codes, isc, shifted, sx, s2):
             w1 = wt[p1, b]
             w2 = wt[p2, b]
             w3 = wt[p3, b]
-            q0, q1, q2, q3 = _pruned_lane(codes[p0, b], codes[p1, b], codes[p2, b], codes[p3, b],
-                                          x0, x1, x2, x3, w0, w1, w2, w3, dl, half)
+            best = FLT_MAX
+            vbest = F(0)
+            jbest = -1
+            best, vbest, jbest = _code_candidates(q0, x0, w0, dl, down2, down1, up1, up2, best, vbest, jbest, 0)
+            best, vbest, jbest = _code_candidates(q1, x1, w1, dl, down2, down1, up1, up2, best, vbest, jbest, 1)
+            best, vbest, jbest = _code_candidates(q2, x2, w2, dl, down2, down1, up1, up2, best, vbest, jbest, 2)
+            best, vbest, jbest = _code_candidates(q3, x3, w3, dl, down2, down1, up1, up2, best, vbest, jbest, 3)
+            if POPCOUNT[q0 ^ q1 ^ q2 ^ q3] & 1 == 0:     # even parity already: no code changes
+                jbest = -1
             a = sx[b]
             c = s2[b]
-            a, c = weighted_sums(x0, w0, IQ4_BOTH[half + q0], a, c)
-            a, c = weighted_sums(x1, w1, IQ4_BOTH[half + q1], a, c)
-            a, c = weighted_sums(x2, w2, IQ4_BOTH[half + q2], a, c)
-            a, c = weighted_sums(x3, w3, IQ4_BOTH[half + q3], a, c)
+            a, c = weighted_sums(x0, w0, vbest if jbest == 0 else values[q0], a, c)
+            a, c = weighted_sums(x1, w1, vbest if jbest == 1 else values[q1], a, c)
+            a, c = weighted_sums(x2, w2, vbest if jbest == 2 else values[q2], a, c)
+            a, c = weighted_sums(x3, w3, vbest if jbest == 3 else values[q3], a, c)
             sx[b] = a
             s2[b] = c
+
+
+@njit(**_OPTS)
+def _trial_lanes_base(xt, wt, codes, isc, sx, s2):
+    _trial_lanes(xt, wt, codes, isc, IQ4_V, IQ4_NM2, IQ4_NM1, IQ4_NP1, IQ4_NP2, sx, s2)
+
+
+@njit(**_OPTS)
+def _trial_lanes_shifted(xt, wt, codes, isc, sx, s2):
+    _trial_lanes(xt, wt, codes, isc, IQ4_SV, IQ4_SNM2, IQ4_SNM1, IQ4_SNP1, IQ4_SNP2, sx, s2)
 
 
 @njit(**_OPTS)
@@ -246,8 +241,12 @@ def iq4_kss_row(xr, qw, has_qw, ik, y):
                 _codes_lanes(xt, isc, IQ4_SCT, cp, cm)
             else:
                 _codes_lanes(xt, isc, IQ4_CT, cp, cm)
-            _sums_lanes(xt, wt, cp, isc, half == 1, sp, s2p)
-            _sums_lanes(xt, wt, cm, isc, half == 1, sm, s2m)
+            if half == 1:
+                _trial_lanes_shifted(xt, wt, cp, isc, sp, s2p)
+                _trial_lanes_shifted(xt, wt, cm, isc, sm, s2m)
+            else:
+                _trial_lanes_base(xt, wt, cp, isc, sp, s2p)
+                _trial_lanes_base(xt, wt, cm, isc, sm, s2m)
             for b in range(nb):
                 if scales[b] == 0:
                     continue
