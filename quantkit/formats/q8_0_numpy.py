@@ -83,8 +83,9 @@ def _block_max(u: np.ndarray) -> np.ndarray:
     m = u.reshape(-1)
     while m.size > u.shape[0]:
         pairs = m.reshape(-1, 2)
-        m = np.maximum(pairs[:, 0], pairs[:, 1],
-                       out=scratch(f"q8_0.max{u.dtype.char}{pairs.shape[0]}", (pairs.shape[0],), u.dtype))
+        per_row = pairs.shape[0] // u.shape[0]          # 16, 8, 4, 2, 1: one work array per level
+        out = scratch(f"q8_0.max{u.dtype.char}{per_row}", (pairs.shape[0],), u.dtype)
+        m = np.maximum(pairs[:, 0], pairs[:, 1], out=out)
     return m
 
 
