@@ -33,16 +33,37 @@ class TilePool:
         return numba.get_num_threads() if n_tokens >= FEW_TOKENS else 1
 
     def map(self, fn, items, n_tokens: int):
+        """[fn(item) for item in items], the items taken in turn by the calling thread and n - 1
+        pool threads.  The caller works instead of waiting (a hand-off to two pool threads cost
+        ~100 us on a busy 2-core machine, and a prompt pass of SmolLM2 makes ~400); while it does
+        numba runs its kernels on one thread there, as on the pool's threads (parallel ones would
+        leave numba's threads spinning on the cores the pool's threads need: see by_rows)."""
         n = self.threads(n_tokens)
+        items = list(items)
         if n <= 1 or len(items) <= 1:
             return [fn(i) for i in items]
         if self._pool is None or self._n != n:
             if self._pool is not None:
                 self._pool.shutdown()
-            self._pool = ThreadPoolExecutor(n, thread_name_prefix="quantkit-matmul",
+            self._pool = ThreadPoolExecutor(n - 1, thread_name_prefix="quantkit-matmul",
                                             initializer=numba.set_num_threads, initargs=(1,))
             self._n = n
-        return list(self._pool.map(fn, items))
+        results = [None] * len(items)
+        order = iter(range(len(items)))         # shared: each next() under the GIL, one taker per item
+
+        def work():
+            for i in order:
+                results[i] = fn(items[i])
+        helpers = [self._pool.submit(work) for _ in range(min(n - 1, len(items) - 1))]
+        caller_threads = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
+            work()
+        finally:
+            numba.set_num_threads(caller_threads)
+            for h in helpers:
+                h.result()          # every helper done before returning (or raising)
+        return results
 
 
 pool = TilePool()
