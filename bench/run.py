@@ -6,7 +6,9 @@ TARGETS (presets: their mix; ggml types: every tensor, where the row length allo
 576-wide rows are not super-blocks of 256, so most of a k-quant or IQK file is its fallback type,
 q8_0 / q5_0 / iq4_nl; the i-quants that need one get the golden SmolLM2 imatrix); each file is run by each tool in a child process of its own
 (prompt of --prompt tokens of the GPL text in one batch, then --gen tokens one at a time, greedy),
-best of --repeat.
+best of --repeat.  Before timing each tool runs a pass of 4 tokens and one of the whole prompt
+(each from a scratch cache): a 4-token warm-up alone left quantkit's batch kernels to be loaded from
+numba's cache and an interleaved file's rows to be regrouped inside the timed prompt pass.
 
     python bench/run.py [--threads 2] [--prompt 128] [--gen 32] [--repeat 2] [--types f32,q8_0,...]
 
@@ -76,7 +78,11 @@ def child_quantkit(path: Path, tokens: list[int], n_gen: int, threads: int) -> d
         return y
     with open_model(path) as g:
         model = Model(g, ops_cpu)
-        model.forward(tokens[:4], model.new_cache(8))           # numba kernels loaded before timing
+        # warm-up as ik's below: a few tokens (a step's kernels), then the whole prompt (a batch's:
+        # numba loads its tile kernels from its cache, interleaved rows are regrouped, the tile
+        # pool's threads start), each from a scratch cache
+        model.forward(tokens[:4], model.new_cache(8))
+        model.forward(tokens, model.new_cache(len(tokens)), logits_from=len(tokens) - 1)
         cache = model.new_cache(len(tokens) + n_gen)
         t0 = time.perf_counter()
         logits = model.forward(tokens, cache, logits_from=len(tokens) - 1)[-1]
@@ -129,7 +135,10 @@ def child_ik(path: Path, tokens: list[int], n_gen: int, threads: int) -> dict:
         return np.ctypeslib.as_array(ctx.get_logits(len(toks) - 1), shape=(n_vocab,))
 
     try:
-        decode(tokens[:4], 0)                                   # warm-up, then a fresh cache
+        # warm-up as quantkit's above: a few tokens, then the whole prompt, then a fresh cache
+        decode(tokens[:4], 0)
+        ctx.kv_cache_clear()
+        decode(tokens, 0)
         ctx.kv_cache_clear()
         t0 = time.perf_counter()
         logits = decode(tokens, 0)

@@ -79,13 +79,14 @@ def test_expert_slices_and_tiles(qtype, monkeypatch):
 
 
 def test_embedding_rows_of_an_interleaved_type():
-    """get_rows on an interleaved tensor decodes the row's group and picks the row out of it."""
+    """get_rows on an interleaved tensor decodes the row's group and picks the row out of it; a
+    batch's ids (split between the tile pool's threads) likewise."""
     qtype = QuantType.IQ4_K_R4
     blocks = quantized_rows(qtype, N_ROWS, seed=3)
     w = Weight("token_embd.weight", qtype, (N_PER_ROW, N_ROWS), blocks)
-    ids = np.array([0, 5, 31, 6, 6])
-    ref = formats.dequantize(blocks, qtype, N_PER_ROW, reference=True)[ids]
-    np.testing.assert_array_equal(ops_cpu.embed(w, ids), ref)
+    for ids in (np.array([0, 5, 31, 6, 6]), np.array([0, 5, 31, 6, 6, 30, 1, 2, 9, 17, 4, 4, 3, 11, 29, 8, 0])):
+        ref = formats.dequantize(blocks, qtype, N_PER_ROW, reference=True)[ids]
+        np.testing.assert_array_equal(ops_cpu.embed(w, ids), ref)
 
 
 def test_f16_rounding_equals_numpys_cast():

@@ -166,20 +166,22 @@ def test_interleaved_step_kernels_refuse_partial_groups_and_other_lengths():
 
 # the types whose batches matmul8 multiplies: one per kernel, and interleaved ones (their plain rows)
 BATCHED = [q for q in FUSED if matmul8.supports(matvec.kind_of(q))]
-BATCH_TYPES = [*{matvec.kind_of(q): q for q in reversed(BATCHED)}.values(), T.Q4_0_R8, T.IQ4_K_R4]
+BATCH_TYPES = [*{matvec.kind_of(q): q for q in reversed(BATCHED)}.values(), T.Q4_0_R8, T.IQ4_K_R4, T.IQ2_K_R4,
+               T.Q8_0_R8, T.Q4_K_R4, T.IQ4_XS_R8]
 
 
 def check_batch_product(qtype, rows=rows_of):
     """A batch's product (more than FUSED_TOKENS tokens: matmul8) token for token the bits of the
     generation step's fused kernel (matvec), so a prompt's logits are its steps' (also run by
-    test_generic_cpu on the generic CPU target).  37 tokens: a whole block of 32 and a part one."""
+    test_generic_cpu on the generic CPU target).  37 tokens: a whole block of 32 and a part one.
+    Interleaved types: a batch multiplies their rows regrouped into plain ones, a step the stored
+    rows where a group kernel reads them (matvec.STEP: q4_0_r8, iq2_k_r4), else the same plain rows."""
     for n, n_rows, seed in product_cases(qtype)[:2]:
         blocks = rows(qtype, n_rows, n, seed)
         w = Weight("w", qtype, (n, n_rows), blocks)
         x = np.random.default_rng(seed).standard_normal((37, n)).astype(np.float32) * 3
         x[3, :32] = 0                                   # an all-zero block: scale 0
-        kind, regrouped = matvec.FUSED[qtype]
-        steps = matvec.matvec(kind, w.plain_layout()[1] if regrouped else w.blocks, x)
+        steps = np.concatenate([matvec.matvec(*ops_cpu._kernel_rows(w, step=True), x[t:t + 1]) for t in range(len(x))])
         for n_tok in (ops_cpu.FUSED_TOKENS + 1, 37):
             got = ops_cpu.matmul_q(w, x[:n_tok])
             np.testing.assert_array_equal(got.view(np.uint32), steps[:n_tok].view(np.uint32),

@@ -32,7 +32,7 @@ import numpy as np
 from ..types import QuantType, traits
 from . import kernels, matmul8, matvec
 from .cache_type import CACHE_TYPES
-from .tiles import FEW_TOKENS, by_rows, pool
+from .tiles import FEW_TOKENS, by_causal_rows, by_rows, pool
 from .weights import Weight
 
 F32 = np.float32
@@ -222,8 +222,18 @@ def matmul_q_heads(ws, x: np.ndarray, transposed: bool = False) -> np.ndarray:
 
 
 def embed(w: Weight, ids: np.ndarray) -> np.ndarray:
-    """Rows ``ids`` of a token embedding (n_tokens, n_embd), decoded (ggml_get_rows)."""
-    return w.gather(np.asarray(ids, np.int64))
+    """Rows ``ids`` of a token embedding (n_tokens, n_embd), decoded (ggml_get_rows).  A batch's
+    are decoded by the tile pool's threads, a share each (each row decoded alone: the same bits),
+    not by numba's parallel decoders on the calling thread (see tiles.by_rows)."""
+    ids = np.asarray(ids, np.int64)
+    if pool.threads(len(ids)) <= 1:
+        return w.gather(ids)
+    out = np.empty((len(ids), w.n_in), F32)
+
+    def rows(r0, r1):
+        out[r0:r1] = w.gather(ids[r0:r1])
+    by_rows(rows, len(ids))
+    return out
 
 
 # ---- elementwise ----
@@ -470,7 +480,11 @@ def attention(q: np.ndarray, cache: KVCache, layer: int, pos0: int, scale: float
     if k_f16 and v_f16:
         out = np.empty((n_tok, n_head, v_dim), F32)
         k16, v16 = cache.bits
-        kernels.attend_few(np.ascontiguousarray(q, F32), k16[layer], v16[layer], pos0, F32(scale), out)
+        q = np.ascontiguousarray(q, F32)
+        # each (token, head) computed alone: a batch's tokens split between the pool's threads
+        # (by_causal_rows) give the bits of one call
+        by_causal_rows(lambda t0, t1: kernels.attend_few(q[t0:t1], k16[layer], v16[layer], pos0 + t0, F32(scale),
+                                                         out[t0:t1]), n_tok, pos0)
         return out.reshape(n_tok, n_head * v_dim)
     if n_tok <= FUSED_TOKENS and not (k_f16 or v_f16):
         return _attend_few_f32(q, cache, layer, pos0, scale).reshape(n_tok, n_head * v_dim)
