@@ -455,14 +455,20 @@ def _group_codes(chunk, members, pair_tables):
             # a block of 16 bytes holds 32 codes: low nibbles first, then the high ones
             h8 = ir.VectorType(_I8, n // 2)
             raw = _load(builder, base, at, n // 2, _I8)
-            if _AVX2 and n == 32:
+            if _GFNI and n == 32:
+                # the 16 bytes in both halves, low nibbles of the first, high of the second
+                # picked by one vgf2p8affineqb (a bit matrix per 8 bytes)
+                twice = builder.shuffle_vector(raw, raw, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2))
+                code = _affine(builder, twice, [_bit_matrix(0, 15, 0)] * 2 + [_bit_matrix(4, 15, 0)] * 2)
+            elif _AVX2 and n == 32:
                 twice = builder.shuffle_vector(raw, raw, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2))
                 q4 = ir.VectorType(ir.IntType(64), 4)
                 both = builder.bitcast(builder.lshr(builder.bitcast(twice, q4), ir.Constant(q4, [0, 0, 4, 4])), v8)
+                code = builder.and_(both, b8(15))
             else:
                 both = builder.shuffle_vector(raw, builder.lshr(raw, ir.Constant(h8, [4] * (n // 2))),
                                               ir.Constant(ir.VectorType(_I32, n), list(range(n))))
-            code = builder.and_(both, b8(15))
+                code = builder.and_(both, b8(15))
         else:
             # bytes all the way: the shifts are constants here, which x86 does on bytes
             # as a 16-bit shift and a mask; codes fit in int8
@@ -551,6 +557,13 @@ def _gfni_bytes(builder, chunk, pieces):
     return _concat(builder, loads)
 
 
+def _affine(builder, v, qwords):
+    """<32 x i8> v with the bit matrix qwords[i] (:func:`_bit_matrix`) applied to each byte of
+    its 8 bytes 8 i..8 i + 7 (vgf2p8affineqb; only where _GFNI)."""
+    m = ir.Constant(ir.VectorType(_I8, 32), [(q >> (8 * j)) & 0xFF for q in qwords for j in range(8)])
+    return _x86(builder, "llvm.x86.vgf2p8affineqb.256", v.type, v, m, ir.Constant(_I8, 0))
+
+
 def _gfni_codes(chunk, members):
     """<32 x i8> codes of a group of plain byte runs (_gfni_group): the low bits of every run
     gathered into one vector and shifted and masked by one vgf2p8affineqb (a bit matrix per 8
@@ -558,17 +571,13 @@ def _gfni_codes(chunk, members):
     builder = chunk.builder
 
     def matrices(spec):
-        return ir.Constant(ir.VectorType(_I8, 32), [(spec(r) >> (8 * j)) & 0xFF
-                                                    for _, r in members for _ in range(r.n // 8) for j in range(8)])
-
-    def affine(v, m):
-        return _x86(builder, "llvm.x86.vgf2p8affineqb.256", v.type, v, m, ir.Constant(_I8, 0))
-    low = affine(_gfni_bytes(builder, chunk, [(r.off, r.n) for _, r in members]),
-                 matrices(lambda r: _bit_matrix(r.shift, r.mask, 0)))
+        return [spec(r) for _, r in members for _ in range(r.n // 8)]
+    low = _affine(builder, _gfni_bytes(builder, chunk, [(r.off, r.n) for _, r in members]),
+                  matrices(lambda r: _bit_matrix(r.shift, r.mask, 0)))
     if members[0][1].hoff is None:
         return low
-    high = affine(_gfni_bytes(builder, chunk, [(r.hoff, r.n) for _, r in members]),
-                  matrices(lambda r: _bit_matrix(r.hshift, r.hmask, r.hpos)))
+    high = _affine(builder, _gfni_bytes(builder, chunk, [(r.hoff, r.n) for _, r in members]),
+                   matrices(lambda r: _bit_matrix(r.hshift, r.hmask, r.hpos)))
     return builder.or_(low, high)
 
 
