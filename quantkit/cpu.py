@@ -41,6 +41,8 @@ class Target:
     avx512bw: bool = False  # byte and word ops on 512 bits (AVX-512BW: vpshufb, vpabsb, vpmovb2m on zmm)
     vnni: bool = False      # vpdpbusd on 256 bits (AVX-512 VNNI with VL, or AVX-VNNI): unsigned x signed
                             # bytes, 4 at a time, added into 32-bit lanes, without pmaddubsw's saturation
+    gfni: bool = False      # vgf2p8affineqb (GFNI with AVX): any bit matrix applied to every byte,
+                            # one matrix per 64-bit lane (shift, mask and move bits in one instruction)
 
     @property
     def x86(self) -> bool:
@@ -92,6 +94,13 @@ define i32 @probe_vnni(<32 x i8>* %p, <32 x i8>* %q) {
   %r = call i32 @llvm.vector.reduce.add.v32i32(<32 x i32> %m)
   ret i32 %r
 }
+declare <32 x i8> @llvm.bitreverse.v32i8(<32 x i8>)
+define void @probe_gfni(<32 x i8>* %p) {
+  %a = load <32 x i8>, <32 x i8>* %p, align 1
+  %r = call <32 x i8> @llvm.bitreverse.v32i8(<32 x i8> %a)
+  store <32 x i8> %r, <32 x i8>* %p, align 1
+  ret void
+}
 define void @probe_avx512bw(<64 x i8>* %p, <64 x i8>* %q) {
   %a = load <64 x i8>, <64 x i8>* %p, align 1
   %b = load <64 x i8>, <64 x i8>* %q, align 1
@@ -140,7 +149,10 @@ def _features(triple: str, cpu: str, features: str) -> Target:
                   avx512bw=x86 and uses("avx512bw", "vpaddb", "%zmm"),
                   # a sum of unsigned-by-signed byte products, which LLVM selects as vpdpbusd where
                   # the target has VNNI (AVX-512 VNNI or AVX-VNNI: both have the 256-bit form)
-                  vnni=x86 and uses("vnni", "vpdpbusd", "%ymm"))
+                  vnni=x86 and uses("vnni", "vpdpbusd", "%ymm"),
+                  # a bit reversal of 32 bytes, which LLVM selects as one vgf2p8affineqb on a ymm
+                  # register where the target has GFNI and AVX
+                  gfni=x86 and uses("gfni", "vgf2p8affineqb", "%ymm"))
 
 
 @functools.cache

@@ -51,7 +51,7 @@ from test_runtime_matvec import (FUSED, STEP_TYPES, _chunks, check_batch_product
 REPO = Path(__file__).resolve().parent.parent
 ROWS = "QUANTKIT_TEST_GENERIC_ROWS"             # the child's matrices (.npz), quantized by the parent
 IN_CHILD = ROWS in os.environ
-FEATURES = ("sse2", "ssse3", "avx2", "f16c", "fma", "avx512", "avx512bw", "vnni")
+FEATURES = ("sse2", "ssse3", "avx2", "f16c", "fma", "avx512", "avx512bw", "vnni", "gfni")
 # one type per fused kernel whose type quantkit writes (code_dots' types once their formats are
 # registered), and an interleaved one (regrouped into plain rows first)
 KERNEL_TYPES = [*(q for q in matvec.KIND if q in FUSED), QuantType.IQ4_K_R4]
@@ -85,9 +85,9 @@ def _on(t: cpu.Target) -> set[str]:
     ("sandybridge", "", {"sse2", "ssse3"}),                 # AVX, but neither AVX2 nor F16C
     ("haswell", "", {"sse2", "ssse3", "avx2", "f16c", "fma"}),
     ("skylake-avx512", "", {"sse2", "ssse3", "avx2", "f16c", "fma", "avx512", "avx512bw"}),
-    ("icelake-server", "", {"sse2", "ssse3", "avx2", "f16c", "fma", "avx512", "avx512bw", "vnni"}),
-    ("alderlake", "", {"sse2", "ssse3", "avx2", "f16c", "fma", "vnni"}),        # AVX-VNNI, no AVX-512
-    ("znver4", "-avx512vnni", {"sse2", "ssse3", "avx2", "f16c", "fma", "avx512", "avx512bw"}),
+    ("icelake-server", "", {"sse2", "ssse3", "avx2", "f16c", "fma", "avx512", "avx512bw", "vnni", "gfni"}),
+    ("alderlake", "", {"sse2", "ssse3", "avx2", "f16c", "fma", "vnni", "gfni"}),        # AVX-VNNI, no AVX-512
+    ("znver4", "-avx512vnni", {"sse2", "ssse3", "avx2", "f16c", "fma", "avx512", "avx512bw", "gfni"}),
     ("x86-64", "+avx2,-f16c", {"sse2", "ssse3", "avx2"}),   # explicit features over the model's
     ("haswell", "-avx", {"sse2", "ssse3"}),                 # and what they imply (-avx: no AVX2)
 ])
@@ -100,7 +100,7 @@ def test_the_child_compiles_for_the_generic_cpu():
     """quantkit.cpu reads numba's target (NUMBA_CPU_NAME here), not the host's CPU."""
     t = cpu.target()
     assert t.cpu == "generic"
-    assert not (t.ssse3 or t.avx2 or dot._AVX2 or dot._SSSE3 or dot._VNNI or dot._AVX512BW)
+    assert not (t.ssse3 or t.avx2 or dot._AVX2 or dot._SSSE3 or dot._VNNI or dot._AVX512BW or dot._GFNI)
     if t.x86:
         assert _on(t) == {"sse2"}
 
@@ -191,7 +191,7 @@ def test_half_widening_is_exact_for_every_half():
 # chunks that take every path of the byte products: a legacy block's 32-lane grid lookup and folded
 # bias (IQ4_NL), a word of high bits (Q5_0), signed codes in a legacy block (Q8_0), a paired grid
 # lookup (IQ4_K), signed codes (Q6_K), a run's mins (Q2_K), a 64-entry grid (IQ6_K)
-TIER_CHUNKS = ("iq4_nlx8", "q5_0x8", "q8_0x2", "iq4_k", "q6_K", "q2_K", "iq6_k")
+TIER_CHUNKS = ("iq4_nlx8", "q5_0x8", "q6_0x8", "q8_0x2", "iq4_k", "q5_K", "q6_K", "q2_K", "iq6_k")
 
 
 def _tier(name):
@@ -208,6 +208,7 @@ def test_byte_products_of_every_instruction_tier(tier, monkeypatch):
     and bit for bit against the target's own chunk dot on the same bytes."""
     monkeypatch.setattr(dot, "_VNNI", False)
     monkeypatch.setattr(dot, "_AVX512BW", False)
+    monkeypatch.setattr(dot, "_GFNI", False)
     monkeypatch.setattr(dot, "_AVX2", tier == "avx2")
     monkeypatch.setattr(dot, "_SSSE3", tier in ("avx2", "ssse3"))
     monkeypatch.setattr(dot, "_SSE2", tier in ("avx2", "ssse3", "sse2"))
@@ -270,6 +271,7 @@ def test_group_products_of_every_instruction_tier(tier, monkeypatch):
                       matvec.matvec(matvec.STEP[group], blocks, x).reshape(-1)))
     monkeypatch.setattr(dot, "_VNNI", False)
     monkeypatch.setattr(dot, "_AVX512BW", False)
+    monkeypatch.setattr(dot, "_GFNI", False)
     monkeypatch.setattr(dot, "_AVX2", tier == "avx2")
     monkeypatch.setattr(dot, "_SSSE3", tier in ("avx2", "ssse3"))
     monkeypatch.setattr(dot, "_SSE2", tier in ("avx2", "ssse3", "sse2"))

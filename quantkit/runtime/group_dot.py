@@ -76,10 +76,10 @@ def _byte_dot(builder, pairs):
     codes below 64 and s signed <32 x i8>, |s| <= 127 (exact: vpdpbusd where VNNI, else pmaddubsw
     then pmaddwd by 1, two pairs' 16-bit lanes added first: 2 * 2 * 63 * 127 < 2^15)."""
     if D._VNNI:
+        # one chain of accumulating vpdpbusd (no zeroed register and add per pair)
         total = None
         for u, s in pairs:
-            d = D._dpbusd(builder, u, s)
-            total = d if total is None else builder.add(total, d)
+            total = D._dpbusd(builder, u, s, total)
         return total
     ones = _vec(_I16, [1] * 16)
     total = None
@@ -101,6 +101,24 @@ def _fold8(builder, lanes, zero):
         n //= 2
         v = [builder.fadd(v[i], v[i + n]) for i in range(n)]
     return v[0]
+
+
+def _zero_rows(rows):
+    """``zero(out, oo)``: out[oo:oo + rows] = +0.0 as one vector store, which the first chunk's
+    vector load of them (_accumulate) takes from the store buffer (after one scalar store per row a
+    vector load waits for them to reach the cache: a store-forwarding stall per group of rows)."""
+    @intrinsic
+    def zero(typingctx, out, oo):
+        def codegen(context, builder, sig, args):
+            base = D._data(context, builder, sig.args[0], args[0])
+            vt = ir.VectorType(_F32, rows)
+            builder.store(ir.Constant(vt, [0.0] * rows), builder.bitcast(builder.gep(base, [args[1]]), vt.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return nbt.none(out, oo), codegen
+    return zero
+
+
+_zero8, _zero4 = _zero_rows(8), _zero_rows(4)
 
 
 def _accumulate(context, builder, sig, out_v, oo_v, chunk, rows):
@@ -169,8 +187,7 @@ _chunk8, _chunk4, _chunk2, _chunk1 = (q4_0_r8_chunk(n) for n in (8, 4, 2, 1))
 def q4_0_r8_rows(b, bo, xq, xd, xsum, xo, n, out, oo):
     """out[oo:oo + 8] = the 8 rows of the Q4_0_R8 group at byte bo of b · the n rounded
     activations from xo on: matvec's legacy row (8 blocks per chunk, then 4, 2, 1), 8 rows at once."""
-    for k in range(8):
-        out[oo + k] = np.float32(0)
+    _zero8(out, oo)
     nb = n // 32
     ib = 0
     while ib + 8 <= nb:
@@ -257,8 +274,7 @@ iq2_k_r4_chunk = iq2_k_r4_chunk_dot()
 def iq2_k_r4_rows(b, bo, xq, xd, xsum, xo, n, out, oo):
     """out[oo:oo + 4] = the 4 rows of the IQ2_K_R4 group at byte bo of b · the n rounded
     activations from xo on: matvec's super-block row (one chunk per super-block), 4 rows at once."""
-    for k in range(4):
-        out[oo + k] = np.float32(0)
+    _zero4(out, oo)
     for sb in range(n // 256):
         iq2_k_r4_chunk(b, bo + IQ2_K_R4_BLOCK * sb, xq, xd, xsum, xo + 256 * sb, out, oo)
 
