@@ -29,10 +29,15 @@ An unpacked block (at a multiple of dot_tiles.CHUNK_BYTES in the row's buffer):
     CORR     64  int32 per run: -128 Σ its codes
     DD        4  float32: the block's d (float16) times the type's factor (grid_dot's d * factor)
 
-Without VNNI the batch takes the step's kernel token by token (:func:`row_dots`): the same bits.
+Without VNNI (:func:`row_dots`) each block of a row is unpacked the same way once per token block
+of matmul8, then multiplied token by token, two tokens a call, by grid_dot's own _block_sums on
+the unpacked codes (the step's pmaddubsw / pmaddwd sums where the target has them; the signed
+codes take _abs_sign's path instead of the step's negated activations: the same integers) and
+the same float operations: the same bits, without a gather per token.
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import njit
 from numba.core import types as nbt
@@ -41,7 +46,7 @@ from numba.extending import intrinsic
 from ..cpu import half_to_float
 from .dot import _F32, _I8, _I16, _I32, _as, _data, _load, _splat
 from .dot_tiles import CHUNK_BYTES, TOKENS, _dpbusd, _ptr, _reduce_add, _store
-from .grid_dot import _TYPES, _gather, _shuffle, _vec
+from .grid_dot import _TYPES, _block_sums, _gather, _shuffle, _vec
 
 CODES, SCALES, CORR, DD = 0, 256, 320, 384
 assert DD + 4 <= CHUNK_BYTES
@@ -186,10 +191,58 @@ def tiled(grid, name, rows):
     return njit(unpack, inline="always"), njit(tile, inline="always"), njit(finish, inline="always")
 
 
-def row_dots(block_row):
+def codes_dot(name, n):
+    """``dot(buf, bo, xq, xd, x0, xstride, acc, t)``: for k < n, acc[t + k] = acc[t + k] + (d *
+    factor) * acc_k, acc_k grid_dot's sum over the 8 groups of the block unpacked at buf[bo]
+    (:func:`unpack_block` of the type ``name``) and the rounded activations xq * xd from value x0 +
+    k xstride on."""
+    run = RUN[name]
+
+    @intrinsic
+    def dot(typingctx, buf, bo, xq, xd, x0, xstride, acc, t):
+        def codegen(context, builder, sig, args):
+            buf_v, bo_v, xq_v, xd_v, x0_v, xs_v, acc_v, t_v = args
+            b = _data(context, builder, sig.args[0], buf_v)
+            accb = _data(context, builder, sig.args[6], acc_v)
+            bo = _as(builder, bo_v, _I64)
+            codes = _load(builder, b, builder.add(bo, _c(CODES)), 256, _I8)
+            scales = builder.load(_ptr(builder, b, builder.add(bo, _c(SCALES)), ir.VectorType(_I32, 256 // run)), align=1)
+            if run == 16:
+                scales = builder.trunc(scales, ir.VectorType(_I16, 16))
+            x0 = _as(builder, x0_v, _I64)
+            xs = _as(builder, xs_v, _I64)
+            blocks = [(codes, None, scales, builder.add(x0, builder.mul(xs, _c(k)))) for k in range(n)]
+            accs = _block_sums(builder, blocks, _data(context, builder, sig.args[2], xq_v),
+                               _data(context, builder, sig.args[3], xd_v))
+            dd = builder.load(_ptr(builder, b, builder.add(bo, _c(DD)), _F32), align=1)
+            for k, a in enumerate(accs):
+                ptr = builder.gep(builder.bitcast(accb, _F32.as_pointer()), [builder.add(_as(builder, t_v, _I64), _c(k))])
+                builder.store(builder.fadd(builder.load(ptr), builder.fmul(dd, a)), ptr)
+            return context.get_dummy_value()
+        return nbt.none(buf, bo, xq, xd, x0, xstride, acc, t), codegen
+    return dot
+
+
+def row_dots(grid, name):
     """``row(b, bo, xq, xd, xsum, xo, n, nt, acc)`` (matmul8's row_dots without tiles): acc[t] = the
-    step kernel's row (code_dots.coded_row: grid_dot's blocks) times token t, for t < nt."""
+    row at byte bo of b times token t's rounded activations (from xo + n t on), for t < nt: each
+    block unpacked once into a buffer, then :func:`codes_dot` two tokens a call (the same bits as
+    grid_dot's step kernel)."""
+    u = unpack_block(name)
+    dot1, dot2 = codes_dot(name, 1), codes_dot(name, 2)
+    block_bytes = _TYPES[name][3]
+
     def row(b, bo, xq, xd, xsum, xo, n, nt, acc):
+        buf = np.empty(CHUNK_BYTES, np.uint8)
         for t in range(nt):
-            acc[t] = block_row(b, bo, xq, xd, xsum, xo + n * t, n)
+            acc[t] = np.float32(0)
+        for blk in range(n // 256):
+            u(b, bo + block_bytes * blk, grid, buf, 0)
+            x0 = xo + 256 * blk
+            t = 0
+            while t + 2 <= nt:
+                dot2(buf, 0, xq, xd, x0 + n * t, n, acc, t)
+                t += 2
+            if t < nt:
+                dot1(buf, 0, xq, xd, x0 + n * t, n, acc, t)
     return njit(row, inline="always")

@@ -19,8 +19,10 @@ Two kernels, by what the CPU numba compiles for has (quantkit/cpu.py):
 
 The rows are split between the tile pool's threads (tiles.pool), each running a kernel below
 single-threaded; the types are those whose chunk dots the layouts describe (matvec's legacy and
-super-block types, interleaved ones through their plain rows); the others (float rows, the types
-code_dots unpacks) keep the decoded tiles (ops_cpu.matmul_q).
+super-block types, interleaved ones through their plain rows) and the grid i-quants (code_dots'
+BLOCK_DOTS: grid_tiles.py's tiles and, without VNNI, its row dots, with the step's grid_dot
+float operations); the others (float rows, the types code_dots fills) keep the decoded tiles
+(ops_cpu.matmul_q).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from . import grid_tiles, matvec
-from .code_dots import BLOCK_DOTS, coded_row
+from .code_dots import BLOCK_DOTS
 from .dot import _VNNI, f32_at, half_at
 from .dot_batch import chunk_dot_batch
 from .dot_tiles import CHUNK_BYTES, TOKENS, amax32, quantize32, tile_chunk, unpack_chunk
@@ -122,7 +124,7 @@ def _row_dots(kind, b, bo, xq, xd, xsum, xo, n, nt, acc):
         return None
     qtype = _TYPE_OF_KIND[kind.literal_value]
     if qtype in BLOCK_DOTS:
-        row = grid_tiles.row_dots(coded_row(qtype))
+        row = grid_tiles.row_dots(BLOCK_DOTS[qtype][1], BLOCK_DOTS[qtype][0])
     else:
         row = _legacy_row(qtype) if qtype in LEGACY else _super_row(qtype)
     return lambda kind, b, bo, xq, xd, xsum, xo, n, nt, acc: row(b, bo, xq, xd, xsum, xo, n, nt, acc)
