@@ -288,9 +288,10 @@ def test_group_products_of_every_instruction_tier(tier, monkeypatch):
 
 
 # a batch's kernels (matmul8) of one type per path of the byte products: signed codes, a folded
-# bias, a min, high bits, a legacy grid, E8M0 scales, mins, run mins, a paired grid, a row scale
+# bias, a min, high bits, a legacy grid, E8M0 scales, mins, run mins, a paired grid, a row scale;
+# grid i-quants (grid_tiles.row_dots) with sign bits and scales per 32, per 16, a signed grid
 BATCH_TYPES = [QuantType[n] for n in ("Q8_0", "Q4_1", "Q5_0", "IQ4_NL", "MXFP4", "Q4_K", "Q2_K", "Q6_K", "IQ4_K",
-                                      "IQ4_KS")]
+                                      "IQ4_KS", "IQ2_XXS", "IQ2_S", "IQ1_M")]
 
 
 @child_only

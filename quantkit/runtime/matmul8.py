@@ -19,8 +19,10 @@ Two kernels, by what the CPU numba compiles for has (quantkit/cpu.py):
 
 The rows are split between the tile pool's threads (tiles.pool), each running a kernel below
 single-threaded; the types are those whose chunk dots the layouts describe (matvec's legacy and
-super-block types, interleaved ones through their plain rows); the others (float rows, the types
-code_dots unpacks) keep the decoded tiles (ops_cpu.matmul_q).
+super-block types, interleaved ones through their plain rows) and the grid i-quants (code_dots'
+BLOCK_DOTS: grid_tiles.py's tiles and, without VNNI, its row dots, with the step's grid_dot
+float operations); the others (float rows, the types code_dots fills) keep the decoded tiles
+(ops_cpu.matmul_q).
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from . import matvec
+from . import grid_tiles, matvec
+from .code_dots import BLOCK_DOTS
 from .dot import _VNNI, f32_at, half_at
 from .dot_batch import chunk_dot_batch
 from .dot_tiles import CHUNK_BYTES, TOKENS, amax32, quantize32, tile_chunk, unpack_chunk
@@ -53,8 +56,9 @@ def _legacy_chunks(qtype):
 
 
 _TYPE_OF_KIND = {k: q for q, k in matvec.KIND.items()}
-# the kinds this module multiplies: matvec's legacy and super-block layouts
-KINDS = frozenset(matvec.KIND[q] for q in (*LEGACY, *SUPER))
+# the kinds this module multiplies: matvec's legacy and super-block layouts, and the grid i-quants
+# (code_dots.BLOCK_DOTS: grid_tiles.py)
+KINDS = frozenset(matvec.KIND[q] for q in (*LEGACY, *SUPER, *BLOCK_DOTS))
 _LEGACY_BATCH = {q: _legacy_chunks(q) for q in LEGACY}
 _SUPER_BATCH = {q: chunk_dot_batch(lay.runs, table=lay.grid is not None, sup=lay.sup) for q, lay in SUPER.items()}
 
@@ -119,7 +123,10 @@ def _row_dots(kind, b, bo, xq, xd, xsum, xo, n, nt, acc):
     if not isinstance(kind, types.IntegerLiteral):
         return None
     qtype = _TYPE_OF_KIND[kind.literal_value]
-    row = _legacy_row(qtype) if qtype in LEGACY else _super_row(qtype)
+    if qtype in BLOCK_DOTS:
+        row = grid_tiles.row_dots(BLOCK_DOTS[qtype][1], BLOCK_DOTS[qtype][0])
+    else:
+        row = _legacy_row(qtype) if qtype in LEGACY else _super_row(qtype)
     return lambda kind, b, bo, xq, xd, xsum, xo, n, nt, acc: row(b, bo, xq, xd, xsum, xo, n, nt, acc)
 
 
@@ -270,6 +277,8 @@ def _tiled(kind, part):
         return None
     qtype = _TYPE_OF_KIND[kind.literal_value]
     fns = _TILED.get(qtype)
+    if fns is None and qtype in BLOCK_DOTS:
+        fns = _TILED[qtype] = grid_tiles.tiled(BLOCK_DOTS[qtype][1], BLOCK_DOTS[qtype][0], TILE_ROWS)
     if fns is None:
         fns = _TILED[qtype] = (*(_legacy_tiled(qtype) if qtype in LEGACY else _super_tiled(qtype)), _row_scale(qtype))
     fn = fns[part.literal_value]
@@ -281,7 +290,7 @@ def _n_chunks_ov(kind, n):
     if not isinstance(kind, types.IntegerLiteral):
         return None
     qtype = _TYPE_OF_KIND[kind.literal_value]
-    if qtype in SUPER:
+    if qtype in SUPER or qtype in BLOCK_DOTS:
         return lambda kind, n: n // 256
 
     def legacy(kind, n):
@@ -367,7 +376,7 @@ def _tile_kernel(kind: int):
     return fn
 
 
-_RUN_N = {matvec.KIND[q]: _run_n(q) for q in (*LEGACY, *SUPER)}
+_RUN_N = {matvec.KIND[q]: _run_n(q) for q in (*LEGACY, *SUPER)} | {matvec.KIND[q]: 0 for q in BLOCK_DOTS}
 
 
 def _matmul_tiled(parts, x: np.ndarray) -> list[np.ndarray]:
