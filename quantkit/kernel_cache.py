@@ -36,12 +36,21 @@ thing it needs is numba's runtime (NRT, which allocating kernels call).  :func:`
 quantkit's kernels (those with this locator) load with just that; everything else, and every
 compile (numba's compiler refreshes the contexts itself), is numba's own path.
 
+Saving: numba's save reads the index, picks the first free data file name, writes the index, then
+the data file; two processes compiling two signatures of one kernel at once (pytest's workers, two
+quantize jobs after an upgrade) can both pick ``<base>.1.nbc`` and leave an index whose entry loads
+the other signature's code: a kernel that computes garbage.  quantkit's saves (and prunes) hold an
+exclusive ``flock`` on ``quantkit-cache.lock`` in the cache directory, so each save sees the index
+the previous one wrote.  Loads need no lock: under one stamp a data file name, once in an index, is
+only ever rewritten with the same key's data, through a temporary file and a rename.
+
 Every module with ``cache=True`` kernels imports this module before its first decorator (the
 kernels package does so in its ``__init__``); tests/test_kernel_cache.py checks that every cached
 dispatcher in quantkit got this locator.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -185,7 +194,30 @@ class PackageLocator(_CacheLocator):
         return self._inner.get_disambiguator()
 
 
+#: the file whose flock serializes quantkit's saves into one cache directory
+LOCK_NAME = "quantkit-cache.lock"
+
+
+@contextlib.contextmanager
+def directory_lock(cache_dir: str):
+    """An exclusive ``flock`` on :data:`LOCK_NAME` in ``cache_dir`` while the block runs (between
+    processes; numba's compiler lock already serializes a process's threads).  Where the lock file
+    cannot be opened or the system has no flock, the block runs unlocked, as numba's own saves do."""
+    try:
+        import fcntl
+        fd = os.open(os.path.join(cache_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o666)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)                # closing the descriptor releases the lock
+
+
 _numba_load_overload = Cache.load_overload
+_numba_save_overload = Cache._save_overload if hasattr(Cache, "_save_overload") else None
 
 
 def _load_overload(self, sig, target_context):
@@ -199,6 +231,17 @@ def _load_overload(self, sig, target_context):
         return self._load_overload(sig, target_context)
 
 
+def _save_overload(self, sig, data):
+    """numba's ``Cache._save_overload`` for quantkit's kernels under :func:`directory_lock` (the
+    module docstring says why)."""
+    locator = getattr(self._impl, "locator", None)
+    if not isinstance(locator, PackageLocator):
+        return _numba_save_overload(self, sig, data)
+    locator._inner.ensure_cache_path()          # the directory exists before its lock file
+    with directory_lock(locator.get_cache_path()):
+        return _numba_save_overload(self, sig, data)
+
+
 def install() -> None:
     """Put :class:`PackageLocator` first in numba's cache locators, and load quantkit's kernels
     without refreshing numba's target context (once)."""
@@ -207,6 +250,8 @@ def install() -> None:
     # numba's private load steps (numba >= 0.49): another numba without them keeps its own load
     if hasattr(Cache, "_load_overload") and hasattr(Cache, "_guard_against_spurious_io_errors"):
         Cache.load_overload = _load_overload
+    if _numba_save_overload is not None:
+        Cache._save_overload = _save_overload
 
 
 install()

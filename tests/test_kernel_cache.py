@@ -171,3 +171,42 @@ def test_numba_cache_dir_is_respected_and_other_code_is_left_alone(tmp_path, mon
     assert Path(locator.get_cache_path()).parent == tmp_path / "cache"
     package_at(tmp_path / "elsewhere")                   # not quantkit's: numba's own locators
     assert kernel_cache.PackageLocator.from_function(f, path) is None
+
+
+LOCKED_SAVE = textwrap.dedent("""
+    import fcntl, json, os
+    from numba.core import caching
+    import quantkit
+    from quantkit import kernel_cache
+    held = []
+    numba_save_index = caching.IndexDataCacheFile._save_index
+
+    def save_index(self, overloads):
+        # another descriptor's non-blocking try fails while the saver holds the directory's lock
+        fd = os.open(os.path.join(self._cache_path, kernel_cache.LOCK_NAME), os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        finally:
+            os.close(fd)
+        return numba_save_index(self, overloads)
+    caching.IndexDataCacheFile._save_index = save_index
+    from quantkit.kernels._probe import probe
+    print(json.dumps({"value": int(probe(1)), "float": float(probe(1.5)), "held": held}))
+""")
+
+
+def test_saves_into_a_cache_directory_hold_its_lock(tmp_path):
+    """numba's save picks a data file name from the index it read: two processes saving two
+    signatures of one kernel at once could share ``.1.nbc`` and leave an index entry that loads the
+    other signature's code.  quantkit's saves hold the directory's flock (kernel_cache.directory_lock)."""
+    _copy_package(tmp_path / "src")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "src"), "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, "-c", LOCKED_SAVE], capture_output=True, text=True, env=env,
+                       cwd=tmp_path / "src", timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert (out["value"], out["float"]) == (11, 11.5)
+    assert out["held"] == [True, True]          # both signatures' saves ran under the lock
