@@ -7,7 +7,6 @@ expert tensor ``[n_in, n_out, n_expert]`` is ``n_expert`` matrices of ``n_out`` 
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,9 +84,6 @@ class Weight:
     def gather(self, ids: np.ndarray) -> np.ndarray:
         """Rows ``ids`` (any order, repeats allowed) as float32 (len(ids), n_in), decoded in one
         call: the interleave groups holding them are gathered, decoded, and the rows picked."""
-        decode = _row_decoder(self.qtype)
-        if decode is not None:          # not interleaved: the rows themselves
-            return decode(self.blocks[ids], self.n_in)
         group = traits(self.qtype).interleave_rows
         row_size = self.blocks.shape[1]
         groups = self.blocks.reshape(-1, group, row_size)[ids // group].reshape(-1, row_size)
@@ -107,18 +103,6 @@ class Weight:
     def vector(self) -> np.ndarray:
         """A 1-D tensor (norm weights, biases) as float32."""
         return self.rows(0, self.blocks.shape[0]).reshape(-1)
-
-
-@functools.lru_cache(maxsize=None)
-def _row_decoder(qtype: QuantType):
-    """The function formats.dequantize calls for rows of ``qtype`` (blocks (n_rows, row_size) uint8,
-    n_per_row) where that is its format's decoder and the type is neither interleaved nor plain
-    numbers; else None.  Looked up once: in a generation step formats.dequantize's own look-ups
-    (type checks, the format's registry) cost the embedding of its token ~10x the decoding."""
-    if qtype in PLAIN_DTYPE or traits(qtype).interleave_rows != 1:
-        return None
-    fmt = formats._format(qtype)
-    return fmt.dequantize_fast if fmt is not None and formats._implements(fmt, "dequantize_ref") else None
 
 
 def computes_with(qtype: QuantType) -> bool:
