@@ -392,6 +392,32 @@ def kl_divergence_rows(logits, base_p, base_plp, out):
         out[r] = base_plp[r] - px + np.log(total) * ps
 
 
+@intrinsic
+def _prefetch(typingctx, a, i, h):
+    """Ask for the cache line of a[i, h, 0] (a 3-D array, strides in bytes) ahead of its use
+    (llvm.prefetch: a hint, which changes no value and never faults).  A generation step's
+    attention reads each layer's keys and values after the step's weights have pushed them out
+    of the caches: one row after the other, each a miss, its time was mostly waiting."""
+    if not (isinstance(a, types.Array) and a.ndim == 3):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a_v, i_v, h_v = args
+        ary = context.make_array(signature.args[0])(context, builder, a_v)
+        s0, s1, _ = cgutils.unpack_tuple(builder, ary.strides, 3)
+        i64 = ir.IntType(64)
+        byte = builder.add(builder.mul(builder.sext(i_v, i64) if i_v.type != i64 else i_v, s0),
+                           builder.mul(builder.sext(h_v, i64) if h_v.type != i64 else h_v, s1))
+        i8p = ir.IntType(8).as_pointer()
+        ptr = builder.gep(builder.bitcast(ary.data, i8p), [byte])
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0i8")
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.none(a, i, h), codegen
+
+
 @njit(cache=True, error_model="numpy", inline="always")
 def _half_row_dot(a, i, h, x, n):
     """Σ_d half(a[i, h, d]) * x[d] over d < n (a: float16 bits, rows contiguous)."""
@@ -428,6 +454,10 @@ def _exp_shifted(e, n, m):
     return F32(1.0 / total)
 
 
+# rows ahead that attend_few asks for: about a memory latency of its row dots
+PREFETCH_ROWS = 16
+
+
 @njit(cache=True, error_model="numpy", parallel=True)
 def attend_few(q, keys, values, pos0, scale, out):
     """Causal grouped-query attention of a few tokens, straight from the float16 cache:
@@ -455,6 +485,8 @@ def attend_few(q, keys, values, pos0, scale, out):
         for d in range(k_dim):
             qv[d] = _f16_value(q[t, h, d])
         for j in range(n_seen):
+            _prefetch(keys, min(j + PREFETCH_ROWS, n_seen - 1), hk)
+            _prefetch(values, j, hk)            # the rows the loop after this one reads
             s = _half_row_dot(keys, j, hk, qv, k_dim) * scale
             e[j] = s
             m = max(m, s)

@@ -11,6 +11,8 @@ Every architecture shares the embedding, the pre-norm residual layer loop and th
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from .. import signals
@@ -37,6 +39,20 @@ class NonFiniteLogits(QuantkitError):
         return NonFiniteLogits(self.position, where)
 
 
+class _LayerPlan(NamedTuple):
+    """A llama-like layer's norm weights (None: the file has none), groups of weights (as
+    Model._products takes them) and attention scale; ``down`` None: the layer's FFN is MoE."""
+    attn_norm: Any
+    qkv: tuple
+    q_norm: Any
+    k_norm: Any
+    scale: float
+    attn_output: tuple
+    ffn_norm: Any
+    gate_up: tuple
+    down: tuple | None
+
+
 class Model:
     """Weights, configuration and the forward pass of one GGUF model."""
 
@@ -53,7 +69,8 @@ class Model:
         self._head = [self.output]          # the head as matmul_q_many takes it (made once: a step makes no list)
         self.w.need("output_norm.weight")
         self._norms = {}
-        self._groups = {}                   # names -> ([weight], [bias or None]) of linears()
+        self._groups = {}                   # names -> ([weight], [bias or None] or None) of linears()
+        self._plans = {}                    # layer -> _LayerPlan (llama-like layers)
         # load every layer now: a missing tensor fails early
         if self.config.mla:
             self.mla_heads = [deepseek2.load_layer(self, i) for i in range(self.config.n_layer)]
@@ -95,39 +112,64 @@ class Model:
         """[linear(name, x) for name in names]: products that share their input, which the backend
         computes together (ops.matmul_q_many: a generation step's q/k/v in one launch, and each
         dense product without the per-call preparations of matmul_q)."""
+        return self._products(self._group(names), x)
+
+    def _group(self, names: tuple[str, ...]) -> tuple:
+        """(weights, biases or None where none has one) of ``names``, as :meth:`_products` takes them."""
         group = self._groups.get(names)
         if group is None:
+            biases = [self.vector(n + ".bias") for n in names]
             group = self._groups[names] = ([self.w.need(n + ".weight") for n in names],
-                                           [self.vector(n + ".bias") for n in names])
+                                           None if all(b is None for b in biases) else biases)
+        return group
+
+    def _products(self, group: tuple, x: np.ndarray) -> list:
         ys = self.ops.matmul_q_many(group[0], x)
-        return [y if b is None else y + b for y, b in zip(ys, group[1])]
+        return ys if group[1] is None else [y if b is None else y + b for y, b in zip(ys, group[1])]
 
     def ffn(self, prefix: str, x: np.ndarray, suffix: str = "") -> np.ndarray:
         """SwiGLU feed-forward ffn_down(silu(ffn_gate x) * ffn_up x) of tensors ``prefix``ffn_*``suffix``."""
         gate, up = self.linears((prefix + "ffn_gate" + suffix, prefix + "ffn_up" + suffix), x)
         return self.linear(prefix + "ffn_down" + suffix, self.ops.silu_mul(gate, up))
 
-    def _head_norm(self, name: str, x, n_heads: int):
-        """Per-head RMSNorm (Qwen3's and GLM's q_norm/k_norm) of x (n_tokens, n_heads, head_dim) where
-        the file has ``name``; x unchanged where it does not."""
-        weight = self.vector(name)
-        if weight is None:
-            return x
+    def _head_norm(self, weight, x, n_heads: int):
+        """Per-head RMSNorm (Qwen3's and GLM's q_norm/k_norm, ``weight``) of x (n_tokens, n_heads, head_dim)."""
         n, d = x.shape[0], self.config.head_dim
         return self.ops.rmsnorm(x.reshape(n * n_heads, d), weight, self.config.rms_eps).reshape(n, n_heads, d)
 
     def _attention(self, i: int, h: np.ndarray, pos: np.ndarray, cache) -> np.ndarray:
         """Grouped-query self-attention of layer i (llama, qwen3, glm4moe) -> (n_tokens, n_embd)."""
-        c, ops, p, n = self.config, self.ops, f"blk.{i}.", h.shape[0]
-        q, k, v = self.linears((p + "attn_q", p + "attn_k", p + "attn_v"), h)
+        c, ops, n = self.config, self.ops, h.shape[0]
+        plan = self._plan(i)
+        q, k, v = self._products(plan.qkv, h)
         q = q.reshape(n, c.n_head, c.head_dim)
         k = k.reshape(n, c.n_head_kv, c.head_dim)
         v = v.reshape(n, c.n_head_kv, c.head_dim)
-        q = self._head_norm(p + "attn_q_norm.weight", q, c.n_head)
-        k = self._head_norm(p + "attn_k_norm.weight", k, c.n_head_kv)
+        if plan.q_norm is not None:
+            q = self._head_norm(plan.q_norm, q, c.n_head)
+        if plan.k_norm is not None:
+            k = self._head_norm(plan.k_norm, k, c.n_head_kv)
         q = ops.rope_store(q, k, v, cache, i, pos, c.n_rot, c.rope_base, c.rope_scale, neox=c.rope_neox)
-        a = ops.attention(q, cache, i, cache.n_past, ops.attention_scale(c.head_dim))  # (n, n_head * head_dim)
-        return self.linear(p + "attn_output", a)
+        a = ops.attention(q, cache, i, cache.n_past, plan.scale)  # (n, n_head * head_dim)
+        return self._products(plan.attn_output, a)[0]
+
+    def _plan(self, i: int) -> "_LayerPlan":
+        """What layer i's step looks up by name (llama-like layers), looked up once: a step then
+        builds no names (SmolLM2's 30 layers made ~300 strings and dict look-ups a step)."""
+        plan = self._plans.get(i)
+        if plan is None:
+            c, p = self.config, f"blk.{i}."
+            dense = not (c.moe and i >= c.moe.n_dense_lead)
+            plan = self._plans[i] = _LayerPlan(
+                attn_norm=self.vector(p + "attn_norm.weight"),
+                qkv=self._group((p + "attn_q", p + "attn_k", p + "attn_v")),
+                q_norm=self.vector(p + "attn_q_norm.weight"), k_norm=self.vector(p + "attn_k_norm.weight"),
+                scale=self.ops.attention_scale(c.head_dim),
+                attn_output=self._group((p + "attn_output",)),
+                ffn_norm=self.vector(p + c.ffn_norm + ".weight"),
+                gate_up=self._group((p + "ffn_gate", p + "ffn_up")) if dense else None,
+                down=self._group((p + "ffn_down",)) if dense else None)
+        return plan
 
     def forward(self, tokens, cache: Cache, logits_from: int = 0) -> np.ndarray:
         """Run ``tokens`` at the cache's next positions; logits (n, n_vocab), a numpy array, of the
@@ -155,11 +197,20 @@ class Model:
         c, ops = self.config, self.ops
         if c.gptoss:
             return gptoss.layer(self, i, x, pos, cache)
-        p = f"blk.{i}."
-        h = ops.rmsnorm(x, self.vector(p + "attn_norm.weight"), c.rms_eps)
-        a = deepseek2.attention(self, i, h, pos, cache) if c.mla else self._attention(i, h, pos, cache)
-        x, h = ops.add_rmsnorm(x, a, self.vector(p + c.ffn_norm + ".weight"), c.rms_eps)
-        return x + (deepseek2.moe(self, i, h) if c.moe and i >= c.moe.n_dense_lead else self.ffn(p, h))
+        if c.mla:
+            p = f"blk.{i}."
+            h = ops.rmsnorm(x, self.vector(p + "attn_norm.weight"), c.rms_eps)
+            a = deepseek2.attention(self, i, h, pos, cache)
+            x, h = ops.add_rmsnorm(x, a, self.vector(p + c.ffn_norm + ".weight"), c.rms_eps)
+            return x + (deepseek2.moe(self, i, h) if c.moe and i >= c.moe.n_dense_lead else self.ffn(p, h))
+        plan = self._plan(i)
+        h = ops.rmsnorm(x, plan.attn_norm, c.rms_eps)
+        a = self._attention(i, h, pos, cache)
+        x, h = ops.add_rmsnorm(x, a, plan.ffn_norm, c.rms_eps)
+        if plan.down is None:
+            return x + deepseek2.moe(self, i, h)
+        gate, up = self._products(plan.gate_up, h)         # self.ffn's, its names looked up once
+        return x + self._products(plan.down, ops.silu_mul(gate, up))[0]
 
     def head(self, x, first_pos: int, fused: bool = False) -> np.ndarray:
         """Logits (n, n_vocab) of the last layer's output x, a numpy array (the first at position

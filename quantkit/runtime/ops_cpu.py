@@ -357,10 +357,12 @@ def rope_store(q: np.ndarray, k: np.ndarray, v: np.ndarray, cache, layer: int, p
     if n == 0:
         return q
     pos0 = int(pos[0])
+    # (plain conditions, no generator: a step makes 30 of these checks)
     fused = (n <= FUSED_TOKENS and type(cache) is KVCache and cache.k.dtype == np.float16
-             and cache.v.dtype == np.float16 and k.shape[0] == v.shape[0] == n
+             and cache.v.dtype == np.float16 and q.ndim == k.ndim == v.ndim == 3 and k.shape[0] == v.shape[0] == n
              and k.shape[1:] == cache.k.shape[2:] and v.shape[1:] == cache.v.shape[2:] and q.shape[2] == k.shape[2]
-             and all(a.dtype == F32 and a.flags.c_contiguous and a.ndim == 3 for a in (q, k, v)))
+             and q.dtype == k.dtype == v.dtype == F32
+             and q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous)
     if not fused:
         q = rope(q, pos, n_rot, freq_base, freq_scale, neox)
         k = rope(k, pos, n_rot, freq_base, freq_scale, neox)
