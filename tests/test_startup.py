@@ -2,8 +2,11 @@
 its job.  The times are measured in bench/startup.py; here the imports that made them are kept out."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+import pytest
 
 from models import write_llama
 
@@ -37,8 +40,8 @@ def test_commands_import_only_what_they_use(tmp_path):
 
 def test_batch_commands_let_openmp_workers_sleep(monkeypatch, tmp_path):
     """quantize and repack set OMP_WAIT_POLICY=passive before their first kernel (quantkit/omp_wait.py:
-    spinning workers of two thread teams made quantizing 3-4x slower on a shared machine), and keep
-    a value the user set."""
+    spinning workers of two thread teams made quantizing 3-4x slower on a shared machine) and
+    OPENBLAS_NUM_THREADS=1, and keep a value the user set."""
     import contextlib
     import io
     import os
@@ -47,14 +50,38 @@ def test_batch_commands_let_openmp_workers_sleep(monkeypatch, tmp_path):
     not_gguf = tmp_path / "notes.txt"
     not_gguf.write_text("not a model\n")
     for command in (["quantize", not_gguf, tmp_path / "q.gguf", "q8_0"], ["repack", not_gguf, tmp_path / "r.gguf"]):
-        for given, want in ((None, "passive"), ("active", "active")):
+        for var, given, want in (("OMP_WAIT_POLICY", None, "passive"), ("OMP_WAIT_POLICY", "active", "active"),
+                                 ("OPENBLAS_NUM_THREADS", None, "1"), ("OPENBLAS_NUM_THREADS", "3", "3")):
             if given is None:
-                monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+                monkeypatch.delenv(var, raising=False)
             else:
-                monkeypatch.setenv("OMP_WAIT_POLICY", given)
+                monkeypatch.setenv(var, given)
             with contextlib.redirect_stderr(io.StringIO()):
                 assert main([str(a) for a in command]) == 1
-            assert os.environ["OMP_WAIT_POLICY"] == want, command
+            assert os.environ[var] == want, command
+
+
+_BLAS_CHECK = """
+import contextlib, io, os, sys
+os.environ.pop("OPENBLAS_NUM_THREADS", None)
+from quantkit.cli import main
+assert "numpy" not in sys.modules
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    assert main(["quantize", sys.argv[1], sys.argv[1] + ".out", "q8_0"]) == 1      # no GGUF: refused
+assert "numpy" in sys.modules
+assert len(os.listdir("/proc/self/task")) == 1, "OpenBLAS started threads"
+"""
+
+
+def test_quantize_loads_openblas_with_one_thread(tmp_path):
+    """The variable is set before numpy is first imported (else OpenBLAS has started a thread per
+    extra core already): after a quantize, the process has no thread but its own."""
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs Linux's /proc to count threads")
+    not_gguf = tmp_path / "notes.txt"
+    not_gguf.write_text("not a model\n")
+    run = subprocess.run([sys.executable, "-c", _BLAS_CHECK, str(not_gguf)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 _Q8_0_CHECK = """
