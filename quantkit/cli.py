@@ -11,6 +11,7 @@ Every --json document is written by ``_print_json``: strict JSON, non-finite num
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -1029,5 +1030,20 @@ def main(argv=None) -> int:
         return 2
 
 
+def run() -> int:
+    """The program (the ``quantkit`` script, ``python -m quantkit``): :func:`main` on ``sys.argv``
+    in a process that ends when it returns.
+
+    Everything left then is freed with the process, so the objects of the run (~28,000 after a
+    quantize: numpy's, click's, rich's, the plan's) are frozen out of the garbage collector first:
+    the interpreter's finalization otherwise searches all of them for cycles, ~15 ms of a q8_0
+    quantize of a small F16 model (0.2 s).  Objects are still freed as their references go; only
+    cycles among them are left to the OS, and nothing of quantkit's needs one collected (files are
+    closed and outputs committed or removed before :func:`main` returns)."""
+    code = main()
+    gc.freeze()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())
