@@ -13,9 +13,9 @@ OpenBLAS (numpy's BLAS) is kept to one thread in these commands too (``OPENBLAS_
 they call no BLAS routine whose speed matters (numpy's elementwise loops and numba's kernels do the
 work), yet OpenBLAS starts a thread per extra core when numpy is imported: ``import numpy`` took
 ~30 ms more CPU that way on 2 shared cores (0.09 s vs 0.055 s), a sixth of a q8_0 quantize of an
-F16 model, whose whole command is ~0.2 s.  OpenBLAS reads the variable when numpy loads it: the CLI's quantize
-and repack call :func:`passive_for_batch_jobs` before anything imports numpy.  Results never
-depend on it (the only BLAS call on these paths, kernels/iq1.py's lattice distances, is exact).
+F16 model (~0.2 s in all).  OpenBLAS reads the variable when numpy loads it, so quantize and
+repack call :func:`passive_for_batch_jobs` before anything imports numpy.  Results never depend on
+it (the only BLAS call on these paths, kernels/iq1.py's lattice distances, is exact).
 
 libgomp reads the variable once, when numba loads its OpenMP layer (the first parallel kernel of
 the process): :func:`passive_for_batch_jobs` is called by the CLI's quantize and repack before any
