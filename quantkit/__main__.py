@@ -1,5 +1,7 @@
+import gc
 import sys
 
-from .cli import main
+gc.disable()        # during the CLI's imports too: cli.run explains, and turns it back on
+from .cli import run  # noqa: E402
 
-sys.exit(main())
+sys.exit(run())

@@ -153,7 +153,10 @@ def open_quantization(model_in, model_out=None, type: str | None = None, *, cust
 
     given = model_in if isinstance(model_in, ModelView) else None       # closed with the Quantization
     model_in = Path(given.path if given is not None else model_in)
-    placement, bandwidth = speed_options(override_tensor, bandwidth)
+    # (-ot and --bandwidth are checked now, before any work; without them the placement is the
+    # default one, and speed.py, ~1.5 ms of imports, waits for a speed prediction if one is asked)
+    placement, bandwidth = speed_options(override_tensor, bandwidth) \
+        if _many(override_tensor) or bandwidth is not None else (None, {})
     custom_q, tensor_type, tensor_type_file = _many(custom_q), _many(tensor_type), _many(tensor_type_file)
     custom_q = tuple(map(str, custom_q))
     mix = find_mix(type)            # Q4_X: a recipe over a base type (the user's rules come first)

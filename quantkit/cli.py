@@ -11,6 +11,7 @@ Every --json document is written by ``_print_json``: strict JSON, non-finite num
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -212,6 +213,8 @@ def _tensor_step(reporter, plan):
 @click.version_option(__version__, prog_name="quantkit")
 def cli():
     """quantkit: GGUF quantization with per-tensor recipes, byte-exact with llama.cpp/ik_llama.cpp."""
+    if click.get_current_context().invoked_subcommand not in _PLAN_THEN_WRITE:
+        _resume_gc()
 
 
 @cli.command()
@@ -352,6 +355,7 @@ def _dry_run_or_write(what: str, job, doc: dict, dry_run: bool, as_json: bool):
         else:
             out.print(_DRY_RUN)
         return None
+    _resume_gc()
     with _tensor_progress(what, job.plan, show=not as_json) as reporter:
         result = job.write(_tensor_step(reporter, job.plan))
     if as_json:
@@ -1029,5 +1033,47 @@ def main(argv=None) -> int:
         return 2
 
 
+#: commands whose start-up (imports, planning) runs with the garbage collector off (run())
+_PLAN_THEN_WRITE = ("quantize", "repack")
+_gc_paused = False
+
+
+def _resume_gc() -> None:
+    """The garbage collector back on where :func:`run` turned it off, with the objects made so far
+    (modules, the plan) frozen out of it: later collections look at the run's new objects only."""
+    global _gc_paused
+    if _gc_paused:
+        _gc_paused = False
+        gc.freeze()
+        gc.enable()
+
+
+def run() -> int:
+    """The program (the ``quantkit`` script, ``python -m quantkit``): :func:`main` on ``sys.argv``
+    in a process that ends when it returns.
+
+    The garbage collector costs such a process its start-up and its end, where it finds nothing
+    to free (a q8_0 quantize of a small F16 model takes 0.2 s in all):
+
+    * start-up: imports and planning make ~28,000 objects (numpy's, click's, rich's, the plan's),
+      every one looked at for cycles by the collections their allocations set off, ~9 ms.  The
+      collector is off from here (``python -m quantkit`` turns it off before importing this module)
+      until the command is known (cli()), and for quantize and repack until their plan is made
+      and shown (_dry_run_or_write), then back on (_resume_gc): the writing, and every other
+      command, run with it on, as always.
+    * the end: finalization searches every object left for cycles, ~15 ms; they are frozen out of
+      the collector first.  Objects are still freed as their references go; only cycles among them
+      are left to the OS, and nothing of quantkit's needs one collected (files are closed and
+      outputs committed or removed before :func:`main` returns).
+    """
+    global _gc_paused
+    gc.disable()
+    _gc_paused = True
+    code = main()
+    _resume_gc()
+    gc.freeze()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

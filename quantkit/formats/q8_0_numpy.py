@@ -105,7 +105,9 @@ def _quantize_f16(hb: np.ndarray, ob: np.ndarray) -> None:
     amax_bits = _block_max(u)
     if nb and int(amax_bits.max()) >= _HALF_INF_BITS:
         raise NonFinite
-    amax = amax_bits.view(np.float16).astype(np.float32)
+    # amax as float32 from its half bits as |x| below (numpy's float16 cast is a slower scalar loop)
+    amax = np.left_shift(amax_bits, 13, dtype=np.uint32).view(np.float32)
+    amax *= _HALF_TO_FLOAT_SCALE
     d = amax / np.float32(127)
     inv = np.zeros_like(d)
     np.divide(np.float32(1), d, out=inv, where=d != 0)
@@ -120,7 +122,14 @@ def _quantize_f16(hb: np.ndarray, ob: np.ndarray) -> None:
     np.copyto(m, neg, casting="unsafe")
     mag ^= m
     np.subtract(mag, m, out=ob[:, 2:])
-    ob[:, :2] = d.astype("<f2").view(np.uint8).reshape(-1, 2)
+    _put_scales(ob, d.astype("<f2"))
+
+
+def _put_scales(ob: np.ndarray, d16: np.ndarray) -> None:
+    """The fp16 scales ``d16`` into bytes 0-1 of each block of ``ob`` (n, 34), as one column of
+    little-endian 16-bit words (blocks are 34 bytes: every scale is 2-byte aligned): a single strided
+    copy, where ``ob[:, :2]`` would run numpy's loop once per block over 2 bytes (~3x slower)."""
+    ob.view("<u2")[:, 0] = d16.view("<u2")
 
 
 def _c_order_max(a: np.ndarray) -> np.ndarray:
@@ -167,4 +176,4 @@ def _quantize(xb: np.ndarray, ob: np.ndarray) -> None:
         bits, nan_d = d.view(np.uint32), np.isnan(d)
         d16 = d16.view(np.uint16)
         d16[nan_d] = ((bits[nan_d] >> 16) & 0x8000) | 0x7E00          # GGML_FP32_TO_FP16's NaN
-    ob[:, :2] = d16.view(np.uint8).reshape(-1, 2)
+    _put_scales(ob, d16)
