@@ -18,6 +18,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .. import kernel_cache  # noqa: F401  (keys numba's cache on quantkit's sources)
+from ..cpu import half_to_float
 from . import dot
 
 F32 = np.float32
@@ -458,6 +459,125 @@ def _exp_shifted(e, n, m):
 PREFETCH_ROWS = 16
 
 
+def _row_ptr(context, builder, arytype, value, r, c, elt, n):
+    """Pointer to a[r, c] as <n x elt>*, a a 2-D array (strides in bytes)."""
+    ary = context.make_array(arytype)(context, builder, value)
+    s0, s1 = cgutils.unpack_tuple(builder, ary.strides, 2)
+    i64 = ir.IntType(64)
+    byte = builder.add(builder.mul(dot._as(builder, r, i64), s0), builder.mul(dot._as(builder, c, i64), s1))
+    ptr = builder.gep(builder.bitcast(ary.data, ir.IntType(8).as_pointer()), [byte])
+    return builder.bitcast(ptr, ir.VectorType(elt, n).as_pointer())
+
+
+def _value_sums(n_heads, width):
+    """``sums(a, hk, d, p, h0, n, y, yh)``: for each of ``n_heads`` heads h,
+    y[yh + h, d:d + width] = Σ_j p[h0 + h, j] * half(a[j, hk, d:d + width]) over j < n, in key order
+    from +0 (a 3-D uint16 of float16 bits, p and y 2-D float32).
+
+    Each key's value row is widened once for all the heads sharing it, and the sums stay in
+    registers over the keys (_half_row_axpy loads and stores y at every key).  The same operations
+    as _half_row_axpy's from a zeroed y: per lane a product p * v (fmul) added to the sum (fadd),
+    one key after the other, never fused."""
+    @intrinsic
+    def sums(typingctx, a, hk, d, p, h0, n, y, yh):
+        def codegen(context, builder, sig, args):
+            a_v, hk_v, d_v, p_v, h0_v, n_v, y_v, yh_v = args
+            i64 = ir.IntType(64)
+            vt = ir.VectorType(ir.FloatType(), width)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(vt, [0.0] * width)) for _ in range(n_heads)]
+            hk64, d64, h064 = (dot._as(builder, v, i64) for v in (hk_v, d_v, h0_v))
+            with cgutils.for_range(builder, dot._as(builder, n_v, i64)) as loop:
+                j = loop.index
+                w = half_to_float(builder, builder.load(
+                    dot._half_ptr(context, builder, sig.args[0], a_v, j, hk64, d64, width), align=2))
+                for h, acc in enumerate(accs):
+                    pj = builder.load(_row_ptr(context, builder, sig.args[3], p_v,
+                                               builder.add(h064, ir.Constant(i64, h)), j, ir.FloatType(), 1))
+                    pv = dot._splat(builder, builder.extract_element(pj, ir.Constant(ir.IntType(32), 0)), width)
+                    builder.store(builder.fadd(builder.load(acc), builder.fmul(w, pv)), acc)
+            yh64 = dot._as(builder, yh_v, i64)
+            for h, acc in enumerate(accs):
+                yp = _row_ptr(context, builder, sig.args[6], y_v, builder.add(yh64, ir.Constant(i64, h)), d64,
+                              ir.FloatType(), width)
+                builder.store(builder.load(acc), yp, align=4)
+            return context.get_dummy_value()
+        return types.none(a, hk, d, p, h0, n, y, yh), codegen
+    return sums
+
+
+_sums32 = tuple(_value_sums(g, 32) for g in (1, 2, 3, 4))
+_sums8 = tuple(_value_sums(g, 8) for g in (1, 2, 3, 4))
+_sums32_1, _sums32_2, _sums32_3, _sums32_4 = _sums32
+_sums8_1, _sums8_2, _sums8_3, _sums8_4 = _sums8
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _value_rows(values, hk, p, n, y, yh, g):
+    """y[yh + h] = Σ_j p[h, j] * half(values[j, hk]) over j < n for each of the g heads h of key
+    head hk, up to four heads per pass over the keys: 32 lanes per step, then 8, then one (the
+    last v_dim % 8, as _half_row_axpy's)."""
+    v_dim = values.shape[2]
+    n32 = v_dim // 32 * 32
+    n8 = v_dim // 8 * 8
+    for h0 in range(0, g, 4):
+        gg = min(4, g - h0)
+        for d in range(0, n32, 32):
+            if gg == 4:
+                _sums32_4(values, hk, d, p, h0, n, y, yh + h0)
+            elif gg == 3:
+                _sums32_3(values, hk, d, p, h0, n, y, yh + h0)
+            elif gg == 2:
+                _sums32_2(values, hk, d, p, h0, n, y, yh + h0)
+            else:
+                _sums32_1(values, hk, d, p, h0, n, y, yh + h0)
+        for d in range(n32, n8, 8):
+            if gg == 4:
+                _sums8_4(values, hk, d, p, h0, n, y, yh + h0)
+            elif gg == 3:
+                _sums8_3(values, hk, d, p, h0, n, y, yh + h0)
+            elif gg == 2:
+                _sums8_2(values, hk, d, p, h0, n, y, yh + h0)
+            else:
+                _sums8_1(values, hk, d, p, h0, n, y, yh + h0)
+    for h in range(g):
+        for d in range(n8, v_dim):
+            y[yh + h, d] = 0
+        for j in range(n):
+            for d in range(n8, v_dim):
+                y[yh + h, d] += p[h, j] * dot.half_bits(values[j, hk, d])
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _attend_group(q, keys, values, pos0, scale, out, t, hk):
+    """Token t's attention for the g query heads of key head hk (the body of attend_few's jobs).
+    Each key row is read once for the g heads (from memory, after a step's weights pushed it out
+    of the caches), and so is each value row; per head the float operations are those of one head
+    alone, in the same order."""
+    n_head, k_dim = q.shape[1], q.shape[2]
+    g = n_head // keys.shape[1]
+    n_seen = pos0 + t + 1
+    h_first = hk * g
+    scratch = np.empty(g * (n_seen + k_dim), F32)
+    e = scratch[:g * n_seen].reshape((g, n_seen))
+    qv = scratch[g * n_seen:].reshape((g, k_dim))   # the queries rounded to f16
+    for h in range(g):
+        for d in range(k_dim):
+            qv[h, d] = _f16_value(q[t, h_first + h, d])
+    for j in range(n_seen):
+        _prefetch(keys, min(j + PREFETCH_ROWS, n_seen - 1), hk)
+        _prefetch(values, j, hk)            # the rows the value sums read
+        for h in range(g):
+            e[h, j] = _half_row_dot(keys, j, hk, qv[h], k_dim) * scale
+    for h in range(g):
+        m = -np.inf
+        for j in range(n_seen):
+            m = max(m, e[h, j])
+        inv_total = _exp_shifted(e[h], n_seen, m)
+        for j in range(n_seen):             # the probabilities, rounded to f16 (a loop that vectorizes)
+            e[h, j] = _f16_value(e[h, j] * inv_total)
+    _value_rows(values, hk, e, n_seen, out[t], h_first, g)
+
+
 @njit(cache=True, error_model="numpy", parallel=True)
 def attend_few(q, keys, values, pos0, scale, out):
     """Causal grouped-query attention of a few tokens, straight from the float16 cache:
@@ -469,34 +589,23 @@ def attend_few(q, keys, values, pos0, scale, out):
     in double, the probabilities rounded to f16, then Σ p v; each (token, head) in a fixed order,
     whatever the CPU and the number of tokens (a prompt's attention is its steps').
 
-    Token t's work grows with t, and prange gives each thread a contiguous run of jobs: the jobs
-    visit the tokens 0, n-1, 1, n-2, ... so that every run holds early and late ones alike."""
-    n_tok, n_head, k_dim = q.shape
-    g = n_head // keys.shape[1]
-    v_dim = values.shape[2]
-    for job in prange(n_tok * n_head):
-        jt, h = job // n_head, job % n_head
+    A job is one token's g query heads sharing a key head (:func:`_attend_group`).  Token t's work
+    grows with t, and prange gives each thread a contiguous run of jobs: the jobs visit the tokens
+    0, n-1, 1, n-2, ... so that every run holds early and late ones alike."""
+    n_tok = q.shape[0]
+    n_head_kv = keys.shape[1]
+    for job in prange(n_tok * n_head_kv):
+        jt, hk = job // n_head_kv, job % n_head_kv
         t = jt // 2 if jt % 2 == 0 else n_tok - 1 - jt // 2
-        hk = h // g
-        n_seen = pos0 + t + 1
-        e = np.empty(n_seen, F32)
-        m = -np.inf
-        qv = np.empty(k_dim, F32)               # the query rounded to f16 (a separate pass cost a call and an array)
-        for d in range(k_dim):
-            qv[d] = _f16_value(q[t, h, d])
-        for j in range(n_seen):
-            _prefetch(keys, min(j + PREFETCH_ROWS, n_seen - 1), hk)
-            _prefetch(values, j, hk)            # the rows the loop after this one reads
-            s = _half_row_dot(keys, j, hk, qv, k_dim) * scale
-            e[j] = s
-            m = max(m, s)
-        inv_total = _exp_shifted(e, n_seen, m)
-        for j in range(n_seen):                 # the probabilities, rounded to f16 (a loop that vectorizes)
-            e[j] = _f16_value(e[j] * inv_total)
-        y = out[t, h]
-        y[:] = 0
-        for j in range(n_seen):
-            _half_row_axpy(values, j, hk, e[j], y, v_dim)
+        _attend_group(q, keys, values, pos0, scale, out, t, hk)
+
+
+@njit(cache=True, error_model="numpy")
+def attend_one(q, keys, values, pos0, scale, out):
+    """:func:`attend_few` one job after the other on the calling thread (the same bits)."""
+    for t in range(q.shape[0]):
+        for hk in range(keys.shape[1]):
+            _attend_group(q, keys, values, pos0, scale, out, t, hk)
 
 
 # ---- a float32 cache (llama.cpp's -ctk/-ctv f32): ggml multiplies it in float32, rounding nothing ----
