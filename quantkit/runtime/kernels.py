@@ -547,6 +547,117 @@ def _value_rows(values, hk, p, n, y, yh, g):
                 y[yh + h, d] += p[h, j] * dot.half_bits(values[j, hk, d])
 
 
+def _key_scores(n_heads):
+    """``scores(a, hk, x, h0, n, k_dim, scale, e)``: for each of ``n_heads`` heads h and key
+    j < n, e[h0 + h, j] = (Σ_d half(a[j, hk, d]) * x[h0 + h, d]) * scale over d < k_dim, the sum
+    in _half_row_dot's order (dot.half_dot's 32-wide fused chains folded to 8, its 8-wide
+    steps, folded to one, then the last k_dim % 8 values one by one, multiplied then added), each
+    key row widened once for the heads sharing it; and a prefetch of key row j + PREFETCH_ROWS
+    (the last row at most) and of value row j (a: 3-D uint16 of float16 bits; x, e: 2-D float32;
+    v: the values, only prefetched)."""
+    @intrinsic
+    def scores(typingctx, a, v, hk, x, h0, n, k_dim, scale, e):
+        if scale != types.float32:
+            return None
+        def codegen(context, builder, sig, args):
+            a_v, v_v, hk_v, x_v, h0_v, n_v, kd_v, sc_v, e_v = args
+            i64, f32 = ir.IntType(64), ir.FloatType()
+            zero, i32_0 = ir.Constant(i64, 0), ir.Constant(ir.IntType(32), 0)
+            hk64, h064, n64, kd = (dot._as(builder, w, i64) for w in (hk_v, h0_v, n_v, kd_v))
+            n32 = builder.udiv(kd, ir.Constant(i64, 32))
+            n8 = builder.udiv(kd, ir.Constant(i64, 8))
+            acc32 = [cgutils.alloca_once(builder, ir.VectorType(f32, 32)) for _ in range(n_heads)]
+            acc8 = [cgutils.alloca_once(builder, ir.VectorType(f32, 8)) for _ in range(n_heads)]
+            acc1 = [cgutils.alloca_once(builder, f32) for _ in range(n_heads)]
+            xrows = [builder.bitcast(_row_ptr(context, builder, sig.args[3], x_v, builder.add(h064, ir.Constant(i64, h)),
+                                              zero, f32, 1), f32.as_pointer()) for h in range(n_heads)]
+            i8p = ir.IntType(8).as_pointer()
+            c32 = ir.IntType(32)
+            pf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, c32, c32, c32]),
+                                                "llvm.prefetch.p0i8")
+            with cgutils.for_range(builder, n64) as loop:
+                j = loop.index
+                ahead = builder.add(j, ir.Constant(i64, PREFETCH_ROWS))
+                last = builder.sub(n64, ir.Constant(i64, 1))
+                ahead = builder.select(builder.icmp_signed("<", ahead, last), ahead, last)
+                for arr_t, arr_v, row in ((sig.args[0], a_v, ahead), (sig.args[1], v_v, j)):
+                    p = builder.bitcast(dot._half_ptr(context, builder, arr_t, arr_v, row, hk64, zero, 1), i8p)
+                    builder.call(pf, [p, ir.Constant(c32, 0), ir.Constant(c32, 3), ir.Constant(c32, 1)])
+                row = builder.bitcast(dot._half_ptr(context, builder, sig.args[0], a_v, j, hk64, zero, 1),
+                                      ir.HalfType().as_pointer())
+                for h in range(n_heads):
+                    builder.store(ir.Constant(ir.VectorType(f32, 32), [0.0] * 32), acc32[h])
+                with cgutils.for_range(builder, n32) as dl:
+                    d = builder.mul(dl.index, ir.Constant(i64, 32))
+                    w = half_to_float(builder, dot._load(builder, row, d, 32, ir.HalfType()))
+                    for h in range(n_heads):
+                        builder.store(dot._fma(builder, w, dot._load(builder, xrows[h], d, 32, f32),
+                                               builder.load(acc32[h])), acc32[h])
+                for h in range(n_heads):
+                    builder.store(dot._fold(builder, builder.load(acc32[h]), 32, 8), acc8[h])
+                with cgutils.for_range(builder, n8, start=builder.mul(n32, ir.Constant(i64, 4))) as dl:
+                    d = builder.mul(dl.index, ir.Constant(i64, 8))
+                    w = half_to_float(builder, dot._load(builder, row, d, 8, ir.HalfType()))
+                    for h in range(n_heads):
+                        builder.store(dot._fma(builder, w, dot._load(builder, xrows[h], d, 8, f32),
+                                               builder.load(acc8[h])), acc8[h])
+                for h in range(n_heads):
+                    builder.store(builder.extract_element(dot._fold(builder, builder.load(acc8[h]), 8, 1), i32_0), acc1[h])
+                with cgutils.for_range(builder, kd, start=builder.mul(n8, ir.Constant(i64, 8))) as dl:
+                    d = dl.index
+                    w = half_to_float(builder, builder.load(builder.gep(row, [d])))
+                    for h in range(n_heads):
+                        xd = builder.load(builder.gep(xrows[h], [d]))
+                        builder.store(builder.fadd(builder.load(acc1[h]), builder.fmul(w, xd)), acc1[h])
+                for h in range(n_heads):
+                    ep = _row_ptr(context, builder, sig.args[8], e_v, builder.add(h064, ir.Constant(i64, h)), j, f32, 1)
+                    s = builder.fmul(builder.load(acc1[h]), sc_v)
+                    builder.store(builder.insert_element(ir.Constant(ir.VectorType(f32, 1), ir.Undefined), s, i32_0), ep)
+            return context.get_dummy_value()
+        return types.none(a, v, hk, x, h0, n, k_dim, scale, e), codegen
+    return scores
+
+
+_scores_1, _scores_2, _scores_3, _scores_4 = (_key_scores(g) for g in (1, 2, 3, 4))
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _probabilities3(e, n, ha, hb, hc):
+    """Rows ha, hb, hc of e (scores; ha <= hb <= hc, a repeated one done once) -> each row's
+    softmax rounded to f16: _exp_shifted's maximum, exponentials and sum in double, then the
+    products rounded (a loop that vectorizes).  The maximum and the sum are chains of dependent
+    operations, one value after the other: three rows side by side run three chains at once
+    (each row's operations and their order are its own alone)."""
+    ma = mb = mc = -np.inf
+    for j in range(n):
+        ma = max(ma, e[ha, j])
+        mb = max(mb, e[hb, j])
+        mc = max(mc, e[hc, j])
+    ma, mb, mc = F32(ma), F32(mb), F32(mc)
+    for j in range(n):
+        e[ha, j] = expf(e[ha, j] - ma)
+    if hb != ha:
+        for j in range(n):
+            e[hb, j] = expf(e[hb, j] - mb)
+    if hc != hb:
+        for j in range(n):
+            e[hc, j] = expf(e[hc, j] - mc)
+    ta = tb = tc = 0.0
+    for j in range(n):
+        ta += np.float64(e[ha, j])
+        tb += np.float64(e[hb, j])
+        tc += np.float64(e[hc, j])
+    ia, ib, ic = F32(1.0 / ta), F32(1.0 / tb), F32(1.0 / tc)
+    for j in range(n):
+        e[ha, j] = _f16_value(e[ha, j] * ia)
+    if hb != ha:
+        for j in range(n):
+            e[hb, j] = _f16_value(e[hb, j] * ib)
+    if hc != hb:
+        for j in range(n):
+            e[hc, j] = _f16_value(e[hc, j] * ic)
+
+
 @njit(cache=True, error_model="numpy", inline="always")
 def _attend_group(q, keys, values, pos0, scale, out, t, hk):
     """Token t's attention for the g query heads of key head hk (the body of attend_few's jobs).
@@ -563,18 +674,18 @@ def _attend_group(q, keys, values, pos0, scale, out, t, hk):
     for h in range(g):
         for d in range(k_dim):
             qv[h, d] = _f16_value(q[t, h_first + h, d])
-    for j in range(n_seen):
-        _prefetch(keys, min(j + PREFETCH_ROWS, n_seen - 1), hk)
-        _prefetch(values, j, hk)            # the rows the value sums read
-        for h in range(g):
-            e[h, j] = _half_row_dot(keys, j, hk, qv[h], k_dim) * scale
-    for h in range(g):
-        m = -np.inf
-        for j in range(n_seen):
-            m = max(m, e[h, j])
-        inv_total = _exp_shifted(e[h], n_seen, m)
-        for j in range(n_seen):             # the probabilities, rounded to f16 (a loop that vectorizes)
-            e[h, j] = _f16_value(e[h, j] * inv_total)
+    for h0 in range(0, g, 4):              # the scores, up to four heads per pass over the keys
+        gg = min(4, g - h0)
+        if gg == 4:
+            _scores_4(keys, values, hk, qv, h0, n_seen, k_dim, scale, e)
+        elif gg == 3:
+            _scores_3(keys, values, hk, qv, h0, n_seen, k_dim, scale, e)
+        elif gg == 2:
+            _scores_2(keys, values, hk, qv, h0, n_seen, k_dim, scale, e)
+        else:
+            _scores_1(keys, values, hk, qv, h0, n_seen, k_dim, scale, e)
+    for h0 in range(0, g, 3):
+        _probabilities3(e, n_seen, h0, min(h0 + 1, g - 1), min(h0 + 2, g - 1))
     _value_rows(values, hk, e, n_seen, out[t], h_first, g)
 
 
