@@ -393,44 +393,11 @@ def kl_divergence_rows(logits, base_p, base_plp, out):
         out[r] = base_plp[r] - px + np.log(total) * ps
 
 
-@intrinsic
-def _prefetch(typingctx, a, i, h):
-    """Ask for the cache line of a[i, h, 0] (a 3-D array, strides in bytes) ahead of its use
-    (llvm.prefetch: a hint, which changes no value and never faults).  A generation step's
-    attention reads each layer's keys and values after the step's weights have pushed them out
-    of the caches: one row after the other, each a miss, its time was mostly waiting."""
-    if not (isinstance(a, types.Array) and a.ndim == 3):
-        return None
-
-    def codegen(context, builder, signature, args):
-        a_v, i_v, h_v = args
-        ary = context.make_array(signature.args[0])(context, builder, a_v)
-        s0, s1, _ = cgutils.unpack_tuple(builder, ary.strides, 3)
-        i64 = ir.IntType(64)
-        byte = builder.add(builder.mul(builder.sext(i_v, i64) if i_v.type != i64 else i_v, s0),
-                           builder.mul(builder.sext(h_v, i64) if h_v.type != i64 else h_v, s1))
-        i8p = ir.IntType(8).as_pointer()
-        ptr = builder.gep(builder.bitcast(ary.data, i8p), [byte])
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0i8")
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-    return types.none(a, i, h), codegen
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _half_row_dot(a, i, h, x, n):
-    """Σ_d half(a[i, h, d]) * x[d] over d < n (a: float16 bits, rows contiguous)."""
-    s = dot.half_dot(a, i, h, x, n)
-    for d in range(n // 8 * 8, n):
-        s += dot.half_bits(a[i, h, d]) * x[d]
-    return s
-
-
 @njit(cache=True, error_model="numpy", inline="always")
 def _half_row_axpy(a, i, h, p, y, n):
-    """y[d] += p * half(a[i, h, d]) for d < n."""
+    """y[d] += p * half(a[i, h, d]) for d < n: one key's step of the attention's value sums as the
+    per-head kernel took it, the operations _value_sums keeps (tests/test_generic_cpu.py widens
+    every half through it, on both targets)."""
     n32 = n // 32 * 32
     n8 = n // 8 * 8
     for d in range(0, n32, 32):
@@ -455,7 +422,11 @@ def _exp_shifted(e, n, m):
     return F32(1.0 / total)
 
 
-# rows ahead that attend_few asks for: about a memory latency of its row dots
+# rows ahead that attend_few's scores ask for: about a memory latency of their row dots.  A
+# generation step's attention reads each layer's keys and values after the step's weights have
+# pushed them out of the caches: one row after the other, each a miss, its time was mostly waiting.
+# (Both 64-byte lines of a 128-byte row are asked for: with the first only, a cold layer of
+# SmolLM2 took 25 us instead of 22 at 300 keys.)
 PREFETCH_ROWS = 16
 
 
@@ -548,17 +519,19 @@ def _value_rows(values, hk, p, n, y, yh, g):
 
 
 def _key_scores(n_heads):
-    """``scores(a, hk, x, h0, n, k_dim, scale, e)``: for each of ``n_heads`` heads h and key
+    """``scores(a, v, hk, x, h0, n, k_dim, scale, e)``: for each of ``n_heads`` heads h and key
     j < n, e[h0 + h, j] = (Σ_d half(a[j, hk, d]) * x[h0 + h, d]) * scale over d < k_dim, the sum
-    in _half_row_dot's order (dot.half_dot's 32-wide fused chains folded to 8, its 8-wide
+    in the order of dot.half_dot's sums (its 32-wide fused chains folded to 8, its 8-wide
     steps, folded to one, then the last k_dim % 8 values one by one, multiplied then added), each
-    key row widened once for the heads sharing it; and a prefetch of key row j + PREFETCH_ROWS
-    (the last row at most) and of value row j (a: 3-D uint16 of float16 bits; x, e: 2-D float32;
-    v: the values, only prefetched)."""
+    key row widened once for the heads sharing it (a: the keys, 3-D uint16 of float16 bits; x, e:
+    2-D float32, x's rows contiguous; scale float32).  Per key it asks for the first and last
+    value of key row min(j + PREFETCH_ROWS, n - 1) and of value row j (v: the values, 3-D uint16,
+    only prefetched: llvm.prefetch, a hint that changes no value and never faults)."""
     @intrinsic
     def scores(typingctx, a, v, hk, x, h0, n, k_dim, scale, e):
         if scale != types.float32:
             return None
+
         def codegen(context, builder, sig, args):
             a_v, v_v, hk_v, x_v, h0_v, n_v, kd_v, sc_v, e_v = args
             i64, f32 = ir.IntType(64), ir.FloatType()
@@ -575,14 +548,17 @@ def _key_scores(n_heads):
             c32 = ir.IntType(32)
             pf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, c32, c32, c32]),
                                                 "llvm.prefetch.p0i8")
+            k_last, v_last = (builder.sub(cgutils.unpack_tuple(builder, context.make_array(t)(context, builder, w).shape, 3)[2],
+                                          ir.Constant(i64, 1)) for t, w in ((sig.args[0], a_v), (sig.args[1], v_v)))
             with cgutils.for_range(builder, n64) as loop:
                 j = loop.index
                 ahead = builder.add(j, ir.Constant(i64, PREFETCH_ROWS))
                 last = builder.sub(n64, ir.Constant(i64, 1))
                 ahead = builder.select(builder.icmp_signed("<", ahead, last), ahead, last)
-                for arr_t, arr_v, row in ((sig.args[0], a_v, ahead), (sig.args[1], v_v, j)):
-                    p = builder.bitcast(dot._half_ptr(context, builder, arr_t, arr_v, row, hk64, zero, 1), i8p)
-                    builder.call(pf, [p, ir.Constant(c32, 0), ir.Constant(c32, 3), ir.Constant(c32, 1)])
+                for arr_t, arr_v, row, last_d in ((sig.args[0], a_v, ahead, k_last), (sig.args[1], v_v, j, v_last)):
+                    for d_pf in (zero, last_d):     # both cache lines of a 128-byte row
+                        p = builder.bitcast(dot._half_ptr(context, builder, arr_t, arr_v, row, hk64, d_pf, 1), i8p)
+                        builder.call(pf, [p, ir.Constant(c32, 0), ir.Constant(c32, 3), ir.Constant(c32, 1)])
                 row = builder.bitcast(dot._half_ptr(context, builder, sig.args[0], a_v, j, hk64, zero, 1),
                                       ir.HalfType().as_pointer())
                 for h in range(n_heads):
@@ -659,15 +635,14 @@ def _probabilities3(e, n, ha, hb, hc):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _attend_group(q, keys, values, pos0, scale, out, t, hk):
-    """Token t's attention for the g query heads of key head hk (the body of attend_few's jobs).
-    Each key row is read once for the g heads (from memory, after a step's weights pushed it out
-    of the caches), and so is each value row; per head the float operations are those of one head
-    alone, in the same order."""
-    n_head, k_dim = q.shape[1], q.shape[2]
-    g = n_head // keys.shape[1]
+def _attend_group(q, keys, values, pos0, scale, out, t, hk, h_lo, g):
+    """Token t's attention for g query heads of key head hk, from its query head h_lo on (the body
+    of attend_few's jobs).  Each key row is read once for the g heads (from memory, after a step's
+    weights pushed it out of the caches), and so is each value row; per head the float
+    operations are those of one head alone, in the same order."""
+    k_dim = q.shape[2]
     n_seen = pos0 + t + 1
-    h_first = hk * g
+    h_first = hk * (q.shape[1] // keys.shape[1]) + h_lo
     scratch = np.empty(g * (n_seen + k_dim), F32)
     e = scratch[:g * n_seen].reshape((g, n_seen))
     qv = scratch[g * n_seen:].reshape((g, k_dim))   # the queries rounded to f16
@@ -705,18 +680,11 @@ def attend_few(q, keys, values, pos0, scale, out):
     0, n-1, 1, n-2, ... so that every run holds early and late ones alike."""
     n_tok = q.shape[0]
     n_head_kv = keys.shape[1]
+    g = q.shape[1] // n_head_kv
     for job in prange(n_tok * n_head_kv):
         jt, hk = job // n_head_kv, job % n_head_kv
         t = jt // 2 if jt % 2 == 0 else n_tok - 1 - jt // 2
-        _attend_group(q, keys, values, pos0, scale, out, t, hk)
-
-
-@njit(cache=True, error_model="numpy")
-def attend_one(q, keys, values, pos0, scale, out):
-    """:func:`attend_few` one job after the other on the calling thread (the same bits)."""
-    for t in range(q.shape[0]):
-        for hk in range(keys.shape[1]):
-            _attend_group(q, keys, values, pos0, scale, out, t, hk)
+        _attend_group(q, keys, values, pos0, scale, out, t, hk, 0, g)
 
 
 # ---- a float32 cache (llama.cpp's -ctk/-ctv f32): ggml multiplies it in float32, rounding nothing ----
