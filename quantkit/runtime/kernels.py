@@ -18,6 +18,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .. import kernel_cache  # noqa: F401  (keys numba's cache on quantkit's sources)
+from ..cpu import half_to_float
 from . import dot
 
 F32 = np.float32
@@ -392,44 +393,11 @@ def kl_divergence_rows(logits, base_p, base_plp, out):
         out[r] = base_plp[r] - px + np.log(total) * ps
 
 
-@intrinsic
-def _prefetch(typingctx, a, i, h):
-    """Ask for the cache line of a[i, h, 0] (a 3-D array, strides in bytes) ahead of its use
-    (llvm.prefetch: a hint, which changes no value and never faults).  A generation step's
-    attention reads each layer's keys and values after the step's weights have pushed them out
-    of the caches: one row after the other, each a miss, its time was mostly waiting."""
-    if not (isinstance(a, types.Array) and a.ndim == 3):
-        return None
-
-    def codegen(context, builder, signature, args):
-        a_v, i_v, h_v = args
-        ary = context.make_array(signature.args[0])(context, builder, a_v)
-        s0, s1, _ = cgutils.unpack_tuple(builder, ary.strides, 3)
-        i64 = ir.IntType(64)
-        byte = builder.add(builder.mul(builder.sext(i_v, i64) if i_v.type != i64 else i_v, s0),
-                           builder.mul(builder.sext(h_v, i64) if h_v.type != i64 else h_v, s1))
-        i8p = ir.IntType(8).as_pointer()
-        ptr = builder.gep(builder.bitcast(ary.data, i8p), [byte])
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0i8")
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-    return types.none(a, i, h), codegen
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _half_row_dot(a, i, h, x, n):
-    """Σ_d half(a[i, h, d]) * x[d] over d < n (a: float16 bits, rows contiguous)."""
-    s = dot.half_dot(a, i, h, x, n)
-    for d in range(n // 8 * 8, n):
-        s += dot.half_bits(a[i, h, d]) * x[d]
-    return s
-
-
 @njit(cache=True, error_model="numpy", inline="always")
 def _half_row_axpy(a, i, h, p, y, n):
-    """y[d] += p * half(a[i, h, d]) for d < n."""
+    """y[d] += p * half(a[i, h, d]) for d < n: one key's step of the attention's value sums as the
+    per-head kernel took it, the operations _value_sums keeps (tests/test_generic_cpu.py widens
+    every half through it, on both targets)."""
     n32 = n // 32 * 32
     n8 = n // 8 * 8
     for d in range(0, n32, 32):
@@ -454,8 +422,246 @@ def _exp_shifted(e, n, m):
     return F32(1.0 / total)
 
 
-# rows ahead that attend_few asks for: about a memory latency of its row dots
+# rows ahead that attend_few's scores ask for: about a memory latency of their row dots.  A
+# generation step's attention reads each layer's keys and values after the step's weights have
+# pushed them out of the caches: one row after the other, each a miss, its time was mostly waiting.
+# (Both 64-byte lines of a 128-byte row are asked for: with the first only, a cold layer of
+# SmolLM2 took 25 us instead of 22 at 300 keys.)
 PREFETCH_ROWS = 16
+
+
+def _row_ptr(context, builder, arytype, value, r, c, elt, n):
+    """Pointer to a[r, c] as <n x elt>*, a a 2-D array (strides in bytes)."""
+    ary = context.make_array(arytype)(context, builder, value)
+    s0, s1 = cgutils.unpack_tuple(builder, ary.strides, 2)
+    i64 = ir.IntType(64)
+    byte = builder.add(builder.mul(dot._as(builder, r, i64), s0), builder.mul(dot._as(builder, c, i64), s1))
+    ptr = builder.gep(builder.bitcast(ary.data, ir.IntType(8).as_pointer()), [byte])
+    return builder.bitcast(ptr, ir.VectorType(elt, n).as_pointer())
+
+
+def _value_sums(n_heads, width):
+    """``sums(a, hk, d, p, h0, n, y, yh)``: for each of ``n_heads`` heads h,
+    y[yh + h, d:d + width] = Σ_j p[h0 + h, j] * half(a[j, hk, d:d + width]) over j < n, in key order
+    from +0 (a 3-D uint16 of float16 bits, p and y 2-D float32).
+
+    Each key's value row is widened once for all the heads sharing it, and the sums stay in
+    registers over the keys (_half_row_axpy loads and stores y at every key).  The same operations
+    as _half_row_axpy's from a zeroed y: per lane a product p * v (fmul) added to the sum (fadd),
+    one key after the other, never fused."""
+    @intrinsic
+    def sums(typingctx, a, hk, d, p, h0, n, y, yh):
+        def codegen(context, builder, sig, args):
+            a_v, hk_v, d_v, p_v, h0_v, n_v, y_v, yh_v = args
+            i64 = ir.IntType(64)
+            vt = ir.VectorType(ir.FloatType(), width)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(vt, [0.0] * width)) for _ in range(n_heads)]
+            hk64, d64, h064 = (dot._as(builder, v, i64) for v in (hk_v, d_v, h0_v))
+            with cgutils.for_range(builder, dot._as(builder, n_v, i64)) as loop:
+                j = loop.index
+                w = half_to_float(builder, builder.load(
+                    dot._half_ptr(context, builder, sig.args[0], a_v, j, hk64, d64, width), align=2))
+                for h, acc in enumerate(accs):
+                    pj = builder.load(_row_ptr(context, builder, sig.args[3], p_v,
+                                               builder.add(h064, ir.Constant(i64, h)), j, ir.FloatType(), 1))
+                    pv = dot._splat(builder, builder.extract_element(pj, ir.Constant(ir.IntType(32), 0)), width)
+                    builder.store(builder.fadd(builder.load(acc), builder.fmul(w, pv)), acc)
+            yh64 = dot._as(builder, yh_v, i64)
+            for h, acc in enumerate(accs):
+                yp = _row_ptr(context, builder, sig.args[6], y_v, builder.add(yh64, ir.Constant(i64, h)), d64,
+                              ir.FloatType(), width)
+                builder.store(builder.load(acc), yp, align=4)
+            return context.get_dummy_value()
+        return types.none(a, hk, d, p, h0, n, y, yh), codegen
+    return sums
+
+
+_sums32 = tuple(_value_sums(g, 32) for g in (1, 2, 3, 4))
+_sums8 = tuple(_value_sums(g, 8) for g in (1, 2, 3, 4))
+_sums32_1, _sums32_2, _sums32_3, _sums32_4 = _sums32
+_sums8_1, _sums8_2, _sums8_3, _sums8_4 = _sums8
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _value_rows(values, hk, p, n, y, yh, g):
+    """y[yh + h] = Σ_j p[h, j] * half(values[j, hk]) over j < n for each of the g heads h of key
+    head hk, up to four heads per pass over the keys: 32 lanes per step, then 8, then one (the
+    last v_dim % 8, as _half_row_axpy's)."""
+    v_dim = values.shape[2]
+    n32 = v_dim // 32 * 32
+    n8 = v_dim // 8 * 8
+    for h0 in range(0, g, 4):
+        gg = min(4, g - h0)
+        for d in range(0, n32, 32):
+            if gg == 4:
+                _sums32_4(values, hk, d, p, h0, n, y, yh + h0)
+            elif gg == 3:
+                _sums32_3(values, hk, d, p, h0, n, y, yh + h0)
+            elif gg == 2:
+                _sums32_2(values, hk, d, p, h0, n, y, yh + h0)
+            else:
+                _sums32_1(values, hk, d, p, h0, n, y, yh + h0)
+        for d in range(n32, n8, 8):
+            if gg == 4:
+                _sums8_4(values, hk, d, p, h0, n, y, yh + h0)
+            elif gg == 3:
+                _sums8_3(values, hk, d, p, h0, n, y, yh + h0)
+            elif gg == 2:
+                _sums8_2(values, hk, d, p, h0, n, y, yh + h0)
+            else:
+                _sums8_1(values, hk, d, p, h0, n, y, yh + h0)
+    for h in range(g):
+        for d in range(n8, v_dim):
+            y[yh + h, d] = 0
+        for j in range(n):
+            for d in range(n8, v_dim):
+                y[yh + h, d] += p[h, j] * dot.half_bits(values[j, hk, d])
+
+
+def _key_scores(n_heads):
+    """``scores(a, v, hk, x, h0, n, k_dim, scale, e)``: for each of ``n_heads`` heads h and key
+    j < n, e[h0 + h, j] = (Σ_d half(a[j, hk, d]) * x[h0 + h, d]) * scale over d < k_dim, the sum
+    in the order of dot.half_dot's sums (its 32-wide fused chains folded to 8, its 8-wide
+    steps, folded to one, then the last k_dim % 8 values one by one, multiplied then added), each
+    key row widened once for the heads sharing it (a: the keys, 3-D uint16 of float16 bits; x, e:
+    2-D float32, x's rows contiguous; scale float32).  Per key it asks for the first and last
+    value of key row min(j + PREFETCH_ROWS, n - 1) and of value row j (v: the values, 3-D uint16,
+    only prefetched: llvm.prefetch, a hint that changes no value and never faults)."""
+    @intrinsic
+    def scores(typingctx, a, v, hk, x, h0, n, k_dim, scale, e):
+        if scale != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            a_v, v_v, hk_v, x_v, h0_v, n_v, kd_v, sc_v, e_v = args
+            i64, f32 = ir.IntType(64), ir.FloatType()
+            zero, i32_0 = ir.Constant(i64, 0), ir.Constant(ir.IntType(32), 0)
+            hk64, h064, n64, kd = (dot._as(builder, w, i64) for w in (hk_v, h0_v, n_v, kd_v))
+            n32 = builder.udiv(kd, ir.Constant(i64, 32))
+            n8 = builder.udiv(kd, ir.Constant(i64, 8))
+            acc32 = [cgutils.alloca_once(builder, ir.VectorType(f32, 32)) for _ in range(n_heads)]
+            acc8 = [cgutils.alloca_once(builder, ir.VectorType(f32, 8)) for _ in range(n_heads)]
+            acc1 = [cgutils.alloca_once(builder, f32) for _ in range(n_heads)]
+            xrows = [builder.bitcast(_row_ptr(context, builder, sig.args[3], x_v, builder.add(h064, ir.Constant(i64, h)),
+                                              zero, f32, 1), f32.as_pointer()) for h in range(n_heads)]
+            i8p = ir.IntType(8).as_pointer()
+            c32 = ir.IntType(32)
+            pf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, c32, c32, c32]),
+                                                "llvm.prefetch.p0i8")
+            k_last, v_last = (builder.sub(cgutils.unpack_tuple(builder, context.make_array(t)(context, builder, w).shape, 3)[2],
+                                          ir.Constant(i64, 1)) for t, w in ((sig.args[0], a_v), (sig.args[1], v_v)))
+            with cgutils.for_range(builder, n64) as loop:
+                j = loop.index
+                ahead = builder.add(j, ir.Constant(i64, PREFETCH_ROWS))
+                last = builder.sub(n64, ir.Constant(i64, 1))
+                ahead = builder.select(builder.icmp_signed("<", ahead, last), ahead, last)
+                for arr_t, arr_v, row, last_d in ((sig.args[0], a_v, ahead, k_last), (sig.args[1], v_v, j, v_last)):
+                    for d_pf in (zero, last_d):     # both cache lines of a 128-byte row
+                        p = builder.bitcast(dot._half_ptr(context, builder, arr_t, arr_v, row, hk64, d_pf, 1), i8p)
+                        builder.call(pf, [p, ir.Constant(c32, 0), ir.Constant(c32, 3), ir.Constant(c32, 1)])
+                row = builder.bitcast(dot._half_ptr(context, builder, sig.args[0], a_v, j, hk64, zero, 1),
+                                      ir.HalfType().as_pointer())
+                for h in range(n_heads):
+                    builder.store(ir.Constant(ir.VectorType(f32, 32), [0.0] * 32), acc32[h])
+                with cgutils.for_range(builder, n32) as dl:
+                    d = builder.mul(dl.index, ir.Constant(i64, 32))
+                    w = half_to_float(builder, dot._load(builder, row, d, 32, ir.HalfType()))
+                    for h in range(n_heads):
+                        builder.store(dot._fma(builder, w, dot._load(builder, xrows[h], d, 32, f32),
+                                               builder.load(acc32[h])), acc32[h])
+                for h in range(n_heads):
+                    builder.store(dot._fold(builder, builder.load(acc32[h]), 32, 8), acc8[h])
+                with cgutils.for_range(builder, n8, start=builder.mul(n32, ir.Constant(i64, 4))) as dl:
+                    d = builder.mul(dl.index, ir.Constant(i64, 8))
+                    w = half_to_float(builder, dot._load(builder, row, d, 8, ir.HalfType()))
+                    for h in range(n_heads):
+                        builder.store(dot._fma(builder, w, dot._load(builder, xrows[h], d, 8, f32),
+                                               builder.load(acc8[h])), acc8[h])
+                for h in range(n_heads):
+                    builder.store(builder.extract_element(dot._fold(builder, builder.load(acc8[h]), 8, 1), i32_0), acc1[h])
+                with cgutils.for_range(builder, kd, start=builder.mul(n8, ir.Constant(i64, 8))) as dl:
+                    d = dl.index
+                    w = half_to_float(builder, builder.load(builder.gep(row, [d])))
+                    for h in range(n_heads):
+                        xd = builder.load(builder.gep(xrows[h], [d]))
+                        builder.store(builder.fadd(builder.load(acc1[h]), builder.fmul(w, xd)), acc1[h])
+                for h in range(n_heads):
+                    ep = _row_ptr(context, builder, sig.args[8], e_v, builder.add(h064, ir.Constant(i64, h)), j, f32, 1)
+                    s = builder.fmul(builder.load(acc1[h]), sc_v)
+                    builder.store(builder.insert_element(ir.Constant(ir.VectorType(f32, 1), ir.Undefined), s, i32_0), ep)
+            return context.get_dummy_value()
+        return types.none(a, v, hk, x, h0, n, k_dim, scale, e), codegen
+    return scores
+
+
+_scores_1, _scores_2, _scores_3, _scores_4 = (_key_scores(g) for g in (1, 2, 3, 4))
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _probabilities3(e, n, ha, hb, hc):
+    """Rows ha, hb, hc of e (scores; ha <= hb <= hc, a repeated one done once) -> each row's
+    softmax rounded to f16: _exp_shifted's maximum, exponentials and sum in double, then the
+    products rounded (a loop that vectorizes).  The maximum and the sum are chains of dependent
+    operations, one value after the other: three rows side by side run three chains at once
+    (each row's operations and their order are its own alone)."""
+    ma = mb = mc = -np.inf
+    for j in range(n):
+        ma = max(ma, e[ha, j])
+        mb = max(mb, e[hb, j])
+        mc = max(mc, e[hc, j])
+    ma, mb, mc = F32(ma), F32(mb), F32(mc)
+    for j in range(n):
+        e[ha, j] = expf(e[ha, j] - ma)
+    if hb != ha:
+        for j in range(n):
+            e[hb, j] = expf(e[hb, j] - mb)
+    if hc != hb:
+        for j in range(n):
+            e[hc, j] = expf(e[hc, j] - mc)
+    ta = tb = tc = 0.0
+    for j in range(n):
+        ta += np.float64(e[ha, j])
+        tb += np.float64(e[hb, j])
+        tc += np.float64(e[hc, j])
+    ia, ib, ic = F32(1.0 / ta), F32(1.0 / tb), F32(1.0 / tc)
+    for j in range(n):
+        e[ha, j] = _f16_value(e[ha, j] * ia)
+    if hb != ha:
+        for j in range(n):
+            e[hb, j] = _f16_value(e[hb, j] * ib)
+    if hc != hb:
+        for j in range(n):
+            e[hc, j] = _f16_value(e[hc, j] * ic)
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _attend_group(q, keys, values, pos0, scale, out, t, hk, h_lo, g):
+    """Token t's attention for g query heads of key head hk, from its query head h_lo on (the body
+    of attend_few's jobs).  Each key row is read once for the g heads (from memory, after a step's
+    weights pushed it out of the caches), and so is each value row; per head the float
+    operations are those of one head alone, in the same order."""
+    k_dim = q.shape[2]
+    n_seen = pos0 + t + 1
+    h_first = hk * (q.shape[1] // keys.shape[1]) + h_lo
+    scratch = np.empty(g * (n_seen + k_dim), F32)
+    e = scratch[:g * n_seen].reshape((g, n_seen))
+    qv = scratch[g * n_seen:].reshape((g, k_dim))   # the queries rounded to f16
+    for h in range(g):
+        for d in range(k_dim):
+            qv[h, d] = _f16_value(q[t, h_first + h, d])
+    for h0 in range(0, g, 4):              # the scores, up to four heads per pass over the keys
+        gg = min(4, g - h0)
+        if gg == 4:
+            _scores_4(keys, values, hk, qv, h0, n_seen, k_dim, scale, e)
+        elif gg == 3:
+            _scores_3(keys, values, hk, qv, h0, n_seen, k_dim, scale, e)
+        elif gg == 2:
+            _scores_2(keys, values, hk, qv, h0, n_seen, k_dim, scale, e)
+        else:
+            _scores_1(keys, values, hk, qv, h0, n_seen, k_dim, scale, e)
+    for h0 in range(0, g, 3):
+        _probabilities3(e, n_seen, h0, min(h0 + 1, g - 1), min(h0 + 2, g - 1))
+    _value_rows(values, hk, e, n_seen, out[t], h_first, g)
 
 
 @njit(cache=True, error_model="numpy", parallel=True)
@@ -469,34 +675,16 @@ def attend_few(q, keys, values, pos0, scale, out):
     in double, the probabilities rounded to f16, then Σ p v; each (token, head) in a fixed order,
     whatever the CPU and the number of tokens (a prompt's attention is its steps').
 
-    Token t's work grows with t, and prange gives each thread a contiguous run of jobs: the jobs
-    visit the tokens 0, n-1, 1, n-2, ... so that every run holds early and late ones alike."""
-    n_tok, n_head, k_dim = q.shape
-    g = n_head // keys.shape[1]
-    v_dim = values.shape[2]
-    for job in prange(n_tok * n_head):
-        jt, h = job // n_head, job % n_head
+    A job is one token's g query heads sharing a key head (:func:`_attend_group`).  Token t's work
+    grows with t, and prange gives each thread a contiguous run of jobs: the jobs visit the tokens
+    0, n-1, 1, n-2, ... so that every run holds early and late ones alike."""
+    n_tok = q.shape[0]
+    n_head_kv = keys.shape[1]
+    g = q.shape[1] // n_head_kv
+    for job in prange(n_tok * n_head_kv):
+        jt, hk = job // n_head_kv, job % n_head_kv
         t = jt // 2 if jt % 2 == 0 else n_tok - 1 - jt // 2
-        hk = h // g
-        n_seen = pos0 + t + 1
-        e = np.empty(n_seen, F32)
-        m = -np.inf
-        qv = np.empty(k_dim, F32)               # the query rounded to f16 (a separate pass cost a call and an array)
-        for d in range(k_dim):
-            qv[d] = _f16_value(q[t, h, d])
-        for j in range(n_seen):
-            _prefetch(keys, min(j + PREFETCH_ROWS, n_seen - 1), hk)
-            _prefetch(values, j, hk)            # the rows the loop after this one reads
-            s = _half_row_dot(keys, j, hk, qv, k_dim) * scale
-            e[j] = s
-            m = max(m, s)
-        inv_total = _exp_shifted(e, n_seen, m)
-        for j in range(n_seen):                 # the probabilities, rounded to f16 (a loop that vectorizes)
-            e[j] = _f16_value(e[j] * inv_total)
-        y = out[t, h]
-        y[:] = 0
-        for j in range(n_seen):
-            _half_row_axpy(values, j, hk, e[j], y, v_dim)
+        _attend_group(q, keys, values, pos0, scale, out, t, hk, 0, g)
 
 
 # ---- a float32 cache (llama.cpp's -ctk/-ctv f32): ggml multiplies it in float32, rounding nothing ----
