@@ -170,6 +170,19 @@ BATCH_TYPES = [*{matvec.kind_of(q): q for q in reversed(BATCHED)}.values(), T.Q4
                T.Q8_0_R8, T.Q4_K_R4, T.IQ4_XS_R8]
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.IQ2_XXS, T.IQ3_S], ids=type_name)
+def test_batch_products_refuse_rows_of_another_length(qtype):
+    """The batch kernels (matmul8's tiles, grid_tiles' included) read rows without bounds checks:
+    rows whose length is not x's are refused before any kernel runs, alone or among several."""
+    kind = matvec.kind_of(qtype)
+    blocks = rows_of(qtype, 8, 256, 1)
+    x = np.ones((32, 512), np.float32)
+    with pytest.raises(ValueError, match="values"):
+        matmul8.matmul8(kind, blocks, x)
+    with pytest.raises(ValueError, match="values"):
+        matmul8.matmul8_many([(kind, rows_of(qtype, 8, 512, 1)), (kind, blocks)], x)
+
+
 def check_batch_product(qtype, rows=rows_of):
     """A batch's product (more than FUSED_TOKENS tokens: matmul8) token for token the bits of the
     generation step's fused kernel (matvec), so a prompt's logits are its steps' (also run by

@@ -439,6 +439,7 @@ def matmul8(kind: int, blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
     8 bits per 32; row for row and token for token the bits of ``matvec.matvec``."""
     blocks = np.ascontiguousarray(blocks, np.uint8)
     x = np.ascontiguousarray(x, F)
+    matvec.check_rows(kind, blocks, x.shape[1])        # the kernels read without bounds checks
     if TILED:
         return _matmul_tiled([(kind, blocks)], x)[0]
     n_tok, n_in = x.shape
@@ -457,6 +458,8 @@ def matmul8_many(parts, x: np.ndarray) -> list[np.ndarray]:
     their input (attn_q/k/v, ffn_gate/up), which are rounded once where the tiles multiply them."""
     x = np.ascontiguousarray(x, F)
     parts = [(kind, np.ascontiguousarray(blocks, np.uint8)) for kind, blocks in parts]
+    for kind, blocks in parts:
+        matvec.check_rows(kind, blocks, x.shape[1])    # the kernels read without bounds checks
     if TILED:
         return _matmul_tiled(parts, x)
     return [matmul8(kind, blocks, x) for kind, blocks in parts]
