@@ -341,22 +341,30 @@ def q8_0_trouble_rows() -> np.ndarray:
 
 
 def test_q8_0_numpy_quantizer_is_numba_kernel_twin():
-    from quantkit import row_threads
     from quantkit.formats import q8_0_numpy
     from quantkit.kernels import legacy
     x = np.concatenate([q8_0_trouble_rows(), random_rows(12, 8, 4096)])
     want = np.zeros((x.shape[0], traits(T.Q8_0).row_size(x.shape[1])), np.uint8)
     legacy.quantize_rows_plain(int(T.Q8_0), x, want)
+
+    def check(n):
+        got = np.zeros_like(want)
+        q8_0_numpy.quantize_rows(x, got)
+        np.testing.assert_array_equal(got, want, err_msg=f"{n} threads")
+    _on_row_threads(check)
+    np.testing.assert_array_equal(formats.quantize(x, T.Q8_0), want)
+
+
+def _on_row_threads(check, counts=(1, 3)):
+    """check(n) with the numpy quantizers' rows split between n threads (row_threads), for each n."""
+    from quantkit import row_threads
     before = row_threads.threads()
     try:
-        for n in (1, 3):
+        for n in counts:
             row_threads.set_threads(n)
-            got = np.zeros_like(want)
-            q8_0_numpy.quantize_rows(x, got)
-            np.testing.assert_array_equal(got, want, err_msg=f"{n} threads")
+            check(n)
     finally:
         row_threads.set_threads(before)
-    np.testing.assert_array_equal(formats.quantize(x, T.Q8_0), want)
 
 
 def test_q8_0_of_half_bits_is_numba_kernel_twin():
@@ -364,7 +372,6 @@ def test_q8_0_of_half_bits_is_numba_kernel_twin():
     the widened values: every finite half in shuffled blocks (so under many block maxima), blocks of
     subnormals and signed zeros only, and Gaussian rows, on 1 and 3 threads; a NaN or an infinity
     anywhere raises NonFinite."""
-    from quantkit import row_threads
     from quantkit.formats import q8_0_numpy
     from quantkit.kernels import legacy
     rng = np.random.default_rng(28)
@@ -378,20 +385,17 @@ def test_q8_0_of_half_bits_is_numba_kernel_twin():
     x = bits.view(np.float16).astype(np.float32)
     want = np.zeros((x.shape[0], traits(T.Q8_0).row_size(x.shape[1])), np.uint8)
     legacy.quantize_rows_plain(int(T.Q8_0), x, want)
-    before = row_threads.threads()
-    try:
-        for n in (1, 3):
-            row_threads.set_threads(n)
-            got = np.zeros_like(want)
-            q8_0_numpy.quantize_f16_rows(bits, got)
-            np.testing.assert_array_equal(got, want, err_msg=f"{n} threads")
-            for bad in (0x7C00, 0xFC00, 0x7E00, 0xFFFF):
-                b = bits.copy()
-                b[-3, 77] = bad
-                with pytest.raises(q8_0_numpy.NonFinite):
-                    q8_0_numpy.quantize_f16_rows(b, np.zeros_like(want))
-    finally:
-        row_threads.set_threads(before)
+
+    def check(n):
+        got = np.zeros_like(want)
+        q8_0_numpy.quantize_f16_rows(bits, got)
+        np.testing.assert_array_equal(got, want, err_msg=f"{n} threads")
+        for bad in (0x7C00, 0xFC00, 0x7E00, 0xFFFF):
+            b = bits.copy()
+            b[-3, 77] = bad
+            with pytest.raises(q8_0_numpy.NonFinite):
+                q8_0_numpy.quantize_f16_rows(b, np.zeros_like(want))
+    _on_row_threads(check)
 
 
 def test_f16_and_bf16_decoders_give_every_bit_pattern_exactly():
