@@ -113,12 +113,11 @@ def _widen_scalars(bits, out):
 
 @njit(cache=True)
 def _widen_rows(bits, out):
-    """out[i] = -0.0 + 1 * half(bits[i, 0, :]): the 32-wide, 8-wide and one-value steps of the
-    attention's value rows (-0.0 + v is v for every v, -0.0 included)."""
+    """out[i] = +0 + 1 * half(bits[i, 0, :]): the attention's value sums (kernels._value_rows: its
+    32-wide, 8-wide and one-value steps) over the single key row i with probability 1."""
+    one = np.ones((1, 1), np.float32)
     for i in range(bits.shape[0]):
-        y = out[i]
-        y[:] = -0.0
-        kernels._half_row_axpy(bits, i, 0, np.float32(1.0), y, bits.shape[2])
+        kernels._value_rows(bits[i:i + 1], 0, one, 1, out[i:i + 1], 0, 1)
 
 
 def _every_half():
@@ -185,7 +184,9 @@ def test_half_widening_is_exact_for_every_half():
     rows[:bits.size] = bits
     out = np.empty((n_rows, width), np.float32)
     _widen_rows(rows.reshape(n_rows, 1, width), out)
-    np.testing.assert_array_equal(out.reshape(-1)[:bits.size].view(np.uint32), want)
+    # sums start from +0, and +0 + -0.0 is +0; every other value v gives v's bits
+    np.testing.assert_array_equal(out.reshape(-1)[:bits.size].view(np.uint32),
+                                  np.where(want == np.uint32(0x80000000), np.uint32(0), want))
 
 
 # chunks that take every path of the byte products: a legacy block's 32-lane grid lookup and folded

@@ -793,52 +793,6 @@ def _half_ptr(context, builder, arytype, value, i, h, d, n):
     return builder.bitcast(ptr, ir.VectorType(ir.HalfType(), n).as_pointer())
 
 
-def half_row_axpy(n):
-    """``axpy(a, i, h, d, p, y, yo)``: y[yo + j] += p * half(a[i, h, d + j]) for j < n."""
-    @intrinsic
-    def axpy(typingctx, a, i, h, d, p, y, yo):
-        def codegen(context, builder, sig, args):
-            a_v, i_v, h_v, d_v, p_v, y_v, yo_v = args
-            w = half_to_float(builder, builder.load(_half_ptr(context, builder, sig.args[0], a_v, i_v, h_v, d_v, n), align=2))
-            yp = builder.bitcast(builder.gep(_data(context, builder, sig.args[5], y_v), [yo_v]),
-                                 ir.VectorType(_F32, n).as_pointer())
-            builder.store(builder.fadd(builder.load(yp, align=4), builder.fmul(w, _splat(builder, p_v, n))), yp, align=4)
-            return context.get_dummy_value()
-        return nbt.none(a, i, h, d, p, y, yo), codegen
-    return axpy
-
-
-@intrinsic
-def half_dot(typingctx, a, i, h, x, n):
-    """Σ_d half(a[i, h, d]) * x[d] over d < n // 8 * 8 (the last n % 8: the caller's), a uint16
-    3-D (float16 bits, last axis contiguous): 32 values per step into 4 chains of 8 fused
-    multiply-adds (llvm.fma, see the module's docstring), then 8 per step, folded once at the end."""
-    def codegen(context, builder, sig, args):
-        a_v, i_v, h_v, x_v, n_v = args
-        i64 = ir.IntType(64)
-        zero = ir.Constant(i64, 0)
-        row = builder.bitcast(_half_ptr(context, builder, sig.args[0], a_v, i_v, h_v, zero, 1), ir.HalfType().as_pointer())
-        xb = _data(context, builder, sig.args[3], x_v)
-        n = _as(builder, n_v, i64)
-        acc = {}
-        for width in (32, 8):
-            vt = ir.VectorType(_F32, width)
-            acc[width] = cgutils.alloca_once_value(builder, ir.Constant(vt, [0.0] * width))
-
-        def step(width, d):
-            w = half_to_float(builder, _load(builder, row, d, width, ir.HalfType()))
-            builder.store(_fma(builder, w, _load(builder, xb, d, width, _F32), builder.load(acc[width])), acc[width])
-        n32 = builder.udiv(n, ir.Constant(i64, 32))
-        with cgutils.for_range(builder, n32) as loop:
-            step(32, builder.mul(loop.index, ir.Constant(i64, 32)))
-        builder.store(_fold(builder, builder.load(acc[32]), 32, 8), acc[8])
-        first8 = builder.mul(n32, ir.Constant(i64, 4))
-        with cgutils.for_range(builder, builder.udiv(n, ir.Constant(i64, 8)), start=first8) as loop:
-            step(8, builder.mul(loop.index, ir.Constant(i64, 8)))
-        return builder.extract_element(_fold(builder, builder.load(acc[8]), 8, 1), ir.Constant(_I32, 0))
-    return nbt.float32(a, i, h, x, n), codegen
-
-
 @intrinsic
 def half_bits(typingctx, u):
     """The float16 whose bits are the uint16 u, as float32."""
@@ -846,8 +800,6 @@ def half_bits(typingctx, u):
         return half_to_float(builder, _as(builder, args[0], ir.IntType(16)))
     return nbt.float32(u), codegen
 
-
-half_axpy8, half_axpy32 = half_row_axpy(8), half_row_axpy(32)
 
 
 @intrinsic

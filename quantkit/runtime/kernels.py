@@ -394,21 +394,6 @@ def kl_divergence_rows(logits, base_p, base_plp, out):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _half_row_axpy(a, i, h, p, y, n):
-    """y[d] += p * half(a[i, h, d]) for d < n: one key's step of the attention's value sums as the
-    per-head kernel took it, the operations _value_sums keeps (tests/test_generic_cpu.py widens
-    every half through it, on both targets)."""
-    n32 = n // 32 * 32
-    n8 = n // 8 * 8
-    for d in range(0, n32, 32):
-        dot.half_axpy32(a, i, h, d, p, y, d)
-    for d in range(n32, n8, 8):
-        dot.half_axpy8(a, i, h, d, p, y, d)
-    for d in range(n8, n):
-        y[d] += p * dot.half_bits(a[i, h, d])
-
-
-@njit(cache=True, error_model="numpy", inline="always")
 def _exp_shifted(e, n, m):
     """e[:n] <- exp(e[:n] - m); returns 1 / their sum, summed in double and rounded to float (what
     both attention kernels multiply the exponentials by).  Two loops: the exponentials vectorize,
@@ -446,9 +431,9 @@ def _value_sums(n_heads, width):
     from +0 (a 3-D uint16 of float16 bits, p and y 2-D float32).
 
     Each key's value row is widened once for all the heads sharing it, and the sums stay in
-    registers over the keys (_half_row_axpy loads and stores y at every key).  The same operations
-    as _half_row_axpy's from a zeroed y: per lane a product p * v (fmul) added to the sum (fadd),
-    one key after the other, never fused."""
+    registers over the keys (the per-head kernel before them loaded and stored y at every key).
+    Per lane a product p * v (fmul) added to the sum (fadd), one key after the other from +0,
+    never fused (tests/test_generic_cpu.py widens every half through them, on both targets)."""
     @intrinsic
     def sums(typingctx, a, hk, d, p, h0, n, y, yh):
         def codegen(context, builder, sig, args):
@@ -486,7 +471,7 @@ _sums8_1, _sums8_2, _sums8_3, _sums8_4 = _sums8
 def _value_rows(values, hk, p, n, y, yh, g):
     """y[yh + h] = Σ_j p[h, j] * half(values[j, hk]) over j < n for each of the g heads h of key
     head hk, up to four heads per pass over the keys: 32 lanes per step, then 8, then one (the
-    last v_dim % 8, as _half_row_axpy's)."""
+    last v_dim % 8, the same operations one lane at a time)."""
     v_dim = values.shape[2]
     n32 = v_dim // 32 * 32
     n8 = v_dim // 8 * 8
@@ -521,8 +506,8 @@ def _value_rows(values, hk, p, n, y, yh, g):
 def _key_scores(n_heads):
     """``scores(a, v, hk, x, h0, n, k_dim, scale, e)``: for each of ``n_heads`` heads h and key
     j < n, e[h0 + h, j] = (Σ_d half(a[j, hk, d]) * x[h0 + h, d]) * scale over d < k_dim, the sum
-    in the order of dot.half_dot's sums (its 32-wide fused chains folded to 8, its 8-wide
-    steps, folded to one, then the last k_dim % 8 values one by one, multiplied then added), each
+    in the order of the per-head kernel before it (32-wide chains of fused multiply-adds
+    (llvm.fma) folded to 8, 8-wide steps, folded to one, then the last k_dim % 8 values one by one, multiplied then added), each
     key row widened once for the heads sharing it (a: the keys, 3-D uint16 of float16 bits; x, e:
     2-D float32, x's rows contiguous; scale float32).  Per key it asks for the first and last
     value of key row min(j + PREFETCH_ROWS, n - 1) and of value row j (v: the values, 3-D uint16,
