@@ -12,9 +12,10 @@ numba's cache and an interleaved file's rows to be regrouped inside the timed pr
 
     python bench/run.py [--threads 2] [--prompt 128] [--gen 32] [--repeat 2] [--types f32,q8_0,...]
 
-Prints a table (tokens/s, ratios), where a generation step's time goes (the fused products, the
-rest: Python, norms, rope, attention; CPU time per step beside wall time, since on a busy machine
-wall time is mostly waiting), then the same as one JSON line.
+Prints a table (tokens/s, ratios), where a generation step's time goes (a step in one compiled
+call, layer_steps.py: its whole time and the weight bytes it streams per second; layer by layer:
+the fused products and the rest, Python, norms, rope, attention; CPU time per step beside wall
+time, since on a busy machine wall time is mostly waiting), then the same as one JSON line.
 """
 from __future__ import annotations
 
@@ -100,8 +101,10 @@ def child_quantkit(path: Path, tokens: list[int], n_gen: int, threads: int) -> d
         weights = [model.w.need(t.name).blocks for t in mats] + [model.output.blocks]
         n_bytes = sum(b.nbytes for b in weights)
         stream = min(_stream_seconds(weights) for _ in range(3))
-    return {"pp": len(tokens) / (t1 - t0), "tg": n_gen / (t2 - t1), "tokens": out,
-            "products_ms": 1e3 * in_products[0] / n_gen, "step_ms": 1e3 * (t2 - t1) / n_gen,
+        one_call = model.layer_steps() is not None
+    # a step in one call (layer_steps.py) runs its products inside: they cannot be timed apart
+    return {"pp": len(tokens) / (t1 - t0), "tg": n_gen / (t2 - t1), "tokens": out, "one_call": one_call,
+            "products_ms": None if one_call else 1e3 * in_products[0] / n_gen, "step_ms": 1e3 * (t2 - t1) / n_gen,
             "step_cpu_ms": 1e3 * (c2 - c1) / n_gen,
             "weights_mb": n_bytes / 1e6, "stream_gbs": n_bytes / stream / 1e9}
 
@@ -231,12 +234,19 @@ def main() -> None:
         # CPU ms: the step's CPU time (all threads); on a busy machine the 1-thread figures are
         # what an idle one would show, wall times are mostly waiting for a core
         print("\nwhere a quantkit generation step goes (its fastest run; ik: whole step)")
-        print(f"{'file':10} {'step ms':>8} {'products':>9} {'rest':>6} {'CPU ms':>7} | {'weights MB':>10} "
-              f"{'products GB/s':>13} {'1-thread stream GB/s':>20} | {'ik step ms':>10} {'ik CPU ms':>9}")
+        # one call: the step ran as one compiled job (layer_steps.py), whose products are not
+        # timed apart; otherwise layer by layer, its products timed (and the rest: Python, norms,
+        # rope, attention).  Step GB/s: the weights read per step over the whole step's time
+        print(f"{'file':10} {'step ms':>8} {'one call':>8} {'products':>9} {'rest':>6} {'CPU ms':>7} | "
+              f"{'weights MB':>10} {'step GB/s':>9} {'1-thread stream GB/s':>20} | {'ik step ms':>10} "
+              f"{'ik GB/s':>7} {'ik CPU ms':>9}")
         for name, r, ik_ms, ik_cpu in where:
-            print(f"{name:10} {r['step_ms']:8.2f} {r['products_ms']:9.2f} {r['step_ms'] - r['products_ms']:6.2f} "
-                  f"{r['step_cpu_ms']:7.2f} | {r['weights_mb']:10.0f} {r['weights_mb'] / r['products_ms']:13.1f} "
-                  f"{r['stream_gbs']:20.1f} | {ik_ms:10.2f} {ik_cpu:9.2f}")
+            products = r["products_ms"]
+            split = (f"{products:9.2f} {r['step_ms'] - products:6.2f}" if products is not None else
+                     f"{'-':>9} {'-':>6}")
+            print(f"{name:10} {r['step_ms']:8.2f} {'yes' if r.get('one_call') else 'no':>8} {split} "
+                  f"{r['step_cpu_ms']:7.2f} | {r['weights_mb']:10.0f} {r['weights_mb'] / r['step_ms']:9.1f} "
+                  f"{r['stream_gbs']:20.1f} | {ik_ms:10.2f} {r['weights_mb'] / ik_ms:7.1f} {ik_cpu:9.2f}")
         print(json.dumps({"threads": args.threads, "omp_wait": args.omp_wait, "prompt": len(tokens), "gen": args.gen, "repeat": args.repeat,
                           "results": results}))
 

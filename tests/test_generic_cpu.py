@@ -14,6 +14,8 @@ path's own references:
     test_runtime_matvec checks them: decoded rows times the rounded activations; the matrices are
     quantized here, on the host, so that the child compiles no quantizer;
   * the attention of a few tokens against the batched path (test_runtime_matvec);
+  * a generation step in one call (layer_steps.py on team.py's threads: atomics, pause, yield)
+    against the layer loop, bit for bit (test_layer_steps, on a float32 model);
   * the trellis quantizers against ik's bytes, byte-exact (test_formats_kt);
   * the float16 widening of all 65536 halves (here, on both targets);
   * ``quantkit run`` of a tiny model: exit 0 and the same greedy tokens as on the host (the plain
@@ -64,6 +66,7 @@ CHILD_CHECKS = [
     "tests/test_generic_cpu.py::test_interleaved_step_products",
     "tests/test_runtime_matvec.py::test_attention_of_a_batch_is_its_steps_and_ggmls_numbers",
     "tests/test_runtime_matvec.py::test_latent_attention_reads_the_value_view",
+    "tests/test_layer_steps.py::test_a_step_in_one_call_equals_the_layer_loop[f32]",
     "tests/test_formats_kt.py::test_golden",
     "tests/test_formats_kt.py::test_fma32_is_exact",
     "tests/test_formats_kt.py::test_search_breaks_ties_as_ik",

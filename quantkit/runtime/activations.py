@@ -53,6 +53,10 @@ class MainlineRounding:
     def __getattr__(self, name):
         return getattr(self._ops, name)
 
+    def layer_steps(self, layers, head, output_norm, shape):
+        """None: a step in one call would round the backend's way (ops.Ops.layer_steps)."""
+        return None
+
     def matmul_q(self, w, x, fused=None):
         vt = VEC_DOT_TYPE.get(QuantType(w.qtype))
         if vt is None:

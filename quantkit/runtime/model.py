@@ -53,6 +53,20 @@ class _LayerPlan(NamedTuple):
     down: tuple | None
 
 
+class StepShape(NamedTuple):
+    """What ops.layer_steps needs of the configuration besides the weights."""
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    neox: bool
+    rope_base: float
+    rope_scale: float
+    eps: float
+    scale: float
+
+
 class Model:
     """Weights, configuration and the forward pass of one GGUF model."""
 
@@ -71,6 +85,7 @@ class Model:
         self._norms = {}
         self._groups = {}                   # names -> ([weight], [bias or None] or None) of linears()
         self._plans = {}                    # layer -> _LayerPlan (llama-like layers)
+        self._steps = (None, None)          # (ops, its layer_steps for this model or None)
         # load every layer now: a missing tensor fails early
         if self.config.mla:
             self.mla_heads = [deepseek2.load_layer(self, i) for i in range(self.config.n_layer)]
@@ -184,10 +199,36 @@ class Model:
         n, pos0 = len(tokens), cache.n_past
         pos = np.arange(pos0, pos0 + n)
         x = ops.embed(self.tok_embd, tokens)                        # (n, n_embd)
+        if n <= ops.FUSED_TOKENS:
+            steps = self.layer_steps()
+            logits = None if steps is None else steps(x, pos, cache, logits_from)
+            if logits is not None:
+                cache.n_past = pos0 + n
+                return self._finite(ops.host(logits), pos0 + logits_from)
         for i in range(c.n_layer):
             x = self.layer(i, x, pos, cache)
         cache.n_past = pos0 + n
         return self.head(x[logits_from:], pos0 + logits_from, fused=n <= ops.FUSED_TOKENS)
+
+    def layer_steps(self):
+        """The backend's generation step in one call for this model (ops.layer_steps: every layer
+        and the head, the same values as :meth:`layer` and :meth:`head` one by one), or None where
+        it has none: for llama layers without biases or per-head norms only."""
+        ops, steps = self._steps
+        if ops is self.ops:
+            return steps
+        c, steps = self.config, None
+        if not (c.mla or c.gptoss or c.moe):
+            plans = [self._plan(i) for i in range(c.n_layer)]
+            if plans and all(p.attn_norm is not None and p.ffn_norm is not None and p.q_norm is None and p.k_norm is None
+                   and all(g[1] is None for g in (p.qkv, p.attn_output, p.gate_up, p.down)) for p in plans):
+                shape = StepShape(c.n_embd, c.n_head, c.n_head_kv, c.head_dim, c.n_rot, c.rope_neox, c.rope_base,
+                                  c.rope_scale, c.rms_eps, plans[0].scale)
+                steps = self.ops.layer_steps(
+                    [(p.attn_norm, p.qkv[0], p.attn_output[0][0], p.ffn_norm, p.gate_up[0], p.down[0][0])
+                     for p in plans], self.output, self.vector("output_norm.weight"), shape)
+        self._steps = (self.ops, steps)
+        return steps
 
     # forward's steps, also driven one by one by the sensitivity measurement (quantkit.sensitivity),
     # which starts a pass at the first layer whose weights it changed
@@ -223,6 +264,10 @@ class Model:
         ops = self.ops
         logits = ops.host(ops.matmul_q_many(self._head, x)[0] if fused or not ops.FLOAT_BATCHES else
                           ops.matmul_q(self.output, x, fused=False))
+        return self._finite(logits, first_pos)
+
+    @staticmethod
+    def _finite(logits: np.ndarray, first_pos: int) -> np.ndarray:
         finite = np.isfinite(logits).all(axis=1)
         if not finite.all():
             raise NonFiniteLogits(first_pos + int(np.argmin(finite)))

@@ -47,6 +47,16 @@ class Ops(Protocol):
 
     def param(self, v: np.ndarray) -> Any: ...
 
+    # ---- a generation step in one call ----
+    # every layer and the head of a llama model, as model.Model.layer and .head compute them one
+    # by one (the same values): ``layers`` per layer (attn_norm, [wq, wk, wv], attn_output,
+    # ffn_norm, [gate, up], down), ``shape`` a model.StepShape.  Returns steps(x, pos, cache,
+    # logits_from) -> the logits (host array) of tokens logits_from.. of x, or None for a call it
+    # does not compute; or None itself where the backend has no such step for these weights.  A
+    # wrapper that sees the products (an observer, another rounding) returns None: the step's
+    # products would pass it by
+    def layer_steps(self, layers: list, head: Weight, output_norm: Any, shape: Any) -> Any: ...
+
     # ---- matrix products ----
     def matmul_q(self, w: Weight, x: Any, fused: bool | None = None) -> Any: ...
 

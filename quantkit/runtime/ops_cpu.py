@@ -27,10 +27,12 @@ import functools
 import math
 import weakref
 
+import numba
 import numpy as np
 
 from ..types import QuantType, traits
 from . import kernels, matmul8, matvec
+from .layer_steps import LayerSteps
 from .cache_type import CACHE_TYPES
 from .tiles import FEW_TOKENS, by_causal_rows, by_rows, pool
 from .weights import Weight
@@ -193,6 +195,36 @@ def _products(ws):
     return products
 
 
+def layer_steps(layers, head: Weight, output_norm: np.ndarray, shape):
+    """A generation step's layers and head in one call (layer_steps.LayerSteps: one compiled job
+    that team.py's threads run together), or None where a weight has no step kernel that
+    takes 8-bit activations (matvec.Products) or the shapes do not fit.
+
+    ``layers``: per layer (attn_norm, [wq, wk, wv], attn_output, ffn_norm, [gate, up], down), a
+    llama layer without biases or per-head norms; ``shape``: model.StepShape.  The result is
+    called as ``steps(x, pos, cache, logits_from)`` and returns the logits of tokens
+    logits_from.. of x (at most FUSED_TOKENS tokens), or None for a call it does not compute."""
+    def parts(ws):
+        for w in ws:
+            if w.qtype not in matvec.FUSED or w.qtype == QuantType.F16:
+                raise ValueError("no step kernel")
+        return [_kernel_rows(w, step=True) for w in ws]
+    try:
+        steps = LayerSteps([(attn_norm, parts(qkv), parts([o]), ffn_norm, parts(gu), parts([down]))
+                            for attn_norm, qkv, o, ffn_norm, gu, down in layers],
+                           parts([head])[0], output_norm, shape.n_embd, shape.n_head, shape.n_head_kv,
+                           shape.head_dim, shape.n_rot, shape.neox, shape.eps, shape.scale)
+    except ValueError:
+        return None
+
+    def run(x, pos, cache, logits_from):
+        if x.shape[0] > FUSED_TOKENS:
+            return None
+        return steps(x, pos, cache, logits_from, rope_angles(pos, shape.n_rot, shape.rope_base, shape.rope_scale),
+                     numba.get_num_threads())
+    return run
+
+
 def matmul_q_t(w: Weight, x: np.ndarray) -> np.ndarray:
     """x (n_tokens, n_out) @ w -> (n_tokens, n_in): w used transposed, rows decoded a tile at a time.
 
@@ -227,7 +259,15 @@ def embed(w: Weight, ids: np.ndarray) -> np.ndarray:
     not by numba's parallel decoders on the calling thread (see tiles.by_rows)."""
     ids = np.asarray(ids, np.int64)
     if pool.threads(len(ids)) <= 1:
-        return w.gather(ids)
+        # a generation step's few rows on this thread alone: a numba-parallel decoder would leave
+        # its OpenMP threads spinning on the cores that the step's team (team.py) needs next
+        # (SmolLM2 Q4_1 on 2 cores: the helper then joined one step in three, 7.6 ms against 2.7)
+        threads = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
+            return w.gather(ids)
+        finally:
+            numba.set_num_threads(threads)
     out = np.empty((len(ids), w.n_in), F32)
 
     def rows(r0, r1):

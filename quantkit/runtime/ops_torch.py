@@ -128,6 +128,10 @@ class TorchOps:
     def _tile(self, w: Weight) -> int:
         return max(1, ops_cpu.TILE_VALUES // w.n_in)
 
+    def layer_steps(self, layers, head: Weight, output_norm, shape):
+        """None: a step here is the model's layer loop (ops.Ops.layer_steps)."""
+        return None
+
     def matmul_q(self, w: Weight, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
         """x (n_tokens, n_in) @ w^T -> (n_tokens, n_out), decoding w a tile of rows at a time
         (``fused``: see ops_cpu.matmul_q, for the tensors computed on the host: a batch's in float32,

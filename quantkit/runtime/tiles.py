@@ -9,6 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numba
 
+from . import team as teams
+
 # below this many tokens a product's tiles run one after the other (generation: 10.0 -> 12.9
 # tokens/s for SmolLM2 Q4_K on 2 threads), from it on side by side (a 128-token prompt: 190 -> 256)
 FEW_TOKENS = 8
@@ -42,6 +44,7 @@ class TilePool:
         items = list(items)
         if n <= 1 or len(items) <= 1:
             return [fn(i) for i in items]
+        teams.team.park()           # a generation step's spinning helpers (team.py) leave the cores
         if self._pool is None or self._n != n:
             if self._pool is not None:
                 self._pool.shutdown()
