@@ -45,12 +45,14 @@ def _quantized(models, tmp_path, name, qtype):
 
 
 def _passes(model, one_call: bool, threads: int, prompt, chunks):
-    """Logits of a prompt (a batch) then of each chunk of steps, one call or the layer loop."""
+    """Logits of a prompt (a batch, on 2 threads: a float32 batch's BLAS tiles depend on the
+    threads) then of each chunk of steps on ``threads``, one call or the layer loop."""
     saved = numba.get_num_threads()
-    numba.set_num_threads(threads)
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     try:
         cache = model.new_cache(64)
         out = [model.forward(prompt, cache, logits_from=len(prompt) - 1)]
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         for tokens, logits_from in chunks:
             model._steps = (None, None) if one_call else (model.ops, None)
             if one_call:
@@ -65,7 +67,7 @@ def _passes(model, one_call: bool, threads: int, prompt, chunks):
 @pytest.mark.parametrize("qtype", TYPES)
 def test_a_step_in_one_call_equals_the_layer_loop(models, tmp_path, qtype):
     prompt = [1, 7, 42, 99, 3, 250, 17, 8, 64]
-    chunks = [([5], 0), ([11, 12, 13], 0), ([200], 0), ([7, 8, 9, 10], 2), ([31, 32], 1)]
+    chunks = [([5], 0), ([11, 12, 13], 0), ([200], 0), ([7, 8, 9, 10], 2), ([31, 32], 1), ([40, 41, 42, 43], 1)]
     for name in ("gqa3", "gqa2"):
         with open_model(_quantized(models, tmp_path, name, qtype)) as g:
             model = Model(g, ops_cpu)
@@ -96,7 +98,7 @@ def test_three_threads_on_two_cores_give_the_same_bits(models, tmp_path, monkeyp
         for threads in (1, 3, 2, 4):
             cache = model.new_cache(16)
             model.forward([1, 2, 3], cache)
-            got.append(steps(x, pos, cache, 0, angles, threads))
+            got.append(steps(x, 3, *cache.bits, 0, angles, threads))
         assert all(np.array_equal(got[0], other) for other in got[1:])
         assert {3, 4} <= set(ran)       # the helpers did take part
 
@@ -110,25 +112,34 @@ def _layer_steps_of(runner) -> layer_steps.LayerSteps:
 
 
 def test_a_step_the_one_call_does_not_take_goes_layer_by_layer(models, tmp_path):
-    """A float32 cache, a full context, more tokens than a step: the call declines (None) and
-    the model's layer loop computes (and reports a full context as before)."""
+    """A float32 cache, a full context, more tokens than a step, a cache of another shape: the
+    call declines (None) and the model's layer loop computes (and reports a full context)."""
     with open_model(_quantized(models, tmp_path, "gqa2", "q8_0")) as g:
         model = Model(g, ops_cpu)
-        steps = _layer_steps_of(model.layer_steps())
+        run = model.layer_steps()
+        steps = _layer_steps_of(run)
         c = model.config
         x = ops_cpu.embed(model.tok_embd, np.array([4], np.int64))
-        angles = ops_cpu.rope_angles(np.arange(1), c.n_rot, c.rope_base, c.rope_scale)
         f32_cache = ops_cpu.KVCache(c.n_layer, 8, c.n_head_kv, c.head_dim, c.head_dim, "f32", "f32")
-        assert steps(x, np.arange(1), f32_cache, 0, angles, 2) is None
+        assert run(x, np.arange(1), f32_cache, 0) is None
         full = model.new_cache(2)
         full.n_past = 2
-        assert steps(x, np.arange(2, 3), full, 0, ops_cpu.rope_angles(np.arange(2, 3), c.n_rot, c.rope_base,
-                                                                      c.rope_scale), 2) is None
+        assert run(x, np.arange(2, 3), full, 0) is None
         with pytest.raises(ValueError, match="context is full"):
             model.forward([4], full)
         five = ops_cpu.embed(model.tok_embd, np.arange(5))
-        assert steps(five, np.arange(5), model.new_cache(8), 0,
-                     ops_cpu.rope_angles(np.arange(5), c.n_rot, c.rope_base, c.rope_scale), 2) is None
+        assert run(five, np.arange(5), model.new_cache(8), 0) is None
+        # the step itself checks what it reads: the cache's shape and room, x, the first logits
+        angles = ops_cpu.rope_angles(np.arange(1), c.n_rot, c.rope_base, c.rope_scale)
+        keys, values = model.new_cache(8).bits
+        assert steps(x, 0, keys, values, 0, angles, 2) is not None
+        assert steps(x, 8, keys, values, 0, angles, 2) is None                 # past the end
+        assert steps(x, 0, keys[:1], values[:1], 0, angles, 2) is None         # one layer of two
+        assert steps(x, 0, keys[..., :8], values[..., :8], 0, angles, 2) is None
+        assert steps(x, 0, keys.view(np.int16), values, 0, angles, 2) is None
+        assert steps(x, 0, keys, values, 1, angles, 2) is None                 # logits_from past x
+        assert steps(x[:, :-32], 0, keys, values, 0, angles, 2) is None
+        assert steps(x, 0, keys, values, 0, (angles[0][:, :-1], angles[1][:, :-1]), 2) is None
         # a float32 cache: the layer loop
         model.cache_type = ("f32", "f32")
         assert model.forward([4], model.new_cache(8)).shape == (1, c.n_vocab)

@@ -94,9 +94,11 @@ def _product(args, slot, n, tab, n_w, rounded, x, n_tok, n_in, out, stride):
     """out (n_tok, stride) = x (n_tok, n_in float32 at address x) · the weights of table ``tab``,
     this thread's share; x rounded to 8 bits first (into the thread's own buffers) where
     ``rounded``, as matvec.Products does."""
+    # the thread's buffers, laid out for the step's whole n_tok (the head's call has fewer
+    # tokens, and its input lies in h past the first logits_from rows)
     xq = args[A_XQ] + slot * args[A_XQ_STRIDE]
-    xd = args[A_PRIVATE] + slot * args[A_PRIVATE_STRIDE] + 4 * _XD * args[A_N_MAX] * n_tok
-    xs = xd + 4 * (args[A_N_MAX] // 32) * n_tok
+    xd = args[A_PRIVATE] + slot * args[A_PRIVATE_STRIDE] + 4 * _XD * args[A_N_MAX] * args[A_N_TOK]
+    xs = xd + 4 * (args[A_N_MAX] // 32) * args[A_N_TOK]
     if rounded:
         round_q8(_f32(x, (n_tok, n_in)), carray(_pointer(xq, np.int8), (n_tok, n_in)),
                  _f32(xd, (n_tok, n_in // 32)), _f32(xs, (n_tok, n_in // 32)))
@@ -234,10 +236,10 @@ def _step_fn() -> int:
 
 class LayerSteps:
     """The generation steps of one llama-like model (weights of kernel kinds matvec.Products
-    multiplies, no biases or per-head norms, a float16 KV cache): ``steps(x, pos, cache,
-    logits_from)`` runs every layer and the head on x (n_tokens <= FUSED_TOKENS, n_embd) at
-    positions ``pos`` and returns the logits of tokens logits_from.. (their rows), or None when
-    this call is not one it computes (the caller then takes the layer-by-layer path)."""
+    multiplies, no biases or per-head norms, a float16 KV cache): ``steps(x, pos0, keys, values,
+    logits_from, angles, n_threads)`` runs every layer and the head on x (n_tokens <= FUSED_TOKENS,
+    n_embd) at positions pos0.. and returns the logits of tokens logits_from.. (their rows), or
+    None when this call is not one it computes (the caller then takes the layer-by-layer path)."""
 
     def __init__(self, layers, head, output_norm, n_embd, n_head, n_head_kv, head_dim, n_rot, neox, eps, scale):
         """``layers``: per layer (attn_norm, [wq, wk, wv], attn_output, ffn_norm, [gate, up], down) as
@@ -284,22 +286,22 @@ class LayerSteps:
         self._keep.append(v)
         return v.ctypes.data
 
-    def __call__(self, x, pos, cache, logits_from: int, angles, n_threads: int):
-        """``angles``: (cos, sin) of ``pos`` (n_tokens, n_rot / 2) float32."""
-        from .ops_cpu import KVCache
+    def __call__(self, x, pos0: int, keys, values, logits_from: int, angles, n_threads: int):
+        """x (n_tokens, n_embd) at positions pos0.. ; ``keys``, ``values``: the float16 cache as
+        its bits (n_layer, n_ctx, n_head_kv, head_dim) uint16, the new tokens' written at their
+        positions; ``angles``: (cos, sin) of the positions (n_tokens, n_rot / 2) float32."""
         n_tok = x.shape[0]
-        pos0 = int(pos[0]) if n_tok else 0
-        if (type(cache) is not KVCache or cache.k.dtype != np.float16 or cache.v.dtype != np.float16
-                or cache.k.shape[0] != self.layers.shape[0]
-                or cache.k.shape[2:] != (self.n_head_kv, self.head_dim) or cache.v.shape != cache.k.shape
+        k16, v16 = keys, values
+        if (k16.dtype != np.uint16 or v16.dtype != np.uint16 or k16.shape != v16.shape
+                or k16.shape[0] != self.layers.shape[0] or k16.shape[2:] != (self.n_head_kv, self.head_dim)
+                or not (k16.flags.c_contiguous and v16.flags.c_contiguous)
                 or not 0 < n_tok <= 4 or x.shape[1:] != (self.n_embd,) or not 0 <= logits_from < n_tok
-                or pos0 + n_tok > cache.n_ctx):
+                or not 0 <= pos0 <= k16.shape[1] - n_tok):
             return None
         x = np.ascontiguousarray(x, F32)
         cos, sin = (np.ascontiguousarray(a, F32) for a in angles)
         if cos.shape != (n_tok, self.n_rot // 2) or sin.shape != cos.shape:
             return None
-        k16, v16 = cache.bits
         n_att = self.n_head * self.head_dim
         n_max = max(self.n_embd, self.n_ff, n_att)
         n_threads = max(1, n_threads)
@@ -323,7 +325,7 @@ class LayerSteps:
         args[A_G_PART] = g_part
         args[[A_X, A_LOGITS, A_LOGITS_FROM, A_N_VOCAB, A_COS, A_SIN, A_K, A_V, A_KV_LAYER, A_N_CTX]] = (
             x.ctypes.data, logits.ctypes.data, logits_from, self.n_vocab, cos.ctypes.data, sin.ctypes.data,
-            k16.ctypes.data, v16.ctypes.data, k16[0].size, cache.n_ctx)
+            k16.ctypes.data, v16.ctypes.data, k16[0].size, k16.shape[1])
         args[[A_LAYERS, A_OUT_NORM, A_HEAD, A_HEAD_N, A_HEAD_ROUNDED]] = (
             self.layers.ctypes.data, self.output_norm, self.head.table.ctypes.data, 1, self.head.rounded)
         args[[A_QKV, A_Q, A_ATT, A_Y, A_GU, A_PRIVATE, A_PRIVATE_STRIDE, A_N_MAX, A_XQ, A_XQ_STRIDE]] = (

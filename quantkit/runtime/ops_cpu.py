@@ -218,10 +218,12 @@ def layer_steps(layers, head: Weight, output_norm: np.ndarray, shape):
         return None
 
     def run(x, pos, cache, logits_from):
-        if x.shape[0] > FUSED_TOKENS:
-            return None
-        return steps(x, pos, cache, logits_from, rope_angles(pos, shape.n_rot, shape.rope_base, shape.rope_scale),
-                     numba.get_num_threads())
+        n = x.shape[0]
+        if (not 0 < n <= FUSED_TOKENS or type(cache) is not KVCache or cache.k.dtype != np.float16
+                or cache.v.dtype != np.float16 or int(pos[0]) + n > cache.n_ctx):
+            return None         # the layer loop (which reports a full context)
+        return steps(x, int(pos[0]), *cache.bits, logits_from,
+                     rope_angles(pos, shape.n_rot, shape.rope_base, shape.rope_scale), numba.get_num_threads())
     return run
 
 

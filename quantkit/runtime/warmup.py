@@ -72,6 +72,10 @@ def warm_up(model, n_tokens, what: str | None = None) -> CompileLog:
                 try:
                     logits = model.forward(tokens, model.new_cache(n), logits_from=0)
                     token_nll(logits[:max(1, n - 1)], tokens[:max(1, n - 1)])
+                    if n > ops.FUSED_TOKENS:
+                        # a prompt's last logits alone: the head's product of a step, which a
+                        # step in one call (ops.layer_steps) no longer asks of the backend
+                        model.head(ops.from_host(np.zeros((1, c.n_embd), np.float32)), 0)
                 except NonFiniteLogits:
                     pass
                 _warmed.add((shape, n))
