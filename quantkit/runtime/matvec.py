@@ -178,6 +178,34 @@ def _float_row(kind):
     return njit(row, inline="always")
 
 
+def _float_rows4(kind):
+    """Four rows at byte bo, bo + rs, bo + 2 rs, bo + 3 rs of b · x[xo:xo + n] for a float type:
+    each row's operations those of :func:`_float_row`, in its order, the four chains side by
+    side (one row at a time, its chain of adds kept a float row's product from streaming its
+    weights: 17 GB/s a thread against 22 for ggml's, on F32 rows of 576)."""
+    dot32, at = D.FLOAT_READERS[kind]
+    size = 4 if D.FLOAT_FORMATS[kind] == "f32" else 2
+
+    def rows4(b, bo, rs, x, xo, n):
+        s0 = s1 = s2 = s3 = F(0)
+        n32 = n // 32 * 32
+        for j in range(0, n32, 32):
+            o = bo + size * j
+            s0 += dot32(b, o, x, xo + j)
+            s1 += dot32(b, o + rs, x, xo + j)
+            s2 += dot32(b, o + 2 * rs, x, xo + j)
+            s3 += dot32(b, o + 3 * rs, x, xo + j)
+        for j in range(n32, n):
+            o = bo + size * j
+            xj = x[xo + j]
+            s0 += at(b, o) * xj
+            s1 += at(b, o + rs) * xj
+            s2 += at(b, o + 2 * rs) * xj
+            s3 += at(b, o + 3 * rs) * xj
+        return s0, s1, s2, s3
+    return njit(rows4, inline="always")
+
+
 def _legacy_row(qtype):
     """The row at byte bo of b · the n activations from xo on, for a legacy type: 8 blocks per
     chunk dot, then the row's last n % 256 values in chunks of 4, 2 and 1 blocks."""
@@ -287,6 +315,21 @@ def _rows_into(kind, b, row_size, r0, r1, xf, xq, xd, xsum, n_tok, n_in, out, ou
                 for t in range(n_tok):
                     grow(b, r * row_size, xq, xd, xsum, t * n_in, n_in, out, t * out_stride + r)
         return grouped
+
+    if kind.literal_value < FLOAT_KINDS:
+        frow4 = _float_rows4(kind.literal_value)
+
+        def float_rows(kind, b, row_size, r0, r1, xf, xq, xd, xsum, n_tok, n_in, out, out_stride):
+            r4 = r0 + (r1 - r0) // 4 * 4
+            for r in range(r0, r4, 4):
+                for t in range(n_tok):
+                    s0, s1, s2, s3 = frow4(b, r * row_size, row_size, xf, t * n_in, n_in)
+                    o = t * out_stride + r
+                    out[o], out[o + 1], out[o + 2], out[o + 3] = s0, s1, s2, s3
+            for r in range(r4, r1):
+                for t in range(n_tok):
+                    out[t * out_stride + r] = row_dot(kind, b, r * row_size, xf, xq, xd, xsum, t * n_in, n_in, ())
+        return float_rows
 
     def rows(kind, b, row_size, r0, r1, xf, xq, xd, xsum, n_tok, n_in, out, out_stride):
         scratch = task_scratch(kind)
