@@ -117,3 +117,20 @@ def test_a_forked_child_starts_a_team_of_its_own():
             pytest.fail("the forked child's job never finished")
         time.sleep(0.01)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_numba_thread_count_without_its_lock():
+    """tiles.numba_threads / set_numba_threads are numba's per-thread count, on any thread."""
+    import numba
+    from quantkit.runtime.tiles import numba_threads, set_numba_threads
+    seen = []
+
+    def on_a_new_thread():
+        seen.append((numba_threads(), numba.get_num_threads()))
+        set_numba_threads(1)
+        seen.append((numba_threads(), numba.get_num_threads()))
+    t = threading.Thread(target=on_a_new_thread)
+    t.start()
+    t.join()
+    assert seen[0][0] == seen[0][1] >= 1 and seen[1] == (1, 1)
+    assert numba_threads() == numba.get_num_threads()       # this thread's count untouched

@@ -27,14 +27,13 @@ import functools
 import math
 import weakref
 
-import numba
 import numpy as np
 
 from ..types import QuantType, traits
 from . import kernels, matmul8, matvec
 from .layer_steps import LayerSteps
 from .cache_type import CACHE_TYPES
-from .tiles import FEW_TOKENS, by_causal_rows, by_rows, pool
+from .tiles import FEW_TOKENS, by_causal_rows, by_rows, numba_threads, pool, set_numba_threads
 from .weights import Weight
 
 F32 = np.float32
@@ -223,7 +222,7 @@ def layer_steps(layers, head: Weight, output_norm: np.ndarray, shape):
                 or cache.v.dtype != np.float16 or int(pos[0]) + n > cache.n_ctx):
             return None         # the layer loop (which reports a full context)
         return steps(x, int(pos[0]), *cache.bits, logits_from,
-                     rope_angles(pos, shape.n_rot, shape.rope_base, shape.rope_scale), numba.get_num_threads())
+                     rope_angles(pos, shape.n_rot, shape.rope_base, shape.rope_scale), numba_threads())
     return run
 
 
@@ -264,12 +263,12 @@ def embed(w: Weight, ids: np.ndarray) -> np.ndarray:
         # a generation step's few rows on this thread alone: a numba-parallel decoder would leave
         # its OpenMP threads spinning on the cores that the step's team (team.py) needs next
         # (SmolLM2 Q4_1 on 2 cores: the helper then joined one step in three, 7.6 ms against 2.7)
-        threads = numba.get_num_threads()
-        numba.set_num_threads(1)
+        threads = numba_threads()
+        set_numba_threads(1)
         try:
             return w.gather(ids)
         finally:
-            numba.set_num_threads(threads)
+            set_numba_threads(threads)
     out = np.empty((len(ids), w.n_in), F32)
 
     def rows(r0, r1):

@@ -11,6 +11,37 @@ import numba
 
 from . import team as teams
 
+def _thread_count_functions():
+    """(get, set) of numba's thread count for the calling thread, without the process-wide lock
+    numba.get_num_threads / set_num_threads take on every call (a multiprocessing lock: on a busy
+    machine a holder that lost its core kept the pool's threads waiting, 2.2 s of an imatrix run
+    of 6.8 s); numba's own functions where its internals differ."""
+    numba.get_num_threads()                         # launches numba's threads: the raw functions exist
+    from numba.np.ufunc import parallel
+    get, put = getattr(parallel, "_get_num_threads", None), getattr(parallel, "_set_num_threads", None)
+    if callable(get) and callable(put) and get() == numba.get_num_threads():
+        return get, put
+    return numba.get_num_threads, numba.set_num_threads
+
+
+_get_threads = _set_threads = None
+
+
+def numba_threads() -> int:
+    """numba's thread count on the calling thread (numba.get_num_threads, lock-free)."""
+    global _get_threads, _set_threads
+    if _get_threads is None:
+        _get_threads, _set_threads = _thread_count_functions()
+    return int(_get_threads())
+
+
+def set_numba_threads(n: int) -> None:
+    """numba.set_num_threads(n) on the calling thread, lock-free; n a count numba_threads gave, or 1."""
+    if _set_threads is None:
+        numba_threads()
+    _set_threads(n)
+
+
 # below this many tokens a product's tiles run one after the other (generation: 10.0 -> 12.9
 # tokens/s for SmolLM2 Q4_K on 2 threads), from it on side by side (a 128-token prompt: 190 -> 256)
 FEW_TOKENS = 8
@@ -32,7 +63,7 @@ class TilePool:
         """Threads a product of ``n_tokens`` rows runs its tiles on.  A few tokens: one, since the
         product is cheap beside the decoding, which numba's parallel decoders spread over the
         threads without the pool's per-tile hand-offs."""
-        return numba.get_num_threads() if n_tokens >= FEW_TOKENS else 1
+        return numba_threads() if n_tokens >= FEW_TOKENS else 1
 
     def map(self, fn, items, n_tokens: int):
         """[fn(item) for item in items], the items taken in turn by the calling thread and n - 1
@@ -49,7 +80,7 @@ class TilePool:
             if self._pool is not None:
                 self._pool.shutdown()
             self._pool = ThreadPoolExecutor(n - 1, thread_name_prefix="quantkit-matmul",
-                                            initializer=numba.set_num_threads, initargs=(1,))
+                                            initializer=set_numba_threads, initargs=(1,))
             self._n = n
         results = [None] * len(items)
         order = iter(range(len(items)))         # shared: each next() under the GIL, one taker per item
@@ -58,12 +89,12 @@ class TilePool:
             for i in order:
                 results[i] = fn(items[i])
         helpers = [self._pool.submit(work) for _ in range(min(n - 1, len(items) - 1))]
-        caller_threads = numba.get_num_threads()
-        numba.set_num_threads(1)
+        caller_threads = numba_threads()
+        set_numba_threads(1)
         try:
             work()
         finally:
-            numba.set_num_threads(caller_threads)
+            set_numba_threads(caller_threads)
             for h in helpers:
                 h.result()          # every helper done before returning (or raising)
         return results
