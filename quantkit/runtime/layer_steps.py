@@ -59,6 +59,11 @@ L_COLS = L_PHASES + 4 * 4
 BARRIERS_PER_LAYER = 5
 
 
+# a thread's private floats, in units of n_max * n_tok: x (n_embd <= n_max), h, then the rounded
+# input's scales and sums (n_max / 32 each), then one key row
+_X, _H, _XD = 0, 1, 2
+
+
 @intrinsic
 def _bits_f64(typingctx, u):
     """The float64 whose bit pattern is the int64 u (an argument word)."""
@@ -103,11 +108,6 @@ def _product(args, slot, n, tab, n_w, rounded, x, n_tok, n_in, out, stride):
         round_q8(_f32(x, (n_tok, n_in)), carray(_pointer(xq, np.int8), (n_tok, n_in)),
                  _f32(xd, (n_tok, n_in // 32)), _f32(xs, (n_tok, n_in // 32)))
     _rows_share(tab, n_w, slot, n, n_in, n_tok, x, xq, xd, xs, out, stride)
-
-
-# a thread's private floats, in units of n_max * n_tok: x (n_embd <= n_max), h, then the rounded
-# input's scales and sums (n_max / 32 each), then one key row
-_X, _H, _XD = 0, 1, 2
 
 
 @njit(inline="always")

@@ -39,7 +39,7 @@ import time
 import llvmlite.binding as llb
 import numpy as np
 from llvmlite import ir
-from numba import carray, njit, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -56,51 +56,42 @@ def _word(builder, addr):
     return builder.inttoptr(addr, _I64.as_pointer())
 
 
-@intrinsic
-def load_acquire(typingctx, addr):
-    """The int64 at ``addr``, read after every write that the thread which published it made before."""
-    def codegen(context, builder, sig, args):
-        return builder.load_atomic(_word(builder, args[0]), "acquire", 8)
-    return types.int64(types.int64), codegen
+def _load(order: str):
+    """``load(addr)``: the int64 at ``addr``, an atomic load of LLVM memory order ``order``."""
+    @intrinsic
+    def load(typingctx, addr):
+        def codegen(context, builder, sig, args):
+            return builder.load_atomic(_word(builder, args[0]), order, 8)
+        return types.int64(types.int64), codegen
+    return load
 
 
-@intrinsic
-def load_seq_cst(typingctx, addr):
-    def codegen(context, builder, sig, args):
-        return builder.load_atomic(_word(builder, args[0]), "seq_cst", 8)
-    return types.int64(types.int64), codegen
+def _store(order: str):
+    """``store(addr, value)``: an atomic store of the int64 ``value`` at ``addr``, of order ``order``."""
+    @intrinsic
+    def store(typingctx, addr, value):
+        def codegen(context, builder, sig, args):
+            builder.store_atomic(args[1], _word(builder, args[0]), order, 8)
+            return context.get_dummy_value()
+        return types.none(types.int64, types.int64), codegen
+    return store
 
 
-@intrinsic
-def store_release(typingctx, addr, value):
-    """Publish ``value`` at ``addr`` after every write this thread made before."""
-    def codegen(context, builder, sig, args):
-        builder.store_atomic(args[1], _word(builder, args[0]), "release", 8)
-        return context.get_dummy_value()
-    return types.none(types.int64, types.int64), codegen
+def _read_modify_write(op: str):
+    """``rmw(addr, value)``: atomically apply ``op`` ("add", "or") of ``value`` to the int64 at
+    ``addr`` (sequentially consistent); its value before."""
+    @intrinsic
+    def rmw(typingctx, addr, value):
+        def codegen(context, builder, sig, args):
+            return builder.atomic_rmw(op, _word(builder, args[0]), args[1], "seq_cst")
+        return types.int64(types.int64, types.int64), codegen
+    return rmw
 
 
-@intrinsic
-def store_seq_cst(typingctx, addr, value):
-    def codegen(context, builder, sig, args):
-        builder.store_atomic(args[1], _word(builder, args[0]), "seq_cst", 8)
-        return context.get_dummy_value()
-    return types.none(types.int64, types.int64), codegen
-
-
-@intrinsic
-def fetch_add(typingctx, addr, value):
-    """Atomically add ``value`` to the int64 at ``addr``; its value before."""
-    def codegen(context, builder, sig, args):
-        return builder.atomic_rmw("add", _word(builder, args[0]), args[1], "seq_cst")
-    return types.int64(types.int64, types.int64), codegen
-
-
-@intrinsic
-def fetch_or(typingctx, addr, value):
-    def codegen(context, builder, sig, args):
-        return builder.atomic_rmw("or", _word(builder, args[0]), args[1], "seq_cst")
-    return types.int64(types.int64, types.int64), codegen
+# acquire: read after every write the publishing thread made before its release store
+load_acquire, load_seq_cst = _load("acquire"), _load("seq_cst")
+store_release, store_seq_cst = _store("release"), _store("seq_cst")
+fetch_add, fetch_or = _read_modify_write("add"), _read_modify_write("or")
 
 
 @intrinsic

@@ -11,6 +11,7 @@ import numba
 
 from . import team as teams
 
+
 def _thread_count_functions():
     """(get, set) of numba's thread count for the calling thread, without the process-wide lock
     numba.get_num_threads / set_num_threads take on every call (a multiprocessing lock: on a busy
