@@ -93,30 +93,46 @@ def test_parked_helpers_sleep_and_the_next_job_wakes_them(team):
 
 
 
+_FORK_SCRIPT = """
+import os, sys, time
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_team import ROUNDS, _run
+from quantkit.runtime import team as T
+parent = T.team
+parent.JOIN_AWAKE_S = 0.05
+assert _run(parent, 2)[1][ROUNDS + 2] >= 1          # the parent's helper exists now
+pid = os.fork()
+if pid == 0:                                        # the child: exit 0 only if all is well
+    try:
+        n, data = _run(T.team, 2)
+        os._exit(0 if T.team is not parent and (data[:ROUNDS] == 2016).all() else 1)
+    except BaseException:
+        os._exit(2)
+deadline = time.monotonic() + 60
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    if time.monotonic() > deadline:
+        os.kill(pid, 9)
+        sys.exit("the forked child's job never finished")
+    time.sleep(0.01)
+"""
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
-def test_a_forked_child_starts_a_team_of_its_own():
-    """fork copies only the calling thread: the child's team must not wait for the parent's helpers."""
-    parent = T.team
-    parent.JOIN_AWAKE_S = 0.05
-    assert _run(parent, 2)[1][ROUNDS + 2] >= 1
-    pid = os.fork()
-    if pid == 0:                                    # the child: exit 0 only if all is well
-        try:
-            n, data = _run(T.team, 2)
-            os._exit(0 if T.team is not parent and (data[:ROUNDS] == 2016).all() else 1)
-        except BaseException:
-            os._exit(2)
-    deadline = time.monotonic() + 60
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child's job never finished")
-        time.sleep(0.01)
-    assert os.waitstatus_to_exitcode(status) == 0
+def test_a_forked_child_starts_a_team_of_its_own(tmp_path):
+    """fork copies only the calling thread: the child's team must not wait for the parent's
+    helpers.  Forked in a fresh interpreter of its own (a test worker's other threads could hold
+    locks a forked child then waits for)."""
+    import subprocess
+    import sys
+    script = tmp_path / "fork.py"
+    script.write_text(_FORK_SCRIPT)
+    p = subprocess.run([sys.executable, str(script), os.path.dirname(__file__)], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
 
 
 def test_numba_thread_count_without_its_lock():

@@ -332,8 +332,10 @@ class Team:
     # (awake ones join within a microsecond; a woken one first needs its thread scheduled)
     IDLE_S, JOIN_AWAKE_S, JOIN_ASLEEP_S = 0.004, 0.00005, 0.002
 
+    MAX_HELPERS = 63        # helper i's state word is in ctrl, and bit i of _post's mask
+
     def __init__(self):
-        self.ctrl = np.zeros(C_STATES + LINE * 64, np.int64)
+        self.ctrl = np.zeros(C_STATES + LINE * (self.MAX_HELPERS + 1), np.int64)
         self._threads: list[threading.Thread] = []
         self._events: list[threading.Event] = []
         self._lock = threading.Lock()
@@ -390,7 +392,7 @@ class Team:
             _call_job_solo(fn, job.ctypes.data)
             return 1
         try:
-            wanted = n_threads - 1
+            wanted = min(n_threads - 1, self.MAX_HELPERS)
             self._start(wanted)
             self._spinning = True
             asleep = _post(self.ctrl.ctypes.data, job.ctypes.data, fn, wanted, len(self._threads))
