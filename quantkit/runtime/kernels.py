@@ -546,22 +546,22 @@ def _key_scores(n_heads):
                         builder.call(pf, [p, ir.Constant(c32, 0), ir.Constant(c32, 3), ir.Constant(c32, 1)])
                 row = builder.bitcast(dot._half_ptr(context, builder, sig.args[0], a_v, j, hk64, zero, 1),
                                       ir.HalfType().as_pointer())
+
+                def fma_steps(accs, width, first, end):
+                    """accs[h] = fma(half(row[d:d + width]), x_h[d:d + width], accs[h]) for the
+                    width-wide steps first..end of the row, in order."""
+                    with cgutils.for_range(builder, end, start=first) as dl:
+                        d = builder.mul(dl.index, ir.Constant(i64, width))
+                        w = half_to_float(builder, dot._load(builder, row, d, width, ir.HalfType()))
+                        for h in range(n_heads):
+                            builder.store(dot._fma(builder, w, dot._load(builder, xrows[h], d, width, f32),
+                                                   builder.load(accs[h])), accs[h])
                 for h in range(n_heads):
                     builder.store(ir.Constant(ir.VectorType(f32, 32), [0.0] * 32), acc32[h])
-                with cgutils.for_range(builder, n32) as dl:
-                    d = builder.mul(dl.index, ir.Constant(i64, 32))
-                    w = half_to_float(builder, dot._load(builder, row, d, 32, ir.HalfType()))
-                    for h in range(n_heads):
-                        builder.store(dot._fma(builder, w, dot._load(builder, xrows[h], d, 32, f32),
-                                               builder.load(acc32[h])), acc32[h])
+                fma_steps(acc32, 32, zero, n32)
                 for h in range(n_heads):
                     builder.store(dot._fold(builder, builder.load(acc32[h]), 32, 8), acc8[h])
-                with cgutils.for_range(builder, n8, start=builder.mul(n32, ir.Constant(i64, 4))) as dl:
-                    d = builder.mul(dl.index, ir.Constant(i64, 8))
-                    w = half_to_float(builder, dot._load(builder, row, d, 8, ir.HalfType()))
-                    for h in range(n_heads):
-                        builder.store(dot._fma(builder, w, dot._load(builder, xrows[h], d, 8, f32),
-                                               builder.load(acc8[h])), acc8[h])
+                fma_steps(acc8, 8, builder.mul(n32, ir.Constant(i64, 4)), n8)
                 for h in range(n_heads):
                     builder.store(builder.extract_element(dot._fold(builder, builder.load(acc8[h]), 8, 1), i32_0), acc1[h])
                 with cgutils.for_range(builder, kd, start=builder.mul(n8, ir.Constant(i64, 8))) as dl:
